@@ -1,0 +1,225 @@
+"""The Gemma 3 decoder as an ONNX graph, built from a config and lazy weights (no tracing).
+
+Read it beside transformers' ``modeling_gemma3.py``: one function per block, in forward order —
+embedding, decoder layer (attention, MLP, sandwich norms), final norm, LM head. Weight storage is
+delegated to a :class:`~gemma_export.weights.WeightFormat`, so this file is the same for every dtype.
+
+I/O contract (onnxruntime-genai / Optimum convention), one graph for prefill (past = 0) and decode:
+
+* inputs: ``input_ids`` int64 ``[batch, sequence_length]``; ``attention_mask`` int64
+  ``[batch, total_sequence_length]`` (1 = real token, 0 = padding; total = past + sequence);
+  ``position_ids`` int64 ``[batch, sequence_length]``; ``past_key_values.{i}.key|value`` float32
+  ``[batch, num_key_value_heads, past_sequence_length, head_dim]``.
+* outputs: ``logits`` float32 ``[batch, 1, vocab]`` (last position; all positions with
+  ``all_logits``), ``present.{i}.key|value`` ``[batch, num_key_value_heads, total_sequence_length, head_dim]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef
+from .config import FULL, SLIDING, GemmaConfig
+from .graph import GraphBuilder
+from .weights import Table, WeightFormat
+
+F32, I64 = ir.DataType.FLOAT, ir.DataType.INT64
+#: Additive mask value: transformers' eager attention fills masked scores with finfo(float32).min.
+MASK_VALUE = float(np.finfo(np.float32).min)
+
+
+@dataclasses.dataclass
+class _Shared:
+    """Values computed once and used by every layer."""
+
+    mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, 1, seq, total]
+    cos: dict[str, ir.Value]    # layer type → [batch, 1, seq, head_dim]
+    sin: dict[str, ir.Value]
+
+
+def _weight(checkpoint: Checkpoint, name: str) -> TensorRef:
+    return checkpoint.tensors[name]
+
+
+def rms_norm(g: GraphBuilder, x: ir.Value, ref: TensorRef, eps: float) -> ir.Value:
+    """Gemma RMSNorm over the last axis: ``x / sqrt(mean(x**2) + eps) * (1 + w)``, in float32.
+
+    ``(1 + w)`` is folded into the stored gain at export (transformers ``Gemma3RMSNorm`` computes
+    ``1.0 + weight`` at run time; the sum is exact in float32 for the weights seen in practice).
+    Written as Pow/ReduceMean/Add/Sqrt/Div/Mul so that onnxruntime fuses it into
+    SimplifiedLayerNormalization.
+    """
+    gain = g.initializer(ir.tensor((ref.load() + np.float32(1.0)).astype(np.float32), name=ref.name))
+    mean_square = g.op("ReduceMean", g.op("Pow", x, g.const_f32(2.0)), g.const_i64([-1]), keepdims=1)
+    normed = g.op("Div", x, g.op("Sqrt", g.op("Add", mean_square, g.const_f32(eps))))
+    return g.op("Mul", normed, gain)
+
+
+def rotary_embedding(g: GraphBuilder, position_ids: ir.Value, config: GemmaConfig, layer_type: str):
+    """cos/sin ``[batch, 1, seq, head_dim]`` for rotate-half RoPE over the full head_dim.
+
+    ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)`` (divided by ``factor`` for linear
+    scaling), ``freqs = position_ids * inv_freq``, ``emb = concat(freqs, freqs)`` (transformers
+    ``Gemma3RotaryEmbedding``). Computed from positions at run time: no position-table constant.
+    """
+    rope = config.rope_parameters[layer_type]
+    exponent = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(rope.rope_theta), exponent)) / np.float32(rope.factor)
+    inv_freq = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
+    positions = g.op("Unsqueeze", g.op("Cast", position_ids, to=F32), g.const_i64([1, 3]))  # [B, 1, S, 1]
+    angles = g.op("Mul", positions, g.const(inv_freq))                                     # [B, 1, S, D]
+    return g.op("Cos", angles), g.op("Sin", angles)
+
+
+def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, head_dim: int) -> ir.Value:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last axis."""
+    half = head_dim // 2
+    first, second = g.op("Split", x, g.const_i64([half, half]), axis=-1, num_outputs=2)
+    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value, past_key: ir.Value,
+                    config: GemmaConfig) -> dict[str, ir.Value]:
+    """Additive masks ``[batch, 1, 1, seq, total]`` (0 = attend, finfo.min = masked), one per layer type.
+
+    Query ``i`` of this call sits at cache index ``q = past + i``; key ``k`` is allowed when
+    ``k <= q`` (causal), ``attention_mask[b, k] == 1`` (padding), and on sliding layers also
+    ``q - k < sliding_window`` (transformers ``sliding_window_overlay``: ``kv_idx > q_idx - window``).
+    Indices are cache positions, not ``position_ids``, as in transformers.
+    """
+    past = g.op("Gather", g.op("Shape", past_key), g.const_i64([2]))       # [1]
+    seq = g.op("Gather", g.op("Shape", input_ids), g.const_i64([1]))       # [1]
+    total = g.op("Add", past, seq)
+    scalar = lambda v: g.op("Squeeze", v, g.const_i64([0]))  # noqa: E731
+    query_index = g.op("Range", scalar(past), scalar(total), g.const(np.int64(1)))
+    key_index = g.op("Range", g.const(np.int64(0)), scalar(total), g.const(np.int64(1)))
+    distance = g.op("Sub", g.op("Unsqueeze", query_index, g.const_i64([1])), key_index)  # [S, T]: q - k
+    causal = g.op("GreaterOrEqual", distance, g.const(np.int64(0)))
+    not_padding = g.op("Unsqueeze", g.op("Cast", attention_mask, to=ir.DataType.BOOL), g.const_i64([1, 2, 3]))
+    allowed = {FULL: g.op("And", causal, not_padding)}                       # [B, 1, 1, S, T]
+    in_window = g.op("Less", distance, g.const(np.int64(config.sliding_window)))
+    allowed[SLIDING] = g.op("And", allowed[FULL], in_window)
+    zero, masked = g.const_f32(0.0), g.const_f32(MASK_VALUE)
+    return {kind: g.op("Where", value, zero, masked) for kind, value in allowed.items()}
+
+
+def _softcap(g: GraphBuilder, x: ir.Value, cap: float | None) -> ir.Value:
+    # Gemma 2-style tanh soft-capping, ``tanh(x / cap) * cap`` (None for Gemma 3).
+    if cap is None:
+        return x
+    return g.op("Mul", g.op("Tanh", g.op("Div", x, g.const_f32(cap))), g.const_f32(cap))
+
+
+def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value,
+                   past_key: ir.Value, past_value: ir.Value, shared: _Shared):
+    """Gemma 3 attention (transformers ``Gemma3Attention``, eager path).
+
+    q/k/v projections, per-head RMSNorm on q and k, RoPE (local base on sliding layers, global base on
+    full layers), keys/values appended to the cache, ``softmax(q k^T * query_pre_attn_scalar**-0.5 +
+    mask) v`` with ``num_key_value_groups`` query heads per KV head, then ``o_proj``.
+
+    Returns ``(output [B, S, hidden], present_key, present_value)``.
+    """
+    c = ckpt.config
+    p = f"model.layers.{layer}.self_attn."
+    layer_type = c.layer_types[layer]
+    heads, kv_heads, groups, d = c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups, c.head_dim
+
+    def heads_first(t: ir.Value, n: int, norm: str) -> ir.Value:
+        t = g.op("Reshape", t, g.const_i64([0, 0, n, d]))                       # [B, S, n, D]
+        t = rms_norm(g, t, _weight(ckpt, p + norm), c.rms_norm_eps) if norm else t
+        return g.op("Transpose", t, perm=[0, 2, 1, 3])                          # [B, n, S, D]
+
+    cos, sin = shared.cos[layer_type], shared.sin[layer_type]
+    q = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "q_proj.weight")), heads, "q_norm.weight"), cos, sin, d)
+    k = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "k_proj.weight")), kv_heads, "k_norm.weight"), cos, sin, d)
+    v = heads_first(fmt.linear(g, x, _weight(ckpt, p + "v_proj.weight")), kv_heads, "")
+    present_key = g.op("Concat", past_key, k, axis=2)                           # [B, kv, T, D]
+    present_value = g.op("Concat", past_value, v, axis=2)
+
+    # Grouped-query attention by broadcasting: query head h uses KV head h // groups (repeat_kv).
+    q5 = g.op("Reshape", q, g.const_i64([0, kv_heads, groups, -1, d]))          # [B, kv, g, S, D]
+    k5 = g.op("Unsqueeze", present_key, g.const_i64([2]))                       # [B, kv, 1, T, D]
+    v5 = g.op("Unsqueeze", present_value, g.const_i64([2]))
+    scores = g.op("Mul", g.op("MatMul", q5, g.op("Transpose", k5, perm=[0, 1, 2, 4, 3])), g.const_f32(c.attention_scale))
+    scores = g.op("Add", _softcap(g, scores, c.attn_logit_softcapping), shared.mask[layer_type])
+    context = g.op("MatMul", g.op("Softmax", scores, axis=-1), v5)              # [B, kv, g, S, D]
+    context = g.op("Reshape", context, g.const_i64([0, heads, -1, d]))          # [B, H, S, D]
+    context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), g.const_i64([0, 0, heads * d]))
+    return fmt.linear(g, context, _weight(ckpt, p + "o_proj.weight")), present_key, present_value
+
+
+def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value) -> ir.Value:
+    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (transformers ``Gemma3MLP``)."""
+    p = f"model.layers.{layer}.mlp."
+    gate = g.op("Gelu", fmt.linear(g, x, _weight(ckpt, p + "gate_proj.weight")), approximate="tanh")
+    up = fmt.linear(g, x, _weight(ckpt, p + "up_proj.weight"))
+    return fmt.linear(g, g.op("Mul", gate, up), _weight(ckpt, p + "down_proj.weight"))
+
+
+def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value,
+                  past_key: ir.Value, past_value: ir.Value, shared: _Shared):
+    """Sandwich-norm block (transformers ``Gemma3DecoderLayer``): input norm → attention →
+    post-attention norm → residual; pre-feedforward norm → MLP → post-feedforward norm → residual."""
+    p = f"model.layers.{layer}."
+    eps = ckpt.config.rms_norm_eps
+    attn, present_key, present_value = self_attention(
+        g, fmt, ckpt, layer, rms_norm(g, x, _weight(ckpt, p + "input_layernorm.weight"), eps), past_key, past_value, shared)
+    x = g.op("Add", x, rms_norm(g, attn, _weight(ckpt, p + "post_attention_layernorm.weight"), eps))
+    ff = mlp(g, fmt, ckpt, layer, rms_norm(g, x, _weight(ckpt, p + "pre_feedforward_layernorm.weight"), eps))
+    x = g.op("Add", x, rms_norm(g, ff, _weight(ckpt, p + "post_feedforward_layernorm.weight"), eps))
+    return x, present_key, present_value
+
+
+def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False) -> ir.Model:
+    """The whole decoder as an :class:`onnx_ir.Model` whose weights are lazy tensors.
+
+    Args:
+        ckpt: a validated checkpoint.
+        fmt: the weight format of the chosen ``--dtype``.
+        all_logits: return logits for every position instead of the last one only (a 512-token
+            prefill would otherwise write 512 MB of logits).
+    """
+    c = ckpt.config
+    g = GraphBuilder()
+    input_ids = g.input("input_ids", I64, ["batch_size", "sequence_length"])
+    attention_mask = g.input("attention_mask", I64, ["batch_size", "total_sequence_length"])
+    position_ids = g.input("position_ids", I64, ["batch_size", "sequence_length"])
+    cache_shape = ["batch_size", c.num_key_value_heads, "past_sequence_length", c.head_dim]
+    past = [(g.input(f"past_key_values.{i}.key", F32, cache_shape), g.input(f"past_key_values.{i}.value", F32, cache_shape))
+            for i in range(c.num_hidden_layers)]
+
+    # Embedding × sqrt(hidden) (transformers ``Gemma3TextScaledWordEmbedding``). One table serves the
+    # lookup and, when tied, the LM head.
+    table = fmt.table(g, _weight(ckpt, EMBED))
+    x = g.op("Mul", fmt.embedding(g, table, input_ids), g.const_f32(np.float32(c.embed_scale)))
+
+    with g.scope("rotary"):
+        layer_types = sorted(set(c.layer_types))
+        rope = {t: rotary_embedding(g, position_ids, c, t) for t in layer_types}
+    with g.scope("mask"):
+        masks = attention_masks(g, attention_mask, input_ids, past[0][0], c)
+    shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()})
+
+    presents = []
+    for i in range(c.num_hidden_layers):
+        with g.scope(f"layers.{i}"):
+            x, present_key, present_value = decoder_layer(g, fmt, ckpt, i, x, *past[i], shared)
+        presents.append((present_key, present_value))
+
+    if not all_logits:
+        x = g.op("Slice", x, g.const_i64([-1]), g.const_i64([np.iinfo(np.int64).max]), g.const_i64([1]))
+    x = rms_norm(g, x, _weight(ckpt, FINAL_NORM), c.rms_norm_eps)
+    head: Table = table if ckpt.tied else fmt.table(g, _weight(ckpt, LM_HEAD))
+    logits = _softcap(g, fmt.lm_head(g, head, x), c.final_logit_softcapping)
+
+    g.output(logits, "logits", F32, ["batch_size", 1 if not all_logits else "sequence_length", c.vocab_size])
+    total_shape = ["batch_size", c.num_key_value_heads, "total_sequence_length", c.head_dim]
+    for i, (k, v) in enumerate(presents):
+        g.output(k, f"present.{i}.key", F32, total_shape)
+        g.output(v, f"present.{i}.value", F32, total_shape)
+    return g.model("gemma3_decoder", doc_string=f"Gemma 3 decoder exported by gemma-export ({fmt.name})")

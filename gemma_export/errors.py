@@ -1,0 +1,38 @@
+"""The toolkit's error hierarchy.
+
+Every error raised on bad input is a :class:`GemmaExportError`; the CLI prints its message on one
+line and exits with status 2. Messages name the file, the tensor or field, what was expected and
+what was found.
+"""
+
+from __future__ import annotations
+
+
+class GemmaExportError(Exception):
+    """Base class of every error this toolkit raises on bad input or a failed check."""
+
+    exit_code = 2
+
+
+class FormatError(GemmaExportError):
+    """A file is malformed: wrong magic, truncated data, a missing tensor, a wrong shape or dtype."""
+
+
+class ConfigError(GemmaExportError):
+    """A model configuration is missing a field, contradicts itself or names an unsupported model."""
+
+
+class NumericError(GemmaExportError):
+    """A tensor holds values that cannot be exported (NaN, Inf)."""
+
+
+class SourceNotFoundError(GemmaExportError):
+    """The model source (a path or the bundled weights package) does not exist."""
+
+
+class OutputError(GemmaExportError):
+    """The output location cannot be written safely (inside the source, not a folder, ...)."""
+
+
+class VerificationError(GemmaExportError):
+    """A written artifact failed its check (ONNX checker, onnxruntime load, checksums)."""

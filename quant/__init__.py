@@ -1,0 +1,10 @@
+"""Weight quantizers: pure numpy functions on arrays. No file I/O, no ONNX.
+
+Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` constructor and a
+``dequantize`` method; :data:`SCHEMES` is the table the exporter chooses from.
+"""
+
+from .bf16 import BF16Weights, float32_to_bfloat16_bits
+from .int8 import BlockInt8Weights
+
+__all__ = ["BF16Weights", "BlockInt8Weights", "float32_to_bfloat16_bits"]

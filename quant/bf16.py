@@ -1,0 +1,43 @@
+"""bfloat16 storage: round float32 to nearest even, NaN preserved (as a quiet NaN).
+
+bf16 here is a storage format only: onnxruntime's CPU provider has no bf16 arithmetic, so the graph
+casts to float32 before compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+
+def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to bfloat16, nearest even.
+
+    Args:
+        x: float32 array of any shape.
+    Returns:
+        uint16 array of the same shape holding the bfloat16 bit patterns.
+
+    Rounding is ml_dtypes' float32 → bfloat16 cast (round half to even, NaN stays NaN, overflow
+    to ±Inf like IEEE). Note: the reference MLIR archives truncate instead; see
+    ``../shared/reference-format.md``.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+@dataclasses.dataclass(frozen=True)
+class BF16Weights:
+    """A float32 tensor stored as bfloat16 bits (uint16, same shape)."""
+
+    bits: np.ndarray
+
+    @classmethod
+    def quantize(cls, w: np.ndarray) -> "BF16Weights":
+        return cls(float32_to_bfloat16_bits(w))
+
+    def dequantize(self) -> np.ndarray:
+        """float32 array, same shape: exact widening of each bf16 value."""
+        return (self.bits.astype(np.uint32) << 16).view(np.float32)

@@ -1,0 +1,76 @@
+"""Symmetric block-wise int8 weights, the layout onnxruntime's ``MatMulNBits`` (bits=8) and
+``GatherBlockQuantized`` (bits=8) read.
+
+For a weight ``W[N, K]`` (PyTorch ``[out_features, in_features]``, or the ``[vocab, hidden]``
+embedding table) and a block size ``B`` dividing ``K``:
+
+    scale[n, j] = max(|W[n, jB:(j+1)B]|) / 127          (0 → 1, so an all-zero block stays zero)
+    q[n, j, i]  = clip(round_half_even(W[n, jB+i] / scale[n, j]), -127, 127)
+    stored      = q + 128 as uint8                       (onnxruntime's default zero point for
+                                                          8 bits is 2 ** (bits - 1) = 128)
+
+This is the per-row symmetric scheme of the reference archives (scale = max|row| / 127, clamp to
+[-127, 127], round half to even) applied per block; with ``B == K`` it is exactly per-row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+ZERO_POINT = 128
+QMAX = 127
+_ROWS_PER_CHUNK = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInt8Weights:
+    """Block-quantized int8 weights.
+
+    Attributes:
+        data: uint8 ``[N, K // block_size, block_size]`` — ``q + 128``, MatMulNBits' ``B`` layout.
+        scales: float32 ``[N, K // block_size]``.
+        block_size: elements per block along K.
+    """
+
+    data: np.ndarray
+    scales: np.ndarray
+    block_size: int
+
+    @classmethod
+    def quantize(cls, w: np.ndarray, block_size: int) -> "BlockInt8Weights":
+        """Quantize a float ``[N, K]`` matrix.
+
+        Raises:
+            ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, or ``w`` holds
+                NaN or Inf (callers name the tensor).
+        """
+        w = np.asarray(w, dtype=np.float32)
+        if w.ndim != 2:
+            raise ValueError(f"expected a 2-D weight, found shape {w.shape}")
+        n, k = w.shape
+        if block_size <= 0 or k % block_size:
+            raise ValueError(f"in_features {k} is not a multiple of block_size {block_size}")
+        if not np.isfinite(w).all():
+            raise ValueError("weight holds NaN or Inf")
+        nb = k // block_size
+        data = np.empty((n, nb, block_size), dtype=np.uint8)
+        scales = np.empty((n, nb), dtype=np.float32)
+        # Row chunks keep the float temporaries small (the 262,144-row table would need ~2 GB at once).
+        for start in range(0, n, _ROWS_PER_CHUNK):
+            blocks = w[start : start + _ROWS_PER_CHUNK].reshape(-1, nb, block_size)
+            s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
+            s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros
+            q = np.rint(blocks / s[:, :, None])
+            np.clip(q, -QMAX, QMAX, out=q)
+            q += ZERO_POINT
+            data[start : start + len(s)] = q
+            scales[start : start + len(s)] = s
+        return cls(data=data, scales=scales, block_size=block_size)
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[N, K]``: ``(data - 128) * scale`` per block."""
+        n, nb, b = self.data.shape
+        q = self.data.astype(np.float32) - ZERO_POINT
+        return (q * self.scales[:, :, None]).reshape(n, nb * b)

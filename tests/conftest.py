@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny random Gemma 3 checkpoints written by transformers, and their references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_config(**overrides):
+    """A small Gemma 3 text config with mixed layer types and a short sliding window."""
+    kwargs = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=6, max_position_embeddings=256, rms_norm_eps=1e-6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        bos_token_id=2, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    kwargs.update(overrides)
+    return transformers.Gemma3TextConfig(**kwargs)
+
+
+def make_tiny_model(seed: int = 0, **overrides):
+    """A Gemma3ForCausalLM with random weights, norms included (so 1 + w matters)."""
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(tiny_config(**overrides)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def save_tiny(model, folder: Path) -> Path:
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_model) -> Path:
+    return save_tiny(tiny_model, tmp_path_factory.mktemp("tiny_hf"))
+
+
+def reference_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """transformers eager logits for every position, float32 [B, S, V]."""
+    with torch.no_grad():
+        ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
+        mask = None if attention_mask is None else torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().numpy()
