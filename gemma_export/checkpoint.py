@@ -36,6 +36,12 @@ class TensorRef:
     shape: tuple[int, ...]
     origin: str
     reader: Callable[[], np.ndarray] = dataclasses.field(repr=False)
+    row_reader: Callable[[int, int], np.ndarray] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def rows(self) -> "RowView":
+        """A lazy view with ``shape`` and row slicing, read chunk by chunk (2-D tensors); falls
+        back to one full :meth:`load` when the source cannot read row ranges."""
+        return RowView(self)
 
     def load(self, allow_non_finite: bool = False) -> np.ndarray:
         """The tensor as float32, shape :attr:`shape`.
@@ -56,6 +62,25 @@ class TensorRef:
                     f"{tuple(int(i) for i in index)}; weights must be finite"
                 )
         return array
+
+
+class RowView:
+    """Rows of a 2-D :class:`TensorRef`, read on slicing (``view[a:b]`` → float32 ``[b - a, K]``)."""
+
+    def __init__(self, ref: TensorRef):
+        self.ref = ref
+        self.shape = ref.shape
+        self._full: np.ndarray | None = None
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("RowView supports contiguous row slices only")
+        if self.ref.row_reader is None:
+            if self._full is None:
+                self._full = self.ref.load()
+            return self._full[start:stop]
+        return np.asarray(self.ref.row_reader(start, stop), dtype=np.float32)
 
 
 class Tokenizer:

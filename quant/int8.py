@@ -40,26 +40,31 @@ class BlockInt8Weights:
 
     @classmethod
     def quantize(cls, w: np.ndarray, block_size: int) -> "BlockInt8Weights":
-        """Quantize a float ``[N, K]`` matrix.
+        """Quantize a float ``[N, K]`` matrix, row chunk by row chunk.
+
+        ``w`` is a numpy array or any object with ``shape`` and row slicing (``w[a:b]`` returning an
+        array), so a lazily dequantized source never needs to exist whole in float32.
 
         Raises:
             ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, or ``w`` holds
                 NaN or Inf (callers name the tensor).
         """
-        w = np.asarray(w, dtype=np.float32)
-        if w.ndim != 2:
-            raise ValueError(f"expected a 2-D weight, found shape {w.shape}")
+        if len(w.shape) != 2:
+            raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")
         n, k = w.shape
         if block_size <= 0 or k % block_size:
             raise ValueError(f"in_features {k} is not a multiple of block_size {block_size}")
-        if not np.isfinite(w).all():
-            raise ValueError("weight holds NaN or Inf")
         nb = k // block_size
         data = np.empty((n, nb, block_size), dtype=np.uint8)
         scales = np.empty((n, nb), dtype=np.float32)
         # Row chunks keep the float temporaries small (the 262,144-row table would need ~2 GB at once).
         for start in range(0, n, _ROWS_PER_CHUNK):
-            blocks = w[start : start + _ROWS_PER_CHUNK].reshape(-1, nb, block_size)
+            rows = np.asarray(w[start : start + _ROWS_PER_CHUNK], dtype=np.float32)
+            finite = np.isfinite(rows)
+            if not finite.all():
+                r, c = np.unravel_index(int(np.argmin(finite)), rows.shape)
+                raise ValueError(f"holds {rows[r, c]} at index ({start + int(r)}, {int(c)})")
+            blocks = rows.reshape(-1, nb, block_size)
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros
             q = np.rint(blocks / s[:, :, None])

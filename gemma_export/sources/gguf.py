@@ -67,6 +67,16 @@ def _tensor_reader(tensor, is_norm: bool, dequantize):
     return read
 
 
+def _tensor_row_reader(tensor, is_norm: bool, dequantize):
+    if is_norm or len(tensor.data.shape) != 2:
+        return None
+
+    def read_rows(start: int, stop: int) -> np.ndarray:
+        # tensor.data is [rows, bytes per row] for block types: rows dequantize independently.
+        return dequantize(tensor.data[start:stop], tensor.tensor_type).astype(np.float32, copy=False)
+    return read_rows
+
+
 def read_gguf(path: Path) -> Checkpoint:
     """Open a Gemma 3 GGUF lazily.
 
@@ -89,7 +99,8 @@ def read_gguf(path: Path) -> Checkpoint:
             continue
         name, is_norm = mapped
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (fastest) first
-        tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(t, is_norm, gguf.quants.dequantize))
+        tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(t, is_norm, gguf.quants.dequantize),
+                                  _tensor_row_reader(t, is_norm, gguf.quants.dequantize))
 
     if EMBED not in tensors:
         raise FormatError(f"{path}: missing tensor 'token_embd.weight'")

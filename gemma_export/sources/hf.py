@@ -58,6 +58,13 @@ def _reader(path: Path, key: str):
     return read
 
 
+def _row_reader(path: Path, key: str):
+    def read_rows(start: int, stop: int):
+        with safe_open(str(path), framework="numpy") as f:
+            return f.get_slice(key)[start:stop]
+    return read_rows
+
+
 def read_hf_folder(folder: Path) -> Checkpoint:
     """Open a transformers Gemma 3 folder lazily.
 
@@ -81,7 +88,8 @@ def read_hf_folder(folder: Path) -> Checkpoint:
                     if name in tensors:
                         raise FormatError(f"{shard}: tensor '{name}' appears twice ('{key}' and {tensors[name].origin})")
                     shape = tuple(int(x) for x in f.get_slice(key).get_shape())
-                    tensors[name] = TensorRef(name, shape, f"{shard}:{key}", _reader(shard, key))
+                    tensors[name] = TensorRef(name, shape, f"{shard}:{key}", _reader(shard, key),
+                                              _row_reader(shard, key) if len(shape) == 2 else None)
         except FormatError:
             raise
         except Exception as exc:  # safetensors raises its own error types for a corrupt header

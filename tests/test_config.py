@@ -1,0 +1,52 @@
+"""config.json in both transformers forms, and contradicting configs."""
+
+import json
+
+import pytest
+
+from gemma_export.config import FULL, SLIDING, config_from_hf_dict
+from gemma_export.errors import ConfigError
+
+V4 = {  # transformers 4.x form, as on the Hub for google/gemma-3-270m
+    "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
+    "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": None,
+    "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 32768, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+def test_v4_pattern_gives_global_layers_5_11_17():
+    c = config_from_hf_dict(V4, "config.json")
+    assert [i for i, t in enumerate(c.layer_types) if t == FULL] == [5, 11, 17]
+    assert c.rope_parameters[FULL].rope_theta == 1e6 and c.rope_parameters[SLIDING].rope_theta == 1e4
+    assert c.attention_scale == 1 / 16 and c.embed_scale == pytest.approx(25.2982, abs=1e-4)
+
+
+def test_v4_linear_scaling_applies_to_global_only():
+    c = config_from_hf_dict({**V4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, "c")
+    assert c.rope_parameters[FULL].factor == 8.0 and c.rope_parameters[SLIDING].factor == 1.0
+
+
+def test_v5_form_and_multimodal_nesting():
+    text = {k: v for k, v in V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern")}
+    text["layer_types"] = [SLIDING] * 17 + [FULL]
+    text["rope_parameters"] = {FULL: {"rope_type": "default", "rope_theta": 5e5}, SLIDING: {"rope_type": "default", "rope_theta": 1e4}}
+    c = config_from_hf_dict({"model_type": "gemma3", "text_config": {**text, "model_type": "gemma3_text"}}, "c")
+    assert c.layer_types[-1] == FULL and c.layer_types.count(FULL) == 1
+    assert c.rope_parameters[FULL].rope_theta == 5e5
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "llama"}, "model_type is 'llama'"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+    ({"layer_types": [SLIDING] * 5}, "layer_types has 5 entries but num_hidden_layers is 18"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"hidden_size": None}, "missing required field 'hidden_size'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"hidden_activation": "relu"}, "hidden_activation"),
+    ({"layer_types": ["sliding_attention"] * 17 + ["chunked"]}, "chunked"),
+])
+def test_bad_configs_name_the_field(change, words):
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        config_from_hf_dict({**V4, **change}, "some/config.json")

@@ -1,0 +1,161 @@
+"""Tiny random Gemma 3 checkpoints: ONNX exports against transformers (eager attention)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import make_tiny_model, reference_logits, save_tiny
+from gemma_export.export import count_table_initializers, export
+from gemma_export.runtime import OnnxDecoder
+
+SEQ = 20  # > sliding_window (6): the window matters in prefill and in decode
+
+
+def _ids(batch=1, seq=SEQ, seed=0, vocab=96):
+    return np.random.default_rng(seed).integers(3, vocab, size=(batch, seq)).astype(np.int64)
+
+
+def _prefill(decoder, ids, mask=None, positions=None):
+    b, s = ids.shape
+    mask = np.ones((b, s), np.int64) if mask is None else mask
+    positions = np.broadcast_to(np.arange(s), (b, s)).astype(np.int64) if positions is None else positions
+    logits, past = decoder.forward(ids, mask, positions, decoder.empty_cache(b))
+    return logits, past
+
+
+@pytest.fixture(scope="module")
+def fp32_all(tiny_dir, tmp_path_factory):
+    return export(tiny_dir, tmp_path_factory.mktemp("e") / "fp32", "fp32", all_logits=True).out_dir
+
+
+def test_fp32_prefill_matches_transformers(tiny_model, fp32_all):
+    ids = _ids()
+    logits, _ = _prefill(OnnxDecoder(fp32_all), ids)
+    ref = reference_logits(tiny_model, ids)
+    assert logits.shape == ref.shape == (1, SEQ, 96)
+    assert np.abs(logits - ref).max() <= 1e-4
+
+
+def test_fp32_decode_through_cache_longer_than_window(tiny_model, fp32_all):
+    ids = _ids(seed=1)
+    ref = reference_logits(tiny_model, ids)[0]
+    decoder = OnnxDecoder(fp32_all)
+    assert np.abs(decoder.teacher_forced_logits(ids[0].tolist()) - ref).max() <= 1e-4
+    # prefill 9 tokens, then decode the rest one by one
+    logits, past = _prefill(decoder, ids[:, :9])
+    rows = [logits[0]]
+    for pos in range(9, SEQ):
+        step, past = decoder.forward(ids[:, pos:pos + 1], np.ones((1, pos + 1), np.int64), np.array([[pos]]), past)
+        rows.append(step[0])
+    assert np.abs(np.concatenate(rows) - ref).max() <= 1e-4
+    assert past["past_key_values.0.key"].shape == (1, 2, SEQ, 16)
+
+
+def test_sliding_window_is_applied(tiny_model, fp32_all):
+    # A model whose window is the whole sequence must give different logits past the window:
+    # proves the window is in the graph, not only that both sides ignore it.
+    wide = make_tiny_model(sliding_window=64)
+    ids = _ids(seed=2)
+    ours = _prefill(OnnxDecoder(fp32_all), ids)[0][0]
+    assert np.abs(ours - reference_logits(wide, ids)[0])[7:].max() > 1e-2
+    assert np.abs(ours - reference_logits(wide, ids)[0])[:6].max() <= 1e-4
+
+
+def test_batch_two_with_left_padding(tiny_model, fp32_all):
+    decoder = OnnxDecoder(fp32_all)
+    ids = _ids(batch=2, seed=3)
+    mask = np.ones_like(ids)
+    mask[1, :5] = 0
+    ids[1, :5] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    logits, _ = _prefill(decoder, ids, mask, positions)
+    ref = reference_logits(tiny_model, ids, mask)
+    assert np.abs(logits[0] - ref[0]).max() <= 1e-4
+    assert np.abs(logits[1, 5:] - ref[1, 5:]).max() <= 1e-4
+    # row 1 equals the same prompt alone, without padding
+    alone, _ = _prefill(decoder, ids[1:, 5:])
+    assert np.abs(logits[1, 5:] - alone[0]).max() <= 1e-4
+
+
+def test_default_export_returns_last_position_only(tiny_model, tiny_dir, tmp_path):
+    out = export(tiny_dir, tmp_path / "last", "fp32").out_dir
+    ids = _ids(seed=4)
+    logits, _ = _prefill(OnnxDecoder(out), ids)
+    assert logits.shape == (1, 1, 96)
+    assert np.abs(logits[0, 0] - reference_logits(tiny_model, ids)[0, -1]).max() <= 1e-4
+
+
+@pytest.mark.parametrize("dtype, max_abs, min_top1", [("bf16", 0.1, 0.95), ("int8", 0.5, 0.9)])
+def test_quantized_exports_stay_close(tiny_model, tiny_dir, tmp_path, dtype, max_abs, min_top1):
+    result = export(tiny_dir, tmp_path / dtype, dtype, all_logits=True, block_size=16)
+    ids = _ids(seed=5)
+    logits = _prefill(OnnxDecoder(result.out_dir), ids)[0]
+    ref = reference_logits(tiny_model, ids)
+    assert np.abs(logits - ref).max() <= max_abs
+    assert (logits.argmax(-1) == ref.argmax(-1)).mean() >= min_top1
+    assert result.table_initializers == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_one_table_in_archive_and_in_onnxruntime_optimized_graph(tiny_dir, tmp_path, dtype):
+    out = export(tiny_dir, tmp_path / dtype, dtype, block_size=16).out_dir
+    assert count_table_initializers(out / "model.onnx", 96, 64) == 1
+    optimized = tmp_path / "optimized.onnx"
+    OnnxDecoder(out, optimized_model_path=optimized)
+    model = onnx.load(str(optimized), load_external_data=False)
+    tables = [t.name for t in model.graph.initializer if math.prod(t.dims) == 96 * 64]
+    assert len(tables) == 1, tables
+    # nothing between the table and its consumers that onnxruntime could fold into a copy
+    consumers = [n.op_type for n in model.graph.node if tables[0] in n.input]
+    assert len(consumers) >= 2 or dtype == "bf16", consumers
+
+
+def test_untied_head_keeps_two_tables(tmp_path):
+    model = make_tiny_model(seed=7, tie_word_embeddings=False)
+    src = save_tiny(model, tmp_path / "untied")
+    result = export(src, tmp_path / "out", "fp32", all_logits=True)
+    assert not result.tied and result.table_initializers == 2
+    ids = _ids(seed=8)
+    assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(model, ids)).max() <= 1e-4
+
+
+def test_multimodal_prefix_and_sharded_index(tiny_model, tiny_dir, tmp_path):
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    renamed["model.vision_tower.patch.weight"] = np.zeros((2, 2), np.float32)  # ignored
+    names = sorted(renamed)
+    src = tmp_path / "mm"
+    src.mkdir()
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: renamed[k] for k in keys}, str(src / shard))
+        weight_map.update({k: shard for k in keys})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": config}))
+    out = export(src, tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = _ids(seed=9)
+    assert np.abs(_prefill(OnnxDecoder(out), ids)[0] - reference_logits(tiny_model, ids)).max() <= 1e-4
+
+
+def test_transformers_4x_config_form(tiny_model, tiny_dir, tmp_path):
+    src = tmp_path / "v4"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(tiny_dir / "model.safetensors")
+    config = json.loads((tiny_dir / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.pop("layer_types")
+    config.update(rope_theta=rope["full_attention"]["rope_theta"],
+                  rope_local_base_freq=rope["sliding_attention"]["rope_theta"], sliding_window_pattern=2)
+    (src / "config.json").write_text(json.dumps(config))
+    out = export(src, tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = _ids(seed=10)
+    assert np.abs(_prefill(OnnxDecoder(out), ids)[0] - reference_logits(tiny_model, ids)).max() <= 1e-4
