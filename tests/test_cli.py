@@ -1,0 +1,132 @@
+"""The command line: bad input gets one line, exit code 2, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _broken_copy(tiny_dir, tmp_path, edit_config=None, edit_tensors=None):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    if edit_config:
+        config = json.loads((src / "config.json").read_text())
+        edit_config(config)
+        (src / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(str(src / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(src / "model.safetensors"))
+    return src
+
+
+def _drop(name):
+    return lambda t: t.pop(name)
+
+
+def _reshape(name):
+    def edit(t):
+        t[name] = np.zeros((t[name].shape[0] + 1, *t[name].shape[1:]), t[name].dtype)
+    return edit
+
+
+def _nan(name):
+    def edit(t):
+        t[name] = t[name].copy()
+        t[name].flat[3] = np.nan
+    return edit
+
+
+CASES = {
+    "missing tensor": (None, _drop("model.layers.1.mlp.up_proj.weight"),
+                       ["missing tensor 'model.layers.1.mlp.up_proj.weight'"]),
+    "wrong shape": (None, _reshape("model.layers.0.self_attn.k_proj.weight"),
+                    ["k_proj.weight", "has shape [33, 64]", "expected [32, 64]"]),
+    "unknown architecture": (lambda c: c.update(model_type="llama"), None, ["model_type is 'llama'"]),
+    "contradicting config": (lambda c: c.update(layer_types=c["layer_types"][:3]), None,
+                             ["layer_types has 3 entries but num_hidden_layers is 4"]),
+    "vocab vs table rows": (lambda c: c.update(vocab_size=100), None, ["embed_tokens.weight", "expected [100, 64]"]),
+    "nan weight": (None, _nan("model.layers.0.mlp.gate_proj.weight"), ["gate_proj.weight", "nan", "index"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_bad_source_one_line_exit_2_nothing_left(tiny_dir, tmp_path, case, dtype):
+    edit_config, edit_tensors, words = CASES[case]
+    src = _broken_copy(tiny_dir, tmp_path, edit_config, edit_tensors)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    out = tmp_path / "out"
+    result = _run("--format", "onnx", "--dtype", dtype, "--source", src, "--out", out, "--block-size", 16 if dtype == "int8" else 32)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.output
+    for word in words:
+        assert word in lines[0]
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no staging left
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # input untouched
+
+
+def test_missing_source_path(tmp_path):
+    result = _run("--source", tmp_path / "nope", "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert "nope: no such file or folder" in result.stderr
+
+
+def test_output_inside_source_is_refused(tiny_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    result = _run("--source", src, "--out", src / "export", "--dtype", "fp32")
+    assert result.exit_code == 2 and "inside the source" in result.stderr
+    assert not (src / "export").exists()
+
+
+def test_failed_export_keeps_existing_output(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "fp32").exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    src = _broken_copy(tiny_dir, tmp_path, None, _drop("model.norm.weight"))
+    result = _run("--source", src, "--out", out, "--dtype", "fp32")
+    assert result.exit_code == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_summary_and_manifest(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
+    assert result.exit_code == 0, result.output
+    assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
+    assert "peak memory" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dtype"] == "int8" and manifest["int8_block_size"] == 16
+    import hashlib
+    for name, entry in manifest["files"].items():
+        data = (out / name).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "genai_config.json"}
+
+
+def test_same_input_gives_byte_identical_files(tiny_dir, tmp_path):
+    for name in ("a", "b"):
+        assert _run("--source", tiny_dir, "--out", tmp_path / name, "--dtype", "int8", "--block-size", 16).exit_code == 0
+    for name in ("model.onnx", "model.onnx.data"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_generate_refuses_missing_model(tmp_path):
+    result = _run("generate", "--model", tmp_path, "--prompt", "hi")
+    assert result.exit_code == 2 and "no exported model here" in result.stderr
