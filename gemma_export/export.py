@@ -24,7 +24,7 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError, OutputError, VerificationError
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
-from .weights import DEFAULT_INT8_BLOCK_SIZE, DTYPES, weight_format
+from .weights import DEFAULT_INT8_BLOCK_SIZE, DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -60,21 +60,23 @@ class ExportResult:
         return sum(self.files.values())
 
 
-def int8_block_size(checkpoint: Checkpoint, requested: int | None) -> int:
-    """Block size for int8: ``requested``, or the largest power of two ≤ 128 dividing every
-    in_features (hidden_size, heads × head_dim, intermediate_size). MatMulNBits needs a power of two ≥ 16.
+def int8_block_size(checkpoint: Checkpoint, requested: int | None, dims: tuple[int, ...] | None = None,
+                    default: int = DEFAULT_INT8_BLOCK_SIZE, option: str = "--block-size") -> int:
+    """Block size for int8: ``requested``, or the largest power of two ≤ ``default`` dividing every
+    in_features in ``dims`` (default: hidden_size, heads × head_dim, intermediate_size).
+    MatMulNBits needs a power of two ≥ 16.
 
     Raises:
-        ConfigError: no valid block size divides the model's dimensions.
+        ConfigError: the requested size is invalid, or no valid size divides the dimensions.
     """
     c = checkpoint.config
-    dims = (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    dims = dims or (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
     if requested is not None:
         if requested < 16 or requested & (requested - 1) or any(d % requested for d in dims):
             raise ConfigError(
-                f"--block-size {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dims))}")
+                f"{option} {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dims))}")
         return requested
-    block = DEFAULT_INT8_BLOCK_SIZE
+    block = default
     while block >= 16 and any(d % block for d in dims):
         block //= 2
     if block < 16:
@@ -194,6 +196,7 @@ def export(
     dtype: str = "int8",
     *,
     block_size: int | None = None,
+    table_block_size: int | None = None,
     all_logits: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
@@ -204,7 +207,9 @@ def export(
         source: a transformers folder, a ``.gguf`` file, or None for the bundled real Gemma 3 270M.
         out_dir: destination folder; default ``./{name}-onnx-{dtype}``.
         dtype: ``fp32``, ``bf16`` or ``int8`` (symmetric block-wise weights, see ``weights.py``).
-        block_size: int8 block size (default 128, or the largest power of two that divides the dims).
+        block_size: int8 block size of the layer projections (default 32, or the largest power of
+            two that divides the dims).
+        table_block_size: int8 block size of the embedding table / LM head (default 128).
         all_logits: return logits for every position (default: last position only).
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
         checkpoint: an already opened source (skips opening ``source``).
@@ -226,7 +231,11 @@ def export(
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt)
-    fmt = weight_format(dtype, int8_block_size(ckpt, block_size) if dtype == "int8" else None)
+    if dtype == "int8":
+        fmt = weight_format(dtype, int8_block_size(ckpt, block_size), int8_block_size(
+            ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_INT8_TABLE_BLOCK_SIZE, "--table-block-size"))
+    else:
+        fmt = weight_format(dtype)
     model = build_model(ckpt, fmt, all_logits=all_logits)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,6 +264,7 @@ def export(
             "format": "onnx",
             "dtype": dtype,
             "int8_block_size": getattr(fmt, "block_size", None),
+            "int8_table_block_size": getattr(fmt, "table_block_size", None),
             "all_logits": all_logits,
             "tie_word_embeddings": ckpt.tied,
             "source": dict(ckpt.identity),
