@@ -1,6 +1,7 @@
-"""``gemma-export`` command line.
+"""The gemma-export command line (typer).
 
-    gemma-export --format onnx --dtype int8                  # bundled Gemma 3 270M → ./gemma-3-270m-onnx-int8
+\b
+    gemma-export --format onnx --dtype int8                  # bundled Gemma 3 270M -> ./gemma-3-270m-onnx-int8
     gemma-export --source ./my-gemma --dtype bf16 --out out/  # a transformers folder or a .gguf
     gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
 """
@@ -60,12 +61,10 @@ def main(
 ) -> None:
     """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table.
 
+    \b
     Examples:
-
       gemma-export --format onnx --dtype int8
-
       gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
-
       gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
     """
     if ctx.invoked_subcommand is not None:

@@ -227,6 +227,9 @@ def export(
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size)):
+        if value is not None and (value < 16 or value & (value - 1)):  # before the (slow) source is read
+            raise ConfigError(f"{option} {value}: must be a power of two >= 16")
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
@@ -273,6 +276,7 @@ def export(
             "files": {name: {"bytes": size, "sha256": _sha256(staging / name)} for name, size in files.items()},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        staging.chmod(0o755)  # mkdtemp creates 0700; the export is an ordinary folder
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
