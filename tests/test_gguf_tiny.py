@@ -1,0 +1,104 @@
+"""A tiny Gemma 3 GGUF written with the gguf package: names, llama.cpp's +1 on norms, quantized
+tensors and the tied table all come back as transformers expects."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_model, reference_logits
+from gemma_export.export import export
+from gemma_export.runtime import OnnxDecoder
+from gemma_export.sources import open_source
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "post_feedforward_layernorm": "post_ffw_norm",
+}
+Q8_TENSOR = "model.layers.0.mlp.up_proj.weight"
+
+
+def _gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{HF_TO_GGUF[rest.removesuffix('.weight')]}.weight"
+
+
+def write_tiny_gguf(model, path):
+    """Write ``model`` the way llama.cpp's converter does (norms + 1), one tensor as Q8_0.
+    Returns the state dict the GGUF represents (Q8_0 round trip applied)."""
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_sliding_window(c.sliding_window)
+    expected = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        value = tensor.float().numpy()
+        if name == Q8_TENSOR:
+            q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(_gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            value = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
+        elif name.endswith("norm.weight"):
+            w.add_tensor(_gguf_name(name), value + np.float32(1.0))
+        else:
+            w.add_tensor(_gguf_name(name), value)
+        expected[name] = value
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    # GGUF carries no layer pattern: global iff i % 6 == 5, so 6 layers with the 6th global.
+    model = make_tiny_model(seed=11, num_hidden_layers=6, intermediate_size=128, head_dim=16, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    expected = write_tiny_gguf(model, path)
+    with torch.no_grad():
+        model.get_parameter(Q8_TENSOR).copy_(torch.from_numpy(expected[Q8_TENSOR]))
+    return model, path, expected
+
+
+def test_reader_maps_names_undoes_norm_offset_and_dequantizes(tiny_gguf):
+    model, path, expected = tiny_gguf
+    ckpt = open_source(path)
+    assert ckpt.tied and ckpt.config.layer_types[5] == "full_attention" and ckpt.config.layer_types[4] == "sliding_attention"
+    assert ckpt.config.vocab_size == 96 and ckpt.config.query_pre_attn_scalar == 16
+    assert set(ckpt.tensors) == set(expected)
+    for name, value in expected.items():
+        got = ckpt.tensors[name].load()
+        assert got.shape == value.shape, name
+        assert np.abs(got - value).max() <= 1e-6, name
+
+
+def test_gguf_export_matches_transformers(tiny_gguf, tmp_path):
+    model, path, _ = tiny_gguf
+    out = export(path, tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = np.random.default_rng(12).integers(3, 96, size=(1, 16)).astype(np.int64)
+    dec = OnnxDecoder(out)
+    logits, _ = dec.forward(ids, np.ones_like(ids), np.arange(16)[None], dec.empty_cache(1))
+    assert np.abs(logits - reference_logits(model, ids)).max() <= 1e-4
