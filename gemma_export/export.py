@@ -24,7 +24,8 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError, OutputError, VerificationError
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
-from .weights import DEFAULT_INT8_BLOCK_SIZE, DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format
+from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES,
+                      weight_format)
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -197,6 +198,7 @@ def export(
     *,
     block_size: int | None = None,
     table_block_size: int | None = None,
+    hadamard_size: int | None = None,
     all_logits: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
@@ -210,6 +212,8 @@ def export(
         block_size: int8 block size of the layer projections (default 32, or the largest power of
             two that divides the dims).
         table_block_size: int8 block size of the embedding table / LM head (default 128).
+        hadamard_size: int8 only: size of the block-diagonal Hadamard rotation applied to every
+            matmul input and folded into the weights (default 64; 0 disables; ``quant/hadamard.py``).
         all_logits: return logits for every position (default: last position only).
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
         checkpoint: an already opened source (skips opening ``source``).
@@ -227,7 +231,8 @@ def export(
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size)):
+    for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
+                          ("--hadamard", hadamard_size or None)):
         if value is not None and (value < 16 or value & (value - 1)):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16")
     started = time.perf_counter()
@@ -235,8 +240,10 @@ def export(
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt)
     if dtype == "int8":
+        rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         fmt = weight_format(dtype, int8_block_size(ckpt, block_size), int8_block_size(
-            ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_INT8_TABLE_BLOCK_SIZE, "--table-block-size"))
+            ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_INT8_TABLE_BLOCK_SIZE, "--table-block-size"),
+            rotation)
     else:
         fmt = weight_format(dtype)
     model = build_model(ckpt, fmt, all_logits=all_logits)
@@ -268,6 +275,7 @@ def export(
             "dtype": dtype,
             "int8_block_size": getattr(fmt, "block_size", None),
             "int8_table_block_size": getattr(fmt, "table_block_size", None),
+            "int8_hadamard_size": getattr(fmt, "hadamard_size", None),
             "all_logits": all_logits,
             "tie_word_embeddings": ckpt.tied,
             "source": dict(ckpt.identity),

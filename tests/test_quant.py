@@ -63,3 +63,33 @@ def test_bf16_round_to_nearest_even_and_nan():
     assert back[4] == np.float32(x[4].astype(ml_dtypes.bfloat16))
     # truncation would have given 1 + 2 * 2**-8 for x[1]: round-to-nearest differs
     assert (x.view(np.uint32)[1] >> 16) != bits[1]
+
+
+def test_hadamard_is_orthogonal_symmetric_and_self_inverse():
+    from quant import hadamard_matrix, rotate_blocks
+
+    h = hadamard_matrix(64)
+    assert np.allclose(h @ h.T, np.eye(64), atol=1e-6) and np.array_equal(h, h.T)
+    x = np.random.default_rng(1).standard_normal((3, 5, 128)).astype(np.float32)
+    assert np.allclose(rotate_blocks(rotate_blocks(x, 64), 64), x, atol=1e-5)
+    # W x == (W H)(H x): the identity the int8 graph relies on
+    w = np.random.default_rng(2).standard_normal((7, 128)).astype(np.float32)
+    assert np.allclose(rotate_blocks(x, 64) @ rotate_blocks(w, 64).T, x @ w.T, atol=1e-4)
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(48)
+    with pytest.raises(ValueError, match="multiple of the Hadamard size 64"):
+        rotate_blocks(np.ones((2, 96), np.float32), 64)
+
+
+def test_hadamard_spreads_an_outlier_so_int8_error_drops():
+    from quant import rotate_blocks
+
+    x = np.random.default_rng(3).standard_normal((64, 64)).astype(np.float32) * 0.1
+    x[:, 5] = 50.0  # one huge channel, as after Gemma's RMSNorm gains
+
+    def int8_error(v):
+        return np.abs(BlockInt8Weights.quantize(v, 32).dequantize() - v)
+
+    plain = np.delete(int8_error(x), 5, axis=1).mean()
+    rotated = np.abs(rotate_blocks(BlockInt8Weights.quantize(rotate_blocks(x, 64), 32).dequantize(), 64) - x)
+    assert np.delete(rotated, 5, axis=1).mean() < plain / 2

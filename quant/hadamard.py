@@ -1,0 +1,47 @@
+"""Block-diagonal Walsh–Hadamard rotations, to spread outliers before int8 quantization.
+
+onnxruntime's fast int8 kernel (``MatMulNBits`` at ``accuracy_level`` 4) quantizes the
+*activations* to int8 per block too; one large channel in a block then costs precision on every
+other channel of that block. Rotating the input dimension by an orthogonal Hadamard matrix ``H``
+spreads such a channel over the block, and is exact in real arithmetic because
+``W x = (W Hᵀ)(H x)`` (QuaRot, Ashkboos et al. 2024, arXiv:2404.00456; QuIP#, Tseng et al. 2024).
+Here ``H`` is block-diagonal with ``n × n`` Sylvester blocks (``n`` a power of two), so it costs
+``K · n`` multiply-adds per token and needs only an ``n × n`` constant. Sylvester's matrix scaled by
+``1/sqrt(n)`` is symmetric and orthogonal: ``H = Hᵀ = H⁻¹``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """The ``n × n`` Sylvester–Hadamard matrix divided by ``sqrt(n)``, float32.
+
+    Raises:
+        ValueError: ``n`` is not a power of two.
+    """
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, found {n}")
+    h = np.ones((1, 1), dtype=np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rotate_blocks(x: np.ndarray, n: int) -> np.ndarray:
+    """Apply the block-diagonal Hadamard along the last axis: each run of ``n`` values ``v`` becomes
+    ``H v``. Shapes: ``[..., K]`` → ``[..., K]`` float32, ``K`` a multiple of ``n``.
+
+    For a weight ``W [out, K]``, ``rotate_blocks(W, n)`` is ``W Hᵀ`` (H symmetric), the weight
+    that consumes rotated activations ``H x``. Applying it twice is the identity.
+
+    Raises:
+        ValueError: ``K`` is not a multiple of ``n``.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    k = x.shape[-1]
+    if k % n:
+        raise ValueError(f"last axis {k} is not a multiple of the Hadamard size {n}")
+    blocks = x.reshape(*x.shape[:-1], k // n, n)
+    return (blocks @ hadamard_matrix(n)).reshape(x.shape)
