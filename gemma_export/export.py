@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -246,6 +247,7 @@ def export(
             rotation)
     else:
         fmt = weight_format(dtype)
+    int8_options = {f"int8_{k}": getattr(fmt, k, None) for k in ("block_size", "table_block_size", "hadamard_size")}
     model = build_model(ckpt, fmt, all_logits=all_logits)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +265,8 @@ def export(
         # One tensor in flight at a time: the exporter's memory stays near one dequantized tensor.
         ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1,
                 max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES)
+        del model, fmt  # frees the quantization memo (the int8 table) before onnxruntime loads the model
+        gc.collect()
         if ckpt.tokenizer is not None:
             for name, content in sorted(ckpt.tokenizer.files.items()):
                 (staging / name).write_bytes(content)
@@ -273,9 +277,7 @@ def export(
         manifest = {
             "format": "onnx",
             "dtype": dtype,
-            "int8_block_size": getattr(fmt, "block_size", None),
-            "int8_table_block_size": getattr(fmt, "table_block_size", None),
-            "int8_hadamard_size": getattr(fmt, "hadamard_size", None),
+            **int8_options,
             "all_logits": all_logits,
             "tie_word_embeddings": ckpt.tied,
             "source": dict(ckpt.identity),

@@ -109,17 +109,21 @@ def read_gguf(path: Path) -> Checkpoint:
     validate_tensors(config, tensors, str(path))
     resolve_lm_head(config, tensors, str(path))
 
+    has_tokenizer = _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in reader.fields
+    tokens = list(_field(reader, "tokenizer.ggml.tokens")) if has_tokenizer else []
+    token_types = list(_field(reader, "tokenizer.ggml.token_type") or []) if has_tokenizer else []
+    # gguf-py keeps every metadata array element as a numpy view (~0.5 GB for 262,144 tokens); keep
+    # only the plain lists and the tensors' memory-mapped data, and let the reader's fields go.
+    reader.fields.clear()
+
     def build_tokenizer() -> dict[str, bytes]:
-        tokens = _field(reader, "tokenizer.ggml.tokens")
-        types = _field(reader, "tokenizer.ggml.token_type")
         defaults = {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}  # Gemma's ids
         ids = {k: int(meta.get(f"tokenizer.ggml.{k}_token_id", v)) for k, v in defaults.items()}
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-        tok = tokenizer_from_gguf(tokens, types, ids["bos"], ids["eos"], ids["unknown"], add_bos)
+        tok = tokenizer_from_gguf(tokens, token_types, ids["bos"], ids["eos"], ids["unknown"], add_bos)
         cfg = tokenizer_config_json(tokens, ids["bos"], ids["eos"], ids["padding"], ids["unknown"], add_bos)
         return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": cfg.encode()}
 
-    has_tokenizer = _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in reader.fields
     return Checkpoint(
         config=config,
         tensors=tensors,
