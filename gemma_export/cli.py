@@ -125,5 +125,29 @@ def generate(
                f"decode median {median:.1f} ms/token]", err=True)
 
 
+@app.command()
+def inspect(
+    path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors or .gguf file."),
+    top: int = typer.Option(10, "--top", help="How many of the largest tensors to list."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Show what an archive carries: tensor count, sizes by dtype, the largest tensors, and tensors
+    stored twice (identical bytes or transposed), with the bytes they waste.
+
+    Example: gemma-export inspect gemma-3-270m-onnx-int8/model.onnx --top 5
+    """
+    import json
+
+    from .inspect import format_report, inspect_path
+
+    try:
+        report = inspect_path(path)
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))
+
+
 if __name__ == "__main__":
     app()

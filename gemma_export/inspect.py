@@ -1,0 +1,320 @@
+"""See what an archive carries: tensor counts, sizes by dtype, the largest tensors, and tensors
+stored more than once.
+
+Works on ONNX models (inline or external data), safetensors files (including the reference
+export's flat 1-D archives) and GGUF files. Tensor data is never loaded whole: hashes stream the
+bytes in 8 MiB chunks, and transposed copies are compared block by block through memory maps, so
+inspecting a 1 GB archive stays far below its size in resident memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .errors import FormatError, SourceNotFoundError
+
+CHUNK_BYTES = 8 << 20
+#: Tensors smaller than this are counted but not checked for duplicates (norm weights and the like
+#: are often legitimately equal).
+MIN_DUPLICATE_BYTES = 1 << 16
+
+_SAFETENSORS_DTYPES = {
+    "F64": (np.float64, 8), "F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2),
+    "I64": (np.int64, 8), "I32": (np.int32, 4), "I16": (np.int16, 2), "I8": (np.int8, 1),
+    "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One stored tensor.
+
+    Attributes:
+        name: the key in the file.
+        shape: stored shape (a flat reference archive stores ``[count]``).
+        dtype: the file's type name (``F32``, ``BF16``, ``Q8_0``, ``UINT8``, ...).
+        nbytes: bytes on disk.
+        elements: number of values (after unpacking block formats).
+        path, offset: where the bytes live (``path`` None: inline ONNX data, see ``inline``).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    elements: int
+    path: Path | None
+    offset: int
+    item_dtype: np.dtype | None = None
+    inline: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.inline is not None:
+            yield self.inline
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            remaining = self.nbytes
+            while remaining:
+                data = f.read(min(CHUNK_BYTES, remaining))
+                if not data:
+                    raise FormatError(f"{self.path}: tensor '{self.name}' ends past the end of the file")
+                remaining -= len(data)
+                yield data
+
+    def array(self) -> np.ndarray | None:
+        """A read-only memory map of the values in their stored shape, when they are plain numbers."""
+        if self.item_dtype is None or self.path is None:
+            return None
+        return np.memmap(self.path, dtype=self.item_dtype, mode="r", offset=self.offset, shape=self.shape or (1,))
+
+
+@dataclasses.dataclass(frozen=True)
+class DuplicateGroup:
+    """Tensors holding the same values: ``kind`` is ``identical bytes`` or ``transposed``."""
+
+    kind: str
+    names: tuple[str, ...]
+    nbytes_each: int
+
+    @property
+    def wasted_bytes(self) -> int:
+        return self.nbytes_each * (len(self.names) - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`inspect_path` found."""
+
+    path: str
+    format: str
+    tensors: list[TensorEntry]
+    duplicates: list[DuplicateGroup]
+    consumers: dict[str, list[str]]  # ONNX: initializer → consumer op types
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def total_elements(self) -> int:
+        return sum(t.elements for t in self.tensors)
+
+    def bytes_by_dtype(self) -> dict[str, int]:
+        out: dict[str, int] = collections.Counter()
+        for t in self.tensors:
+            out[t.dtype] += t.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def to_dict(self, top: int) -> dict:
+        largest = sorted(self.tensors, key=lambda t: -t.nbytes)[:top]
+        return {
+            "path": self.path, "format": self.format, "tensors": len(self.tensors),
+            "total_elements": self.total_elements, "total_bytes": self.total_bytes,
+            "fp32_equivalent_bytes": 4 * self.total_elements, "bytes_by_dtype": self.bytes_by_dtype(),
+            "largest": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "bytes": t.nbytes,
+                         "share": t.nbytes / max(self.total_bytes, 1)} for t in largest],
+            "duplicates": [{"kind": d.kind, "names": list(d.names), "bytes_each": d.nbytes_each,
+                            "wasted_bytes": d.wasted_bytes} for d in self.duplicates],
+            "consumers": self.consumers,
+        }
+
+
+# ---- readers ------------------------------------------------------------------------------------
+def _safetensors_entries(path: Path) -> list[TensorEntry]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header (8-byte length)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, 100 << 20):
+            raise FormatError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or 100 MiB")
+        try:
+            header = json.loads(f.read(header_len))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{path}: tensor '{name}' lacks dtype, shape or data_offsets") from None
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise FormatError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
+        item, width = _SAFETENSORS_DTYPES[dtype]
+        count = math.prod(shape)
+        if not (0 <= start <= end <= size - base) or end - start != count * width:
+            raise FormatError(f"{path}: tensor '{name}' offsets [{start}, {end}) disagree with shape {list(shape)} "
+                              f"× {width} bytes or the file size")
+        entries.append(TensorEntry(name, shape, dtype, end - start, count, path, base + start, np.dtype(item)))
+    return entries
+
+
+def _gguf_entries(path: Path) -> list[TensorEntry]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:
+        raise FormatError(f"{path}: not a readable GGUF file: {exc}") from None
+    entries = []
+    plain = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "I16": np.int16, "I32": np.int32}
+    for t in reader.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        kind = t.tensor_type.name
+        entries.append(TensorEntry(t.name, shape, kind, int(t.n_bytes), int(t.n_elements), path, int(t.data_offset),
+                                   np.dtype(plain[kind]) if kind in plain else None))
+    return entries
+
+
+def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]]]:
+    import onnx
+    from onnx import helper
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise FormatError(f"{path}: not a readable ONNX model: {exc}") from None
+    entries = []
+    for t in model.graph.initializer:
+        shape = tuple(int(d) for d in t.dims)
+        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+        name = onnx.TensorProto.DataType.Name(t.data_type)
+        count = math.prod(shape)
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in t.external_data}
+            location = Path(info.get("location", ""))
+            if location.is_absolute() or ".." in location.parts:
+                raise FormatError(f"{path}: initializer '{t.name}' points outside the model folder ({location})")
+            entries.append(TensorEntry(t.name, shape, name, int(info.get("length", 0)), count, path.parent / location,
+                                       int(info.get("offset", 0)), dtype))
+        else:
+            raw = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
+            entries.append(TensorEntry(t.name, shape, name, len(raw), count, None, 0, dtype, inline=raw))
+    consumers: dict[str, list[str]] = {e.name: [] for e in entries}
+    for node in model.graph.node:
+        for name in node.input:
+            if name in consumers:
+                consumers[name].append(node.op_type)
+    return entries, consumers
+
+
+# ---- duplicates ---------------------------------------------------------------------------------
+def _digest(entry: TensorEntry) -> str:
+    h = hashlib.sha256()
+    for chunk in entry.chunks():
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _equal_transposed(a: TensorEntry, b: TensorEntry, rows_per_block: int = 4096) -> bool:
+    x, y = a.array(), b.array()
+    if x is None or y is None:
+        return False
+    for start in range(0, x.shape[0], rows_per_block):
+        if not np.array_equal(x[start:start + rows_per_block], y[:, start:start + rows_per_block].T):
+            return False
+    return True
+
+
+def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
+    """Groups of tensors stored more than once: identical bytes (any shape, e.g. a flat 1-D copy of a
+    2-D table), and 2-D tensors equal to another's transpose. Only tensors ≥ 64 KiB are checked;
+    hashing reads only tensors whose byte size matches another's."""
+    big = [e for e in entries if e.nbytes >= MIN_DUPLICATE_BYTES]
+    by_size: dict[tuple[int, str], list[TensorEntry]] = collections.defaultdict(list)
+    for e in big:
+        by_size[(e.nbytes, e.dtype)].append(e)
+    groups = []
+    for (nbytes, _), same_size in by_size.items():
+        if len(same_size) < 2:
+            continue
+        by_hash: dict[str, list[str]] = collections.defaultdict(list)
+        for e in same_size:
+            by_hash[_digest(e)].append(e.name)
+        groups += [DuplicateGroup("identical bytes", tuple(names), nbytes) for names in by_hash.values() if len(names) > 1]
+        in_groups = {n for g in groups for n in g.names}
+        matrices = [e for e in same_size if len(e.shape) == 2 and e.name not in in_groups]
+        for i, a in enumerate(matrices):
+            for b in matrices[i + 1:]:
+                if a.shape == b.shape[::-1] and a.shape[0] != a.shape[1] and _equal_transposed(a, b):
+                    groups.append(DuplicateGroup("transposed", (a.name, b.name), nbytes))
+    return sorted(groups, key=lambda g: -g.wasted_bytes)
+
+
+# ---- entry point --------------------------------------------------------------------------------
+def inspect_path(path: str | Path) -> Report:
+    """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``; the type is read from the file).
+
+    Raises:
+        SourceNotFoundError: no such file.
+        FormatError: the file is not one of the supported formats or is malformed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SourceNotFoundError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        magic = f.read(9)
+    consumers: dict[str, list[str]] = {}
+    if magic[:4] == b"GGUF":
+        kind, entries = "gguf", _gguf_entries(path)
+    elif path.suffix == ".safetensors" or magic[8:9] == b"{":
+        kind, entries = "safetensors", _safetensors_entries(path)
+    elif path.suffix == ".onnx":
+        kind = "onnx"
+        entries, consumers = _onnx_entries(path)
+    else:
+        raise FormatError(f"{path}: not an ONNX, safetensors or GGUF file (first bytes {magic[:4]!r})")
+    return Report(str(path), kind, entries, find_duplicates(entries), consumers)
+
+
+def _is_shared_table(ops: list[str]) -> bool:
+    return any(o in ("Gather", "GatherBlockQuantized") for o in ops) and any(o in ("MatMul", "MatMulNBits", "Gemm") for o in ops)
+
+
+def format_report(report: Report, top: int = 10) -> str:
+    """The human-readable report printed by ``gemma-export inspect``."""
+    def gib(n: int) -> str:
+        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    lines = [
+        f"{report.path} ({report.format})",
+        f"tensors: {len(report.tensors)}, total elements: {report.total_elements:,} = "
+        f"{gib(4 * report.total_elements)} fp32; on disk {report.total_bytes:,} bytes ({gib(report.total_bytes)})",
+        "bytes by dtype: " + ", ".join(f"{k} {gib(v)}" for k, v in report.bytes_by_dtype().items()),
+        f"largest {top}:",
+    ]
+    total = max(report.total_bytes, 1)
+    for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:
+        lines.append(f"  {t.name:<48} {str(list(t.shape)):<20} {t.dtype:<8} {t.nbytes:>14,} B {100 * t.nbytes / total:5.1f}%")
+    if report.duplicates:
+        wasted = sum(g.wasted_bytes for g in report.duplicates)
+        lines.append(f"duplicates: {len(report.duplicates)} group(s), {wasted:,} bytes wasted ({100 * wasted / total:.1f}%)")
+        for g in report.duplicates:
+            lines.append(f"  {g.kind}: {', '.join(g.names)} — one table stored {len(g.names)} times "
+                         f"({100 * g.nbytes_each / total:.1f}% each)")
+    else:
+        lines.append("duplicates: none")
+    if report.consumers:
+        lines.append(f"consumers of the largest {top} initializers:")
+        for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:
+            if t.name in report.consumers:
+                ops = report.consumers[t.name]
+                shared = " (shared by a lookup and a matmul)" if _is_shared_table(ops) else ""
+                lines.append(f"  {t.name}: {', '.join(ops) or '(unused)'}{shared}")
+    return "\n".join(lines)

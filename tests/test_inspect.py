@@ -1,0 +1,90 @@
+"""`gemma-export inspect`: sizes, top tensors, and exactly the planted duplicates."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+from gemma_export.export import export
+from gemma_export.inspect import inspect_path
+
+rng = np.random.default_rng(0)
+
+
+def _groups(report):
+    return sorted((g.kind, tuple(sorted(g.names))) for g in report.duplicates)
+
+
+def test_safetensors_duplicate_under_another_name_and_flat_copy(tmp_path):
+    table = rng.standard_normal((512, 64)).astype(np.float32)  # 128 KiB
+    other = rng.standard_normal((512, 64)).astype(np.float32)
+    path = tmp_path / "dup.safetensors"
+    save_file({"t0": table, "t5": other, "t2044": table.copy(), "flat": table.reshape(-1).copy(),
+               "norm_a": np.ones(64, np.float32), "norm_b": np.ones(64, np.float32)}, str(path))
+    report = inspect_path(path)
+    assert report.format == "safetensors" and len(report.tensors) == 6
+    assert _groups(report) == [("identical bytes", ("flat", "t0", "t2044"))]  # small norms not flagged
+    assert report.duplicates[0].wasted_bytes == 2 * table.nbytes
+    assert report.total_elements == 4 * 512 * 64 + 128
+
+
+def test_transposed_copy_is_found_and_near_copy_is_not(tmp_path):
+    table = rng.standard_normal((1024, 32)).astype(np.float32)
+    near = table.T.copy()
+    near[3, 5] += 1e-3
+    path = tmp_path / "t.safetensors"
+    save_file({"embed": table, "head_t": table.T.copy(), "near_t": near}, str(path))
+    assert _groups(inspect_path(path)) == [("transposed", ("embed", "head_t"))]
+
+
+def test_onnx_initializer_stored_twice(tmp_path):
+    table = rng.standard_normal((1024, 64)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]),
+             helper.make_node("Gemm", ["x", "head"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None), helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(table.copy(), "head")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    report = inspect_path(path)
+    assert _groups(report) == [("identical bytes", ("embed", "head"))]
+    assert report.consumers == {"embed": ["Gather"], "head": ["Gemm"]}
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert "identical bytes: embed, head — one table stored 2 times (50.0% each)" in result.stdout
+
+
+def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
+    out = export(tiny_dir, tmp_path / "e", "int8", block_size=16).out_dir
+    result = CliRunner().invoke(app, ["inspect", str(out / "model.onnx"), "--json", "--top", "1000"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["duplicates"] == []
+    assert data["consumers"]["model.embed_tokens.weight"] == ["Gather", "MatMulNBits"]
+    table = next(t for t in data["largest"] if t["name"] == "model.embed_tokens.weight")
+    assert table["dtype"] == "UINT8" and table["shape"] == [96, 1, 64] and table["bytes"] == 96 * 64
+
+
+def test_bad_files_get_one_line(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 8 + b"{}")
+    result = CliRunner().invoke(app, ["inspect", str(bad)])
+    assert result.exit_code == 2 and "header length" in result.stderr
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path / "missing.onnx")])
+    assert result.exit_code == 2 and "no such file" in result.stderr
+
+
+@pytest.mark.slow
+def test_real_gguf_has_no_false_duplicates():
+    from gemma_export.sources import bundled_gguf_path
+
+    report = inspect_path(bundled_gguf_path())
+    assert report.duplicates == [] and report.total_elements == 268_098_176
