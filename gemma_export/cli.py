@@ -149,5 +149,30 @@ def inspect(
     typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))
 
 
+@app.command()
+def dedupe(
+    model: Path = typer.Argument(..., help="An ONNX model (with its external data) that stores a table twice."),
+    out: Path = typer.Option(..., "--out", help="Folder for the rewritten model (must not exist or be empty)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Store each duplicated table of an ONNX model once (identical copies, pre-transposed copies,
+    or a Transpose that onnxruntime would fold into a copy), and check with onnxruntime that the
+    outputs are unchanged.
+
+    Example: gemma-export dedupe exported/model.onnx --out deduped/
+    """
+    from .dedupe import dedupe as run
+
+    try:
+        result = run(model, out)
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    typer.echo(f"wrote {result.out_path}")
+    typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
+               f"{result.saved_bytes:,} bytes; rewrote {result.rewritten_matmuls} MatMul(s) as Gemm(transB=1)")
+    typer.echo(f"outputs on random inputs: max |diff| {result.max_abs_diff:.3g}")
+
+
 if __name__ == "__main__":
     app()

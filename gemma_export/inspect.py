@@ -73,8 +73,10 @@ class TensorEntry:
 
     def array(self) -> np.ndarray | None:
         """A read-only memory map of the values in their stored shape, when they are plain numbers."""
-        if self.item_dtype is None or self.path is None:
+        if self.item_dtype is None:
             return None
+        if self.inline is not None:
+            return np.frombuffer(self.inline, dtype=self.item_dtype).reshape(self.shape)
         return np.memmap(self.path, dtype=self.item_dtype, mode="r", offset=self.offset, shape=self.shape or (1,))
 
 

@@ -1,0 +1,201 @@
+"""Remove duplicated tables from an ONNX model made by another exporter.
+
+Handles the three ways a tied embedding ends up twice in memory:
+
+* the same bytes stored under two names → every consumer reads the first;
+* a pre-transposed copy ``[hidden, vocab]`` feeding ``MatMul`` (torch.onnx's classic output) →
+  ``Gemm(transB=1)`` on the ``[vocab, hidden]`` table;
+* one initializer shared through a ``Transpose`` that onnxruntime would constant-fold into a second
+  copy → the same ``Gemm(transB=1)`` rewrite, Transpose removed.
+
+Every other initializer is written unchanged. The result is checked with onnxruntime on random
+inputs against the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from .errors import FormatError, OutputError, VerificationError
+from .inspect import MIN_DUPLICATE_BYTES, inspect_path
+
+
+@dataclasses.dataclass(frozen=True)
+class DedupeResult:
+    """What :func:`dedupe` changed: removed initializer names, bytes saved on disk, rewritten
+    MatMuls, and the largest output difference against the original on random inputs."""
+
+    out_path: Path
+    removed: list[str]
+    saved_bytes: int
+    rewritten_matmuls: int
+    max_abs_diff: float
+
+
+def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value) -> None:
+    """Replace ``MatMul(a, tableᵀ)`` by ``Reshape(Gemm(Reshape(a, [-1, H]), table, transB=1))``."""
+    a = matmul.inputs[0]
+    vocab, hidden = (int(d) for d in table.shape)
+    name = matmul.name or "matmul"
+
+    def const(values, suffix):
+        tensor = ir.tensor(np.asarray(values, dtype=np.int64), name=f"{name}/dedupe_{suffix}")
+        value = ir.Value(name=tensor.name, type=ir.TensorType(ir.DataType.INT64), shape=tensor.shape, const_value=tensor)
+        graph.register_initializer(value)
+        return value
+
+    shape = ir.node("Shape", [a], name=f"{name}/dedupe_shape")
+    lead = ir.node("Slice", [shape.outputs[0], const([0], "start"), const([-1], "end")], name=f"{name}/dedupe_lead")
+    out_shape = ir.node("Concat", [lead.outputs[0], const([vocab], "vocab")], {"axis": 0}, name=f"{name}/dedupe_out_shape")
+    flat = ir.node("Reshape", [a, const([-1, hidden], "flat")], name=f"{name}/dedupe_flat")
+    gemm = ir.node("Gemm", [flat.outputs[0], table], {"transB": 1}, name=f"{name}/dedupe_gemm")
+    result = ir.node("Reshape", [gemm.outputs[0], out_shape.outputs[0]], name=f"{name}/dedupe_unflat")
+    new_nodes = [shape, lead, out_shape, flat, gemm, result]
+    graph.insert_before(matmul, new_nodes)
+    old = matmul.outputs[0]
+    keep_name = old.name
+    old.replace_all_uses_with(result.outputs[0], replace_graph_outputs=True)
+    graph.remove(matmul, safe=True)
+    result.outputs[0].name = keep_name
+    result.outputs[0].type, result.outputs[0].shape = old.type, old.shape
+
+
+def _random_feeds(session, vocab: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else (1 if "batch" in str(d).lower() else (0 if "past" in str(d).lower() else 7))
+                 for d in i.shape]
+        if "int64" in i.type:
+            high = vocab if "ids" in i.name else 2
+            feeds[i.name] = (rng.integers(0, high, size=shape) if "mask" not in i.name else np.ones(shape)).astype(np.int64)
+            if "position" in i.name:
+                feeds[i.name] = np.broadcast_to(np.arange(shape[-1]), shape).astype(np.int64)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def _compare(original: Path, rewritten: Path, vocab: int) -> float:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    a = ort.InferenceSession(str(original), options, providers=["CPUExecutionProvider"])
+    b = ort.InferenceSession(str(rewritten), options, providers=["CPUExecutionProvider"])
+    feeds = _random_feeds(a, vocab)
+    return max(float(np.abs(x.astype(np.float64) - y).max()) if x.size else 0.0
+               for x, y in zip(a.run(None, feeds), b.run(None, feeds)))
+
+
+def _refuse_near_duplicates(report) -> None:
+    exact = {n for g in report.duplicates for n in g.names}
+    floats = [t for t in report.tensors if t.nbytes >= MIN_DUPLICATE_BYTES and t.name not in exact
+              and t.dtype in ("FLOAT", "FLOAT16") and len(t.shape) == 2]
+    for i, a in enumerate(floats):
+        for b in floats[i + 1:]:
+            if a.shape not in (b.shape, b.shape[::-1]) or a.shape[0] == a.shape[1]:
+                continue
+            x, y = a.array(), b.array()
+            y = y if a.shape == b.shape else y.T
+            scale = float(np.abs(x).max()) or 1.0
+            if float(np.abs(x - y).max()) <= 1e-2 * scale:
+                raise FormatError(f"{report.path}: '{a.name}' and '{b.name}' are close but not identical "
+                                  "(max difference ≤ 1% of their range); refusing to merge them")
+
+
+def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
+    """Write a copy of ``in_path`` in ``out_dir`` with each duplicated table stored once.
+
+    Raises:
+        FormatError: not an ONNX model, nothing to deduplicate, or two large tensors are close but
+            not identical (merging them would change the model).
+        OutputError: ``out_dir`` is the input's folder.
+        VerificationError: outputs on random inputs changed.
+    """
+    in_path = Path(in_path)
+    out_dir = Path(out_dir)
+    if out_dir.resolve() == in_path.resolve().parent:
+        raise OutputError(f"{out_dir}: choose a folder other than the input's")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise OutputError(f"{out_dir}: exists and is not an empty folder")
+    report = inspect_path(in_path)
+    if report.format != "onnx":
+        raise FormatError(f"{in_path}: dedupe rewrites ONNX models; this is {report.format}")
+    _refuse_near_duplicates(report)
+    model = ir.load(in_path)
+    graph = model.graph
+    inits = graph.initializers
+    removed: list[str] = []
+    rewritten = 0
+
+    def lookup_first(names):
+        # keep the copy a Gather reads (the [vocab, hidden] layout), else the first
+        for n in names:
+            if any(u.node.op_type in ("Gather", "GatherBlockQuantized") for u in inits[n].uses()):
+                return n
+        return names[0]
+
+    for group in report.duplicates:
+        keep_name = lookup_first(list(group.names))
+        keep = inits[keep_name]
+        for name in group.names:
+            if name == keep_name:
+                continue
+            copy = inits[name]
+            if group.kind == "identical bytes" and copy.shape == keep.shape:
+                copy.replace_all_uses_with(keep)
+            elif group.kind == "transposed":
+                for use in list(copy.uses()):
+                    if use.node.op_type != "MatMul" or use.idx != 1:
+                        raise FormatError(f"{in_path}: '{name}' (a transposed copy of '{keep_name}') feeds "
+                                          f"{use.node.op_type}; only MatMul can be rewritten")
+                    _gemm_for_matmul(graph, use.node, keep)
+                    rewritten += 1
+            else:
+                raise FormatError(f"{in_path}: '{name}' holds the bytes of '{keep_name}' in another shape; not rewritten")
+            del inits[name]
+            removed.append(name)
+
+    # one table shared through a Transpose feeding MatMul (folded into a copy by onnxruntime)
+    for name, value in list(inits.items()):
+        for use in list(value.uses()):
+            t = use.node
+            if t.op_type != "Transpose" or len(value.shape) != 2 or value.const_value.nbytes < MIN_DUPLICATE_BYTES:
+                continue
+            users = list(t.outputs[0].uses())
+            if users and all(u.node.op_type == "MatMul" and u.idx == 1 for u in users):
+                for u in users:
+                    _gemm_for_matmul(graph, u.node, value)
+                    rewritten += 1
+                graph.remove(t, safe=True)
+
+    if not removed and not rewritten:
+        raise FormatError(f"{in_path}: no duplicated table and no Transpose-shared table found; nothing to do")
+    vocab = max((t.shape[0] for t in report.tensors if len(t.shape) == 2), default=2)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    try:
+        out_path = staging / in_path.name
+        ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=65536)
+        try:
+            diff = _compare(in_path, out_path, vocab)
+        except Exception as exc:
+            raise VerificationError(f"{out_path.name}: onnxruntime cannot run the rewritten model: {exc}") from None
+        if not diff <= 1e-4:
+            raise VerificationError(f"{in_path}: outputs changed by {diff:g} after deduplication; nothing written")
+        staging.chmod(0o755)
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    saved = sum(g.wasted_bytes for g in report.duplicates)
+    return DedupeResult(out_dir / in_path.name, removed, saved, rewritten, diff)

@@ -1,0 +1,111 @@
+"""`gemma-export dedupe`: one table after rewriting other exporters' models, outputs unchanged."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+
+V, H = 1024, 64
+
+
+def _optimized_tables(path, tmp_path, elements):
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    graph = onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
+    return sum(1 for t in graph.initializer if math.prod(t.dims) == elements)
+
+
+def _save(graph, path):
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=1024)
+    return path
+
+
+def _lm(table_for_head, head_op="Gemm", transpose_node=False):
+    table = np.random.default_rng(0).standard_normal((V, H)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["emb"]),
+             helper.make_node("ReduceMean", ["emb"], ["x"], axes=[1], keepdims=0)]
+    inits = [numpy_helper.from_array(table, "table")]
+    if transpose_node:
+        nodes += [helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["x", "table_t"], ["logits"])]
+    elif head_op == "MatMul":
+        inits.append(numpy_helper.from_array(table_for_head(table), "head_t"))
+        nodes.append(helper.make_node("MatMul", ["x", "head_t"], ["logits"]))
+    else:
+        inits.append(numpy_helper.from_array(table_for_head(table), "head"))
+        nodes.append(helper.make_node("Gemm", ["x", "head"], ["logits"], transB=1))
+    return helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                             [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], inits)
+
+
+@pytest.mark.parametrize("case, graph", [
+    ("identical copy", _lm(lambda t: t.copy())),
+    ("pre-transposed copy", _lm(lambda t: t.T.copy(), head_op="MatMul")),
+    ("shared through Transpose", _lm(None, transpose_node=True)),
+])
+def test_dedupe_leaves_one_table(tmp_path, case, graph):
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    before_bytes = (tmp_path / "in" / "model.onnx.data").stat().st_size
+    assert _optimized_tables(src, tmp_path, V * H) == 2  # onnxruntime holds two copies
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "max |diff| 0" in result.stdout
+    assert _optimized_tables(out / "model.onnx", tmp_path, V * H) == 1
+    after_bytes = (out / "model.onnx.data").stat().st_size
+    if case != "shared through Transpose":
+        assert before_bytes - after_bytes >= V * H * 4  # the copy is gone from disk
+    ids = np.array([[1, 5, 1000]], dtype=np.int64)
+    run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]  # noqa: E731
+    assert np.array_equal(run(src), run(out / "model.onnx"))
+
+
+def test_near_duplicate_is_refused(tmp_path):
+    graph = _lm(lambda t: t + np.float32(1e-3))
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "close but not identical" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_torch_onnx_export_of_tiny_gemma(tmp_path):
+    pytest.importorskip("onnxscript")
+    import torch
+
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(vocab_size=512)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids, use_cache=False).logits
+
+    src = tmp_path / "torch" / "model.onnx"
+    src.parent.mkdir()
+    ids = torch.randint(3, 512, (1, 8))
+    torch.onnx.export(Logits(model), (ids,), str(src), input_names=["input_ids"], output_names=["logits"], dynamo=True)
+    assert _optimized_tables(src, tmp_path, 512 * 64) == 2
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert _optimized_tables(out / "model.onnx", tmp_path, 512 * 64) == 1
+    feeds = {"input_ids": ids.numpy()}
+    a = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    b = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.abs(a - b).max() <= 1e-4
