@@ -224,12 +224,36 @@ def _digest(entry: TensorEntry) -> str:
     return h.hexdigest()
 
 
-def _equal_transposed(a: TensorEntry, b: TensorEntry, rows_per_block: int = 4096) -> bool:
-    x, y = a.array(), b.array()
-    if x is None or y is None:
+def _read_block(entry: TensorEntry, rows: slice, cols: slice) -> np.ndarray:
+    """``entry[rows, cols]`` of a 2-D tensor, read with plain file reads (no memory map, so the
+    pages read do not stay in this process's resident set)."""
+    n_rows, n_cols = entry.shape
+    item = entry.item_dtype.itemsize
+    r0, r1, _ = rows.indices(n_rows)
+    c0, c1, _ = cols.indices(n_cols)
+    if entry.inline is not None:
+        return np.frombuffer(entry.inline, dtype=entry.item_dtype).reshape(entry.shape)[r0:r1, c0:c1]
+    out = np.empty((r1 - r0, c1 - c0), dtype=entry.item_dtype)
+    with open(entry.path, "rb") as f:
+        if c0 == 0 and c1 == n_cols:
+            f.seek(entry.offset + r0 * n_cols * item)
+            out[:] = np.frombuffer(f.read((r1 - r0) * n_cols * item), dtype=entry.item_dtype).reshape(out.shape)
+        else:
+            for i, r in enumerate(range(r0, r1)):
+                f.seek(entry.offset + (r * n_cols + c0) * item)
+                out[i] = np.frombuffer(f.read((c1 - c0) * item), dtype=entry.item_dtype)
+    return out
+
+
+def _equal_transposed(a: TensorEntry, b: TensorEntry, block_bytes: int = CHUNK_BYTES) -> bool:
+    """``a == b.T`` for ``a [R, C]`` and ``b [C, R]``, compared block by block (a few MiB at a time)."""
+    if a.item_dtype is None or b.item_dtype is None:
         return False
-    for start in range(0, x.shape[0], rows_per_block):
-        if not np.array_equal(x[start:start + rows_per_block], y[:, start:start + rows_per_block].T):
+    rows, cols = a.shape
+    step = max(1, block_bytes // max(1, cols * a.item_dtype.itemsize))
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        if not np.array_equal(_read_block(a, block, slice(None)), _read_block(b, slice(None), block).T):
             return False
     return True
 
