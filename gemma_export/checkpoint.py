@@ -80,7 +80,13 @@ class RowView:
             if self._full is None:
                 self._full = self.ref.load()
             return self._full[start:stop]
-        return np.asarray(self.ref.row_reader(start, stop), dtype=np.float32)
+        rows = np.asarray(self.ref.row_reader(start, stop), dtype=np.float32)
+        finite = np.isfinite(rows)
+        if not finite.all():
+            r, c = np.unravel_index(int(np.argmin(finite)), rows.shape)
+            raise NumericError(f"{self.ref.origin}: tensor '{self.ref.name}' holds {rows[r, c]} at index "
+                               f"({start + int(r)}, {int(c)}); weights must be finite")
+        return rows
 
 
 class Tokenizer:

@@ -139,10 +139,63 @@ class GemmaConfig:
         return self
 
 
-def _require(cfg: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{where}: missing required field '{key}'")
-    return cfg[key]
+_MISSING = object()
+#: Upper bounds checked before anything is allocated from a size (Gemma 3 27B is far below them).
+_CAPS = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+    "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 4096, "sliding_window": 1 << 24,
+    "max_position_embeddings": 1 << 24, "sliding_window_pattern": 1024,
+    # the same limits under GGUF's key names
+    "block_count": 1024, "embedding_length": 1 << 16, "feed_forward_length": 1 << 18, "attention.head_count": 1024,
+    "attention.head_count_kv": 1024, "attention.key_length": 4096, "attention.value_length": 4096,
+    "attention.sliding_window": 1 << 24, "context_length": 1 << 24,
+}
+
+
+class _Fields:
+    """Typed access to a config mapping: every wrong type or range is a ConfigError naming the field."""
+
+    def __init__(self, cfg: Mapping[str, Any], where: str, prefix: str = ""):
+        self.cfg, self.where, self.prefix = cfg, where, prefix
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.cfg.get(self.prefix + key, default)
+        if value is _MISSING or (value is None and default is _MISSING):
+            raise ConfigError(f"{self.where}: missing required field '{self.prefix + key}'")
+        return value
+
+    def int(self, key: str, default: Any = _MISSING, minimum: int = 1) -> int:
+        value = self._get(key, default)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        cap = _CAPS.get(key, 1 << 31)
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= cap:
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be an integer in [{minimum}, {cap}], "
+                              f"found {value!r}")
+        return value
+
+    def number(self, key: str, default: Any = _MISSING) -> float:
+        value = self._get(key, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be a positive number, found {value!r}")
+        return float(value)
+
+    def optional_number(self, key: str) -> float | None:
+        return None if self.cfg.get(self.prefix + key) is None else self.number(key)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(self.prefix + key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be true or false, found {value!r}")
+        return value
+
+    def token_ids(self, key: str, default: Any) -> tuple[int, ...]:
+        value = self.cfg.get(self.prefix + key)
+        value = default if value is None else value
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {value!r}")
+        return tuple(values)
 
 
 def _layer_types_from_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
@@ -150,12 +203,18 @@ def _layer_types_from_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 
-def _rope_from_dict(d: Mapping[str, Any], default_theta: float, where: str) -> RopeParameters:
+def _rope_from_dict(d: Any, default_theta: float, where: str, name: str) -> RopeParameters:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{where}: field '{name}' must be an object, found {type(d).__name__}")
+    fields = _Fields(d, where, "")
     rope_type = d.get("rope_type", d.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type {rope_type!r} in '{name}' is not supported "
+                          f"(supported: {', '.join(_SUPPORTED_ROPE_TYPES)})")
     return RopeParameters(
-        rope_theta=float(d.get("rope_theta", default_theta)),
-        rope_type=str(rope_type),
-        factor=float(d.get("factor", 1.0)) if rope_type == "linear" else 1.0,
+        rope_theta=fields.number("rope_theta", default_theta),
+        rope_type=rope_type,
+        factor=fields.number("factor", 1.0) if rope_type == "linear" else 1.0,
     )
 
 
@@ -190,61 +249,64 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     if cfg.get("use_bidirectional_attention"):
         raise ConfigError(f"{where}: use_bidirectional_attention is true; only causal decoders export")
 
-    num_layers = _require(cfg, "num_hidden_layers", where)
-    if "layer_types" in cfg and cfg["layer_types"] is not None:
-        layer_types = tuple(cfg["layer_types"])
+    f = _Fields(cfg, where)
+    num_layers = f.int("num_hidden_layers")
+    if cfg.get("layer_types") is not None:
+        layer_types = cfg["layer_types"]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ConfigError(f"{where}: field 'layer_types' must be a list of strings, found {layer_types!r:.80}")
+        layer_types = tuple(layer_types)
     else:
-        pattern = cfg.get("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN)
-        if not isinstance(pattern, int) or pattern <= 0:
-            raise ConfigError(f"{where}: sliding_window_pattern must be a positive integer, found {pattern!r}")
-        layer_types = _layer_types_from_pattern(int(num_layers), pattern)
+        layer_types = _layer_types_from_pattern(num_layers, f.int("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
 
     rope_parameters_raw = cfg.get("rope_parameters")
-    if isinstance(rope_parameters_raw, Mapping) and (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
+    if rope_parameters_raw is not None and not isinstance(rope_parameters_raw, Mapping):
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {type(rope_parameters_raw).__name__}")
+    if rope_parameters_raw and (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
         # transformers 5.x: one entry per layer type.
-        rope = {
-            lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, _DEFAULT_ROPE_THETA[lt], where)
-            for lt in (FULL, SLIDING)
-        }
+        rope = {lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, _DEFAULT_ROPE_THETA[lt], where,
+                                    f"rope_parameters.{lt}") for lt in (FULL, SLIDING)}
     else:
         # transformers 4.x: global base + scaling, local base separately (local is never scaled).
         scaling = cfg.get("rope_scaling") or rope_parameters_raw or {}
+        if not isinstance(scaling, Mapping):
+            raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {type(scaling).__name__}")
         full = dict(scaling)
-        full.setdefault("rope_theta", cfg.get("rope_theta", _DEFAULT_ROPE_THETA[FULL]))
+        full.setdefault("rope_theta", f.number("rope_theta", _DEFAULT_ROPE_THETA[FULL]))
         rope = {
-            FULL: _rope_from_dict(full, _DEFAULT_ROPE_THETA[FULL], where),
-            SLIDING: RopeParameters(float(cfg.get("rope_local_base_freq", _DEFAULT_ROPE_THETA[SLIDING]))),
+            FULL: _rope_from_dict(full, _DEFAULT_ROPE_THETA[FULL], where, "rope_scaling"),
+            SLIDING: RopeParameters(f.number("rope_local_base_freq", _DEFAULT_ROPE_THETA[SLIDING])),
         }
 
-    hidden = _require(cfg, "hidden_size", where)
-    heads = _require(cfg, "num_attention_heads", where)
-    head_dim = cfg.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) else None)
-    eos = cfg.get("eos_token_id", raw.get("eos_token_id", [1, 106]))
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
-    try:
-        config = GemmaConfig(
-            vocab_size=_require(cfg, "vocab_size", where),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size", where),
-            num_hidden_layers=num_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=_require(cfg, "num_key_value_heads", where),
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            sliding_window=cfg.get("sliding_window", 4096),
-            layer_types=layer_types,
-            rope_parameters=rope,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
-            bos_token_id=int(cfg.get("bos_token_id", raw.get("bos_token_id", 2))),
-            eos_token_id=tuple(int(e) for e in eos_ids),
-            pad_token_id=int(cfg.get("pad_token_id", raw.get("pad_token_id", 0)) or 0),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: a field has the wrong type: {exc}") from None
+    top = _Fields(raw, where)
+    vocab_size = f.int("vocab_size")
+    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", [1, 106]))
+    bos = f.token_ids("bos_token_id", raw.get("bos_token_id", 2))[0]
+    pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or 0)[0]
+    for name, ids in (("eos_token_id", eos), ("bos_token_id", (bos,)), ("pad_token_id", (pad,))):
+        if max(ids) >= vocab_size:
+            raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {vocab_size}")
+    config = GemmaConfig(
+        vocab_size=vocab_size,
+        hidden_size=f.int("hidden_size"),
+        intermediate_size=f.int("intermediate_size"),
+        num_hidden_layers=num_layers,
+        num_attention_heads=f.int("num_attention_heads"),
+        num_key_value_heads=f.int("num_key_value_heads"),
+        head_dim=f.int("head_dim", 256),  # transformers' Gemma3TextConfig default
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        sliding_window=f.int("sliding_window", 4096),
+        layer_types=layer_types,
+        rope_parameters=rope,
+        query_pre_attn_scalar=f.number("query_pre_attn_scalar", 256),
+        max_position_embeddings=f.int("max_position_embeddings", 131072),
+        tie_word_embeddings=top.boolean("tie_word_embeddings", f.boolean("tie_word_embeddings", True)),
+        final_logit_softcapping=f.optional_number("final_logit_softcapping"),
+        attn_logit_softcapping=f.optional_number("attn_logit_softcapping"),
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
     return config.validate(where)
 
 
@@ -256,8 +318,8 @@ def load_hf_config(path: Path) -> GemmaConfig:
     """
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON: {exc}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
     return config_from_hf_dict(raw, str(path))
 
 
@@ -276,42 +338,35 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     if arch != "gemma3":
         raise ConfigError(f"{where}: general.architecture is {arch!r}, expected 'gemma3'")
 
-    def get(key: str) -> Any:
-        full = f"gemma3.{key}"
-        if full not in meta:
-            raise ConfigError(f"{where}: missing GGUF metadata key '{full}'")
-        return meta[full]
-
-    num_layers = int(get("block_count"))
-    head_dim = int(get("attention.key_length"))
-    value_dim = int(meta.get("gemma3.attention.value_length", head_dim))
-    if value_dim != head_dim:
-        raise ConfigError(f"{where}: attention.value_length {value_dim} differs from key_length {head_dim}")
+    f = _Fields(meta, where, "gemma3.")
+    num_layers = f.int("block_count")
+    head_dim = f.int("attention.key_length")
+    if f.int("attention.value_length", head_dim) != head_dim:
+        raise ConfigError(f"{where}: attention.value_length differs from key_length {head_dim}")
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
-    factor = float(meta.get("gemma3.rope.scaling.factor", 1.0))
-    full_rope = RopeParameters(
-        rope_theta=float(meta.get("gemma3.rope.freq_base", _DEFAULT_ROPE_THETA[FULL])),
-        rope_type="linear" if scaling_type == "linear" and factor != 1.0 else "default",
-        factor=factor if scaling_type == "linear" else 1.0,
-    )
-    eos = meta.get("tokenizer.ggml.eos_token_id", 1)
-    eot = meta.get("tokenizer.ggml.eot_token_id", 106)
+    factor = f.number("rope.scaling.factor", 1.0)
+    linear = scaling_type == "linear" and factor != 1.0
+    full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", _DEFAULT_ROPE_THETA[FULL]),
+                               rope_type="linear" if linear else "default", factor=factor if linear else 1.0)
+    tokens = _Fields(meta, where, "tokenizer.ggml.")
+    eos = tokens.token_ids("eos_token_id", 1)[0]
+    eot = tokens.token_ids("eot_token_id", 106)[0]
     return GemmaConfig(
         vocab_size=int(vocab_rows),
-        hidden_size=int(get("embedding_length")),
-        intermediate_size=int(get("feed_forward_length")),
+        hidden_size=f.int("embedding_length"),
+        intermediate_size=f.int("feed_forward_length"),
         num_hidden_layers=num_layers,
-        num_attention_heads=int(get("attention.head_count")),
-        num_key_value_heads=int(get("attention.head_count_kv")),
+        num_attention_heads=f.int("attention.head_count"),
+        num_key_value_heads=f.int("attention.head_count_kv"),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        sliding_window=int(get("attention.sliding_window")),
+        rms_norm_eps=f.number("attention.layer_norm_rms_epsilon"),
+        sliding_window=f.int("attention.sliding_window"),
         layer_types=tuple(FULL if i % 6 == 5 else SLIDING for i in range(num_layers)),
         rope_parameters={FULL: full_rope, SLIDING: RopeParameters(_DEFAULT_ROPE_THETA[SLIDING])},
         query_pre_attn_scalar=float(head_dim),
-        max_position_embeddings=int(get("context_length")),
+        max_position_embeddings=f.int("context_length"),
         tie_word_embeddings=tied,
-        bos_token_id=int(meta.get("tokenizer.ggml.bos_token_id", 2)),
-        eos_token_id=tuple(dict.fromkeys((int(eos), int(eot)))),
-        pad_token_id=int(meta.get("tokenizer.ggml.padding_token_id", 0)),
+        bos_token_id=tokens.token_ids("bos_token_id", 2)[0],
+        eos_token_id=tuple(dict.fromkeys((eos, eot))),
+        pad_token_id=tokens.token_ids("padding_token_id", 0)[0],
     ).validate(where)

@@ -250,8 +250,12 @@ def export(
     int8_options = {f"int8_{k}": getattr(fmt, k, None) for k in ("block_size", "table_block_size", "hadamard_size")}
     model = build_model(ckpt, fmt, all_logits=all_logits)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    created = [p for p in reversed(out.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    except OSError as exc:
+        raise OutputError(f"{out}: cannot create the output folder: {exc.strerror or exc}") from None
     try:
         total = sum(1 for v in model.graph.initializers.values() if v.const_value is not None)
         done = 0
@@ -290,6 +294,9 @@ def export(
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for folder in reversed(created):  # parents this call created, innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes())

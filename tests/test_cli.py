@@ -59,7 +59,20 @@ CASES = {
     "contradicting config": (lambda c: c.update(layer_types=c["layer_types"][:3]), None,
                              ["layer_types has 3 entries but num_hidden_layers is 4"]),
     "vocab vs table rows": (lambda c: c.update(vocab_size=100), None, ["embed_tokens.weight", "expected [100, 64]"]),
-    "nan weight": (None, _nan("model.layers.0.mlp.gate_proj.weight"), ["gate_proj.weight", "nan", "index"]),
+    "nan weight": (None, _nan("model.layers.0.mlp.gate_proj.weight"), ["gate_proj.weight", "nan", "index (0, 3)"]),
+    "rope_theta string": (lambda c: c["rope_parameters"]["sliding_attention"].update(rope_theta="x"), None,
+                          ["'rope_theta' must be a positive number, found 'x'"]),
+    "rope_parameters list": (lambda c: c.update(rope_parameters=[1, 2]), None, ["'rope_parameters' must be an object"]),
+    "huge layer count": (lambda c: (c.update(num_hidden_layers=10**9), c.pop("layer_types")), None,
+                         ["'num_hidden_layers' must be an integer in [1, 1024], found 1000000000"]),
+    "tie as string": (lambda c: c.update(tie_word_embeddings="no"), None, ["'tie_word_embeddings' must be true or false"]),
+    "head_dim zero": (lambda c: c.update(head_dim=0), None, ["'head_dim' must be an integer"]),
+    "eos outside vocab": (lambda c: c.update(eos_token_id=10**6), None, ["eos_token_id 1000000 is not below vocab_size 96"]),
+    "softcap string": (lambda c: c.update(final_logit_softcapping="30"), None, ["'final_logit_softcapping' must be a positive number"]),
+    "integer weight": (None, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].astype(np.int32)}),
+                       ["model.norm.weight", "dtype I32"]),
+    "extra layer": (None, lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"]}),
+                    ["unexpected tensor 'model.layers.7.mlp.up_proj.weight'", "4 layers"]),
 }
 
 
@@ -79,6 +92,16 @@ def test_bad_source_one_line_exit_2_nothing_left(tiny_dir, tmp_path, case, dtype
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []  # no staging left
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # input untouched
+
+
+def test_output_under_a_file_and_created_parents_removed(tiny_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = _run("--source", tiny_dir, "--out", blocker / "sub", "--dtype", "fp32")
+    assert result.exit_code == 2 and "cannot create the output folder" in result.stderr
+    src = _broken_copy(tiny_dir, tmp_path, None, _nan("model.layers.0.mlp.up_proj.weight"))
+    result = _run("--source", src, "--out", tmp_path / "new" / "a" / "out", "--dtype", "int8", "--block-size", 16)
+    assert result.exit_code == 2 and not (tmp_path / "new").exists()
 
 
 def test_missing_source_path(tmp_path):

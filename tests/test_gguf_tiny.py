@@ -102,3 +102,34 @@ def test_gguf_export_matches_transformers(tiny_gguf, tmp_path):
     dec = OnnxDecoder(out)
     logits, _ = dec.forward(ids, np.ones_like(ids), np.arange(16)[None], dec.empty_cache(1))
     assert np.abs(logits - reference_logits(model, ids)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("gemma3.block_count", 10**9, "'gemma3.block_count' must be an integer in [1, 1024], found 1000000000"),
+    ("gemma3.block_count", "two", "'gemma3.block_count' must be an integer"),
+    ("gemma3.attention.layer_norm_rms_epsilon", "tiny", "'gemma3.attention.layer_norm_rms_epsilon' must be a positive number"),
+])
+def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
+    from gemma_export.errors import ConfigError
+
+    path = tmp_path / "bad.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    metadata = {"gemma3.context_length": 64, "gemma3.embedding_length": 32, "gemma3.block_count": 1,
+                "gemma3.feed_forward_length": 64, "gemma3.attention.head_count": 2, "gemma3.attention.head_count_kv": 1,
+                "gemma3.attention.key_length": 16, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+                "gemma3.attention.sliding_window": 8}
+    metadata[key] = value
+    for k, v in metadata.items():
+        if isinstance(v, str):
+            w.add_string(k, v)
+        elif isinstance(v, float):
+            w.add_float32(k, v)
+        else:
+            w.add_uint32(k, v)
+    w.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        open_source(path)

@@ -17,6 +17,7 @@ from ..config import load_hf_config
 from ..errors import FormatError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 
@@ -38,6 +39,8 @@ def _shard_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("expected an object mapping tensor names to shard file names")
             names = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise FormatError(f"{index}: cannot read 'weight_map': {exc}") from None
@@ -84,10 +87,17 @@ def read_hf_folder(folder: Path) -> Checkpoint:
                 for key in f.keys():
                     name = _hf_name(key)
                     if name not in wanted:
+                        if name and name.startswith("model.layers."):
+                            raise FormatError(f"{shard}: unexpected tensor '{key}': the config has "
+                                              f"{config.num_hidden_layers} layers")
                         continue
                     if name in tensors:
                         raise FormatError(f"{shard}: tensor '{name}' appears twice ('{key}' and {tensors[name].origin})")
-                    shape = tuple(int(x) for x in f.get_slice(key).get_shape())
+                    view = f.get_slice(key)
+                    if view.get_dtype() not in _FLOAT_DTYPES:
+                        raise FormatError(f"{shard}: tensor '{key}' has dtype {view.get_dtype()}, expected one of "
+                                          f"{', '.join(_FLOAT_DTYPES)}")
+                    shape = tuple(int(x) for x in view.get_shape())
                     tensors[name] = TensorRef(name, shape, f"{shard}:{key}", _reader(shard, key),
                                               _row_reader(shard, key) if len(shape) == 2 else None)
         except FormatError:
