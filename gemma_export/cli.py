@@ -126,6 +126,26 @@ def generate(
 
 
 @app.command()
+def verify(
+    model: Path = typer.Argument(..., help="An export folder (with manifest.json)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files),
+    then run the ONNX checker and an onnxruntime load.
+
+    Example: gemma-export verify gemma-3-270m-onnx-int8
+    """
+    from .export import verify_manifest
+
+    try:
+        files = verify_manifest(model)
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes) and loads in onnxruntime")
+
+
+@app.command()
 def inspect(
     path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors or .gguf file."),
     top: int = typer.Option(10, "--top", help="How many of the largest tensors to list."),

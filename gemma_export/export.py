@@ -22,7 +22,7 @@ from typing import Callable
 from . import __version__
 from .builder import build_model
 from .checkpoint import Checkpoint
-from .errors import ConfigError, OutputError, VerificationError
+from .errors import ConfigError, OutputError, SourceNotFoundError, VerificationError
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES,
@@ -166,6 +166,50 @@ def verify_folder(folder: Path) -> None:
         ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:
         raise VerificationError(f"{model_path}: onnxruntime cannot load the model: {exc}") from None
+
+
+def verify_manifest(folder: str | Path) -> dict[str, int]:
+    """Re-check an export folder against its ``manifest.json``: every listed file present with its
+    size and sha256, no unlisted file, external data only inside the folder, then
+    :func:`verify_folder` (ONNX checker + onnxruntime load).
+
+    Returns:
+        file name → size in bytes of the verified files.
+
+    Raises:
+        SourceNotFoundError: no manifest in the folder.
+        VerificationError: naming the first file that differs and how.
+    """
+    import onnx
+
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+        expected = {str(name): (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
+    for name, (size, digest) in expected.items():
+        path = folder / name
+        if Path(name).name != name or path.is_symlink() or not path.is_file():
+            raise VerificationError(f"{path}: listed in the manifest but missing, a link or outside the folder")
+        if path.stat().st_size != size:
+            raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
+        if _sha256(path) != digest:
+            raise VerificationError(f"{path}: sha256 differs from the manifest")
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE)
+    if extra:
+        raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
+    model = onnx.load(str(folder / MODEL_FILE), load_external_data=False)
+    for t in model.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location" and (Path(entry.value).name != entry.value or entry.value not in expected):
+                raise VerificationError(f"{folder / MODEL_FILE}: initializer '{t.name}' points at {entry.value!r}, "
+                                        "expected a file of this folder")
+    verify_folder(folder)
+    return {name: size for name, (size, _) in expected.items()}
 
 
 def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:

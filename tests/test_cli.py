@@ -153,3 +153,23 @@ def test_same_input_gives_byte_identical_files(tiny_dir, tmp_path):
 def test_generate_refuses_missing_model(tmp_path):
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 2 and "no exported model here" in result.stderr
+
+
+def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16).exit_code == 0
+    result = _run("verify", out)
+    assert result.exit_code == 0 and "matches its manifest" in result.stdout
+    data = out / "model.onnx.data"
+    original = data.read_bytes()
+    data.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])
+    result = _run("verify", out)
+    assert result.exit_code == 2 and "model.onnx.data: sha256 differs" in result.stderr
+    data.write_bytes(original)
+    (out / "stray.bin").write_bytes(b"x")
+    result = _run("verify", out)
+    assert result.exit_code == 2 and "files not in the manifest: stray.bin" in result.stderr
+    (out / "stray.bin").unlink()
+    (out / "genai_config.json").unlink()
+    result = _run("verify", out)
+    assert result.exit_code == 2 and "genai_config.json: listed in the manifest but missing" in result.stderr
