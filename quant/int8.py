@@ -1,5 +1,5 @@
-"""Symmetric block-wise int8 weights, the layout onnxruntime's ``MatMulNBits`` (bits=8) and
-``GatherBlockQuantized`` (bits=8) read.
+"""Symmetric block-wise int8 weights in the layout onnxruntime's ``MatMulNBits`` (bits=8) reads
+(``GatherBlockQuantized`` with bits=8 accepts it too).
 
 For a weight ``W[N, K]`` (PyTorch ``[out_features, in_features]``, or the ``[vocab, hidden]``
 embedding table) and a block size ``B`` dividing ``K``:
