@@ -12,9 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import json
 import math
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,7 +29,7 @@ _SAFETENSORS_DTYPES = {
     "F64": (np.float64, 8), "F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2),
     "I64": (np.int64, 8), "I32": (np.int32, 4), "I16": (np.int16, 2), "I8": (np.int8, 1),
     "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
-}
+}  # numpy view of each safetensors dtype (BF16 as its bits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,37 +131,12 @@ class Report:
 
 # ---- readers ------------------------------------------------------------------------------------
 def _safetensors_entries(path: Path) -> list[TensorEntry]:
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header (8-byte length)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > min(size - 8, 100 << 20):
-            raise FormatError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or 100 MiB")
-        try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise FormatError(f"{path}: safetensors header is not JSON: {exc}") from None
-    if not isinstance(header, dict):
-        raise FormatError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + header_len
+    from .sources.safetensors_header import read_header
+
     entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{path}: tensor '{name}' lacks dtype, shape or data_offsets") from None
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise FormatError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
-        item, width = _SAFETENSORS_DTYPES[dtype]
-        count = math.prod(shape)
-        if not (0 <= start <= end <= size - base) or end - start != count * width:
-            raise FormatError(f"{path}: tensor '{name}' offsets [{start}, {end}) disagree with shape {list(shape)} "
-                              f"× {width} bytes or the file size")
-        entries.append(TensorEntry(name, shape, dtype, end - start, count, path, base + start, np.dtype(item)))
+    for t in read_header(path):
+        item, _ = _SAFETENSORS_DTYPES[t.dtype]
+        entries.append(TensorEntry(t.name, t.shape, t.dtype, t.nbytes, math.prod(t.shape), path, t.offset, np.dtype(item)))
     return entries
 
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from ..checkpoint import Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
+from .safetensors_header import read_header
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -82,6 +83,7 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     total_bytes = 0
     for shard in _shard_files(folder):
         total_bytes += shard.stat().st_size
+        read_header(shard)  # named errors for a corrupt header before the library reads it
         try:
             with safe_open(str(shard), framework="numpy") as f:
                 for key in f.keys():

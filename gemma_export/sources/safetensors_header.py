@@ -1,0 +1,101 @@
+"""Validate a safetensors header before any tensor is read, with errors that name the tensor.
+
+Format (safetensors' README): an unsigned little-endian 64-bit header length ``N``, ``N`` bytes of
+JSON mapping each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets
+relative to the byte after the header), optional ``"__metadata__"``, then the data. Every check is
+done with Python integers against the real file size before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import struct
+from pathlib import Path
+
+from ..errors import FormatError
+
+#: bytes per element of each safetensors dtype
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor of a safetensors file: absolute byte ``offset`` of its data and ``nbytes``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _no_duplicates(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise FormatError(f"duplicate tensor name '{key}' in the header")
+        seen[key] = value
+    return seen
+
+
+def read_header(path: Path) -> list[HeaderEntry]:
+    """Parse and validate the header of ``path``.
+
+    Raises:
+        FormatError: too short, header length beyond the file or 100 MiB, not JSON, a duplicate
+            name, a missing field, an unknown dtype, a negative dim, offsets that disagree with
+            shape × dtype, overlap, leave gaps or do not cover the data exactly.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise FormatError(f"{path}: {size} bytes, too short for a safetensors header (8-byte length)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, MAX_HEADER_BYTES):
+            raise FormatError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or 100 MiB")
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw, object_pairs_hook=_no_duplicates)
+    except FormatError as exc:
+        raise FormatError(f"{path}: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FormatError(f"{path}: safetensors header is not JSON: {str(exc)[:120]}") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not a JSON object")
+    data_bytes = size - 8 - header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            if not all(isinstance(d, int) and not isinstance(d, bool) for d in [*shape, *offsets]) or len(offsets) != 2:
+                raise TypeError
+        except (KeyError, TypeError):
+            raise FormatError(f"{path}: tensor '{name}' lacks an integer shape, data_offsets or a dtype") from None
+        if dtype not in DTYPE_BYTES:
+            raise FormatError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
+        if any(d < 0 for d in shape):
+            raise FormatError(f"{path}: tensor '{name}' has a negative dimension in {shape}")
+        begin, end = offsets
+        expected = math.prod(shape) * DTYPE_BYTES[dtype]
+        if not 0 <= begin <= end <= data_bytes:
+            raise FormatError(f"{path}: tensor '{name}' data [{begin}, {end}) lies outside the {data_bytes} data bytes")
+        if end - begin != expected:
+            raise FormatError(f"{path}: tensor '{name}' holds {end - begin} bytes, shape {shape} × {dtype} needs {expected}")
+        entries.append(HeaderEntry(name, dtype, tuple(shape), 8 + header_len + begin, end - begin))
+    position = 0
+    for e in sorted(entries, key=lambda e: e.offset):
+        begin = e.offset - 8 - header_len
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else f"leaves a gap of {begin - position} bytes"
+            raise FormatError(f"{path}: tensor '{e.name}' at offset {begin} {what}")
+        position = begin + e.nbytes
+    if position != data_bytes:
+        raise FormatError(f"{path}: tensors cover {position} of the {data_bytes} data bytes (truncated or trailing data)")
+    return entries
