@@ -143,6 +143,9 @@ def _safetensors_entries(path: Path) -> list[TensorEntry]:
 def _gguf_entries(path: Path) -> list[TensorEntry]:
     import gguf
 
+    from .sources.gguf_header import validate_gguf
+
+    validate_gguf(path)
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:

@@ -17,6 +17,7 @@ from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resol
 from ..config import config_from_gguf_metadata
 from ..errors import FormatError
 from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
+from .gguf_header import validate_gguf
 
 #: GGUF block tensor name → transformers name suffix; ``True`` marks RMSNorm weights (+1 undone).
 _BLOCK_NAMES: dict[str, tuple[str, bool]] = {
@@ -87,6 +88,7 @@ def read_gguf(path: Path) -> Checkpoint:
     import gguf  # imported here: gguf-py takes ~0.3 s to import
 
     path = Path(path)
+    validate_gguf(path)  # named errors for forged counts, truncation and bad offsets first
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:  # gguf-py raises ValueError/struct.error/IndexError on corrupt files

@@ -1,0 +1,140 @@
+"""Walk a GGUF header and check every count, length, offset and size against the file and hard
+caps before gguf-py parses it (gguf-py trusts the header: a forged count makes it allocate or fail
+with numpy internals).
+
+Layout (ggml's ``docs/gguf.md``, versions 2 and 3): magic ``GGUF``, uint32 version, uint64 tensor
+count, uint64 metadata count; metadata ``(string key, uint32 type, value)``; tensor infos
+``(string name, uint32 n_dims, uint64 dims[n_dims], uint32 ggml type, uint64 offset)``; padding to
+``general.alignment`` (default 32); tensor data, each tensor at an aligned offset from there.
+Strings are a uint64 length then UTF-8 bytes. All integers are little-endian.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from pathlib import Path
+
+from ..errors import FormatError
+
+MAX_TENSORS = 1 << 20
+MAX_METADATA = 1 << 20
+MAX_STRING_BYTES = 1 << 24
+MAX_ARRAY_ITEMS = 1 << 26
+MAX_DIMS = 8
+DEFAULT_ALIGNMENT = 32
+#: metadata value type → struct format of a scalar (8 = string, 9 = array are handled apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, data, path: Path):
+        self.data, self.pos, self.path = data, 0, path
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > len(self.data):
+            raise FormatError(f"{self.path}: truncated: {what} needs {n} bytes at offset {self.pos}, "
+                              f"the file has {len(self.data)}")
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+    def unpack(self, fmt: str, what: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.unpack("<Q", f"{what} length")
+        if n > MAX_STRING_BYTES:
+            raise FormatError(f"{self.path}: {what} is {n} bytes long, limit {MAX_STRING_BYTES}")
+        try:
+            return self.take(n, what).decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"{self.path}: {what} at offset {self.pos - n} is not UTF-8") from None
+
+    def skip_value(self, kind: int, what: str) -> object:
+        if kind in _SCALARS:
+            return self.unpack(_SCALARS[kind], what)
+        if kind == _STRING:
+            return self.string(what)
+        if kind == _ARRAY:
+            item_kind = self.unpack("<I", f"{what} item type")
+            count = self.unpack("<Q", f"{what} item count")
+            if count > MAX_ARRAY_ITEMS:
+                raise FormatError(f"{self.path}: {what} has {count} items, limit {MAX_ARRAY_ITEMS}")
+            if item_kind in _SCALARS:
+                self.take(count * struct.calcsize(_SCALARS[item_kind]), what)
+            elif item_kind == _STRING:
+                for i in range(count):
+                    n = self.unpack("<Q", f"{what}[{i}] length")
+                    if n > MAX_STRING_BYTES:
+                        raise FormatError(f"{self.path}: {what}[{i}] is {n} bytes long, limit {MAX_STRING_BYTES}")
+                    self.take(n, f"{what}[{i}]")
+            else:
+                raise FormatError(f"{self.path}: {what} has unsupported array item type {item_kind}")
+            return None
+        raise FormatError(f"{self.path}: {what} has unknown value type {kind}")
+
+
+def validate_gguf(path: Path) -> None:
+    """Check a GGUF file's header and tensor layout.
+
+    Raises:
+        FormatError: bad magic or version, counts or lengths beyond the caps or the file, an unknown
+            value or ggml type, a tensor whose data is misaligned, overlaps another or runs past the end.
+    """
+    import gguf
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise FormatError(f"{path}: {size} bytes, too short for a GGUF header (24)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        c = _Cursor(data, path)
+        if c.take(4, "magic") != b"GGUF":
+            raise FormatError(f"{path}: bad magic {bytes(data[:4])!r}, expected b'GGUF'")
+        version = c.unpack("<I", "version")
+        if version not in (2, 3):
+            raise FormatError(f"{path}: GGUF version {version}, expected 2 or 3")
+        n_tensors, n_meta = c.unpack("<Q", "tensor count"), c.unpack("<Q", "metadata count")
+        if n_tensors > MAX_TENSORS or n_meta > MAX_METADATA:
+            raise FormatError(f"{path}: {n_tensors} tensors / {n_meta} metadata entries, limits {MAX_TENSORS} / {MAX_METADATA}")
+        alignment = DEFAULT_ALIGNMENT
+        for i in range(n_meta):
+            key = c.string(f"metadata key #{i}")
+            kind = c.unpack("<I", f"type of '{key}'")
+            value = c.skip_value(kind, f"metadata '{key}'")
+            if key == "general.alignment":
+                if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                    raise FormatError(f"{path}: general.alignment {value!r} is not a power of two")
+                alignment = value
+        tensors = []
+        for i in range(n_tensors):
+            name = c.string(f"tensor name #{i}")
+            n_dims = c.unpack("<I", f"dims of '{name}'")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise FormatError(f"{path}: tensor '{name}' has {n_dims} dims, expected 1..{MAX_DIMS}")
+            dims = [c.unpack("<Q", f"dim of '{name}'") for _ in range(n_dims)]
+            kind = c.unpack("<I", f"type of '{name}'")
+            offset = c.unpack("<Q", f"offset of '{name}'")
+            try:
+                block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise FormatError(f"{path}: tensor '{name}' has unknown ggml type {kind}") from None
+            elements = 1
+            for d in dims:
+                elements *= d
+            if dims[0] % block or elements > 1 << 40:
+                raise FormatError(f"{path}: tensor '{name}' dims {dims} do not fit ggml type {kind} (block {block})")
+            tensors.append((offset, elements // block * type_bytes, name))
+        data_start = -(-c.pos // alignment) * alignment
+        position = 0
+        for offset, nbytes, name in sorted(tensors):
+            if offset % alignment:
+                raise FormatError(f"{path}: tensor '{name}' offset {offset} is not a multiple of {alignment}")
+            if offset < position:
+                raise FormatError(f"{path}: tensor '{name}' at offset {offset} overlaps the previous tensor")
+            if data_start + offset + nbytes > size:
+                raise FormatError(f"{path}: tensor '{name}' ends at byte {data_start + offset + nbytes}, "
+                                  f"past the end of the file ({size} bytes): truncated")
+            position = offset + nbytes
