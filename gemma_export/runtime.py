@@ -122,6 +122,33 @@ class OnnxDecoder:
                 break
         return new_ids, timings[0] if timings else 0.0, timings[1:]
 
+    def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy decoding of several prompts at once, left-padded with ``attention_mask`` 0 and
+        ``position_ids`` counted over real tokens only; each row gives the tokens it would alone.
+        Rows keep decoding after their own stop token; callers cut each row at its first stop id."""
+        batch = len(prompts)
+        if batch == 0:
+            return []
+        longest = max(len(p) for p in prompts)
+        self.check_length(longest + max_new_tokens)
+        ids = np.zeros((batch, longest), np.int64)
+        mask = np.zeros((batch, longest), np.int64)
+        for row, prompt in enumerate(prompts):
+            ids[row, longest - len(prompt):] = prompt
+            mask[row, longest - len(prompt):] = 1
+        positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+        past = self.empty_cache(batch)
+        out: list[list[int]] = [[] for _ in prompts]
+        for _ in range(max_new_tokens):
+            logits, past = self.forward(ids, mask, positions, past)
+            tokens = logits[:, -1].argmax(-1)
+            for row, token in enumerate(tokens):
+                out[row].append(int(token))
+            ids = tokens[:, None].astype(np.int64)
+            positions = positions[:, -1:] + 1
+            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        return out
+
     def teacher_forced_logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Logits after each token, fed one at a time through the KV cache: float32 ``[len, vocab]``.
 

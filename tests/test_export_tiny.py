@@ -159,3 +159,20 @@ def test_transformers_4x_config_form(tiny_model, tiny_dir, tmp_path):
     out = export(src, tmp_path / "out", "fp32", all_logits=True).out_dir
     ids = _ids(seed=10)
     assert np.abs(_prefill(OnnxDecoder(out), ids)[0] - reference_logits(tiny_model, ids)).max() <= 1e-4
+
+
+def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
+    decoder = OnnxDecoder(fp32_all)
+    prompts = [[2, 17, 33, 52, 9, 71, 40, 12, 5, 60], [2, 44, 8], [2, 90, 91, 3, 4, 5, 6]]
+    batched = decoder.greedy_batch(prompts, 12)
+    for prompt, row in zip(prompts, batched):
+        alone, _, _ = decoder.greedy(prompt, 12, stop_ids=[])
+        assert row == alone
+
+
+def test_prompt_longer_than_max_positions_is_refused(fp32_all):
+    from gemma_export.errors import GemmaExportError
+
+    decoder = OnnxDecoder(fp32_all)
+    with pytest.raises(GemmaExportError, match="exceeds the model's max_position_embeddings 256"):
+        decoder.greedy(list(range(3, 90)) * 3, 8)
