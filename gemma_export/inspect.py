@@ -234,10 +234,50 @@ def _equal_transposed(a: TensorEntry, b: TensorEntry, block_bytes: int = CHUNK_B
     return True
 
 
+#: float storage types by name in each format, widest first: a narrower copy of a wider tensor is
+#: "the same values in another precision" when the wide values rounded to it equal it.
+_FLOAT_RANK = {"F32": 0, "FLOAT": 0, "F16": 1, "FLOAT16": 1, "BF16": 1, "BFLOAT16": 1}
+
+
+def _to_float32(entry: TensorEntry, chunk: bytes) -> np.ndarray:
+    if entry.dtype in ("BF16", "BFLOAT16"):
+        return (np.frombuffer(chunk, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(chunk, entry.item_dtype).astype(np.float32)
+
+
+def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
+    """``values`` rounded to ``narrow``'s precision, both ways seen in the wild (nearest even, and
+    the reference archives' bf16 truncation)."""
+    if narrow.dtype in ("BF16", "BFLOAT16"):
+        import ml_dtypes
+
+        nearest = values.astype(ml_dtypes.bfloat16).astype(np.float32)
+        truncated = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        return [nearest, truncated]
+    return [values.astype(np.float16).astype(np.float32)]
+
+
+def _same_after_dequantization(wide: TensorEntry, narrow: TensorEntry) -> bool:
+    """Stream both tensors and compare the wide one rounded to the narrow one's precision."""
+    wide_chunks, narrow_chunks = wide.chunks(), narrow.chunks()
+    ratio = wide.item_dtype.itemsize // 2  # bytes of wide per byte-pair of narrow
+    buffer = b""
+    for piece in narrow_chunks:
+        narrow_values = _to_float32(narrow, piece)
+        need = len(piece) * ratio
+        while len(buffer) < need:
+            buffer += next(wide_chunks)
+        wide_values, buffer = _to_float32(wide, buffer[:need]), buffer[need:]
+        if not any(np.array_equal(r, narrow_values, equal_nan=True) for r in _round_like(wide_values, narrow)):
+            return False
+    return True
+
+
 def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
     """Groups of tensors stored more than once: identical bytes (any shape, e.g. a flat 1-D copy of a
-    2-D table), and 2-D tensors equal to another's transpose. Only tensors ≥ 64 KiB are checked;
-    hashing reads only tensors whose byte size matches another's."""
+    2-D table), 2-D tensors equal to another's transpose, and the same values stored in two float
+    precisions (float32 and bf16/f16). Only tensors ≥ 64 KiB are checked; hashing reads only
+    tensors whose byte size matches another's."""
     big = [e for e in entries if e.nbytes >= MIN_DUPLICATE_BYTES]
     by_size: dict[tuple[int, str], list[TensorEntry]] = collections.defaultdict(list)
     for e in big:
@@ -256,6 +296,11 @@ def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
             for b in matrices[i + 1:]:
                 if a.shape == b.shape[::-1] and a.shape[0] != a.shape[1] and _equal_transposed(a, b):
                     groups.append(DuplicateGroup("transposed", (a.name, b.name), nbytes))
+    floats = [e for e in big if e.dtype in _FLOAT_RANK and e.item_dtype is not None]
+    for wide in (e for e in floats if _FLOAT_RANK[e.dtype] == 0):
+        for narrow in (e for e in floats if _FLOAT_RANK[e.dtype] == 1 and e.elements == wide.elements):
+            if _same_after_dequantization(wide, narrow):
+                groups.append(DuplicateGroup("same values, two precisions", (wide.name, narrow.name), narrow.nbytes))
     return sorted(groups, key=lambda g: -g.wasted_bytes)
 
 

@@ -88,3 +88,18 @@ def test_real_gguf_has_no_false_duplicates():
 
     report = inspect_path(bundled_gguf_path())
     assert report.duplicates == [] and report.total_elements == 268_098_176
+
+
+def test_same_values_in_two_precisions(tmp_path):
+    import ml_dtypes
+
+    table = rng.standard_normal((512, 128)).astype(np.float32)
+    bf16_nearest = table.astype(ml_dtypes.bfloat16)
+    bf16_truncated = (table.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+    other = rng.standard_normal((512, 128)).astype(ml_dtypes.bfloat16)
+    path = tmp_path / "mixed.safetensors"
+    save_file({"f32": table, "bf16_rne": bf16_nearest, "bf16_trunc": bf16_truncated.reshape(-1), "other": other}, str(path))
+    groups = _groups(inspect_path(path))
+    assert ("same values, two precisions", ("bf16_rne", "f32")) in groups
+    assert ("same values, two precisions", ("bf16_trunc", "f32")) in groups
+    assert not any("other" in names for _, names in groups)
