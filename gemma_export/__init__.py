@@ -14,7 +14,7 @@ __all__ = ["export", "generate", "open_source", "__version__"]
 
 def __getattr__(name):  # lazy: keep `gemma-export --help` fast
     if name == "export":
-        from .export import export
+        from .exporter import export
         return export
     if name == "generate":
         from .runtime import generate

@@ -72,7 +72,7 @@ def main(
         return
     from tqdm import tqdm
 
-    from .export import export
+    from .exporter import export
 
     bar = tqdm(total=0, unit="tensor", desc="writing", disable=None, file=sys.stderr)
 
@@ -135,7 +135,7 @@ def verify(
 
     Example: gemma-export verify gemma-3-270m-onnx-int8
     """
-    from .export import verify_manifest
+    from .exporter import verify_manifest
 
     try:
         files = verify_manifest(model)

@@ -173,3 +173,20 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     (out / "genai_config.json").unlink()
     result = _run("verify", out)
     assert result.exit_code == 2 and "genai_config.json: listed in the manifest but missing" in result.stderr
+
+
+def test_python_api_from_readme(tiny_dir, tmp_path):
+    # the README's snippet: `from gemma_export import export, generate` gives the functions
+    import importlib
+
+    import gemma_export
+
+    importlib.reload(gemma_export)
+    from gemma_export import export, generate
+
+    assert callable(export) and callable(generate)
+    from gemma_export import export as again
+
+    assert again is export
+    result = export(tiny_dir, tmp_path / "api", "fp32")
+    assert result.table_initializers == 1 and (result.out_dir / "model.onnx").is_file()

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
-from gemma_export.export import count_table_initializers, export
+from gemma_export.exporter import count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
 SEQ = 20  # > sliding_window (6): the window matters in prefill and in decode

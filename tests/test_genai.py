@@ -4,7 +4,7 @@ greedy tokens as our own onnxruntime loop."""
 import numpy as np
 import pytest
 
-from gemma_export.export import export
+from gemma_export.exporter import export
 from gemma_export.runtime import OnnxDecoder
 
 og = pytest.importorskip("onnxruntime_genai")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_model, reference_logits
-from gemma_export.export import export
+from gemma_export.exporter import export
 from gemma_export.runtime import OnnxDecoder
 from gemma_export.sources import open_source
 

@@ -12,7 +12,7 @@ from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 from gemma_export.cli import app
-from gemma_export.export import export
+from gemma_export.exporter import export
 from gemma_export.inspect import inspect_path
 
 rng = np.random.default_rng(0)
