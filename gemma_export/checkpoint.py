@@ -54,14 +54,17 @@ class TensorRef:
         if tuple(array.shape) != self.shape:
             raise FormatError(f"{self.origin}: read shape {tuple(array.shape)}, declared {self.shape}")
         if not allow_non_finite:
-            finite = np.isfinite(array)
-            if not finite.all():
-                index = np.unravel_index(int(np.argmin(finite)), array.shape)
-                raise NumericError(
-                    f"{self.origin}: tensor '{self.name}' holds {array[index]} at index "
-                    f"{tuple(int(i) for i in index)}; weights must be finite"
-                )
+            self.check_finite(array)
         return array
+
+    def check_finite(self, values: np.ndarray, first_row: int = 0) -> None:
+        """Raises NumericError naming the first NaN/Inf of ``values`` (rows from ``first_row`` on)."""
+        finite = np.isfinite(values)
+        if not finite.all():
+            index = np.unravel_index(int(np.argmin(finite)), values.shape)
+            where = (first_row + int(index[0]), *(int(i) for i in index[1:]))
+            raise NumericError(f"{self.origin}: tensor '{self.name}' holds {values[index]} at index "
+                               f"{where}; weights must be finite")
 
 
 class RowView:
@@ -81,11 +84,7 @@ class RowView:
                 self._full = self.ref.load()
             return self._full[start:stop]
         rows = np.asarray(self.ref.row_reader(start, stop), dtype=np.float32)
-        finite = np.isfinite(rows)
-        if not finite.all():
-            r, c = np.unravel_index(int(np.argmin(finite)), rows.shape)
-            raise NumericError(f"{self.ref.origin}: tensor '{self.ref.name}' holds {rows[r, c]} at index "
-                               f"({start + int(r)}, {int(c)}); weights must be finite")
+        self.ref.check_finite(rows, first_row=start)
         return rows
 
 

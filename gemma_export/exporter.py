@@ -62,6 +62,11 @@ class ExportResult:
         return sum(self.files.values())
 
 
+def _is_block_size(value: int) -> bool:
+    # MatMulNBits: a power of two >= 16
+    return value >= 16 and not value & (value - 1)
+
+
 def int8_block_size(checkpoint: Checkpoint, requested: int | None, dims: tuple[int, ...] | None = None,
                     default: int = DEFAULT_INT8_BLOCK_SIZE, option: str = "--block-size") -> int:
     """Block size for int8: ``requested``, or the largest power of two ≤ ``default`` dividing every
@@ -74,7 +79,7 @@ def int8_block_size(checkpoint: Checkpoint, requested: int | None, dims: tuple[i
     c = checkpoint.config
     dims = dims or (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
     if requested is not None:
-        if requested < 16 or requested & (requested - 1) or any(d % requested for d in dims):
+        if not _is_block_size(requested) or any(d % requested for d in dims):
             raise ConfigError(
                 f"{option} {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dims))}")
         return requested
@@ -278,7 +283,7 @@ def export(
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
-        if value is not None and (value < 16 or value & (value - 1)):  # before the (slow) source is read
+        if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16")
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)

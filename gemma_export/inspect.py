@@ -25,11 +25,11 @@ CHUNK_BYTES = 8 << 20
 #: are often legitimately equal).
 MIN_DUPLICATE_BYTES = 1 << 16
 
+#: numpy view of each safetensors dtype (BF16 as its bits); sizes live in safetensors_header
 _SAFETENSORS_DTYPES = {
-    "F64": (np.float64, 8), "F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2),
-    "I64": (np.int64, 8), "I32": (np.int32, 4), "I16": (np.int16, 2), "I8": (np.int8, 1),
-    "U8": (np.uint8, 1), "BOOL": (np.bool_, 1),
-}  # numpy view of each safetensors dtype (BF16 as its bits)
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +135,8 @@ def _safetensors_entries(path: Path) -> list[TensorEntry]:
 
     entries = []
     for t in read_header(path):
-        item, _ = _SAFETENSORS_DTYPES[t.dtype]
-        entries.append(TensorEntry(t.name, t.shape, t.dtype, t.nbytes, math.prod(t.shape), path, t.offset, np.dtype(item)))
+        entries.append(TensorEntry(t.name, t.shape, t.dtype, t.nbytes, math.prod(t.shape), path, t.offset,
+                                   np.dtype(_SAFETENSORS_DTYPES[t.dtype])))
     return entries
 
 
