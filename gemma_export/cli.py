@@ -194,5 +194,41 @@ def dedupe(
     typer.echo(f"outputs on random inputs: max |diff| {result.max_abs_diff:.3g}")
 
 
+@app.command()
+def bench(
+    model: Path = typer.Option(..., "--model", help="An export folder."),
+    threads: int = typer.Option(2, "--threads", help="onnxruntime intra-op threads (the board has 2 cores)."),
+    prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt."),
+    board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text file for prompts (default: the Python license, else numpy's)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
+    ms/token (median, p90), tokens/s, Anonymous and Rss memory growth, peak memory, archive size.
+
+    Example: gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
+    """
+    from .bench import format_result, main_json, run_bench, write_plot
+
+    try:
+        try:
+            lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+        except ValueError:
+            raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
+        result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
+                           text=text, progress=lambda msg: typer.echo(msg, err=True))
+        typer.echo(format_result(result))
+        if json_out is not None:
+            main_json(result, json_out)
+        if plot is not None:
+            write_plot([result], plot)
+            typer.echo(f"plot: {plot}")
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+
+
 if __name__ == "__main__":
     app()

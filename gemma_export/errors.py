@@ -36,3 +36,7 @@ class OutputError(GemmaExportError):
 
 class VerificationError(GemmaExportError):
     """A written artifact failed its check (ONNX checker, onnxruntime load, checksums)."""
+
+
+class ResourceError(GemmaExportError):
+    """A measured resource (memory, disk) exceeds the budget the user asked for."""

@@ -40,6 +40,22 @@ def snapshot() -> MemorySnapshot:
     return MemorySnapshot(f.get("Rss", 0), f.get("Anonymous", 0))
 
 
+def release_free_heap() -> None:
+    """Give freed heap pages back to the kernel (glibc ``malloc_trim(0)``; no-op elsewhere).
+
+    Call it before a baseline ``snapshot()``: memory freed earlier (e.g. by tokenizer loading) would
+    otherwise be reused silently and make later growth look smaller than it is.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
+
+
 def peak_rss_bytes() -> int:
     """Peak resident memory of this process (``VmHWM``), bytes."""
     return _kb_fields("/proc/self/status").get("VmHWM", 0)

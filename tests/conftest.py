@@ -62,3 +62,18 @@ def reference_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | 
         ids = torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
         mask = None if attention_mask is None else torch.from_numpy(np.asarray(attention_mask, dtype=np.int64))
         return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float().numpy()
+
+
+def write_char_tokenizer(folder: Path, vocab_size: int = 96) -> Path:
+    """A character-level ``tokenizer.json`` whose ids fit a tiny vocabulary: 0 <pad>, 1 <eos>,
+    2 <bos> (prepended), 3 <unk>, then lower-case letters, digits and punctuation."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789 .,;:'\"()-\n"
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3}
+    vocab.update({c: 4 + i for i, c in enumerate(chars[: vocab_size - 4])})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(folder / "tokenizer.json"))
+    return folder

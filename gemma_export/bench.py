@@ -1,0 +1,243 @@
+"""``gemma-export bench``: latency and memory of an export under onnxruntime, on real text.
+
+What is measured, in one process and in this order:
+
+1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it;
+2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
+   ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
+3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
+   of issue #2) and after everything (the 512-token prefill's working memory included);
+4. peak resident memory (``VmHWM``), archive size.
+
+Decode medians and p90 exclude the first ``WARMUP_STEPS`` steps of each prompt. The figures are
+machine-dependent; compare ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import GemmaExportError, ResourceError
+from .memory import peak_rss_bytes, release_free_heap, snapshot
+
+WARMUP_STEPS = 4
+
+#: Boards we know: intra-op threads and usable memory (bytes), and the headroom bench insists on.
+BOARDS = {"sl2610": {"threads": 2, "memory_bytes": 1_900_000_000, "headroom_bytes": 300_000_000}}
+
+
+def real_text(path: str | Path | None = None) -> tuple[str, str]:
+    """Real English written by others, for prompts: ``(text, where it came from)``.
+
+    Default: the Python license shipped with the interpreter (``LICENSE.txt`` in the standard
+    library), else the license file of the installed numpy (Debian's Python omits the former).
+
+    Raises:
+        SourceNotFoundError: ``path`` is given and missing, or no default text is installed.
+    """
+    from importlib import metadata
+
+    from .errors import SourceNotFoundError
+
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SourceNotFoundError(f"{p}: text file not found")
+        return p.read_text(encoding="utf-8", errors="replace"), str(p)
+    candidate = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if candidate.is_file():
+        return candidate.read_text(encoding="utf-8"), str(candidate)
+    try:
+        for f in metadata.distribution("numpy").files or ():
+            if f.name.upper().startswith("LICENSE"):
+                located = Path(f.locate())
+                if located.is_file() and located.stat().st_size > 4000:
+                    return located.read_text(encoding="utf-8", errors="replace"), str(located)
+    except metadata.PackageNotFoundError:
+        pass
+    raise SourceNotFoundError("no real text found (Python's LICENSE.txt, numpy's LICENSE); pass --text FILE")
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """Figures of one ``bench`` run. Times in ms (session creation in s), memory in bytes."""
+
+    model: str
+    threads: int | None
+    archive_bytes: int
+    session_create_s: float
+    prefill_ms: dict[int, float]
+    decode_ms_median: float
+    decode_ms_p90: float
+    tokens_per_s: float
+    decode_curve: list[tuple[int, float]]  # (context length, ms) for every timed decode step
+    anon_growth_short_bytes: int  # session creation + shortest prompt + its decode steps
+    rss_growth_short_bytes: int
+    anon_growth_bytes: int  # after every prompt length
+    rss_growth_bytes: int
+    peak_rss_bytes: int
+    text_source: str
+    board: str | None = None
+    board_memory_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _archive_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
+
+
+def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Sequence[int] = (16, 128, 512),
+              new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
+
+    Args:
+        model_dir: an export folder (``model.onnx``, ``model.onnx.data``, ``tokenizer.json``).
+        threads: intra-op threads (``board`` overrides it).
+        prompt_tokens: prompt lengths in tokens, each > 0.
+        new_tokens: decode steps after each prompt, > ``WARMUP_STEPS``.
+        board: a key of ``BOARDS``: sets threads and checks the memory budget.
+        text: a text file for prompts (default: ``real_text()``).
+
+    Raises:
+        GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
+        ResourceError: ``board`` given and peak resident memory leaves less than its headroom.
+    """
+    from .runtime import OnnxDecoder, load_tokenizer
+
+    say = progress or (lambda _msg: None)
+    model_dir = Path(model_dir)
+    lengths = sorted(set(int(n) for n in prompt_tokens))
+    if not lengths or lengths[0] <= 0:
+        raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
+    if new_tokens <= WARMUP_STEPS:
+        raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
+    spec = None
+    if board is not None:
+        if board not in BOARDS:
+            raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
+        spec = BOARDS[board]
+        threads = spec["threads"]
+    body, source = real_text(text)
+    ids = load_tokenizer(model_dir).encode(body).ids
+    if len(ids) < lengths[-1]:
+        raise GemmaExportError(f"{source}: {len(ids)} tokens, fewer than the longest prompt ({lengths[-1]})")
+
+    release_free_heap()
+    before = snapshot()
+    t0 = time.perf_counter()
+    decoder = OnnxDecoder(model_dir, threads=threads)
+    create_s = time.perf_counter() - t0
+    say(f"session created in {create_s:.1f} s")
+    decoder.check_length(lengths[-1] + new_tokens)
+
+    prefill_ms: dict[int, float] = {}
+    timed: list[float] = []
+    curve: list[tuple[int, float]] = []
+    short = None
+    for n in lengths:
+        prompt = np.asarray([ids[:n]], np.int64)  # the tokenizer prepends <bos>
+        past = decoder.empty_cache(1)
+        t0 = time.perf_counter()
+        logits, past = decoder.forward(prompt, np.ones_like(prompt), np.arange(n, dtype=np.int64)[None], past)
+        prefill_ms[n] = (time.perf_counter() - t0) * 1e3
+        token = int(logits[0, -1].argmax())
+        for step in range(new_tokens):
+            position = n + step
+            t0 = time.perf_counter()
+            logits, past = decoder.forward(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
+                                           np.asarray([[position]], np.int64), past)
+            ms = (time.perf_counter() - t0) * 1e3
+            token = int(logits[0, -1].argmax())
+            if step >= WARMUP_STEPS:
+                timed.append(ms)
+                curve.append((position + 1, ms))
+        say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median "
+            f"{statistics.median(timed[-(new_tokens - WARMUP_STEPS):]):.1f} ms/token")
+        if short is None:
+            short = snapshot() - before
+    after = snapshot() - before
+    median = statistics.median(timed)
+    p90 = float(np.percentile(timed, 90))
+    result = BenchResult(
+        model=str(model_dir), threads=threads, archive_bytes=_archive_bytes(model_dir), session_create_s=create_s,
+        prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
+        decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
+        anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak_rss_bytes(),
+        text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None)
+    if spec is not None and result.peak_rss_bytes > spec["memory_bytes"] - spec["headroom_bytes"]:
+        raise ResourceError(
+            f"{model_dir}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
+            f"{(spec['memory_bytes'] - result.peak_rss_bytes) / 1e6:,.0f} MB of the {board}'s "
+            f"{spec['memory_bytes'] / 1e9:.1f} GB; at least {spec['headroom_bytes'] / 1e6:.0f} MB must stay free")
+    return result
+
+
+def format_result(r: BenchResult) -> str:
+    """A human-readable summary of a ``BenchResult``."""
+    a = r.archive_bytes
+    lines = [
+        f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
+        f"session creation {r.session_create_s:.2f} s",
+        *[f"prefill {n:>5} tok  {ms:,.1f} ms" for n, ms in r.prefill_ms.items()],
+        f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
+        f"({r.tokens_per_s:.1f} tokens/s)",
+        f"memory growth    after the {min(r.prefill_ms)}-token prompt: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
+        f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
+        f"({r.rss_growth_short_bytes / a:.2f}x)",
+        f"                 after all prompts: Anonymous {r.anon_growth_bytes / 1e6:,.0f} MB "
+        f"({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB ({r.rss_growth_bytes / a:.2f}x)",
+        f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
+        f"prompts          real text from {r.text_source}",
+    ]
+    if r.board:
+        lines.append(f"board {r.board}: {(r.board_memory_bytes - r.peak_rss_bytes) / 1e6:,.0f} MB of "
+                     f"{r.board_memory_bytes / 1e9:.1f} GB left at peak")
+    return "\n".join(lines)
+
+
+def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None) -> None:
+    """ms/token against context length, one line per result (needs matplotlib).
+
+    Raises:
+        GemmaExportError: matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise GemmaExportError("--plot needs matplotlib: pip install matplotlib") from exc
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(results):
+        xs, ys = zip(*r.decode_curve)
+        ax.plot(xs, ys, ".", markersize=3, label=labels[i] if labels else Path(r.model).name)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode ms/token")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_json(result: BenchResult, path: str | Path | None) -> None:
+    """Write ``result`` as JSON to ``path`` (``-`` = stdout)."""
+    text = json.dumps(result.to_dict(), indent=2)
+    if path in (None, "-"):
+        sys.stdout.write(text + "\n")
+    else:
+        Path(path).write_text(text + "\n")

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# An emulated SL2610-like board: run a command on aarch64 Linux under qemu-user on an x86-64 host.
+#
+# Usage:
+#   sudo tools/aarch64/run.sh gemma-export generate --model DIR --prompt "The capital of France is"
+#   sudo tools/aarch64/run.sh gemma-export bench --model DIR --board sl2610
+#   sudo tools/aarch64/run.sh python -c "import platform; print(platform.machine())"
+#   sudo tools/aarch64/run.sh shell                 # an interactive shell on the emulated board
+#
+# The first run builds, once, an arm64 Debian root filesystem (debootstrap) with Python and a venv
+# holding the aarch64 wheels of the toolkit's runtime dependencies (from PyPI); later runs reuse it.
+# Each run bind-mounts this checkout, the current directory and /tmp at the same paths inside, so
+# host paths work unchanged, and runs the checkout's code (PYTHONPATH) with the venv's Python.
+#
+# Needs: root (chroot, mounts), qemu-user-static, debootstrap, and binfmt_misc (the script registers
+# qemu-aarch64 when binfmt-support is installed):  apt-get install qemu-user-static debootstrap binfmt-support
+#
+# Environment: GX_AARCH64_ROOTFS (default ~/.cache/gemma-export/aarch64-rootfs),
+#   GX_AARCH64_SUITE (Debian suite, default trixie), GX_AARCH64_MIRROR (default deb.debian.org),
+#   GX_AARCH64_BIND (extra host folders to bind, colon-separated).
+set -euo pipefail
+
+ROOTFS=${GX_AARCH64_ROOTFS:-$HOME/.cache/gemma-export/aarch64-rootfs}
+SUITE=${GX_AARCH64_SUITE:-trixie}
+MIRROR=${GX_AARCH64_MIRROR:-http://deb.debian.org/debian}
+PROJECT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+VENV=/opt/gx
+
+die() { echo "error: $*" >&2; exit 2; }
+say() { echo "[aarch64] $*" >&2; }
+
+[ $# -ge 1 ] || die "no command given; e.g. tools/aarch64/run.sh gemma-export --help"
+[ "$(id -u)" = 0 ] || die "tools/aarch64/run.sh needs root (chroot and bind mounts); run it with sudo"
+[ "$(uname -m)" = x86_64 ] || [ "$(uname -m)" = aarch64 ] || die "host $(uname -m): expected x86_64 (or aarch64)"
+if [ "$(uname -m)" = x86_64 ]; then
+  command -v qemu-aarch64-static >/dev/null || die "qemu-aarch64-static not found; install it: apt-get install qemu-user-static binfmt-support"
+  if [ ! -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ]; then
+    [ -e /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc 2>/dev/null || true
+    command -v update-binfmts >/dev/null && update-binfmts --enable qemu-aarch64 >/dev/null 2>&1 || true
+    [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || die "binfmt_misc has no qemu-aarch64 entry and registering it failed; install binfmt-support or run: update-binfmts --enable qemu-aarch64"
+  fi
+fi
+
+MOUNTS=()
+cleanup() {
+  local i
+  for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do umount -l "${MOUNTS[i]}" 2>/dev/null || true; done
+}
+trap cleanup EXIT INT TERM
+
+bind() {  # bind host folder $1 at the same path inside the root filesystem
+  local src=$1 dst="$ROOTFS$1"
+  [ -d "$src" ] || return 0
+  mountpoint -q "$dst" 2>/dev/null && return 0
+  mkdir -p "$dst"
+  mount --bind "$src" "$dst"
+  MOUNTS+=("$dst")
+}
+
+system_mounts() {
+  mountpoint -q "$ROOTFS/proc" || { mount -t proc proc "$ROOTFS/proc"; MOUNTS+=("$ROOTFS/proc"); }
+  bind /dev
+  bind /sys
+  cp -L /etc/resolv.conf "$ROOTFS/etc/resolv.conf" 2>/dev/null || true
+}
+
+# Runtime dependencies of the toolkit, read from pyproject.toml (the host's Python parses it).
+runtime_deps() {
+  python3 - "$PROJECT/pyproject.toml" <<'EOF'
+import sys, tomllib
+print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))
+EOF
+}
+
+build_rootfs() {
+  command -v debootstrap >/dev/null || die "debootstrap not found; install it: apt-get install debootstrap"
+  if [ ! -e "$ROOTFS/.gx-debootstrap-done" ]; then
+    say "building an arm64 Debian $SUITE root filesystem in $ROOTFS (once; ~10 min)"
+    rm -rf "$ROOTFS"
+    mkdir -p "$(dirname "$ROOTFS")"
+    debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates \
+      "$SUITE" "$ROOTFS" "$MIRROR" >&2 || die "debootstrap of $SUITE from $MIRROR failed (see above)"
+    touch "$ROOTFS/.gx-debootstrap-done"
+  fi
+  local deps
+  deps=$(runtime_deps)
+  if [ ! -e "$ROOTFS/.gx-ready" ] || [ "$(cat "$ROOTFS/.gx-ready")" != "$deps" ]; then
+    say "installing the aarch64 wheels of: $deps"
+    system_mounts
+    # shellcheck disable=SC2086
+    chroot "$ROOTFS" /bin/sh -c "python3 -m venv $VENV && $VENV/bin/pip install -q --only-binary=:all: $deps" \
+      || die "pip install of the runtime dependencies failed inside $ROOTFS (see above)"
+    printf '#!/bin/sh\nexec %s/bin/python -m gemma_export.cli "$@"\n' "$VENV" > "$ROOTFS$VENV/bin/gemma-export"
+    chmod +x "$ROOTFS$VENV/bin/gemma-export"
+    echo "$deps" > "$ROOTFS/.gx-ready"
+  fi
+}
+
+build_rootfs
+system_mounts
+bind "$PROJECT"
+bind "$PWD"
+bind /tmp
+IFS=: read -r -a extra <<< "${GX_AARCH64_BIND:-}"
+for d in "${extra[@]}"; do [ -n "$d" ] && bind "$(cd "$d" && pwd)"; done
+
+if [ "$1" = shell ]; then set -- /bin/bash; fi
+chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" \
+  PYTHONPATH="$PROJECT" /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"
