@@ -230,5 +230,31 @@ def bench(
         _fail(exc, debug)
 
 
+@app.command()
+def bundle(
+    model: Path = typer.Option(..., "--model", help="An export folder (verified against its manifest first)."),
+    out: Path = typer.Option(..., "--out", help="The bundle folder to write (must not exist, be empty, or be a previous bundle)."),
+    board: str = typer.Option("sl2610", "--board", help="Target board (sl2610)."),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Write the folder the board team copies to the board: the verified model, this toolkit's
+    wheel, a README with the install line and the generate/bench commands, and BUNDLE.json
+    (sha256 of every file).
+
+    Example: gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 --out sl2610-int8
+    """
+    from .bundle import bundle as run
+
+    try:
+        result = run(model, out, board=board, wheel=wheel)
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    for name, size in result.files.items():
+        typer.echo(f"  {name:<40} {size:>15,} bytes")
+    typer.echo(f"wrote {result.out_dir} ({result.total_bytes / 2**20:,.1f} MiB); on the board, follow {result.out_dir}/README.md")
+
+
 if __name__ == "__main__":
     app()

@@ -77,3 +77,16 @@ def write_char_tokenizer(folder: Path, vocab_size: int = 96) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
     tok.save(str(folder / "tokenizer.json"))
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_int8_export(tiny_dir, tmp_path_factory) -> Path:
+    """An int8 export of the tiny model with a character-level tokenizer (for generate/bench/bundle)."""
+    import shutil
+
+    from gemma_export.exporter import export
+
+    src = tmp_path_factory.mktemp("tiny_tok_src")
+    shutil.copytree(tiny_dir, src, dirs_exist_ok=True)
+    write_char_tokenizer(src)
+    return export(src, tmp_path_factory.mktemp("tiny_int8") / "int8", "int8", block_size=16).out_dir

@@ -3,26 +3,15 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 from typer.testing import CliRunner
 
-from conftest import write_char_tokenizer
 from gemma_export import bench as bench_module
 from gemma_export.bench import WARMUP_STEPS, run_bench
 from gemma_export.cli import app
-from gemma_export.exporter import export
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def tiny_export(tiny_dir, tmp_path_factory):
-    src = tmp_path_factory.mktemp("bench_src")
-    shutil.copytree(tiny_dir, src, dirs_exist_ok=True)
-    write_char_tokenizer(src)
-    return export(src, tmp_path_factory.mktemp("bench") / "int8", "int8", block_size=16).out_dir
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +21,8 @@ def text_file(tmp_path_factory):
     return path
 
 
-def test_bench_reports_every_prompt_and_step(tiny_export, text_file):
-    r = run_bench(tiny_export, threads=1, prompt_tokens=(8, 4), new_tokens=7, text=text_file)
+def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
+    r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(8, 4), new_tokens=7, text=text_file)
     assert list(r.prefill_ms) == [4, 8]
     assert all(ms > 0 for ms in r.prefill_ms.values())
     # every decode step after warm-up, with the context length it ran at
@@ -44,15 +33,15 @@ def test_bench_reports_every_prompt_and_step(tiny_export, text_file):
                                                (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2)
     assert r.decode_ms_median <= r.decode_ms_p90 <= times[-1]
     assert r.tokens_per_s == pytest.approx(1e3 / r.decode_ms_median)
-    files = [p for p in tiny_export.iterdir() if p.name.startswith("model.onnx")]
+    files = [p for p in tiny_int8_export.iterdir() if p.name.startswith("model.onnx")]
     assert r.archive_bytes == sum(p.stat().st_size for p in files)
     assert r.peak_rss_bytes >= r.rss_growth_bytes > 0
     assert r.text_source == str(text_file)
 
 
-def test_bench_cli_json_and_board(tiny_export, text_file, tmp_path):
+def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path):
     out = tmp_path / "bench.json"
-    result = runner.invoke(app, ["bench", "--model", str(tiny_export), "--prompt-tokens", "5", "--new-tokens", "6",
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "5", "--new-tokens", "6",
                                  "--board", "sl2610", "--text", str(text_file), "--json", str(out)])
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
@@ -61,10 +50,10 @@ def test_bench_cli_json_and_board(tiny_export, text_file, tmp_path):
     assert "MB of 1.9 GB left at peak" in result.stdout
 
 
-def test_bench_fails_when_the_board_budget_is_exceeded(tiny_export, text_file, monkeypatch):
+def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_file, monkeypatch):
     monkeypatch.setitem(bench_module.BOARDS, "tinyboard", {"threads": 1, "memory_bytes": 100_000_000,
                                                            "headroom_bytes": 50_000_000})
-    result = runner.invoke(app, ["bench", "--model", str(tiny_export), "--prompt-tokens", "4", "--new-tokens", "5",
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
                                  "--board", "tinyboard", "--text", str(text_file)])
     assert result.exit_code == 2
     assert "peak resident memory" in result.output and "at least 50 MB must stay free" in result.output
@@ -77,8 +66,8 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_export, text_file, m
     (["--board", "pi5"], "--board: unknown board 'pi5'; known: sl2610"),
     (["--prompt-tokens", "4000"], "fewer than the longest prompt (4000)"),
 ])
-def test_bench_bad_arguments(tiny_export, text_file, args, message):
-    result = runner.invoke(app, ["bench", "--model", str(tiny_export), "--text", str(text_file), *args])
+def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file), *args])
     assert result.exit_code == 2
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1

@@ -1,0 +1,156 @@
+"""``gemma-export bundle``: the folder a board team copies to the board and runs.
+
+Layout of ``BOARD_DIR`` (and nothing else)::
+
+    model/                         the export, re-verified against its manifest.json
+    gemma_export-<ver>-py3-none-any.whl   this toolkit, pure Python (its dependencies come from PyPI)
+    README.md                      install line for the board's Python, generate/bench/verify commands
+    BUNDLE.json                    sha256 and size of every file above
+
+The bundle is written into a staging folder beside ``BOARD_DIR`` and moved into place only when
+complete, so a failure leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from . import __version__
+from .errors import GemmaExportError, OutputError, SourceNotFoundError
+
+#: Boards a bundle can target: what its README tells the board team.
+BOARDS = {
+    "sl2610": {
+        "title": "Synaptics Astra SL2610 (2 x Cortex-A55, aarch64 Linux, ~1.9 GB usable RAM)",
+        "python": "python3.12",
+        "threads": 2,
+    },
+}
+BUNDLE_MANIFEST = "BUNDLE.json"
+
+
+@dataclasses.dataclass
+class BundleResult:
+    out_dir: Path
+    files: dict[str, int]  # relative path -> bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def _project_root() -> Path | None:
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "gemma_export").is_dir() else None
+
+
+def build_wheel(dest: Path) -> Path:
+    """Build this toolkit's wheel into ``dest`` with pip (no dependencies bundled).
+
+    Raises:
+        SourceNotFoundError: the toolkit is not installed from a source tree (pass a wheel instead).
+        GemmaExportError: pip failed (its last line is in the message).
+    """
+    root = _project_root()
+    if root is None:
+        raise SourceNotFoundError("bundle: the toolkit's source tree (pyproject.toml) is not beside the installed "
+                                  "package; pass --wheel PATH to a gemma_export wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(root)],
+                          capture_output=True, text=True)
+    wheels = sorted(dest.glob("gemma_export-*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GemmaExportError(f"bundle: building the gemma_export wheel from {root} failed: {last}")
+    return wheels[0]
+
+
+def _readme(board: str, wheel: str, model_manifest: dict) -> str:
+    spec = BOARDS[board]
+    py, threads = spec["python"], spec["threads"]
+    config = model_manifest.get("config", {})
+    dtype = model_manifest.get("dtype", "?")
+    return f"""# gemma-export bundle for the {spec['title']}
+
+Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype};
+exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
+`{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
+
+Install (once; the toolkit's dependencies, onnxruntime included, come from PyPI as aarch64 wheels):
+
+    {py} -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
+
+Check the model files, then generate and benchmark with the board's {threads} threads:
+
+    ~/gx/bin/gemma-export verify model
+    ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
+    ~/gx/bin/gemma-export bench --model model --board {board} --json bench.json
+
+`bench` fails with a message if peak memory leaves less than 300 MB of the board's memory free.
+"""
+
+
+def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wheel: str | Path | None = None) -> BundleResult:
+    """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
+
+    Args:
+        model_dir: an export folder with its ``manifest.json`` (verified first).
+        out_dir: the bundle folder; must not exist or be empty or a previous bundle.
+        board: a key of ``BOARDS``.
+        wheel: a prebuilt gemma_export wheel; default: built from the source tree with pip.
+
+    Raises:
+        GemmaExportError: unknown board; the export fails verification (``VerificationError``);
+            ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
+    """
+    from .exporter import MANIFEST_FILE, _move_into_place, _sha256, verify_manifest
+
+    if board not in BOARDS:
+        raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    files = verify_manifest(model_dir)
+    out = out_dir.resolve()
+    if out == model_dir.resolve() or model_dir.resolve() in out.parents:
+        raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
+    if out.exists():
+        if not out.is_dir():
+            raise OutputError(f"{out_dir}: exists and is not a folder")
+        if any(out.iterdir()) and not (out / BUNDLE_MANIFEST).is_file():
+            raise OutputError(f"{out_dir}: exists, is not empty and is not a gemma-export bundle; refusing to replace it")
+    if wheel is not None:
+        wheel = Path(wheel)
+        if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
+            raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        (staging / "model").mkdir()
+        for name in [*files, MANIFEST_FILE]:
+            shutil.copyfile(model_dir / name, staging / "model" / name)
+        if wheel is None:
+            with tempfile.TemporaryDirectory() as tmp:
+                built = build_wheel(Path(tmp))
+                shutil.copyfile(built, staging / built.name)
+                wheel_name = built.name
+        else:
+            shutil.copyfile(wheel, staging / wheel.name)
+            wheel_name = wheel.name
+        model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
+        (staging / "README.md").write_text(_readme(board, wheel_name, model_manifest))
+        listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
+        verify_manifest(staging / "model")  # the copies, not only the originals
+        manifest = {"board": board, "gemma_export_version": __version__,
+                    "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in listing.items()}}
+        (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        _move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
+    sizes[BUNDLE_MANIFEST] = (out / BUNDLE_MANIFEST).stat().st_size
+    return BundleResult(out_dir, sizes)

@@ -1,0 +1,84 @@
+"""``gemma-export bundle``: the board folder holds exactly the verified model, the wheel, a README
+and BUNDLE.json; bad input leaves nothing behind."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import zipfile
+
+import pytest
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    from gemma_export.bundle import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def test_wheel_carries_both_packages_and_the_console_script(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "gemma_export/cli.py" in names and "quant/int8.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "gemma-export = gemma_export.cli:app" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 0, result.output
+    model_files = sorted(p.name for p in tiny_int8_export.iterdir())
+    found = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    assert found == sorted(["README.md", "BUNDLE.json", wheel.name, *[f"model/{n}" for n in model_files]])
+    listed = json.loads((out / "BUNDLE.json").read_text())["files"]
+    assert sorted(listed) == sorted(f for f in found if f != "BUNDLE.json")
+    for rel, entry in listed.items():
+        data = (out / rel).read_bytes()
+        assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    readme = (out / "README.md").read_text()
+    assert f"python3.12 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
+    assert "gemma-export generate --model model --threads 2" in readme
+    assert "gemma-export bench --model model --board sl2610" in readme
+    assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def test_tampered_export_is_refused_and_nothing_written(tiny_int8_export, wheel, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    data = bytearray((model / "model.onnx.data").read_bytes())
+    data[100] ^= 0xFF
+    (model / "model.onnx.data").write_bytes(bytes(data))
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(model), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 2
+    assert "model.onnx.data: sha256 differs from the manifest" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--board", "pi5"], "--board: unknown board 'pi5'; known: sl2610"),
+    (["--wheel", "nothing.whl"], "nothing.whl: expected a gemma_export-*.whl file"),
+])
+def test_bad_arguments(tiny_int8_export, tmp_path, args, message):
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), *args])
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_path):
+    out = tmp_path / "board"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 2 and "is not a gemma-export bundle" in result.output
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
