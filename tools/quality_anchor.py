@@ -15,34 +15,6 @@ from pathlib import Path
 import numpy as np
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def reference_logits(ids: list[int]) -> np.ndarray:
-    """transformers' Gemma3ForCausalLM (eager, fp32) on the bundled weights, all positions."""
-    import torch
-    import transformers
-
-    from gemma_export.sources import open_source
-
-    ckpt = open_source(None)
-    c = ckpt.config
-    config = transformers.Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, query_pre_attn_scalar=int(c.query_pre_attn_scalar),
-        sliding_window=c.sliding_window, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        layer_types=list(c.layer_types), attn_implementation="eager")
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    state = {k: torch.from_numpy(v.load()) for k, v in ckpt.tensors.items()}
-    state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=False)
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
     from llama_cpp import Llama
 
@@ -57,24 +29,28 @@ def main() -> None:
     parser.add_argument("--gguf", nargs="*", default=[], type=Path, help="GGUF files to run with llama.cpp")
     parser.add_argument("--tokens", type=int, default=640)
     args = parser.parse_args()
+    from gemma_export.quality import compare_logits, transformers_logits
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
+    from gemma_export.sources import open_source
 
     models = dict(m.split("=", 1) for m in args.models)
     text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
     ids = load_tokenizer(next(iter(models.values()))).encode(text).ids[: args.tokens]
-    ref = _log_softmax(reference_logits(ids))
-    rows = {f"ours {n}": OnnxDecoder(d).teacher_forced_logits(ids) for n, d in models.items()}
+    ref = transformers_logits(open_source(None), ids)
+    rows = {}
+    for name, folder in models.items():
+        rows[f"ours {name}"] = compare_logits(ref, OnnxDecoder(folder).teacher_forced_logits(ids), ids)
+        print(name, rows[f"ours {name}"], flush=True)
     for path in args.gguf:
-        rows[f"llama.cpp {path.name}"] = llama_logits(path, ids)
+        rows[f"llama.cpp {path.name}"] = compare_logits(ref, llama_logits(path, ids), ids)
+        print(path.name, rows[f"llama.cpp {path.name}"], flush=True)
     print(f"\n{len(ids)} tokens of the Python license text, reference transformers fp32\n")
-    print("| model | top-1 agreement | top-1 past 512 | mean KL (nats/token) |")
-    print("|---|---|---|---|")
-    for name, logits in rows.items():
-        lp = _log_softmax(logits)
-        agree = lp.argmax(-1) == ref.argmax(-1)
-        kl = float((np.exp(ref) * (ref - lp)).sum(-1).mean())
-        print(f"| {name} | {agree.mean():.2%} | {agree[512:].mean():.2%} | {kl:.4f} |")
-
+    print("| model | top-1 agreement | top-1 past 512 | mean KL (nats/token) | perplexity (reference "
+          f"{next(iter(rows.values())).reference_perplexity:.2f}) |")
+    print("|---|---|---|---|---|")
+    for name, m in rows.items():
+        past = f"{m.top1_agreement_past_512:.2%}" if m.top1_agreement_past_512 is not None else "-"
+        print(f"| {name} | {m.top1_agreement:.2%} | {past} | {m.kl_mean:.4f} | {m.perplexity:.3f} |")
 
 if __name__ == "__main__":
     main()

@@ -87,8 +87,15 @@ build_rootfs() {
   if [ ! -e "$ROOTFS/.gx-ready" ] || [ "$(cat "$ROOTFS/.gx-ready")" != "$deps" ]; then
     say "installing the aarch64 wheels of: $deps"
     system_mounts
+    # The host's CA bundle (it may hold a proxy's CA) and proxy settings, for pip inside.
+    local ca=${PIP_CERT:-${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}}
+    [ -f "$ca" ] && cp -L "$ca" "$ROOTFS/etc/ssl/certs/gx-host-ca.crt"
     # shellcheck disable=SC2086
-    chroot "$ROOTFS" /bin/sh -c "python3 -m venv $VENV && $VENV/bin/pip install -q --only-binary=:all: $deps" \
+    chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root \
+      ${HTTPS_PROXY:+HTTPS_PROXY=$HTTPS_PROXY} ${HTTP_PROXY:+HTTP_PROXY=$HTTP_PROXY} ${NO_PROXY:+NO_PROXY=$NO_PROXY} \
+      ${https_proxy:+https_proxy=$https_proxy} ${http_proxy:+http_proxy=$http_proxy} ${no_proxy:+no_proxy=$no_proxy} \
+      $( [ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && echo PIP_CERT=/etc/ssl/certs/gx-host-ca.crt ) \
+      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --disable-pip-version-check --only-binary=:all: $deps" \
       || die "pip install of the runtime dependencies failed inside $ROOTFS (see above)"
     printf '#!/bin/sh\nexec %s/bin/python -m gemma_export.cli "$@"\n' "$VENV" > "$ROOTFS$VENV/bin/gemma-export"
     chmod +x "$ROOTFS$VENV/bin/gemma-export"

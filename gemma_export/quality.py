@@ -1,0 +1,121 @@
+"""Teacher-forced quality of an export against a reference on real text.
+
+Row ``i`` of a logits matrix ``[T, V]`` predicts token ``i + 1``. For two such matrices on the same
+token ids this module computes, row chunk by row chunk (a 3,000-token text over a 262,144-word
+vocabulary is 3 GB of float32 per model, so nothing larger than a chunk is materialised twice):
+
+- top-1 agreement: share of rows whose argmax is equal (overall and past position 512, where
+  Gemma 3's sliding window starts to drop tokens);
+- mean KL(reference ‖ model) in nats per token, ``sum_v p_v (log p_v - log q_v)`` with
+  ``p``/``q`` the softmax of the reference/model row;
+- max |Δlogit|;
+- perplexity of each on the text, ``exp(mean_i -log q(ids[i+1] | row i))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from .errors import GemmaExportError
+
+WINDOW_START = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityMetrics:
+    """Teacher-forced comparison of a model against a reference on ``tokens`` positions."""
+
+    tokens: int
+    top1_agreement: float
+    top1_agreement_past_512: float | None  # None when the text is not longer than 512 tokens
+    kl_mean: float  # nats/token
+    max_abs_logit_diff: float
+    perplexity: float
+    reference_perplexity: float
+    first_disagreement: int | None  # first row whose argmax differs
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64) - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128) -> QualityMetrics:
+    """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T).
+
+    Raises:
+        GemmaExportError: shapes differ or do not match ``token_ids``.
+    """
+    if reference.shape != logits.shape or reference.ndim != 2 or reference.shape[0] != len(token_ids):
+        raise GemmaExportError(f"logits: expected two [T, V] matrices with T = {len(token_ids)} tokens, found "
+                               f"{list(reference.shape)} and {list(logits.shape)}")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    n = len(ids)
+    agree = np.zeros(n, bool)
+    kl = np.zeros(n)
+    nll = np.zeros(n - 1)
+    ref_nll = np.zeros(n - 1)
+    max_diff = 0.0
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        r, m = reference[s:e], logits[s:e]
+        agree[s:e] = r.argmax(-1) == m.argmax(-1)
+        p, q = _log_softmax(r), _log_softmax(m)
+        kl[s:e] = (np.exp(p) * (p - q)).sum(-1)
+        max_diff = max(max_diff, float(np.abs(r - m).max()))
+        rows = np.arange(s, min(e, n - 1))
+        if len(rows):
+            targets = ids[rows + 1]
+            nll[rows] = -q[rows - s, targets]
+            ref_nll[rows] = -p[rows - s, targets]
+    wrong = np.flatnonzero(~agree)
+    return QualityMetrics(
+        tokens=n, top1_agreement=float(agree.mean()),
+        top1_agreement_past_512=float(agree[WINDOW_START:].mean()) if n > WINDOW_START else None,
+        kl_mean=float(kl.mean()), max_abs_logit_diff=max_diff,
+        perplexity=float(np.exp(nll.mean())), reference_perplexity=float(np.exp(ref_nll.mean())),
+        first_disagreement=int(wrong[0]) if len(wrong) else None)
+
+
+def transformers_logits(source, token_ids: Sequence[int]) -> np.ndarray:
+    """transformers' ``Gemma3ForCausalLM`` (fp32, eager attention) on a checkpoint's weights: the
+    independent reference. Returns float32 ``[T, V]``.
+
+    Args:
+        source: a :class:`~gemma_export.checkpoint.Checkpoint` (``open_source(...)``).
+
+    Raises:
+        GemmaExportError: torch or transformers is not installed (they are test extras).
+    """
+    try:
+        import torch
+        import transformers
+    except ImportError as exc:
+        raise GemmaExportError("--reference transformers needs torch and transformers: pip install -e '.[test]'") from exc
+    c = source.config
+    config = transformers.Gemma3TextConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        query_pre_attn_scalar=int(c.query_pre_attn_scalar), sliding_window=c.sliding_window,
+        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+        layer_types=list(c.layer_types), attn_implementation="eager",
+        rope_parameters={kind: {"rope_type": r.rope_type, "rope_theta": r.rope_theta,
+                                **({"factor": r.factor} if r.rope_type == "linear" else {})}
+                         for kind, r in c.rope_parameters.items()},
+        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=c.attn_logit_softcapping)
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    state = {name: torch.from_numpy(np.ascontiguousarray(ref.load())) for name, ref in source.tensors.items()}
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+        raise GemmaExportError(f"{source.path}: transformers reference did not take the weights: missing {missing}, "
+                               f"unexpected {unexpected}")
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()

@@ -1,0 +1,56 @@
+"""The tiny int8 export on emulated aarch64 (tools/aarch64/run.sh) gives the tokens it gives on the host.
+
+Runs only where the emulated board can run: root, qemu-aarch64-static, debootstrap and binfmt_misc
+(``apt-get install qemu-user-static debootstrap binfmt-support``). The first run builds the arm64
+root filesystem (about 15 minutes, cached in ~/.cache/gemma-export).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "tools" / "aarch64" / "run.sh"
+PARITY = ROOT / "tools" / "aarch64" / "parity.py"
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates aarch64 on an x86-64 host"),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the emulated board needs root (chroot)"),
+    pytest.mark.skipif(not (shutil.which("qemu-aarch64-static") and shutil.which("debootstrap")),
+                       reason="qemu-user-static / debootstrap not installed"),
+]
+
+
+def _run(*args, emulated=False, cwd=None):
+    cmd = [str(RUN), "python", *map(str, args)] if emulated else [sys.executable, *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    assert proc.returncode in (0, 1), proc.stderr[-2000:]
+    return proc
+
+
+def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, tmp_path_factory):
+    # tmp paths live under /tmp, which run.sh binds at the same path inside the emulated board
+    work = tmp_path_factory.mktemp("aarch64")
+    text = work / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog, again and again. " * 8)
+    ids = work / "ids.json"
+    _run(PARITY, "prepare", "--model", tiny_int8_export, "--out", ids, "--tokens", 200, "--text", text)
+    _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", work / "x86.npz")
+    arm = _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", work / "arm.npz", emulated=True, cwd=work)
+    assert "aarch64: wrote" in arm.stdout
+    result = _run(PARITY, "compare", work / "x86.npz", work / "arm.npz", "--json", work / "report.json")
+    report = json.loads((work / "report.json").read_text())
+    assert report["machines"] == ["x86_64", "aarch64"]
+    assert all(report["greedy_identical"]), report
+    assert report["top1_agreement"] >= 0.995, report
+    assert report["max_abs_logit_diff"] < 0.5, report
+    assert result.returncode == 0

@@ -1,0 +1,114 @@
+"""Cross-architecture parity: the same export, the same token ids, on x86-64 and on (emulated) aarch64.
+
+    python tools/aarch64/parity.py prepare --model DIR --out /tmp/gx-ids.json [--tokens 256]
+    python tools/aarch64/parity.py dump --model DIR --ids /tmp/gx-ids.json --out /tmp/x86.npz
+    sudo tools/aarch64/run.sh python tools/aarch64/parity.py dump --model DIR --ids /tmp/gx-ids.json --out /tmp/arm.npz
+    python tools/aarch64/parity.py compare /tmp/x86.npz /tmp/arm.npz [--json OUT]
+
+``prepare`` tokenizes on the host (so both sides see identical ids): several real prompts and the
+first ``--tokens`` tokens of real text (the Python license). ``dump`` runs greedy decoding of every
+prompt and teacher-forced logits over the text through the KV cache. ``compare`` reports, per
+prompt, whether the greedy tokens are identical, and over the text: top-1 agreement, max |Δlogit|
+and mean KL (``gemma_export.quality.compare_logits``). Exit status 1 when the greedy tokens differ
+or top-1 agreement is below ``--min-top1`` (default 0.995).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = [
+    "The capital of France is",
+    "<start_of_turn>user\nTurn on the kitchen lights and set them to 40 percent.<end_of_turn>\n<start_of_turn>model\n",
+    "Python is a programming language that",
+    "The license grants permission to",
+]
+
+
+def prepare(args: argparse.Namespace) -> None:
+    from gemma_export.bench import real_text
+    from gemma_export.runtime import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    text, source = real_text(args.text)
+    ids = tokenizer.encode(text).ids[: args.tokens]
+    if len(ids) < args.tokens:
+        sys.exit(f"error: {source}: {len(ids)} tokens, fewer than --tokens {args.tokens}")
+    payload = {"prompts": [tokenizer.encode(p).ids for p in PROMPTS], "prompt_texts": PROMPTS,
+               "text": ids, "text_source": source, "new_tokens": args.new_tokens}
+    Path(args.out).write_text(json.dumps(payload))
+    print(f"wrote {args.out}: {len(PROMPTS)} prompts, {len(ids)} text tokens from {source}")
+
+
+def dump(args: argparse.Namespace) -> None:
+    from gemma_export.runtime import OnnxDecoder
+
+    payload = json.loads(Path(args.ids).read_text())
+    decoder = OnnxDecoder(args.model, threads=args.threads)
+    greedy, times = [], []
+    for prompt in payload["prompts"]:
+        new_ids, _, decode_ms = decoder.greedy(prompt, payload["new_tokens"], stop_ids=[])
+        greedy.append(new_ids)
+        times.extend(decode_ms)
+    t0 = time.perf_counter()
+    logits = decoder.teacher_forced_logits(payload["text"])
+    np.savez(args.out, logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
+             machine=platform.machine(), decode_ms_median=float(np.median(times)),
+             teacher_forced_s=time.perf_counter() - t0)
+    print(f"{platform.machine()}: wrote {args.out} (decode median {np.median(times):.1f} ms/token)")
+
+
+def compare(args: argparse.Namespace) -> None:
+    from gemma_export.quality import compare_logits
+
+    a, b = np.load(args.a), np.load(args.b)
+    if not np.array_equal(a["text"], b["text"]):
+        sys.exit("error: the two dumps were made from different token ids")
+    same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
+    first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
+    m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
+    report = {"machines": [str(a["machine"]), str(b["machine"])], "greedy_identical": same,
+              "greedy_first_difference": first_diff, "greedy_tokens_per_prompt": int(a["greedy"].shape[1]),
+              "decode_ms_median": [float(a["decode_ms_median"]), float(b["decode_ms_median"])], **m.to_dict()}
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if not all(same) or m.top1_agreement < args.min_top1:
+        sys.exit(1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--text", default=None)
+    p.set_defaults(run=prepare)
+    p = sub.add_parser("dump")
+    p.add_argument("--model", required=True)
+    p.add_argument("--ids", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.set_defaults(run=dump)
+    p = sub.add_parser("compare")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--json", default=None)
+    p.add_argument("--min-top1", type=float, default=0.995)
+    p.set_defaults(run=compare)
+    args = parser.parse_args()
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()
