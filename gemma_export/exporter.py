@@ -25,8 +25,8 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError, OutputError, SourceNotFoundError, VerificationError
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
-from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES,
-                      weight_format)
+from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
+                      DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
@@ -142,13 +142,23 @@ def _sha256(path: Path) -> str:
 
 
 def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
-    """Initializers in an ONNX file holding ``vocab × hidden`` elements (any layout, any dtype
-    width counted in elements after unpacking), read without loading external data."""
+    """Initializers in an ONNX file that hold a whole ``vocab × hidden`` table in any layout: first
+    dimension ``vocab`` and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
+    two per uint8). Read without loading external data."""
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
-    table_elements = vocab_size * hidden_size
-    return sum(1 for t in model.graph.initializer if math.prod(t.dims) == table_elements)
+    return sum(1 for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, vocab_size, hidden_size))
+
+
+def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> bool:
+    """True for an initializer of ``dims`` that can hold a whole ``[vocab, hidden]`` table (see
+    :func:`count_table_initializers`)."""
+    import onnx
+
+    n = math.prod(dims)
+    packed = data_type == onnx.TensorProto.UINT8 and 2 * n == vocab_size * hidden_size
+    return len(dims) >= 1 and dims[0] == vocab_size and (n == vocab_size * hidden_size or packed)
 
 
 def verify_folder(folder: Path) -> None:
@@ -249,6 +259,9 @@ def export(
     block_size: int | None = None,
     table_block_size: int | None = None,
     hadamard_size: int | None = None,
+    table_dtype: str | None = None,
+    symmetric: bool = True,
+    scale_method: str = "mse",
     all_logits: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
@@ -258,12 +271,16 @@ def export(
     Args:
         source: a transformers folder, a ``.gguf`` file, or None for the bundled real Gemma 3 270M.
         out_dir: destination folder; default ``./{name}-onnx-{dtype}``.
-        dtype: ``fp32``, ``bf16`` or ``int8`` (symmetric block-wise weights, see ``weights.py``).
-        block_size: int8 block size of the layer projections (default 32, or the largest power of
-            two that divides the dims).
-        table_block_size: int8 block size of the embedding table / LM head (default 128).
-        hadamard_size: int8 only: size of the block-diagonal Hadamard rotation applied to every
+        dtype: ``fp32``, ``bf16``, ``int8`` or ``int4`` (block-wise weights, see ``weights.py``).
+        block_size: int8/int4 block size of the layer projections (default 32, or the largest power
+            of two that divides the dims).
+        table_block_size: block size of the embedding table / LM head (default: 128 for an int8
+            table, 32 for an int4 table).
+        hadamard_size: int8/int4: size of the block-diagonal Hadamard rotation applied to every
             matmul input and folded into the weights (default 64; 0 disables; ``quant/hadamard.py``).
+        table_dtype: int4 only: ``int4`` (default) or ``int8`` for the shared table.
+        symmetric: int4 only: fixed zero point 8 (default) or a 4-bit zero point per block.
+        scale_method: int4 only: ``mse`` (clipping search, default) or ``rtn`` (round to nearest).
         all_logits: return logits for every position (default: last position only).
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
         checkpoint: an already opened source (skips opening ``source``).
@@ -281,6 +298,12 @@ def export(
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if table_dtype not in (None, "int4", "int8"):
+        raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
+    if dtype != "int4" and (table_dtype is not None or not symmetric or scale_method != "mse"):
+        raise ConfigError(f"--table-dtype, --asymmetric and --scale-method apply to --dtype int4, not {dtype}")
+    if scale_method not in ("mse", "rtn"):
+        raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
@@ -289,14 +312,19 @@ def export(
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt)
-    if dtype == "int8":
+    if dtype in ("int8", "int4"):
         rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
-        fmt = weight_format(dtype, int8_block_size(ckpt, block_size), int8_block_size(
-            ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_INT8_TABLE_BLOCK_SIZE, "--table-block-size"),
-            rotation)
+        layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
+        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
+        fmt = weight_format(dtype, int8_block_size(ckpt, block_size, default=layer_default), int8_block_size(
+            ckpt, table_block_size, (ckpt.config.hidden_size,), table_default, "--table-block-size"),
+            rotation, table_dtype, symmetric, scale_method)
     else:
         fmt = weight_format(dtype)
-    int8_options = {f"int8_{k}": getattr(fmt, k, None) for k in ("block_size", "table_block_size", "hadamard_size")}
+    quantization = {k: getattr(fmt, k) for k in ("block_size", "table_block_size", "hadamard_size") if hasattr(fmt, k)}
+    if dtype == "int4":
+        quantization.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
+    int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
     model = build_model(ckpt, fmt, all_logits=all_logits)
 
     created = [p for p in reversed(out.parents) if not p.exists()]

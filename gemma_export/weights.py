@@ -17,6 +17,9 @@ CPU provider (``../shared/anchors.md``):
   Every int8 matmul input is rotated by a block-diagonal Hadamard folded into the weights
   (``quant/hadamard.py``): level 4 also quantizes activations per block, and the rotation spreads
   their outliers.
+* ``int4``: the same plan with 4-bit codes (``quant.BlockInt4Weights``: two per byte, symmetric by
+  default, scales chosen by a clipping search) for the projections and, unless ``table_dtype`` is
+  ``int8``, the table; the lookup unpacks the gathered rows' nibbles with ``BitwiseAnd``/``BitShift``.
 
 Tensors are :class:`onnx_ir.LazyTensor` s: each is read, converted and written one at a time when
 the model is saved, so the exporter never holds the whole model in memory.
@@ -33,7 +36,8 @@ import ml_dtypes
 import numpy as np
 import onnx_ir as ir
 
-from quant import BF16Weights, BlockInt8Weights, hadamard_matrix, rotate_blocks
+from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matrix, rotate_blocks
+from quant import int4 as int4_scheme
 from quant.int8 import ZERO_POINT
 
 from .checkpoint import TensorRef
@@ -47,6 +51,9 @@ from .graph import GraphBuilder
 #: would add 42 MB (15%) to a 268 MB model.
 DEFAULT_INT8_BLOCK_SIZE = 32
 DEFAULT_INT8_TABLE_BLOCK_SIZE = 128
+#: int4: block 32 everywhere (the table too: 4-bit codes need small blocks, and the scales of a
+#: block-32 table, 21 MB, still fit the 175 MB budget).
+DEFAULT_INT4_BLOCK_SIZE = 32
 #: Hadamard rotation of every int8 matmul input (``quant/hadamard.py``): 64 measured best on the
 #: real 270M (KL vs fp32 0.0014 against 0.0034 unrotated; 32 and 128 were worse).
 DEFAULT_HADAMARD_SIZE = 64
@@ -64,15 +71,19 @@ class _Memo:
     def __init__(self, size: int = 2):
         self._lock = threading.Lock()
         self._size = size
-        self._entries: dict[tuple[str, int, int], BlockInt8Weights] = {}
+        self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
 
-    def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0) -> BlockInt8Weights:
-        key = (ref.name, block_size, hadamard_size)
+    def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
+                 symmetric: bool = True, method: str = "mse") -> BlockInt8Weights | BlockInt4Weights:
+        key = (ref.name, block_size, hadamard_size, bits, symmetric, method)
         with self._lock:
             if key not in self._entries:
                 rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
                 try:
-                    value = BlockInt8Weights.quantize(rows, block_size)
+                    if bits == 8:
+                        value = BlockInt8Weights.quantize(rows, block_size)
+                    else:
+                        value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method)
                 except ValueError as exc:
                     raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
                 while len(self._entries) >= self._size:
@@ -184,18 +195,29 @@ class Int8Format(WeightFormat):
         self._rotated: dict[int, tuple[ir.Value, ir.Value]] = {}
         self._hadamard: ir.Value | None = None
 
-    def _quantized(self, ref: TensorRef, block_size: int) -> BlockInt8Weights:
-        return self._memo(ref, block_size, self.hadamard_size)
+    #: bits of the projections and of the table (``Int4Format`` changes them)
+    bits = 8
+    table_bits = 8
+    symmetric = True
+    method = "rtn"
 
-    def _initializers(self, g: GraphBuilder, ref: TensorRef, block_size: int) -> dict:
+    def _quantized(self, ref: TensorRef, block_size: int, bits: int):
+        return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method)
+
+    def _initializers(self, g: GraphBuilder, ref: TensorRef, block_size: int, bits: int) -> dict:
         n, k = ref.shape
         nb = k // block_size
-        quantized = functools.partial(self._quantized, ref, block_size)
+        quantized = functools.partial(self._quantized, ref, block_size, bits)
         values = {
             "block_size": block_size,
-            "data": g.initializer(_lazy(ref.name, ir.DataType.UINT8, (n, nb, block_size), lambda: quantized().data)),
+            "bits": bits,
+            "data": g.initializer(_lazy(ref.name, ir.DataType.UINT8, (n, nb, block_size * bits // 8),
+                                        lambda: quantized().data)),
             "scales": g.initializer(_lazy(ref.name + "_scales", ir.DataType.FLOAT, (n, nb), lambda: quantized().scales)),
         }
+        if bits == 4 and not self.symmetric:
+            values["zero_points"] = g.initializer(_lazy(ref.name + "_zero_points", ir.DataType.UINT8,
+                                                        (n, (nb + 1) // 2), lambda: quantized().zero_points))
         return values
 
     def _rotate(self, g: GraphBuilder, x: ir.Value, features: int) -> ir.Value:
@@ -215,23 +237,49 @@ class Int8Format(WeightFormat):
 
     @staticmethod
     def _matmul_nbits(g, x, values, n, k):
-        return g.op("MatMulNBits", x, values["data"], values["scales"], domain="com.microsoft",
-                    K=k, N=n, bits=8, block_size=values["block_size"], accuracy_level=4)
+        inputs = [x, values["data"], values["scales"]]
+        if "zero_points" in values:
+            inputs.append(values["zero_points"])
+        return g.op("MatMulNBits", *inputs, domain="com.microsoft",
+                    K=k, N=n, bits=values["bits"], block_size=values["block_size"], accuracy_level=4)
 
     def linear(self, g, x, ref):
         n, k = ref.shape
-        return self._matmul_nbits(g, self._rotate(g, x, k), self._initializers(g, ref, self.block_size), n, k)
+        return self._matmul_nbits(g, self._rotate(g, x, k), self._initializers(g, ref, self.block_size, self.bits), n, k)
 
     def table(self, g, ref):
-        return Table(ref, self._initializers(g, ref, self.table_block_size))
+        return Table(ref, self._initializers(g, ref, self.table_block_size, self.table_bits))
+
+    @staticmethod
+    def _unpack_nibbles(g, packed):
+        """uint8 ``[..., M]`` → uint8 ``[..., 2M]``, the low nibble first (MatMulNBits' order)."""
+        low = g.op("BitwiseAnd", packed, g.const(np.array(15, np.uint8)))
+        high = g.op("BitShift", packed, g.const(np.array(4, np.uint8)), direction="RIGHT")
+        pairs = g.op("Concat", g.op("Unsqueeze", low, g.const_i64([-1])), g.op("Unsqueeze", high, g.const_i64([-1])), axis=-1)
+        return g.op("Reshape", pairs, g.const_i64([0, 0, 0, -1]))  # [B, S, X, M, 2] → [B, S, X, 2M]
 
     def embedding(self, g, table, input_ids):
-        # Plain Gathers on the very initializers MatMulNBits reads (data and scales), then
-        # (q - 128) * scale for the selected rows only: no second copy of anything.
+        # Plain Gathers on the very initializers MatMulNBits reads (data, scales, zero points),
+        # then (q - zero_point) * scale for the selected rows only: no second copy of anything.
         _, hidden = table.ref.shape
-        rows = g.op("Cast", g.op("Gather", table.values["data"], input_ids, axis=0), to=ir.DataType.FLOAT)
-        scales = g.op("Unsqueeze", g.op("Gather", table.values["scales"], input_ids, axis=0), g.const_i64([-1]))
-        rows = g.op("Mul", g.op("Sub", rows, g.const_f32(ZERO_POINT)), scales)      # [B, S, H/B, B]
+        values = table.values
+        codes = g.op("Gather", values["data"], input_ids, axis=0)                  # [B, S, H/B, B*bits/8]
+        if values["bits"] == 4:
+            codes = self._unpack_nibbles(g, codes)                                  # [B, S, H/B, B]
+            if "zero_points" in values:
+                nb = hidden // values["block_size"]
+                zp = self._unpack_nibbles(g, g.op("Unsqueeze", g.op("Gather", values["zero_points"], input_ids, axis=0),
+                                                  g.const_i64([-1])))               # [B, S, ceil(nb/2), 2]
+                zp = g.op("Reshape", zp, g.const_i64([0, 0, -1, 1]))
+                zero_point = g.op("Cast", g.op("Slice", zp, g.const_i64([0]), g.const_i64([nb]), g.const_i64([2])),
+                                  to=ir.DataType.FLOAT)                             # [B, S, nb, 1]
+            else:
+                zero_point = g.const_f32(int4_scheme.ZERO_POINT)
+        else:
+            zero_point = g.const_f32(ZERO_POINT)
+        rows = g.op("Cast", codes, to=ir.DataType.FLOAT)
+        scales = g.op("Unsqueeze", g.op("Gather", values["scales"], input_ids, axis=0), g.const_i64([-1]))
+        rows = g.op("Mul", g.op("Sub", rows, zero_point), scales)                   # [B, S, H/B, B]
         rows = g.op("Reshape", rows, g.const_i64([0, 0, hidden]))                   # [B, S, H]
         return self._rotate(g, rows, hidden)  # stored rows are T H; (T H) H = T
 
@@ -240,19 +288,43 @@ class Int8Format(WeightFormat):
         return self._matmul_nbits(g, self._rotate(g, hidden, k), table.values, n, k)
 
 
+class Int4Format(Int8Format):
+    """4-bit projections and table (or an int8 table with ``table_dtype="int8"``)."""
+
+    name = "int4"
+    bits = 4
+
+    def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
+                 hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
+                 method: str = "mse"):
+        if table_dtype == "int8":
+            table_block_size = table_block_size or DEFAULT_INT8_TABLE_BLOCK_SIZE
+        super().__init__(block_size, table_block_size, hadamard_size)
+        self.table_bits = 4 if table_dtype == "int4" else 8
+        self.symmetric = symmetric
+        self.method = method
+
+
 WEIGHT_FORMATS = WeightFormat.registry
 DTYPES = tuple(WEIGHT_FORMATS)
 
 
 def weight_format(dtype: str, block_size: int | None = None, table_block_size: int | None = None,
-                  hadamard_size: int | None = None) -> WeightFormat:
-    """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``).
+                  hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
+                  method: str = "mse") -> WeightFormat:
+    """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``).
+
+    ``table_dtype`` (``int4`` or ``int8``), ``symmetric`` and ``method`` (``mse`` or ``rtn``) apply
+    to int4 only.
 
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).
     """
     cls = WEIGHT_FORMATS[dtype]
+    hadamard = DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size
     if cls is Int8Format:
-        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE, table_block_size,
-                          DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size)
+        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE, table_block_size, hadamard)
+    if cls is Int4Format:
+        return Int4Format(block_size or DEFAULT_INT4_BLOCK_SIZE, table_block_size, hadamard,
+                          table_dtype or "int4", symmetric, method)
     return cls()

@@ -6,6 +6,7 @@ Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` 
 
 from .bf16 import BF16Weights, float32_to_bfloat16_bits
 from .hadamard import hadamard_matrix, rotate_blocks
+from .int4 import BlockInt4Weights
 from .int8 import BlockInt8Weights
 
-__all__ = ["BF16Weights", "BlockInt8Weights", "float32_to_bfloat16_bits", "hadamard_matrix", "rotate_blocks"]
+__all__ = ["BF16Weights", "BlockInt4Weights", "BlockInt8Weights", "float32_to_bfloat16_bits", "hadamard_matrix", "rotate_blocks"]

@@ -19,6 +19,8 @@ import dataclasses
 
 import numpy as np
 
+from .rows import float_rows
+
 ZERO_POINT = 128
 QMAX = 127
 _ROWS_PER_CHUNK = 8192
@@ -59,11 +61,7 @@ class BlockInt8Weights:
         scales = np.empty((n, nb), dtype=np.float32)
         # Row chunks keep the float temporaries small (the 262,144-row table would need ~2 GB at once).
         for start in range(0, n, _ROWS_PER_CHUNK):
-            rows = np.asarray(w[start : start + _ROWS_PER_CHUNK], dtype=np.float32)
-            finite = np.isfinite(rows)
-            if not finite.all():
-                r, c = np.unravel_index(int(np.argmin(finite)), rows.shape)
-                raise ValueError(f"holds {rows[r, c]} at index ({start + int(r)}, {int(c)})")
+            rows = float_rows(w, start, _ROWS_PER_CHUNK)
             blocks = rows.reshape(-1, nb, block_size)
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros

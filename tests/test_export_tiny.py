@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
-from gemma_export.exporter import count_table_initializers, export
+from gemma_export.exporter import is_table_shaped, count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
 SEQ = 20  # > sliding_window (6): the window matters in prefill and in decode
@@ -91,9 +91,16 @@ def test_default_export_returns_last_position_only(tiny_model, tiny_dir, tmp_pat
     assert np.abs(logits[0, 0] - reference_logits(tiny_model, ids)[0, -1]).max() <= 1e-4
 
 
-@pytest.mark.parametrize("dtype, max_abs, min_top1", [("bf16", 0.1, 0.95), ("int8", 0.5, 0.9)])
-def test_quantized_exports_stay_close(tiny_model, tiny_dir, tmp_path, dtype, max_abs, min_top1):
-    result = export(tiny_dir, tmp_path / dtype, dtype, all_logits=True, block_size=16)
+@pytest.mark.parametrize("dtype, options, max_abs, min_top1", [
+    ("bf16", {}, 0.1, 0.95),
+    ("int8", {}, 0.5, 0.9),
+    ("int4", {}, 2.0, 0.7),
+    ("int4", {"symmetric": False}, 2.0, 0.7),
+    ("int4", {"table_dtype": "int8"}, 2.0, 0.7),
+    ("int4", {"scale_method": "rtn", "hadamard_size": 0}, 2.5, 0.6),
+])
+def test_quantized_exports_stay_close(tiny_model, tiny_dir, tmp_path, dtype, options, max_abs, min_top1):
+    result = export(tiny_dir, tmp_path / dtype, dtype, all_logits=True, block_size=16, **options)
     ids = _ids(seed=5)
     logits = _prefill(OnnxDecoder(result.out_dir), ids)[0]
     ref = reference_logits(tiny_model, ids)
@@ -102,14 +109,14 @@ def test_quantized_exports_stay_close(tiny_model, tiny_dir, tmp_path, dtype, max
     assert result.table_initializers == 1
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
 def test_one_table_in_archive_and_in_onnxruntime_optimized_graph(tiny_dir, tmp_path, dtype):
     out = export(tiny_dir, tmp_path / dtype, dtype, block_size=16).out_dir
     assert count_table_initializers(out / "model.onnx", 96, 64) == 1
     optimized = tmp_path / "optimized.onnx"
     OnnxDecoder(out, optimized_model_path=optimized)
     model = onnx.load(str(optimized), load_external_data=False)
-    tables = [t.name for t in model.graph.initializer if math.prod(t.dims) == 96 * 64]
+    tables = [t.name for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, 96, 64)]
     assert len(tables) == 1, tables
     # nothing between the table and its consumers that onnxruntime could fold into a copy
     consumers = [n.op_type for n in model.graph.node if tables[0] in n.input]
@@ -176,3 +183,31 @@ def test_prompt_longer_than_max_positions_is_refused(fp32_all):
     decoder = OnnxDecoder(fp32_all)
     with pytest.raises(GemmaExportError, match="exceeds the model's max_position_embeddings 256"):
         decoder.greedy(list(range(3, 90)) * 3, 8)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_graph_reads_exactly_the_quantized_weights(tiny_model, tiny_dir, tmp_path, symmetric):
+    """The int4 graph (nibble unpacking in the lookup, MatMulNBits bits=4 elsewhere) equals
+    transformers running the dequantized 4-bit weights, up to MatMulNBits' int8 activations."""
+    import copy
+
+    import torch
+
+    from quant import BlockInt4Weights
+
+    result = export(tiny_dir, tmp_path / "int4", "int4", all_logits=True, block_size=16, table_block_size=16,
+                    hadamard_size=0, symmetric=symmetric)
+    quantized = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head" or name == "model.embed_tokens":
+                w = BlockInt4Weights.quantize(module.weight.numpy(), 16, symmetric=symmetric).dequantize()
+                module.weight.copy_(torch.from_numpy(w))
+    ids = _ids(seed=9)
+    logits = _prefill(OnnxDecoder(result.out_dir), ids)[0]
+    expected = reference_logits(quantized, ids)
+    plain = reference_logits(tiny_model, ids)
+    err, quant_err = np.abs(logits - expected), np.abs(logits - plain)
+    print(f"vs dequantized weights: mean {err.mean():.4f} max {err.max():.4f}; vs float: mean {quant_err.mean():.4f}")
+    assert err.max() <= 0.2 and err.mean() <= 0.03
+    assert quant_err.mean() > 5 * err.mean()  # the 4-bit error itself is far larger: the check has teeth

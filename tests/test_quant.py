@@ -93,3 +93,100 @@ def test_hadamard_spreads_an_outlier_so_int8_error_drops():
     plain = np.delete(int8_error(x), 5, axis=1).mean()
     rotated = np.abs(rotate_blocks(BlockInt8Weights.quantize(rotate_blocks(x, 64), 32).dequantize(), 64) - x)
     assert np.delete(rotated, 5, axis=1).mean() < plain / 2
+
+
+# ---- int4 -----------------------------------------------------------------------------------------
+
+from quant import BlockInt4Weights  # noqa: E402
+from quant.int4 import CLIP_RATIOS, pack_nibbles, unpack_nibbles  # noqa: E402
+
+
+def test_nibble_packing_is_low_first_and_invertible():
+    codes = np.array([[1, 2, 15, 0]], np.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x0F]]
+    rng = np.random.default_rng(0)
+    many = rng.integers(0, 16, (7, 5, 32)).astype(np.uint8)
+    assert np.array_equal(unpack_nibbles(pack_nibbles(many)), many)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_rtn_round_trip_error_is_bounded_by_half_a_step(symmetric):
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(64, 128)).astype(np.float32)
+    q = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="rtn")
+    assert q.data.shape == (64, 4, 16) and q.data.dtype == np.uint8
+    assert (q.zero_points is None) == symmetric
+    err = np.abs(q.dequantize() - w).reshape(64, 4, 32)
+    step = np.abs(q.scales[..., None])  # symmetric scales are m / -8, negative when m > 0
+    inside = (w.reshape(64, 4, 32) / q.scales[..., None] <= 7.5) if symmetric else np.ones(err.shape, bool)
+    assert (err[inside] <= np.broadcast_to(step, err.shape)[inside] / 2 + 1e-6).all()
+    assert (err <= step + 1e-6).all()  # code 7 clips the far side of the largest magnitude by < 1 step
+    codes = unpack_nibbles(q.data)
+    assert codes.max() <= 15
+    if symmetric:  # the largest-magnitude element of each block lands exactly on code 0 (-8 * scale)
+        assert (codes.reshape(64, 4, 32).min(axis=2) == 0).all()
+
+
+def test_int4_asymmetric_zero_points_are_packed_with_an_odd_block_count():
+    rng = np.random.default_rng(2)
+    w = (rng.normal(size=(8, 48)) + 3.0).astype(np.float32)  # 3 blocks of 16, all positive
+    q = BlockInt4Weights.quantize(w, 16, symmetric=False, method="rtn")
+    assert q.zero_points.shape == (8, 2)
+    zp = q.unpacked_zero_points()
+    assert zp.shape == (8, 3) and (zp == 0).all()  # positive blocks: min clipped to 0 → zero point 0
+    assert np.abs(q.dequantize() - w).max() <= q.scales.max() / 2 + 1e-6
+    sym = BlockInt4Weights.quantize(w, 16, symmetric=True, method="rtn")
+    assert np.abs(q.dequantize() - w).mean() < np.abs(sym.dequantize() - w).mean()
+
+
+def test_int4_mse_search_never_loses_to_round_to_nearest():
+    rng = np.random.default_rng(3)
+    w = (rng.standard_t(3, size=(256, 256)) * 0.02).astype(np.float32)  # heavy tails: clipping pays
+    rtn = BlockInt4Weights.quantize(w, 32, method="rtn")
+    mse = BlockInt4Weights.quantize(w, 32, method="mse")
+    block_err = lambda q: ((q.dequantize() - w) ** 2).reshape(256, 8, 32).sum(axis=2)  # noqa: E731
+    assert (block_err(mse) <= block_err(rtn) + 1e-12).all()
+    assert block_err(mse).sum() < 0.97 * block_err(rtn).sum()
+    assert 1.0 in CLIP_RATIOS  # round to nearest is one of the candidates
+
+
+def test_int4_channel_weights_steer_the_error():
+    rng = np.random.default_rng(4)
+    w = (rng.standard_t(3, size=(128, 64)) * 0.02).astype(np.float32)
+    h = np.ones(64, np.float32)
+    h[:8] = 100.0  # the first 8 input channels matter 100x
+    plain = BlockInt4Weights.quantize(w, 32)
+    weighted = BlockInt4Weights.quantize(w, 32, channel_weights=h)
+    first = lambda q: ((q.dequantize() - w)[:, :8] ** 2).sum()  # noqa: E731
+    assert first(weighted) < first(plain)
+
+
+def test_int4_zero_and_constant_blocks_and_outliers():
+    w = np.zeros((3, 32), np.float32)
+    w[1] = 0.5
+    w[2, 5] = 1e30
+    q = BlockInt4Weights.quantize(w, 32, method="rtn")
+    out = q.dequantize()
+    assert np.isfinite(q.scales).all() and (out[0] == 0).all()
+    assert np.allclose(out[1], 0.5, rtol=1e-6)  # a constant block is its own extreme: exact
+    assert out[2, 5] == pytest.approx(1e30, rel=1e-6) and (out[2, :5] == 0).all()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (np.array([[0.0, np.nan] * 16]), r"holds nan at index \(0, 1\)"),
+    (np.array([[0.0, np.inf] * 16]), r"holds inf at index \(0, 1\)"),
+])
+def test_int4_rejects_non_finite_with_index(bad, message):
+    with pytest.raises(ValueError, match=message):
+        BlockInt4Weights.quantize(bad.astype(np.float32), 32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"block_size": 24}, "not a multiple of the \\(even\\) block_size 24"),
+    ({"block_size": 32, "method": "gptq"}, "method must be 'rtn' or 'mse'"),
+    ({"block_size": 32, "channel_weights": np.ones(3)}, "channel_weights must be 64 finite values"),
+])
+def test_int4_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BlockInt4Weights.quantize(np.ones((2, 64), np.float32), **kwargs)

@@ -95,7 +95,7 @@ build_rootfs() {
       ${HTTPS_PROXY:+HTTPS_PROXY=$HTTPS_PROXY} ${HTTP_PROXY:+HTTP_PROXY=$HTTP_PROXY} ${NO_PROXY:+NO_PROXY=$NO_PROXY} \
       ${https_proxy:+https_proxy=$https_proxy} ${http_proxy:+http_proxy=$http_proxy} ${no_proxy:+no_proxy=$no_proxy} \
       $( [ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && echo PIP_CERT=/etc/ssl/certs/gx-host-ca.crt ) \
-      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --disable-pip-version-check --only-binary=:all: $deps" \
+      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --disable-pip-version-check --only-binary=:all: $(printf "'%s' " $deps)" \
       || die "pip install of the runtime dependencies failed inside $ROOTFS (see above)"
     printf '#!/bin/sh\nexec %s/bin/python -m gemma_export.cli "$@"\n' "$VENV" > "$ROOTFS$VENV/bin/gemma-export"
     chmod +x "$ROOTFS$VENV/bin/gemma-export"

@@ -1,0 +1,174 @@
+"""Block-wise 4-bit weights in the layout onnxruntime's ``MatMulNBits`` (bits=4) reads.
+
+For a weight ``W[N, K]`` (``[out_features, in_features]``, or the ``[vocab, hidden]`` table) and a
+block size ``B`` dividing ``K`` (each block ``w`` = ``W[n, jB:(j+1)B]``):
+
+symmetric (zero point fixed at 8, onnxruntime's default for 4 bits, so none is stored)::
+
+    m      = the element of w with the largest magnitude (signed)
+    scale  = c * m / -8            c: clipping ratio, 1 for round-to-nearest
+    q      = clip(round_half_even(w / scale), -8, 7);  stored q + 8
+
+asymmetric (a 4-bit zero point per block)::
+
+    scale  = c * (max(w) - min(w)) / 15
+    zp     = clip(round_half_even(-c * min(w) / scale), 0, 15)
+    q      = clip(round_half_even(w / scale) + zp, 0, 15)
+
+Packing (MatMulNBits ``B``, ``zero_points``): two codes per byte along K, the even index in the low
+nibble; ``data`` is uint8 ``[N, K/B, B/2]``, packed zero points uint8 ``[N, ceil((K/B)/2)]``.
+
+Scale choice (``method``): ``"rtn"`` uses c = 1 (round to nearest, the anchors' scheme);
+``"mse"`` searches c over ``CLIP_RATIOS`` per block and keeps the one with the least squared
+reconstruction error ``sum_i h_i (w_i - dequant(q)_i)^2`` (``h`` = per-input-channel weights such
+as the mean squared calibration activation, or ones) — the clipping search of GPTQ/AWQ-style
+quantizers (e.g. ``llama.cpp``'s ``make_qx_quants``, ``onnxruntime``'s ``HQQ``-free RTN variants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .rows import float_rows
+
+ZERO_POINT = 8
+CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.6, 17), 4))
+_ROWS_PER_CHUNK = 4096
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """uint8 codes in [0, 15], last axis even → uint8 with half the last axis (even index low)."""
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_nibbles`: uint8 ``[..., M]`` → uint8 ``[..., 2M]``."""
+    out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=np.uint8)
+    out[..., 0::2] = packed & 0x0F
+    out[..., 1::2] = packed >> 4
+    return out
+
+
+def _quantize_blocks(blocks: np.ndarray, symmetric: bool, ratio: float | np.ndarray):
+    """blocks float32 [R, nb, B] → (codes uint8 [R, nb, B] in 0..15, scales [R, nb], zp [R, nb])."""
+    if symmetric:
+        idx = np.abs(blocks).argmax(axis=2)[..., None]
+        m = np.take_along_axis(blocks, idx, axis=2)[..., 0]
+        scale = (ratio * m / -8.0).astype(np.float32)
+        scale[scale == 0] = 1.0  # an all-zero block quantizes to zeros
+        q = np.rint(blocks / scale[..., None])
+        np.clip(q, -8, 7, out=q)
+        codes = (q + ZERO_POINT).astype(np.uint8)
+        zp = np.full(scale.shape, ZERO_POINT, np.uint8)
+    else:
+        lo = np.minimum(blocks.min(axis=2), 0.0) * ratio
+        hi = np.maximum(blocks.max(axis=2), 0.0) * ratio
+        scale = ((hi - lo) / 15.0).astype(np.float32)
+        scale[scale == 0] = 1.0
+        zp = np.clip(np.rint(-lo / scale), 0, 15)
+        q = np.rint(blocks / scale[..., None]) + zp[..., None]
+        np.clip(q, 0, 15, out=q)
+        codes = q.astype(np.uint8)
+        zp = zp.astype(np.uint8)
+    return codes, scale, zp
+
+
+def _dequantize_codes(codes, scale, zp):
+    return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockInt4Weights:
+    """Block-quantized 4-bit weights.
+
+    Attributes:
+        data: uint8 ``[N, K // block_size, block_size // 2]`` (two codes per byte, MatMulNBits' ``B``).
+        scales: float32 ``[N, K // block_size]``.
+        zero_points: uint8 ``[N, ceil((K // block_size) / 2)]`` packed, or None (symmetric: 8).
+        block_size: elements per block along K.
+    """
+
+    data: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    block_size: int
+
+    @classmethod
+    def quantize(cls, w, block_size: int, symmetric: bool = True, method: str = "mse",
+                 channel_weights: np.ndarray | None = None) -> "BlockInt4Weights":
+        """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
+
+        Args:
+            block_size: even, divides K.
+            symmetric: fixed zero point 8 (True) or a stored 4-bit zero point per block.
+            method: ``"rtn"`` (clipping ratio 1) or ``"mse"`` (least weighted squared error over
+                ``CLIP_RATIOS``).
+            channel_weights: float ``[K]`` ≥ 0 weighting each input channel's error (``"mse"`` only).
+
+        Raises:
+            ValueError: ``w`` not 2-D, K not a multiple of ``block_size``, odd ``block_size``,
+                unknown ``method``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named).
+        """
+        if len(w.shape) != 2:
+            raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")
+        if method not in ("rtn", "mse"):
+            raise ValueError(f"method must be 'rtn' or 'mse', found {method!r}")
+        n, k = w.shape
+        if block_size <= 0 or block_size % 2 or k % block_size:
+            raise ValueError(f"in_features {k} is not a multiple of the (even) block_size {block_size}")
+        nb = k // block_size
+        h = None
+        if channel_weights is not None:
+            h = np.asarray(channel_weights, np.float32)
+            if h.shape != (k,) or not np.isfinite(h).all() or (h < 0).any():
+                raise ValueError(f"channel_weights must be {k} finite values >= 0, found shape {h.shape}")
+            h = h.reshape(nb, block_size)
+        data = np.empty((n, nb, block_size // 2), np.uint8)
+        scales = np.empty((n, nb), np.float32)
+        zps = np.empty((n, nb), np.uint8)
+        ratios = CLIP_RATIOS if method == "mse" else (1.0,)
+        for start in range(0, n, _ROWS_PER_CHUNK):
+            rows = float_rows(w, start, _ROWS_PER_CHUNK)
+            blocks = rows.reshape(-1, nb, block_size)
+            best_codes, best_scale, best_zp = _quantize_blocks(blocks, symmetric, ratios[0])
+            if len(ratios) > 1:
+                best_err = _error(blocks, best_codes, best_scale, best_zp, h)
+                for ratio in ratios[1:]:
+                    codes, scale, zp = _quantize_blocks(blocks, symmetric, ratio)
+                    err = _error(blocks, codes, scale, zp, h)
+                    better = err < best_err
+                    best_err = np.where(better, err, best_err)
+                    best_scale = np.where(better, scale, best_scale)
+                    best_zp = np.where(better, zp, best_zp)
+                    best_codes = np.where(better[..., None], codes, best_codes)
+            end = start + len(blocks)
+            data[start:end] = pack_nibbles(best_codes)
+            scales[start:end] = best_scale
+            zps[start:end] = best_zp
+        zero_points = None
+        if not symmetric:
+            padded = np.zeros((n, nb + nb % 2), np.uint8)
+            padded[:, :nb] = zps
+            zero_points = pack_nibbles(padded)
+        return cls(data=data, scales=scales, zero_points=zero_points, block_size=block_size)
+
+    def unpacked_zero_points(self) -> np.ndarray:
+        """uint8 ``[N, K // block_size]`` (8 everywhere when symmetric)."""
+        if self.zero_points is None:
+            return np.full(self.scales.shape, ZERO_POINT, np.uint8)
+        return unpack_nibbles(self.zero_points)[:, : self.scales.shape[1]]
+
+    def dequantize(self) -> np.ndarray:
+        """float32 ``[N, K]``: ``(code - zero_point) * scale`` per block."""
+        n, nb, _ = self.data.shape
+        return _dequantize_codes(unpack_nibbles(self.data), self.scales, self.unpacked_zero_points()).reshape(n, -1)
+
+
+def _error(blocks, codes, scale, zp, h):
+    diff = blocks - _dequantize_codes(codes, scale, zp)
+    diff *= diff
+    if h is not None:
+        diff *= h
+    return diff.sum(axis=2)
