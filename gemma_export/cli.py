@@ -249,6 +249,36 @@ def bench(
 
 
 @app.command()
+def quality(
+    model: Path = typer.Option(..., "--model", help="An export folder."),
+    reference: str = typer.Option("transformers", "--reference", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Real text to score (default: the Python license, ~3,400 tokens)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Teacher-forced quality of an export on real text against a reference: top-1 agreement
+    (overall and past position 512), mean KL(reference || export) in nats/token, perplexity, max |dlogit|.
+
+    Example: gemma-export quality --model gemma-3-270m-onnx-int4 --reference transformers --json q.json
+    """
+    import json
+
+    from .quality import format_report, run_quality
+
+    try:
+        report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
+                             progress=lambda msg: typer.echo(msg, err=True))
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+        return
+    typer.echo(format_report(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+@app.command()
 def bundle(
     model: Path = typer.Option(..., "--model", help="An export folder (verified against its manifest first)."),
     out: Path = typer.Option(..., "--out", help="The bundle folder to write (must not exist, be empty, or be a previous bundle)."),

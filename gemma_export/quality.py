@@ -15,6 +15,7 @@ vocabulary is 3 GB of float32 per model, so nothing larger than a chunk is mater
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -119,3 +120,100 @@ def transformers_logits(source, token_ids: Sequence[int]) -> np.ndarray:
                                f"unexpected {unexpected}")
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+@dataclasses.dataclass
+class QualityReport:
+    """``gemma-export quality`` for one export: metrics against ``reference`` on ``text_source``."""
+
+    model: str
+    reference: str
+    text_source: str
+    metrics: QualityMetrics
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "reference": self.reference, "text_source": self.text_source,
+                **self.metrics.to_dict()}
+
+
+def _manifest_source(model_dir: Path) -> str:
+    import json
+
+    from .errors import SourceNotFoundError
+
+    manifest = model_dir / "manifest.json"
+    try:
+        path = json.loads(manifest.read_text())["source"]["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise SourceNotFoundError(f"{manifest}: missing or without source.path; pass --reference EXPORT_DIR") from None
+    if not Path(path).exists():
+        raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists; pass --reference EXPORT_DIR")
+    return path
+
+
+def run_quality(model_dir: str | Path, reference: str = "transformers", text: str | Path | None = None,
+                tokens: int | None = None, threads: int | None = None,
+                progress=None) -> QualityReport:
+    """Teacher-forced quality of an export on real text.
+
+    Args:
+        model_dir: an export folder.
+        reference: ``transformers`` (fp32, eager, on the export's source weights), ``fp32`` (an fp32
+            export of the same source, made in a temporary folder) or the path of an export folder.
+        text: a text file (default: the Python license, ``bench.real_text``).
+        tokens: use the first ``tokens`` tokens (default: all; at least 2 needed).
+        threads: onnxruntime intra-op threads.
+
+    Raises:
+        GemmaExportError: unusable folder, source or text; torch/transformers missing for
+            ``transformers``.
+    """
+    import tempfile
+
+    from .bench import real_text
+    from .runtime import OnnxDecoder, load_tokenizer
+    from .sources import open_source
+
+    say = progress or (lambda _msg: None)
+    model_dir = Path(model_dir)
+    body, source = real_text(text)
+    ids = load_tokenizer(model_dir).encode(body).ids
+    if tokens is not None:
+        if tokens < 2:
+            raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
+        ids = ids[:tokens]
+    decoder = OnnxDecoder(model_dir, threads=threads)
+    decoder.check_length(len(ids))
+    say(f"{len(ids)} tokens of {source}")
+    if reference == "transformers":
+        say("reference: transformers fp32 on the export's source weights")
+        ref_logits = transformers_logits(open_source(_manifest_source(model_dir)), ids)
+    elif reference == "fp32":
+        from .exporter import export
+
+        with tempfile.TemporaryDirectory(prefix="gemma-export-fp32-") as tmp:
+            say("reference: exporting the source at fp32 into a temporary folder")
+            ref_dir = export(_manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
+            ref_logits = OnnxDecoder(ref_dir, threads=threads).teacher_forced_logits(ids)
+    else:
+        say(f"reference: the export in {reference}")
+        ref_logits = OnnxDecoder(reference, threads=threads).teacher_forced_logits(ids)
+    say("running the export teacher-forced through its KV cache")
+    metrics = compare_logits(ref_logits, decoder.teacher_forced_logits(ids), ids)
+    return QualityReport(str(model_dir), reference, source, metrics)
+
+
+def format_report(report: QualityReport) -> str:
+    """Human-readable lines for a :class:`QualityReport`."""
+    m = report.metrics
+    past = f"{m.top1_agreement_past_512:.2%}" if m.top1_agreement_past_512 is not None else "n/a (text <= 512 tokens)"
+    return "\n".join([
+        f"model        {report.model}",
+        f"reference    {report.reference}",
+        f"text         {m.tokens} tokens of {report.text_source}",
+        f"top-1        {m.top1_agreement:.2%} agreement (past 512: {past}); first difference at row "
+        f"{m.first_disagreement if m.first_disagreement is not None else '-'}",
+        f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
+        f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
+        f"max |dlogit| {m.max_abs_logit_diff:.4g}",
+    ])

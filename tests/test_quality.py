@@ -44,3 +44,61 @@ def test_identical_logits_agree_fully():
 def test_shape_mismatch_is_refused():
     with pytest.raises(GemmaExportError, match=r"expected two \[T, V\] matrices with T = 3 tokens"):
         compare_logits(np.zeros((3, 4), np.float32), np.zeros((3, 5), np.float32), [0, 1, 2])
+
+
+# ---- gemma-export quality on the tiny export -------------------------------------------------------
+
+import json  # noqa: E402
+
+from typer.testing import CliRunner  # noqa: E402
+
+from gemma_export.cli import app  # noqa: E402
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qtext") / "text.txt"
+    path.write_text("a stitch in time saves nine; many hands make light work. " * 12)
+    return path
+
+
+def test_quality_against_transformers_equals_an_independent_computation(tiny_int8_export, tiny_model, text_file, tmp_path):
+    from conftest import reference_logits
+    from gemma_export.runtime import OnnxDecoder, load_tokenizer
+
+    out = tmp_path / "q.json"
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--text", str(text_file),
+                                 "--tokens", "250", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    ids = load_tokenizer(tiny_int8_export).encode(text_file.read_text()).ids[:250]
+    expected = compare_logits(reference_logits(tiny_model, np.asarray([ids]))[0],
+                              OnnxDecoder(tiny_int8_export).teacher_forced_logits(ids), ids)
+    assert figures["tokens"] == 250 and figures["reference"] == "transformers"
+    assert figures["top1_agreement"] == pytest.approx(expected.top1_agreement)
+    assert figures["kl_mean"] == pytest.approx(expected.kl_mean, rel=1e-3)
+    assert figures["top1_agreement_past_512"] is None  # the tiny model has 256 positions
+    assert 0 < figures["kl_mean"] < 0.05  # int8 of the tiny model: close, not identical
+    assert "KL" in result.stdout and "n/a (text <= 512 tokens)" in result.stdout
+
+
+def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export),
+                                 "--text", str(text_file), "--tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert "top-1        100.00% agreement" in result.stdout
+    assert "max |dlogit| 0" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
+    (["--reference", "/nonexistent/export"], "/nonexistent/export/model.onnx: no exported model here"),
+    (["--text", "/nonexistent/text.txt"], "/nonexistent/text.txt: text file not found"),
+])
+def test_quality_bad_arguments(tiny_int8_export, args, message):
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--tokens", "40", *args])
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) <= 3  # progress lines, then one error line
+    assert result.output.strip().splitlines()[-1].startswith("error: ")
