@@ -90,3 +90,11 @@ def tiny_int8_export(tiny_dir, tmp_path_factory) -> Path:
     shutil.copytree(tiny_dir, src, dirs_exist_ok=True)
     write_char_tokenizer(src)
     return export(src, tmp_path_factory.mktemp("tiny_int8") / "int8", "int8", block_size=16).out_dir
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> Path:
+    """A plain-text file the character-level tokenizer covers (~1,000 characters)."""
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog; many hands make light work. " * 14)
+    return path

@@ -14,13 +14,6 @@ from gemma_export.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    return path
-
-
 def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(8, 4), new_tokens=7, text=text_file)
     assert list(r.prefill_ms) == [4, 8]

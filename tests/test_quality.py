@@ -57,13 +57,6 @@ from gemma_export.cli import app  # noqa: E402
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qtext") / "text.txt"
-    path.write_text("a stitch in time saves nine; many hands make light work. " * 12)
-    return path
-
-
 def test_quality_against_transformers_equals_an_independent_computation(tiny_int8_export, tiny_model, text_file, tmp_path):
     from conftest import reference_logits
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
