@@ -66,6 +66,12 @@ class OnnxDecoder:
             options.optimized_model_filepath = str(optimized_model_path)
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         inputs = {i.name: i for i in self.session.get_inputs()}
+        self._input_names = tuple(inputs)
+        unknown = [n for n in inputs if n not in ("input_ids", "attention_mask", "position_ids")
+                   and not (n.startswith("past_key_values.") and n.endswith((".key", ".value")))]
+        if unknown or "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
+            raise FormatError(f"{path}: inputs {sorted(inputs)} are not the decoder contract (input_ids, "
+                              "attention_mask, position_ids, past_key_values.{i}.key|value)")
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
@@ -85,7 +91,9 @@ class OnnxDecoder:
         """One step. Shapes: ``input_ids``/``position_ids`` int64 ``[B, S]``, ``attention_mask`` int64
         ``[B, past + S]``. Returns ``(logits float32 [B, 1 or S, vocab], next past)``."""
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **past}
-        outputs = self.session.run(None, feeds)
+        # Models from other exporters (e.g. onnxruntime-genai's GroupQueryAttention graphs) may not
+        # take every input: feed the ones the graph declares.
+        outputs = self.session.run(None, {name: feeds[name] for name in self._input_names})
         names = [o.name for o in self.session.get_outputs()]
         present = {name.replace("present.", "past_key_values.", 1): value
                    for name, value in zip(names[1:], outputs[1:]) if name.startswith("present.")}

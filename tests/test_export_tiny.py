@@ -211,3 +211,16 @@ def test_int4_graph_reads_exactly_the_quantized_weights(tiny_model, tiny_dir, tm
     print(f"vs dequantized weights: mean {err.mean():.4f} max {err.max():.4f}; vs float: mean {quant_err.mean():.4f}")
     assert err.max() <= 0.2 and err.mean() <= 0.03
     assert quant_err.mean() > 5 * err.mean()  # the 4-bit error itself is far larger: the check has teeth
+
+
+def test_decoder_refuses_a_model_outside_the_io_contract(tmp_path):
+    from onnx import TensorProto, helper
+
+    from gemma_export.errors import FormatError
+
+    graph = helper.make_graph([helper.make_node("Identity", ["pixel_values"], ["logits"])], "g",
+                              [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, [1, 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "model.onnx"))
+    with pytest.raises(FormatError, match=r"model.onnx: inputs \['pixel_values'\] are not the decoder contract"):
+        OnnxDecoder(tmp_path)
