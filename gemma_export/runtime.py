@@ -38,6 +38,13 @@ class GenerationResult:
     decode_ms: list[float]
 
 
+def _genai_decoder_config(model_dir: Path) -> dict:
+    try:
+        return json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 class OnnxDecoder:
     """An exported model loaded in onnxruntime (``CPUExecutionProvider``).
 
@@ -74,6 +81,10 @@ class OnnxDecoder:
                               "attention_mask, position_ids, past_key_values.{i}.key|value)")
         self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
+        if not isinstance(self.head_dim, int):  # symbolic (onnxruntime-genai graphs): its config has it
+            self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
+            if not isinstance(self.head_dim, int):
+                raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         manifest = self.model_dir / "manifest.json"
         self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}

@@ -15,7 +15,13 @@
 # Needs: root (chroot, mounts), qemu-user-static, debootstrap, and binfmt_misc (the script registers
 # qemu-aarch64 when binfmt-support is installed):  apt-get install qemu-user-static debootstrap binfmt-support
 #
+# The emulated CPU (QEMU_CPU) is qemu's "max" by default: every extension, so onnxruntime takes its
+# dotprod/i8mm int8 kernels. The board's Cortex-A55 has dotprod but no i8mm, and qemu 7.2 has no A55
+# model (its cortex-a76, the closest, crashes Debian's Python); GX_AARCH64_CPU=cortex-a72 (ARMv8.0,
+# no dotprod) exercises the plain NEON kernels instead. Run both to bracket the board.
+#
 # Environment: GX_AARCH64_ROOTFS (default ~/.cache/gemma-export/aarch64-rootfs),
+#   GX_AARCH64_CPU (qemu CPU model, default max; cortex-a72 for the no-dotprod kernels),
 #   GX_AARCH64_SUITE (Debian suite, default trixie), GX_AARCH64_MIRROR (default deb.debian.org),
 #   GX_AARCH64_BIND (extra host folders to bind, colon-separated).
 set -euo pipefail
@@ -25,6 +31,7 @@ SUITE=${GX_AARCH64_SUITE:-trixie}
 MIRROR=${GX_AARCH64_MIRROR:-http://deb.debian.org/debian}
 PROJECT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 VENV=/opt/gx
+CPU=${GX_AARCH64_CPU:-max}
 
 die() { echo "error: $*" >&2; exit 2; }
 say() { echo "[aarch64] $*" >&2; }
@@ -57,8 +64,23 @@ bind() {  # bind host folder $1 at the same path inside the root filesystem
   MOUNTS+=("$dst")
 }
 
+# qemu 7.2 passes the host's (x86) /proc/cpuinfo through, and onnxruntime's cpuinfo library crashes
+# parsing it; inside the root filesystem it reads this one instead: the board's two Cortex-A55 cores.
+fake_cpuinfo() {
+  local n
+  for n in 0 1; do
+    printf 'processor\t: %s\nBogoMIPS\t: 48.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\n' "$n"
+    printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x2\nCPU part\t: 0xd05\nCPU revision\t: 0\n\n'
+  done
+}
+
 system_mounts() {
   mountpoint -q "$ROOTFS/proc" || { mount -t proc proc "$ROOTFS/proc"; MOUNTS+=("$ROOTFS/proc"); }
+  if [ "$(uname -m)" = x86_64 ]; then
+    fake_cpuinfo > "$ROOTFS/etc/gx-cpuinfo"
+    mount --bind "$ROOTFS/etc/gx-cpuinfo" "$ROOTFS/proc/cpuinfo"
+    MOUNTS+=("$ROOTFS/proc/cpuinfo")
+  fi
   bind /dev
   bind /sys
   cp -L /etc/resolv.conf "$ROOTFS/etc/resolv.conf" 2>/dev/null || true
@@ -95,7 +117,7 @@ build_rootfs() {
       ${HTTPS_PROXY:+HTTPS_PROXY=$HTTPS_PROXY} ${HTTP_PROXY:+HTTP_PROXY=$HTTP_PROXY} ${NO_PROXY:+NO_PROXY=$NO_PROXY} \
       ${https_proxy:+https_proxy=$https_proxy} ${http_proxy:+http_proxy=$http_proxy} ${no_proxy:+no_proxy=$no_proxy} \
       $( [ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && echo PIP_CERT=/etc/ssl/certs/gx-host-ca.crt ) \
-      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --disable-pip-version-check --only-binary=:all: $(printf "'%s' " $deps)" \
+      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --no-compile --disable-pip-version-check --only-binary=:all: $(printf "'%s' " $deps)" \
       || die "pip install of the runtime dependencies failed inside $ROOTFS (see above)"
     printf '#!/bin/sh\nexec %s/bin/python -m gemma_export.cli "$@"\n' "$VENV" > "$ROOTFS$VENV/bin/gemma-export"
     chmod +x "$ROOTFS$VENV/bin/gemma-export"
@@ -112,5 +134,5 @@ IFS=: read -r -a extra <<< "${GX_AARCH64_BIND:-}"
 for d in "${extra[@]}"; do [ -n "$d" ] && bind "$(cd "$d" && pwd)"; done
 
 if [ "$1" = shell ]; then set -- /bin/bash; fi
-chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" \
+chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" QEMU_CPU="$CPU" OPENBLAS_CORETYPE=ARMV8 \
   PYTHONPATH="$PROJECT" /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"
