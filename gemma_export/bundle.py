@@ -28,7 +28,7 @@ from .errors import GemmaExportError, OutputError, SourceNotFoundError
 BOARDS = {
     "sl2610": {
         "title": "Synaptics Astra SL2610 (2 x Cortex-A55, aarch64 Linux, ~1.9 GB usable RAM)",
-        "python": "python3.12",
+        "python": "Python 3.12",
         "threads": 2,
     },
 }
@@ -72,7 +72,7 @@ def build_wheel(dest: Path) -> Path:
 
 def _readme(board: str, wheel: str, model_manifest: dict) -> str:
     spec = BOARDS[board]
-    py, threads = spec["python"], spec["threads"]
+    python, threads = spec["python"], spec["threads"]
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
     return f"""# gemma-export bundle for the {spec['title']}
@@ -81,9 +81,10 @@ Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {confi
 exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
-Install (once; the toolkit's dependencies, onnxruntime included, come from PyPI as aarch64 wheels):
+Install (once, with the board's {python}; the toolkit's dependencies, onnxruntime included, come
+from PyPI as aarch64 wheels):
 
-    {py} -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
+    python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
 Check the model files, then generate and benchmark with the board's {threads} threads:
 

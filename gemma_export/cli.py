@@ -63,7 +63,7 @@ def main(
     ctx: typer.Context,
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
-    source: Optional[Path] = typer.Option(None, "--source", help="transformers folder or .gguf file; default: the bundled real Gemma 3 270M."),
+    source: Optional[Path] = typer.Option(None, "--source", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
     out: Optional[Path] = typer.Option(None, "--out", help="Output folder (default ./<model>-onnx-<dtype>)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4)."),
@@ -165,7 +165,7 @@ def verify(
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors or .gguf file."),
+    path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
     top: int = typer.Option(10, "--top", help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),

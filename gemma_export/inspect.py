@@ -140,6 +140,27 @@ def _safetensors_entries(path: Path) -> list[TensorEntry]:
     return entries
 
 
+def _mlir_entries(path: Path) -> list[TensorEntry]:
+    """The ``util.global`` declarations of a reference MLIR, with their data from the flat archive
+    beside it (reshaped to the declared shapes) when there is one; without an archive the entries
+    carry no data (sizes only, no duplicate search)."""
+    from .sources.mlir import ELEMENT_TYPES, Archive, find_archive, parse_mlir
+
+    module = parse_mlir(path)
+    try:
+        archive = Archive(module, find_archive(path))
+    except SourceNotFoundError:
+        archive = None
+    entries = []
+    for g in module.globals:
+        st_dtype, width = ELEMENT_TYPES[g.element_type]
+        offset = archive.entries[g.key].offset if archive else 0
+        entries.append(TensorEntry(g.name, g.shape, st_dtype, g.count * width, g.count,
+                                   archive.path if archive else None, offset,
+                                   np.dtype(_SAFETENSORS_DTYPES[st_dtype]) if archive else None))
+    return entries
+
+
 def _gguf_entries(path: Path) -> list[TensorEntry]:
     import gguf
 
@@ -306,7 +327,8 @@ def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
 
 # ---- entry point --------------------------------------------------------------------------------
 def inspect_path(path: str | Path) -> Report:
-    """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``; the type is read from the file).
+    """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
+    archive beside it; the type is read from the file).
 
     Raises:
         SourceNotFoundError: no such file.
@@ -325,9 +347,12 @@ def inspect_path(path: str | Path) -> Report:
     elif path.suffix == ".onnx":
         kind = "onnx"
         entries, consumers = _onnx_entries(path)
+    elif path.suffix == ".mlir":
+        kind, entries = "mlir", _mlir_entries(path)
     else:
-        raise FormatError(f"{path}: not an ONNX, safetensors or GGUF file (first bytes {magic[:4]!r})")
-    return Report(str(path), kind, entries, find_duplicates(entries), consumers)
+        raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
+    with_data = [e for e in entries if e.path is not None or e.inline is not None]
+    return Report(str(path), kind, entries, find_duplicates(with_data), consumers)
 
 
 def _is_shared_table(ops: list[str]) -> bool:

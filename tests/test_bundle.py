@@ -43,7 +43,8 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
         data = (out / rel).read_bytes()
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     readme = (out / "README.md").read_text()
-    assert f"python3.12 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
+    assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
+    assert "Python 3.12" in readme
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0

@@ -34,8 +34,8 @@ def open_source(source: str | Path | None) -> Checkpoint:
     """Open a model source lazily.
 
     Args:
-        source: a transformers folder (``config.json`` + safetensors), a ``.gguf`` file, or None for
-            the bundled real Gemma 3 270M.
+        source: a transformers folder (``config.json`` + safetensors), a ``.gguf`` file, a reference
+            export's ``.mlir`` (its safetensors archive beside it), or None for the bundled real Gemma 3 270M.
 
     Raises:
         SourceNotFoundError: the path does not exist.
@@ -43,20 +43,23 @@ def open_source(source: str | Path | None) -> Checkpoint:
     """
     from .gguf import read_gguf
     from .hf import read_hf_folder
+    from .mlir import read_reference
 
     path = bundled_gguf_path() if source is None else Path(source)
     if not path.exists():
-        raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder or a .gguf file)")
+        raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
     if path.is_dir():
         return read_hf_folder(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix == ".gguf":
         return read_gguf(path)
-    raise SourceNotFoundError(f"{path}: not a folder and not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+    if path.suffix == ".mlir":
+        return read_reference(path)
+    raise SourceNotFoundError(f"{path}: not a folder, a GGUF file or a .mlir reference export (first bytes {magic!r})")
 
 
 def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype: str) -> str:
     """Folder name for an export when --out is not given, e.g. ``gemma-3-270m-onnx-int8``."""
-    stem = BUNDLED_NAME if source is None else Path(source).resolve().name.removesuffix(".gguf")
+    stem = BUNDLED_NAME if source is None else Path(source).resolve().name.removesuffix(".gguf").removesuffix(".mlir")
     return f"{stem}-onnx-{dtype}"

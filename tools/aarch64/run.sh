@@ -134,5 +134,8 @@ IFS=: read -r -a extra <<< "${GX_AARCH64_BIND:-}"
 for d in "${extra[@]}"; do [ -n "$d" ] && bind "$(cd "$d" && pwd)"; done
 
 if [ "$1" = shell ]; then set -- /bin/bash; fi
-chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" QEMU_CPU="$CPU" OPENBLAS_CORETYPE=ARMV8 \
+# pip inside (e.g. a bundle's install line) trusts what the host's pip trusts (a proxy's CA, if any)
+CERT=()
+[ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && CERT=(PIP_CERT=/etc/ssl/certs/gx-host-ca.crt)
+chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" QEMU_CPU="$CPU" OPENBLAS_CORETYPE=ARMV8 "${CERT[@]}" \
   PYTHONPATH="$PROJECT" /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"

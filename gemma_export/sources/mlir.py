@@ -1,0 +1,353 @@
+"""The board team's reference export: StableHLO MLIR text + a flat 1-D safetensors archive.
+
+Format (``../shared/reference-format.md``): every weight is a module-level global bound to an
+external parameter, in trace order::
+
+    util.global private @t0 = #flow.parameter.named<"model"::"t0"> : tensor<262153x640xbf16>
+
+The archive stores each key flat (``[count]``); the shape exists only in the MLIR. bf16 globals hold
+bf16 values; int8 globals ``tN : tensor<RxCxi8>`` come with ``tN_scale : tensor<Rxf32>`` (per-row
+symmetric). Norm weights already hold ``1 + w`` (llama.cpp's convention). The archive also carries
+trace-baked constants (RoPE tables ``[seq, head_dim / 2]``, sliding-window masks ``[seq, seq]``) and,
+in older exports, the tied table a second time for the LM head.
+
+There is no name map: :func:`map_globals` assigns globals to Gemma weights by trace order and shape
+(embedding first; per layer the slots in forward order, each shape filled in order; final norm; an
+optional LM head) and confirms the map with values where it can (norm gains near 1, a second table
+equal to the first).
+
+The MLIR carries no configuration: the shapes give vocabulary, hidden size, layers, head_dim, heads and
+intermediate size; the rest follows Gemma 3 (global layers ``i % 6 == 5``, window 512, RoPE bases
+10,000 / 1,000,000, ``query_pre_attn_scalar = head_dim``, eps 1e-6), as for GGUF sources.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
+from ..config import FULL, SLIDING, GemmaConfig, RopeParameters
+from ..errors import FormatError, SourceNotFoundError
+from .safetensors_header import read_header
+
+#: MLIR element type → (safetensors dtype, bytes per element)
+ELEMENT_TYPES = {"bf16": ("BF16", 2), "f32": ("F32", 4), "f16": ("F16", 2), "i8": ("I8", 1), "i32": ("I32", 4)}
+MAX_LINE_BYTES = 1 << 20
+
+_GLOBAL = re.compile(
+    r'^\s*util\.global\s+(?:private\s+|public\s+)?(?:mutable\s+)?@([\w$.-]+)\s*=\s*'
+    r'#flow\.parameter\.named<"([^"]*)"::"([^"]*)">\s*:\s*tensor<([^>]*)>')
+_FUNC = re.compile(r'^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\((.*?)\)\s*(?:->\s*(.*?))?\s*(?:attributes\b.*)?\{?\s*$')
+_TENSOR = re.compile(r"tensor<([^>]*)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlirGlobal:
+    """One ``util.global`` bound to an external parameter."""
+
+    name: str
+    scope: str
+    key: str
+    shape: tuple[int, ...]
+    element_type: str
+    line: int
+
+    @property
+    def count(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class MlirFunction:
+    """A function's signature: argument and result tensor types as written (e.g. ``1x24xi32``)."""
+
+    name: str
+    arguments: tuple[str, ...]
+    results: tuple[str, ...]
+    line: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MlirModule:
+    path: Path
+    globals: tuple[MlirGlobal, ...]
+    functions: tuple[MlirFunction, ...]
+
+
+def _tensor_type(text: str, where: str) -> tuple[tuple[int, ...], str]:
+    parts = text.strip().split("x")
+    element = parts[-1]
+    if element not in ELEMENT_TYPES:
+        raise FormatError(f"{where}: element type {element!r} in tensor<{text}> is not one of {', '.join(ELEMENT_TYPES)}")
+    dims = []
+    for p in parts[:-1]:
+        if not p.isdigit():
+            raise FormatError(f"{where}: dimension {p!r} in tensor<{text}> is not a static size")
+        dims.append(int(p))
+    return tuple(dims), element
+
+
+def parse_mlir(path: str | Path) -> MlirModule:
+    """Read the globals and public function signatures of a reference MLIR file, line by line
+    (the files are large; no MLIR parser is loaded).
+
+    Raises:
+        SourceNotFoundError: no such file.
+        FormatError: a line over 1 MiB, a global with a dynamic or unknown tensor type, a global
+            declared twice, or no global at all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SourceNotFoundError(f"{path}: no such MLIR file")
+    globals_: list[MlirGlobal] = []
+    functions: list[MlirFunction] = []
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise FormatError(f"{path}:{number}: line of {len(raw):,} bytes exceeds 1 MiB; not reference MLIR text")
+            if b"util.global" not in raw and b"func.func" not in raw:
+                continue
+            line = raw.decode("utf-8", errors="replace")
+            where = f"{path}:{number}"
+            m = _GLOBAL.match(line)
+            if m:
+                name, scope, key, ttype = m.groups()
+                if name in seen:
+                    raise FormatError(f"{where}: global @{name} declared twice")
+                seen.add(name)
+                shape, element = _tensor_type(ttype, where)
+                globals_.append(MlirGlobal(name, scope, key, shape, element, number))
+                continue
+            m = _FUNC.match(line)
+            if m:
+                name, args, results = m.groups()
+                functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")), number))
+    if not globals_:
+        raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference export")
+    return MlirModule(path, tuple(globals_), tuple(functions))
+
+
+def find_archive(mlir_path: Path) -> Path:
+    """The safetensors archive of a reference MLIR: ``<stem>.safetensors`` or ``gemma.safetensors``
+    beside it.
+
+    Raises:
+        SourceNotFoundError: neither exists.
+    """
+    for candidate in (mlir_path.with_suffix(".safetensors"), mlir_path.parent / "gemma.safetensors"):
+        if candidate.is_file():
+            return candidate
+    raise SourceNotFoundError(f"{mlir_path}: no archive beside it (expected {mlir_path.with_suffix('.safetensors').name} "
+                              "or gemma.safetensors)")
+
+
+class Archive:
+    """The flat safetensors archive, checked against the MLIR declarations before any data is read."""
+
+    def __init__(self, module: MlirModule, path: Path):
+        self.path = path
+        entries = {e.name: e for e in read_header(path)}
+        declared = {g.key: g for g in module.globals}
+        missing = [g for g in module.globals if g.key not in entries]
+        if missing:
+            g = missing[0]
+            raise FormatError(f"{module.path}:{g.line}: global @{g.name} is bound to key '{g.key}', which {path} lacks")
+        extra = sorted(set(entries) - set(declared))
+        if extra:
+            raise FormatError(f"{path}: key '{extra[0]}' has no util.global in {module.path.name}")
+        for g in module.globals:
+            e = entries[g.key]
+            st_dtype, width = ELEMENT_TYPES[g.element_type]
+            if e.dtype != st_dtype or e.nbytes != g.count * width:
+                raise FormatError(f"{path}: key '{g.key}' holds {e.dtype} {list(e.shape)} ({e.nbytes:,} bytes); "
+                                  f"{module.path.name}:{g.line} declares tensor<{'x'.join(map(str, g.shape))}x"
+                                  f"{g.element_type}> ({g.count * width:,} bytes of {st_dtype})")
+        self.entries = entries
+
+    def raw(self, g: MlirGlobal, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The global's values in its stored type, reshaped to the declared shape (rows optional)."""
+        entry = self.entries[g.key]
+        st_dtype, width = ELEMENT_TYPES[g.element_type]
+        np_dtype = {"BF16": np.uint16, "F32": np.float32, "F16": np.float16, "I8": np.int8, "I32": np.int32}[st_dtype]
+        row_elems = g.count // g.shape[0] if g.shape else 1
+        start, stop = rows if rows is not None else (0, g.shape[0] if g.shape else 1)
+        data = np.memmap(self.path, dtype=np_dtype, mode="r", offset=entry.offset + start * row_elems * width,
+                         shape=((stop - start) * row_elems,))
+        shape = ((stop - start), *g.shape[1:]) if g.shape else ()
+        return np.asarray(data).reshape(shape)
+
+
+def _to_float(raw: np.ndarray, element_type: str) -> np.ndarray:
+    if element_type == "bf16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
+
+
+@dataclasses.dataclass
+class _Slot:
+    name: str
+    shape: tuple[int, ...]
+    norm: bool = False
+
+
+def _layer_slots(i: int, h: int, heads: int, kv: int, d: int, inter: int) -> list[_Slot]:
+    p = f"model.layers.{i}."
+    return [
+        _Slot(p + "input_layernorm.weight", (h,), True),
+        _Slot(p + "self_attn.q_proj.weight", (heads * d, h)),
+        _Slot(p + "self_attn.k_proj.weight", (kv * d, h)),
+        _Slot(p + "self_attn.v_proj.weight", (kv * d, h)),
+        _Slot(p + "self_attn.q_norm.weight", (d,), True),
+        _Slot(p + "self_attn.k_norm.weight", (d,), True),
+        _Slot(p + "self_attn.o_proj.weight", (h, heads * d)),
+        _Slot(p + "post_attention_layernorm.weight", (h,), True),
+        _Slot(p + "pre_feedforward_layernorm.weight", (h,), True),
+        _Slot(p + "mlp.gate_proj.weight", (inter, h)),
+        _Slot(p + "mlp.up_proj.weight", (inter, h)),
+        _Slot(p + "mlp.down_proj.weight", (h, inter)),
+        _Slot(p + "post_feedforward_layernorm.weight", (h,), True),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalMap:
+    """What :func:`map_globals` decided: transformers name → global (int8 scales found by name),
+    the globals skipped as trace-baked constants, and whether a second table was collapsed."""
+
+    weights: dict[str, MlirGlobal]
+    scales: dict[str, MlirGlobal]  # global name -> its ``_scale`` companion (int8 archives)
+    skipped: tuple[MlirGlobal, ...]
+    duplicate_table: MlirGlobal | None
+    config: GemmaConfig
+
+
+def map_globals(module: MlirModule, archive: Archive) -> GlobalMap:
+    """Assign the globals to Gemma 3 weights by trace order and shape (see the module docstring).
+
+    Raises:
+        FormatError: the first global is not a ``[vocab, hidden]`` table, the globals do not fill
+            whole layers, or a value check fails (names the global and what was found).
+    """
+    where = module.path
+    by_name = {g.name: g for g in module.globals}
+    scales = {g.name[: -len("_scale")]: g for g in module.globals if g.name.endswith("_scale") and g.name[: -len("_scale")] in by_name}
+    order = [g for g in module.globals if g not in scales.values()]
+    if not order or len(order[0].shape) != 2:
+        raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "
+                          f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
+    vocab, hidden = order[0].shape
+    # head_dim: the first 1-D global that is not hidden-sized (q_norm); heads and KV heads: rows of
+    # the first two [*, hidden] projections (q, k); intermediate size: columns of the first
+    # [hidden, *] global whose columns are neither hidden nor heads x head_dim (down_proj).
+    two_d = [g for g in order[1:] if len(g.shape) == 2 and g.shape[1] == hidden and g.shape[0] != vocab]
+    d = next((g.shape[0] for g in order[1:] if len(g.shape) == 1 and g.shape[0] != hidden), None)
+    if d is None or len(two_d) < 2:
+        raise FormatError(f"{where}: cannot find per-head norms and projections among {len(order)} globals")
+    heads, kv = two_d[0].shape[0] // d, two_d[1].shape[0] // d
+    inter = next((g.shape[1] for g in order[1:] if len(g.shape) == 2 and g.shape[0] == hidden
+                  and g.shape[1] not in (hidden, heads * d)), None)
+    if inter is None:
+        raise FormatError(f"{where}: cannot find a down projection [hidden, intermediate] among the globals")
+
+    weights: dict[str, MlirGlobal] = {EMBED: order[0]}
+    skipped: list[MlirGlobal] = []
+    duplicate = None
+    layer = 0
+    slots = _layer_slots(layer, hidden, heads, kv, d, inter)
+    final_norm = None
+    def is_constant(g: MlirGlobal) -> bool:  # RoPE tables [seq, head_dim/2] and masks [seq, seq]
+        return len(g.shape) == 2 and g.shape[1] in (d // 2, g.shape[0]) or len(g.shape) == 4 and g.shape[-1] == g.shape[-2]
+
+    rest = order[1:]
+    for index, g in enumerate(rest):
+        starts_layer = not any(s.name in weights for s in slots)
+        if starts_layer and g.shape == (hidden,) and final_norm is None:
+            # a hidden-sized norm where a layer would start: the final norm if only a table (the
+            # LM head) or constants follow
+            following = [x for x in rest[index + 1:] if not is_constant(x)]
+            if all(x.shape == (vocab, hidden) for x in following) and len(following) <= 1:
+                final_norm = g
+                weights[FINAL_NORM] = g
+                continue
+        free = [s for s in slots if s.name not in weights and s.shape == g.shape]
+        if free and final_norm is None:
+            weights[free[0].name] = g
+            if all(s.name in weights for s in slots):
+                layer += 1
+                slots = _layer_slots(layer, hidden, heads, kv, d, inter)
+            continue
+        if g.shape == (vocab, hidden) and final_norm is not None and duplicate is None:
+            duplicate = g
+            continue
+        if is_constant(g):
+            skipped.append(g)
+            continue
+        raise FormatError(f"{where}:{g.line}: global @{g.name} tensor<{'x'.join(map(str, g.shape))}> fits no Gemma 3 "
+                          f"weight after {len(weights)} mapped ({layer} whole layers)")
+    partial = [s.name for s in slots if s.name in weights]
+    if partial or final_norm is None or layer == 0:
+        raise FormatError(f"{where}: globals end inside layer {layer} or without a final norm "
+                          f"({layer} whole layers mapped)")
+    config = GemmaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layer,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6, sliding_window=512,
+        layer_types=tuple(FULL if i % 6 == 5 else SLIDING for i in range(layer)),
+        rope_parameters={FULL: RopeParameters(1_000_000.0), SLIDING: RopeParameters(10_000.0)},
+        query_pre_attn_scalar=float(d), max_position_embeddings=32768)
+    config.validate(str(where))
+    return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
+
+
+def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None) -> Checkpoint:
+    """Open a reference export as a :class:`Checkpoint` (norm gains converted to ``w``, int8
+    dequantized per row, a duplicated table collapsed when its values equal the first).
+
+    Raises:
+        SourceNotFoundError: the MLIR or its archive is missing.
+        FormatError: any mismatch between MLIR, archive and the Gemma layout (named).
+    """
+    mlir_path = Path(mlir_path)
+    module = parse_mlir(mlir_path)
+    archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    mapped = map_globals(module, archive)
+
+    def values(name: str, g: MlirGlobal, rows=None) -> np.ndarray:
+        raw = archive.raw(g, rows)
+        if g.element_type == "i8":
+            scale_g = mapped.scales.get(g.name)
+            if scale_g is None:
+                raise FormatError(f"{mlir_path}:{g.line}: int8 global @{g.name} has no @{g.name}_scale")
+            scale = archive.raw(scale_g)
+            scale = scale[rows[0]:rows[1]] if rows else scale
+            return raw.astype(np.float32) * scale.reshape(-1, *([1] * (raw.ndim - 1)))
+        return _to_float(raw, g.element_type)
+
+    norms = {n for n in mapped.weights if n.endswith("norm.weight")}
+    tensors: dict[str, TensorRef] = {}
+    for name, g in mapped.weights.items():
+        origin = f"{archive.path}:{g.key}"
+        if name in norms:
+            gain = values(name, g)
+            if not (np.isfinite(gain).all() and np.median(gain) > 0.05):
+                raise FormatError(f"{origin}: mapped to '{name}' but its median {np.median(gain):.3g} is not a "
+                                  "positive norm gain (1 + w); the trace order is not the expected one")
+            tensors[name] = TensorRef(name, g.shape, origin, lambda gain=gain: gain - 1.0)
+        else:
+            tensors[name] = TensorRef(name, g.shape, origin, lambda n=name, g=g: values(n, g),
+                                      row_reader=(lambda a, b, n=name, g=g: values(n, g, (a, b))) if len(g.shape) == 2 else None)
+    if mapped.duplicate_table is not None:
+        g = mapped.duplicate_table
+        tensors[LM_HEAD] = TensorRef(LM_HEAD, g.shape, f"{archive.path}:{g.key}", lambda: values(LM_HEAD, g),
+                                     row_reader=lambda a, b: values(LM_HEAD, g, (a, b)))
+    config = mapped.config
+    validate_tensors(config, tensors, str(mlir_path))
+    resolve_lm_head(config, tensors, str(mlir_path))  # an equal second table is collapsed
+    identity = {"kind": "reference-mlir", "path": str(mlir_path.resolve()), "archive": str(archive.path.resolve()),
+                "globals": len(module.globals), "skipped_constants": len(mapped.skipped),
+                "duplicate_table_collapsed": mapped.duplicate_table is not None and LM_HEAD not in tensors}
+    return Checkpoint(config=config, tensors=tensors, tokenizer=None, identity=identity, path=mlir_path)

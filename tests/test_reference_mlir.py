@@ -1,0 +1,203 @@
+"""Reference exports (StableHLO MLIR globals + a flat 1-D safetensors archive) as a --source.
+
+The fixtures are written here in the board pipeline's format (``../shared/reference-format.md``)
+from a tiny transformers model: globals in trace order with sparse ``tN`` names, values flat,
+bf16 by truncation or int8 per row with ``tN_scale``, norms holding ``1 + w``, RoPE tables and
+sliding-window masks between the weights, and the tied table stored a second time for the head.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+from conftest import make_tiny_model, reference_logits
+from gemma_export.cli import app
+from gemma_export.errors import FormatError
+from gemma_export.exporter import export
+from gemma_export.runtime import OnnxDecoder
+from gemma_export.sources import open_source
+from gemma_export.sources.mlir import parse_mlir
+
+SEQ = 24
+
+
+def _truncate_bf16(x: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _trace(model):
+    """(kind, array) in the tracer's order: embedding, per layer (norms as 1 + w), final norm, head."""
+    sd = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    c = model.config
+    half = c.head_dim // 2
+    items = [("weight", sd["model.embed_tokens.weight"])]
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        norm = lambda n: ("weight", sd[p + n] + 1.0)  # noqa: E731
+        items += [norm("input_layernorm.weight"), ("weight", sd[p + "self_attn.q_proj.weight"]),
+                  norm("self_attn.q_norm.weight"), ("weight", sd[p + "self_attn.k_proj.weight"]),
+                  norm("self_attn.k_norm.weight"), ("weight", sd[p + "self_attn.v_proj.weight"])]
+        angles = np.outer(np.arange(SEQ), np.linspace(0.1, 1.0, half)).astype(np.float32)
+        items += [("const", np.cos(angles)), ("const", np.sin(angles))]  # RoPE tables [seq, head_dim/2]
+        items += [("weight", sd[p + "self_attn.o_proj.weight"]), norm("post_attention_layernorm.weight"),
+                  norm("pre_feedforward_layernorm.weight"), ("weight", sd[p + "mlp.gate_proj.weight"]),
+                  ("weight", sd[p + "mlp.up_proj.weight"]), ("weight", sd[p + "mlp.down_proj.weight"]),
+                  norm("post_feedforward_layernorm.weight")]
+        if c.layer_types[i] == "sliding_attention":
+            items.append(("const", np.tril(np.ones((SEQ, SEQ), np.float32))))  # a mask [seq, seq]
+    items.append(("weight", sd["model.norm.weight"] + 1.0))
+    items.append(("weight", sd["lm_head.weight"]))  # the tied table a second time
+    return items
+
+
+def write_reference(model, folder, dtype="bf16", drop_head=False, edit=None):
+    """Write ``gemma.mlir`` + ``gemma.safetensors``; returns the MLIR path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    items = _trace(model)[:-1] if drop_head else _trace(model)
+    lines, archive = ["module @gemma {"], {}
+    for n, (_, array) in enumerate(items):
+        name = f"t{n * 7 + (n % 3)}"  # sparse, increasing
+        if dtype == "int8" and array.ndim == 2:
+            scale = np.abs(array).max(axis=1) / 127
+            scale[scale == 0] = 1
+            q = np.clip(np.rint(array / scale[:, None]), -127, 127).astype(np.int8)
+            archive[name], archive[name + "_scale"] = q.reshape(-1), scale.astype(np.float32)
+            lines.append(f'  util.global private @{name} = #flow.parameter.named<"model"::"{name}"> : '
+                         f'tensor<{"x".join(map(str, array.shape))}xi8>')
+            lines.append(f'  util.global private @{name}_scale = #flow.parameter.named<"model"::"{name}_scale"> : '
+                         f'tensor<{array.shape[0]}xf32>')
+        else:
+            archive[name] = _truncate_bf16(array).reshape(-1)
+            lines.append(f'  util.global private @{name} = #flow.parameter.named<"model"::"{name}"> : '
+                         f'tensor<{"x".join(map(str, array.shape))}xbf16>')
+    lines += [f"  func.func @gemma(%arg0: tensor<1x{SEQ}xi32>) -> tensor<{SEQ}xi32> {{",
+              "    %0 = util.global.load @t0 : tensor<96x64xbf16>", "    return %r : tensor<24xi32>", "  }", "}"]
+    if edit:
+        edit(lines, archive)
+    (folder / "gemma.mlir").write_text("\n".join(lines) + "\n")
+    # safetensors.numpy has no bf16: store the uint16 bit patterns, then relabel them BF16
+    save_file(archive, str(folder / "gemma.safetensors"))
+    raw = (folder / "gemma.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8 : 8 + n].decode().replace('"U16"', '"BF16"')
+    (folder / "gemma.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode() + raw[8 + n :])
+    return folder / "gemma.mlir"
+
+
+def _dequantized_model(model, dtype):
+    """transformers model holding exactly the values the reference archive carries."""
+    import copy
+
+    import torch
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            w = p.detach().numpy().astype(np.float32)
+            stored = w + 1.0 if "norm" in name else w
+            if dtype == "int8" and w.ndim == 2:
+                scale = np.abs(stored).max(axis=1) / 127
+                scale[scale == 0] = 1
+                stored = np.clip(np.rint(stored / scale[:, None]), -127, 127) * scale[:, None]
+            else:
+                stored = (_truncate_bf16(stored).astype(np.uint32) << 16).view(np.float32)
+            p.copy_(torch.from_numpy((stored - 1.0 if "norm" in name else stored).astype(np.float32)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref_model():
+    # The MLIR carries no configuration: the reader assumes Gemma 3's (window 512, global layers
+    # i % 6 == 5, RoPE bases 10,000 / 1,000,000), so the tiny model follows them.
+    return make_tiny_model(seed=3, sliding_window=512, layer_types=["sliding_attention"] * 4)
+
+
+def test_parse_reads_globals_and_signatures(ref_model, tmp_path):
+    module = parse_mlir(write_reference(ref_model, tmp_path / "ref"))
+    assert module.globals[0].name == "t0" and module.globals[0].shape == (96, 64)
+    assert module.globals[0].element_type == "bf16" and module.globals[0].scope == "model"
+    assert module.functions[0].name == "gemma"
+    assert module.functions[0].arguments == ("1x24xi32",) and module.functions[0].results == ("24xi32",)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_reference_source_exports_the_archive_weights(ref_model, tmp_path, dtype):
+    mlir = write_reference(ref_model, tmp_path / "ref", dtype)
+    ckpt = open_source(mlir)
+    assert ckpt.config.num_hidden_layers == 4 and ckpt.config.head_dim == 16
+    assert ckpt.config.num_key_value_heads == 2 and ckpt.config.intermediate_size == 128
+    assert ckpt.tied  # the second table equals the first: collapsed
+    assert ckpt.identity["skipped_constants"] == 4 * 2 + 4  # RoPE tables + masks of the 4 sliding layers
+    result = export(mlir, tmp_path / "out", "fp32", all_logits=True)
+    assert result.table_initializers == 1
+    ids = np.random.default_rng(1).integers(3, 96, (1, 20)).astype(np.int64)
+    dec = OnnxDecoder(result.out_dir)
+    logits, _ = dec.forward(ids, np.ones_like(ids), np.arange(20)[None], dec.empty_cache(1))
+    expected = reference_logits(_dequantized_model(ref_model, dtype), ids)
+    assert np.abs(logits - expected).max() <= 1e-4
+    assert np.abs(logits - reference_logits(ref_model, ids)).max() > 1e-3  # the archive's rounding is seen
+
+
+def test_different_head_is_kept_untied(ref_model, tmp_path):
+    def edit(lines, archive):
+        last = [k for k in archive if not k.endswith("_scale")][-1]
+        archive[last] = archive[last].copy()
+        archive[last][5] ^= 0x0100  # one value differs
+    ckpt = open_source(write_reference(ref_model, tmp_path / "ref", edit=edit))
+    assert not ckpt.tied and "lm_head.weight" in ckpt.tensors
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda lines, archive: archive.pop("t8"), "global @t8 is bound to key 't8', which"),
+    (lambda lines, archive: archive.update(extra=np.zeros(3, np.uint16)), "key 'extra' has no util.global"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "32xbf16")),
+     "key 't8' holds BF16 [64] (128 bytes); gemma.mlir:3 declares tensor<32xbf16> (64 bytes of BF16)"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "?xbf16")), "dimension '?'"),
+    (lambda lines, archive: lines.append(lines[1]), "global @t0 declared twice"),
+])
+def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
+    mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
+    with pytest.raises(FormatError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]").replace("?", r"\?")):
+        open_source(mlir)
+
+
+def test_truncated_trace_is_refused_and_cli_leaves_nothing(ref_model, tmp_path):
+    def edit(lines, archive):  # drop the final norm and the head: the trace ends inside a layer
+        for _ in range(2):
+            name = lines.pop(-6).split("@")[1].split(" ")[0]
+            archive.pop(name)
+    mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 2 and "without a final norm" in result.output
+    assert not out.exists()
+
+
+def test_manifest_records_the_reference(ref_model, tmp_path):
+    mlir = write_reference(ref_model, tmp_path / "ref", "int8")
+    out = export(mlir, tmp_path / "out", "int8", block_size=16).out_dir
+    source = json.loads((out / "manifest.json").read_text())["source"]
+    assert source["kind"] == "reference-mlir" and source["duplicate_table_collapsed"] is True
+
+
+def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):
+    from gemma_export.inspect import inspect_path
+
+    model = make_tiny_model(seed=4, vocab_size=1024, sliding_window=512, layer_types=["sliding_attention"] * 4)
+    mlir = write_reference(model, tmp_path / "ref")
+    report = inspect_path(mlir)
+    names = [g.name for g in parse_mlir(mlir).globals]
+    assert report.format == "mlir" and [t.name for t in report.tensors] == names
+    assert report.tensors[0].shape == (1024, 64)  # the declared shape, not the archive's flat [count]
+    table = 1024 * 64
+    assert report.total_elements == sum(e.elements for e in report.tensors)
+    assert [g.names for g in report.duplicates] == [("t0", names[-1])]  # embedding and head, 128 KiB each
+    assert report.duplicates[0].wasted_bytes == table * 2
+    (tmp_path / "ref" / "gemma.safetensors").unlink()  # declarations only: sizes, no duplicate search
+    report = inspect_path(mlir)
+    assert len(report.tensors) == len(names) and report.duplicates == [] and report.total_bytes == sum(e.nbytes for e in report.tensors)

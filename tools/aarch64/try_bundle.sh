@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install a `gemma-export bundle` folder on the emulated board and run its README's commands as
+# written (every indented line of README.md, in order, from inside the bundle folder).
+#
+# Usage: sudo tools/aarch64/try_bundle.sh BOARD_DIR
+#
+# The bundle folder must be under /tmp or the current directory (run.sh binds those). The venv is
+# created afresh in a temporary HOME inside the emulated board, so nothing of the toolkit's checkout
+# is used: PYTHONPATH is cleared and the toolkit comes from the bundle's wheel.
+set -euo pipefail
+[ $# -eq 1 ] || { echo "usage: $0 BOARD_DIR" >&2; exit 2; }
+BUNDLE=$(cd "$1" && pwd)
+[ -f "$BUNDLE/README.md" ] && [ -f "$BUNDLE/BUNDLE.json" ] || { echo "error: $BUNDLE: not a gemma-export bundle (README.md, BUNDLE.json)" >&2; exit 2; }
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+COMMANDS=$(sed -n 's/^    //p' "$BUNDLE/README.md")
+echo "[try_bundle] running on the emulated board, in $BUNDLE:" >&2
+echo "$COMMANDS" | sed 's/^/  $ /' >&2
+HOME_DIR=$(mktemp -d /tmp/gx-board-home.XXXXXX)
+cd "$BUNDLE"
+exec "$HERE/run.sh" /usr/bin/env -u PYTHONPATH HOME="$HOME_DIR" PATH=/usr/bin:/bin /bin/sh -ec "$COMMANDS"
