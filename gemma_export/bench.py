@@ -112,7 +112,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
-        ResourceError: ``board`` given and peak resident memory leaves less than its headroom.
+        (The board's memory budget is checked by :func:`check_board_budget`.)
     """
     from .runtime import OnnxDecoder, load_tokenizer
 
@@ -176,12 +176,20 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak_rss_bytes(),
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None)
-    if spec is not None and result.peak_rss_bytes > spec["memory_bytes"] - spec["headroom_bytes"]:
-        raise ResourceError(
-            f"{model_dir}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
-            f"{(spec['memory_bytes'] - result.peak_rss_bytes) / 1e6:,.0f} MB of the {board}'s "
-            f"{spec['memory_bytes'] / 1e9:.1f} GB; at least {spec['headroom_bytes'] / 1e6:.0f} MB must stay free")
     return result
+
+
+def check_board_budget(result: BenchResult) -> None:
+    """Raises ResourceError when ``result`` ran for a board and its peak memory leaves less than
+    the board's headroom free (call it after the figures are shown and saved)."""
+    if result.board is None:
+        return
+    spec = BOARDS[result.board]
+    if result.peak_rss_bytes > spec["memory_bytes"] - spec["headroom_bytes"]:
+        raise ResourceError(
+            f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
+            f"{(spec['memory_bytes'] - result.peak_rss_bytes) / 1e6:,.0f} MB of the {result.board}'s "
+            f"{spec['memory_bytes'] / 1e9:.1f} GB; at least {spec['headroom_bytes'] / 1e6:.0f} MB must stay free")
 
 
 def format_result(r: BenchResult) -> str:
@@ -207,12 +215,25 @@ def format_result(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None) -> None:
-    """ms/token against context length, one line per result (needs matplotlib).
+def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
+    """Fail before measuring when an output cannot be written: a missing folder, a plot that is
+    not ``.png``, or no matplotlib for ``--plot``.
 
     Raises:
-        GemmaExportError: matplotlib is not installed.
+        OutputError, GemmaExportError: naming the option and the path.
     """
+    from .errors import OutputError
+
+    for option, path in (("--json", json_out), ("--plot", plot)):
+        if path is not None and str(path) != "-" and not Path(path).resolve().parent.is_dir():
+            raise OutputError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
+    if plot is not None:
+        if Path(plot).suffix.lower() != ".png":
+            raise OutputError(f"--plot {plot}: expected a .png file name")
+        _pyplot()
+
+
+def _pyplot():
     try:
         import matplotlib
 
@@ -220,6 +241,16 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise GemmaExportError("--plot needs matplotlib: pip install matplotlib") from exc
+    return plt
+
+
+def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None) -> None:
+    """ms/token against context length, one line per result (needs matplotlib).
+
+    Raises:
+        GemmaExportError: matplotlib is not installed.
+    """
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(results):
         xs, ys = zip(*r.decode_curve)

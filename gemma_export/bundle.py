@@ -148,6 +148,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         manifest = {"board": board, "gemma_export_version": __version__,
                     "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in listing.items()}}
         (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        staging.chmod(0o755)  # mkdtemp creates 0700; the bundle is an ordinary folder
         _move_into_place(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -229,13 +229,14 @@ def bench(
 
     Example: gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
     """
-    from .bench import format_result, main_json, run_bench, write_plot
+    from .bench import check_board_budget, check_outputs, format_result, main_json, run_bench, write_plot
 
     try:
         try:
             lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
+        check_outputs(json_out, plot)
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
                            text=text, progress=lambda msg: typer.echo(msg, err=True))
         typer.echo(format_result(result))
@@ -244,6 +245,7 @@ def bench(
         if plot is not None:
             write_plot([result], plot)
             typer.echo(f"plot: {plot}")
+        check_board_budget(result)  # after the figures are shown and saved
     except GemmaExportError as exc:
         _fail(exc, debug)
 
@@ -267,7 +269,10 @@ def quality(
 
     from .quality import format_report, run_quality
 
+    from .bench import check_outputs
+
     try:
+        check_outputs(json_out, None)
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True))
     except GemmaExportError as exc:

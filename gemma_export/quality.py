@@ -182,6 +182,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         if tokens < 2:
             raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
         ids = ids[:tokens]
+    if len(ids) < 2:
+        raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
     decoder = OnnxDecoder(model_dir, threads=threads)
     decoder.check_length(len(ids))
     say(f"{len(ids)} tokens of {source}")

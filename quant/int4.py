@@ -9,10 +9,11 @@ symmetric (zero point fixed at 8, onnxruntime's default for 4 bits, so none is s
     scale  = c * m / -8            c: clipping ratio, 1 for round-to-nearest
     q      = clip(round_half_even(w / scale), -8, 7);  stored q + 8
 
-asymmetric (a 4-bit zero point per block)::
+asymmetric (a 4-bit zero point per block; the range always includes 0, so zero stays exact)::
 
-    scale  = c * (max(w) - min(w)) / 15
-    zp     = clip(round_half_even(-c * min(w) / scale), 0, 15)
+    lo, hi = c * min(min(w), 0), c * max(max(w), 0)
+    scale  = (hi - lo) / 15
+    zp     = clip(round_half_even(-lo / scale), 0, 15)
     q      = clip(round_half_even(w / scale) + zp, 0, 15)
 
 Packing (MatMulNBits ``B``, ``zero_points``): two codes per byte along K, the even index in the low

@@ -32,7 +32,9 @@ def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     assert r.text_source == str(text_file)
 
 
-def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path):
+def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeypatch):
+    # the in-process peak (VmHWM) includes whatever ran before in this pytest process: pin it
+    monkeypatch.setattr(bench_module, "peak_rss_bytes", lambda: 700_000_000)
     out = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "5", "--new-tokens", "6",
                                  "--board", "sl2610", "--text", str(text_file), "--json", str(out)])
@@ -40,7 +42,7 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path):
     figures = json.loads(out.read_text())
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
-    assert "MB of 1.9 GB left at peak" in result.stdout
+    assert "1,200 MB of 1.9 GB left at peak" in result.stdout
 
 
 def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_file, monkeypatch):
@@ -50,6 +52,7 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
                                  "--board", "tinyboard", "--text", str(text_file)])
     assert result.exit_code == 2
     assert "peak resident memory" in result.output and "at least 50 MB must stay free" in result.output
+    assert "decode           median" in result.output  # the figures are shown before the verdict
 
 
 @pytest.mark.parametrize("args, message", [
@@ -58,6 +61,8 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     (["--new-tokens", "2"], f"--new-tokens: expected more than {WARMUP_STEPS}"),
     (["--board", "pi5"], "--board: unknown board 'pi5'; known: sl2610"),
     (["--prompt-tokens", "4000"], "fewer than the longest prompt (4000)"),
+    (["--json", "/nonexistent/dir/b.json"], "--json /nonexistent/dir/b.json: folder /nonexistent/dir does not exist"),
+    (["--plot", "curve.txt"], "--plot curve.txt: expected a .png file name"),
 ])
 def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file), *args])

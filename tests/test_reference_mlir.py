@@ -159,6 +159,9 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
      "key 't8' holds BF16 [64] (128 bytes); gemma.mlir:3 declares tensor<32xbf16> (64 bytes of BF16)"),
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "?xbf16")), "dimension '?'"),
     (lambda lines, archive: lines.append(lines[1]), "global @t0 declared twice"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace('"model"::', '"weights"::')),
+     "global @t8 is bound to scope 'weights', expected 'model'"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "0xbf16")), "not a static size > 0"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
@@ -201,3 +204,14 @@ def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):
     (tmp_path / "ref" / "gemma.safetensors").unlink()  # declarations only: sizes, no duplicate search
     report = inspect_path(mlir)
     assert len(report.tensors) == len(names) and report.duplicates == [] and report.total_bytes == sum(e.nbytes for e in report.tensors)
+
+
+def test_int8_scales_must_be_per_row_f32(ref_model, tmp_path):
+    def edit(lines, archive):
+        i = next(i for i, line in enumerate(lines) if "_scale = " in line and "@t0_" not in line)
+        name = lines[i].split("@")[1].split(" ")[0]
+        lines[i] = lines[i].replace("xf32>", "xbf16>")
+        archive[name] = archive[name].view(np.uint16)[::2].copy()  # q_proj's 64 scales as bf16
+    mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
+    with pytest.raises(FormatError, match=r"_scale is tensor<64xbf16>; expected per-row f32 scales tensor<64xf32>"):
+        open_source(mlir)

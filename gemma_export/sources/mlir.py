@@ -85,8 +85,8 @@ def _tensor_type(text: str, where: str) -> tuple[tuple[int, ...], str]:
         raise FormatError(f"{where}: element type {element!r} in tensor<{text}> is not one of {', '.join(ELEMENT_TYPES)}")
     dims = []
     for p in parts[:-1]:
-        if not p.isdigit():
-            raise FormatError(f"{where}: dimension {p!r} in tensor<{text}> is not a static size")
+        if not p.isdigit() or int(p) == 0:
+            raise FormatError(f"{where}: dimension {p!r} in tensor<{text}> is not a static size > 0")
         dims.append(int(p))
     return tuple(dims), element
 
@@ -117,6 +117,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
             m = _GLOBAL.match(line)
             if m:
                 name, scope, key, ttype = m.groups()
+                if scope != "model":
+                    raise FormatError(f"{where}: global @{name} is bound to scope {scope!r}, expected 'model'")
                 if name in seen:
                     raise FormatError(f"{where}: global @{name} declared twice")
                 seen.add(name)
@@ -236,6 +238,11 @@ def map_globals(module: MlirModule, archive: Archive) -> GlobalMap:
     where = module.path
     by_name = {g.name: g for g in module.globals}
     scales = {g.name[: -len("_scale")]: g for g in module.globals if g.name.endswith("_scale") and g.name[: -len("_scale")] in by_name}
+    for base, sg in scales.items():
+        owner = by_name[base]
+        if owner.element_type != "i8" or sg.element_type != "f32" or sg.shape != owner.shape[:1]:
+            raise FormatError(f"{where}:{sg.line}: @{sg.name} is tensor<{'x'.join(map(str, sg.shape))}x{sg.element_type}>; "
+                              f"expected per-row f32 scales tensor<{owner.shape[0]}xf32> of an i8 @{base}")
     order = [g for g in module.globals if g not in scales.values()]
     if not order or len(order[0].shape) != 2:
         raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "

@@ -69,8 +69,8 @@ def compare(args: argparse.Namespace) -> None:
     from gemma_export.quality import compare_logits
 
     a, b = np.load(args.a), np.load(args.b)
-    if not np.array_equal(a["text"], b["text"]):
-        sys.exit("error: the two dumps were made from different token ids")
+    if not np.array_equal(a["text"], b["text"]) or a["greedy"].shape != b["greedy"].shape:
+        sys.exit("error: the two dumps were made from different token ids or prompts (run dump with the same --ids)")
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
     m = compare_logits(a["logits"], b["logits"], a["text"].tolist())

@@ -97,6 +97,10 @@ EOF
 build_rootfs() {
   command -v debootstrap >/dev/null || die "debootstrap not found; install it: apt-get install debootstrap"
   if [ ! -e "$ROOTFS/.gx-debootstrap-done" ]; then
+    if [ -d "$ROOTFS" ] && [ -n "$(ls -A "$ROOTFS" 2>/dev/null)" ]; then
+      [ -e "$ROOTFS/debootstrap" ] || die "$ROOTFS exists, is not empty and is not a half-built root filesystem; remove it or set GX_AARCH64_ROOTFS"
+      grep -q " $ROOTFS/" /proc/mounts && die "$ROOTFS has mounts inside (an interrupted run?); unmount them first"
+    fi
     say "building an arm64 Debian $SUITE root filesystem in $ROOTFS (once; ~10 min)"
     rm -rf "$ROOTFS"
     mkdir -p "$(dirname "$ROOTFS")"
@@ -117,7 +121,7 @@ build_rootfs() {
       ${HTTPS_PROXY:+HTTPS_PROXY=$HTTPS_PROXY} ${HTTP_PROXY:+HTTP_PROXY=$HTTP_PROXY} ${NO_PROXY:+NO_PROXY=$NO_PROXY} \
       ${https_proxy:+https_proxy=$https_proxy} ${http_proxy:+http_proxy=$http_proxy} ${no_proxy:+no_proxy=$no_proxy} \
       $( [ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && echo PIP_CERT=/etc/ssl/certs/gx-host-ca.crt ) \
-      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --no-compile --disable-pip-version-check --only-binary=:all: $(printf "'%s' " $deps)" \
+      /bin/sh -c "[ -x $VENV/bin/pip ] || python3 -m venv $VENV; $VENV/bin/pip install -q --no-compile --disable-pip-version-check --only-binary=:all: $(set -f; printf '%q ' $deps)" \
       || die "pip install of the runtime dependencies failed inside $ROOTFS (see above)"
     printf '#!/bin/sh\nexec %s/bin/python -m gemma_export.cli "$@"\n' "$VENV" > "$ROOTFS$VENV/bin/gemma-export"
     chmod +x "$ROOTFS$VENV/bin/gemma-export"
@@ -137,5 +141,8 @@ if [ "$1" = shell ]; then set -- /bin/bash; fi
 # pip inside (e.g. a bundle's install line) trusts what the host's pip trusts (a proxy's CA, if any)
 CERT=()
 [ -f "$ROOTFS/etc/ssl/certs/gx-host-ca.crt" ] && CERT=(PIP_CERT=/etc/ssl/certs/gx-host-ca.crt)
+for v in HTTPS_PROXY HTTP_PROXY NO_PROXY https_proxy http_proxy no_proxy; do
+  [ -n "${!v:-}" ] && CERT+=("$v=${!v}")
+done
 chroot "$ROOTFS" /usr/bin/env -i HOME=/root LANG=C.UTF-8 PATH="$VENV/bin:/usr/bin:/bin" QEMU_CPU="$CPU" OPENBLAS_CORETYPE=ARMV8 "${CERT[@]}" \
   PYTHONPATH="$PROJECT" /bin/sh -c 'cd "$0" && exec "$@"' "$PWD" "$@"
