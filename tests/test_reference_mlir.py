@@ -215,3 +215,19 @@ def test_int8_scales_must_be_per_row_f32(ref_model, tmp_path):
     mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
     with pytest.raises(FormatError, match=r"_scale is tensor<64xbf16>; expected per-row f32 scales tensor<64xf32>"):
         open_source(mlir)
+
+
+def test_six_layer_reference_uses_gemma3_layer_pattern(tmp_path):
+    """Layer 5 is global (i % 6 == 5, RoPE base 1,000,000); a model following that pattern exports
+    exactly; the reader does not learn the pattern from the MLIR, so this is the assumption tested."""
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    model = make_tiny_model(seed=5, num_hidden_layers=6, layer_types=types, sliding_window=512)
+    mlir = write_reference(model, tmp_path / "ref")
+    ckpt = open_source(mlir)
+    assert ckpt.config.layer_types == tuple(types)
+    assert ckpt.config.rope_parameters["full_attention"].rope_theta == 1_000_000.0
+    out = export(mlir, tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = np.random.default_rng(2).integers(3, 96, (1, 16)).astype(np.int64)
+    dec = OnnxDecoder(out)
+    logits, _ = dec.forward(ids, np.ones_like(ids), np.arange(16)[None], dec.empty_cache(1))
+    assert np.abs(logits - reference_logits(_dequantized_model(model, "bf16"), ids)).max() <= 1e-4
