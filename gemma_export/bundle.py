@@ -90,7 +90,7 @@ Check the model files, then generate and benchmark with the board's {threads} th
 
     ~/gx/bin/gemma-export verify model
     ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
-    ~/gx/bin/gemma-export bench --model model --board {board} --json bench.json
+    ~/gx/bin/gemma-export bench --model model --board {board} --json ~/bench.json
 
 `bench` fails with a message if peak memory leaves less than 300 MB of the board's memory free.
 """
