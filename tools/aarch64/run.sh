@@ -38,6 +38,11 @@ say() { echo "[aarch64] $*" >&2; }
 
 [ $# -ge 1 ] || die "no command given; e.g. tools/aarch64/run.sh gemma-export --help"
 [ "$(id -u)" = 0 ] || die "tools/aarch64/run.sh needs root (chroot and bind mounts); run it with sudo"
+# Each run gets its own mount namespace: its bind mounts are private and vanish with it, so runs
+# side by side cannot unmount each other's folders.
+if [ -z "${GX_AARCH64_NS:-}" ] && command -v unshare >/dev/null; then
+  GX_AARCH64_NS=1 exec unshare --mount --propagation private "$0" "$@"
+fi
 [ "$(uname -m)" = x86_64 ] || [ "$(uname -m)" = aarch64 ] || die "host $(uname -m): expected x86_64 (or aarch64)"
 if [ "$(uname -m)" = x86_64 ]; then
   command -v qemu-aarch64-static >/dev/null || die "qemu-aarch64-static not found; install it: apt-get install qemu-user-static binfmt-support"
