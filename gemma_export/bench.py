@@ -147,22 +147,12 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     curve: list[tuple[int, float]] = []
     short = None
     for n in lengths:
-        prompt = np.asarray([ids[:n]], np.int64)  # the tokenizer prepends <bos>
-        past = decoder.empty_cache(1)
-        t0 = time.perf_counter()
-        logits, past = decoder.forward(prompt, np.ones_like(prompt), np.arange(n, dtype=np.int64)[None], past)
-        prefill_ms[n] = (time.perf_counter() - t0) * 1e3
-        token = int(logits[0, -1].argmax())
-        for step in range(new_tokens):
-            position = n + step
-            t0 = time.perf_counter()
-            logits, past = decoder.forward(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
-                                           np.asarray([[position]], np.int64), past)
-            ms = (time.perf_counter() - t0) * 1e3
-            token = int(logits[0, -1].argmax())
+        # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
+        _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[])
+        for step, ms in enumerate(decode_ms):
             if step >= WARMUP_STEPS:
                 timed.append(ms)
-                curve.append((position + 1, ms))
+                curve.append((n + step + 1, ms))
         say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median "
             f"{statistics.median(timed[-(new_tokens - WARMUP_STEPS):]):.1f} ms/token")
         if short is None:

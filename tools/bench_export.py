@@ -22,11 +22,12 @@ from pathlib import Path
 def _optimized_tables(model_dir: Path) -> int:
     """V x H initializers in onnxruntime's optimized graph of an export (must be 1 when tied)."""
     code = (
-        "import json, math, sys, onnx; from gemma_export.runtime import OnnxDecoder; d = sys.argv[1]; "
+        "import json, sys, onnx; from gemma_export.runtime import OnnxDecoder; "
+        "from gemma_export.exporter import is_table_shaped; d = sys.argv[1]; "
         "OnnxDecoder(d, threads=1, optimized_model_path=d + '/../optimized.onnx'); "
         "g = onnx.load(d + '/../optimized.onnx', load_external_data=False).graph; "
         "c = json.load(open(d + '/manifest.json'))['config']; "
-        "print(sum(math.prod(t.dims) == c['vocab_size'] * c['hidden_size'] for t in g.initializer))")
+        "print(sum(is_table_shaped(t.dims, t.data_type, c['vocab_size'], c['hidden_size']) for t in g.initializer))")
     return int(subprocess.run([sys.executable, "-c", code, str(model_dir)], capture_output=True, text=True,
                               check=True).stdout.split()[-1])
 
