@@ -2,9 +2,11 @@
 stored more than once.
 
 Works on ONNX models (inline or external data), safetensors files (including the reference
-export's flat 1-D archives) and GGUF files. Tensor data is never loaded whole: hashes stream the
-bytes in 8 MiB chunks, and transposed copies are compared block by block through memory maps, so
-inspecting a 1 GB archive stays far below its size in resident memory.
+export's flat 1-D archives), GGUF files and reference MLIR files. Tensor data is never loaded whole:
+hashes stream the bytes in 8 MiB chunks, and transposed, re-rounded and quantized copies are
+compared a few MiB at a time with plain file reads (no memory maps, whose pages would stay in the
+resident set), so inspecting a 1 GB archive stays far below its size in resident memory
+(``tools/bench_inspect.py``; figures in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -80,15 +82,24 @@ class TensorEntry:
 
 @dataclasses.dataclass(frozen=True)
 class DuplicateGroup:
-    """Tensors holding the same values: ``kind`` is ``identical bytes`` or ``transposed``."""
+    """Tensors holding the same values: ``kind`` is ``identical bytes``, ``transposed``, ``same
+    values, two precisions`` (float32 and its bf16/f16 rounding) or ``same values after
+    dequantization`` (a float tensor and an int8/uint8 tensor + scales, or a GGUF Q8_0 tensor, that
+    quantizes it; ``names`` then lists the float tensor, the quantized tensor and its scales)."""
 
     kind: str
     names: tuple[str, ...]
     nbytes_each: int
+    copies: int = 0  #: how many copies of the table the names hold (default: one per name)
+
+    @property
+    def count(self) -> int:
+        return self.copies or len(self.names)
 
     @property
     def wasted_bytes(self) -> int:
-        return self.nbytes_each * (len(self.names) - 1)
+        """Bytes freed by keeping one copy (for two precisions: the smaller copy's bytes)."""
+        return self.nbytes_each * (self.count - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +192,7 @@ def _gguf_entries(path: Path) -> list[TensorEntry]:
     return entries
 
 
-def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]]]:
+def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], list[tuple[str, str, str | None]]]:
     import onnx
     from onnx import helper
 
@@ -206,11 +217,20 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]]]:
             raw = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
             entries.append(TensorEntry(t.name, shape, name, len(raw), count, None, 0, dtype, inline=raw))
     consumers: dict[str, list[str]] = {e.name: [] for e in entries}
+    dequantize: list[tuple[str, str, str | None]] = []
+    shapes = {e.name: e.shape for e in entries}
     for node in model.graph.node:
         for name in node.input:
             if name in consumers:
                 consumers[name].append(node.op_type)
-    return entries, consumers
+        if node.op_type == "DequantizeLinear" and len(node.input) >= 2 and node.input[0] in shapes and node.input[1] in shapes:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            shape, scale_shape = shapes[node.input[0]], shapes[node.input[1]]
+            axis = attrs.get("axis", 1) % max(len(shape), 1)
+            # one scale per run of consecutive values: per tensor, per row (axis 0), or blocks along the last axis
+            if math.prod(scale_shape) == 1 or axis == 0 or (attrs.get("block_size") and axis == len(shape) - 1):
+                dequantize.append((node.input[0], node.input[1], node.input[2] if len(node.input) > 2 and node.input[2] else None))
+    return entries, consumers, dequantize
 
 
 # ---- duplicates ---------------------------------------------------------------------------------
@@ -260,12 +280,6 @@ def _equal_transposed(a: TensorEntry, b: TensorEntry, block_bytes: int = CHUNK_B
 _FLOAT_RANK = {"F32": 0, "FLOAT": 0, "F16": 1, "FLOAT16": 1, "BF16": 1, "BFLOAT16": 1}
 
 
-def _to_float32(entry: TensorEntry, chunk: bytes) -> np.ndarray:
-    if entry.dtype in ("BF16", "BFLOAT16"):
-        return (np.frombuffer(chunk, np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(chunk, entry.item_dtype).astype(np.float32)
-
-
 def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
     """``values`` rounded to ``narrow``'s precision, both ways seen in the wild (nearest even, and
     the reference archives' bf16 truncation)."""
@@ -278,23 +292,132 @@ def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
     return [values.astype(np.float16).astype(np.float32)]
 
 
-def _same_after_dequantization(wide: TensorEntry, narrow: TensorEntry) -> bool:
-    """Stream both tensors and compare the wide one rounded to the narrow one's precision."""
-    wide_chunks, narrow_chunks = wide.chunks(), narrow.chunks()
-    ratio = wide.item_dtype.itemsize // 2  # bytes of wide per byte-pair of narrow
-    buffer = b""
-    for piece in narrow_chunks:
-        narrow_values = _to_float32(narrow, piece)
-        need = len(piece) * ratio
-        while len(buffer) < need:
-            buffer += next(wide_chunks)
-        wide_values, buffer = _to_float32(wide, buffer[:need]), buffer[need:]
-        if not any(np.array_equal(r, narrow_values, equal_nan=True) for r in _round_like(wide_values, narrow)):
+def _same_after_dequantization(wide: TensorEntry, narrow: TensorEntry, chunk_values: int = 1 << 20) -> bool:
+    """Stream both tensors (``chunk_values`` values at a time) and compare the wide one rounded to
+    the narrow one's precision."""
+    for start in range(0, narrow.elements, chunk_values):
+        count = min(chunk_values, narrow.elements - start)
+        narrow_values = _float_flat(narrow, start, count)
+        if not any(np.array_equal(r, narrow_values, equal_nan=True) for r in _round_like(_float_flat(wide, start, count), narrow)):
             return False
     return True
 
 
-def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
+#: names under which a quantized tensor ``X`` keeps its scales (safetensors / reference archives)
+_SCALE_SUFFIXES = ("_scale", "_scales", ".scale", ".scales")
+#: quantized storage types with a separate scale tensor: (signed, largest magnitude)
+_QUANT_TYPES = {"I8": 127, "INT8": 127, "U8": 255, "UINT8": 255}
+#: relative rounding error of each float storage type (truncation for bf16, as the reference archives)
+_RELATIVE_PRECISION = {"BF16": 2.0**-8, "BFLOAT16": 2.0**-8, "F16": 2.0**-11, "FLOAT16": 2.0**-11}
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A quantized tensor and its scales (and zero points): ``value = (q - zero_point) * scale``,
+    one scale per ``group`` consecutive values in row-major order (per tensor, per row, or block-wise
+    along the last axis). ``ggml`` is set for GGUF block types, which carry their scales inline."""
+
+    values: TensorEntry
+    scale: TensorEntry | None = None
+    zero_point: TensorEntry | None = None
+    group: int = 0
+    ggml: str | None = None
+
+
+def _read_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
+    """Elements ``[start, start + count)`` of a plain tensor in row-major order (plain file reads)."""
+    item = entry.item_dtype.itemsize
+    if entry.inline is not None:
+        return np.frombuffer(entry.inline, entry.item_dtype, count=count, offset=start * item)
+    with open(entry.path, "rb") as f:
+        f.seek(entry.offset + start * item)
+        data = f.read(count * item)
+    if len(data) != count * item:
+        raise FormatError(f"{entry.path}: tensor '{entry.name}' ends past the end of the file")
+    return np.frombuffer(data, entry.item_dtype)
+
+
+def _float_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
+    if entry.dtype in ("BF16", "BFLOAT16"):
+        return (_read_flat(entry, start, count).astype(np.uint32) << 16).view(np.float32)
+    return _read_flat(entry, start, count).astype(np.float32)
+
+
+def _quantized_tensors(entries: list[TensorEntry], dequantize_nodes: list[tuple[str, str, str | None]]) -> list[Quantized]:
+    """int8/uint8 tensors with a scale companion (``X`` + ``X_scale`` by name, or the inputs of an
+    ONNX ``DequantizeLinear``), and GGUF ``Q8_0`` tensors."""
+    by_name = {e.name: e for e in entries}
+    found = []
+    pairs = [(q, s, z) for q, s, z in dequantize_nodes]
+    pairs += [(e.name, e.name + suffix, None) for e in entries if e.dtype in _QUANT_TYPES for suffix in _SCALE_SUFFIXES]
+    seen = set()
+    for q_name, s_name, z_name in pairs:
+        q, s = by_name.get(q_name), by_name.get(s_name)
+        if q is None or s is None or q_name in seen or q.item_dtype is None or s.item_dtype is None:
+            continue
+        if s.dtype not in _FLOAT_RANK or s.elements == 0 or q.elements % s.elements:
+            continue  # scales in a layout that is not one per run of consecutive values
+        z = by_name.get(z_name) if z_name else None
+        if z is not None and (z.elements != s.elements or z.dtype != q.dtype):
+            continue
+        seen.add(q_name)
+        found.append(Quantized(q, s, z, q.elements // s.elements))
+    found += [Quantized(e, ggml=e.dtype) for e in entries if e.dtype == "Q8_0" and e.path is not None]
+    return found
+
+
+def _dequantized_chunks(t: Quantized, chunk_values: int = 1 << 20) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """``(start, q - zero_point, scale per value, scale per group)`` in float32, about
+    ``chunk_values`` values (4 MiB per float32 array) at a time."""
+    if t.ggml == "Q8_0":  # blocks of 2-byte f16 scale + 32 int8 values (ggml-common.h block_q8_0)
+        group_chunk = max(1, chunk_values // 32)
+        blocks = t.values.elements // 32
+        with open(t.values.path, "rb") as f:
+            f.seek(t.values.offset)
+            for first in range(0, blocks, group_chunk):
+                n = min(group_chunk, blocks - first)
+                raw = np.frombuffer(f.read(34 * n), np.uint8).reshape(n, 34)
+                scale = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(n)
+                q = raw[:, 2:].copy().view(np.int8).astype(np.float32).reshape(-1)
+                yield first * 32, q, np.repeat(scale, 32), scale
+        return
+    groups = t.scale.elements
+    group_chunk = max(1, chunk_values // t.group)
+    for first in range(0, groups, group_chunk):
+        n = min(group_chunk, groups - first)
+        scale = _float_flat(t.scale, first, n)
+        q = _read_flat(t.values, first * t.group, n * t.group).astype(np.float32)
+        if t.zero_point is not None:
+            q -= np.repeat(_read_flat(t.zero_point, first, n).astype(np.float32), t.group)
+        yield first * t.group, q, np.repeat(scale, t.group), scale
+
+
+def _same_after_quantization(wide: TensorEntry, t: Quantized) -> bool:
+    """True when quantizing ``wide`` with ``t``'s own scales gives ``t``'s values, i.e. ``t`` is
+    ``wide`` stored a second time in fewer bits: ``|wide / scale - q| <= 0.5`` everywhere (plus
+    slack for ties rounded the other way and for ``wide``'s own rounding when it is bf16/f16), and the scales are not degenerate (every group
+    holding a non-zero value uses at least half of the integer range, so an all-zero ``q`` with a
+    huge scale does not match everything)."""
+    qmax = 127 if t.ggml else _QUANT_TYPES[t.values.dtype] / (1 if t.zero_point is None and t.values.dtype in ("I8", "INT8") else 2)
+    for start, q, scale, group_scale in _dequantized_chunks(t):
+        values = _float_flat(wide, start, q.size)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(scale != 0, values / scale, np.where(values == 0, 0.0, np.inf))
+        # the float copy may itself be a rounding of what was quantized (bf16 by truncation: 2^-8)
+        # and the scale may be stored rounded (GGUF Q8_0 keeps it as f16)
+        scale_precision = _RELATIVE_PRECISION["F16"] if t.ggml else _RELATIVE_PRECISION.get(t.scale.dtype, 2.0**-23)
+        slack = 1e-3 + np.abs(ratio) * (_RELATIVE_PRECISION.get(wide.dtype, 2.0**-23) + scale_precision)
+        if not np.all(np.abs(ratio - q) <= 0.5 + slack):
+            return False
+        group = q.size // group_scale.size
+        used = np.abs(q).reshape(-1, group).max(axis=1)
+        nonzero = np.abs(values).reshape(-1, group).max(axis=1) > 0
+        if np.any(nonzero & (used < qmax / 2)):
+            return False
+    return True
+
+
+def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str, str, str | None]] = ()) -> list[DuplicateGroup]:
     """Groups of tensors stored more than once: identical bytes (any shape, e.g. a flat 1-D copy of a
     2-D table), 2-D tensors equal to another's transpose, and the same values stored in two float
     precisions (float32 and bf16/f16). Only tensors ≥ 64 KiB are checked; hashing reads only
@@ -322,6 +445,15 @@ def find_duplicates(entries: list[TensorEntry]) -> list[DuplicateGroup]:
         for narrow in (e for e in floats if _FLOAT_RANK[e.dtype] == 1 and e.elements == wide.elements):
             if _same_after_dequantization(wide, narrow):
                 groups.append(DuplicateGroup("same values, two precisions", (wide.name, narrow.name), narrow.nbytes))
+    for t in _quantized_tensors(entries, list(dequantize_nodes)):
+        if t.values.nbytes < MIN_DUPLICATE_BYTES:
+            continue
+        for wide in (e for e in floats if e.elements == t.values.elements):
+            if _same_after_quantization(wide, t):
+                names = (wide.name, t.values.name) + ((t.scale.name,) if t.scale is not None else ())
+                extra = t.scale.nbytes if t.scale is not None else 0
+                groups.append(DuplicateGroup("same values after dequantization", names,
+                                             min(wide.nbytes, t.values.nbytes + extra), copies=2))
     return sorted(groups, key=lambda g: -g.wasted_bytes)
 
 
@@ -340,19 +472,20 @@ def inspect_path(path: str | Path) -> Report:
     with open(path, "rb") as f:
         magic = f.read(9)
     consumers: dict[str, list[str]] = {}
+    dequantize: list[tuple[str, str, str | None]] = []
     if magic[:4] == b"GGUF":
         kind, entries = "gguf", _gguf_entries(path)
     elif path.suffix == ".safetensors" or magic[8:9] == b"{":
         kind, entries = "safetensors", _safetensors_entries(path)
     elif path.suffix == ".onnx":
         kind = "onnx"
-        entries, consumers = _onnx_entries(path)
+        entries, consumers, dequantize = _onnx_entries(path)
     elif path.suffix == ".mlir":
         kind, entries = "mlir", _mlir_entries(path)
     else:
         raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
     with_data = [e for e in entries if e.path is not None or e.inline is not None]
-    return Report(str(path), kind, entries, find_duplicates(with_data), consumers)
+    return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers)
 
 
 def _is_shared_table(ops: list[str]) -> bool:
@@ -378,7 +511,7 @@ def format_report(report: Report, top: int = 10) -> str:
         wasted = sum(g.wasted_bytes for g in report.duplicates)
         lines.append(f"duplicates: {len(report.duplicates)} group(s), {wasted:,} bytes wasted ({100 * wasted / total:.1f}%)")
         for g in report.duplicates:
-            lines.append(f"  {g.kind}: {', '.join(g.names)} — one table stored {len(g.names)} times "
+            lines.append(f"  {g.kind}: {', '.join(g.names)} — one table stored {g.count} times "
                          f"({100 * g.nbytes_each / total:.1f}% each)")
     else:
         lines.append("duplicates: none")

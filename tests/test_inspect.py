@@ -103,3 +103,54 @@ def test_same_values_in_two_precisions(tmp_path):
     assert ("same values, two precisions", ("bf16_rne", "f32")) in groups
     assert ("same values, two precisions", ("bf16_trunc", "f32")) in groups
     assert not any("other" in names for _, names in groups)
+
+
+def _int8_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    scale = (np.abs(x).max(axis=1) / 127).astype(np.float32)
+    return np.clip(np.rint(x / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+def test_int8_copy_with_scales_is_the_same_table(tmp_path):
+    import ml_dtypes
+
+    table = rng.standard_normal((512, 128)).astype(np.float32)
+    q, scale = _int8_rows(table)
+    other_q, other_scale = _int8_rows(rng.standard_normal((512, 128)).astype(np.float32))
+    huge = np.full(512, 1e6, np.float32)  # a degenerate scale: q all zero "quantizes" anything
+    path = tmp_path / "ref.safetensors"
+    save_file({"t0": table.astype(ml_dtypes.bfloat16).reshape(-1), "t9": q.reshape(-1), "t9_scale": scale,
+               "t4": other_q, "t4_scale": other_scale, "t7": np.zeros_like(q), "t7_scale": huge}, str(path))
+    report = inspect_path(path)
+    assert [(g.kind, g.names) for g in report.duplicates] == [
+        ("same values after dequantization", ("t0", "t9", "t9_scale"))]
+    assert report.duplicates[0].wasted_bytes == q.nbytes + scale.nbytes  # dropping the int8 copy
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert "t0, t9, t9_scale — one table stored 2 times" in result.stdout
+
+
+def test_onnx_dequantize_linear_and_gguf_q8_0_copies(tmp_path):
+    import gguf
+
+    table = rng.standard_normal((512, 256)).astype(np.float32)
+    q, scale = _int8_rows(table)
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]),
+             helper.make_node("DequantizeLinear", ["head_q", "head_scale"], ["head"], axis=0),
+             helper.make_node("Gemm", ["x", "head"], ["y"], transB=1)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 256])],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, None), helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(q, "head_q"), numpy_helper.from_array(scale, "head_scale")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert _groups(inspect_path(path)) == [("same values after dequantization", ("embed", "head_q", "head_scale"))]
+
+    gpath = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(gpath), "gemma3")
+    w.add_tensor("token_embd.weight", table)
+    q8 = gguf.quants.quantize(table, gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("output.weight", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    q8_other = gguf.quants.quantize(rng.standard_normal((512, 256)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.ffn_up.weight", q8_other, raw_shape=q8_other.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert _groups(inspect_path(gpath)) == [("same values after dequantization", ("output.weight", "token_embd.weight"))]
