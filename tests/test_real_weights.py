@@ -136,6 +136,14 @@ def test_int8_onnxruntime_keeps_one_table(int8_dir, tmp_path):
     assert sorted(scales) == ["Gather", "MatMulNBits"]  # the scales are shared too
 
 
+def test_inspect_finds_no_duplicates_in_the_real_int8_export(int8_dir):
+    from gemma_export.inspect import inspect_path
+
+    report = inspect_path(int8_dir / "model.onnx")
+    assert report.duplicates == []
+    assert report.consumers["model.embed_tokens.weight"] == ["Gather", "MatMulNBits"]
+
+
 def test_generate_command_prints_text(int8_dir):
     result = CliRunner().invoke(app, ["generate", "--model", str(int8_dir), "--prompt", PROMPT, "--max-new-tokens", "8"])
     assert result.exit_code == 0, result.output

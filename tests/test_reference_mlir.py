@@ -201,6 +201,9 @@ def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):
     assert report.total_elements == sum(e.elements for e in report.tensors)
     assert [g.names for g in report.duplicates] == [("t0", names[-1])]  # embedding and head, 128 KiB each
     assert report.duplicates[0].wasted_bytes == table * 2
+    printed = CliRunner().invoke(app, ["inspect", str(mlir)]).stdout
+    assert f"globals: {len(names)}, total elements: {report.total_elements:,}" in printed
+    assert f"t0, {names[-1]} — one table stored 2 times" in printed
     (tmp_path / "ref" / "gemma.safetensors").unlink()  # declarations only: sizes, no duplicate search
     report = inspect_path(mlir)
     assert len(report.tensors) == len(names) and report.duplicates == [] and report.total_bytes == sum(e.nbytes for e in report.tensors)
