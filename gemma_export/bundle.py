@@ -109,7 +109,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         GemmaExportError: unknown board; the export fails verification (``VerificationError``);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
-    from .exporter import MANIFEST_FILE, _move_into_place, _sha256, verify_manifest
+    from .exporter import MANIFEST_FILE, _sha256, verify_manifest
+    from .staging import staged_folder
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -127,9 +128,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         wheel = Path(wheel)
         if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
             raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    with staged_folder(out, "bundle") as staging:
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:
             shutil.copyfile(model_dir / name, staging / "model" / name)
@@ -148,11 +147,6 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         manifest = {"board": board, "gemma_export_version": __version__,
                     "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in listing.items()}}
         (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        staging.chmod(0o755)  # mkdtemp creates 0700; the bundle is an ordinary folder
-        _move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
     sizes[BUNDLE_MANIFEST] = (out / BUNDLE_MANIFEST).stat().st_size
     return BundleResult(out_dir, sizes)

@@ -54,6 +54,12 @@ def _fail(exc: GemmaExportError, debug: bool) -> None:
     raise typer.Exit(exc.exit_code)
 
 
+def _interrupted() -> None:
+    """Ctrl-C: one line and the shell's exit status for SIGINT (130); writers have cleaned up."""
+    typer.echo("error: interrupted; nothing was written (an existing output folder is unchanged)", err=True)
+    raise typer.Exit(130)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
@@ -107,6 +113,9 @@ def main(
         bar.close()
         _fail(exc, debug)
         return
+    except KeyboardInterrupt:
+        bar.close()
+        _interrupted()
     bar.close()
     typer.echo(f"wrote {result.out_dir}")
     for name, size in result.files.items():
@@ -135,6 +144,8 @@ def generate(
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads)
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     typer.echo(prompt + result.text)
     decode = sorted(result.decode_ms)
@@ -159,6 +170,8 @@ def verify(
         files = verify_manifest(model)
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes) and loads in onnxruntime")
 
@@ -183,6 +196,8 @@ def inspect(
         report = inspect_path(path)
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))
 
@@ -205,6 +220,8 @@ def dedupe(
         result = run(model, out)
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     typer.echo(f"wrote {result.out_path}")
     typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
@@ -248,6 +265,8 @@ def bench(
         check_board_budget(result)  # after the figures are shown and saved
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
 
 
 @app.command()
@@ -277,6 +296,8 @@ def quality(
                              progress=lambda msg: typer.echo(msg, err=True))
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     typer.echo(format_report(report))
     if json_out is not None:
@@ -303,6 +324,8 @@ def bundle(
         result = run(model, out, board=board, wheel=wheel)
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
         return
     for name, size in result.files.items():
         typer.echo(f"  {name:<40} {size:>15,} bytes")

@@ -316,6 +316,8 @@ def load_hf_config(path: Path) -> GemmaConfig:
     Raises:
         ConfigError: unreadable JSON or an invalid configuration (see :func:`config_from_hf_dict`).
     """
+    if not Path(path).is_file():
+        raise ConfigError(f"{path}: missing; a transformers model folder needs its config.json")
     try:
         raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -15,8 +15,6 @@ inputs against the original.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +22,7 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError
 from .inspect import MIN_DUPLICATE_BYTES, inspect_path
+from .staging import staged_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +142,9 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
         return names[0]
 
     for group in report.duplicates:
+        if group.kind not in ("identical bytes", "transposed"):
+            raise FormatError(f"{in_path}: {', '.join(group.names)} hold one table in two precisions ({group.kind}); "
+                              "merging them would change the model's outputs; refusing")
         keep_name = lookup_first(list(group.names))
         keep = inits[keep_name]
         for name in group.names:
@@ -179,9 +181,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     if not removed and not rewritten:
         raise FormatError(f"{in_path}: no duplicated table and no Transpose-shared table found; nothing to do")
     vocab = max((t.shape[0] for t in report.tensors if len(t.shape) == 2), default=2)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir, "deduplicated model") as staging:
         out_path = staging / in_path.name
         ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=65536)
         try:
@@ -190,12 +190,5 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
             raise VerificationError(f"{out_path.name}: onnxruntime cannot run the rewritten model: {exc}") from None
         if not diff <= 1e-4:
             raise VerificationError(f"{in_path}: outputs changed by {diff:g} after deduplication; nothing written")
-        staging.chmod(0o755)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     saved = sum(g.wasted_bytes for g in report.duplicates)
     return DedupeResult(out_dir / in_path.name, removed, saved, rewritten, diff)

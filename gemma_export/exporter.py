@@ -12,9 +12,6 @@ import gc
 import hashlib
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -22,9 +19,11 @@ from typing import Callable
 from . import __version__
 from .builder import build_model
 from .checkpoint import Checkpoint
-from .errors import ConfigError, OutputError, SourceNotFoundError, VerificationError
+from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
+from .onnx_files import check_external_data, load_graph
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
+from .staging import staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -195,8 +194,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         SourceNotFoundError: no manifest in the folder.
         VerificationError: naming the first file that differs and how.
     """
-    import onnx
-
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     if not manifest_path.is_file():
@@ -208,8 +205,12 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
     for name, (size, digest) in expected.items():
         path = folder / name
-        if Path(name).name != name or path.is_symlink() or not path.is_file():
-            raise VerificationError(f"{path}: listed in the manifest but missing, a link or outside the folder")
+        if Path(name).name != name:
+            raise VerificationError(f"{manifest_path}: lists {name!r}, which is not a file name in the folder")
+        if path.is_symlink():
+            raise VerificationError(f"{path}: is a link; an export folder holds regular files only")
+        if not path.is_file():
+            raise VerificationError(f"{path}: listed in the manifest but missing")
         if path.stat().st_size != size:
             raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
         if _sha256(path) != digest:
@@ -217,12 +218,13 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE)
     if extra:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
-    model = onnx.load(str(folder / MODEL_FILE), load_external_data=False)
-    for t in model.graph.initializer:
-        for entry in t.external_data:
-            if entry.key == "location" and (Path(entry.value).name != entry.value or entry.value not in expected):
-                raise VerificationError(f"{folder / MODEL_FILE}: initializer '{t.name}' points at {entry.value!r}, "
-                                        "expected a file of this folder")
+    try:
+        locations = check_external_data(load_graph(folder / MODEL_FILE), folder / MODEL_FILE)
+    except FormatError as exc:
+        raise VerificationError(str(exc)) from None
+    unlisted = sorted(set(locations) - set(expected))
+    if unlisted:
+        raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
     verify_folder(folder)
     return {name: size for name, (size, _) in expected.items()}
 
@@ -239,16 +241,6 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
         if any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
             raise OutputError(f"{out_dir}: exists, is not empty and is not a gemma-export folder (no {MANIFEST_FILE}); "
                               "refusing to replace it")
-
-
-def _move_into_place(staging: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / out_dir.name)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)
 
 
 def export(
@@ -327,13 +319,7 @@ def export(
     int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
     model = build_model(ckpt, fmt, all_logits=all_logits)
 
-    created = [p for p in reversed(out.parents) if not p.exists()]
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot create the output folder: {exc.strerror or exc}") from None
-    try:
+    with staged_folder(out, "export") as staging:
         total = sum(1 for v in model.graph.initializers.values() if v.const_value is not None)
         done = 0
 
@@ -367,14 +353,6 @@ def export(
             "files": {name: {"bytes": size, "sha256": _sha256(staging / name)} for name, size in files.items()},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        staging.chmod(0o755)  # mkdtemp creates 0700; the export is an ordinary folder
-        _move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(created):  # parents this call created, innermost first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-        raise
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes())
 

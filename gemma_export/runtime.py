@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, SourceNotFoundError
+from .onnx_files import load_graph
 
 MODEL_FILE = "model.onnx"
 
@@ -65,13 +66,18 @@ class OnnxDecoder:
         path = self.model_dir / MODEL_FILE
         if not path.is_file():
             raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
+        load_graph(path)  # a readable graph whose external data are regular files of this folder
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
         if optimized_model_path is not None:
             options.optimized_model_filepath = str(optimized_model_path)
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
         unknown = [n for n in inputs if n not in ("input_ids", "attention_mask", "position_ids")
@@ -87,7 +93,12 @@ class OnnxDecoder:
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         manifest = self.model_dir / "manifest.json"
-        self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+        try:
+            self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
+            if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("config", {}), dict):
+                raise ValueError("not a JSON object with an object 'config'")
+        except (OSError, ValueError) as exc:
+            raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         self.eos_token_id = tuple(self.manifest.get("config", {}).get("eos_token_id", (1, 106)))
 
@@ -114,8 +125,8 @@ class OnnxDecoder:
         """Raises GemmaExportError when a sequence would exceed ``max_position_embeddings``."""
         if self.max_position_embeddings and total_tokens > self.max_position_embeddings:
             raise GemmaExportError(
-                f"sequence of {total_tokens} tokens exceeds the model's max_position_embeddings "
-                f"{self.max_position_embeddings}")
+                f"{self.model_dir}: a sequence of {total_tokens} tokens (prompt + new tokens) exceeds the model's "
+                f"max_position_embeddings {self.max_position_embeddings}")
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None):
         """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``."""

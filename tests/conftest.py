@@ -12,6 +12,25 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+def broken_copy(tiny_dir: Path, src: Path, edit_config=None, edit_tensors=None) -> Path:
+    """A copy of a transformers folder at ``src`` with ``config.json`` (a dict, edited in place) or
+    the tensors of ``model.safetensors`` (a name → array dict, edited in place) changed."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(tiny_dir, src)
+    if edit_config:
+        config = json.loads((src / "config.json").read_text())
+        edit_config(config)
+        (src / "config.json").write_text(json.dumps(config))
+    if edit_tensors:
+        tensors = load_file(str(src / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(src / "model.safetensors"))
+    return src
+
+
 def tiny_config(**overrides):
     """A small Gemma 3 text config with mixed layer types and a short sliding window."""
     kwargs = dict(

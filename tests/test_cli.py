@@ -7,9 +7,9 @@ import shutil
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
+from conftest import broken_copy
 from gemma_export.cli import app
 
 runner = CliRunner()
@@ -20,17 +20,7 @@ def _run(*args):
 
 
 def _broken_copy(tiny_dir, tmp_path, edit_config=None, edit_tensors=None):
-    src = tmp_path / "src"
-    shutil.copytree(tiny_dir, src)
-    if edit_config:
-        config = json.loads((src / "config.json").read_text())
-        edit_config(config)
-        (src / "config.json").write_text(json.dumps(config))
-    if edit_tensors:
-        tensors = load_file(str(src / "model.safetensors"))
-        edit_tensors(tensors)
-        save_file(tensors, str(src / "model.safetensors"))
-    return src
+    return broken_copy(tiny_dir, tmp_path / "src", edit_config, edit_tensors)
 
 
 def _drop(name):
@@ -98,7 +88,7 @@ def test_output_under_a_file_and_created_parents_removed(tiny_dir, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     result = _run("--source", tiny_dir, "--out", blocker / "sub", "--dtype", "fp32")
-    assert result.exit_code == 2 and "cannot create the output folder" in result.stderr
+    assert result.exit_code == 2 and f"cannot create the export folder: {blocker} is a file" in result.stderr
     src = _broken_copy(tiny_dir, tmp_path, None, _nan("model.layers.0.mlp.up_proj.weight"))
     result = _run("--source", src, "--out", tmp_path / "new" / "a" / "out", "--dtype", "int8", "--block-size", 16)
     assert result.exit_code == 2 and not (tmp_path / "new").exists()

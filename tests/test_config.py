@@ -1,6 +1,5 @@
 """config.json in both transformers forms, and contradicting configs."""
 
-import json
 
 import pytest
 

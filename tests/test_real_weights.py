@@ -7,7 +7,6 @@ graph and quantization together against an independent implementation.
 from __future__ import annotations
 
 import math
-import os
 import sysconfig
 from pathlib import Path
 

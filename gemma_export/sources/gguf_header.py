@@ -124,8 +124,10 @@ def validate_gguf(path: Path) -> None:
             elements = 1
             for d in dims:
                 elements *= d
-            if dims[0] % block or elements > 1 << 40:
-                raise FormatError(f"{path}: tensor '{name}' dims {dims} do not fit ggml type {kind} (block {block})")
+            if elements > 1 << 40:
+                raise FormatError(f"{path}: tensor '{name}' dims {dims} hold {elements:,} elements, limit {1 << 40:,}")
+            if dims[0] % block:
+                raise FormatError(f"{path}: tensor '{name}' first dim {dims[0]} is not a multiple of ggml type {kind}'s block of {block}")
             tensors.append((offset, elements // block * type_bytes, name))
         data_start = -(-c.pos // alignment) * alignment
         position = 0

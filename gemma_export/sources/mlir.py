@@ -141,11 +141,11 @@ def find_archive(mlir_path: Path) -> Path:
     Raises:
         SourceNotFoundError: neither exists.
     """
-    for candidate in (mlir_path.with_suffix(".safetensors"), mlir_path.parent / "gemma.safetensors"):
+    candidates = list(dict.fromkeys((mlir_path.with_suffix(".safetensors"), mlir_path.parent / "gemma.safetensors")))
+    for candidate in candidates:
         if candidate.is_file():
             return candidate
-    raise SourceNotFoundError(f"{mlir_path}: no archive beside it (expected {mlir_path.with_suffix('.safetensors').name} "
-                              "or gemma.safetensors)")
+    raise SourceNotFoundError(f"{mlir_path}: no archive beside it (expected {' or '.join(c.name for c in candidates)})")
 
 
 class Archive:

@@ -70,7 +70,9 @@ def read_header(path: Path) -> list[HeaderEntry]:
     data_bytes = size - 8 - header_len
     entries = []
     for name, info in header.items():
-        if name == "__metadata__":
+        if name == "__metadata__":  # the format allows a string → string map only
+            if not isinstance(info, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in info.items()):
+                raise FormatError(f"{path}: '__metadata__' must map strings to strings, found {str(info)[:80]}")
             continue
         try:
             dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]

@@ -1,0 +1,70 @@
+"""Load an ONNX model's graph and check where its external data lives before anything reads it.
+
+ONNX stores large initializers outside the model file (``external_data`` entries ``location``,
+``offset``, ``length``; onnx/docs/ExternalData.md). A model from elsewhere can point those at any
+path: this module accepts only plain file names in the model's own folder, regular files (no links),
+and byte ranges inside them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import FormatError
+
+
+def load_graph(model_path: str | Path):
+    """The ``onnx.ModelProto`` of ``model_path`` without its external data.
+
+    Raises:
+        FormatError: the file is not a readable ONNX model, or an initializer's external data is not
+            a regular file of the model's folder, or lies outside that file.
+    """
+    import onnx
+
+    model_path = Path(model_path)
+    try:
+        model = onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends: not our user's concern which
+        raise FormatError(f"{model_path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    check_external_data(model, model_path)
+    return model
+
+
+def check_external_data(model, model_path: Path) -> dict[str, int]:
+    """Check every external-data reference of ``model`` (loaded from ``model_path``).
+
+    Returns:
+        location → size in bytes of each data file.
+
+    Raises:
+        FormatError: naming the initializer and its location when the location is absolute, has a
+            folder part (``..`` included), is missing, is a link or not a regular file, or when
+            ``offset + length`` runs past the file's end.
+    """
+    import onnx
+
+    folder = Path(model_path).parent
+    sizes: dict[str, int] = {}
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+        if not location or Path(location).name != location or location in (".", ".."):
+            raise FormatError(f"{model_path}: initializer '{t.name}' keeps its data at {location!r}; "
+                              "expected a file name in the model's own folder")
+        path = folder / location
+        if path.is_symlink() or not path.is_file():
+            what = "a link" if path.is_symlink() else "missing or not a regular file"
+            raise FormatError(f"{path}: external data of initializer '{t.name}' is {what}")
+        size = sizes.setdefault(location, path.stat().st_size)
+        try:
+            offset, length = int(info.get("offset", 0) or 0), int(info.get("length", 0) or 0)
+        except ValueError:
+            raise FormatError(f"{model_path}: initializer '{t.name}' has a non-integer offset/length "
+                              f"({info.get('offset')!r}, {info.get('length')!r})") from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise FormatError(f"{path}: initializer '{t.name}' data [{offset}, {offset + length}) lies outside "
+                              f"the file's {size} bytes")
+    return sizes

@@ -1,0 +1,60 @@
+"""Write an output folder atomically: build it in a staging folder beside the destination, then
+move it into place; on any failure (a check, a full disk, Ctrl-C) remove the staging folder and any
+parent folders this call created, and leave an existing destination unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from .errors import OutputError
+
+
+def move_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder."""
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / out_dir.name)
+        os.replace(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, out_dir)
+
+
+@contextlib.contextmanager
+def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
+    staging folder (made ``0755``) replaces ``out_dir``.
+
+    Raises:
+        OutputError: the folder cannot be created, or writing failed with an ``OSError`` (no space
+            left, a file-size limit, a read-only file system); ``what`` names the output in the message.
+        Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included).
+    """
+    blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
+    created = [p for p in reversed(out_dir.parents) if not p.exists()]
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    except OSError as exc:
+        raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
+    existed = out_dir.exists()
+    try:
+        yield staging
+        staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
+        move_into_place(staging, out_dir)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in reversed(created):  # parents this call created, innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        if isinstance(exc, OSError):
+            raise OutputError(f"{out_dir}: writing the {what} failed ({exc.strerror or exc}); nothing was written"
+                              f"{' and the existing folder is unchanged' if existed else ''}") from None
+        raise

@@ -1,0 +1,389 @@
+"""Broken and hostile inputs, one table: every case goes through the command line and must give
+one ``error:`` line with the named words, exit status 2, the named error class (seen with
+``--debug``), and leave the work folder exactly as it was (no output, no staging, inputs unchanged).
+
+Each case builds its input inside ``work/`` from the tiny fixtures: transformers folders with forged
+safetensors headers or contradicting configs, GGUF files with forged fields, reference MLIR exports
+whose declarations contradict their archive, export folders with links or outside paths, and
+commands given impossible options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from conftest import broken_copy, make_tiny_model
+from gemma_export.cli import app
+from gemma_export.errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError,
+                                 SourceNotFoundError, VerificationError)
+from test_gguf_tiny import write_tiny_gguf
+from test_reference_mlir import write_reference
+
+
+@dataclasses.dataclass
+class Fixtures:
+    tiny_dir: Path
+    export_dir: Path
+    gguf_bytes: bytes
+    ref_model: object
+
+
+@pytest.fixture(scope="module")
+def fx(tiny_dir, tiny_int8_export, tmp_path_factory) -> Fixtures:
+    model = make_tiny_model(seed=11, num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    path = tmp_path_factory.mktemp("hostile_gguf") / "tiny.gguf"
+    write_tiny_gguf(model, path)
+    ref_model = make_tiny_model(seed=3, sliding_window=512, layer_types=["sliding_attention"] * 4)
+    return Fixtures(tiny_dir, tiny_int8_export, path.read_bytes(), ref_model)
+
+
+# ---- builders: each returns the command line; everything lives under `work` -----------------------
+def _export_args(source: Path, work: Path, dtype: str = "fp32") -> list:
+    return ["--source", source, "--out", work / "out", "--dtype", dtype, "--block-size", 16]
+
+
+def hf(edit_config=None, edit_tensors=None, edit_bytes=None, dtype="fp32"):
+    """A copy of the tiny transformers folder with its config, tensors or raw safetensors bytes edited."""
+    def make(work: Path, fx: Fixtures) -> list:
+        src = broken_copy(fx.tiny_dir, work / "src", edit_config, edit_tensors)
+        if edit_bytes:
+            path = src / "model.safetensors"
+            path.write_bytes(edit_bytes(path.read_bytes()))
+        return _export_args(src, work, dtype)
+    return make
+
+
+def _header(raw: bytes) -> tuple[dict, bytes]:
+    n = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def forge_header(edit: Callable[[dict], None]):
+    """Rewrite the safetensors JSON header (same data bytes)."""
+    def change(raw: bytes) -> bytes:
+        header, data = _header(raw)
+        edit(header)
+        text = json.dumps(header).encode()
+        return struct.pack("<Q", len(text)) + text + data
+    return change
+
+
+def _overlap(header: dict) -> None:
+    """UP's range moved onto the first bytes of the table's."""
+    start = header[EMBED]["data_offsets"][0]
+    header[UP]["data_offsets"] = [start, start + 4 * 128 * 64]
+
+
+def _entry(name: str, **fields):
+    return lambda h: h[name].update(fields)
+
+
+EMBED = "model.embed_tokens.weight"
+UP = "model.layers.0.mlp.up_proj.weight"
+
+
+def _set(name: str, value: np.ndarray):
+    return lambda t: t.update({name: value})
+
+
+def _with_value(name: str, index: int, value: float):
+    def edit(t):
+        t[name] = t[name].copy()
+        t[name].flat[index] = value
+    return edit
+
+
+def gguf_file(patch: Callable[[bytes], bytes]):
+    def make(work: Path, fx: Fixtures) -> list:
+        path = work / "model.gguf"
+        path.write_bytes(patch(fx.gguf_bytes))
+        return _export_args(path, work)
+    return make
+
+
+def _tensor_info_at(raw: bytes, name: bytes) -> int:
+    """Offset just after a tensor-info name: n_dims u32, dims u64 × n, type u32, offset u64 follow."""
+    return raw.index(name) + len(name)
+
+
+def _gguf_type(value: int):
+    def patch(raw):
+        at = _tensor_info_at(raw, b"blk.0.ffn_up.weight") + 4 + 16
+        return raw[:at] + struct.pack("<I", value) + raw[at + 4:]
+    return patch
+
+
+def _gguf_offset(delta: int):
+    def patch(raw):
+        at = _tensor_info_at(raw, b"blk.0.ffn_up.weight") + 4 + 16 + 4
+        offset = struct.unpack("<Q", raw[at:at + 8])[0]
+        return raw[:at] + struct.pack("<Q", offset + delta) + raw[at + 8:]
+    return patch
+
+
+def _gguf_dim_of(name: bytes, value: int):
+    def patch(raw):
+        at = _tensor_info_at(raw, name) + 4
+        return raw[:at] + struct.pack("<Q", value) + raw[at + 8:]
+    return patch
+
+
+def _gguf_dim(value: int):
+    def patch(raw):
+        at = _tensor_info_at(raw, b"token_embd.weight") + 4
+        return raw[:at] + struct.pack("<Q", value) + raw[at + 8:]
+    return patch
+
+
+def mlir(edit=None, dtype="bf16", remove_archive=False):
+    def make(work: Path, fx: Fixtures) -> list:
+        path = write_reference(fx.ref_model, work / "ref", dtype, edit=edit)
+        if remove_archive:
+            (work / "ref" / "gemma.safetensors").unlink()
+        return _export_args(path, work)
+    return make
+
+
+def _line(index: int, old: str, new: str):
+    return lambda lines, archive: lines.__setitem__(index, lines[index].replace(old, new))
+
+
+def export_copy(edit: Callable[[Path], None], command: Callable[[Path], list]):
+    """A copy of the tiny int8 export, edited, then given to another command."""
+    def make(work: Path, fx: Fixtures) -> list:
+        folder = work / "model"
+        shutil.copytree(fx.export_dir, folder)
+        edit(folder)
+        return command(folder)
+    return make
+
+
+def _generate(folder: Path) -> list:
+    return ["generate", "--model", folder, "--prompt", "hello", "--max-new-tokens", 2]
+
+
+def _verify(folder: Path) -> list:
+    return ["verify", folder]
+
+
+def _relocate(location: str):
+    """Point every initializer's external data at ``location`` (the model file only is edited)."""
+    def edit(folder: Path) -> None:
+        import onnx
+
+        model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+        for t in model.graph.initializer:
+            for e in t.external_data:
+                if e.key == "location":
+                    e.value = location
+        onnx.save(model, str(folder / "model.onnx"))
+    return edit
+
+
+def _symlink_data(folder: Path) -> None:
+    data = folder / "model.onnx.data"
+    real = folder.parent / "elsewhere.data"
+    data.rename(real)
+    data.symlink_to(real)
+
+
+def _truncate(name: str, keep: int):
+    def edit(folder: Path) -> None:
+        path = folder / name
+        path.write_bytes(path.read_bytes()[:keep])
+    return edit
+
+
+def _write(name: str, content: bytes):
+    return lambda folder: (folder / name).write_bytes(content)
+
+
+def plain(args: Callable[[Path], list], setup: Callable[[Path], None] | None = None):
+    def make(work: Path, fx: Fixtures) -> list:
+        if setup:
+            setup(work)
+        return args(work)
+    return make
+
+
+def _file(name: str, content: bytes):
+    return lambda work: (work / name).write_bytes(content)
+
+
+def existing_output(setup: Callable[[Path], None]):
+    def make(work: Path, fx: Fixtures) -> list:
+        setup(work)
+        return _export_args(fx.tiny_dir, work)
+    return make
+
+
+# ---- the table -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Case:
+    make: Callable[[Path, Fixtures], list]
+    error: type
+    words: tuple[str, ...]
+
+
+CASES = {
+    # safetensors in a transformers folder
+    "st truncated data": Case(hf(edit_bytes=lambda b: b[:-100]), FormatError, ("model.safetensors", "lies outside")),
+    "st header length past the end": Case(hf(edit_bytes=lambda b: struct.pack("<Q", 10**9) + b[8:]), FormatError,
+                                          ("header length 1000000000 exceeds the file",)),
+    "st header not json": Case(hf(edit_bytes=lambda b: b[:8] + b"\x00" + b[9:]), FormatError, ("header is not JSON",)),
+    "st overlapping offsets": Case(hf(edit_bytes=forge_header(_overlap)), FormatError, ("overlaps",)),
+    "st unknown dtype": Case(hf(edit_bytes=forge_header(_entry(UP, dtype="Q4X"))), FormatError,
+                             (f"tensor '{UP}' has unknown dtype 'Q4X'",)),
+    "st shape disagrees with bytes": Case(hf(edit_bytes=forge_header(_entry(UP, shape=[128, 65]))), FormatError,
+                                          (f"tensor '{UP}' holds 32768 bytes, shape [128, 65] × F32 needs 33280",)),
+    "st overflowing dims": Case(hf(edit_bytes=forge_header(_entry(UP, shape=[2**40, 2**40, 2**40]))), FormatError,
+                                (f"tensor '{UP}'",)),
+    "st negative dim": Case(hf(edit_bytes=forge_header(_entry(UP, shape=[-128, -64]))), FormatError, ("negative dimension",)),
+    "st metadata not an object": Case(hf(edit_bytes=forge_header(lambda h: h.update(__metadata__=[1]))), FormatError,
+                                      ("'__metadata__' must map strings to strings, found [1]",)),
+    "tensor missing": Case(hf(edit_tensors=lambda t: t.pop(UP)), FormatError, (f"missing tensor '{UP}'",)),
+    "tensor wrong shape": Case(hf(edit_tensors=_set(UP, np.zeros((128, 63), np.float32))), FormatError,
+                               (UP, "has shape [128, 63]", "expected [128, 64]")),
+    "nan weight": Case(hf(edit_tensors=_with_value(UP, 70, np.nan)), NumericError, (UP, "nan", "index (1, 6)")),
+    "inf weight": Case(hf(edit_tensors=_with_value(EMBED, 5, np.inf), dtype="int8"), NumericError, (EMBED, "inf", "index (0, 5)")),
+    "integer weight": Case(hf(edit_tensors=_set("model.norm.weight", np.zeros(64, np.int32))), FormatError,
+                           ("model.norm.weight", "dtype I32")),
+    # config.json
+    "config not json": Case(lambda work, fx: _broken_config(work, fx, b"{not json"), ConfigError, ("config.json", "JSON")),
+    "config missing field": Case(hf(edit_config=lambda c: c.pop("hidden_size")), ConfigError,
+                                 ("missing required field 'hidden_size'",)),
+    "heads vs kv heads": Case(hf(edit_config=lambda c: c.update(num_key_value_heads=3)), ConfigError,
+                              ("not a multiple of num_key_value_heads",)),
+    "layer_types length": Case(hf(edit_config=lambda c: c.update(layer_types=c["layer_types"][:2])), ConfigError,
+                               ("layer_types has 2 entries but num_hidden_layers is 4",)),
+    "vocab vs table rows": Case(hf(edit_config=lambda c: c.update(vocab_size=100)), FormatError,
+                                (EMBED, "expected [100, 64]")),
+    "window zero": Case(hf(edit_config=lambda c: c.update(sliding_window=0)), ConfigError, ("sliding_window",)),
+    "unknown architecture": Case(hf(edit_config=lambda c: c.update(model_type="llama")), ConfigError, ("model_type is 'llama'",)),
+    "config is a list": Case(lambda work, fx: _broken_config(work, fx, b"[1, 2, 3]"), ConfigError, ("config.json",)),
+    "no config": Case(lambda work, fx: _broken_config(work, fx, None), ConfigError, ("config.json: missing",)),
+    # GGUF
+    "gguf bad magic": Case(gguf_file(lambda b: b"GGUX" + b[4:]), FormatError, ("model.gguf", "bad magic")),
+    "gguf version": Case(gguf_file(lambda b: b[:4] + struct.pack("<I", 7) + b[8:]), FormatError, ("GGUF version 7",)),
+    "gguf tensor count": Case(gguf_file(lambda b: b[:8] + struct.pack("<Q", 2**62) + b[16:]), FormatError, ("tensors",)),
+    "gguf kv count": Case(gguf_file(lambda b: b[:16] + struct.pack("<Q", 2**62) + b[24:]), FormatError, ("metadata entries",)),
+    "gguf key length": Case(gguf_file(lambda b: b[:24] + struct.pack("<Q", 2**40) + b[32:]), FormatError, ("limit",)),
+    "gguf truncated header": Case(gguf_file(lambda b: b[:20]), FormatError, ("too short",)),
+    "gguf truncated data": Case(gguf_file(lambda b: b[:-64]), FormatError, ("truncated",)),
+    "gguf unknown type": Case(gguf_file(_gguf_type(4242)), FormatError, ("blk.0.ffn_up.weight", "unknown ggml type 4242")),
+    "gguf misaligned data": Case(gguf_file(_gguf_offset(1)), FormatError, ("blk.0.ffn_up.weight", "not a multiple of 32")),
+    "gguf dim past the limit": Case(gguf_file(_gguf_dim(2**40)), FormatError, ("token_embd.weight", "elements, limit")),
+    "gguf dim not a block multiple": Case(gguf_file(_gguf_dim_of(b"blk.0.ffn_up.weight", 100)), FormatError,
+                                          ("blk.0.ffn_up.weight", "first dim 100 is not a multiple")),
+    # reference MLIR + archive
+    "mlir global without key": Case(mlir(lambda lines, archive: archive.pop("t8")), FormatError,
+                                    ("global @t8 is bound to key 't8', which",)),
+    "mlir key without global": Case(mlir(lambda lines, archive: archive.update(extra=np.zeros(3, np.uint16))), FormatError,
+                                    ("key 'extra' has no util.global",)),
+    "mlir shape vs bytes": Case(mlir(_line(2, "64xbf16", "32xbf16")), FormatError, ("key 't8' holds BF16 [64] (128 bytes)",)),
+    "mlir dtype vs bytes": Case(mlir(_line(2, "64xbf16", "64xf32")), FormatError, ("key 't8' holds BF16",)),
+    "mlir unknown element type": Case(mlir(_line(2, "64xbf16", "64xf64")), FormatError, ("element type 'f64'",)),
+    "mlir dynamic dim": Case(mlir(_line(2, "64xbf16", "?xbf16")), FormatError, ("dimension '?'",)),
+    "mlir no archive": Case(mlir(remove_archive=True), SourceNotFoundError, ("no archive beside it (expected gemma.safetensors)",)),
+    "mlir int8 scale per column": Case(mlir(lambda lines, archive: archive.update(t0_scale=np.ones(64, np.float32)),
+                                            dtype="int8"), FormatError, ("t0_scale",)),
+    # where the output goes
+    "output inside the source": Case(lambda work, fx: _inside_source(work, fx), OutputError, ("inside the source",)),
+    "output is a file": Case(existing_output(lambda work: (work / "out").write_text("x")), OutputError,
+                             ("exists and is not a folder",)),
+    "output is a foreign folder": Case(existing_output(lambda work: ((work / "out").mkdir(), (work / "out" / "notes.txt").write_text("mine"))),
+                                       OutputError, ("not a gemma-export folder",)),
+    # export folders given to generate / verify
+    "data outside the folder": Case(export_copy(_relocate("../model.onnx.data"), _generate), FormatError,
+                                    ("'../model.onnx.data'", "model's own folder")),
+    "data at an absolute path": Case(export_copy(_relocate("/etc/passwd"), _generate), FormatError, ("'/etc/passwd'",)),
+    "data file is a link (generate)": Case(export_copy(_symlink_data, _generate), FormatError, ("model.onnx.data", "is a link")),
+    "data file is a link (verify)": Case(export_copy(_symlink_data, _verify), VerificationError, ("model.onnx.data: is a link",)),
+    "data file truncated": Case(export_copy(_truncate("model.onnx.data", 1000), _generate), FormatError,
+                                ("model.onnx.data", "lies outside the file's 1000 bytes")),
+    "model file garbage": Case(export_copy(_write("model.onnx", b"\x08\x07garbage" * 10), _generate), FormatError,
+                               ("model.onnx", "not a readable ONNX model")),
+    "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
+    "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
+                                              ("manifest.json", "unreadable manifest")),
+    "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
+                                      GemmaExportError, ("model: a sequence of 433 tokens", "exceeds the model's max_position_embeddings 256")),
+    # other commands
+    "inspect garbage": Case(plain(lambda w: ["inspect", w / "x.bin"], _file("x.bin", b"\x00" * 64)), FormatError, ("x.bin",)),
+    "inspect onnx garbage": Case(plain(lambda w: ["inspect", w / "m.onnx"], _file("m.onnx", b"\xff" * 64)), FormatError,
+                                 ("m.onnx", "not a readable ONNX model")),
+    "bad block size": Case(plain(lambda w: ["--source", w, "--out", w / "out", "--dtype", "int8", "--block-size", 24]),
+                           ConfigError, ("--block-size 24",)),
+    "int4 option on int8": Case(plain(lambda w: ["--source", w, "--out", w / "out", "--dtype", "int8", "--table-dtype", "int8"]),
+                                ConfigError, ("--table-dtype",)),
+    "bench bad lengths": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prompt-tokens", "16,x"]),
+                              GemmaExportError, ("--prompt-tokens", "'16,x'")),
+}
+
+
+def _broken_config(work: Path, fx: Fixtures, content: bytes | None) -> list:
+    src = work / "src"
+    shutil.copytree(fx.tiny_dir, src)
+    if content is None:
+        (src / "config.json").unlink()
+    else:
+        (src / "config.json").write_bytes(content)
+    return _export_args(src, work)
+
+
+def _inside_source(work: Path, fx: Fixtures) -> list:
+    src = work / "src"
+    shutil.copytree(fx.tiny_dir, src)
+    return ["--source", src, "--out", src / "out", "--dtype", "fp32"]
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every path under ``folder`` (links and folders included) with a digest of its content."""
+    out = {}
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            path = Path(root) / name
+            rel = str(path.relative_to(folder))
+            if path.is_symlink():
+                out[rel] = "link:" + os.readlink(path)
+            elif path.is_file():
+                out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+def test_the_table_has_at_least_40_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hostile_input(fx, tmp_path, name):
+    case = CASES[name]
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [str(a) for a in case.make(work, fx)]
+    before = _tree(tmp_path)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for word in case.words:
+        assert word in lines[0], lines[0]
+    assert _tree(tmp_path) == before  # nothing written, nothing left, inputs unchanged
+    debug = CliRunner().invoke(app, args + ["--debug"])
+    assert type(debug.exception) is case.error or (case.error is GemmaExportError and isinstance(debug.exception, GemmaExportError)), \
+        repr(debug.exception)
+    assert _tree(tmp_path) == before
