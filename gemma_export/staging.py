@@ -5,6 +5,7 @@ parent folders this call created, and leave an existing destination unchanged.""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -55,6 +56,20 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         if isinstance(exc, OSError):
-            raise OutputError(f"{out_dir}: writing the {what} failed ({exc.strerror or exc}); nothing was written"
-                              f"{' and the existing folder is unchanged' if existed else ''}") from None
+            raise OutputError(f"{out_dir}: writing the {what} failed ({_describe(exc, out_dir.parent)}); nothing was "
+                              f"written{' and the existing folder is unchanged' if existed else ''}") from None
         raise
+
+
+def _describe(exc: OSError, folder: Path) -> str:
+    """The reason of a failed write, with the free space left on that file system."""
+    reason = exc.strerror or str(exc)
+    # ENOSPC / EFBIG / EDQUOT from the OS, or a short write reported without an errno (numpy's
+    # tofile: "8192 requested and 6144 written")
+    short = isinstance(exc, BlockingIOError) or (exc.errno is None and "written" in reason)
+    if short or exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        reason += ": the disk is full or a file-size limit was reached"
+    existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+    with contextlib.suppress(OSError, TypeError):
+        reason += f"; {shutil.disk_usage(existing).free:,} bytes free there"
+    return reason

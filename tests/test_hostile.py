@@ -387,3 +387,18 @@ def test_hostile_input(fx, tmp_path, name):
     assert type(debug.exception) is case.error or (case.error is GemmaExportError and isinstance(debug.exception, GemmaExportError)), \
         repr(debug.exception)
     assert _tree(tmp_path) == before
+
+
+def test_code_and_templates_in_a_model_folder_are_never_run(fx, tmp_path):
+    """A folder may carry `auto_map` code and a Jinja chat template; exporting it reads neither as
+    code: the module that would leave a marker on import is never imported."""
+    marker = tmp_path / "executed"
+    src = broken_copy(fx.tiny_dir, tmp_path / "src", lambda c: c.update(
+        auto_map={"AutoModelForCausalLM": "modeling_evil.EvilModel", "AutoConfig": "modeling_evil.EvilConfig"}))
+    (src / "modeling_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n")
+    (src / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"}))
+    result = CliRunner().invoke(app, [str(a) for a in _export_args(src, tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert not marker.exists()
+    assert "modeling_evil.py" not in os.listdir(tmp_path / "out")

@@ -6,6 +6,8 @@ graph and quantization together against an independent implementation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import sysconfig
 from pathlib import Path
@@ -46,7 +48,10 @@ def hf_reference():
 
 
 def _export(tmp_path_factory, dtype) -> Path:
-    out = tmp_path_factory.mktemp("real") / f"gemma-3-270m-onnx-{dtype}"
+    return _export_to(tmp_path_factory.mktemp("real") / f"gemma-3-270m-onnx-{dtype}", dtype)
+
+
+def _export_to(out: Path, dtype: str) -> Path:
     result = CliRunner().invoke(app, ["--format", "onnx", "--dtype", dtype, "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
@@ -133,6 +138,34 @@ def test_int8_onnxruntime_keeps_one_table(int8_dir, tmp_path):
     assert consumers == ["Gather", "MatMulNBits"]
     scales = [n.op_type for n in graph.node if "model.embed_tokens.weight_scales" in n.input]
     assert sorted(scales) == ["Gather", "MatMulNBits"]  # the scales are shared too
+
+
+def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
+    again = _export_to(tmp_path / "again", "int8")
+    names = sorted(p.name for p in int8_dir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    for name in names:  # manifest.json included: same sha256 list, options, source identity, versions
+        assert _sha256(int8_dir / name) == _sha256(again / name), name
+    manifest = json.loads((again / "manifest.json").read_text())
+    assert manifest["files"]["model.onnx.data"]["bytes"] == (again / "model.onnx.data").stat().st_size
+    assert manifest["source"]["kind"] == "gguf" and manifest["dtype"] == "int8"
+    assert CliRunner().invoke(app, ["verify", str(again)]).exit_code == 0
+    data = again / "model.onnx.data"
+    with open(data, "r+b") as f:  # one flipped bit deep inside the table
+        f.seek(100_000_000)
+        byte = f.read(1)
+        f.seek(100_000_000)
+        f.write(bytes([byte[0] ^ 1]))
+    result = CliRunner().invoke(app, ["verify", str(again)])
+    assert result.exit_code == 2 and "model.onnx.data: sha256 differs from the manifest" in result.stderr
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def test_inspect_finds_no_duplicates_in_the_real_int8_export(int8_dir):

@@ -80,7 +80,7 @@ def read_header(path: Path) -> list[HeaderEntry]:
                 raise TypeError
         except (KeyError, TypeError):
             raise FormatError(f"{path}: tensor '{name}' lacks an integer shape, data_offsets or a dtype") from None
-        if dtype not in DTYPE_BYTES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
             raise FormatError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
         if any(d < 0 for d in shape):
             raise FormatError(f"{path}: tensor '{name}' has a negative dimension in {shape}")

@@ -1,0 +1,133 @@
+"""Writes are all-or-nothing: a full disk, a file-size limit, an exception or Ctrl-C in the middle of
+an export leaves no partial output and an existing output folder byte-for-byte unchanged."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gemma_export import exporter
+from gemma_export.cli import app
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(folder.rglob("*"))}
+
+
+def _export(source, out, dtype="int8", *extra):
+    return CliRunner().invoke(app, ["--source", str(source), "--out", str(out), "--dtype", dtype, "--block-size", "16", *extra])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: room for the tiny int8 export (~280 KB), not for the fp32 one (~690 KB)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_disk):
+    out = small_disk / "model"
+    assert _export(tiny_dir, out).exit_code == 0
+    before = _tree(small_disk)
+    result = _export(tiny_dir, out, "fp32")
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out}: writing the export failed ("), line
+    assert "the disk is full or a file-size limit was reached" in line and "bytes free there" in line
+    assert "existing folder is unchanged" in line and "Traceback" not in result.output
+    assert _tree(small_disk) == before  # the old export intact, no staging folder left
+    assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
+
+
+def test_file_size_limit_in_a_fresh_process(tiny_dir, tmp_path):
+    # RLIMIT_FSIZE makes every write past 100 KB fail with EFBIG (SIGXFSZ ignored): a full disk
+    # without privileges, in the real command-line entry point.
+    script = textwrap.dedent("""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+        from gemma_export.cli import app
+        sys.argv = ["gemma-export", *sys.argv[1:]]
+        app()
+    """)
+    out = tmp_path / "deep" / "er" / "out"
+    done = subprocess.run([sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out), "--dtype", "fp32"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "writing the export failed (" in done.stderr and "the disk is full or a file-size limit was reached" in done.stderr
+    assert "); nothing was written\n" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "deep").exists()  # the parents this run created are gone too
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
+def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tmp_path, monkeypatch, failure):
+    out = tmp_path / "model"
+    assert _export(tiny_dir, out).exit_code == 0
+    before = _tree(tmp_path)
+    seen = []
+
+    def fail(folder):
+        seen.append(sorted(p.name for p in folder.iterdir()))  # the staging folder, fully written
+        raise failure("stop")
+
+    monkeypatch.setattr(exporter, "verify_folder", fail)
+    if failure is KeyboardInterrupt:
+        result = _export(tiny_dir, out, "fp32")
+        assert result.exit_code == 130
+        assert result.stderr.strip().splitlines()[-1] == (
+            "error: interrupted; nothing was written (an existing output folder is unchanged)")
+    else:
+        with pytest.raises(RuntimeError):
+            exporter.export(tiny_dir, out, "fp32")
+    assert seen and "model.onnx.data" in seen[0]
+    assert _tree(tmp_path) == before
+
+
+def test_sigint_during_an_export(tiny_dir, tmp_path):
+    """A real SIGINT delivered while the export process is between writing and verifying."""
+    marker = tmp_path / "written"
+    script = textwrap.dedent(f"""
+        import pathlib, sys, time
+        from gemma_export import exporter
+        from gemma_export.cli import app
+        def slow_verify(folder):
+            pathlib.Path({str(marker)!r}).write_text(str(folder))
+            time.sleep(120)
+        exporter.verify_folder = slow_verify
+        sys.argv = ["gemma-export", *sys.argv[1:]]
+        app()
+    """)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out), "--dtype", "fp32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        staging = Path(marker.read_text())
+        assert (staging / "model.onnx.data").is_file()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "error: interrupted; nothing was written" in stderr and "Traceback" not in stderr
+    assert sorted(os.listdir(tmp_path)) == ["written"]  # no output, no staging folder
