@@ -6,7 +6,6 @@ graph and quantization together against an independent implementation.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sysconfig
@@ -17,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gemma_export.cli import app
-from gemma_export.exporter import is_table_shaped
+from gemma_export.exporter import _sha256, is_table_shaped
 from gemma_export.quality import compare_logits
 from gemma_export.runtime import OnnxDecoder, load_tokenizer
 from gemma_export.sources import bundled_gguf_path
@@ -158,14 +157,6 @@ def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
         f.write(bytes([byte[0] ^ 1]))
     result = CliRunner().invoke(app, ["verify", str(again)])
     assert result.exit_code == 2 and "model.onnx.data: sha256 differs from the manifest" in result.stderr
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def test_inspect_finds_no_duplicates_in_the_real_int8_export(int8_dir):
