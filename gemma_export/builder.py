@@ -164,18 +164,32 @@ def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.
 def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value,
                   past_key: ir.Value, past_value: ir.Value, shared: _Shared):
     """Sandwich-norm block (transformers ``Gemma3DecoderLayer``): input norm → attention →
-    post-attention norm → residual; pre-feedforward norm → MLP → post-feedforward norm → residual."""
+    post-attention norm → residual; pre-feedforward norm → MLP → post-feedforward norm → residual.
+
+    Returns ``(hidden, present_key, present_value, sub_blocks)``; ``sub_blocks`` maps ``attention``
+    and ``mlp`` to what each adds to the residual stream (the outputs of ``post_attention_layernorm``
+    and ``post_feedforward_layernorm``, as transformers' modules of those names return them)."""
     p = f"model.layers.{layer}."
     eps = ckpt.config.rms_norm_eps
     attn, present_key, present_value = self_attention(
         g, fmt, ckpt, layer, rms_norm(g, x, _weight(ckpt, p + "input_layernorm.weight"), eps), past_key, past_value, shared)
-    x = g.op("Add", x, rms_norm(g, attn, _weight(ckpt, p + "post_attention_layernorm.weight"), eps))
+    attn = rms_norm(g, attn, _weight(ckpt, p + "post_attention_layernorm.weight"), eps)
+    x = g.op("Add", x, attn)
     ff = mlp(g, fmt, ckpt, layer, rms_norm(g, x, _weight(ckpt, p + "pre_feedforward_layernorm.weight"), eps))
-    x = g.op("Add", x, rms_norm(g, ff, _weight(ckpt, p + "post_feedforward_layernorm.weight"), eps))
-    return x, present_key, present_value
+    ff = rms_norm(g, ff, _weight(ckpt, p + "post_feedforward_layernorm.weight"), eps)
+    x = g.op("Add", x, ff)
+    return x, present_key, present_value, {"attention": attn, "mlp": ff}
 
 
-def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False) -> ir.Model:
+#: extra outputs of a ``debug_outputs`` export: ``debug.layers.{i}.{block}`` float32 [batch, sequence_length, hidden]
+DEBUG_BLOCKS = ("attention", "mlp")
+
+
+def debug_output_name(layer: int, block: str) -> str:
+    return f"debug.layers.{layer}.{block}"
+
+
+def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, debug_outputs: bool = False) -> ir.Model:
     """The whole decoder as an :class:`onnx_ir.Model` whose weights are lazy tensors.
 
     Args:
@@ -183,6 +197,10 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False) -
         fmt: the weight format of the chosen ``--dtype``.
         all_logits: return logits for every position instead of the last one only (a 512-token
             prefill would otherwise write 512 MB of logits).
+        debug_outputs: also return, per layer, what the attention and the MLP sub-blocks add to the
+            residual stream (``debug.layers.{i}.attention|mlp``, float32 ``[batch, sequence_length,
+            hidden]``), so ``gemma-export parity`` can name the first sub-block that departs from
+            the reference.
     """
     c = ckpt.config
     g = GraphBuilder()
@@ -205,11 +223,12 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False) -
         masks = attention_masks(g, attention_mask, input_ids, past[0][0], c)
     shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()})
 
-    presents = []
+    presents, debug = [], []
     for i in range(c.num_hidden_layers):
         with g.scope(f"layers.{i}"):
-            x, present_key, present_value = decoder_layer(g, fmt, ckpt, i, x, *past[i], shared)
+            x, present_key, present_value, blocks = decoder_layer(g, fmt, ckpt, i, x, *past[i], shared)
         presents.append((present_key, present_value))
+        debug += [(debug_output_name(i, b), blocks[b]) for b in DEBUG_BLOCKS]
 
     if not all_logits:
         x = g.op("Slice", x, g.const_i64([-1]), g.const_i64([np.iinfo(np.int64).max]), g.const_i64([1]))
@@ -222,4 +241,7 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False) -
     for i, (k, v) in enumerate(presents):
         g.output(k, f"present.{i}.key", F32, total_shape)
         g.output(v, f"present.{i}.value", F32, total_shape)
+    if debug_outputs:
+        for name, value in debug:
+            g.output(g.op("Identity", value), name, F32, ["batch_size", "sequence_length", c.hidden_size])
     return g.model("gemma3_decoder", doc_string=f"Gemma 3 decoder exported by gemma-export ({fmt.name})")

@@ -78,6 +78,7 @@ def main(
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
     scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
+    debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table.
@@ -108,7 +109,7 @@ def main(
         result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
                         hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
                         symmetric=not asymmetric, scale_method=scale_method.value, all_logits=all_logits,
-                        progress=progress)
+                        debug_outputs=debug_outputs, progress=progress)
     except GemmaExportError as exc:
         bar.close()
         _fail(exc, debug)
@@ -302,6 +303,56 @@ def quality(
     typer.echo(format_report(report))
     if json_out is not None:
         json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+
+
+class Against(str, enum.Enum):
+    transformers = "transformers"
+
+
+@app.command()
+def parity(
+    model: Path = typer.Option(..., "--model", help="An export folder (made with --debug-outputs to locate a divergence)."),
+    against: Optional[Against] = typer.Option(None, "--against", help="transformers: fp32 on the export's source weights (needs the test extra). Default when no --reference/--golden is given."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="The board team's reference export (.mlir), run with IREE (needs the iree extra)."),
+    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", help="The reference's safetensors archive (default: beside the .mlir)."),
+    reference_logits: bool = typer.Option(False, "--reference-logits", help="Strip the reference's argmax tail and compare logits too."),
+    golden: Optional[Path] = typer.Option(None, "--golden", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Check an export against transformers, the reference MLIR export (IREE) and golden token
+    files; print per-prompt figures, the first diverging layer (with --debug-outputs exports) and a
+    pass/fail verdict. Exit status: 0 pass, 1 fail, 2 bad input.
+
+    \b
+    Examples:
+      gemma-export parity --model gemma-3-270m-onnx-int8 --against transformers
+      gemma-export parity --model out-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
+      gemma-export parity --model out-int8 --golden golden.json --json parity.json
+    """
+    import json
+
+    from .bench import check_outputs
+    from .parity import format_report, run_parity
+
+    try:
+        check_outputs(json_out, None)
+        report = run_parity(model, against_transformers=against is not None or not (reference or golden),
+                            reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
+                            golden=golden, prompts=prompts, new_tokens=new_tokens, threads=threads,
+                            progress=lambda msg: typer.echo(msg, err=True))
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted()
+    typer.echo(format_report(report))
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if not report.passed:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -255,6 +255,7 @@ def export(
     symmetric: bool = True,
     scale_method: str = "mse",
     all_logits: bool = False,
+    debug_outputs: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
 ) -> ExportResult:
@@ -274,6 +275,8 @@ def export(
         symmetric: int4 only: fixed zero point 8 (default) or a 4-bit zero point per block.
         scale_method: int4 only: ``mse`` (clipping search, default) or ``rtn`` (round to nearest).
         all_logits: return logits for every position (default: last position only).
+        debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
+            ``gemma-export parity``'s divergence report.
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
         checkpoint: an already opened source (skips opening ``source``).
 
@@ -317,7 +320,7 @@ def export(
     if dtype == "int4":
         quantization.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
     int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
-    model = build_model(ckpt, fmt, all_logits=all_logits)
+    model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     with staged_folder(out, "export") as staging:
         total = sum(1 for v in model.graph.initializers.values() if v.const_value is not None)
@@ -346,6 +349,7 @@ def export(
             "dtype": dtype,
             **int8_options,
             "all_logits": all_logits,
+            "debug_outputs": debug_outputs,
             "tie_word_embeddings": ckpt.tied,
             "source": dict(ckpt.identity),
             "config": ckpt.config.to_dict(),

@@ -84,21 +84,22 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
         first_disagreement=int(wrong[0]) if len(wrong) else None)
 
 
-def transformers_logits(source, token_ids: Sequence[int]) -> np.ndarray:
-    """transformers' ``Gemma3ForCausalLM`` (fp32, eager attention) on a checkpoint's weights: the
-    independent reference. Returns float32 ``[T, V]``.
+def transformers_model(source):
+    """transformers' ``Gemma3ForCausalLM`` (fp32, eager attention) holding a checkpoint's weights:
+    the independent reference.
 
     Args:
         source: a :class:`~gemma_export.checkpoint.Checkpoint` (``open_source(...)``).
 
     Raises:
-        GemmaExportError: torch or transformers is not installed (they are test extras).
+        GemmaExportError: torch or transformers is not installed (they are test extras), or the
+            model does not take the weights.
     """
     try:
         import torch
         import transformers
     except ImportError as exc:
-        raise GemmaExportError("--reference transformers needs torch and transformers: pip install -e '.[test]'") from exc
+        raise GemmaExportError("the transformers reference needs torch and transformers: pip install -e '.[test]'") from exc
     c = source.config
     config = transformers.Gemma3TextConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -118,6 +119,15 @@ def transformers_logits(source, token_ids: Sequence[int]) -> np.ndarray:
     if [m for m in missing if m != "lm_head.weight"] or unexpected:
         raise GemmaExportError(f"{source.path}: transformers reference did not take the weights: missing {missing}, "
                                f"unexpected {unexpected}")
+    return model
+
+
+def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndarray:
+    """Logits of :func:`transformers_model` (``model``, or one built from ``source``) for every
+    position of ``token_ids``: float32 ``[T, V]``."""
+    import torch
+
+    model = model if model is not None else transformers_model(source)
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
 
@@ -136,7 +146,12 @@ class QualityReport:
                 **self.metrics.to_dict()}
 
 
-def _manifest_source(model_dir: Path) -> str:
+def manifest_source(model_dir: Path) -> str:
+    """The path of the source an export was made from (``manifest.json`` → ``source.path``).
+
+    Raises:
+        SourceNotFoundError: no manifest, no source path in it, or the source is gone.
+    """
     import json
 
     from .errors import SourceNotFoundError
@@ -145,9 +160,9 @@ def _manifest_source(model_dir: Path) -> str:
     try:
         path = json.loads(manifest.read_text())["source"]["path"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise SourceNotFoundError(f"{manifest}: missing or without source.path; pass --reference EXPORT_DIR") from None
+        raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source") from None
     if not Path(path).exists():
-        raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists; pass --reference EXPORT_DIR")
+        raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")
     return path
 
 
@@ -189,13 +204,13 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     say(f"{len(ids)} tokens of {source}")
     if reference == "transformers":
         say("reference: transformers fp32 on the export's source weights")
-        ref_logits = transformers_logits(open_source(_manifest_source(model_dir)), ids)
+        ref_logits = transformers_logits(open_source(manifest_source(model_dir)), ids)
     elif reference == "fp32":
         from .exporter import export
 
         with tempfile.TemporaryDirectory(prefix="gemma-export-fp32-") as tmp:
             say("reference: exporting the source at fp32 into a temporary folder")
-            ref_dir = export(_manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
+            ref_dir = export(manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
             ref_logits = OnnxDecoder(ref_dir, threads=threads).teacher_forced_logits(ids)
     else:
         say(f"reference: the export in {reference}")

@@ -121,6 +121,24 @@ class OnnxDecoder:
                    for name, value in zip(names[1:], outputs[1:]) if name.startswith("present.")}
         return outputs[0], present
 
+    def prefill_outputs(self, token_ids: Sequence[int], names: Sequence[str]) -> dict[str, np.ndarray]:
+        """Run one prefill step on ``token_ids`` (batch 1, empty cache) and return the named graph
+        outputs (e.g. the ``debug.layers.*`` outputs of a ``--debug-outputs`` export).
+
+        Raises:
+            FormatError: a name is not an output of the graph.
+        """
+        declared = {o.name for o in self.session.get_outputs()}
+        missing = [n for n in names if n not in declared]
+        if missing:
+            raise FormatError(f"{self.model_dir / MODEL_FILE}: no output {missing[0]!r} (export with --debug-outputs)")
+        self.check_length(len(token_ids))
+        ids = np.asarray([list(token_ids)], np.int64)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
+                 **self.empty_cache(1)}
+        values = self.session.run(list(names), {name: feeds[name] for name in self._input_names})
+        return dict(zip(names, values))
+
     def check_length(self, total_tokens: int) -> None:
         """Raises GemmaExportError when a sequence would exceed ``max_position_embeddings``."""
         if self.max_position_embeddings and total_tokens > self.max_position_embeddings:

@@ -1,0 +1,395 @@
+"""`gemma-export parity`: does an ONNX export agree with (a) an independent implementation of the
+math (transformers, fp32, on the export's source weights), (b) the board team's reference MLIR
+export run by IREE, (c) a golden token file — and where does it first depart?
+
+Per prompt:
+
+* transformers: the prompt plus the export's greedy continuation is fed to both; over every
+  position: max |Δlogit|, mean cosine of the logit rows, top-1 agreement, mean KL(reference ‖
+  export) in nats/token (``quality.compare_logits``), first position whose top-1 differs. With a
+  ``--debug-outputs`` export, the first layer and sub-block (attention or MLP) whose output departs
+  from transformers' beyond the tolerance (relative max error ``max|Δ| / max|reference|``).
+* reference (IREE): the prompt padded with 0 to the reference's fixed length; the reference's
+  argmax token at every position against the export's (teacher-forced through the KV cache); its
+  greedy tokens by re-decoding (the board's loop) against the export's; with ``logits`` (argmax tail
+  stripped) also max |Δlogit|.
+* golden: the export's greedy ids against the expected ids: exact match or first mismatch.
+
+The verdict applies per-dtype thresholds (``THRESHOLDS``) to the figures pooled over all prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .errors import FormatError, GemmaExportError, SourceNotFoundError
+
+#: prompts used when none are given: short real requests of the kinds the board runs
+DEFAULT_PROMPTS = (
+    "The capital of France is",
+    "Turn the light on in the kitchen.",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+)
+
+#: Pass/fail thresholds by export dtype: pooled top-1 agreement and mean KL (nats/token) against
+#: transformers, share of positions whose token equals the reference export's, and the relative
+#: sub-block error beyond which a layer is named as the first departure. fp32 must match exactly;
+#: quantized exports are held to what docs/quality.md measured on real text, with margin for short
+#: prompts (one token of 30 is 3%).
+THRESHOLDS = {
+    "fp32": {"top1": 1.0, "kl": 1e-4, "reference_tokens": 1.0, "sub_block": 1e-3},
+    "bf16": {"top1": 0.95, "kl": 0.01, "reference_tokens": 0.95, "sub_block": 0.05},
+    "int8": {"top1": 0.90, "kl": 0.02, "reference_tokens": 0.90, "sub_block": 0.2},
+    "int4": {"top1": 0.60, "kl": 0.5, "reference_tokens": 0.60, "sub_block": 0.6},
+}
+
+
+@dataclasses.dataclass
+class PromptParity:
+    """Figures for one prompt; a section is None when that comparison was not asked for."""
+
+    prompt: str | None
+    prompt_ids: list[int]
+    transformers: dict | None = None
+    reference: dict | None = None
+    golden: dict | None = None
+    divergence: dict | None = None
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    measured: float | str
+    threshold: str
+    passed: bool
+
+
+@dataclasses.dataclass
+class ParityReport:
+    model: str
+    dtype: str
+    prompts: list[PromptParity]
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
+                "checks": [dataclasses.asdict(c) for c in self.checks],
+                "prompts": [dataclasses.asdict(p) for p in self.prompts]}
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """``(text, ids)`` per prompt. ``path``: a text file (one prompt per non-empty line) or a JSON
+    list of strings and/or id lists; None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the
+    export's tokenizer (``<bos>`` prepended).
+
+    Raises:
+        SourceNotFoundError: no such file. FormatError: unreadable JSON, or entries of another kind.
+    """
+    if path is None:
+        items: list = list(DEFAULT_PROMPTS)
+    else:
+        path = Path(path)
+        if not path.is_file():
+            raise SourceNotFoundError(f"{path}: no such prompts file")
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".json":
+            try:
+                items = json.loads(raw)
+            except ValueError as exc:
+                raise FormatError(f"{path}: not JSON: {exc}") from None
+            if not isinstance(items, list):
+                raise FormatError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
+        else:
+            items = [line for line in raw.splitlines() if line.strip()]
+    prompts = []
+    for n, item in enumerate(items):
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise FormatError(f"prompt #{n}: text prompts need a tokenizer.json in the export")
+            prompts.append((item, tokenizer.encode(item).ids))
+        elif isinstance(item, list) and item and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item):
+            prompts.append((None, list(item)))
+        else:
+            raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: {str(item)[:60]}")
+    if not prompts:
+        raise FormatError(f"{path}: no prompts")
+    return prompts
+
+
+def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, expected_ids)`` pairs from a golden file.
+
+    Accepted JSON: the board team's bare list of expected greedy ids (``[262146, 236769, ...]``,
+    for the first prompt), an object ``{"prompt" | "prompt_ids": ..., "expected_ids": [...]}``, or a
+    list of such objects.
+
+    Raises:
+        SourceNotFoundError, FormatError: naming the file and the entry.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise SourceNotFoundError(f"{path}: no such golden file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"{path}: not JSON: {exc}") from None
+
+    def ids(value, what: str) -> list[int]:
+        if not isinstance(value, list) or not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+            raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {str(value)[:60]}")
+        return value
+
+    if isinstance(data, list) and data and all(isinstance(i, int) for i in data):
+        return [(prompts[0][1], ids(data, "the expected ids"))]
+    entries = [data] if isinstance(data, dict) else data
+    if not isinstance(entries, list) or not entries:
+        raise FormatError(f"{path}: expected a list of ids, an object or a list of objects")
+    pairs = []
+    for n, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
+            raise FormatError(f"{path}: entry #{n} needs 'expected_ids' and 'prompt' or 'prompt_ids'")
+        if "prompt_ids" in entry:
+            prompt_ids = ids(entry["prompt_ids"], f"entry #{n} 'prompt_ids'")
+        elif isinstance(entry["prompt"], str) and tokenizer is not None:
+            prompt_ids = tokenizer.encode(entry["prompt"]).ids
+        else:
+            raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
+        pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'")))
+    return pairs
+
+
+# ---- comparisons --------------------------------------------------------------------------------
+def _cosine_rows(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    denominator = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return float(np.mean(np.sum(a * b, axis=-1) / np.where(denominator == 0, 1, denominator)))
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def sub_block_outputs(model, token_ids: Sequence[int]) -> dict[str, np.ndarray]:
+    """What each layer's attention and MLP add to the residual stream in transformers: the
+    outputs of ``post_attention_layernorm`` and ``post_feedforward_layernorm`` (forward hooks),
+    keyed like the export's ``debug.layers.{i}.attention|mlp`` outputs, float32 ``[1, T, hidden]``."""
+    import torch
+
+    from .builder import debug_output_name
+
+    captured: dict[str, np.ndarray] = {}
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        for block, module in (("attention", layer.post_attention_layernorm), ("mlp", layer.post_feedforward_layernorm)):
+            name = debug_output_name(i, block)
+            handles.append(module.register_forward_hook(
+                lambda _m, _in, out, name=name: captured.__setitem__(name, out.detach().float().numpy())))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([list(token_ids)]))
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: dict[str, np.ndarray],
+                     num_layers: int, tolerance: float) -> dict:
+    """The first ``(layer, block)`` in forward order whose relative error ``max|Δ| / max|reference|``
+    exceeds ``tolerance``, with every sub-block's error."""
+    from .builder import DEBUG_BLOCKS, debug_output_name
+
+    errors = []
+    first = None
+    for layer in range(num_layers):
+        for block in DEBUG_BLOCKS:
+            name = debug_output_name(layer, block)
+            ours, theirs = export_outputs[name], reference_outputs[name]
+            relative = float(np.abs(ours - theirs).max() / max(float(np.abs(theirs).max()), 1e-30))
+            errors.append({"layer": layer, "block": block, "relative_error": relative})
+            if first is None and relative > tolerance:
+                first = {"layer": layer, "block": block, "relative_error": relative}
+    return {"tolerance": tolerance, "first": first, "sub_blocks": errors}
+
+
+# ---- the command --------------------------------------------------------------------------------
+def run_parity(model_dir: str | Path, *, against_transformers: bool = False, reference: str | Path | None = None,
+               reference_weights: str | Path | None = None, reference_logits: bool = False,
+               golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int = 16,
+               threads: int | None = None, progress: Callable[[str], None] | None = None) -> ParityReport:
+    """Compare an export with transformers, the reference export and/or a golden file.
+
+    Args:
+        model_dir: an export folder (``--debug-outputs`` exports also get the divergence report).
+        against_transformers: compare logits with transformers fp32 on the export's source weights.
+        reference, reference_weights: the reference ``.mlir`` and its archive (default: beside it).
+        reference_logits: strip the reference's argmax tail to compare logits as well.
+        golden: a golden file (see :func:`read_golden`).
+        prompts: a prompts file (see :func:`read_prompts`); default :data:`DEFAULT_PROMPTS`.
+        new_tokens: greedy tokens generated after each prompt (positions compared with transformers).
+
+    Raises:
+        GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
+    """
+    from .quality import compare_logits, manifest_source, transformers_model
+    from .runtime import OnnxDecoder, load_tokenizer
+
+    say = progress or (lambda _msg: None)
+    if not (against_transformers or reference or golden):
+        raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden")
+    if new_tokens < 1:
+        raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
+    model_dir = Path(model_dir)
+    decoder = OnnxDecoder(model_dir, threads=threads)
+    dtype = str(decoder.manifest.get("dtype", "fp32"))
+    limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
+    try:
+        tokenizer = load_tokenizer(model_dir)
+    except GemmaExportError:
+        tokenizer = None
+    prompt_list = read_prompts(prompts, tokenizer)
+    golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
+    debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
+
+    hf_model = None
+    if against_transformers:
+        from .sources import open_source
+
+        say("reference: transformers fp32 on the export's source weights")
+        hf_model = transformers_model(open_source(manifest_source(model_dir)))
+    ref_model = None
+    if reference:
+        from .reference_iree import load_reference
+
+        say(f"reference: compiling {reference} with IREE for this CPU")
+        ref_model = load_reference(reference, reference_weights, logits=reference_logits)
+        if ref_model.vocab_size != decoder.vocab_size:
+            raise FormatError(f"{reference}: vocabulary {ref_model.vocab_size} differs from the export's {decoder.vocab_size}")
+
+    results: list[PromptParity] = []
+    pooled_agree: list[np.ndarray] = []
+    pooled_kl: list[float] = []
+    pooled_ref: list[np.ndarray] = []
+    for text, ids in prompt_list:
+        say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
+        entry = PromptParity(text, ids)
+        continuation, _, _ = decoder.greedy(ids, new_tokens, stop_ids=())
+        if hf_model is not None:
+            from .quality import transformers_logits
+
+            sequence = ids + continuation[:-1]
+            ours = decoder.teacher_forced_logits(sequence)
+            theirs = transformers_logits(None, sequence, model=hf_model)
+            metrics = compare_logits(theirs, ours, sequence)
+            agree = ours.argmax(-1) == theirs.argmax(-1)
+            pooled_agree.append(agree)
+            pooled_kl += [metrics.kl_mean] * len(sequence)
+            entry.transformers = {
+                "positions": len(sequence), "max_abs_logit_diff": metrics.max_abs_logit_diff,
+                "cosine": _cosine_rows(ours, theirs), "top1_agreement": metrics.top1_agreement,
+                "kl_mean": metrics.kl_mean, "first_top1_difference": metrics.first_disagreement}
+            if debug_names:
+                outputs = decoder.prefill_outputs(sequence, debug_names)
+                entry.divergence = first_divergence(outputs, sub_block_outputs(hf_model, sequence),
+                                                    len(debug_names) // 2, limits["sub_block"])
+        if ref_model is not None:
+            entry.reference = _against_reference(decoder, ref_model, ids)
+            if entry.reference.get("positions"):
+                pooled_ref.append(np.asarray(entry.reference["agreement_by_position"], bool))
+        results.append(entry)
+    for prompt_ids, expected in golden_pairs:
+        got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=())
+        entry = next((r for r in results if r.prompt_ids == prompt_ids), None)
+        if entry is None:
+            entry = PromptParity(None, prompt_ids)
+            results.append(entry)
+        entry.golden = {"expected_ids": expected, "export_ids": got, "match": got == expected,
+                        "first_mismatch": _first_difference(got, expected)}
+
+    checks = []
+    if pooled_agree:
+        top1 = float(np.concatenate(pooled_agree).mean())
+        kl = float(np.mean(pooled_kl))
+        checks.append(Check("top-1 agreement with transformers", top1, f">= {limits['top1']:g}", top1 >= limits["top1"]))
+        checks.append(Check("mean KL(transformers || export), nats/token", kl, f"<= {limits['kl']:g}", kl <= limits["kl"]))
+    if pooled_ref:
+        share = float(np.concatenate(pooled_ref).mean())
+        checks.append(Check("tokens equal to the reference export's, all positions", share,
+                            f">= {limits['reference_tokens']:g}", share >= limits["reference_tokens"]))
+    for r in results:
+        if r.golden is not None:
+            checks.append(Check(f"golden ids ({len(r.golden['expected_ids'])} tokens)",
+                                "match" if r.golden["match"] else f"first mismatch at {r.golden['first_mismatch']}",
+                                "exact", r.golden["match"]))
+    return ParityReport(str(model_dir), dtype, results, checks)
+
+
+def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
+    length = ref_model.sequence_length
+    if len(ids) >= length:
+        return {"skipped": f"prompt of {len(ids)} tokens does not fit the reference's fixed length {length} with room to generate"}
+    padded = ids + [0] * (length - len(ids))
+    ours = decoder.teacher_forced_logits(padded)
+    out = ref_model.run(ids)
+    theirs_tokens = out.argmax(-1) if ref_model.returns_logits else out
+    agree = ours.argmax(-1) == theirs_tokens
+    greedy_ref = ref_model.greedy(ids, length - len(ids))
+    greedy_ours, _, _ = decoder.greedy(ids, len(greedy_ref), stop_ids=())
+    result = {"positions": length, "agreement": float(agree.mean()), "agreement_by_position": agree.tolist(),
+              "first_mismatch": int(np.flatnonzero(~agree)[0]) if not agree.all() else None,
+              "reference_greedy_ids": greedy_ref, "export_greedy_ids": greedy_ours,
+              "greedy_match": greedy_ref == greedy_ours}
+    if ref_model.returns_logits:
+        result["max_abs_logit_diff"] = float(np.abs(ours - out).max())
+    return result
+
+
+def format_report(report: ParityReport) -> str:
+    """The table ``gemma-export parity`` prints."""
+    lines = [f"parity of {report.model} ({report.dtype})"]
+    for n, p in enumerate(report.prompts, start=1):
+        label = repr(p.prompt) if p.prompt is not None else f"ids {p.prompt_ids[:8]}{'...' if len(p.prompt_ids) > 8 else ''}"
+        lines.append(f"prompt {n}: {label} ({len(p.prompt_ids)} tokens)")
+        if p.transformers:
+            t = p.transformers
+            first = "none" if t["first_top1_difference"] is None else str(t["first_top1_difference"])
+            lines.append(f"  transformers: {t['positions']} positions, top-1 {100 * t['top1_agreement']:.1f}%, "
+                         f"KL {t['kl_mean']:.2e}, max|dlogit| {t['max_abs_logit_diff']:.3g}, cosine {t['cosine']:.6f}, "
+                         f"first top-1 difference: {first}")
+        if p.divergence:
+            first = p.divergence["first"]
+            where = (f"layer {first['layer']} {first['block']} (relative error {first['relative_error']:.3g})"
+                     if first else "none")
+            lines.append(f"  first sub-block beyond {p.divergence['tolerance']:g}: {where}")
+        if p.reference:
+            r = p.reference
+            if "skipped" in r:
+                lines.append(f"  reference: skipped ({r['skipped']})")
+            else:
+                first = "none" if r["first_mismatch"] is None else str(r["first_mismatch"])
+                extra = f", max|dlogit| {r['max_abs_logit_diff']:.3g}" if "max_abs_logit_diff" in r else ""
+                lines.append(f"  reference (IREE): tokens equal at {sum(r['agreement_by_position'])}/{r['positions']} "
+                             f"positions, first mismatch: {first}; greedy {'identical' if r['greedy_match'] else 'differs'} "
+                             f"({len(r['reference_greedy_ids'])} tokens){extra}")
+        if p.golden:
+            g = p.golden
+            lines.append(f"  golden: {'match' if g['match'] else 'first mismatch at ' + str(g['first_mismatch'])} "
+                         f"(expected {g['expected_ids']}, export {g['export_ids']})")
+    lines.append("")
+    lines.append(f"{'check':<52} {'measured':>14} {'threshold':>10}  result")
+    for c in report.checks:
+        measured = f"{c.measured:.6g}" if isinstance(c.measured, float) else str(c.measured)
+        lines.append(f"{c.name:<52} {measured:>14} {c.threshold:>10}  {'pass' if c.passed else 'FAIL'}")
+    lines.append(f"verdict: {'PASS' if report.passed else 'FAIL'}")
+    return "\n".join(lines)

@@ -1,0 +1,233 @@
+"""Run the board team's reference export (StableHLO MLIR + flat 1-D safetensors archive) with IREE
+on this machine's CPU, the way the board runs it: one call of the fixed-length re-decode function per
+step, prompt padded with token id 0.
+
+The reference graph ends in an in-graph argmax, so it returns one token per position
+(``tensor<{S}xi32>``). :func:`strip_argmax_tail` rewrites the function to return the logits that
+feed that argmax instead, so logits can be compared too.
+
+Needs the optional ``iree`` extra (``iree-base-compiler``, ``iree-base-runtime``). Compiled modules
+are cached under ``~/.cache/gemma-export/iree`` keyed by the MLIR text, the flags and the IREE
+version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .errors import FormatError, GemmaExportError
+from .sources.mlir import Archive, find_archive, parse_mlir
+
+PAD_TOKEN_ID = 0
+#: the host CPU: the reference is compiled for the machine that runs the comparison
+COMPILE_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
+
+_FUNC_START = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\(")
+_RETURN = re.compile(r"^(\s*)(?:func\.)?return\s+(%[\w#.$-]+)\s*:\s*(tensor<[^>]*>)\s*$")
+_ARGMAX_INPUT = re.compile(r"(?:stablehlo\.reduce\(|call\s+@[\w$.-]+\()\s*(%[\w#.$-]+)")
+
+
+def _iree():
+    try:
+        import iree.compiler
+        import iree.runtime
+    except ImportError:
+        raise GemmaExportError("running the reference export needs IREE: pip install 'gemma-export[iree]' "
+                               "(iree-base-compiler and iree-base-runtime)") from None
+    return iree.compiler, iree.runtime
+
+
+def _function_lines(lines: list[str], name: str) -> tuple[int, int]:
+    """[start, end) line range of function ``@name`` (up to the next ``func.func`` or the end)."""
+    start = next((i for i, line in enumerate(lines) if (m := _FUNC_START.match(line)) and m.group(1) == name), None)
+    if start is None:
+        raise FormatError(f"no function @{name} in the MLIR")
+    end = next((i for i in range(start + 1, len(lines)) if _FUNC_START.match(lines[i])), len(lines))
+    return start, end
+
+
+def strip_argmax_tail(text: str, function: str, vocab_size: int) -> str:
+    """Rewrite ``@function`` to return the float32 logits that feed its argmax.
+
+    The argmax is recognised as the first ``stablehlo.reduce(`` or ``call @f(`` in the function whose
+    first operand is a ``tensor<...x{vocab_size}xf32>``; the function's ``return`` and result type are
+    replaced by that operand and its type (the compiler then drops the dead argmax ops).
+
+    Raises:
+        FormatError: no such function, no argmax over the vocabulary, or no single ``return``.
+    """
+    lines = text.splitlines()
+    start, end = _function_lines(lines, function)
+    vocab_type = re.compile(rf"tensor<((?:\d+x)*{vocab_size})xf32>")
+    logits = None
+    for line in lines[start + 1:end]:
+        m = _ARGMAX_INPUT.search(line)
+        if m and ":" in line:
+            operand_types = line.rsplit(":", 1)[1]
+            t = vocab_type.search(operand_types)
+            if t and operand_types.lstrip().startswith(("(" + t.group(0), t.group(0))):
+                logits = (m.group(1), t.group(0))
+                break
+    if logits is None:
+        raise FormatError(f"@{function}: no argmax over a tensor<...x{vocab_size}xf32> found; cannot expose the logits")
+    returns = [i for i in range(start + 1, end) if _RETURN.match(lines[i])]
+    if len(returns) != 1:
+        raise FormatError(f"@{function}: expected one return of a single tensor, found {len(returns)}")
+    indent = _RETURN.match(lines[returns[0]]).group(1)
+    lines[returns[0]] = f"{indent}return {logits[0]} : {logits[1]}"
+    head = lines[start]
+    arrow = head.rfind("->")
+    brace = head.rfind("{")
+    if arrow < 0 or brace < arrow:
+        raise FormatError(f"@{function}: cannot read its result type in {head.strip()[:120]!r}")
+    lines[start] = f"{head[:arrow]}-> {logits[1]} {head[brace:]}"
+    return "\n".join(lines) + "\n"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "gemma-export" / "iree"
+
+
+def compile_reference(text: str, cache_dir: Path | None = None) -> bytes:
+    """Compile StableHLO MLIR text for the host CPU (llvm-cpu) to an IREE module; cached.
+
+    Raises:
+        GemmaExportError: IREE is missing or rejects the MLIR (first line of its message).
+    """
+    compiler, _ = _iree()
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        iree_version = version("iree-base-compiler")
+    except PackageNotFoundError:
+        iree_version = "unknown"
+    key = hashlib.sha256("\n".join([text, iree_version, *COMPILE_FLAGS]).encode()).hexdigest()[:32]
+    folder = cache_dir or _cache_dir()
+    cached = folder / f"{key}.vmfb"
+    if cached.is_file():
+        return cached.read_bytes()
+    try:
+        vmfb = compiler.compile_str(text, target_backends=["llvm-cpu"], input_type="stablehlo", extra_args=list(COMPILE_FLAGS))
+    except Exception as exc:
+        first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).splitlines()[0] if str(exc) else "")
+        raise GemmaExportError(f"IREE cannot compile the reference MLIR: {first.strip()[:300]}") from None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".partial") as f:
+            f.write(vmfb)
+        os.replace(f.name, cached)
+    except OSError:
+        pass  # a cache that cannot be written only costs a recompile
+    return vmfb
+
+
+@dataclasses.dataclass
+class ReferenceModel:
+    """A compiled reference export, ready to run.
+
+    Attributes:
+        mlir_path, archive_path: the files.
+        function: the re-decode function (``@gemma``: ``tensor<1x{S}xi32> -> tensor<{S}xi32>``).
+        sequence_length: its fixed length ``S``.
+        vocab_size: rows of the embedding table (the first global).
+        returns_logits: True after :func:`strip_argmax_tail` (outputs ``[S, vocab]`` float32).
+    """
+
+    mlir_path: Path
+    archive_path: Path
+    function: str
+    sequence_length: int
+    vocab_size: int
+    returns_logits: bool
+    _call: object = dataclasses.field(repr=False, default=None)
+
+    def run(self, token_ids: Sequence[int]) -> np.ndarray:
+        """One call on ``token_ids`` padded with 0 to the fixed length.
+
+        Returns:
+            int32 ``[S]`` (argmax token per position), or float32 ``[S, vocab]`` with ``returns_logits``.
+
+        Raises:
+            GemmaExportError: more tokens than the fixed length, or an id outside the vocabulary.
+        """
+        ids = list(token_ids)
+        if not 0 < len(ids) <= self.sequence_length:
+            raise GemmaExportError(f"{self.mlir_path}: @{self.function} takes 1 to {self.sequence_length} tokens, "
+                                   f"found {len(ids)}")
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise GemmaExportError(f"{self.mlir_path}: token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
+        tokens = np.full((1, self.sequence_length), PAD_TOKEN_ID, np.int32)
+        tokens[0, :len(ids)] = ids
+        out = np.asarray(self._call(tokens))
+        if self.returns_logits:
+            return out.reshape(self.sequence_length, self.vocab_size).astype(np.float32)
+        return out.reshape(self.sequence_length).astype(np.int64)
+
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        """The board's re-decode loop: run the whole graph once per new token and read position
+        ``len(ids) - 1``; stops at a stop id (included), at ``max_new_tokens`` or at the fixed length."""
+        ids, new = list(prompt_ids), []
+        while len(new) < max_new_tokens and len(ids) < self.sequence_length:
+            out = self.run(ids)
+            token = int(np.argmax(out[len(ids) - 1])) if self.returns_logits else int(out[len(ids) - 1])
+            ids.append(token)
+            new.append(token)
+            if token in stop_ids:
+                break
+        return new
+
+
+def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,
+                   cache_dir: Path | None = None) -> ReferenceModel:
+    """Validate a reference export, compile it with IREE for this CPU and bind its archive.
+
+    Args:
+        mlir_path: the ``.mlir`` (e.g. ``gemma-gen.mlir``).
+        archive_path: its safetensors archive (default: found beside the MLIR).
+        logits: strip the argmax tail and return logits instead of tokens.
+
+    Raises:
+        SourceNotFoundError, FormatError: missing files, or an archive that contradicts the MLIR.
+        GemmaExportError: no re-decode function (``tensor<1xSxi32> -> tensor<Sxi32>``), IREE missing
+            or failing.
+    """
+    _, runtime = _iree()
+    mlir_path = Path(mlir_path)
+    module = parse_mlir(mlir_path)
+    archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    candidates = [f for f in module.functions
+                  if len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
+                  and len(f.results) == 1 and f.results[0] == f"{f.arguments[0].split('x')[1]}xi32"]
+    if not candidates:
+        raise FormatError(f"{mlir_path}: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> "
+                          f"(found {', '.join('@' + f.name for f in module.functions) or 'no functions'})")
+    function = candidates[0]
+    length = int(function.arguments[0].split("x")[1])
+    if not module.globals:
+        raise FormatError(f"{mlir_path}: no util.global weights")
+    vocab = module.globals[0].shape[0]
+    text = mlir_path.read_text(encoding="utf-8", errors="replace")
+    if logits:
+        try:
+            text = strip_argmax_tail(text, function.name, vocab)
+        except FormatError as exc:
+            raise FormatError(f"{mlir_path}: {exc}") from None
+    vmfb = compile_reference(text, cache_dir)
+    config = runtime.Config("local-task")
+    index = runtime.ParameterIndex()
+    index.load(str(archive.path))
+    parameters = runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=module.globals[0].scope))
+    hal = runtime.create_hal_module(config.vm_instance, config.device)
+    main = runtime.VmModule.copy_buffer(config.vm_instance, vmfb)
+    bound = runtime.load_vm_modules(parameters, hal, main, config=config)[-1]
+    return ReferenceModel(mlir_path, archive.path, function.name, length, vocab, logits, bound[function.name])
