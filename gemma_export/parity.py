@@ -37,6 +37,11 @@ DEFAULT_PROMPTS = (
     "Water boils at a temperature of",
 )
 
+#: A position where the export's two best logits are closer than this (absolute logit units) is a
+#: near-tie: a reference that rounds differently (its bf16/int8 RoPE tables) may pick either token,
+#: so a mismatch there is reported but not counted against the export.
+NEAR_TIE = 0.01
+
 #: Pass/fail thresholds by export dtype: pooled top-1 agreement and mean KL (nats/token) against
 #: transformers, share of positions whose token equals the reference export's, and the relative
 #: sub-block error beyond which a layer is named as the first departure. fp32 must match exactly;
@@ -306,7 +311,9 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         if ref_model is not None:
             entry.reference = _against_reference(decoder, ref_model, ids)
             if entry.reference.get("positions"):
-                pooled_ref.append(np.asarray(entry.reference["agreement_by_position"], bool))
+                agree = np.asarray(entry.reference["agreement_by_position"], bool)
+                agree[entry.reference["near_tie_mismatches"]] = True  # a tie either way is not a departure
+                pooled_ref.append(agree)
         results.append(entry)
     for prompt_ids, expected in golden_pairs:
         got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=())
@@ -325,7 +332,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         checks.append(Check("mean KL(transformers || export), nats/token", kl, f"<= {limits['kl']:g}", kl <= limits["kl"]))
     if pooled_ref:
         share = float(np.concatenate(pooled_ref).mean())
-        checks.append(Check("tokens equal to the reference export's, all positions", share,
+        checks.append(Check("tokens equal to the reference's (near-ties excepted)", share,
                             f">= {limits['reference_tokens']:g}", share >= limits["reference_tokens"]))
     for r in results:
         if r.golden is not None:
@@ -344,9 +351,12 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
     out = ref_model.run(ids)
     theirs_tokens = out.argmax(-1) if ref_model.returns_logits else out
     agree = ours.argmax(-1) == theirs_tokens
+    top2 = np.sort(ours, axis=-1)[:, -2:]
+    near_tie = (top2[:, 1] - top2[:, 0]) < NEAR_TIE
     greedy_ref = ref_model.greedy(ids, length - len(ids))
     greedy_ours, _, _ = decoder.greedy(ids, len(greedy_ref), stop_ids=())
     result = {"positions": length, "agreement": float(agree.mean()), "agreement_by_position": agree.tolist(),
+              "near_tie_mismatches": np.flatnonzero(~agree & near_tie).tolist(),
               "first_mismatch": int(np.flatnonzero(~agree)[0]) if not agree.all() else None,
               "reference_greedy_ids": greedy_ref, "export_greedy_ids": greedy_ours,
               "greedy_match": greedy_ref == greedy_ours}
@@ -379,8 +389,9 @@ def format_report(report: ParityReport) -> str:
             else:
                 first = "none" if r["first_mismatch"] is None else str(r["first_mismatch"])
                 extra = f", max|dlogit| {r['max_abs_logit_diff']:.3g}" if "max_abs_logit_diff" in r else ""
+                ties = f" ({len(r['near_tie_mismatches'])} at near-ties)" if r["near_tie_mismatches"] else ""
                 lines.append(f"  reference (IREE): tokens equal at {sum(r['agreement_by_position'])}/{r['positions']} "
-                             f"positions, first mismatch: {first}; greedy {'identical' if r['greedy_match'] else 'differs'} "
+                             f"positions, first mismatch: {first}{ties}; greedy {'identical' if r['greedy_match'] else 'differs'} "
                              f"({len(r['reference_greedy_ids'])} tokens){extra}")
         if p.golden:
             g = p.golden
