@@ -102,6 +102,25 @@ def test_int8_greedy_matches_transformers_fp32(hf_reference, int8_dir):
     assert new_ids == expected
 
 
+def test_parity_command_on_the_real_int8_export(hf_reference, int8_dir, tmp_path):
+    # golden ids from transformers' own GGUF loader and generate(): independent of our reader
+    model, tokenizer = hf_reference
+    prompt_ids = tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt_ids]), max_new_tokens=8, do_sample=False)[0, len(prompt_ids):].tolist()
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt_ids": prompt_ids, "expected_ids": expected}]))
+    result = CliRunner().invoke(app, ["parity", "--model", str(int8_dir), "--against", "transformers",
+                                      "--golden", str(golden), "--json", str(tmp_path / "parity.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "parity.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["top-1 agreement with transformers"]["measured"] >= 0.9
+    assert checks["mean KL(transformers || export), nats/token"]["measured"] <= 0.02
+    assert [p["golden"]["match"] for p in report["prompts"] if p["golden"]] == [True]
+    assert len(report["prompts"]) >= 4 and all(p["transformers"]["cosine"] > 0.99 for p in report["prompts"][:4])
+
+
 @pytest.fixture(scope="module")
 def int8_text_metrics(int8_dir, text_ids, reference_text_logits):
     return compare_logits(reference_text_logits, OnnxDecoder(int8_dir).teacher_forced_logits(text_ids), text_ids)
