@@ -88,6 +88,7 @@ class BenchResult:
     text_source: str
     board: str | None = None
     board_memory_bytes: int | None = None
+    reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,6 +100,7 @@ def _archive_bytes(model_dir: Path) -> int:
 
 def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Sequence[int] = (16, 128, 512),
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
+              reference: str | Path | None = None, reference_weights: str | Path | None = None,
               progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
 
@@ -109,6 +111,11 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         new_tokens: decode steps after each prompt, > ``WARMUP_STEPS``.
         board: a key of ``BOARDS``: sets threads and checks the memory budget.
         text: a text file for prompts (default: ``real_text()``).
+        reference, reference_weights: the board team's reference export (``.mlir`` + archive),
+            compiled with IREE for this CPU after the export's figures are taken, and timed the way
+            the board runs it: the fixed-length re-decode graph once per new token, after a prompt
+            of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
+            holds its ms/token and the ratio of the export's decode median at the shortest prompt.
 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
@@ -146,6 +153,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
+    short_decode: list[float] = []
     for n in lengths:
         # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
         _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[])
@@ -157,16 +165,48 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
             f"{statistics.median(timed[-(new_tokens - WARMUP_STEPS):]):.1f} ms/token")
         if short is None:
             short = snapshot() - before
+            short_decode = decode_ms[WARMUP_STEPS:]
     after = snapshot() - before
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
+    peak = peak_rss_bytes()
+    reference_figures = _bench_reference(reference, reference_weights, ids, statistics.median(short_decode), say) \
+        if reference else None
     result = BenchResult(
         model=str(model_dir), threads=threads, archive_bytes=_archive_bytes(model_dir), session_create_s=create_s,
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
-        anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak_rss_bytes(),
-        text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None)
+        anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
+        text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
+        reference=reference_figures)
     return result
+
+
+def _bench_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
+                     say: Callable[[str], None]) -> dict:
+    """Time the reference export's re-decode loop (one whole-graph call per new token)."""
+    from .reference_iree import load_reference
+
+    say(f"reference: compiling {mlir} with IREE for this CPU")
+    t0 = time.perf_counter()
+    model = load_reference(mlir, archive)
+    load_s = time.perf_counter() - t0
+    prompt = min(16, model.sequence_length - 4)
+    if prompt < 1:
+        raise GemmaExportError(f"{mlir}: fixed length {model.sequence_length} leaves no room to time a re-decode loop")
+    context = list(ids[:prompt])
+    model.run(context)  # warm-up
+    steps = []
+    while len(context) < model.sequence_length:
+        t = time.perf_counter()
+        out = model.run(context)
+        steps.append((time.perf_counter() - t) * 1e3)
+        context.append(int(out[len(context) - 1]))
+    per_token = statistics.median(steps)
+    say(f"reference: {per_token:.1f} ms/token (re-decode of {model.sequence_length} positions)")
+    return {"mlir": str(mlir), "compile_and_load_s": load_s, "sequence_length": model.sequence_length,
+            "prompt_tokens": prompt, "new_tokens": len(steps), "ms_per_token_median": per_token,
+            "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token}
 
 
 def check_board_budget(result: BenchResult) -> None:
@@ -199,6 +239,11 @@ def format_result(r: BenchResult) -> str:
         f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
         f"prompts          real text from {r.text_source}",
     ]
+    if r.reference:
+        ref = r.reference
+        lines.append(f"reference        {ref['ms_per_token_median']:,.1f} ms/token under IREE (re-decode of "
+                     f"{ref['sequence_length']} positions, {ref['new_tokens']} tokens after {ref['prompt_tokens']}); "
+                     f"export {ref['export_decode_ms_median']:.1f} ms/token = {ref['export_vs_reference']:.3f}x the reference")
     if r.board:
         lines.append(f"board {r.board}: {(r.board_memory_bytes - r.peak_rss_bytes) / 1e6:,.0f} MB of "
                      f"{r.board_memory_bytes / 1e9:.1f} GB left at peak")

@@ -240,6 +240,8 @@ def bench(
     text: Optional[Path] = typer.Option(None, "--text", help="Text file for prompts (default: the Python license, else numpy's)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Also time the board team's reference export (.mlir) under IREE, one re-decode per token (needs the iree extra)."),
+    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", help="The reference's safetensors archive (default: beside the .mlir)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
@@ -256,7 +258,8 @@ def bench(
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
         check_outputs(json_out, plot)
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
-                           text=text, progress=lambda msg: typer.echo(msg, err=True))
+                           text=text, reference=reference, reference_weights=reference_weights,
+                           progress=lambda msg: typer.echo(msg, err=True))
         typer.echo(format_result(result))
         if json_out is not None:
             main_json(result, json_out)

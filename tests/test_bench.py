@@ -69,3 +69,19 @@ def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
     assert result.exit_code == 2
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_bench_times_the_reference_export_under_iree(tiny_int8_export, tiny_model, text_file, tmp_path):
+    pytest.importorskip("iree.runtime")
+    from jax_reference import SEQ, write_jax_reference
+
+    mlir = write_jax_reference(tiny_model, tmp_path / "ref", "bf16")  # the same tiny model as the export
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "6", "--new-tokens", "6",
+                                 "--text", str(text_file), "--reference", str(mlir), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    ref = json.loads(out.read_text())["reference"]
+    assert ref["sequence_length"] == SEQ and ref["prompt_tokens"] == 16 and ref["new_tokens"] == SEQ - 16
+    assert ref["ms_per_token_median"] > 0
+    assert ref["export_vs_reference"] == pytest.approx(ref["export_decode_ms_median"] / ref["ms_per_token_median"])
+    assert f"{ref['export_vs_reference']:.3f}x the reference" in result.stdout

@@ -1,0 +1,44 @@
+"""Write a full-size reference export in the board team's format from the bundled real Gemma 3 270M:
+``gemma.mlir`` (a JAX-lowered ``@gemma`` re-decode function, ``tensor<1x24xi32> -> tensor<24xi32>``,
+weights as ``util.global`` parameters) and ``gemma.safetensors`` (flat 1-D, bf16 by truncation or
+int8 per row + ``_scale``, RoPE tables and masks included, the tied table stored twice), exactly as
+``tests/jax_reference.py`` builds the tiny test fixtures. Use it to run `gemma-export parity
+--reference` and `gemma-export bench --reference` at full size without the board team's files.
+
+Usage:
+    python tools/make_reference_export.py --out /tmp/gx-ref [--dtype bf16|int8]
+
+Needs the test extra (torch, transformers, jax). Writes about 860 MB (bf16) or 440 MB (int8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dtype", choices=["bf16", "int8"], default="bf16")
+    args = parser.parse_args()
+
+    from jax_reference import write_jax_reference
+
+    from gemma_export.quality import transformers_model
+    from gemma_export.sources import open_source
+
+    start = time.perf_counter()
+    model = transformers_model(open_source(None))  # the bundled GGUF, through this toolkit's reader
+    mlir = write_jax_reference(model, args.out, args.dtype)
+    size = sum(p.stat().st_size for p in args.out.iterdir())
+    print(f"wrote {mlir} and {mlir.with_suffix('.safetensors').name} ({size / 1e6:,.1f} MB) "
+          f"in {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
