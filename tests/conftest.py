@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+# tools/ holds the reference-format fixture generator (tools/jax_reference.py) the tests share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

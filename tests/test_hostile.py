@@ -155,6 +155,19 @@ def mlir(edit=None, dtype="bf16", remove_archive=False):
     return make
 
 
+def parity_reference(edit_mlir=None, edit_archive=None):
+    """`parity --reference` with a reference-format export whose MLIR text or archive bytes are edited."""
+    def make(work: Path, fx: Fixtures) -> list:
+        path = write_reference(fx.ref_model, work / "ref", "bf16")
+        if edit_mlir:
+            path.write_text(edit_mlir(path.read_text()))
+        if edit_archive:
+            archive = path.with_suffix(".safetensors")
+            archive.write_bytes(edit_archive(archive.read_bytes()))
+        return ["parity", "--model", fx.export_dir, "--reference", path]
+    return make
+
+
 def _line(index: int, old: str, new: str):
     return lambda lines, archive: lines.__setitem__(index, lines[index].replace(old, new))
 
@@ -341,6 +354,12 @@ CASES = {
     "parity reference not mlir": Case(export_copy(_write("ref.mlir", b"module {}\n"),
                                                   lambda f: ["parity", "--model", f, "--reference", f / "ref.mlir"]),
                                       FormatError, ("ref.mlir", "no util.global")),
+    "parity reference truncated archive": Case(parity_reference(edit_archive=lambda b: b[:-10]), FormatError,
+                                               ("gemma.safetensors", "lies outside")),
+    "parity reference unknown signature": Case(parity_reference(edit_mlir=lambda t: t.replace("tensor<1x24xi32>", "tensor<1x24xf32>")),
+                                               FormatError, ("gemma.mlir: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> (found @gemma)",)),
+    "parity reference global without key": Case(parity_reference(edit_mlir=lambda t: t.replace('"model"::"t8"', '"model"::"t8x"')),
+                                                FormatError, ("global @t8 is bound to key 't8x', which",)),
     "bench bad lengths": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prompt-tokens", "16,x"]),
                               GemmaExportError, ("--prompt-tokens", "'16,x'")),
 }

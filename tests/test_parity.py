@@ -226,3 +226,24 @@ def test_vocabulary_of_262153_rows_with_added_tokens(tmp_path):
         mismatches = [i for i, same in enumerate(r["agreement_by_position"]) if not same]
         assert mismatches == r["near_tie_mismatches"] and len(mismatches) <= 2  # random weights, 262k rows: ties happen
         assert r["greedy_match"]
+
+
+def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
+    # Swap the declarations of layer 1's gate_proj and up_proj (both [128, 64]): IREE still binds
+    # each by name, but a reader that maps by trace order now takes one for the other.
+    from jax_reference import trace
+
+    mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
+    roles = [role for role, _ in trace(ref_model)]
+    gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
+    names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
+    lines = mlir.read_text().splitlines()
+    at = [next(i for i, line in enumerate(lines) if f"util.global private @{name} =" in line) for name in names]
+    lines[at[0]], lines[at[1]] = lines[at[1]], lines[at[0]]
+    mlir.write_text("\n".join(lines) + "\n")
+    out = export(mlir, tmp_path / "out", "fp32").out_dir
+    result = _parity("--model", out, "--reference", mlir, "--prompts", prompts_file, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert min(p["reference"]["agreement"] for p in report["prompts"]) < 0.9
+    assert "verdict: FAIL" in result.stdout

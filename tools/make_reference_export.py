@@ -2,7 +2,7 @@
 ``gemma.mlir`` (a JAX-lowered ``@gemma`` re-decode function, ``tensor<1x24xi32> -> tensor<24xi32>``,
 weights as ``util.global`` parameters) and ``gemma.safetensors`` (flat 1-D, bf16 by truncation or
 int8 per row + ``_scale``, RoPE tables and masks included, the tied table stored twice), exactly as
-``tests/jax_reference.py`` builds the tiny test fixtures. Use it to run `gemma-export parity
+the tests build their tiny fixtures with ``tools/jax_reference.py``. Use it to run `gemma-export parity
 --reference` and `gemma-export bench --reference` at full size without the board team's files.
 
 Usage:
@@ -14,11 +14,8 @@ Needs the test extra (torch, transformers, jax). Writes about 860 MB (bf16) or 4
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def main() -> None:

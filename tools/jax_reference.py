@@ -8,7 +8,8 @@ order; bf16 globals converted to f32 at each load, or i8 + ``_scale`` per row de
 graph), RoPE tables and sliding-window masks as extra globals, the tied table stored twice, a flat
 1-D archive with bf16 by truncation, norms holding ``1 + w``.
 
-The forward is Gemma 3 written here in ``jax.numpy`` from the model card's equations (not from this
+It scales to the real config: ``tools/make_reference_export.py`` runs it on the bundled 270M
+weights. The forward is Gemma 3 written here in ``jax.numpy`` from the model card's equations (not from this
 toolkit's ONNX builder, and not from transformers' code), lowered with ``jax.jit(f).lower``; the
 weight arguments of the lowered ``main`` are then rewritten into parameter globals. IREE compiles it
 like the board's files.
