@@ -12,10 +12,10 @@ import json
 
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 from conftest import make_tiny_model, reference_logits
+from jax_reference import save_flat_archive
 from gemma_export.cli import app
 from gemma_export.errors import FormatError
 from gemma_export.exporter import export
@@ -80,12 +80,7 @@ def write_reference(model, folder, dtype="bf16", drop_head=False, edit=None):
     if edit:
         edit(lines, archive)
     (folder / "gemma.mlir").write_text("\n".join(lines) + "\n")
-    # safetensors.numpy has no bf16: store the uint16 bit patterns, then relabel them BF16
-    save_file(archive, str(folder / "gemma.safetensors"))
-    raw = (folder / "gemma.safetensors").read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = raw[8 : 8 + n].decode().replace('"U16"', '"BF16"')
-    (folder / "gemma.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode() + raw[8 + n :])
+    save_flat_archive(archive, folder / "gemma.safetensors")
     return folder / "gemma.mlir"
 
 

@@ -174,10 +174,12 @@ def write_jax_reference(model, folder: Path, dtype: str = "bf16") -> Path:
     out = lines[:main] + globals_ + [head] + loads + lines[main + 1:]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "gemma.mlir").write_text("\n".join(out) + "\n")
-    # safetensors.numpy has no bf16: store the uint16 bit patterns, then relabel them BF16
-    save_file(archive, str(folder / "gemma.safetensors"))
-    raw = (folder / "gemma.safetensors").read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = raw[8:8 + n].decode().replace('"U16"', '"BF16"')
-    (folder / "gemma.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode() + raw[8 + n:])
+    save_flat_archive(archive, folder / "gemma.safetensors")
     return folder / "gemma.mlir"
+
+
+def save_flat_archive(archive: dict[str, np.ndarray], path: Path) -> None:
+    """Write the archive; ``uint16`` arrays are bf16 bit patterns and are stored as ``BF16``."""
+    import ml_dtypes
+
+    save_file({k: v.view(ml_dtypes.bfloat16) if v.dtype == np.uint16 else v for k, v in archive.items()}, str(path))
