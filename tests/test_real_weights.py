@@ -11,6 +11,7 @@ import math
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from typer.testing import CliRunner
@@ -50,8 +51,8 @@ def _export(tmp_path_factory, dtype) -> Path:
     return _export_to(tmp_path_factory.mktemp("real") / f"gemma-3-270m-onnx-{dtype}", dtype)
 
 
-def _export_to(out: Path, dtype: str) -> Path:
-    result = CliRunner().invoke(app, ["--format", "onnx", "--dtype", dtype, "--out", str(out)])
+def _export_to(out: Path, dtype: str, *options: str) -> Path:
+    result = CliRunner().invoke(app, ["--format", "onnx", "--dtype", dtype, "--out", str(out), *options])
     assert result.exit_code == 0, result.output
     assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
     return out
@@ -136,6 +137,20 @@ def test_int8_teacher_forced_agreement_past_512(int8_text_metrics):
     assert m.top1_agreement_past_512 >= 0.98, m
     assert m.kl_mean <= 0.0025, m
     assert m.perplexity <= 1.01 * m.reference_perplexity, m
+
+
+def test_bf16_teacher_forced_agreement(text_ids, reference_text_logits, tmp_path):
+    # Issue #3: bf16 >= 99.5% top-1 against transformers fp32 over >= 600 tokens of real text.
+    # Measured over this whole text: 99.53% (past 512: 99.56%), KL 7e-05; over its first 1,024
+    # tokens alone 99.22% (8 near-ties flipped, KL 6e-05). One prefill of the whole text with an
+    # --all-logits export computes the same rows as stepping through the cache, in a tenth of the time.
+    out = _export_to(tmp_path / "bf16", "bf16", "--all-logits")
+    decoder = OnnxDecoder(out)
+    ids = np.asarray([text_ids], np.int64)
+    logits, _ = decoder.forward(ids, np.ones_like(ids), np.arange(len(text_ids))[None], decoder.empty_cache(1))
+    m = compare_logits(reference_text_logits, logits[0], text_ids)
+    assert m.top1_agreement >= 0.995, m
+    assert m.kl_mean <= 2e-4, m
 
 
 def test_fp32_logits_match_transformers(fp32_dir, text_ids, reference_text_logits):
