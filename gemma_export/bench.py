@@ -170,7 +170,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
     peak = peak_rss_bytes()
-    reference_figures = _bench_reference(reference, reference_weights, ids, statistics.median(short_decode), say) \
+    reference_figures = time_reference(reference, reference_weights, ids, statistics.median(short_decode), say) \
         if reference else None
     result = BenchResult(
         model=str(model_dir), threads=threads, archive_bytes=_archive_bytes(model_dir), session_create_s=create_s,
@@ -182,9 +182,10 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     return result
 
 
-def _bench_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
-                     say: Callable[[str], None]) -> dict:
-    """Time the reference export's re-decode loop (one whole-graph call per new token)."""
+def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
+                   say: Callable[[str], None]) -> dict:
+    """Time the reference export's re-decode loop (one whole-graph call per new token) after a
+    prompt of ``ids[:min(16, S - 4)]``; times in ms, ``export_vs_reference`` = ``export_decode_ms`` / its median."""
     from .reference_iree import load_reference
 
     say(f"reference: compiling {mlir} with IREE for this CPU")

@@ -247,3 +247,21 @@ def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert min(p["reference"]["agreement"] for p in report["prompts"]) < 0.9
     assert "verdict: FAIL" in result.stdout
+
+
+def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
+    mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
+    out = export(mlir, tmp_path / "out", "fp32").out_dir
+    golden = tmp_path / "golden.json"  # what the reference's own re-decode loop produces
+    reference = load_reference(mlir)
+    golden.write_text(json.dumps([{"prompt_ids": ids, "expected_ids": reference.greedy(ids, 6)} for ids in PROMPTS]))
+    result = _parity("--model", out, "--against", "transformers", "--reference", mlir, "--golden", golden,
+                     "--prompts", prompts_file, "--json", tmp_path / "r.json")
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [c["name"] for c in report["checks"]] == [
+        "top-1 agreement with transformers", "mean KL(transformers || export), nats/token",
+        "tokens equal to the reference's (near-ties excepted)"] + ["golden ids (6 tokens)"] * len(PROMPTS)
+    for prompt in report["prompts"]:
+        assert prompt["transformers"]["top1_agreement"] == 1.0 and prompt["transformers"]["max_abs_logit_diff"] < 1e-3
+        assert prompt["reference"]["agreement"] == 1.0 and prompt["golden"]["match"]

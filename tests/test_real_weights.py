@@ -228,3 +228,31 @@ def test_int4_real_weights_size_quality_and_one_table(int4_dir, text_ids, refere
     tables = [t.name for t in graph.initializer if is_table_shaped(t.dims, t.data_type, VOCAB, HIDDEN)]
     assert tables == ["model.embed_tokens.weight"]
     assert sorted(n.op_type for n in graph.node if tables[0] in n.input) == ["Gather", "MatMulNBits"]
+
+
+def test_bf16_export_of_a_full_size_reference_archive_is_token_exact_with_iree(hf_reference, tmp_path):
+    # Issue #3: the board format at full size (tools/make_reference_export.py: JAX-lowered re-decode
+    # graph, bf16 by truncation, the table twice), run by IREE; our bf16 export of that archive must
+    # give IREE's token at every position of several real prompts, and its greedy ids.
+    import subprocess
+    import sys
+
+    pytest.importorskip("iree.runtime")
+    pytest.importorskip("jax")
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    subprocess.run([sys.executable, str(tools / "make_reference_export.py"), "--out", str(tmp_path / "ref")], check=True,
+                   capture_output=True)
+    mlir = tmp_path / "ref" / "gemma.mlir"
+    out = _export_to(tmp_path / "bf16", "bf16", "--source", str(mlir))
+    _, tokenizer = hf_reference
+    prompts = ["The capital of France is", "Turn the light on in the kitchen.", "def fibonacci(n):",
+               "Water boils at a temperature of"]
+    ids = [tokenizer(p).input_ids for p in prompts]
+    (tmp_path / "prompts.json").write_text(json.dumps(ids))
+    result = CliRunner().invoke(app, ["parity", "--model", str(out), "--reference", str(mlir), "--prompts",
+                                      str(tmp_path / "prompts.json"), "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    for prompt in report["prompts"]:
+        r = prompt["reference"]
+        assert r["positions"] == 24 and all(r["agreement_by_position"]) and r["greedy_match"]

@@ -4,11 +4,14 @@ memory-bandwidth floor measured on this machine.
 
 Usage:
     pip install llama-cpp-python   # optional; on x86 with gcc 12 build it with -mno-amx-* (see docs)
-    python tools/bench_side_by_side.py --models int8=/tmp/gx-bench3/int8/model fp32=/tmp/gx-bench3/fp32/model \\
-        [--threads 2] [--context 128] [--new-tokens 64] [--prefill 512]
+    python tools/bench_side_by_side.py --models int8=DIR fp32=DIR [--threads 2] [--contexts 16,128,512] \\
+        [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png]
 
 llama.cpp runs the bundled Q4_K_M GGUF and a Q8_0 GGUF requantized from it (written once next to
-the bundled file). Prints a Markdown table of medians and ratios against llama.cpp Q8_0.
+the bundled file); ``--reference`` adds the board team's reference export under IREE (e.g. the one
+``tools/make_reference_export.py`` writes), timed the board's way (its 24-position graph once per
+token). Prints a Markdown table of medians and ratios against llama.cpp Q8_0 at each context, the
+bandwidth floor of each export, and with ``--plot`` draws decode ms/token against context length.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def read_bandwidth_gbps(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return size_bytes / statistics.median(times) / 1e9
 
 
-def bench_onnx(model_dir: Path, ids: list[int], context: int, new_tokens: int, prefill: int, threads: int) -> dict:
+def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int) -> dict:
     from gemma_export.runtime import OnnxDecoder
 
     dec = OnnxDecoder(model_dir, threads=threads)
@@ -49,33 +52,72 @@ def bench_onnx(model_dir: Path, ids: list[int], context: int, new_tokens: int, p
     start = time.perf_counter()
     dec.forward(prompt, np.ones_like(prompt), np.arange(prefill)[None], dec.empty_cache(1))
     prefill_ms = (time.perf_counter() - start) * 1e3
-    prompt = np.asarray([ids[:context]], np.int64)
-    _, past = dec.forward(prompt, np.ones_like(prompt), np.arange(context)[None], dec.empty_cache(1))
-    steps = []
-    for i in range(new_tokens):
-        pos = context + i
-        start = time.perf_counter()
-        _, past = dec.forward(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]), past)
-        steps.append((time.perf_counter() - start) * 1e3)
-    return {"prefill_ms": prefill_ms, "decode_ms": statistics.median(steps[3:])}
+    decode = {}
+    for context in contexts:
+        prompt = np.asarray([ids[:context]], np.int64)
+        _, past = dec.forward(prompt, np.ones_like(prompt), np.arange(context)[None], dec.empty_cache(1))
+        steps = []
+        for i in range(new_tokens):
+            pos = context + i
+            start = time.perf_counter()
+            _, past = dec.forward(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]), past)
+            steps.append((time.perf_counter() - start) * 1e3)
+        decode[context] = statistics.median(steps[3:])
+    return {"prefill_ms": prefill_ms, "decode_ms": decode}
 
 
-def bench_llama(gguf: Path, ids: list[int], context: int, new_tokens: int, prefill: int, threads: int) -> dict:
+def bench_llama(gguf: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int) -> dict:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=max(prefill, context + new_tokens) + 8,
-                n_batch=512, verbose=False)
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
+                n_ctx=max(prefill, max(contexts) + new_tokens) + 8, n_batch=512, verbose=False)
     start = time.perf_counter()
     llm.eval(ids[:prefill])
     prefill_ms = (time.perf_counter() - start) * 1e3
-    llm.reset()
-    llm.eval(ids[:context])
-    steps = []
-    for i in range(new_tokens):
-        start = time.perf_counter()
-        llm.eval([ids[context + i]])
-        steps.append((time.perf_counter() - start) * 1e3)
-    return {"prefill_ms": prefill_ms, "decode_ms": statistics.median(steps[3:])}
+    decode = {}
+    for context in contexts:
+        llm.reset()
+        llm.eval(ids[:context])
+        steps = []
+        for i in range(new_tokens):
+            start = time.perf_counter()
+            llm.eval([ids[context + i]])
+            steps.append((time.perf_counter() - start) * 1e3)
+        decode[context] = statistics.median(steps[3:])
+    return {"prefill_ms": prefill_ms, "decode_ms": decode}
+
+
+def bench_reference(mlir: Path, ids: list[int]) -> dict:
+    """The reference export under IREE, re-decoding its fixed-length graph once per token."""
+    from gemma_export.bench import time_reference
+
+    figures = time_reference(mlir, None, ids, float("nan"), lambda _msg: None)
+    return {"prefill_ms": float("nan"), "decode_ms": {figures["sequence_length"]: figures["ms_per_token_median"]},
+            "fixed_length": figures["sequence_length"]}
+
+
+def write_plot(rows: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, r in rows.items():
+        points = sorted(r["decode_ms"].items())
+        if "fixed_length" in r:  # one graph for every context up to its fixed length
+            ax.axhline(points[0][1], linestyle=":", color="grey", label=f"{name} (any context <= {r['fixed_length']})")
+        else:
+            ax.plot([c for c, _ in points], [ms for _, ms in points], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode ms/token (median)")
+    ax.set_title("Gemma 3 270M decode on this machine, 2 threads")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def q8_0_gguf(source: Path) -> Path:
@@ -96,36 +138,50 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, help="NAME=EXPORT_DIR pairs")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--contexts", default="16,128,512", help="decode is timed after prompts of these lengths")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--reference", type=Path, help="a reference export (.mlir, archive beside it), timed under IREE")
+    parser.add_argument("--plot", type=Path, help="write decode ms/token against context length (needs matplotlib)")
     args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
     models = dict(m.split("=", 1) for m in args.models)
-    ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, args.context + args.new_tokens))
+    ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))
     rows = {}
     try:
         from gemma_export.sources import bundled_gguf_path
 
         q4 = bundled_gguf_path()
-        rows["llama.cpp Q8_0"] = bench_llama(q8_0_gguf(q4), ids, args.context, args.new_tokens, args.prefill, args.threads)
-        rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, args.context, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q8_0"] = bench_llama(q8_0_gguf(q4), ids, contexts, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
     for name, folder in models.items():
-        rows[f"ours {name}"] = bench_onnx(Path(folder), ids, args.context, args.new_tokens, args.prefill, args.threads)
+        rows[f"ours {name}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads)
         archive = sum((Path(folder) / f).stat().st_size for f in ("model.onnx", "model.onnx.data"))
         rows[f"ours {name}"]["archive_bytes"] = archive
+    if args.reference:
+        rows["reference (IREE, re-decode)"] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps()
     anchor = rows.get("llama.cpp Q8_0")
-    print(f"\nthreads {args.threads}, decode at context {args.context} (median of {args.new_tokens - 3} steps), "
+    print(f"\nthreads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
-    print("| system | decode ms/token | × llama.cpp Q8_0 | × bandwidth floor | prefill ms | × llama.cpp Q8_0 |")
-    print("|---|---|---|---|---|---|")
+    print("| system | " + " | ".join(f"decode ms @{c} | × Q8_0" for c in contexts) + " | prefill ms | × Q8_0 |")
+    print("|---|" + "---|---|" * len(contexts) + "---|---|")
     for name, r in rows.items():
-        floor = f"{r['decode_ms'] / (r['archive_bytes'] / bandwidth / 1e6):.2f}" if "archive_bytes" in r else "–"
-        ratio = f"{r['decode_ms'] / anchor['decode_ms']:.2f}" if anchor else "–"
+        cells = []
+        for c in contexts:
+            ms = r["decode_ms"].get(c, next(iter(r["decode_ms"].values())) if "fixed_length" in r else float("nan"))
+            cells += [f"{ms:.1f}", f"{ms / anchor['decode_ms'][c]:.3f}" if anchor else "–"]
         pratio = f"{r['prefill_ms'] / anchor['prefill_ms']:.2f}" if anchor else "–"
-        print(f"| {name} | {r['decode_ms']:.1f} | {ratio} | {floor} | {r['prefill_ms']:.0f} | {pratio} |")
+        print(f"| {name} | " + " | ".join(cells) + f" | {r['prefill_ms']:.0f} | {pratio} |")
+    for name, r in rows.items():
+        if "archive_bytes" in r:
+            floor = r["archive_bytes"] / bandwidth / 1e6
+            print(f"{name}: bandwidth floor {floor:.1f} ms/token; decode @{contexts[0]} = {r['decode_ms'][contexts[0]] / floor:.2f} x floor")
+    if args.plot:
+        write_plot(rows, args.plot)
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":
