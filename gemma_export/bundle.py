@@ -96,6 +96,16 @@ Check the model files, then generate and benchmark with the board's {threads} th
 """
 
 
+def _is_previous_bundle(folder: Path) -> bool:
+    """A folder ``bundle`` wrote and nobody changed: its BUNDLE.json lists every file in it."""
+    try:
+        listed = set(json.loads((folder / BUNDLE_MANIFEST).read_text(encoding="utf-8"))["files"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return False
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
+    return present <= listed | {BUNDLE_MANIFEST}
+
+
 def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wheel: str | Path | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 
@@ -119,11 +129,14 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     out = out_dir.resolve()
     if out == model_dir.resolve() or model_dir.resolve() in out.parents:
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
+    if out in model_dir.resolve().parents:
+        raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not (out / BUNDLE_MANIFEST).is_file():
-            raise OutputError(f"{out_dir}: exists, is not empty and is not a gemma-export bundle; refusing to replace it")
+        if any(out.iterdir()) and not _is_previous_bundle(out):
+            raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export bundle; "
+                              "refusing to replace it")
     if wheel is not None:
         wheel = Path(wheel)
         if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

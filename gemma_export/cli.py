@@ -54,6 +54,19 @@ def _fail(exc: GemmaExportError, debug: bool) -> None:
     raise typer.Exit(exc.exit_code)
 
 
+def _stop_on_sigterm() -> None:
+    """Treat SIGTERM (``timeout``, systemd, ``kill``) like Ctrl-C, so that writers clean up their
+    staging folders instead of dying with them on disk."""
+    import signal
+    import threading
+
+    def stop(_signum, _frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
 def _interrupted() -> None:
     """Ctrl-C: one line and the shell's exit status for SIGINT (130); writers have cleaned up."""
     typer.echo("error: interrupted; nothing was written (an existing output folder is unchanged)", err=True)
@@ -90,6 +103,7 @@ def main(
       gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
       gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
     """
+    _stop_on_sigterm()
     if ctx.invoked_subcommand is not None:
         return
     from tqdm import tqdm
@@ -132,7 +146,7 @@ def generate(
     model: Path = typer.Option(..., "--model", help="An export folder."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
@@ -180,7 +194,7 @@ def verify(
 @app.command()
 def inspect(
     path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
-    top: int = typer.Option(10, "--top", help="How many of the largest tensors to list."),
+    top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -233,9 +247,9 @@ def dedupe(
 @app.command()
 def bench(
     model: Path = typer.Option(..., "--model", help="An export folder."),
-    threads: int = typer.Option(2, "--threads", help="onnxruntime intra-op threads (the board has 2 cores)."),
+    threads: int = typer.Option(2, "--threads", min=1, help="onnxruntime intra-op threads (the board has 2 cores)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
-    new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),
     text: Optional[Path] = typer.Option(None, "--text", help="Text file for prompts (default: the Python license, else numpy's)."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
@@ -279,7 +293,7 @@ def quality(
     reference: str = typer.Option("transformers", "--reference", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
     text: Optional[Path] = typer.Option(None, "--text", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -322,7 +336,7 @@ def parity(
     golden: Optional[Path] = typer.Option(None, "--golden", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="onnxruntime intra-op threads."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:

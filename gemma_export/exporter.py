@@ -199,10 +199,19 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if not manifest_path.is_file():
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:
-        files = json.loads(manifest_path.read_text())["files"]
-        expected = {str(name): (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
         raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise VerificationError(f"{manifest_path}: unreadable manifest: expected an object with a 'files' object, "
+                                f"found {type(manifest).__name__}{'' if not isinstance(manifest, dict) else ' without one'}")
+    expected = {}
+    for name, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise VerificationError(f"{manifest_path}: unreadable manifest: files[{name!r}] needs an integer 'bytes' "
+                                    f"and a string 'sha256', found {str(entry)[:60]}")
+        expected[str(name)] = (entry["bytes"], entry["sha256"])
     for name, (size, digest) in expected.items():
         path = folder / name
         if Path(name).name != name:
@@ -229,18 +238,37 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     return {name: size for name, (size, _) in expected.items()}
 
 
+def is_own_output(folder: Path, manifest_name: str, required: dict) -> bool:
+    """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
+    key/value pairs and a ``files`` map) and nothing but the files it lists: only such a folder
+    may be replaced."""
+    try:
+        manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return False
+    if any(manifest.get(key) != value for key, value in required.items()):
+        return False
+    listed = set(manifest["files"]) | {manifest_name}
+    return all(p.name in listed and not p.is_dir() for p in folder.iterdir())
+
+
 def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
     out = out_dir.resolve()
     src = checkpoint.path.resolve()
     src_dir = src if src.is_dir() else src.parent
     if src.is_dir() and (out == src_dir or src_dir in out.parents):
         raise OutputError(f"{out_dir}: output folder is inside the source {src_dir}; choose another --out")
+    if out == src or out in src.parents:
+        raise OutputError(f"{out_dir}: the source {checkpoint.path} lies inside this folder, which the export would "
+                          "replace; choose another --out")
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-            raise OutputError(f"{out_dir}: exists, is not empty and is not a gemma-export folder (no {MANIFEST_FILE}); "
-                              "refusing to replace it")
+        if any(out.iterdir()) and not is_own_output(out, MANIFEST_FILE, {"format": "onnx"}):
+            raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
+                              f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
 
 
 def export(
@@ -302,7 +330,7 @@ def export(
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
-            raise ConfigError(f"{option} {value}: must be a power of two >= 16")
+            raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)

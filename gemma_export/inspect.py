@@ -431,8 +431,10 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str
         for e in same_size:
             by_hash[_digest(e)].append(e.name)
         groups += [DuplicateGroup("identical bytes", tuple(names), nbytes) for names in by_hash.values() if len(names) > 1]
-        in_groups = {n for g in groups for n in g.names}
-        matrices = [e for e in same_size if len(e.shape) == 2 and e.name not in in_groups]
+        # transposed copies: compare one member of each identical group (the first) with the rest,
+        # so a table stored as T, T and T^T gives both groups
+        followers = {n for g in groups for n in g.names[1:]}
+        matrices = [e for e in same_size if len(e.shape) == 2 and e.name not in followers]
         for i, a in enumerate(matrices):
             for b in matrices[i + 1:]:
                 if a.shape == b.shape[::-1] and a.shape[0] != a.shape[1] and _equal_transposed(a, b):
@@ -464,6 +466,8 @@ def inspect_path(path: str | Path) -> Report:
         FormatError: the file is not one of the supported formats or is malformed.
     """
     path = Path(path)
+    if path.is_dir():
+        raise SourceNotFoundError(f"{path}: is a folder; expected an .onnx, .safetensors, .gguf or .mlir file")
     if not path.is_file():
         raise SourceNotFoundError(f"{path}: no such file")
     with open(path, "rb") as f:

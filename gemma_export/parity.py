@@ -121,7 +121,8 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     for n, item in enumerate(items):
         if isinstance(item, str):
             if tokenizer is None:
-                raise FormatError(f"prompt #{n}: text prompts need a tokenizer.json in the export")
+                raise FormatError(f"{path or 'the default prompts'}: prompt #{n} is text, but the export has no "
+                                  "tokenizer.json; give --prompts with token ids (a JSON list of id lists)")
             prompts.append((item, tokenizer.encode(item).ids))
         elif isinstance(item, list) and item and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item):
             prompts.append((None, list(item)))
@@ -155,11 +156,11 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {str(value)[:60]}")
         return value
 
-    if isinstance(data, list) and data and all(isinstance(i, int) for i in data):
+    if isinstance(data, list) and data and all(isinstance(i, int) and not isinstance(i, bool) for i in data):
         return [(prompts[0][1], ids(data, "the expected ids"))]
     entries = [data] if isinstance(data, dict) else data
-    if not isinstance(entries, list) or not entries:
-        raise FormatError(f"{path}: expected a list of ids, an object or a list of objects")
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
+        raise FormatError(f"{path}: expected a list of token ids, an object or a list of objects; found {str(data)[:60]}")
     pairs = []
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
@@ -172,6 +173,12 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
         pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'")))
     return pairs
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise FormatError(f"{where}: token id {bad} is outside the export's vocabulary (0 to {vocab_size - 1})")
 
 
 # ---- comparisons --------------------------------------------------------------------------------
@@ -265,6 +272,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         tokenizer = None
     prompt_list = read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
+    vocab = decoder.vocab_size
+    for n, (_, ids) in enumerate(prompt_list):
+        _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
+    for n, (prompt_ids, expected) in enumerate(golden_pairs):
+        _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
+    for text, ids in prompt_list + [(None, p) for p, _ in golden_pairs]:
+        decoder.check_length(len(ids) + new_tokens)
     debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
 
     hf_model = None

@@ -125,9 +125,9 @@ def transformers_model(source):
 def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndarray:
     """Logits of :func:`transformers_model` (``model``, or one built from ``source``) for every
     position of ``token_ids``: float32 ``[T, V]``."""
+    model = model if model is not None else transformers_model(source)  # raises a clear error without torch
     import torch
 
-    model = model if model is not None else transformers_model(source)
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
 

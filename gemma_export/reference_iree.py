@@ -201,10 +201,10 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
         GemmaExportError: no re-decode function (``tensor<1xSxi32> -> tensor<Sxi32>``), IREE missing
             or failing.
     """
-    _, runtime = _iree()
     mlir_path = Path(mlir_path)
-    module = parse_mlir(mlir_path)
+    module = parse_mlir(mlir_path)  # the files first: a missing file is named before a missing IREE
     archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    _, runtime = _iree()
     candidates = [f for f in module.functions
                   if len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
                   and len(f.results) == 1 and f.results[0] == f"{f.arguments[0].split('x')[1]}xi32"]

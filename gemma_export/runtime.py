@@ -64,6 +64,8 @@ class OnnxDecoder:
 
         self.model_dir = Path(model_dir)
         path = self.model_dir / MODEL_FILE
+        if self.model_dir.is_file():
+            raise SourceNotFoundError(f"{model_dir}: is a file; expected an export folder (the one holding {MODEL_FILE})")
         if not path.is_file():
             raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
         load_graph(path)  # a readable graph whose external data are regular files of this folder
@@ -217,14 +219,21 @@ def load_tokenizer(model_dir: str | Path):
     """The ``tokenizers.Tokenizer`` stored beside an export.
 
     Raises:
-        FormatError: the folder has no ``tokenizer.json``.
+        SourceNotFoundError: no such folder.
+        FormatError: the folder has no readable ``tokenizer.json``.
     """
     from tokenizers import Tokenizer
 
-    path = Path(model_dir) / "tokenizer.json"
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise SourceNotFoundError(f"{model_dir}: no such export folder")
+    path = model_dir / "tokenizer.json"
     if not path.is_file():
         raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
-    return Tokenizer.from_file(str(path))
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
+        raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
 
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None) -> GenerationResult:

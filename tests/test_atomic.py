@@ -99,8 +99,10 @@ def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tm
     assert _tree(tmp_path) == before
 
 
-def test_sigint_during_an_export(tiny_dir, tmp_path):
-    """A real SIGINT delivered while the export process is between writing and verifying."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_an_export(tiny_dir, tmp_path, signum):
+    """A real SIGINT (Ctrl-C) or SIGTERM (timeout, kill) delivered while the export process is
+    between writing and verifying."""
     marker = tmp_path / "written"
     script = textwrap.dedent(f"""
         import pathlib, sys, time
@@ -123,7 +125,7 @@ def test_sigint_during_an_export(tiny_dir, tmp_path):
             time.sleep(0.1)
         staging = Path(marker.read_text())
         assert (staging / "model.onnx.data").is_file()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

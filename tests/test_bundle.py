@@ -81,5 +81,5 @@ def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_pa
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
-    assert result.exit_code == 2 and "is not a gemma-export bundle" in result.output
+    assert result.exit_code == 2 and "is not an unchanged gemma-export bundle" in result.output
     assert [p.name for p in out.iterdir()] == ["notes.txt"]

@@ -316,7 +316,15 @@ CASES = {
     "output is a file": Case(existing_output(lambda work: (work / "out").write_text("x")), OutputError,
                              ("exists and is not a folder",)),
     "output is a foreign folder": Case(existing_output(lambda work: ((work / "out").mkdir(), (work / "out" / "notes.txt").write_text("mine"))),
-                                       OutputError, ("not a gemma-export folder",)),
+                                       OutputError, ("not an unchanged gemma-export folder",)),
+    "output has someone else's manifest.json": Case(existing_output(lambda work: ((work / "out").mkdir(),
+                                                                           (work / "out" / "manifest.json").write_text('{"name": "my web app"}'),
+                                                                           (work / "out" / "index.html").write_text("<html>"))),
+                                                    OutputError, ("not an unchanged gemma-export folder",)),
+    "output is an export with a user's file added": Case(lambda work, fx: _export_plus_notes(work, fx), OutputError,
+                                                         ("not an unchanged gemma-export folder",)),
+    "source file inside the output folder": Case(lambda work, fx: _source_inside_output(work, fx), OutputError,
+                                                 ("lies inside this folder",)),
     # export folders given to generate / verify
     "data outside the folder": Case(export_copy(_relocate("../model.onnx.data"), _generate), FormatError,
                                     ("'../model.onnx.data'", "model's own folder")),
@@ -328,6 +336,11 @@ CASES = {
     "model file garbage": Case(export_copy(_write("model.onnx", b"\x08\x07garbage" * 10), _generate), FormatError,
                                ("model.onnx", "not a readable ONNX model")),
     "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
+    "manifest files of the wrong kind": Case(export_copy(_write("manifest.json", b'{"files": {"model.onnx": "abc"}}'), _verify),
+                                             VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
+    "manifest a list (verify)": Case(export_copy(_write("manifest.json", b"[1, 2]"), _verify), VerificationError,
+                                     ("expected an object with a 'files' object, found list",)),
+    "inspect a folder": Case(plain(lambda w: ["inspect", w]), SourceNotFoundError, ("is a folder; expected",)),
     "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
                                               ("manifest.json", "unreadable manifest")),
     "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
@@ -360,6 +373,25 @@ CASES = {
                                                FormatError, ("gemma.mlir: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> (found @gemma)",)),
     "parity reference global without key": Case(parity_reference(edit_mlir=lambda t: t.replace('"model"::"t8"', '"model"::"t8x"')),
                                                 FormatError, ("global @t8 is bound to key 't8x', which",)),
+    "parity prompt id outside the vocabulary": Case(export_copy(lambda f: ((f / "p.json").write_text("[[2, 300000]]"),
+                                                                           (f / "g.json").write_text("[1]")),
+                                                                lambda f: ["parity", "--model", f, "--golden", f / "g.json", "--prompts", f / "p.json"]),
+                                                    FormatError, ("p.json: prompt #0: token id 300000 is outside",)),
+    "parity huge prompt id": Case(export_copy(_write("g.json", b'{"prompt_ids": [2, 1000000000000000000000000000000], "expected_ids": [1]}'),
+                                              lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+                                  FormatError, ("g.json: entry #0: token id 1000000000000000000000000000000 is outside",)),
+    "parity expected id outside the vocabulary": Case(export_copy(_write("g.json", b"[9223372036854775807]"),
+                                                                  lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+                                                      FormatError, ("token id 9223372036854775807 is outside",)),
+    "parity golden of strings": Case(export_copy(_write("g.json", b'["a", "b"]'), lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+                                     FormatError, ("expected a list of token ids, an object or a list of objects",)),
+    "parity --json is a folder": Case(export_copy(lambda f: (f / "out.json").mkdir(),
+                                                  lambda f: ["parity", "--model", f, "--golden", f / "manifest.json", "--json", f / "out.json"]),
+                                      OutputError, ("--json", "is a folder")),
+    "corrupt tokenizer.json": Case(export_copy(_write("tokenizer.json", b"not json"), _generate), FormatError,
+                                   ("tokenizer.json: not a readable tokenizer",)),
+    "model folder is a file": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f / "model.onnx", "--prompt", "a"]),
+                                   SourceNotFoundError, ("is a file; expected an export folder",)),
     "bench bad lengths": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prompt-tokens", "16,x"]),
                               GemmaExportError, ("--prompt-tokens", "'16,x'")),
 }
@@ -373,6 +405,18 @@ def _broken_config(work: Path, fx: Fixtures, content: bytes | None) -> list:
     else:
         (src / "config.json").write_bytes(content)
     return _export_args(src, work)
+
+
+def _export_plus_notes(work: Path, fx: Fixtures) -> list:
+    shutil.copytree(fx.export_dir, work / "out")
+    (work / "out" / "NOTES.txt").write_text("my notes")
+    return _export_args(fx.tiny_dir, work)
+
+
+def _source_inside_output(work: Path, fx: Fixtures) -> list:
+    (work / "out").mkdir()
+    (work / "out" / "model.gguf").write_bytes(fx.gguf_bytes)
+    return _export_args(work / "out" / "model.gguf", work)
 
 
 def _inside_source(work: Path, fx: Fixtures) -> list:

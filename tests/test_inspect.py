@@ -154,3 +154,24 @@ def test_onnx_dequantize_linear_and_gguf_q8_0_copies(tmp_path):
     w.add_tensor("blk.0.ffn_up.weight", q8_other, raw_shape=q8_other.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     assert _groups(inspect_path(gpath)) == [("same values after dequantization", ("output.weight", "token_embd.weight"))]
+
+
+def test_a_table_stored_three_times_identical_and_transposed(tmp_path):
+    from gemma_export.dedupe import dedupe
+
+    table = rng.standard_normal((1024, 64)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]),
+             helper.make_node("Gemm", ["x", "head"], ["y"], transB=1),
+             helper.make_node("MatMul", ["x", "head_t"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("e", "y", "z")],
+        [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(table.copy(), "head"),
+         numpy_helper.from_array(table.T.copy(), "head_t")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert _groups(inspect_path(path)) == [("identical bytes", ("embed", "head")), ("transposed", ("embed", "head_t"))]
+    result = dedupe(path, tmp_path / "one")
+    assert sorted(result.removed) == ["head", "head_t"] and result.max_abs_diff <= 1e-4
+    assert [t.name for t in inspect_path(result.out_path).tensors if t.nbytes >= table.nbytes] == ["embed"]
