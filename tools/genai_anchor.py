@@ -6,7 +6,7 @@ onnxruntime-genai's builder 0.18 fails on transformers 5 configs and 0.16–0.18
 transformers 4.x (`../shared/anchors.md`), so it runs from its own virtual environment:
 
     python -m venv /tmp/genai-venv
-    /tmp/genai-venv/bin/pip install torch==2.13.0 "transformers>=4.50,<5" onnxruntime-genai==0.15.2 onnx
+    /tmp/genai-venv/bin/pip install torch==2.13.0 "transformers>=4.50,<5" onnxruntime-genai==0.15.2 onnx onnx_ir
     python tools/genai_anchor.py --python /tmp/genai-venv/bin/python --out /tmp/genai-int4 [--precision int4]
 
 Step 1 (this interpreter): write the bundled weights as a transformers 4.x folder (config.json,

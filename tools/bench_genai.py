@@ -1,0 +1,71 @@
+"""Decode latency against onnxruntime-genai in one run: genai's own generation loop on the folders its
+model builder wrote (`tools/genai_anchor.py`), and our exports through `OnnxDecoder.greedy`, after
+the same real-text prompts, with the same threads.
+
+Usage:
+    python tools/bench_genai.py --pair fp32=/tmp/genai-fp32,/tmp/gx/fp32 --pair int4=/tmp/genai-int4,/tmp/gx/int4 \\
+        [--contexts 16,128] [--steps 64] [--threads 2]
+
+Needs onnxruntime-genai in this interpreter (the test extra has it). Prints medians (ms/token,
+first 3 steps dropped) and our time as a ratio of genai's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+
+def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
+    import onnxruntime_genai as og
+
+    config = og.Config(folder)
+    config.clear_providers()  # CPU
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=context + steps + 8, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids[:context])
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        generator.generate_next_token()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[3:])
+
+
+def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
+    from gemma_export.runtime import OnnxDecoder
+
+    _, _, decode = OnnxDecoder(folder, threads=threads).greedy(ids[:context], steps + 1, stop_ids=[])
+    return statistics.median(decode[3:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pair", action="append", required=True, help="NAME=GENAI_DIR,OUR_EXPORT_DIR")
+    parser.add_argument("--contexts", default="16,128")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    from gemma_export.bench import real_text
+    from gemma_export.runtime import load_tokenizer
+
+    pairs = [(p.split("=", 1)[0], *p.split("=", 1)[1].split(",")) for p in args.pair]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
+    print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai |")
+    print("|---|---|---|---|---|")
+    for name, genai_dir, our_dir in pairs:
+        for context in contexts:
+            theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
+            ours = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
+            print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
