@@ -300,6 +300,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     pooled_agree: list[np.ndarray] = []
     pooled_kl: list[float] = []
     pooled_ref: list[np.ndarray] = []
+    if hf_model is None and ref_model is None:
+        prompt_list = [p for p in prompt_list if any(p[1] == g for g, _ in golden_pairs)]  # golden only
     for text, ids in prompt_list:
         say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
         entry = PromptParity(text, ids)
