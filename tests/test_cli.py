@@ -118,6 +118,17 @@ def test_failed_export_keeps_existing_output(tiny_dir, tmp_path):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_an_unchanged_export_is_replaced_by_a_new_one(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "fp32").exit_code == 0
+    fp32_size = (out / "model.onnx.data").stat().st_size
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["dtype"] == "int8"
+    assert (out / "model.onnx.data").stat().st_size < fp32_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folder left
+
+
 def test_export_summary_and_manifest(tiny_dir, tmp_path):
     out = tmp_path / "out"
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
