@@ -261,9 +261,11 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
     from .errors import OutputError
 
     for option, path in (("--json", json_out), ("--plot", plot)):
-        if path is not None and str(path) != "-" and not Path(path).resolve().parent.is_dir():
+        if path is None or str(path) == "-":
+            continue
+        if not Path(path).resolve().parent.is_dir():
             raise OutputError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
-        if path is not None and str(path) != "-" and Path(path).is_dir():
+        if Path(path).is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")
     if plot is not None:
         if Path(plot).suffix.lower() != ".png":

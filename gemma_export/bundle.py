@@ -96,16 +96,6 @@ Check the model files, then generate and benchmark with the board's {threads} th
 """
 
 
-def _is_previous_bundle(folder: Path) -> bool:
-    """A folder ``bundle`` wrote and nobody changed: its BUNDLE.json lists every file in it."""
-    try:
-        listed = set(json.loads((folder / BUNDLE_MANIFEST).read_text(encoding="utf-8"))["files"])
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return False
-    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file()}
-    return present <= listed | {BUNDLE_MANIFEST}
-
-
 def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wheel: str | Path | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 
@@ -120,7 +110,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
     from .exporter import MANIFEST_FILE, _sha256, verify_manifest
-    from .staging import staged_folder
+    from .staging import is_unchanged_output, staged_folder
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -134,7 +124,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not _is_previous_bundle(out):
+        if any(out.iterdir()) and not is_unchanged_output(out, BUNDLE_MANIFEST):
             raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export bundle; "
                               "refusing to replace it")
     if wheel is not None:

@@ -20,10 +20,10 @@ from . import __version__
 from .builder import build_model
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
-from .onnx_files import check_external_data, load_graph
+from .onnx_files import check_external_data, read_graph
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
-from .staging import staged_folder
+from .staging import is_unchanged_output, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -228,7 +228,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if extra:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
     try:
-        locations = check_external_data(load_graph(folder / MODEL_FILE), folder / MODEL_FILE)
+        locations = check_external_data(read_graph(folder / MODEL_FILE), folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     unlisted = sorted(set(locations) - set(expected))
@@ -236,22 +236,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
     verify_folder(folder)
     return {name: size for name, (size, _) in expected.items()}
-
-
-def is_own_output(folder: Path, manifest_name: str, required: dict) -> bool:
-    """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
-    key/value pairs and a ``files`` map) and nothing but the files it lists: only such a folder
-    may be replaced."""
-    try:
-        manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
-        return False
-    if any(manifest.get(key) != value for key, value in required.items()):
-        return False
-    listed = set(manifest["files"]) | {manifest_name}
-    return all(p.name in listed and not p.is_dir() for p in folder.iterdir())
 
 
 def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
@@ -266,7 +250,7 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not is_own_output(out, MANIFEST_FILE, {"format": "onnx"}):
+        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"}):
             raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
                               f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
 

@@ -13,21 +13,31 @@ from pathlib import Path
 from .errors import FormatError
 
 
+def read_graph(model_path: str | Path):
+    """The ``onnx.ModelProto`` of ``model_path`` without its external data, unchecked (pass it to
+    :func:`check_external_data`, or use :func:`load_graph`).
+
+    Raises:
+        FormatError: the file is not a readable ONNX model.
+    """
+    import onnx
+
+    try:
+        return onnx.load(str(model_path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends: not our user's concern which
+        raise FormatError(f"{model_path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+
+
 def load_graph(model_path: str | Path):
-    """The ``onnx.ModelProto`` of ``model_path`` without its external data.
+    """The ``onnx.ModelProto`` of ``model_path`` without its external data, after
+    :func:`check_external_data`.
 
     Raises:
         FormatError: the file is not a readable ONNX model, or an initializer's external data is not
             a regular file of the model's folder, or lies outside that file.
     """
-    import onnx
-
-    model_path = Path(model_path)
-    try:
-        model = onnx.load(str(model_path), load_external_data=False)
-    except Exception as exc:  # protobuf's DecodeError and friends: not our user's concern which
-        raise FormatError(f"{model_path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
-    check_external_data(model, model_path)
+    model = read_graph(model_path)
+    check_external_data(model, Path(model_path))
     return model
 
 

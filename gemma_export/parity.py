@@ -277,8 +277,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
     for n, (prompt_ids, expected) in enumerate(golden_pairs):
         _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
-    for text, ids in prompt_list + [(None, p) for p, _ in golden_pairs]:
-        decoder.check_length(len(ids) + new_tokens)
+    for sequence in [ids for _, ids in prompt_list] + [p for p, _ in golden_pairs]:
+        decoder.check_length(len(sequence) + new_tokens)
     debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
 
     hf_model = None

@@ -114,14 +114,17 @@ class OnnxDecoder:
                 past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One step. Shapes: ``input_ids``/``position_ids`` int64 ``[B, S]``, ``attention_mask`` int64
         ``[B, past + S]``. Returns ``(logits float32 [B, 1 or S, vocab], next past)``."""
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **past}
-        # Models from other exporters (e.g. onnxruntime-genai's GroupQueryAttention graphs) may not
-        # take every input: feed the ones the graph declares.
-        outputs = self.session.run(None, {name: feeds[name] for name in self._input_names})
+        outputs = self.session.run(None, self._feeds(input_ids, attention_mask, position_ids, past))
         names = [o.name for o in self.session.get_outputs()]
         present = {name.replace("present.", "past_key_values.", 1): value
                    for name, value in zip(names[1:], outputs[1:]) if name.startswith("present.")}
         return outputs[0], present
+
+    def _feeds(self, input_ids, attention_mask, position_ids, past) -> dict[str, np.ndarray]:
+        # Models from other exporters (e.g. onnxruntime-genai's GroupQueryAttention graphs) may not
+        # take every input: feed the ones the graph declares.
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, **past}
+        return {name: feeds[name] for name in self._input_names}
 
     def prefill_outputs(self, token_ids: Sequence[int], names: Sequence[str]) -> dict[str, np.ndarray]:
         """Run one prefill step on ``token_ids`` (batch 1, empty cache) and return the named graph
@@ -136,9 +139,8 @@ class OnnxDecoder:
             raise FormatError(f"{self.model_dir / MODEL_FILE}: no output {missing[0]!r} (export with --debug-outputs)")
         self.check_length(len(token_ids))
         ids = np.asarray([list(token_ids)], np.int64)
-        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
-                 **self.empty_cache(1)}
-        values = self.session.run(list(names), {name: feeds[name] for name in self._input_names})
+        feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], self.empty_cache(1))
+        values = self.session.run(list(names), feeds)
         return dict(zip(names, values))
 
     def check_length(self, total_tokens: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import tempfile
@@ -24,6 +25,27 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staging, out_dir)
+
+
+def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None) -> bool:
+    """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
+    key/value pairs and a ``files`` map of paths relative to ``folder``) and nothing but the files it
+    lists and the folders holding them: only such a folder may be replaced by a new output."""
+    try:
+        manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return False
+    if any(manifest.get(key) != value for key, value in (required or {}).items()):
+        return False
+    listed = set(manifest["files"]) | {manifest_name}
+    parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
+    for path in folder.rglob("*"):
+        relative = str(path.relative_to(folder))
+        if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
+            return False
+    return True
 
 
 @contextlib.contextmanager
