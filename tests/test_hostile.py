@@ -190,6 +190,12 @@ def _verify(folder: Path) -> list:
     return ["verify", folder]
 
 
+def _parity_golden(golden: str, *options: str):
+    """`parity --model FOLDER --golden FOLDER/golden [--option FOLDER/file ...]` for an edited export copy."""
+    return lambda f: ["parity", "--model", f, "--golden", f / golden,
+                      *[f / o if n % 2 else o for n, o in enumerate(options)]]
+
+
 def _relocate(location: str):
     """Point every initializer's external data at ``location`` (the model file only is edited)."""
     def edit(folder: Path) -> None:
@@ -353,16 +359,16 @@ CASES = {
                            ConfigError, ("--block-size 24",)),
     "int4 option on int8": Case(plain(lambda w: ["--source", w, "--out", w / "out", "--dtype", "int8", "--table-dtype", "int8"]),
                                 ConfigError, ("--table-dtype",)),
-    "parity golden not json": Case(export_copy(_write("golden.json", b"[1, 2"), lambda f: ["parity", "--model", f, "--golden", f / "golden.json"]),
+    "parity golden not json": Case(export_copy(_write("golden.json", b"[1, 2"), _parity_golden("golden.json")),
                                    FormatError, ("golden.json: not JSON",)),
     "parity golden without ids": Case(export_copy(_write("golden.json", b'[{"prompt_ids": [2, 3]}]'),
-                                                  lambda f: ["parity", "--model", f, "--golden", f / "golden.json"]),
+                                                  _parity_golden("golden.json")),
                                       FormatError, ("entry #0 needs 'expected_ids'",)),
     "parity golden negative id": Case(export_copy(_write("golden.json", b'{"prompt_ids": [2], "expected_ids": [-4]}'),
-                                                  lambda f: ["parity", "--model", f, "--golden", f / "golden.json"]),
+                                                  _parity_golden("golden.json")),
                                       FormatError, ("'expected_ids' must be a non-empty list of token ids",)),
     "parity prompts of another kind": Case(export_copy(_write("p.json", b'[{"x": 1}]'),
-                                                       lambda f: ["parity", "--model", f, "--golden", f / "p.json", "--prompts", f / "p.json"]),
+                                                       _parity_golden("p.json", "--prompts", "p.json")),
                                            FormatError, ("p.json: prompt #0 is neither text nor a non-empty list of token ids",)),
     "parity reference not mlir": Case(export_copy(_write("ref.mlir", b"module {}\n"),
                                                   lambda f: ["parity", "--model", f, "--reference", f / "ref.mlir"]),
@@ -375,18 +381,18 @@ CASES = {
                                                 FormatError, ("global @t8 is bound to key 't8x', which",)),
     "parity prompt id outside the vocabulary": Case(export_copy(lambda f: ((f / "p.json").write_text("[[2, 300000]]"),
                                                                            (f / "g.json").write_text("[1]")),
-                                                                lambda f: ["parity", "--model", f, "--golden", f / "g.json", "--prompts", f / "p.json"]),
+                                                                _parity_golden("g.json", "--prompts", "p.json")),
                                                     FormatError, ("p.json: prompt #0: token id 300000 is outside",)),
     "parity huge prompt id": Case(export_copy(_write("g.json", b'{"prompt_ids": [2, 1000000000000000000000000000000], "expected_ids": [1]}'),
-                                              lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+                                              _parity_golden("g.json")),
                                   FormatError, ("g.json: entry #0: token id 1000000000000000000000000000000 is outside",)),
     "parity expected id outside the vocabulary": Case(export_copy(_write("g.json", b"[9223372036854775807]"),
-                                                                  lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+                                                                  _parity_golden("g.json")),
                                                       FormatError, ("token id 9223372036854775807 is outside",)),
-    "parity golden of strings": Case(export_copy(_write("g.json", b'["a", "b"]'), lambda f: ["parity", "--model", f, "--golden", f / "g.json"]),
+    "parity golden of strings": Case(export_copy(_write("g.json", b'["a", "b"]'), _parity_golden("g.json")),
                                      FormatError, ("expected a list of token ids, an object or a list of objects",)),
     "parity --json is a folder": Case(export_copy(lambda f: (f / "out.json").mkdir(),
-                                                  lambda f: ["parity", "--model", f, "--golden", f / "manifest.json", "--json", f / "out.json"]),
+                                                  _parity_golden("manifest.json", "--json", "out.json")),
                                       OutputError, ("--json", "is a folder")),
     "corrupt tokenizer.json": Case(export_copy(_write("tokenizer.json", b"not json"), _generate), FormatError,
                                    ("tokenizer.json: not a readable tokenizer",)),
