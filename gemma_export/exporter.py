@@ -18,6 +18,8 @@ from typing import Callable
 
 from . import __version__
 from .builder import build_model
+from .calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, collect
+from .calibration import calibration_text as read_calibration_text
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import check_external_data, read_graph
@@ -266,6 +268,9 @@ def export(
     table_dtype: str | None = None,
     symmetric: bool = True,
     scale_method: str = "mse",
+    calibrate: bool | None = None,
+    calibration_text: str | Path | None = None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     all_logits: bool = False,
     debug_outputs: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
@@ -286,6 +291,11 @@ def export(
         table_dtype: int4 only: ``int4`` (default) or ``int8`` for the shared table.
         symmetric: int4 only: fixed zero point 8 (default) or a 4-bit zero point per block.
         scale_method: int4 only: ``mse`` (clipping search, default) or ``rtn`` (round to nearest).
+        calibrate: int8/int4: choose the codes by GPTQ on activation statistics of a calibration text
+            (``calibration.py``, ``quant/gptq.py``). None (default): on when the source carries a
+            tokenizer, off otherwise (a reference MLIR export has none); True requires a tokenizer.
+        calibration_text: UTF-8 text file (default: Python's documentation, ``pydoc_data``).
+        calibration_tokens: tokens of it to run (default 1,024; at least 2).
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
@@ -315,22 +325,33 @@ def export(
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
+    if calibrate and dtype not in ("int8", "int4"):
+        raise ConfigError(f"--calibrate applies to --dtype int8 and int4, not {dtype}")
+    if calibration_tokens < 2:
+        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least 2")
+    text = read_calibration_text(calibration_text) if calibrate is not False and dtype in ("int8", "int4") else None
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt)
+    calibration = None
+    if text is not None and (calibrate or ckpt.tokenizer is not None):
+        calibration = _calibrate(ckpt, text, calibration_tokens, progress)
     if dtype in ("int8", "int4"):
         rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
         table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
         fmt = weight_format(dtype, int8_block_size(ckpt, block_size, default=layer_default), int8_block_size(
             ckpt, table_block_size, (ckpt.config.hidden_size,), table_default, "--table-block-size"),
-            rotation, table_dtype, symmetric, scale_method)
+            rotation, table_dtype, symmetric, scale_method, calibration)
     else:
         fmt = weight_format(dtype)
     quantization = {k: getattr(fmt, k) for k in ("block_size", "table_block_size", "hadamard_size") if hasattr(fmt, k)}
     if dtype == "int4":
         quantization.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
+    if dtype in ("int8", "int4"):
+        quantization["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
+                                       if calibration is not None else None)
     int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
@@ -347,7 +368,7 @@ def export(
         # One tensor in flight at a time: the exporter's memory stays near one dequantized tensor.
         ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1,
                 max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES)
-        del model, fmt  # frees the quantization memo (the int8 table) before onnxruntime loads the model
+        del model, fmt, calibration  # frees the quantization memo (the int8 table) before onnxruntime loads the model
         gc.collect()
         if ckpt.tokenizer is not None:
             for name, content in sorted(ckpt.tokenizer.files.items()):
@@ -371,6 +392,26 @@ def export(
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes())
+
+
+def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -> Calibration:
+    """Activation statistics of the first ``tokens`` tokens of ``text`` (``calibration.collect``).
+
+    Raises:
+        ConfigError: the source has no tokenizer, or the text is shorter than 2 tokens.
+    """
+    from tokenizers import Tokenizer
+
+    body, where = text
+    files = ckpt.tokenizer.files if ckpt.tokenizer is not None else {}
+    if "tokenizer.json" not in files:
+        raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
+                          "export without --calibrate (round-to-nearest codes)")
+    ids = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")).encode(body).ids[:tokens]
+    if len(ids) < 2:
+        raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least 2")
+    say = (lambda done, total: progress(done, total, f"calibration: layer {done}/{total}")) if progress else None
+    return collect(ckpt, ids, f"{where}, first {len(ids)} tokens", say)
 
 
 def _tool_versions() -> dict[str, str]:

@@ -38,8 +38,10 @@ import onnx_ir as ir
 
 from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matrix, rotate_blocks
 from quant import int4 as int4_scheme
+from quant.gptq import rotate_hessian
 from quant.int8 import ZERO_POINT
 
+from .calibration import Calibration
 from .checkpoint import TensorRef
 from .errors import NumericError
 from .graph import GraphBuilder
@@ -64,7 +66,7 @@ def _lazy(name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[
 
 
 class _Memo:
-    """Remembers the last few quantized tensors by ``(tensor name, block size)``, so that a tensor
+    """Remembers the last few quantized tensors by ``(tensor name, block size, …)``, so that a tensor
     written as several initializers (data, scales) is read and quantized once. Saving is
     sequential, so the entries are used back to back."""
 
@@ -74,16 +76,20 @@ class _Memo:
         self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
 
     def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
-                 symmetric: bool = True, method: str = "mse") -> BlockInt8Weights | BlockInt4Weights:
+                 symmetric: bool = True, method: str = "mse",
+                 hessian: Callable[[], np.ndarray | None] | None = None) -> BlockInt8Weights | BlockInt4Weights:
         key = (ref.name, block_size, hadamard_size, bits, symmetric, method)
         with self._lock:
             if key not in self._entries:
                 rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
+                h = hessian() if hessian is not None else None
+                if h is not None and hadamard_size:
+                    h = rotate_hessian(h, hadamard_size)  # the rotated weight consumes rotated inputs
                 try:
                     if bits == 8:
-                        value = BlockInt8Weights.quantize(rows, block_size)
+                        value = BlockInt8Weights.quantize(rows, block_size, hessian=h)
                     else:
-                        value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method)
+                        value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h)
                 except ValueError as exc:
                     raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
                 while len(self._entries) >= self._size:
@@ -187,8 +193,9 @@ class Int8Format(WeightFormat):
     name = "int8"
 
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
-                 hadamard_size: int = DEFAULT_HADAMARD_SIZE):
+                 hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None):
         self._memo = _Memo()
+        self.calibration = calibration
         self.block_size = block_size
         self.table_block_size = table_block_size or block_size
         self.hadamard_size = hadamard_size
@@ -202,7 +209,8 @@ class Int8Format(WeightFormat):
     method = "rtn"
 
     def _quantized(self, ref: TensorRef, block_size: int, bits: int):
-        return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method)
+        hessian = functools.partial(self.calibration.hessian, ref.name) if self.calibration is not None else None
+        return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method, hessian)
 
     def _initializers(self, g: GraphBuilder, ref: TensorRef, block_size: int, bits: int) -> dict:
         n, k = ref.shape
@@ -296,10 +304,10 @@ class Int4Format(Int8Format):
 
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
-                 method: str = "mse"):
+                 method: str = "mse", calibration: Calibration | None = None):
         if table_dtype == "int8":
             table_block_size = table_block_size or DEFAULT_INT8_TABLE_BLOCK_SIZE
-        super().__init__(block_size, table_block_size, hadamard_size)
+        super().__init__(block_size, table_block_size, hadamard_size, calibration)
         self.table_bits = 4 if table_dtype == "int4" else 8
         self.symmetric = symmetric
         self.method = method
@@ -311,11 +319,12 @@ DTYPES = tuple(WEIGHT_FORMATS)
 
 def weight_format(dtype: str, block_size: int | None = None, table_block_size: int | None = None,
                   hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
-                  method: str = "mse") -> WeightFormat:
+                  method: str = "mse", calibration: Calibration | None = None) -> WeightFormat:
     """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``).
 
     ``table_dtype`` (``int4`` or ``int8``), ``symmetric`` and ``method`` (``mse`` or ``rtn``) apply
-    to int4 only.
+    to int4 only; ``calibration`` (int8 and int4) makes every quantized weight's codes GPTQ's
+    (``quant/gptq.py``) on those activation statistics.
 
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).
@@ -323,8 +332,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
     cls = WEIGHT_FORMATS[dtype]
     hadamard = DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size
     if cls is Int8Format:
-        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE, table_block_size, hadamard)
+        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE, table_block_size, hadamard, calibration)
     if cls is Int4Format:
         return Int4Format(block_size or DEFAULT_INT4_BLOCK_SIZE, table_block_size, hadamard,
-                          table_dtype or "int4", symmetric, method)
+                          table_dtype or "int4", symmetric, method, calibration)
     return cls()

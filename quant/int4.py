@@ -32,6 +32,7 @@ import dataclasses
 
 import numpy as np
 
+from .gptq import gptq_codes
 from .rows import float_rows
 
 ZERO_POINT = 8
@@ -98,7 +99,7 @@ class BlockInt4Weights:
 
     @classmethod
     def quantize(cls, w, block_size: int, symmetric: bool = True, method: str = "mse",
-                 channel_weights: np.ndarray | None = None) -> "BlockInt4Weights":
+                 channel_weights: np.ndarray | None = None, hessian: np.ndarray | None = None) -> "BlockInt4Weights":
         """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
 
         Args:
@@ -106,7 +107,10 @@ class BlockInt4Weights:
             symmetric: fixed zero point 8 (True) or a stored 4-bit zero point per block.
             method: ``"rtn"`` (clipping ratio 1) or ``"mse"`` (least weighted squared error over
                 ``CLIP_RATIOS``).
-            channel_weights: float ``[K]`` ≥ 0 weighting each input channel's error (``"mse"`` only).
+            channel_weights: float ``[K]`` ≥ 0 weighting each input channel's error (``"mse"`` only;
+                default: the diagonal of ``hessian`` when given).
+            hessian: ``[K, K]``, ``Xᵀ X`` of calibration inputs: the scales (and zero points) are
+                chosen as above, then the codes by :func:`quant.gptq.gptq_codes`.
 
         Raises:
             ValueError: ``w`` not 2-D, K not a multiple of ``block_size``, odd ``block_size``,
@@ -121,6 +125,8 @@ class BlockInt4Weights:
             raise ValueError(f"in_features {k} is not a multiple of the (even) block_size {block_size}")
         nb = k // block_size
         h = None
+        if channel_weights is None and hessian is not None and np.shape(hessian) == (k, k):
+            channel_weights = np.maximum(np.diagonal(np.asarray(hessian, np.float64)), 0.0)
         if channel_weights is not None:
             h = np.asarray(channel_weights, np.float32)
             if h.shape != (k,) or not np.isfinite(h).all() or (h < 0).any():
@@ -148,6 +154,9 @@ class BlockInt4Weights:
             data[start:end] = pack_nibbles(best_codes)
             scales[start:end] = best_scale
             zps[start:end] = best_zp
+        if hessian is not None:
+            codes = gptq_codes(w, hessian, scales, zps.astype(np.float32), block_size, 0, 15)
+            data = pack_nibbles(codes.reshape(n, nb, block_size))
         zero_points = None
         if not symmetric:
             padded = np.zeros((n, nb + nb % 2), np.uint8)

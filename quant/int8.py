@@ -11,6 +11,9 @@ embedding table) and a block size ``B`` dividing ``K``:
 
 This is the per-row symmetric scheme of the reference archives (scale = max|row| / 127, clamp to
 [-127, 127], round half to even) applied per block; with ``B == K`` it is exactly per-row.
+
+Given the Hessian ``Xᵀ X`` of calibration inputs, the codes are chosen by GPTQ instead
+(``quant/gptq.py``) with the same scales: same layout, less output error.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 
 import numpy as np
 
+from .gptq import gptq_codes
 from .rows import float_rows
 
 ZERO_POINT = 128
@@ -41,15 +45,17 @@ class BlockInt8Weights:
     block_size: int
 
     @classmethod
-    def quantize(cls, w: np.ndarray, block_size: int) -> "BlockInt8Weights":
+    def quantize(cls, w: np.ndarray, block_size: int, hessian: np.ndarray | None = None) -> "BlockInt8Weights":
         """Quantize a float ``[N, K]`` matrix, row chunk by row chunk.
 
         ``w`` is a numpy array or any object with ``shape`` and row slicing (``w[a:b]`` returning an
-        array), so a lazily dequantized source never needs to exist whole in float32.
+        array), so a lazily dequantized source never needs to exist whole in float32. With
+        ``hessian`` (``[K, K]``, ``Xᵀ X`` of calibration inputs) the codes come from
+        :func:`quant.gptq.gptq_codes` with the round-to-nearest scales.
 
         Raises:
-            ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, or ``w`` holds
-                NaN or Inf (callers name the tensor).
+            ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, ``w`` holds
+                NaN or Inf (callers name the tensor), or an unusable ``hessian``.
         """
         if len(w.shape) != 2:
             raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")
@@ -57,7 +63,8 @@ class BlockInt8Weights:
         if block_size <= 0 or k % block_size:
             raise ValueError(f"in_features {k} is not a multiple of block_size {block_size}")
         nb = k // block_size
-        data = np.empty((n, nb, block_size), dtype=np.uint8)
+        # With a Hessian only the scales come from this pass; GPTQ writes the codes.
+        data = np.empty((n, nb, block_size), dtype=np.uint8) if hessian is None else None
         scales = np.empty((n, nb), dtype=np.float32)
         # Row chunks keep the float temporaries small (the 262,144-row table would need ~2 GB at once).
         for start in range(0, n, _ROWS_PER_CHUNK):
@@ -65,11 +72,16 @@ class BlockInt8Weights:
             blocks = rows.reshape(-1, nb, block_size)
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros
-            q = np.rint(blocks / s[:, :, None])
-            np.clip(q, -QMAX, QMAX, out=q)
-            q += ZERO_POINT
-            data[start : start + len(s)] = q
             scales[start : start + len(s)] = s
+            if data is not None:
+                q = np.rint(blocks / s[:, :, None])
+                np.clip(q, -QMAX, QMAX, out=q)
+                q += ZERO_POINT
+                data[start : start + len(s)] = q
+        if hessian is not None:
+            codes = gptq_codes(w, hessian, scales, np.full(scales.shape, ZERO_POINT, np.float32), block_size,
+                               ZERO_POINT - QMAX, ZERO_POINT + QMAX)
+            data = codes.reshape(n, nb, block_size)
         return cls(data=data, scales=scales, block_size=block_size)
 
     def dequantize(self) -> np.ndarray:

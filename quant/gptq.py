@@ -1,0 +1,120 @@
+"""Error-compensating rounding (GPTQ) for block-quantized weights with fixed scales.
+
+Round-to-nearest minimises each weight's own error; what matters is the error of the layer's
+*output* on real inputs, ``‖(W − Ŵ) X‖²``. GPTQ (Frantar et al. 2022, arXiv:2210.17323, Algorithm 1)
+rounds the input columns of ``W [N, K]`` one at a time and moves each column's rounding error onto
+the columns not yet rounded, weighted by the inverse of the input Hessian ``H = Xᵀ X [K, K]``
+(``X``: calibration activations, one row per token). Rows are independent, so a weight of any height
+is processed in row chunks with one shared factor.
+
+With ``U`` the upper Cholesky factor of ``(H + λ I)⁻¹`` (``λ = damp · mean(diag H)``), for column
+``j`` in order::
+
+    q_j    = clip(round_half_even(w_j / s_j) + z_j, qmin, qmax)      codes, as the scheme stores them
+    e_j    = (w_j − (q_j − z_j) s_j) / U[j, j]
+    w_{>j} −= e_j · U[j, >j]
+
+Scales ``s`` and zero points ``z`` are chosen beforehand per block (by the scheme's own rule) and
+kept: the codes change, the layout does not. Updates are applied lazily per group of ``lazy``
+columns (the paper's block update), so the inner loop touches ``[rows, lazy]`` only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .rows import float_rows
+
+#: λ as a share of the mean diagonal of H (the paper's 1%): keeps H invertible when calibration
+#: activations leave some directions unexercised.
+DEFAULT_DAMP = 0.01
+_ROWS_PER_CHUNK = 16384
+_LAZY = 32
+
+
+def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndarray:
+    """Upper Cholesky factor ``U`` of ``(H + λ I)⁻¹``, float32 ``[K, K]`` (``U`` with ``Uᵀ U = (H + λI)⁻¹``).
+
+    A channel no calibration token used (zero diagonal) gets a unit diagonal, so its weights are
+    rounded to nearest and receive no error from the others.
+
+    Raises:
+        ValueError: ``hessian`` is not square, not finite, or not positive semi-definite enough to
+            factor after damping; ``damp`` not > 0.
+    """
+    h = np.array(hessian, dtype=np.float64)
+    if h.ndim != 2 or h.shape[0] != h.shape[1]:
+        raise ValueError(f"expected a square Hessian, found shape {h.shape}")
+    if not np.isfinite(h).all():
+        raise ValueError("the Hessian holds NaN or Inf")
+    if not damp > 0:
+        raise ValueError(f"damp must be > 0, found {damp}")
+    diag = np.diagonal(h).copy()
+    dead = diag <= 0
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
+    try:
+        lower = np.linalg.cholesky(h)
+    except np.linalg.LinAlgError:
+        raise ValueError("the Hessian is not positive definite after damping") from None
+    inverse_lower = np.linalg.inv(lower)                 # H = L Lᵀ  →  H⁻¹ = L⁻ᵀ L⁻¹
+    inverse = inverse_lower.T @ inverse_lower
+    return np.linalg.cholesky(inverse).T.astype(np.float32)  # upper factor of H⁻¹
+
+
+def gptq_codes(w, hessian: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, block_size: int,
+               qmin: int, qmax: int, damp: float = DEFAULT_DAMP) -> np.ndarray:
+    """GPTQ codes for ``w`` with fixed per-block ``scales`` and ``zero_points``.
+
+    Args:
+        w: float ``[N, K]`` (an array or any row-sliceable object: read chunk by chunk).
+        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale).
+        scales: float32 ``[N, K / block_size]``, nonzero.
+        zero_points: ``[N, K / block_size]``, the code that dequantizes to 0.
+        qmin, qmax: the code range (e.g. 1..255 for symmetric int8 around 128, 0..15 for 4 bits).
+
+    Returns:
+        uint8 codes ``[N, K]``; ``(code − zero_point) · scale`` per block dequantizes them.
+
+    Raises:
+        ValueError: shapes disagree, or see :func:`inverse_cholesky`; NaN/Inf in ``w``.
+    """
+    n, k = w.shape
+    nb = k // block_size if block_size > 0 else 0
+    if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
+        raise ValueError(f"GPTQ: weight {tuple(w.shape)}, block {block_size}, scales {scales.shape}, "
+                         f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
+    u = inverse_cholesky(hessian, damp)
+    codes = np.empty((n, k), np.uint8)
+    for start in range(0, n, _ROWS_PER_CHUNK):
+        rows = float_rows(w, start, _ROWS_PER_CHUNK).copy()
+        end = start + len(rows)
+        s = scales[start:end].astype(np.float32)                                    # [R, K / B]
+        z = zero_points[start:end].astype(np.float32)
+        for i1 in range(0, k, _LAZY):
+            i2 = min(i1 + _LAZY, k)
+            errors = np.empty((len(rows), i2 - i1), np.float32)
+            for j in range(i1, i2):
+                sj, zj = s[:, j // block_size], z[:, j // block_size]
+                q = np.clip(np.rint(rows[:, j] / sj) + zj, qmin, qmax)
+                codes[start:end, j] = q
+                e = (rows[:, j] - (q - zj) * sj) / u[j, j]
+                rows[:, j + 1 : i2] -= np.outer(e, u[j, j + 1 : i2])
+                errors[:, j - i1] = e
+            rows[:, i2:] -= errors @ u[i1:i2, i2:]
+    return codes
+
+
+def rotate_hessian(hessian: np.ndarray, size: int) -> np.ndarray:
+    """``Hd H Hd`` for the block-diagonal Hadamard ``Hd`` of :mod:`quant.hadamard`: the Hessian of the
+    rotated inputs ``Hd x`` that a rotated weight ``W Hd`` consumes. float64 ``[K, K]``."""
+    from .hadamard import hadamard_matrix
+
+    h = np.asarray(hessian, np.float64)
+    k = h.shape[0]
+    blocks = hadamard_matrix(size).astype(np.float64)
+    left = (h.reshape(k // size, size, k).transpose(1, 0, 2).reshape(size, -1))
+    left = (blocks @ left).reshape(size, k // size, k).transpose(1, 0, 2).reshape(k, k)      # Hd H
+    return (left.reshape(k, k // size, size) @ blocks).reshape(k, k)                        # (Hd H) Hd

@@ -1,0 +1,209 @@
+"""GPTQ rounding (quant/gptq.py) and the calibration pass that feeds it (gemma_export/calibration.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from quant import BlockInt4Weights, BlockInt8Weights, hadamard_matrix
+from quant import gptq
+from quant.gptq import gptq_codes, inverse_cholesky, rotate_hessian
+
+
+def _correlated(rng, tokens: int, k: int) -> np.ndarray:
+    """Calibration-like inputs: correlated channels and a few large ones."""
+    x = rng.standard_normal((tokens, k)).astype(np.float32) @ rng.standard_normal((k, k)).astype(np.float32)
+    x[:, :3] *= 8.0
+    return x / np.sqrt(k)
+
+
+def _output_error(w, w_hat, x) -> float:
+    return float(np.linalg.norm((w - w_hat) @ x.T))
+
+
+def test_identity_hessian_gives_round_to_nearest_int8_and_int4():
+    # with uncorrelated inputs there is no error to move: GPTQ must reduce to round-to-nearest
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    eye = np.eye(128)
+    assert np.array_equal(BlockInt8Weights.quantize(w, 32, hessian=eye).data, BlockInt8Weights.quantize(w, 32).data)
+    for symmetric in (True, False):
+        plain = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse")
+        with_eye = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse", hessian=eye)
+        assert np.array_equal(plain.data, with_eye.data) and np.array_equal(plain.scales, with_eye.scales)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-sym", "int4-asym"])
+def test_gptq_cuts_the_output_error_on_correlated_inputs(scheme):
+    rng = np.random.default_rng(1)
+    k = 256
+    x = _correlated(rng, 1024, k)
+    w = rng.standard_normal((96, k)).astype(np.float32)
+    hessian = x.T.astype(np.float64) @ x
+    if scheme == "int8":
+        rtn, gq = BlockInt8Weights.quantize(w, 32), BlockInt8Weights.quantize(w, 32, hessian=hessian)
+    else:
+        sym = scheme == "int4-sym"
+        rtn = BlockInt4Weights.quantize(w, 32, symmetric=sym, method="mse", channel_weights=np.diagonal(hessian))
+        gq = BlockInt4Weights.quantize(w, 32, symmetric=sym, method="mse", hessian=hessian)
+        assert np.array_equal(rtn.scales, gq.scales)  # same scales, other codes
+    assert np.array_equal(rtn.scales, gq.scales)
+    before, after = _output_error(w, rtn.dequantize(), x), _output_error(w, gq.dequantize(), x)
+    assert after < 0.8 * before, (before, after)
+
+
+def test_gptq_gain_holds_on_held_out_tokens():
+    rng = np.random.default_rng(2)
+    k = 128
+    mix = rng.standard_normal((k, k)).astype(np.float32) / np.sqrt(k)
+    fit, held_out = (rng.standard_normal((n, k)).astype(np.float32) @ mix for n in (1024, 1024))
+    w = rng.standard_normal((64, k)).astype(np.float32)
+    gq = BlockInt8Weights.quantize(w, 32, hessian=fit.T.astype(np.float64) @ fit).dequantize()
+    rtn = BlockInt8Weights.quantize(w, 32).dequantize()
+    assert _output_error(w, gq, held_out) < 0.8 * _output_error(w, rtn, held_out)
+
+
+def test_codes_stay_in_range_and_a_dead_channel_is_rounded_to_nearest():
+    rng = np.random.default_rng(3)
+    k = 64
+    x = _correlated(rng, 256, k)
+    x[:, 5] = 0.0                       # a channel no calibration token uses
+    w = rng.standard_normal((32, k)).astype(np.float32) * 3
+    hessian = x.T.astype(np.float64) @ x
+    q8 = BlockInt8Weights.quantize(w, 32, hessian=hessian)
+    assert q8.data.min() >= 1 and q8.data.max() <= 255
+    assert np.isfinite(q8.dequantize()).all()
+    # the unused channel neither receives nor passes on errors: it is rounded to nearest
+    u = inverse_cholesky(hessian)
+    assert np.allclose(u[5, 6:], 0.0) and np.allclose(u[:5, 5], 0.0)
+    assert np.array_equal(q8.data[:, 0, 5], BlockInt8Weights.quantize(w, 32).data[:, 0, 5])
+    assert not np.array_equal(q8.data[:, 0, 6:], BlockInt8Weights.quantize(w, 32).data[:, 0, 6:])
+    q4 = BlockInt4Weights.quantize(w, 16, symmetric=True, hessian=hessian)
+    codes = np.concatenate([q4.data & 15, q4.data >> 4], axis=-1)
+    assert codes.max() <= 15
+
+
+def test_row_chunks_give_the_same_codes(monkeypatch):
+    rng = np.random.default_rng(4)
+    x = _correlated(rng, 512, 64)
+    w = rng.standard_normal((50, 64)).astype(np.float32)
+    hessian = x.T.astype(np.float64) @ x
+    whole = BlockInt8Weights.quantize(w, 32, hessian=hessian).data
+    monkeypatch.setattr(gptq, "_ROWS_PER_CHUNK", 7)
+    assert np.array_equal(BlockInt8Weights.quantize(w, 32, hessian=hessian).data, whole)
+
+
+def test_rotate_hessian_is_hd_h_hd():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((100, 128))
+    h = x.T @ x
+    hd = np.kron(np.eye(2), hadamard_matrix(64).astype(np.float64))
+    assert np.allclose(rotate_hessian(h, 64), hd @ h @ hd)
+
+
+@pytest.mark.parametrize("hessian, message", [
+    (np.ones((3, 4)), "square"),
+    (np.full((4, 4), np.nan), "NaN"),
+    (np.array([[1.0, 2.0], [2.0, 1.0]]), "positive definite"),   # indefinite, positive diagonal
+])
+def test_bad_hessians_are_named(hessian, message):
+    with pytest.raises(ValueError, match=message):
+        inverse_cholesky(hessian)
+
+
+def test_mismatched_shapes_are_refused():
+    w = np.ones((4, 64), np.float32)
+    with pytest.raises(ValueError, match="disagree"):
+        gptq_codes(w, np.eye(32), np.ones((4, 2), np.float32), np.zeros((4, 2)), 32, 0, 255)
+    with pytest.raises(ValueError, match="disagree"):
+        BlockInt8Weights.quantize(w, 32, hessian=np.eye(63))
+
+
+# --- calibration pass --------------------------------------------------------------------------
+
+def test_calibration_forward_matches_transformers(tiny_dir, tiny_model):
+    import torch
+
+    from gemma_export.calibration import collect
+    from gemma_export.sources import open_source
+
+    ids = list(np.random.default_rng(0).integers(3, 96, 20))  # longer than the sliding window (6)
+    cal = collect(open_source(tiny_dir), ids, "test")
+    with torch.no_grad():
+        out = tiny_model(torch.tensor([ids]), output_hidden_states=True)
+    final = out.hidden_states[-1][0].numpy()
+    got = cal.inputs["model.embed_tokens.weight"].astype(np.float32)
+    assert np.abs(got - final).max() < 2e-2 * np.abs(final).max()   # stored as float16
+    c = tiny_model.config
+    names = [f"model.layers.{i}.{n}.weight" for i in range(c.num_hidden_layers) for n in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert set(cal.inputs) == set(names) | {"model.embed_tokens.weight"}
+    assert cal.inputs[names[0]] is cal.inputs[names[1]]                     # q/k/v share one array
+    assert cal.hessian(names[3]).shape == (c.num_attention_heads * c.head_dim,) * 2
+    assert cal.hessian(names[6]).shape == (c.intermediate_size,) * 2
+    assert cal.hessian("nothing") is None
+
+
+def test_calibration_rejects_ids_outside_the_vocabulary(tiny_dir):
+    from gemma_export.calibration import collect
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.sources import open_source
+
+    with pytest.raises(GemmaExportError, match=r"\[0, 96\)"):
+        collect(open_source(tiny_dir), [3, 96], "test")
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tiny_dir, tmp_path_factory):
+    import shutil
+
+    from conftest import write_char_tokenizer
+
+    src = tmp_path_factory.mktemp("gptq") / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    return src
+
+
+def test_export_calibrates_by_default_and_records_it(tiny_with_tokenizer, text_file, tmp_path):
+    from gemma_export.exporter import export
+
+    calibrated = export(tiny_with_tokenizer, tmp_path / "gptq", "int8", block_size=16, table_block_size=16,
+                        calibration_text=text_file, calibration_tokens=300).out_dir
+    plain = export(tiny_with_tokenizer, tmp_path / "rtn", "int8", block_size=16, table_block_size=16, calibrate=False).out_dir
+    record = json.loads((calibrated / "manifest.json").read_text())["int8_calibration"]
+    assert record["method"] == "gptq" and record["tokens"] == 300 and str(text_file) in record["text"]
+    assert json.loads((plain / "manifest.json").read_text())["int8_calibration"] is None
+    assert (calibrated / "model.onnx.data").read_bytes() != (plain / "model.onnx.data").read_bytes()
+
+
+def test_calibrated_int8_and_int4_track_transformers(tiny_with_tokenizer, tiny_model, text_file, tmp_path):
+    # GPTQ moves rounding errors around; the export must still compute the same model
+    from conftest import reference_logits
+    from gemma_export.exporter import export
+    from gemma_export.runtime import OnnxDecoder
+
+    ids = np.random.default_rng(3).integers(3, 96, (1, 12))
+    expected = reference_logits(tiny_model, ids)[0, -1]
+    for dtype, tolerance in (("int8", 0.05), ("int4", 0.6)):
+        out = export(tiny_with_tokenizer, tmp_path / dtype, dtype, block_size=16, table_block_size=16,
+                     calibration_text=text_file).out_dir
+        decoder = OnnxDecoder(out)
+        logits, _ = decoder.forward(ids, np.ones_like(ids), np.arange(12)[None], decoder.empty_cache(1))
+        assert np.abs(logits[0, -1] - expected).max() < tolerance * np.abs(expected).max(), dtype
+
+
+def test_calibrate_needs_a_tokenizer_and_a_quantized_dtype(tiny_dir, tmp_path):
+    from gemma_export.errors import ConfigError, SourceNotFoundError
+    from gemma_export.exporter import export
+
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        export(tiny_dir, tmp_path / "a", "int8", block_size=16, table_block_size=16, calibrate=True)
+    with pytest.raises(ConfigError, match="int8 and int4, not fp32"):
+        export(tiny_dir, tmp_path / "b", "fp32", calibrate=True)
+    with pytest.raises(SourceNotFoundError, match="no such calibration text"):
+        export(tiny_dir, tmp_path / "c", "int8", calibrate=True, calibration_text=tmp_path / "missing.txt")
+    assert not any(tmp_path.iterdir())
