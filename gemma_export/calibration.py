@@ -104,14 +104,18 @@ class Calibration:
     inputs: dict[str, np.ndarray]
     tokens: int
     source: str
+    _last: tuple = dataclasses.field(default=(None, None), repr=False, compare=False)
 
     def hessian(self, name: str) -> np.ndarray | None:
-        """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected."""
+        """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected.
+        Weights that share an input (q/k/v, gate/up) get the same array object back."""
         x = self.inputs.get(name)
         if x is None:
             return None
-        x64 = x.astype(np.float64)
-        return x64.T @ x64
+        if self._last[0] is not x:
+            x64 = x.astype(np.float64)
+            self._last = (x, x64.T @ x64)
+        return self._last[1]
 
 
 def forward(checkpoint: Checkpoint, token_ids: Sequence[int],

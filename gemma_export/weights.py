@@ -74,6 +74,12 @@ class _Memo:
         self._lock = threading.Lock()
         self._size = size
         self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
+        self._rotated_hessian: tuple = (None, 0, None)  # (Hessian, rotation, rotated): shared inputs
+
+    def _rotate(self, h: np.ndarray, size: int) -> np.ndarray:
+        if self._rotated_hessian[0] is not h or self._rotated_hessian[1] != size:
+            self._rotated_hessian = (h, size, rotate_hessian(h, size))
+        return self._rotated_hessian[2]
 
     def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
                  symmetric: bool = True, method: str = "mse",
@@ -84,7 +90,7 @@ class _Memo:
                 rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
                 h = hessian() if hessian is not None else None
                 if h is not None and hadamard_size:
-                    h = rotate_hessian(h, hadamard_size)  # the rotated weight consumes rotated inputs
+                    h = self._rotate(h, hadamard_size)  # the rotated weight consumes rotated inputs
                 try:
                     if bits == 8:
                         value = BlockInt8Weights.quantize(rows, block_size, hessian=h)

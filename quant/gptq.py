@@ -28,7 +28,7 @@ from .rows import float_rows
 #: λ as a share of the mean diagonal of H (the paper's 1%): keeps H invertible when calibration
 #: activations leave some directions unexercised.
 DEFAULT_DAMP = 0.01
-_ROWS_PER_CHUNK = 16384
+_ROWS_PER_CHUNK = 4096
 _LAZY = 32
 
 
@@ -55,13 +55,29 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     h[:, dead] = 0
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
-    try:
-        lower = np.linalg.cholesky(h)
-    except np.linalg.LinAlgError:
-        raise ValueError("the Hessian is not positive definite after damping") from None
-    inverse_lower = np.linalg.inv(lower)                 # H = L Lᵀ  →  H⁻¹ = L⁻ᵀ L⁻¹
-    inverse = inverse_lower.T @ inverse_lower
-    return np.linalg.cholesky(inverse).T.astype(np.float32)  # upper factor of H⁻¹
+    # float32 first (4x faster at K = 2048, as GPTQ's reference code), float64 if that fails
+    for dtype in (np.float32, np.float64):
+        try:
+            inverse = np.linalg.inv(h.astype(dtype))
+            inverse = (inverse + inverse.T) * 0.5
+            factor = np.linalg.cholesky(inverse).T.astype(np.float32)  # upper factor of H⁻¹
+        except np.linalg.LinAlgError:
+            continue
+        if np.isfinite(factor).all() and (np.diagonal(factor) > 0).all():
+            return factor
+    raise ValueError("the Hessian is not positive definite after damping")
+
+
+_last_factor: list = [None, None, None]  # (hessian array, damp, factor): q/k/v and gate/up share inputs
+
+
+def _factor(hessian: np.ndarray, damp: float) -> np.ndarray:
+    """:func:`inverse_cholesky`, reused when the very same Hessian array comes back (weights that
+    read one input are quantized back to back)."""
+    if _last_factor[0] is not hessian or _last_factor[1] != damp:
+        _last_factor[:] = [None, None, None]
+        _last_factor[:] = [hessian, damp, inverse_cholesky(hessian, damp)]
+    return _last_factor[2]
 
 
 def gptq_codes(w, hessian: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, block_size: int,
@@ -86,24 +102,27 @@ def gptq_codes(w, hessian: np.ndarray, scales: np.ndarray, zero_points: np.ndarr
     if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
         raise ValueError(f"GPTQ: weight {tuple(w.shape)}, block {block_size}, scales {scales.shape}, "
                          f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
-    u = inverse_cholesky(hessian, damp)
+    u = _factor(hessian, damp)
     codes = np.empty((n, k), np.uint8)
     for start in range(0, n, _ROWS_PER_CHUNK):
-        rows = float_rows(w, start, _ROWS_PER_CHUNK).copy()
-        end = start + len(rows)
-        s = scales[start:end].astype(np.float32)                                    # [R, K / B]
-        z = zero_points[start:end].astype(np.float32)
+        # column-major chunk: column j of W is the contiguous row cols[j]
+        cols = np.ascontiguousarray(float_rows(w, start, _ROWS_PER_CHUNK).T)       # [K, R]
+        end = start + cols.shape[1]
+        s = np.ascontiguousarray(scales[start:end].T, dtype=np.float32)            # [K / B, R]
+        z = np.ascontiguousarray(zero_points[start:end].T, dtype=np.float32)
+        chunk_codes = np.empty((k, end - start), np.uint8)
         for i1 in range(0, k, _LAZY):
             i2 = min(i1 + _LAZY, k)
-            errors = np.empty((len(rows), i2 - i1), np.float32)
+            errors = np.empty((i2 - i1, end - start), np.float32)
             for j in range(i1, i2):
-                sj, zj = s[:, j // block_size], z[:, j // block_size]
-                q = np.clip(np.rint(rows[:, j] / sj) + zj, qmin, qmax)
-                codes[start:end, j] = q
-                e = (rows[:, j] - (q - zj) * sj) / u[j, j]
-                rows[:, j + 1 : i2] -= np.outer(e, u[j, j + 1 : i2])
-                errors[:, j - i1] = e
-            rows[:, i2:] -= errors @ u[i1:i2, i2:]
+                sj, zj = s[j // block_size], z[j // block_size]
+                q = np.clip(np.rint(cols[j] / sj) + zj, qmin, qmax)
+                chunk_codes[j] = q
+                e = (cols[j] - (q - zj) * sj) / u[j, j]
+                cols[j + 1 : i2] -= np.outer(u[j, j + 1 : i2], e)
+                errors[j - i1] = e
+            cols[i2:] -= u[i1:i2, i2:].T @ errors
+        codes[start:end] = chunk_codes.T
     return codes
 
 
