@@ -36,8 +36,9 @@ class _Shared:
     """Values computed once and used by every layer."""
 
     mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, 1, seq, total]
-    cos: dict[str, ir.Value]    # layer type → [batch, 1, seq, head_dim]
+    cos: dict[str, ir.Value]    # layer type → [batch · seq, head_dim / 2]
     sin: dict[str, ir.Value]
+    rope_index: ir.Value        # [batch, seq]: row of cos/sin for each token
 
 
 def _weight(checkpoint: Checkpoint, name: str) -> TensorRef:
@@ -59,27 +60,33 @@ def rms_norm(g: GraphBuilder, x: ir.Value, ref: TensorRef, eps: float) -> ir.Val
 
 
 def rotary_embedding(g: GraphBuilder, position_ids: ir.Value, config: GemmaConfig, layer_type: str):
-    """cos/sin ``[batch, 1, seq, head_dim]`` for rotate-half RoPE over the full head_dim.
+    """cos/sin ``[batch · seq, head_dim / 2]`` of each token's own position.
 
     ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)`` (divided by ``factor`` for linear
-    scaling), ``freqs = position_ids * inv_freq``, ``emb = concat(freqs, freqs)`` (transformers
-    ``Gemma3RotaryEmbedding``). Computed from positions at run time: no position-table constant.
+    scaling), ``angle = position_ids * inv_freq`` (transformers ``Gemma3RotaryEmbedding``; its
+    ``emb = concat(freqs, freqs)`` is the rotate-half layout :func:`apply_rotary` applies).
+    Computed from the positions at run time: no position-table constant.
     """
     rope = config.rope_parameters[layer_type]
     exponent = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
     inv_freq = (np.float32(1.0) / np.power(np.float32(rope.rope_theta), exponent)) / np.float32(rope.factor)
-    inv_freq = np.concatenate([inv_freq, inv_freq]).astype(np.float32)
-    positions = g.op("Unsqueeze", g.op("Cast", position_ids, to=F32), g.const_i64([1, 3]))  # [B, 1, S, 1]
-    angles = g.op("Mul", positions, g.const(inv_freq))                                     # [B, 1, S, D]
+    positions = g.op("Reshape", g.op("Cast", position_ids, to=F32), g.const_i64([-1, 1]))  # [B·S, 1]
+    angles = g.op("Mul", positions, g.const(inv_freq.astype(np.float32)))                  # [B·S, D/2]
     return g.op("Cos", angles), g.op("Sin", angles)
 
 
-def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, head_dim: int) -> ir.Value:
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last axis."""
-    half = head_dim // 2
-    first, second = g.op("Split", x, g.const_i64([half, half]), axis=-1, num_outputs=2)
-    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
-    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+def rope_index(g: GraphBuilder, position_ids: ir.Value) -> ir.Value:
+    """``[batch, seq]`` int64 ``0 … batch·seq − 1``: which row of the per-token cos/sin each token reads."""
+    count = g.op("Squeeze", g.op("ReduceProd", g.op("Shape", position_ids), keepdims=1), g.const_i64([0]))
+    index = g.op("Range", g.const(np.int64(0)), count, g.const(np.int64(1)))
+    return g.op("Reshape", index, g.op("Shape", position_ids))
+
+
+def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, index: ir.Value) -> ir.Value:
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last axis of
+    ``x`` ``[batch, heads, seq, head_dim]``: one onnxruntime ``RotaryEmbedding`` (com.microsoft,
+    ``interleaved`` 0), reading the cos/sin row ``index[b, s]`` for token ``(b, s)``."""
+    return g.op("RotaryEmbedding", x, index, cos, sin, domain="com.microsoft", interleaved=0)
 
 
 def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value, past_key: ir.Value,
@@ -134,9 +141,9 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
         t = rms_norm(g, t, _weight(ckpt, p + norm), c.rms_norm_eps) if norm else t
         return g.op("Transpose", t, perm=[0, 2, 1, 3])                          # [B, n, S, D]
 
-    cos, sin = shared.cos[layer_type], shared.sin[layer_type]
-    q = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "q_proj.weight")), heads, "q_norm.weight"), cos, sin, d)
-    k = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "k_proj.weight")), kv_heads, "k_norm.weight"), cos, sin, d)
+    rope = shared.cos[layer_type], shared.sin[layer_type], shared.rope_index
+    q = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "q_proj.weight")), heads, "q_norm.weight"), *rope)
+    k = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "k_proj.weight")), kv_heads, "k_norm.weight"), *rope)
     v = heads_first(fmt.linear(g, x, _weight(ckpt, p + "v_proj.weight")), kv_heads, "")
     present_key = g.op("Concat", past_key, k, axis=2)                           # [B, kv, T, D]
     present_value = g.op("Concat", past_value, v, axis=2)
@@ -219,9 +226,11 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
     with g.scope("rotary"):
         layer_types = sorted(set(c.layer_types))
         rope = {t: rotary_embedding(g, position_ids, c, t) for t in layer_types}
+        index = rope_index(g, position_ids)
     with g.scope("mask"):
         masks = attention_masks(g, attention_mask, input_ids, past[0][0], c)
-    shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()})
+    shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()},
+                     rope_index=index)
 
     presents, debug = [], []
     for i in range(c.num_hidden_layers):
