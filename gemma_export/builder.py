@@ -142,9 +142,10 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
         return g.op("Transpose", t, perm=[0, 2, 1, 3])                          # [B, n, S, D]
 
     rope = shared.cos[layer_type], shared.sin[layer_type], shared.rope_index
-    q = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "q_proj.weight")), heads, "q_norm.weight"), *rope)
-    k = apply_rotary(g, heads_first(fmt.linear(g, x, _weight(ckpt, p + "k_proj.weight")), kv_heads, "k_norm.weight"), *rope)
-    v = heads_first(fmt.linear(g, x, _weight(ckpt, p + "v_proj.weight")), kv_heads, "")
+    q, k, v = fmt.linears(g, x, [_weight(ckpt, p + f"{n}_proj.weight") for n in "qkv"], p + "qkv_proj.weight")
+    q = apply_rotary(g, heads_first(q, heads, "q_norm.weight"), *rope)
+    k = apply_rotary(g, heads_first(k, kv_heads, "k_norm.weight"), *rope)
+    v = heads_first(v, kv_heads, "")
     present_key = g.op("Concat", past_key, k, axis=2)                           # [B, kv, T, D]
     present_value = g.op("Concat", past_value, v, axis=2)
 
@@ -163,9 +164,9 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
 def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value) -> ir.Value:
     """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (transformers ``Gemma3MLP``)."""
     p = f"model.layers.{layer}.mlp."
-    gate = g.op("Gelu", fmt.linear(g, x, _weight(ckpt, p + "gate_proj.weight")), approximate="tanh")
-    up = fmt.linear(g, x, _weight(ckpt, p + "up_proj.weight"))
-    return fmt.linear(g, g.op("Mul", gate, up), _weight(ckpt, p + "down_proj.weight"))
+    gate, up = fmt.linears(g, x, [_weight(ckpt, p + "gate_proj.weight"), _weight(ckpt, p + "up_proj.weight")],
+                           p + "gate_up_proj.weight")
+    return fmt.linear(g, g.op("Mul", g.op("Gelu", gate, approximate="tanh"), up), _weight(ckpt, p + "down_proj.weight"))
 
 
 def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value,

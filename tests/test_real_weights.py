@@ -129,13 +129,14 @@ def int8_text_metrics(int8_dir, text_ids, reference_text_logits):
 
 def test_int8_teacher_forced_agreement_past_512(int8_text_metrics):
     # Issue #2: top-1 agreement with transformers fp32 >= 98% over >= 600 tokens, past 512 included.
-    # Measured over this whole text: 98.4% (98.5% past 512), KL 0.0017 nats/token; over its first
-    # 640 tokens alone the same export agrees on 97.8% (docs/benchmarks.md).
+    # Measured over this whole text with GPTQ calibration (the default): 98.66% (98.94% past 512),
+    # KL 0.00120 nats/token; rounding to nearest gave KL 0.00167, above this test's bound
+    # (docs/quality.md).
     m = int8_text_metrics
     assert m.tokens >= 2000 and m.top1_agreement_past_512 is not None
     assert m.top1_agreement >= 0.98, m
     assert m.top1_agreement_past_512 >= 0.98, m
-    assert m.kl_mean <= 0.0025, m
+    assert m.kl_mean <= 0.0015, m
     assert m.perplexity <= 1.01 * m.reference_perplexity, m
 
 
@@ -182,6 +183,7 @@ def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["files"]["model.onnx.data"]["bytes"] == (again / "model.onnx.data").stat().st_size
     assert manifest["source"]["kind"] == "gguf" and manifest["dtype"] == "int8"
+    assert manifest["int8_calibration"]["method"] == "gptq" and manifest["int8_calibration"]["tokens"] == 1024
     assert CliRunner().invoke(app, ["verify", str(again)]).exit_code == 0
     data = again / "model.onnx.data"
     with open(data, "r+b") as f:  # one flipped bit deep inside the table
@@ -214,14 +216,15 @@ def int4_dir(tmp_path_factory):
 
 
 def test_int4_real_weights_size_quality_and_one_table(int4_dir, text_ids, reference_text_logits, tmp_path):
-    # docs/quality.md: 168.0 MB; on the first 1,024 tokens KL 0.261 nats/token, top-1 74.0%
-    # (onnxruntime-genai's int4 RTN: KL 0.432, top-1 70.5%).
+    # docs/quality.md: 168.0 MB; on the first 1,024 tokens, with GPTQ calibration (the default),
+    # KL 0.1395 nats/token, top-1 79.6% (clipping search alone: KL 0.261, 74.0%; onnxruntime-genai's
+    # int4 RTN: KL 0.432, top-1 70.5%).
     archive = sum(p.stat().st_size for p in int4_dir.iterdir() if p.name.startswith("model.onnx"))
     assert archive <= 175_000_000
     ids = text_ids[:1024]
     m = compare_logits(reference_text_logits[:1024], OnnxDecoder(int4_dir).teacher_forced_logits(ids), ids)
-    assert m.kl_mean <= 0.30, m
-    assert m.top1_agreement >= 0.72, m
+    assert m.kl_mean <= 0.17, m
+    assert m.top1_agreement >= 0.77, m
     optimized = tmp_path / "optimized.onnx"
     OnnxDecoder(int4_dir, optimized_model_path=optimized)
     graph = onnx.load(str(optimized), load_external_data=False).graph
