@@ -327,6 +327,10 @@ def export(
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
     if calibrate and dtype not in ("int8", "int4"):
         raise ConfigError(f"--calibrate applies to --dtype int8 and int4, not {dtype}")
+    if calibration_text is not None and dtype not in ("int8", "int4"):
+        raise ConfigError(f"--calibration-text applies to --dtype int8 and int4, not {dtype}")
+    if calibration_text is not None and calibrate is False:
+        raise ConfigError("--calibration-text is read only when calibrating; drop --no-calibrate")
     if calibration_tokens < 2:
         raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least 2")
     text = read_calibration_text(calibration_text) if calibrate is not False and dtype in ("int8", "int4") else None

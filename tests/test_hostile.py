@@ -247,6 +247,16 @@ def existing_output(setup: Callable[[Path], None]):
     return make
 
 
+def calibration(dtype: str, *options, setup: Callable[[Path], None] | None = None):
+    """An export of the tiny model (no tokenizer) with calibration options; ``*.txt`` names live in work."""
+    def make(work: Path, fx: Fixtures) -> list:
+        if setup:
+            setup(work)
+        return [*_export_args(fx.tiny_dir, work, dtype),
+                *[work / o if isinstance(o, str) and o.endswith(".txt") else o for o in options]]
+    return make
+
+
 # ---- the table -----------------------------------------------------------------------------------
 @dataclasses.dataclass
 class Case:
@@ -359,6 +369,20 @@ CASES = {
                            ConfigError, ("--block-size 24",)),
     "int4 option on int8": Case(plain(lambda w: ["--source", w, "--out", w / "out", "--dtype", "int8", "--table-dtype", "int8"]),
                                 ConfigError, ("--table-dtype",)),
+    "calibrate without a tokenizer": Case(calibration("int8", "--calibrate"), ConfigError,
+                                          ("--calibrate needs a tokenizer and this source has none",)),
+    "calibrate fp32": Case(calibration("fp32", "--calibrate"), ConfigError, ("--calibrate applies to --dtype int8 and int4, not fp32",)),
+    "calibration text on bf16": Case(calibration("bf16", "--calibration-text", "t.txt", setup=_file("t.txt", b"some text")),
+                                     ConfigError, ("--calibration-text applies to --dtype int8 and int4, not bf16",)),
+    "calibration text with no-calibrate": Case(calibration("int8", "--no-calibrate", "--calibration-text", "t.txt",
+                                                           setup=_file("t.txt", b"some text")),
+                                               ConfigError, ("--calibration-text", "--no-calibrate")),
+    "calibration text missing": Case(calibration("int8", "--calibration-text", "nope.txt"), SourceNotFoundError,
+                                     ("nope.txt: no such calibration text file",)),
+    "calibration text empty": Case(calibration("int4", "--calibration-text", "e.txt", setup=_file("e.txt", b" \n\n")),
+                                   ConfigError, ("e.txt: the calibration text is empty",)),
+    "calibration text not utf-8": Case(calibration("int8", "--calibration-text", "b.txt", setup=_file("b.txt", b"\xff\xfe\x00\xd8")),
+                                       ConfigError, ("b.txt: cannot read the calibration text as UTF-8",)),
     "parity golden not json": Case(export_copy(_write("golden.json", b"[1, 2"), _parity_golden("golden.json")),
                                    FormatError, ("golden.json: not JSON",)),
     "parity golden without ids": Case(export_copy(_write("golden.json", b'[{"prompt_ids": [2, 3]}]'),
