@@ -34,6 +34,8 @@ from .errors import ConfigError, GemmaExportError, SourceNotFoundError
 #: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license),
 #: GPTQ statistics from 512 tokens gave KL 0.00079, from 2,048 tokens 0.00067 (docs/quality.md).
 DEFAULT_CALIBRATION_TOKENS = 1024
+#: fewer tokens than this give GPTQ no statistics worth the name: refused
+MIN_CALIBRATION_TOKENS = 16
 
 
 def default_calibration_text() -> tuple[str, str]:
@@ -60,6 +62,8 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
     if path is None:
         return default_calibration_text()
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a folder; --calibration-text expects a UTF-8 text file")
     if not path.is_file():
         raise SourceNotFoundError(f"{path}: no such calibration text file")
     try:

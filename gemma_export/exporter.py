@@ -18,7 +18,7 @@ from typing import Callable
 
 from . import __version__
 from .builder import build_model
-from .calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, collect
+from .calibration import DEFAULT_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
@@ -48,6 +48,7 @@ class ExportResult:
         table_initializers: initializers holding a ``[vocab, hidden]``-sized table (1 when tied).
         elapsed_s: wall time of the export, seconds.
         peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.
+        calibration: the manifest's record of the GPTQ calibration (method, text, tokens), or None.
     """
 
     out_dir: Path
@@ -57,6 +58,7 @@ class ExportResult:
     table_initializers: int
     elapsed_s: float
     peak_rss_bytes: int
+    calibration: dict | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -257,6 +259,10 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
                               f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
 
 
+#: tensors of at least this many bytes go to the data file; smaller constants stay in model.onnx
+SIZE_THRESHOLD_BYTES = 256
+
+
 def export(
     source: str | Path | None = None,
     out_dir: str | Path | None = None,
@@ -270,7 +276,7 @@ def export(
     scale_method: str = "mse",
     calibrate: bool | None = None,
     calibration_text: str | Path | None = None,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    calibration_tokens: int | None = None,
     all_logits: bool = False,
     debug_outputs: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
@@ -295,7 +301,7 @@ def export(
             (``calibration.py``, ``quant/gptq.py``). None (default): on when the source carries a
             tokenizer, off otherwise (a reference MLIR export has none); True requires a tokenizer.
         calibration_text: UTF-8 text file (default: Python's documentation, ``pydoc_data``).
-        calibration_tokens: tokens of it to run (default 1,024; at least 2).
+        calibration_tokens: tokens of it to run (default 1,024; at least 16).
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
@@ -331,8 +337,13 @@ def export(
         raise ConfigError(f"--calibration-text applies to --dtype int8 and int4, not {dtype}")
     if calibration_text is not None and calibrate is False:
         raise ConfigError("--calibration-text is read only when calibrating; drop --no-calibrate")
-    if calibration_tokens < 2:
-        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least 2")
+    if calibration_tokens is not None and dtype not in ("int8", "int4"):
+        raise ConfigError(f"--calibration-tokens applies to --dtype int8 and int4, not {dtype}")
+    if calibration_tokens is not None and calibrate is False:
+        raise ConfigError("--calibration-tokens is used only when calibrating; drop --no-calibrate")
+    if calibration_tokens is not None and calibration_tokens < MIN_CALIBRATION_TOKENS:
+        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least {MIN_CALIBRATION_TOKENS}")
+    calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     text = read_calibration_text(calibration_text) if calibrate is not False and dtype in ("int8", "int4") else None
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)
@@ -360,7 +371,9 @@ def export(
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     with staged_folder(out, "export") as staging:
-        total = sum(1 for v in model.graph.initializers.values() if v.const_value is not None)
+        # ir.save reports the tensors it writes to the data file: those of at least SIZE_THRESHOLD bytes
+        total = sum(1 for v in model.graph.initializers.values()
+                    if v.const_value is not None and v.const_value.nbytes >= SIZE_THRESHOLD_BYTES)
         done = 0
 
         def on_tensor(tensor, info) -> None:
@@ -371,7 +384,7 @@ def export(
 
         # One tensor in flight at a time: the exporter's memory stays near one dequantized tensor.
         ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1,
-                max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES)
+                max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES, size_threshold_bytes=SIZE_THRESHOLD_BYTES)
         del model, fmt, calibration  # frees the quantization memo (the int8 table) before onnxruntime loads the model
         gc.collect()
         if ckpt.tokenizer is not None:
@@ -395,7 +408,8 @@ def export(
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
-    return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes())
+    return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
+                        quantization.get("calibration"))
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -> Calibration:
@@ -412,10 +426,12 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -
         raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
                           "export without --calibrate (round-to-nearest codes)")
     ids = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")).encode(body).ids[:tokens]
-    if len(ids) < 2:
-        raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least 2")
+    if len(ids) < MIN_CALIBRATION_TOKENS:
+        raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least "
+                          f"{MIN_CALIBRATION_TOKENS}")
     say = (lambda done, total: progress(done, total, f"calibration: layer {done}/{total}")) if progress else None
-    return collect(ckpt, ids, f"{where}, first {len(ids)} tokens", say)
+    shortfall = f" (the whole text; {tokens} asked)" if len(ids) < tokens else ""
+    return collect(ckpt, ids, f"{where}, first {len(ids)} tokens{shortfall}", say)
 
 
 def _tool_versions() -> dict[str, str]:

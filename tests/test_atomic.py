@@ -116,8 +116,11 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
         app()
     """)
     out = tmp_path / "out"
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
+    # give the child the default disposition, as a terminal's foreground process has.
     proc = subprocess.Popen([sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out), "--dtype", "fp32"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():

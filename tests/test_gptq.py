@@ -196,6 +196,21 @@ def test_calibrated_int8_and_int4_track_transformers(tiny_with_tokenizer, tiny_m
         assert np.abs(logits[0, -1] - expected).max() < tolerance * np.abs(expected).max(), dtype
 
 
+def test_a_short_calibration_text_is_refused_or_recorded(tiny_with_tokenizer, tmp_path):
+    from gemma_export.errors import ConfigError
+    from gemma_export.exporter import export
+
+    short = tmp_path / "short.txt"
+    short.write_text("tiny text")          # 9 characters + <bos>: 10 tokens with the character tokenizer
+    with pytest.raises(ConfigError, match="10 token\\(s\\) after tokenizing; calibration needs at least 16"):
+        export(tiny_with_tokenizer, tmp_path / "a", "int8", block_size=16, table_block_size=16, calibration_text=short)
+    short.write_text("a text of forty characters, give or take")   # 40 characters + <bos>
+    result = export(tiny_with_tokenizer, tmp_path / "b", "int8", block_size=16, table_block_size=16,
+                    calibration_text=short, calibration_tokens=500)
+    assert result.calibration["tokens"] == 41 and "(the whole text; 500 asked)" in result.calibration["text"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.txt"]
+
+
 def test_calibrate_needs_a_tokenizer_and_a_quantized_dtype(tiny_dir, tmp_path):
     from gemma_export.errors import ConfigError, SourceNotFoundError
     from gemma_export.exporter import export
