@@ -163,15 +163,26 @@ def _gemm_lm_head(g: GraphBuilder, table_value: ir.Value, hidden: ir.Value, voca
 class Float32Format(WeightFormat):
     name = "fp32"
 
+    def _weight(self, g, name, shape, make):
+        """A float32 value of ``shape`` read from an initializer written by ``make()``."""
+        return g.initializer(_lazy(name, ir.DataType.FLOAT, shape, make))
+
     def linear(self, g, x, ref):
         out_features, in_features = ref.shape
-        w = g.initializer(_lazy(ref.name, ir.DataType.FLOAT, (in_features, out_features),
-                                lambda: np.ascontiguousarray(ref.load().T)))
+        w = self._weight(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T))
         return g.op("MatMul", x, w)
 
+    def linears(self, g, x, refs, name):
+        # one MatMul over the stacked [in, out_1 + out_2 + ...] weight, then Split (fewer calls)
+        if len(refs) == 1:
+            return [self.linear(g, x, refs[0])]
+        sizes = [r.shape[0] for r in refs]
+        w = self._weight(g, name, (refs[0].shape[1], sum(sizes)),
+                         lambda: np.ascontiguousarray(np.concatenate([r.load() for r in refs]).T))
+        return list(g.op("Split", g.op("MatMul", x, w), g.const_i64(sizes), axis=-1, num_outputs=len(sizes)))
+
     def table(self, g, ref):
-        value = g.initializer(_lazy(ref.name, ir.DataType.FLOAT, ref.shape, ref.load))
-        return Table(ref, {"float": value})
+        return Table(ref, {"float": self._weight(g, ref.name, ref.shape, ref.load)})
 
     def embedding(self, g, table, input_ids):
         return g.op("Gather", table.values["float"], input_ids, axis=0)
@@ -183,18 +194,10 @@ class Float32Format(WeightFormat):
 class BF16Format(Float32Format):
     name = "bf16"
 
-    def _bf16(self, g, name, shape, make):
+    def _weight(self, g, name, shape, make):
         stored = g.initializer(_lazy(name, ir.DataType.BFLOAT16, shape,
                                      lambda: BF16Weights.quantize(make()).bits.view(ml_dtypes.bfloat16)))
         return g.op("Cast", stored, to=ir.DataType.FLOAT)
-
-    def linear(self, g, x, ref):
-        out_features, in_features = ref.shape
-        w = self._bf16(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T))
-        return g.op("MatMul", x, w)
-
-    def table(self, g, ref):
-        return Table(ref, {"float": self._bf16(g, ref.name, ref.shape, ref.load)})
 
 
 class _RotatedRows:
