@@ -20,6 +20,10 @@ CPU provider (``../shared/anchors.md``):
 * ``int4``: the same plan with 4-bit codes (``quant.BlockInt4Weights``: two per byte, symmetric by
   default, scales chosen by a clipping search) for the projections and, unless ``table_dtype`` is
   ``int8``, the table; the lookup unpacks the gathered rows' nibbles with ``BitwiseAnd``/``BitShift``.
+* Projections that read the same input (q/k/v, gate/up) are stored stacked along the output axis
+  and run as one ``MatMulNBits`` (``MatMul`` for fp32/bf16) followed by ``Split``.
+* With a :class:`~gemma_export.calibration.Calibration`, int8 and int4 codes are chosen by GPTQ
+  (``quant/gptq.py``) on the calibration inputs; scales and layout stay those of the plain scheme.
 
 Tensors are :class:`onnx_ir.LazyTensor` s: each is read, converted and written one at a time when
 the model is saved, so the exporter never holds the whole model in memory.
