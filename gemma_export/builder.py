@@ -67,11 +67,9 @@ def rotary_embedding(g: GraphBuilder, position_ids: ir.Value, config: GemmaConfi
     ``emb = concat(freqs, freqs)`` is the rotate-half layout :func:`apply_rotary` applies).
     Computed from the positions at run time: no position-table constant.
     """
-    rope = config.rope_parameters[layer_type]
-    exponent = np.arange(0, config.head_dim, 2, dtype=np.float32) / np.float32(config.head_dim)
-    inv_freq = (np.float32(1.0) / np.power(np.float32(rope.rope_theta), exponent)) / np.float32(rope.factor)
+    inv_freq = config.rope_parameters[layer_type].inv_freq(config.head_dim)
     positions = g.op("Reshape", g.op("Cast", position_ids, to=F32), g.const_i64([-1, 1]))  # [B·S, 1]
-    angles = g.op("Mul", positions, g.const(inv_freq.astype(np.float32)))                  # [B·S, D/2]
+    angles = g.op("Mul", positions, g.const(inv_freq))                                     # [B·S, D/2]
     return g.op("Cos", angles), g.op("Sin", angles)
 
 

@@ -44,7 +44,7 @@ def default_calibration_text() -> tuple[str, str]:
     Python license.
 
     Raises:
-        GemmaExportError: this Python was built without ``pydoc_data``.
+        SourceNotFoundError: this Python was built without ``pydoc_data``.
     """
     try:
         from pydoc_data.topics import topics
@@ -83,10 +83,9 @@ def _gelu_tanh(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.tanh(np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)))
 
 
-def _rope(x: np.ndarray, positions: np.ndarray, theta: float, factor: float) -> np.ndarray:
-    """Rotate-half RoPE over the full head_dim: ``x`` ``[heads, T, D]``."""
+def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE over the full head_dim: ``x`` ``[heads, T, D]``, ``inv_freq`` ``[D / 2]``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d)) / factor
     angles = positions[:, None].astype(np.float64) * np.concatenate([inv_freq, inv_freq])[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     half = d // 2
@@ -108,18 +107,14 @@ class Calibration:
     inputs: dict[str, np.ndarray]
     tokens: int
     source: str
-    _last: tuple = dataclasses.field(default=(None, None), repr=False, compare=False)
 
     def hessian(self, name: str) -> np.ndarray | None:
-        """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected.
-        Weights that share an input (q/k/v, gate/up) get the same array object back."""
+        """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected."""
         x = self.inputs.get(name)
         if x is None:
             return None
-        if self._last[0] is not x:
-            x64 = x.astype(np.float64)
-            self._last = (x, x64.T @ x64)
-        return self._last[1]
+        x64 = x.astype(np.float64)
+        return x64.T @ x64
 
 
 def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
@@ -152,7 +147,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         p = f"model.layers.{layer}."
         w = lambda name: checkpoint.tensors[p + name].load()  # noqa: E731
         layer_type = c.layer_types[layer]
-        rope = c.rope_parameters[layer_type]
+        inv_freq = c.rope_parameters[layer_type].inv_freq(d, np.float64)
 
         h = _rms_norm(x, w("input_layernorm.weight"), eps)
         for proj in ("q_proj", "k_proj", "v_proj"):
@@ -160,8 +155,8 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         q = (h @ w("self_attn.q_proj.weight").T).reshape(t, heads, d)
         k = (h @ w("self_attn.k_proj.weight").T).reshape(t, kv_heads, d)
         v = (h @ w("self_attn.v_proj.weight").T).reshape(t, kv_heads, d).transpose(1, 0, 2)
-        q = _rope(_rms_norm(q, w("self_attn.q_norm.weight"), eps).transpose(1, 0, 2), positions, rope.rope_theta, rope.factor)
-        k = _rope(_rms_norm(k, w("self_attn.k_norm.weight"), eps).transpose(1, 0, 2), positions, rope.rope_theta, rope.factor)
+        q = _rope(_rms_norm(q, w("self_attn.q_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
+        k = _rope(_rms_norm(k, w("self_attn.k_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
         k, v = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)   # repeat_kv
         scores = (q @ k.transpose(0, 2, 1)) * np.float32(c.attention_scale)    # [H, T, T]
         if c.attn_logit_softcapping:

@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from .errors import ConfigError
 
 SLIDING = "sliding_attention"
@@ -34,6 +36,11 @@ class RopeParameters:
     rope_theta: float
     rope_type: str = "default"
     factor: float = 1.0
+
+    def inv_freq(self, head_dim: int, dtype=np.float32) -> np.ndarray:
+        """``[head_dim / 2]`` in ``dtype`` (float32 for the graph's constant; computed in that precision)."""
+        exponent = np.arange(0, head_dim, 2, dtype=dtype) / dtype(head_dim)
+        return ((dtype(1.0) / np.power(dtype(self.rope_theta), exponent)) / dtype(self.factor)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -331,20 +331,17 @@ def export(
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
-    if calibrate and dtype not in ("int8", "int4"):
-        raise ConfigError(f"--calibrate applies to --dtype int8 and int4, not {dtype}")
-    if calibration_text is not None and dtype not in ("int8", "int4"):
-        raise ConfigError(f"--calibration-text applies to --dtype int8 and int4, not {dtype}")
-    if calibration_text is not None and calibrate is False:
-        raise ConfigError("--calibration-text is read only when calibrating; drop --no-calibrate")
-    if calibration_tokens is not None and dtype not in ("int8", "int4"):
-        raise ConfigError(f"--calibration-tokens applies to --dtype int8 and int4, not {dtype}")
-    if calibration_tokens is not None and calibrate is False:
-        raise ConfigError("--calibration-tokens is used only when calibrating; drop --no-calibrate")
+    quantized = dtype in ("int8", "int4")
+    for option, given in (("--calibrate", bool(calibrate)), ("--calibration-text", calibration_text is not None),
+                          ("--calibration-tokens", calibration_tokens is not None)):
+        if given and not quantized:
+            raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
+        if given and calibrate is False:  # only the two value options can meet --no-calibrate
+            raise ConfigError(f"{option} is used only when calibrating; drop --no-calibrate")
     if calibration_tokens is not None and calibration_tokens < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least {MIN_CALIBRATION_TOKENS}")
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
-    text = read_calibration_text(calibration_text) if calibrate is not False and dtype in ("int8", "int4") else None
+    text = read_calibration_text(calibration_text) if calibrate is not False and quantized else None
     started = time.perf_counter()
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
@@ -352,7 +349,7 @@ def export(
     calibration = None
     if text is not None and (calibrate or ckpt.tokenizer is not None):
         calibration = _calibrate(ckpt, text, calibration_tokens, progress)
-    if dtype in ("int8", "int4"):
+    if quantized:
         rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
         table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
@@ -364,7 +361,7 @@ def export(
     quantization = {k: getattr(fmt, k) for k in ("block_size", "table_block_size", "hadamard_size") if hasattr(fmt, k)}
     if dtype == "int4":
         quantization.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
-    if dtype in ("int8", "int4"):
+    if quantized:
         quantization["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
                                        if calibration is not None else None)
     int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
@@ -416,7 +413,7 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -
     """Activation statistics of the first ``tokens`` tokens of ``text`` (``calibration.collect``).
 
     Raises:
-        ConfigError: the source has no tokenizer, or the text is shorter than 2 tokens.
+        ConfigError: the source has no tokenizer, or the text is shorter than MIN_CALIBRATION_TOKENS.
     """
     from tokenizers import Tokenizer
 

@@ -42,7 +42,7 @@ import onnx_ir as ir
 
 from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matrix, rotate_blocks
 from quant import int4 as int4_scheme
-from quant.gptq import rotate_hessian
+from quant.gptq import Hessian
 from quant.int8 import ZERO_POINT
 
 from .calibration import Calibration
@@ -78,23 +78,15 @@ class _Memo:
         self._lock = threading.Lock()
         self._size = size
         self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
-        self._rotated_hessian: tuple = (None, 0, None)  # (Hessian, rotation, rotated): shared inputs
-
-    def _rotate(self, h: np.ndarray, size: int) -> np.ndarray:
-        if self._rotated_hessian[0] is not h or self._rotated_hessian[1] != size:
-            self._rotated_hessian = (h, size, rotate_hessian(h, size))
-        return self._rotated_hessian[2]
 
     def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
                  symmetric: bool = True, method: str = "mse",
-                 hessian: Callable[[], np.ndarray | None] | None = None) -> BlockInt8Weights | BlockInt4Weights:
+                 hessian: Callable[[], Hessian | None] | None = None) -> BlockInt8Weights | BlockInt4Weights:
         key = (ref.name, block_size, hadamard_size, bits, symmetric, method)
         with self._lock:
             if key not in self._entries:
                 rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
                 h = hessian() if hessian is not None else None
-                if h is not None and hadamard_size:
-                    h = self._rotate(h, hadamard_size)  # the rotated weight consumes rotated inputs
                 try:
                     if bits == 8:
                         value = BlockInt8Weights.quantize(rows, block_size, hessian=h)
@@ -138,9 +130,18 @@ class WeightFormat:
         raise NotImplementedError
 
     def linears(self, g: GraphBuilder, x: ir.Value, refs: list[TensorRef], name: str) -> list[ir.Value]:
-        """``x @ W.T`` for each ``W`` in ``refs`` (same ``in``); formats may store them stacked as one
-        weight called ``name``."""
-        return [self.linear(g, x, ref) for ref in refs]
+        """``x @ W.T`` for each ``W`` in ``refs`` (same ``in``): one :meth:`stacked_linear` over the
+        weights stacked along ``out`` as one weight called ``name``, then ``Split`` (fewer, larger
+        kernel calls than one per weight)."""
+        if len(refs) == 1:
+            return [self.linear(g, x, refs[0])]
+        sizes = [r.shape[0] for r in refs]
+        y = self.stacked_linear(g, x, refs, name)
+        return list(g.op("Split", y, g.const_i64(sizes), axis=-1, num_outputs=len(sizes)))
+
+    def stacked_linear(self, g: GraphBuilder, x: ir.Value, refs: list[TensorRef], name: str) -> ir.Value:
+        """``x @ concat(W_1, W_2, ...).T``: ``[..., in]`` → ``[..., sum of out]``."""
+        raise NotImplementedError
 
     def table(self, g: GraphBuilder, ref: TensorRef) -> Table:
         """Create the ``[vocab, hidden]`` table's initializers (once per table)."""
@@ -176,14 +177,10 @@ class Float32Format(WeightFormat):
         w = self._weight(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T))
         return g.op("MatMul", x, w)
 
-    def linears(self, g, x, refs, name):
-        # one MatMul over the stacked [in, out_1 + out_2 + ...] weight, then Split (fewer calls)
-        if len(refs) == 1:
-            return [self.linear(g, x, refs[0])]
-        sizes = [r.shape[0] for r in refs]
-        w = self._weight(g, name, (refs[0].shape[1], sum(sizes)),
+    def stacked_linear(self, g, x, refs, name):
+        w = self._weight(g, name, (refs[0].shape[1], sum(r.shape[0] for r in refs)),
                          lambda: np.ascontiguousarray(np.concatenate([r.load() for r in refs]).T))
-        return list(g.op("Split", g.op("MatMul", x, w), g.const_i64(sizes), axis=-1, num_outputs=len(sizes)))
+        return g.op("MatMul", x, w)
 
     def table(self, g, ref):
         return Table(ref, {"float": self._weight(g, ref.name, ref.shape, ref.load)})
@@ -221,6 +218,7 @@ class Int8Format(WeightFormat):
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None):
         self._memo = _Memo()
         self._stack: tuple = (None, None)
+        self._hessian_of: tuple = (None, None)  # (calibration input, its Hessian): q/k/v, gate/up share
         self.calibration = calibration
         self.block_size = block_size
         self.table_block_size = table_block_size or block_size
@@ -234,8 +232,19 @@ class Int8Format(WeightFormat):
     symmetric = True
     method = "rtn"
 
+    def _hessian(self, name: str) -> Hessian | None:
+        """The GPTQ Hessian of weight ``name``'s input, rotated as its weight is; one object (and one
+        factorisation) for the weights that read the same input, which are quantized back to back."""
+        x = self.calibration.inputs.get(name) if self.calibration is not None else None
+        if x is None:
+            return None
+        if self._hessian_of[0] is not x:
+            h = Hessian(self.calibration.hessian(name))
+            self._hessian_of = (x, h.rotated(self.hadamard_size) if self.hadamard_size else h)
+        return self._hessian_of[1]
+
     def _quantized(self, ref: TensorRef, block_size: int, bits: int):
-        hessian = functools.partial(self.calibration.hessian, ref.name) if self.calibration is not None else None
+        hessian = functools.partial(self._hessian, ref.name)
         return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method, hessian)
 
     def _stacked(self, refs: tuple[TensorRef, ...], block_size: int, bits: int):
@@ -299,16 +308,10 @@ class Int8Format(WeightFormat):
         n, k = ref.shape
         return self._matmul_nbits(g, self._rotate(g, x, k), self._initializers(g, ref, self.block_size, self.bits), n, k)
 
-    def linears(self, g, x, refs, name):
-        # One MatMulNBits over the stacked weights, then Split: fewer, larger kernel calls (measured
-        # on the real 270M: q/k/v and gate/up fused decode faster than five separate calls).
-        if len(refs) == 1:
-            return [self.linear(g, x, refs[0])]
-        sizes = [r.shape[0] for r in refs]
-        k = refs[0].shape[1]
+    def stacked_linear(self, g, x, refs, name):
+        n, k = sum(r.shape[0] for r in refs), refs[0].shape[1]
         values = self._initializers(g, tuple(refs), self.block_size, self.bits, name)
-        y = self._matmul_nbits(g, self._rotate(g, x, k), values, sum(sizes), k)
-        return list(g.op("Split", y, g.const_i64(sizes), axis=-1, num_outputs=len(sizes)))
+        return self._matmul_nbits(g, self._rotate(g, x, k), values, n, k)
 
     def table(self, g, ref):
         return Table(ref, self._initializers(g, ref, self.table_block_size, self.table_bits))

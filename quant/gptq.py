@@ -55,7 +55,7 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     h[:, dead] = 0
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
-    # float32 first (4x faster at K = 2048, as GPTQ's reference code), float64 if that fails
+    # float32 first (GPTQ's reference code factors in float32), float64 if that fails
     for dtype in (np.float32, np.float64):
         try:
             inverse = np.linalg.inv(h.astype(dtype))
@@ -68,25 +68,42 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     raise ValueError("the Hessian is not positive definite after damping")
 
 
-_last_factor: list = [None, None, None]  # (hessian array, damp, factor): q/k/v and gate/up share inputs
+class Hessian:
+    """``Xᵀ X`` of one input ``[K, K]`` with its GPTQ factor (:func:`inverse_cholesky`) computed on
+    first use, so weights that read the same input (q/k/v, gate/up) share one factorisation."""
+
+    def __init__(self, matrix: np.ndarray, damp: float = DEFAULT_DAMP):
+        self.matrix = np.asarray(matrix, np.float64)
+        self.damp = damp
+        self._factor: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.matrix.shape
+
+    @property
+    def factor(self) -> np.ndarray:
+        if self._factor is None:
+            self._factor = inverse_cholesky(self.matrix, self.damp)
+        return self._factor
+
+    def rotated(self, size: int) -> "Hessian":
+        """The Hessian of the Hadamard-rotated inputs (:func:`rotate_hessian`)."""
+        return Hessian(rotate_hessian(self.matrix, size), self.damp)
 
 
-def _factor(hessian: np.ndarray, damp: float) -> np.ndarray:
-    """:func:`inverse_cholesky`, reused when the very same Hessian array comes back (weights that
-    read one input are quantized back to back)."""
-    if _last_factor[0] is not hessian or _last_factor[1] != damp:
-        _last_factor[:] = [None, None, None]
-        _last_factor[:] = [hessian, damp, inverse_cholesky(hessian, damp)]
-    return _last_factor[2]
+def as_hessian(hessian: "np.ndarray | Hessian", damp: float = DEFAULT_DAMP) -> Hessian:
+    return hessian if isinstance(hessian, Hessian) else Hessian(hessian, damp)
 
 
-def gptq_codes(w, hessian: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, block_size: int,
+def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_points: np.ndarray, block_size: int,
                qmin: int, qmax: int, damp: float = DEFAULT_DAMP) -> np.ndarray:
     """GPTQ codes for ``w`` with fixed per-block ``scales`` and ``zero_points``.
 
     Args:
         w: float ``[N, K]`` (an array or any row-sliceable object: read chunk by chunk).
-        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale).
+        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale), or a
+            :class:`Hessian` (whose own ``damp`` then applies and whose factor is reused).
         scales: float32 ``[N, K / block_size]``, nonzero.
         zero_points: ``[N, K / block_size]``, the code that dequantizes to 0.
         qmin, qmax: the code range (e.g. 1..255 for symmetric int8 around 128, 0..15 for 4 bits).
@@ -102,7 +119,7 @@ def gptq_codes(w, hessian: np.ndarray, scales: np.ndarray, zero_points: np.ndarr
     if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
         raise ValueError(f"GPTQ: weight {tuple(w.shape)}, block {block_size}, scales {scales.shape}, "
                          f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
-    u = _factor(hessian, damp)
+    u = as_hessian(hessian, damp).factor
     codes = np.empty((n, k), np.uint8)
     for start in range(0, n, _ROWS_PER_CHUNK):
         # column-major chunk: column j of W is the contiguous row cols[j]

@@ -32,7 +32,7 @@ import dataclasses
 
 import numpy as np
 
-from .gptq import gptq_codes
+from .gptq import as_hessian, gptq_codes
 from .rows import float_rows
 
 ZERO_POINT = 8
@@ -99,7 +99,7 @@ class BlockInt4Weights:
 
     @classmethod
     def quantize(cls, w, block_size: int, symmetric: bool = True, method: str = "mse",
-                 channel_weights: np.ndarray | None = None, hessian: np.ndarray | None = None) -> "BlockInt4Weights":
+                 channel_weights: np.ndarray | None = None, hessian=None) -> "BlockInt4Weights":
         """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
 
         Args:
@@ -109,7 +109,7 @@ class BlockInt4Weights:
                 ``CLIP_RATIOS``).
             channel_weights: float ``[K]`` ≥ 0 weighting each input channel's error (``"mse"`` only;
                 default: the diagonal of ``hessian`` when given).
-            hessian: ``[K, K]``, ``Xᵀ X`` of calibration inputs: the scales (and zero points) are
+            hessian: ``[K, K]``, ``Xᵀ X`` of calibration inputs (or a :class:`quant.gptq.Hessian`): the scales (and zero points) are
                 chosen as above, then the codes by :func:`quant.gptq.gptq_codes`.
 
         Raises:
@@ -125,8 +125,8 @@ class BlockInt4Weights:
             raise ValueError(f"in_features {k} is not a multiple of the (even) block_size {block_size}")
         nb = k // block_size
         h = None
-        if channel_weights is None and hessian is not None and np.shape(hessian) == (k, k):
-            channel_weights = np.maximum(np.diagonal(np.asarray(hessian, np.float64)), 0.0)
+        if channel_weights is None and hessian is not None and hessian.shape == (k, k):
+            channel_weights = np.maximum(np.diagonal(as_hessian(hessian).matrix), 0.0)
         if channel_weights is not None:
             h = np.asarray(channel_weights, np.float32)
             if h.shape != (k,) or not np.isfinite(h).all() or (h < 0).any():

@@ -45,12 +45,13 @@ class BlockInt8Weights:
     block_size: int
 
     @classmethod
-    def quantize(cls, w: np.ndarray, block_size: int, hessian: np.ndarray | None = None) -> "BlockInt8Weights":
+    def quantize(cls, w: np.ndarray, block_size: int, hessian=None) -> "BlockInt8Weights":
         """Quantize a float ``[N, K]`` matrix, row chunk by row chunk.
 
         ``w`` is a numpy array or any object with ``shape`` and row slicing (``w[a:b]`` returning an
         array), so a lazily dequantized source never needs to exist whole in float32. With
-        ``hessian`` (``[K, K]``, ``Xᵀ X`` of calibration inputs) the codes come from
+        ``hessian`` (``[K, K]``, ``Xᵀ X`` of calibration inputs, or a :class:`quant.gptq.Hessian`)
+        the codes come from
         :func:`quant.gptq.gptq_codes` with the round-to-nearest scales.
 
         Raises:
