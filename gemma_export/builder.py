@@ -35,10 +35,12 @@ MASK_VALUE = float(np.finfo(np.float32).min)
 class _Shared:
     """Values computed once and used by every layer."""
 
-    mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, 1, seq, total]
+    mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, seq, total]
     cos: dict[str, ir.Value]    # layer type → [batch · seq, head_dim / 2]
     sin: dict[str, ir.Value]
     rope_index: ir.Value        # [batch, seq]: row of cos/sin for each token
+    seqlens_k: ir.Value         # int32 [batch]: total − 1 (GroupQueryAttention's "seqlens_k")
+    total_sequence_length: ir.Value  # int32 scalar: past + seq
 
 
 def _weight(checkpoint: Checkpoint, name: str) -> TensorRef:
@@ -81,31 +83,33 @@ def rope_index(g: GraphBuilder, position_ids: ir.Value) -> ir.Value:
 
 
 def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, index: ir.Value) -> ir.Value:
-    """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over the last axis of
-    ``x`` ``[batch, heads, seq, head_dim]``: one onnxruntime ``RotaryEmbedding`` (com.microsoft,
-    ``interleaved`` 0), reading the cos/sin row ``index[b, s]`` for token ``(b, s)``."""
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over each head's
+    ``head_dim`` values of ``x`` ``[batch, seq, heads · head_dim]``: one onnxruntime
+    ``RotaryEmbedding`` (com.microsoft, ``interleaved`` 0; the head size is read from ``cos``), reading
+    the cos/sin row ``index[b, s]`` for token ``(b, s)``."""
     return g.op("RotaryEmbedding", x, index, cos, sin, domain="com.microsoft", interleaved=0)
 
 
-def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value, past_key: ir.Value,
-                    config: GemmaConfig) -> dict[str, ir.Value]:
-    """Additive masks ``[batch, 1, 1, seq, total]`` (0 = attend, finfo.min = masked), one per layer type.
+def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value, config: GemmaConfig) -> dict[str, ir.Value]:
+    """Additive masks ``[batch, 1, seq, total]`` (0 = attend, finfo.min = masked), one per layer type.
 
     Query ``i`` of this call sits at cache index ``q = past + i``; key ``k`` is allowed when
     ``k <= q`` (causal), ``attention_mask[b, k] == 1`` (padding), and on sliding layers also
     ``q - k < sliding_window`` (transformers ``sliding_window_overlay``: ``kv_idx > q_idx - window``).
     Indices are cache positions, not ``position_ids``, as in transformers.
     """
-    past = g.op("Gather", g.op("Shape", past_key), g.const_i64([2]))       # [1]
-    seq = g.op("Gather", g.op("Shape", input_ids), g.const_i64([1]))       # [1]
-    total = g.op("Add", past, seq)
+    # past = total − seq from the mask, not from past_key's shape: with a shared KV buffer
+    # (GroupQueryAttention's past_present_share_buffer) past_key is longer than the past.
+    total = g.op("Gather", g.op("Shape", attention_mask), g.const_i64([1]))   # [1]
+    seq = g.op("Gather", g.op("Shape", input_ids), g.const_i64([1]))         # [1]
+    past = g.op("Sub", total, seq)
     scalar = lambda v: g.op("Squeeze", v, g.const_i64([0]))  # noqa: E731
     query_index = g.op("Range", scalar(past), scalar(total), g.const(np.int64(1)))
     key_index = g.op("Range", g.const(np.int64(0)), scalar(total), g.const(np.int64(1)))
     distance = g.op("Sub", g.op("Unsqueeze", query_index, g.const_i64([1])), key_index)  # [S, T]: q - k
     causal = g.op("GreaterOrEqual", distance, g.const(np.int64(0)))
-    not_padding = g.op("Unsqueeze", g.op("Cast", attention_mask, to=ir.DataType.BOOL), g.const_i64([1, 2, 3]))
-    allowed = {FULL: g.op("And", causal, not_padding)}                       # [B, 1, 1, S, T]
+    not_padding = g.op("Unsqueeze", g.op("Cast", attention_mask, to=ir.DataType.BOOL), g.const_i64([1, 2]))
+    allowed = {FULL: g.op("And", causal, not_padding)}                       # [B, 1, S, T]
     in_window = g.op("Less", distance, g.const(np.int64(config.sliding_window)))
     allowed[SLIDING] = g.op("And", allowed[FULL], in_window)
     zero, masked = g.const_f32(0.0), g.const_f32(MASK_VALUE)
@@ -127,35 +131,34 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     full layers), keys/values appended to the cache, ``softmax(q k^T * query_pre_attn_scalar**-0.5 +
     mask) v`` with ``num_key_value_groups`` query heads per KV head, then ``o_proj``.
 
+    The cache append and the attention itself are one onnxruntime ``GroupQueryAttention``
+    (com.microsoft; BNSH cache, ``kv_num_heads`` KV heads shared by ``num_key_value_groups`` query
+    heads each) fed the additive mask of :func:`attention_masks` as ``attention_bias``, so padding
+    and the sliding window are exactly transformers' whatever the batch layout.
+
     Returns ``(output [B, S, hidden], present_key, present_value)``.
     """
     c = ckpt.config
     p = f"model.layers.{layer}.self_attn."
     layer_type = c.layer_types[layer]
-    heads, kv_heads, groups, d = c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups, c.head_dim
+    heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
-    def heads_first(t: ir.Value, n: int, norm: str) -> ir.Value:
-        t = g.op("Reshape", t, g.const_i64([0, 0, n, d]))                       # [B, S, n, D]
-        t = rms_norm(g, t, _weight(ckpt, p + norm), c.rms_norm_eps) if norm else t
-        return g.op("Transpose", t, perm=[0, 2, 1, 3])                          # [B, n, S, D]
+    def normed(t: ir.Value, n: int, norm: str) -> ir.Value:
+        # [B, S, n·D] → RMSNorm over each head's D values → [B, S, n·D]
+        if n == 1:
+            return rms_norm(g, t, _weight(ckpt, p + norm), c.rms_norm_eps)
+        t = rms_norm(g, g.op("Reshape", t, g.const_i64([0, 0, n, d])), _weight(ckpt, p + norm), c.rms_norm_eps)
+        return g.op("Reshape", t, g.const_i64([0, 0, n * d]))
 
     rope = shared.cos[layer_type], shared.sin[layer_type], shared.rope_index
     q, k, v = fmt.linears(g, x, [_weight(ckpt, p + f"{n}_proj.weight") for n in "qkv"], p + "qkv_proj.weight")
-    q = apply_rotary(g, heads_first(q, heads, "q_norm.weight"), *rope)
-    k = apply_rotary(g, heads_first(k, kv_heads, "k_norm.weight"), *rope)
-    v = heads_first(v, kv_heads, "")
-    present_key = g.op("Concat", past_key, k, axis=2)                           # [B, kv, T, D]
-    present_value = g.op("Concat", past_value, v, axis=2)
-
-    # Grouped-query attention by broadcasting: query head h uses KV head h // groups (repeat_kv).
-    q5 = g.op("Reshape", q, g.const_i64([0, kv_heads, groups, -1, d]))          # [B, kv, g, S, D]
-    k5 = g.op("Unsqueeze", present_key, g.const_i64([2]))                       # [B, kv, 1, T, D]
-    v5 = g.op("Unsqueeze", present_value, g.const_i64([2]))
-    scores = g.op("Mul", g.op("MatMul", q5, g.op("Transpose", k5, perm=[0, 1, 2, 4, 3])), g.const_f32(c.attention_scale))
-    scores = g.op("Add", _softcap(g, scores, c.attn_logit_softcapping), shared.mask[layer_type])
-    context = g.op("MatMul", g.op("Softmax", scores, axis=-1), v5)              # [B, kv, g, S, D]
-    context = g.op("Reshape", context, g.const_i64([0, heads, -1, d]))          # [B, H, S, D]
-    context = g.op("Reshape", g.op("Transpose", context, perm=[0, 2, 1, 3]), g.const_i64([0, 0, heads * d]))
+    q = apply_rotary(g, normed(q, heads, "q_norm.weight"), *rope)
+    k = apply_rotary(g, normed(k, kv_heads, "k_norm.weight"), *rope)
+    context, present_key, present_value = g.op(
+        "GroupQueryAttention", q, k, v, past_key, past_value, shared.seqlens_k, shared.total_sequence_length,
+        None, None, None, shared.mask[layer_type], domain="com.microsoft", num_outputs=3,
+        num_heads=heads, kv_num_heads=kv_heads, scale=float(c.attention_scale),
+        softcap=float(c.attn_logit_softcapping or 0.0))
     return fmt.linear(g, context, _weight(ckpt, p + "o_proj.weight")), present_key, present_value
 
 
@@ -227,9 +230,12 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
         rope = {t: rotary_embedding(g, position_ids, c, t) for t in layer_types}
         index = rope_index(g, position_ids)
     with g.scope("mask"):
-        masks = attention_masks(g, attention_mask, input_ids, past[0][0], c)
+        masks = attention_masks(g, attention_mask, input_ids, c)
+        total = g.op("Cast", g.op("Gather", g.op("Shape", attention_mask), g.const(np.int64(1))), to=ir.DataType.INT32)
+        batch = g.op("Gather", g.op("Shape", input_ids), g.const_i64([0]))
+        seqlens_k = g.op("Expand", g.op("Sub", total, g.const(np.int32(1))), batch)
     shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()},
-                     rope_index=index)
+                     rope_index=index, seqlens_k=seqlens_k, total_sequence_length=total)
 
     presents, debug = [], []
     for i in range(c.num_hidden_layers):

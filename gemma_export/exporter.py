@@ -398,6 +398,9 @@ def export(
             "all_logits": all_logits,
             "debug_outputs": debug_outputs,
             "tie_word_embeddings": ckpt.tied,
+            # GroupQueryAttention reads past + sequence from attention_mask, so one [batch, kv_heads,
+            # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
+            "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
             "source": dict(ckpt.identity),
             "config": ckpt.config.to_dict(),
             "tool": {"gemma-export": __version__, **_tool_versions()},

@@ -1,7 +1,10 @@
 """Run an exported folder with onnxruntime: one forward step, greedy decoding, text generation.
 
-The KV cache is fed back as numpy arrays (``present.*`` of one step become ``past_key_values.*`` of
-the next). Inputs follow the export's I/O contract (see ``builder.py``).
+Inputs follow the export's I/O contract (see ``builder.py``). Generation keeps the KV cache in a
+:class:`KVCache`: for this toolkit's exports one onnxruntime buffer per cache tensor, bound as both
+``past_key_values.*`` and ``present.*`` (GroupQueryAttention appends in place); for other graphs
+numpy arrays fed back step by step (``present.*`` of one step become ``past_key_values.*`` of the
+next), which is also what :meth:`OnnxDecoder.forward` does.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ class OnnxDecoder:
         except (OSError, ValueError) as exc:
             raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
+        kv_cache = self.manifest.get("kv_cache")
+        self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         self.eos_token_id = tuple(self.manifest.get("config", {}).get("eos_token_id", (1, 106)))
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
@@ -155,7 +160,7 @@ class OnnxDecoder:
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
         self.check_length(len(prompt_ids) + max_new_tokens)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
-        past = self.empty_cache(1)
+        cache = KVCache(self, 1, len(prompt_ids) + max_new_tokens)
         new_ids: list[int] = []
         timings: list[float] = []
         position = 0
@@ -164,9 +169,8 @@ class OnnxDecoder:
             seq = ids.shape[1]
             mask = np.ones((1, position + seq), np.int64)
             positions = np.arange(position, position + seq, dtype=np.int64)[None]
-            logits, past = self.forward(ids, mask, positions, past)
+            token = int(np.argmax(cache.step(ids, mask, positions)[0, -1]))
             timings.append((time.perf_counter() - start) * 1e3)
-            token = int(np.argmax(logits[0, -1]))
             new_ids.append(token)
             position += seq
             ids = np.asarray([[token]], dtype=np.int64)
@@ -189,11 +193,10 @@ class OnnxDecoder:
             ids[row, longest - len(prompt):] = prompt
             mask[row, longest - len(prompt):] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        past = self.empty_cache(batch)
+        cache = KVCache(self, batch, longest + max_new_tokens)
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
-            logits, past = self.forward(ids, mask, positions, past)
-            tokens = logits[:, -1].argmax(-1)
+            tokens = cache.step(ids, mask, positions)[:, -1].argmax(-1)
             for row, token in enumerate(tokens):
                 out[row].append(int(token))
             ids = tokens[:, None].astype(np.int64)
@@ -208,13 +211,76 @@ class OnnxDecoder:
         sliding window.
         """
         self.check_length(len(token_ids))
-        past = self.empty_cache(1)
-        rows = []
+        cache = KVCache(self, 1, len(token_ids))
+        rows = np.empty((len(token_ids), self.vocab_size), np.float32)
         for position, token in enumerate(token_ids):
-            logits, past = self.forward(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
-                                        np.asarray([[position]], np.int64), past)
-            rows.append(logits[0, -1])
-        return np.stack(rows)
+            rows[position] = cache.step(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
+                                        np.asarray([[position]], np.int64))[0, -1]
+        return rows
+
+
+class KVCache:
+    """The KV cache of one generation with an :class:`OnnxDecoder`, and the step that uses it.
+
+    For this toolkit's exports (manifest ``kv_cache.past_present_share_buffer``) each
+    ``past_key_values.{i}.key|value`` is one onnxruntime buffer float32 ``[batch, kv_heads, capacity,
+    head_dim]`` bound through IO binding as both the input and the matching ``present.{i}.*`` output:
+    GroupQueryAttention writes the step's keys and values at rows ``past … past + seq − 1`` in place
+    (its ``past_present_share_buffer`` mode), so no step copies or reallocates the cache. Other graphs
+    get the numpy round trip of :meth:`OnnxDecoder.forward`.
+
+    Args:
+        decoder: the loaded export.
+        batch_size: rows of every step.
+        capacity: the most tokens (past + sequence) any step will hold.
+
+    Raises:
+        GemmaExportError: ``capacity`` < 1.
+    """
+
+    def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int):
+        if capacity < 1:
+            raise GemmaExportError(f"KV cache capacity must be >= 1 token, found {capacity}")
+        self.decoder, self.capacity = decoder, capacity
+        self.shared = decoder.shares_kv_buffer
+        if not self.shared:
+            self._past = decoder.empty_cache(batch_size)
+            return
+        import onnxruntime as ort
+
+        self._binding = decoder.session.io_binding()
+        self._binding.bind_output("logits")  # first bound output: get_outputs()[0]
+        shape = (batch_size, decoder.num_key_value_heads, capacity, decoder.head_dim)
+        self._buffers = []
+        for i in range(decoder.num_layers):
+            for kind in ("key", "value"):
+                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
+                self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
+                self._binding.bind_ortvalue_output(f"present.{i}.{kind}", buffer)
+                self._buffers.append(buffer)
+
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+        """Run one step and append its keys/values. Shapes as :meth:`OnnxDecoder.forward`; returns
+        logits float32 ``[B, 1 or S, vocab]`` (an array the caller owns).
+
+        Raises:
+            GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``.
+        """
+        total = attention_mask.shape[1]
+        if total > self.capacity:
+            raise GemmaExportError(f"KV cache: a step of {total} tokens (past + sequence) exceeds the cache "
+                                   f"capacity of {self.capacity}")
+        if not self.shared:
+            logits, self._past = self.decoder.forward(input_ids, attention_mask, position_ids, self._past)
+            return logits
+        b = self._binding
+        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
+        b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        b.bind_output("logits")  # unallocated again: its shape changes between prefill and decode
+        self.decoder.session.run_with_iobinding(b)
+        # OrtValue.numpy() is a view of onnxruntime's output memory, reused by the next run: copy.
+        return np.array(b.get_outputs()[0].numpy(), copy=True)
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -176,6 +176,64 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
         assert row == alone
 
 
+def _steps(decoder, cache_or_none, prompt_ids, mask, steps):
+    """Prefill a left-padded batch, then ``steps`` greedy steps: logits of every step, either through
+    a KVCache or through forward() with numpy past (cache_or_none None)."""
+    from gemma_export.runtime import KVCache
+
+    b = prompt_ids.shape[0]
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    past = decoder.empty_cache(b)
+    ids, rows = prompt_ids, []
+    for _ in range(steps):
+        if isinstance(cache_or_none, KVCache):
+            logits = cache_or_none.step(ids, mask, positions)
+        else:
+            logits, past = decoder.forward(ids, mask, positions, past)
+        rows.append(logits[:, -1])
+        ids = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+        positions = positions[:, -1:] + 1
+        mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
+    return np.stack(rows)
+
+
+def test_shared_kv_buffer_equals_the_numpy_round_trip(tiny_dir, tmp_path):
+    """KVCache binds one buffer per cache tensor as past and present (GroupQueryAttention appends in
+    place); prefill + 16 steps (past the window of 6), batch 2 with left padding, must give exactly
+    the logits of feeding present back as numpy arrays."""
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.runtime import KVCache
+
+    out = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
+    decoder = OnnxDecoder(out)
+    assert decoder.shares_kv_buffer
+    ids = _ids(batch=2, seq=9, seed=4)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    cache = KVCache(decoder, 2, 9 + 16)
+    assert cache.shared
+    shared = _steps(decoder, cache, ids, mask, 17)
+    assert np.array_equal(shared, _steps(decoder, None, ids, mask, 17))
+    assert not np.array_equal(shared[0, 1], shared[0, 0])  # rows differ: the padding is not ignored
+    with pytest.raises(GemmaExportError, match="exceeds the cache capacity of 25"):
+        cache.step(ids[:, :1], np.ones((2, 26), np.int64), np.full((2, 1), 25))
+
+
+def test_exports_without_the_shared_buffer_flag_use_the_numpy_round_trip(tiny_dir, tmp_path):
+    from gemma_export.runtime import KVCache
+
+    out = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["kv_cache"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    decoder = OnnxDecoder(out)
+    assert not decoder.shares_kv_buffer and not KVCache(decoder, 1, 4).shared
+    ids = _ids(seed=5)
+    logits = decoder.teacher_forced_logits(ids[0].tolist())
+    reference = OnnxDecoder(export(tiny_dir, tmp_path / "again", "fp32").out_dir).teacher_forced_logits(ids[0].tolist())
+    assert np.array_equal(logits, reference)
+
+
 def test_prompt_longer_than_max_positions_is_refused(fp32_all):
     from gemma_export.errors import GemmaExportError
 

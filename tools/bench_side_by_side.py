@@ -49,22 +49,24 @@ def read_bandwidth_gbps(size_bytes: int = 1 << 30, repeats: int = 5, threads: in
 
 
 def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int) -> dict:
-    from gemma_export.runtime import OnnxDecoder
+    from gemma_export.runtime import KVCache, OnnxDecoder
 
     dec = OnnxDecoder(model_dir, threads=threads)
     prompt = np.asarray([ids[:prefill]], np.int64)
+    cache = KVCache(dec, 1, prefill)
     start = time.perf_counter()
-    dec.forward(prompt, np.ones_like(prompt), np.arange(prefill)[None], dec.empty_cache(1))
+    cache.step(prompt, np.ones_like(prompt), np.arange(prefill)[None])
     prefill_ms = (time.perf_counter() - start) * 1e3
     decode = {}
     for context in contexts:
         prompt = np.asarray([ids[:context]], np.int64)
-        _, past = dec.forward(prompt, np.ones_like(prompt), np.arange(context)[None], dec.empty_cache(1))
+        cache = KVCache(dec, 1, context + new_tokens)  # shared past/present buffers for our exports
+        cache.step(prompt, np.ones_like(prompt), np.arange(context)[None])
         steps = []
         for i in range(new_tokens):
             pos = context + i
             start = time.perf_counter()
-            _, past = dec.forward(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]), past)
+            cache.step(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]))
             steps.append((time.perf_counter() - start) * 1e3)
         decode[context] = statistics.median(steps[3:])
     return {"prefill_ms": prefill_ms, "decode_ms": decode}
