@@ -88,6 +88,7 @@ class BenchResult:
     text_source: str
     board: str | None = None
     board_memory_bytes: int | None = None
+    prefill_chunk: int | None = None
     reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
 
     def to_dict(self) -> dict:
@@ -101,7 +102,7 @@ def _archive_bytes(model_dir: Path) -> int:
 def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Sequence[int] = (16, 128, 512),
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
               reference: str | Path | None = None, reference_weights: str | Path | None = None,
-              progress: Callable[[str], None] | None = None) -> BenchResult:
+              prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
     """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
 
     Args:
@@ -116,6 +117,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
             the board runs it: the fixed-length re-decode graph once per new token, after a prompt
             of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
             holds its ms/token and the ratio of the export's decode median at the shortest prompt.
+        prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step).
 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
@@ -128,6 +130,8 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     lengths = sorted(set(int(n) for n in prompt_tokens))
     if not lengths or lengths[0] <= 0:
         raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     spec = None
@@ -156,7 +160,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     short_decode: list[float] = []
     for n in lengths:
         # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
-        _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[])
+        _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[], prefill_chunk=prefill_chunk)
         for step, ms in enumerate(decode_ms):
             if step >= WARMUP_STEPS:
                 timed.append(ms)
@@ -178,6 +182,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
+        prefill_chunk=prefill_chunk,
         reference=reference_figures)
     return result
 
@@ -229,7 +234,8 @@ def format_result(r: BenchResult) -> str:
     lines = [
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
         f"session creation {r.session_create_s:.2f} s",
-        *[f"prefill {n:>5} tok  {ms:,.1f} ms" for n, ms in r.prefill_ms.items()],
+        *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk else "")
+          for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
         f"({r.tokens_per_s:.1f} tokens/s)",
         f"memory growth    after the {min(r.prefill_ms)}-token prompt: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "

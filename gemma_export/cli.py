@@ -162,12 +162,18 @@ def main(
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 
 
+PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default: all at once). Same tokens; less "
+                      "activation memory kept after long prompts, slower prefill (512 tokens in steps of 128: "
+                      "37 MB less Anonymous memory, +9% prefill time).")
+
+
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", help="An export folder."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
@@ -177,7 +183,7 @@ def generate(
     from .runtime import generate as run
 
     try:
-        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads)
+        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=prefill_chunk)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
@@ -277,6 +283,7 @@ def bench(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
     reference: Optional[Path] = typer.Option(None, "--reference", help="Also time the board team's reference export (.mlir) under IREE, one re-decode per token (needs the iree extra)."),
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", help="The reference's safetensors archive (default: beside the .mlir)."),
+    prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
@@ -294,7 +301,7 @@ def bench(
         check_outputs(json_out, plot)
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
                            text=text, reference=reference, reference_weights=reference_weights,
-                           progress=lambda msg: typer.echo(msg, err=True))
+                           prefill_chunk=prefill_chunk, progress=lambda msg: typer.echo(msg, err=True))
         typer.echo(format_result(result))
         if json_out is not None:
             main_json(result, json_out)

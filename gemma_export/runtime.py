@@ -155,8 +155,19 @@ class OnnxDecoder:
                 f"{self.model_dir}: a sequence of {total_tokens} tokens (prompt + new tokens) exceeds the model's "
                 f"max_position_embeddings {self.max_position_embeddings}")
 
-    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None):
-        """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``."""
+    def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
+               prefill_chunk: int | None = None):
+        """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``.
+
+        ``prefill_chunk``: run the prompt through the cache in steps of at most this many tokens
+        (None: one step). The result is the same; the activation memory onnxruntime's arena keeps
+        after a long prompt shrinks with the chunk (``docs/benchmarks.md``), prefill takes longer.
+
+        Raises:
+            GemmaExportError: ``prefill_chunk`` < 1, or the sequence exceeds ``max_position_embeddings``.
+        """
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
         self.check_length(len(prompt_ids) + max_new_tokens)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
@@ -166,13 +177,15 @@ class OnnxDecoder:
         position = 0
         for _ in range(max_new_tokens):
             start = time.perf_counter()
-            seq = ids.shape[1]
-            mask = np.ones((1, position + seq), np.int64)
-            positions = np.arange(position, position + seq, dtype=np.int64)[None]
-            token = int(np.argmax(cache.step(ids, mask, positions)[0, -1]))
+            chunk = ids.shape[1] if prefill_chunk is None else prefill_chunk
+            for first in range(0, ids.shape[1], chunk):
+                part = ids[:, first:first + chunk]
+                end = position + part.shape[1]
+                logits = cache.step(part, np.ones((1, end), np.int64), np.arange(position, end, dtype=np.int64)[None])
+                position = end
+            token = int(np.argmax(logits[0, -1]))
             timings.append((time.perf_counter() - start) * 1e3)
             new_ids.append(token)
-            position += seq
             ids = np.asarray([[token]], dtype=np.int64)
             if token in stop:
                 break
@@ -304,7 +317,8 @@ def load_tokenizer(model_dir: str | Path):
         raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
 
 
-def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None) -> GenerationResult:
+def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
+             prefill_chunk: int | None = None) -> GenerationResult:
     """Tokenize ``prompt`` (``<bos>`` prepended), greedy-decode with onnxruntime, decode the new tokens.
 
     Raises:
@@ -316,6 +330,6 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     decoder = OnnxDecoder(model_dir, threads=threads)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt).ids
-    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens)
+    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms)

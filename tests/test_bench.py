@@ -32,6 +32,17 @@ def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     assert r.text_source == str(text_file)
 
 
+def test_bench_prefill_in_chunks(tiny_int8_export, text_file, monkeypatch):
+    from gemma_export.runtime import KVCache
+
+    sizes = []
+    step = KVCache.step
+    monkeypatch.setattr(KVCache, "step", lambda self, ids, *a: sizes.append(ids.shape[1]) or step(self, ids, *a))
+    r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(8,), new_tokens=6, text=text_file, prefill_chunk=3)
+    assert sizes == [3, 3, 2] + [1] * 6  # the 8-token prompt in steps of 3, then one token per step
+    assert r.prefill_chunk == 3 and "(steps of 3)" in bench_module.format_result(r)
+
+
 def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeypatch):
     # the in-process peak (VmHWM) includes whatever ran before in this pytest process: pin it
     monkeypatch.setattr(bench_module, "peak_rss_bytes", lambda: 700_000_000)

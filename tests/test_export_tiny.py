@@ -234,6 +234,27 @@ def test_exports_without_the_shared_buffer_flag_use_the_numpy_round_trip(tiny_di
     assert np.array_equal(logits, reference)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_prefill_in_chunks_gives_the_same_tokens(fp32_all, chunk):
+    """A 14-token prompt (longer than the window of 6) fed through the cache in steps of ``chunk``
+    tokens: the greedy continuation equals the one-step prefill's."""
+    decoder = OnnxDecoder(fp32_all)
+    prompt = [2, 17, 33, 52, 9, 71, 40, 12, 5, 60, 44, 8, 90, 91]
+    whole, _, _ = decoder.greedy(prompt, 10, stop_ids=[])
+    chunked, _, _ = decoder.greedy(prompt, 10, stop_ids=[], prefill_chunk=chunk)
+    assert chunked == whole
+    ids = np.asarray([prompt])
+    reference = _prefill(decoder, ids)[0][0, -1]   # all_logits export: logits of every prompt position
+    from gemma_export.runtime import KVCache
+
+    cache = KVCache(decoder, 1, len(prompt))
+    for first in range(0, len(prompt), chunk):
+        part = ids[:, first:first + chunk]
+        logits = cache.step(part, np.ones((1, first + part.shape[1]), np.int64),
+                            np.arange(first, first + part.shape[1])[None])
+    assert np.abs(logits[0, -1] - reference).max() <= 1e-4
+
+
 def test_prompt_longer_than_max_positions_is_refused(fp32_all):
     from gemma_export.errors import GemmaExportError
 
