@@ -200,6 +200,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
+    if not folder.exists():
+        raise SourceNotFoundError(f"{folder}: no such export folder")
+    if not folder.is_dir():
+        raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {MANIFEST_FILE})")
     if not manifest_path.is_file():
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:

@@ -67,6 +67,8 @@ class OnnxDecoder:
 
         self.model_dir = Path(model_dir)
         path = self.model_dir / MODEL_FILE
+        if not self.model_dir.exists():
+            raise SourceNotFoundError(f"{model_dir}: no such export folder")
         if self.model_dir.is_file():
             raise SourceNotFoundError(f"{model_dir}: is a file; expected an export folder (the one holding {MODEL_FILE})")
         if not path.is_file():

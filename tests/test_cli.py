@@ -154,6 +154,16 @@ def test_same_input_gives_byte_identical_files(tiny_dir, tmp_path):
 def test_generate_refuses_missing_model(tmp_path):
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 2 and "no exported model here" in result.stderr
+    result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
+    assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
+
+
+def test_verify_names_a_missing_folder_and_a_file(tmp_path):
+    result = _run("verify", tmp_path / "typo")
+    assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
+    (tmp_path / "notes.txt").write_text("x")
+    result = _run("verify", tmp_path / "notes.txt")
+    assert result.exit_code == 2 and "notes.txt: is a file; expected an export folder" in result.stderr
 
 
 def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
@@ -191,3 +201,14 @@ def test_python_api_from_readme(tiny_dir, tmp_path):
     assert again is export
     result = export(tiny_dir, tmp_path / "api", "fp32")
     assert result.table_initializers == 1 and (result.out_dir / "model.onnx").is_file()
+
+
+def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(tmp_path, monkeypatch):
+    import gemma_export.runtime as runtime
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runtime, "generate", interrupted)
+    result = _run("generate", "--model", tmp_path, "--prompt", "hi")
+    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"

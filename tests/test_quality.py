@@ -87,7 +87,7 @@ def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
 
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
-    (["--reference", "/nonexistent/export"], "/nonexistent/export/model.onnx: no exported model here"),
+    (["--reference", "/nonexistent/export"], "/nonexistent/export: no such export folder"),
     (["--text", "/nonexistent/text.txt"], "/nonexistent/text.txt: text file not found"),
 ])
 def test_quality_bad_arguments(tiny_int8_export, args, message):
