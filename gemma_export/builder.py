@@ -157,8 +157,9 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     context, present_key, present_value = g.op(
         "GroupQueryAttention", q, k, v, past_key, past_value, shared.seqlens_k, shared.total_sequence_length,
         None, None, None, shared.mask[layer_type], domain="com.microsoft", num_outputs=3,
-        num_heads=heads, kv_num_heads=kv_heads, scale=float(c.attention_scale),
-        softcap=float(c.attn_logit_softcapping or 0.0))
+        num_heads=heads, kv_num_heads=kv_heads, scale=float(c.attention_scale))
+    # No attention soft-capping: transformers' Gemma3Attention reads attn_logit_softcapping from the
+    # config but never applies it (Gemma 3 checkpoints set it to null), and it is the reference.
     return fmt.linear(g, context, _weight(ckpt, p + "o_proj.weight")), present_key, present_value
 
 

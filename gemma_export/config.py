@@ -67,7 +67,7 @@ class GemmaConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = True
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # read, not applied: transformers' Gemma3Attention ignores it
     bos_token_id: int = 2
     eos_token_id: tuple[int, ...] = (1, 106)
     pad_token_id: int = 0

@@ -255,6 +255,20 @@ def test_prefill_in_chunks_gives_the_same_tokens(fp32_all, chunk):
     assert np.abs(logits[0, -1] - reference).max() <= 1e-4
 
 
+def test_attention_softcap_in_the_config_is_ignored_like_transformers(tiny_dir, tmp_path):
+    """transformers' Gemma3Attention never applies attn_logit_softcapping; the export matches it
+    (batch 2 with left padding, past the window) instead of capping the scores."""
+    model = make_tiny_model(attn_logit_softcapping=0.5)
+    save_tiny(model, tmp_path / "src")
+    out = export(tmp_path / "src", tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = _ids(batch=2, seed=6)
+    mask = np.ones_like(ids)
+    mask[1, :5] = 0
+    logits, _ = _prefill(OnnxDecoder(out), ids, mask, np.clip(np.cumsum(mask, 1) - 1, 0, None))
+    ref = reference_logits(model, ids, mask)
+    assert np.abs(logits[0] - ref[0]).max() <= 1e-4 and np.abs(logits[1, 5:] - ref[1, 5:]).max() <= 1e-4
+
+
 def test_prompt_longer_than_max_positions_is_refused(fp32_all):
     from gemma_export.errors import GemmaExportError
 
