@@ -123,15 +123,14 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
-    from .runtime import OnnxDecoder, load_tokenizer
+    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
     lengths = sorted(set(int(n) for n in prompt_tokens))
     if not lengths or lengths[0] <= 0:
         raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
-    if prefill_chunk is not None and prefill_chunk < 1:
-        raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
+    check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     spec = None

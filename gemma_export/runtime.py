@@ -168,8 +168,7 @@ class OnnxDecoder:
         Raises:
             GemmaExportError: ``prefill_chunk`` < 1, or the sequence exceeds ``max_position_embeddings``.
         """
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
+        check_prefill_chunk(prefill_chunk)
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
         self.check_length(len(prompt_ids) + max_new_tokens)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
@@ -234,6 +233,12 @@ class OnnxDecoder:
         return rows
 
 
+def check_prefill_chunk(prefill_chunk: int | None) -> None:
+    """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step)."""
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
+
+
 class KVCache:
     """The KV cache of one generation with an :class:`OnnxDecoder`, and the step that uses it.
 
@@ -266,7 +271,7 @@ class KVCache:
         self._binding = decoder.session.io_binding()
         self._binding.bind_output("logits")  # first bound output: get_outputs()[0]
         shape = (batch_size, decoder.num_key_value_heads, capacity, decoder.head_dim)
-        self._buffers = []
+        self._buffers = []  # our references keep the bound buffers alive as long as the binding
         for i in range(decoder.num_layers):
             for kind in ("key", "value"):
                 buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
