@@ -89,6 +89,8 @@ class BenchResult:
     board: str | None = None
     board_memory_bytes: int | None = None
     prefill_chunk: int | None = None
+    prepacked: str | None = None  # the pre-packed copy's model.onnx the session loaded, if any
+    prepacked_note: str = ""
     reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
 
     def to_dict(self) -> dict:
@@ -102,7 +104,8 @@ def _archive_bytes(model_dir: Path) -> int:
 def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Sequence[int] = (16, 128, 512),
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
               reference: str | Path | None = None, reference_weights: str | Path | None = None,
-              prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None) -> BenchResult:
+              prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None,
+              prepacked: bool | None = None) -> BenchResult:
     """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
 
     Args:
@@ -118,6 +121,8 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
             of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
             holds its ms/token and the ratio of the export's decode median at the shortest prompt.
         prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step).
+        prepacked: the folder's pre-packed copy: None uses it when made here, True requires it,
+            False ignores it (see :class:`~gemma_export.runtime.OnnxDecoder`).
 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
@@ -147,9 +152,9 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     release_free_heap()
     before = snapshot()
     t0 = time.perf_counter()
-    decoder = OnnxDecoder(model_dir, threads=threads)
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     create_s = time.perf_counter() - t0
-    say(f"session created in {create_s:.1f} s")
+    say(f"session created in {create_s:.1f} s" + (f" from the {decoder.prepacked_note}" if decoder.prepacked_path else ""))
     decoder.check_length(lengths[-1] + new_tokens)
 
     prefill_ms: dict[int, float] = {}
@@ -182,6 +187,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
         prefill_chunk=prefill_chunk,
+        prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
         reference=reference_figures)
     return result
 
@@ -233,6 +239,9 @@ def format_result(r: BenchResult) -> str:
     lines = [
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
         f"session creation {r.session_create_s:.2f} s",
+        "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
+                               "model.onnx, weights packed on the heap" + (f" ({r.prepacked_note})" if r.prepacked_note
+                                                                           else "; `gemma-export prepack` maps them from disk")),
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "

@@ -23,6 +23,7 @@ from .calibration import calibration_text as read_calibration_text
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import check_external_data, read_graph
+from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
 from .staging import is_unchanged_output, staged_folder
@@ -232,7 +233,11 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
         if _sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from the manifest")
-    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE)
+    # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
+    # (gemma_export/prepack.py); it is checked against them when loaded, not listed here.
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE
+                   and not (p.name == PREPACKED_DIR and p.is_dir() and not p.is_symlink()
+                            and (p / PREPACKED_MANIFEST).is_file()))
     if extra:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
     try:
@@ -258,7 +263,8 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"}):
+        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"},
+                                                         derived=((PREPACKED_DIR, PREPACKED_MANIFEST),)):
             raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
                               f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
 

@@ -33,6 +33,8 @@ class GenerationResult:
         text: the decoded new tokens.
         prefill_ms: time of the prompt step, milliseconds.
         decode_ms: time of each following step, milliseconds.
+        prepacked: whether the session loaded the folder's pre-packed copy.
+        prepacked_note: why the copy was or was not used ("" when there is none).
     """
 
     prompt_ids: list[int]
@@ -40,6 +42,8 @@ class GenerationResult:
     text: str
     prefill_ms: float
     decode_ms: list[float]
+    prepacked: bool = False
+    prepacked_note: str = ""
 
 
 def _genai_decoder_config(model_dir: Path) -> dict:
@@ -57,13 +61,27 @@ class OnnxDecoder:
         threads: intra-op threads (None: onnxruntime's default).
         optimized_model_path: if set, onnxruntime writes its optimized graph there (used to prove
             that one table remains after its constant folding and pre-packing).
+        prepacked: which graph onnxruntime loads. ``None`` (default): the folder's pre-packed copy
+            (``prepacked/``, :mod:`gemma_export.prepack`) when it was made on this machine from
+            these files, else ``model.onnx``; ``False``: always ``model.onnx``; ``True``: the copy,
+            or an error saying why it cannot be used; a path: that copy's ``model.onnx``.
+            ``optimized_model_path`` implies ``False``. The logits are the same either way; the copy
+            maps the packed weights from disk instead of building them on the heap.
+
+    Attributes:
+        prepacked_path: the pre-packed ``model.onnx`` in use, or None.
+        prepacked_note: why the folder's copy is or is not used ("" when there is none).
 
     Raises:
         SourceNotFoundError: no ``model.onnx`` in the folder.
+        GemmaExportError: ``prepacked=True`` and the copy cannot be used here.
     """
 
-    def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None):
+    def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
+                 prepacked: bool | str | Path | None = None):
         import onnxruntime as ort
+
+        from . import prepack as prepack_copy
 
         self.model_dir = Path(model_dir)
         path = self.model_dir / MODEL_FILE
@@ -74,6 +92,20 @@ class OnnxDecoder:
         if not path.is_file():
             raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
         load_graph(path)  # a readable graph whose external data are regular files of this folder
+        self.prepacked_path, self.prepacked_note = None, ""
+        if optimized_model_path is not None or prepacked is False:
+            pass
+        elif isinstance(prepacked, (str, Path)):
+            self.prepacked_path = Path(prepacked)
+        else:
+            found = prepack_copy.status(self.model_dir)
+            self.prepacked_path, self.prepacked_note = found.path, found.reason
+            if prepacked is True and found.path is None:
+                raise GemmaExportError(found.reason or f"{self.model_dir / prepack_copy.PREPACKED_DIR}: no pre-packed "
+                                       "copy (run gemma-export prepack)")
+        if self.prepacked_path is not None:
+            load_graph(self.prepacked_path)
+            path = self.prepacked_path
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if threads:
@@ -325,8 +357,9 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
-             prefill_chunk: int | None = None) -> GenerationResult:
+             prefill_chunk: int | None = None, prepacked: bool | None = None) -> GenerationResult:
     """Tokenize ``prompt`` (``<bos>`` prepended), greedy-decode with onnxruntime, decode the new tokens.
+    ``prepacked``: the folder's pre-packed copy, as in :class:`OnnxDecoder`.
 
     Raises:
         SourceNotFoundError, FormatError: the folder is not an export with a tokenizer.
@@ -334,9 +367,10 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     """
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
-    decoder = OnnxDecoder(model_dir, threads=threads)
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt).ids
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms)
+    return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
+                            decoder.prepacked_path is not None, decoder.prepacked_note)

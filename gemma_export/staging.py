@@ -27,10 +27,13 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
         os.replace(staging, out_dir)
 
 
-def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None) -> bool:
+def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
+                        derived: tuple[tuple[str, str], ...] = ()) -> bool:
     """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
     key/value pairs and a ``files`` map of paths relative to ``folder``) and nothing but the files it
-    lists and the folders holding them: only such a folder may be replaced by a new output."""
+    lists, the folders holding them, and ``derived`` sub-folders (``(name, marker file)`` pairs: a
+    folder ``name`` holding ``marker``, which the toolkit wrote from the listed files): only such a
+    folder may be replaced by a new output."""
     try:
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
@@ -41,8 +44,12 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
         return False
     listed = set(manifest["files"]) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
+    skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
+            and (folder / name / marker).is_file()}
     for path in folder.rglob("*"):
         relative = str(path.relative_to(folder))
+        if relative.split("/", 1)[0] in skip:
+            continue
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return False
     return True

@@ -1,0 +1,144 @@
+"""`gemma-export prepack`: a machine-specific copy whose packed weights onnxruntime maps from disk.
+
+The copy must give the export's logits bit for bit, be used only where it was made and from the
+files it was made from, leave the export verifiable and replaceable, and never be half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from gemma_export import prepack as prepack_module
+from gemma_export.cli import app
+from gemma_export.errors import GemmaExportError, VerificationError
+from gemma_export.runtime import OnnxDecoder
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture()
+def export_copy(tiny_int8_export, tmp_path):
+    folder = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, folder)
+    return folder
+
+
+def test_prepacked_copy_gives_identical_logits_and_is_used_by_default(export_copy):
+    result = _run("prepack", "--model", export_copy)
+    assert result.exit_code == 0, result.output
+    copy = export_copy / "prepacked"
+    record = json.loads((copy / "prepacked.json").read_text())
+    assert record["machine"] == prepack_module.machine_key()
+    # the packed MatMulNBits weights are stored beside the originals: the copy's data file is larger
+    assert (copy / "model.onnx.data").stat().st_size > (export_copy / "model.onnx.data").stat().st_size
+
+    used, plain = OnnxDecoder(export_copy), OnnxDecoder(export_copy, prepacked=False)
+    assert used.prepacked_path == copy / "model.onnx" and plain.prepacked_path is None
+    ids = list(range(3, 40))  # past the tiny model's sliding window, through the shared KV buffer
+    assert np.array_equal(used.teacher_forced_logits(ids), plain.teacher_forced_logits(ids))
+    assert used.greedy([2, 5, 9], 12, stop_ids=[])[0] == plain.greedy([2, 5, 9], 12, stop_ids=[])[0]
+
+    # the folder still verifies against its manifest, and a new export replaces it with the stale copy
+    assert _run("verify", export_copy).exit_code == 0
+    generated = _run("generate", "--model", export_copy, "--prompt", "the fox", "--max-new-tokens", 3)
+    assert generated.exit_code == 0 and "pre-packed copy" in generated.output
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("onnxruntime", "0.0.1", "made for onnxruntime '0.0.1'"),
+    ("machine", "riscv64", "made for machine 'riscv64'"),
+    ("cpu_flags_sha256", "0" * 64, "made for CPU features"),
+])
+def test_a_copy_made_elsewhere_is_ignored(export_copy, field, value, expected):
+    prepack_module.prepack(export_copy)
+    path = export_copy / "prepacked" / "prepacked.json"
+    record = json.loads(path.read_text())
+    record["machine"][field] = value
+    path.write_text(json.dumps(record))
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and expected in decoder.prepacked_note
+    with pytest.raises(GemmaExportError, match="made for"):
+        OnnxDecoder(export_copy, prepacked=True)
+    result = _run("generate", "--model", export_copy, "--prompt", "the", "--max-new-tokens", 2)
+    assert result.exit_code == 0 and "note:" in result.output and "ignored" in result.output
+
+
+def test_a_copy_of_other_model_files_is_ignored(export_copy):
+    prepack_module.prepack(export_copy)
+    manifest = json.loads((export_copy / "manifest.json").read_text())
+    manifest["files"]["model.onnx.data"]["sha256"] = "0" * 64  # as after a re-export with other weights
+    (export_copy / "manifest.json").write_text(json.dumps(manifest))
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "other model files" in decoder.prepacked_note
+
+
+def test_a_truncated_copy_is_ignored(export_copy):
+    prepack_module.prepack(export_copy)
+    data = export_copy / "prepacked" / "model.onnx.data"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "model.onnx.data: missing or not" in decoder.prepacked_note
+
+
+def test_a_failed_check_keeps_nothing_and_an_older_copy_stays(export_copy, monkeypatch):
+    prepack_module.prepack(export_copy)
+    before = (export_copy / "prepacked" / "prepacked.json").read_text()
+    monkeypatch.setattr(prepack_module.np, "array_equal", lambda a, b: False)
+    with pytest.raises(VerificationError, match="logits differ"):
+        prepack_module.prepack(export_copy)
+    assert (export_copy / "prepacked" / "prepacked.json").read_text() == before
+    assert sorted(p.name for p in export_copy.iterdir() if p.name.startswith(".")) == []  # no staging left
+
+
+def test_re_export_replaces_a_folder_with_a_copy(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16).exit_code == 0
+    assert _run("prepack", "--model", out).exit_code == 0
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 32)
+    assert result.exit_code == 0, result.output
+    assert not (out / "prepacked").exists()  # the stale copy went with the old export
+
+
+def test_an_unknown_prepacked_folder_blocks_verify_and_remove(export_copy):
+    (export_copy / "prepacked").mkdir()
+    (export_copy / "prepacked" / "notes.txt").write_text("mine")
+    result = _run("verify", export_copy)
+    assert result.exit_code != 0 and "files not in the manifest: prepacked" in result.output
+    result = _run("prepack", "--model", export_copy, "--remove")
+    assert result.exit_code != 0 and "not a copy gemma-export wrote" in result.output
+    assert (export_copy / "prepacked" / "notes.txt").read_text() == "mine"
+
+
+def test_remove_and_bad_folders(export_copy, tmp_path):
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+    result = _run("prepack", "--model", export_copy, "--remove")
+    assert result.exit_code == 0 and not (export_copy / "prepacked").exists()
+    assert "no pre-packed copy" in _run("prepack", "--model", export_copy, "--remove").output
+    missing = _run("prepack", "--model", tmp_path / "nope")
+    assert missing.exit_code != 0 and "no such export folder" in missing.output
+    assert not (tmp_path / "nope").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _run("prepack", "--model", empty)
+    assert result.exit_code != 0 and "no exported model here" in result.output
+    assert list(empty.iterdir()) == []
+
+
+def test_bench_reports_which_graph_it_loaded(export_copy, text_file):
+    prepack_module.prepack(export_copy)
+    on = _run("bench", "--model", export_copy, "--prompt-tokens", "8", "--new-tokens", 6, "--text", text_file)
+    off = _run("bench", "--model", export_copy, "--prompt-tokens", "8", "--new-tokens", 6, "--text", text_file,
+               "--no-prepacked")
+    assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
+    assert "pre-packed weights mapped from disk" in on.output
+    assert "weights packed on the heap" in off.output
