@@ -54,3 +54,27 @@ def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, tmp_path_f
     assert report["top1_agreement"] >= 0.995, report
     assert report["max_abs_logit_diff"] < 0.5, report
     assert result.returncode == 0
+
+
+def test_prepack_on_emulated_aarch64_gives_the_same_logits(tiny_int8_export, tmp_path_factory):
+    import numpy as np
+
+    from gemma_export.runtime import OnnxDecoder
+
+    work = tmp_path_factory.mktemp("aarch64_prepack")
+    model = work / "int8"
+    shutil.copytree(tiny_int8_export, model)
+    text = work / "text.txt"
+    text.write_text("many hands make light work; the quick brown fox. " * 8)
+    ids = work / "ids.json"
+    _run(PARITY, "prepare", "--model", model, "--out", ids, "--tokens", 120, "--text", text)
+    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", work / "heap.npz", emulated=True, cwd=work)
+    packed = _run("-m", "gemma_export.cli", "prepack", "--model", model, emulated=True, cwd=work)
+    assert "identical to the export's" in packed.stdout
+    assert json.loads((model / "prepacked" / "prepacked.json").read_text())["machine"]["machine"] == "aarch64"
+    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", work / "mapped.npz", emulated=True, cwd=work)
+    heap, mapped = np.load(work / "heap.npz"), np.load(work / "mapped.npz")
+    assert str(heap["prepacked"]) == "" and str(mapped["prepacked"]).endswith("prepacked/model.onnx")
+    assert np.array_equal(heap["logits"], mapped["logits"]) and np.array_equal(heap["greedy"], mapped["greedy"])
+    host = OnnxDecoder(model)  # the aarch64 copy is not used on x86-64
+    assert host.prepacked_path is None and "made for machine 'aarch64'" in host.prepacked_note

@@ -47,6 +47,7 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert "Python 3.12" in readme
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
+    assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
@@ -83,3 +84,16 @@ def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_pa
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
     assert result.exit_code == 2 and "is not an unchanged gemma-export bundle" in result.output
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_prepacked_copy_stays_out_of_the_bundle(tiny_int8_export, wheel, tmp_path):
+    from gemma_export.prepack import prepack
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    prepack(model)  # machine-specific: the board makes its own
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(model), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "model" / "prepacked").exists()
+    assert sorted(p.name for p in (out / "model").iterdir()) == sorted(p.name for p in tiny_int8_export.iterdir())

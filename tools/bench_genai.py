@@ -7,7 +7,8 @@ Usage:
         [--contexts 16,128] [--steps 64] [--threads 2]
 
 Needs onnxruntime-genai in this interpreter (the test extra has it). Prints medians (ms/token,
-first 3 steps dropped) and our time as a ratio of genai's.
+first 3 steps dropped) and our time as a ratio of genai's: with the weights packed on the heap, and
+from the export's pre-packed copy when `gemma-export prepack` made one on this machine.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threa
     return statistics.median(times[3:])
 
 
-def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
+def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int, prepacked: bool = False) -> float:
     from gemma_export.runtime import OnnxDecoder
 
-    _, _, decode = OnnxDecoder(folder, threads=threads).greedy(ids[:context], steps + 1, stop_ids=[])
+    decoder = OnnxDecoder(folder, threads=threads, prepacked=prepacked)
+    _, _, decode = decoder.greedy(ids[:context], steps + 1, stop_ids=[])
     return statistics.median(decode[3:])
 
 
@@ -58,13 +60,19 @@ def main() -> None:
     pairs = [(p.split("=", 1)[0], *p.split("=", 1)[1].split(",")) for p in args.pair]
     contexts = [int(c) for c in args.contexts.split(",")]
     ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
-    print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai |")
-    print("|---|---|---|---|---|")
+    from gemma_export.prepack import status
+
+    print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
+          "| ours pre-packed ms/token | pre-packed ÷ genai |")
+    print("|---|---|---|---|---|---|---|")
     for name, genai_dir, our_dir in pairs:
+        packed = status(our_dir).path is not None  # a copy made here by `gemma-export prepack`
         for context in contexts:
             theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
             ours = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
-            print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} |", flush=True)
+            mapped = our_decode_ms(our_dir, ids, context, args.steps, args.threads, True) if packed else float("nan")
+            print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {mapped:.1f} "
+                  f"| {mapped / theirs:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ memory-bandwidth floor measured on this machine.
 Usage:
     pip install llama-cpp-python   # optional; on x86 with gcc 12 build it with -mno-amx-* (see docs)
     python tools/bench_side_by_side.py --models int8=DIR fp32=DIR [--threads 2] [--contexts 16,128,512] \\
-        [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png]
+        [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png] [--prepacked both]
 
 llama.cpp runs the bundled Q4_K_M GGUF and a Q8_0 GGUF requantized from it (written once next to
 the bundled file); ``--reference`` adds the board team's reference export under IREE (e.g. the one
@@ -48,10 +48,11 @@ def read_bandwidth_gbps(size_bytes: int = 1 << 30, repeats: int = 5, threads: in
     return size_bytes / statistics.median(times) / 1e9
 
 
-def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int) -> dict:
+def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int,
+               prepacked: bool | None = None) -> dict:
     from gemma_export.runtime import KVCache, OnnxDecoder
 
-    dec = OnnxDecoder(model_dir, threads=threads)
+    dec = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     prompt = np.asarray([ids[:prefill]], np.int64)
     cache = KVCache(dec, 1, prefill)
     start = time.perf_counter()
@@ -149,6 +150,10 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--reference", type=Path, help="a reference export (.mlir, archive beside it), timed under IREE")
     parser.add_argument("--plot", type=Path, help="write decode ms/token against context length (needs matplotlib)")
+    parser.add_argument("--prepacked", choices=("both", "auto", "off"), default="both",
+                        help="both: time each export with its weights packed on the heap and, when it has a copy made "
+                             "here by `gemma-export prepack`, again from that copy; auto: whichever the runtime picks; "
+                             "off: the heap only")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     models = dict(m.split("=", 1) for m in args.models)
@@ -162,10 +167,17 @@ def main() -> None:
         rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
+    from gemma_export.prepack import status
+
     for name, folder in models.items():
-        rows[f"ours {name}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads)
         archive = sum((Path(folder) / f).stat().st_size for f in ("model.onnx", "model.onnx.data"))
-        rows[f"ours {name}"]["archive_bytes"] = archive
+        runs = {"auto": [(name, None)], "off": [(name, False)]}.get(args.prepacked, [(name, False)])
+        if args.prepacked == "both" and status(folder).path is not None:
+            runs.append((f"{name} pre-packed", True))
+        for label, prepacked in runs:
+            rows[f"ours {label}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads,
+                                               prepacked)
+            rows[f"ours {label}"]["archive_bytes"] = archive
     if args.reference:
         rows["reference (IREE, re-decode)"] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)

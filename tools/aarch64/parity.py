@@ -61,8 +61,10 @@ def dump(args: argparse.Namespace) -> None:
     logits = decoder.teacher_forced_logits(payload["text"])
     np.savez(args.out, logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
              machine=platform.machine(), decode_ms_median=float(np.median(times)),
+             prepacked=str(decoder.prepacked_path or ""),
              teacher_forced_s=time.perf_counter() - t0)
-    print(f"{platform.machine()}: wrote {args.out} (decode median {np.median(times):.1f} ms/token)")
+    graph = f"; pre-packed copy {decoder.prepacked_path}" if decoder.prepacked_path else ""
+    print(f"{platform.machine()}: wrote {args.out} (decode median {np.median(times):.1f} ms/token{graph})")
 
 
 def compare(args: argparse.Namespace) -> None:
