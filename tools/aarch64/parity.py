@@ -4,6 +4,11 @@
     python tools/aarch64/parity.py dump --model DIR --ids /tmp/gx-ids.json --out /tmp/x86.npz
     sudo tools/aarch64/run.sh python tools/aarch64/parity.py dump --model DIR --ids /tmp/gx-ids.json --out /tmp/arm.npz
     python tools/aarch64/parity.py compare /tmp/x86.npz /tmp/arm.npz [--json OUT]
+    python tools/aarch64/parity.py dump ... --optimization basic --out /tmp/x86-basic.npz   # control
+
+``dump --optimization basic`` runs the same export on the same machine without onnxruntime's graph
+fusions: the same arithmetic in another float32 order. Comparing it with a normal dump shows how far
+an export moves under float32 reordering alone, the yardstick for the cross-architecture figures.
 
 ``prepare`` tokenizes on the host (so both sides see identical ids): several real prompts and the
 first ``--tokens`` tokens of real text (the Python license). ``dump`` runs greedy decoding of every
@@ -51,7 +56,17 @@ def dump(args: argparse.Namespace) -> None:
     from gemma_export.runtime import OnnxDecoder
 
     payload = json.loads(Path(args.ids).read_text())
-    decoder = OnnxDecoder(args.model, threads=args.threads)
+    decoder = OnnxDecoder(args.model, threads=args.threads, prepacked=False if args.optimization == "basic" else None)
+    if args.optimization == "basic":
+        # the same arithmetic in another float32 order: without onnxruntime's fusions (e.g. RMSNorm
+        # stays Pow/ReduceMean/Sqrt/Div); a same-machine control for the cross-architecture figures
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        decoder.session = ort.InferenceSession(str(Path(args.model) / "model.onnx"), options,
+                                               providers=["CPUExecutionProvider"])
     greedy, times = [], []
     for prompt in payload["prompts"]:
         new_ids, _, decode_ms = decoder.greedy(prompt, payload["new_tokens"], stop_ids=[])
@@ -101,6 +116,8 @@ def main() -> None:
     p.add_argument("--ids", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--optimization", choices=("all", "basic"), default="all",
+                   help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
     p.set_defaults(run=dump)
     p = sub.add_parser("compare")
     p.add_argument("a")
