@@ -250,20 +250,25 @@ def verify(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files),
-    then run the ONNX checker and an onnxruntime load.
+    then run the ONNX checker and an onnxruntime load; a pre-packed copy (prepacked/) is checked
+    against the checksums its prepacked.json records.
 
     Example: gemma-export verify gemma-3-270m-onnx-int8
     """
     from .exporter import verify_manifest
+    from .prepack import verify as verify_prepacked
 
     try:
         files = verify_manifest(model)
+        copy = verify_prepacked(model)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
         _interrupted(writes=False)
         return
     typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes) and loads in onnxruntime")
+    if copy:
+        typer.echo(copy)
 
 
 @app.command()

@@ -95,12 +95,17 @@ class PrepackStatus:
 def status(model_dir: str | Path) -> PrepackStatus:
     """Check ``<model_dir>/prepacked/prepacked.json`` against this machine and the export's files."""
     folder = Path(model_dir) / PREPACKED_DIR
-    if not folder.exists():
+    if not folder.exists() and not folder.is_symlink():
         return PrepackStatus(None, "")
+    if folder.is_symlink() or not folder.is_dir():
+        return PrepackStatus(None, f"{folder}: is {'a link' if folder.is_symlink() else 'not a folder'}; ignored "
+                                   "(gemma-export prepack writes a folder there)")
     try:
         record = json.loads((folder / PREPACKED_MANIFEST).read_text())
         key, source = record["machine"], record["source"]
-    except (OSError, ValueError, KeyError, TypeError):
+        if not (isinstance(key, dict) and isinstance(source, dict)):
+            raise TypeError("'machine' and 'source' must be objects")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
         return PrepackStatus(None, f"{folder}: no readable {PREPACKED_MANIFEST}; ignored (run gemma-export prepack again)")
     here = machine_key()
     for field in ("onnxruntime", "machine", "system", "cpu_flags_sha256"):
@@ -111,11 +116,16 @@ def status(model_dir: str | Path) -> PrepackStatus:
     if source != source_identity(Path(model_dir)):
         return PrepackStatus(None, f"{folder}: made from other model files than the export's current ones; "
                                    "ignored (run gemma-export prepack again)")
-    files = record.get("files", {})
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file() or path.stat().st_size != size:
-            return PrepackStatus(None, f"{path}: missing or not {size:,} bytes; ignored (run gemma-export prepack again)")
+    files = record.get("files")
+    if not isinstance(files, dict) or not {MODEL_FILE, DATA_FILE} <= set(files):
+        return PrepackStatus(None, f"{folder / PREPACKED_MANIFEST}: no 'files' record of {MODEL_FILE} and {DATA_FILE}; "
+                                   "ignored (run gemma-export prepack again)")
+    for name, entry in files.items():
+        path = folder / str(name)
+        size = entry.get("bytes") if isinstance(entry, dict) else None
+        if Path(str(name)).name != name or path.is_symlink() or not path.is_file() or path.stat().st_size != size:
+            return PrepackStatus(None, f"{path}: missing, a link, or not the {size} bytes {PREPACKED_MANIFEST} records; "
+                                       "ignored (run gemma-export prepack again)")
     return PrepackStatus(folder / MODEL_FILE, f"pre-packed copy {folder} (onnxruntime {here['onnxruntime']}, this machine)")
 
 
@@ -200,13 +210,41 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("nan")
             raise VerificationError(f"{staging / MODEL_FILE}: the pre-packed copy's logits differ from the export's "
                                     f"(max |diff| {diff:.3g}); nothing was kept")
-        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+        say("recording checksums …")
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(staging.iterdir())}
         record = {"format": FORMAT, "machine": machine_key(), "source": source_identity(model_dir), "files": files,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "check": {"token_ids": token_ids, "logits": "identical"}}
         (staging / PREPACKED_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-        files[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
-    return PrepackResult(model_dir / PREPACKED_DIR, files, time.perf_counter() - start, len(token_ids))
+        sizes = {name: entry["bytes"] for name, entry in files.items()}
+        sizes[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
+    return PrepackResult(model_dir / PREPACKED_DIR, sizes, time.perf_counter() - start, len(token_ids))
+
+
+def verify(model_dir: str | Path) -> str:
+    """Check ``<model_dir>/prepacked/`` (if any) against the sha256 of every file ``prepacked.json``
+    records, then :func:`status`. Returns one line for people ("" when there is no copy).
+
+    Raises:
+        VerificationError: a recorded file is missing or differs (a copy the runtime could load
+            with wrong weights); the message says how to rebuild or remove it.
+    """
+    folder = Path(model_dir) / PREPACKED_DIR
+    found = status(model_dir)
+    if found.path is None:
+        return found.reason
+    files = json.loads((folder / PREPACKED_MANIFEST).read_text())["files"]
+    for name, entry in files.items():
+        if _sha256(folder / name) != entry.get("sha256"):
+            raise VerificationError(f"{folder / name}: sha256 differs from {PREPACKED_MANIFEST}; run gemma-export prepack "
+                                    f"--model {model_dir} again, or with --remove")
+    return f"pre-packed copy {folder}: {len(files)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
+
+
+def _sha256(path: Path) -> str:
+    from .exporter import _sha256 as sha256_of_file
+
+    return sha256_of_file(path)
 
 
 def remove(model_dir: str | Path) -> bool:
