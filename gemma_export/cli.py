@@ -231,7 +231,7 @@ def prepack(
     try:
         if remove:
             removed = remove_copy(model)
-            typer.echo(f"removed {model}/prepacked" if removed else f"{model}: no pre-packed copy to remove")
+            typer.echo(f"removed {model / 'prepacked'}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
     except GemmaExportError as exc:

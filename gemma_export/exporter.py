@@ -23,7 +23,8 @@ from .calibration import calibration_text as read_calibration_text
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import check_external_data, read_graph
-from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
+from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
+from .prepack import leftovers as prepack_leftovers
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
 from .staging import is_unchanged_output, staged_folder
@@ -233,6 +234,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
         if _sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from the manifest")
+    stale = prepack_leftovers(folder)
+    if stale:
+        raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; run gemma-export prepack "
+                                f"--model {folder} again, or with --remove, to clean it up")
     # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
     # (gemma_export/prepack.py); it is checked against them when loaded, not listed here.
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE
@@ -264,7 +269,8 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
         if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"},
-                                                         derived=((PREPACKED_DIR, PREPACKED_MANIFEST),)):
+                                                         derived=((PREPACKED_DIR, PREPACKED_MANIFEST),),
+                                                         leftovers=LEFTOVER_PREFIXES):
             raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
                               f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
 

@@ -20,14 +20,16 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError
+from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError
 from .staging import staged_folder
 
 PREPACKED_DIR = "prepacked"
@@ -63,20 +65,48 @@ def machine_key() -> dict:
 
 
 def source_identity(model_dir: Path) -> dict:
-    """The export's graph and data files as the copy was made from them: size and, from the
-    export's ``manifest.json``, sha256 (folders without a manifest: size and modification time)."""
+    """The export's graph and data files as the copy was made from them: size, modification time
+    and, from the export's ``manifest.json``, sha256."""
     try:
         listed = json.loads((model_dir / "manifest.json").read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+        listed = {}
+    if not isinstance(listed, dict):
         listed = {}
     identity = {}
     for path in sorted(model_dir.iterdir()):
-        if path.name == MODEL_FILE or (path.name.startswith(MODEL_FILE) and path.is_file()):
+        if path.name.startswith(MODEL_FILE) and path.is_file():
             stat = path.stat()
-            entry = listed.get(path.name) if isinstance(listed.get(path.name), dict) else {}
-            identity[path.name] = {"bytes": stat.st_size, **({"sha256": entry["sha256"]} if "sha256" in entry
-                                                               else {"mtime_ns": stat.st_mtime_ns})}
+            entry = listed.get(path.name)
+            digest = entry.get("sha256") if isinstance(entry, dict) else None
+            identity[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
     return identity
+
+
+LEFTOVER_PREFIXES = (f".{PREPACKED_DIR}.staging-", f".{PREPACKED_DIR}.old-", f".{PREPACKED_DIR}.removing-")
+
+
+def leftovers(model_dir: str | Path) -> list[Path]:
+    """Hidden folders an interrupted or killed ``prepack`` left in ``model_dir`` (its staging folder,
+    the copy it was replacing, a copy being removed). ``prepack`` and ``prepack --remove`` delete them."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.name.startswith(LEFTOVER_PREFIXES) and p.is_dir() and not p.is_symlink())
+
+
+def _owned(folder: Path) -> str:
+    """"" when ``folder`` (``<export>/prepacked``) is absent or a copy this module wrote (a real
+    folder holding ``prepacked.json`` and nothing but the copy's files); else what is wrong."""
+    if not folder.exists() and not folder.is_symlink():
+        return ""
+    if folder.is_symlink() or not folder.is_dir():
+        return f"is {'a link' if folder.is_symlink() else 'not a folder'}"
+    if not (folder / PREPACKED_MANIFEST).is_file():
+        return f"has no {PREPACKED_MANIFEST}"
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if p.name not in (MODEL_FILE, DATA_FILE, PREPACKED_MANIFEST) or p.is_symlink() or not p.is_file())
+    return f"holds files gemma-export did not write ({', '.join(foreign)})" if foreign else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,48 +115,67 @@ class PrepackStatus:
 
     Attributes:
         path: the copy's ``model.onnx`` when usable, else None.
-        reason: one line for people: why it is used or not ("" when there is no copy).
+        problem: why it cannot be used ("" when usable or absent).
     """
 
     path: Path | None
-    reason: str
+    problem: str
+    folder: Path
+
+    @property
+    def reason(self) -> str:
+        """One line for people: which copy is used, or why the folder's copy is not ("" when none)."""
+        if self.path is not None:
+            return f"pre-packed copy {self.folder} (made on this machine)"
+        if self.problem:
+            return f"{self.problem}; not used (`gemma-export prepack --model {self.folder.parent}` makes a new one)"
+        return ""
 
 
 def status(model_dir: str | Path) -> PrepackStatus:
-    """Check ``<model_dir>/prepacked/prepacked.json`` against this machine and the export's files."""
+    """Check ``<model_dir>/prepacked/`` against this machine and the export's files (cheap: sizes and
+    modification times; ``verify`` checks the sha256 of every file)."""
     folder = Path(model_dir) / PREPACKED_DIR
+
+    def unusable(problem: str) -> PrepackStatus:
+        return PrepackStatus(None, problem, folder)
+
     if not folder.exists() and not folder.is_symlink():
-        return PrepackStatus(None, "")
-    if folder.is_symlink() or not folder.is_dir():
-        return PrepackStatus(None, f"{folder}: is {'a link' if folder.is_symlink() else 'not a folder'}; ignored "
-                                   "(gemma-export prepack writes a folder there)")
+        return unusable("")
+    wrong = _owned(folder)
+    if wrong:
+        return unusable(f"{folder}: {wrong}")
     try:
         record = json.loads((folder / PREPACKED_MANIFEST).read_text())
-        key, source = record["machine"], record["source"]
-        if not (isinstance(key, dict) and isinstance(source, dict)):
-            raise TypeError("'machine' and 'source' must be objects")
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return PrepackStatus(None, f"{folder}: no readable {PREPACKED_MANIFEST}; ignored (run gemma-export prepack again)")
-    here = machine_key()
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return unusable(f"{folder / PREPACKED_MANIFEST}: unreadable ({exc})")
+    if not isinstance(record, dict):
+        return unusable(f"{folder / PREPACKED_MANIFEST}: expected a JSON object, found {type(record).__name__}")
+    for field in ("machine", "source", "files"):
+        if not isinstance(record.get(field), dict):
+            return unusable(f"{folder / PREPACKED_MANIFEST}: field '{field}' missing or not an object")
+    here, key = machine_key(), record["machine"]
     for field in ("onnxruntime", "machine", "system", "cpu_flags_sha256"):
         if key.get(field) != here[field]:
             what = "CPU features" if field == "cpu_flags_sha256" else field
-            return PrepackStatus(None, f"{folder}: made for {what} {key.get(field)!r}, this machine has "
-                                       f"{here[field]!r}; ignored (run gemma-export prepack here)")
-    if source != source_identity(Path(model_dir)):
-        return PrepackStatus(None, f"{folder}: made from other model files than the export's current ones; "
-                                   "ignored (run gemma-export prepack again)")
-    files = record.get("files")
-    if not isinstance(files, dict) or not {MODEL_FILE, DATA_FILE} <= set(files):
-        return PrepackStatus(None, f"{folder / PREPACKED_MANIFEST}: no 'files' record of {MODEL_FILE} and {DATA_FILE}; "
-                                   "ignored (run gemma-export prepack again)")
+            return unusable(f"{folder}: made for {what} {key.get(field)!r}, this machine has {here[field]!r}")
+    if record["source"] != source_identity(Path(model_dir)):
+        return unusable(f"{folder}: made from other model files than the export's current ones (size, time or "
+                        "checksum changed)")
+    files = record["files"]
+    if not {MODEL_FILE, DATA_FILE} <= set(files):
+        return unusable(f"{folder / PREPACKED_MANIFEST}: 'files' does not record {MODEL_FILE} and {DATA_FILE}")
     for name, entry in files.items():
         path = folder / str(name)
-        size = entry.get("bytes") if isinstance(entry, dict) else None
-        if Path(str(name)).name != name or path.is_symlink() or not path.is_file() or path.stat().st_size != size:
-            return PrepackStatus(None, f"{path}: missing, a link, or not the {size} bytes {PREPACKED_MANIFEST} records; "
-                                       "ignored (run gemma-export prepack again)")
-    return PrepackStatus(folder / MODEL_FILE, f"pre-packed copy {folder} (onnxruntime {here['onnxruntime']}, this machine)")
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("mtime_ns"), int)):
+            return unusable(f"{folder / PREPACKED_MANIFEST}: files[{name!r}] needs integer 'bytes' and 'mtime_ns'")
+        if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
+            return unusable(f"{path}: recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
+        stat = path.stat()
+        if stat.st_size != entry["bytes"] or stat.st_mtime_ns != entry["mtime_ns"]:
+            return unusable(f"{path}: {stat.st_size:,} bytes, changed since {PREPACKED_MANIFEST} recorded "
+                            f"{entry['bytes']:,} bytes")
+    return PrepackStatus(folder / MODEL_FILE, "", folder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,36 +218,89 @@ def _session(path: Path, threads: int | None, save_to: Path | None = None):
         raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
 
 
+def _export_folder(model_dir: Path) -> None:
+    if not model_dir.exists():
+        raise SourceNotFoundError(f"{model_dir}: no such export folder")
+    if not model_dir.is_dir():
+        raise SourceNotFoundError(f"{model_dir}: is a file; expected an export folder (the one holding {MODEL_FILE})")
+
+
+def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
+    import shutil
+
+    for path in leftovers(model_dir):
+        say(f"removing {path} (left by an interrupted prepack)")
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _writable(folder: Path, what: str) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{folder}: no permission to write there, which {what} needs; nothing was changed")
+
+
+#: the copy holds the export's initializers and their packed form: 1.99-2.08 x the data file on the
+#: real 270M (fp32, int8, int4); space is checked against 2 x before any work starts
+SPACE_FACTOR = 2.0
+
+
 def prepack(model_dir: str | Path, threads: int | None = None,
             progress: Callable[[str], None] | None = None) -> PrepackResult:
     """Write ``<model_dir>/prepacked/``: onnxruntime's optimized graph of the export with its
     pre-packed weights in the external data file, made for this machine, plus ``prepacked.json``
-    (machine key, source files, sizes). An existing copy is replaced only when the new one passed
-    its check.
+    (machine key, the export's files it was made from, each copy file's size, time and sha256).
 
-    The copy holds the export's weights and their packed form (about 2 × the archive on disk).
-    Loaded by :class:`~gemma_export.runtime.OnnxDecoder`, its packed weights are file-backed pages.
+    The export is first verified against its ``manifest.json``; the copy is kept only if its logits
+    for a short prompt equal the export's bit for bit. An existing copy is replaced only then, and
+    only if it is a copy this function wrote. The copy holds the export's weights and their packed
+    form (about 2 × the data file on disk). Leftovers of an interrupted run are removed first.
 
     Raises:
-        SourceNotFoundError: no export in ``model_dir``.
+        SourceNotFoundError: ``model_dir`` is missing, a file, or not an export.
+        VerificationError: the export does not match its manifest, or the copy's logits differ
+            from the export's (nothing is kept).
         FormatError: onnxruntime cannot load the export.
-        VerificationError: the copy's logits differ from the export's (nothing is kept).
-        OutputError: the folder cannot be written (nothing is kept; an older copy stays).
+        OutputError: ``prepacked`` holds something else; no permission or too little space; writing
+            failed (nothing is kept; an older copy stays).
     """
+    import shutil
+
+    from .exporter import verify_manifest
     from .runtime import OnnxDecoder
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
     start = time.perf_counter()
-    original = OnnxDecoder(model_dir, threads=threads, prepacked=False)  # checks the folder and its contract
+    _export_folder(model_dir)
+    out = model_dir / PREPACKED_DIR
+    wrong = _owned(out)
+    if wrong:
+        raise OutputError(f"{out}: {wrong}, so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
+    _writable(model_dir, "the pre-packed copy")
+    if out.is_dir():
+        _writable(out, "replacing the pre-packed copy")
+    _clear_leftovers(model_dir, say)
+    say(f"checking {model_dir} against its manifest …")
+    verify_manifest(model_dir)
+    data = model_dir / DATA_FILE
+    need = int(SPACE_FACTOR * data.stat().st_size) if data.is_file() else 0
+    free = shutil.disk_usage(model_dir).free
+    if free < need:
+        raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "
+                          "nothing was written")
+    original = OnnxDecoder(model_dir, threads=threads, prepacked=False)
     token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
     ids = np.asarray([token_ids], np.int64)
     feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
     expected, _ = original.forward(*feeds, original.empty_cache(1))
     del original
-    with staged_folder(model_dir / PREPACKED_DIR, "pre-packed copy") as staging:
+    with staged_folder(out, "pre-packed copy") as staging:
         say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
-        _session(model_dir / MODEL_FILE, threads, save_to=staging)
+        try:
+            _session(model_dir / MODEL_FILE, threads, save_to=staging)
+        except FormatError as exc:
+            free = shutil.disk_usage(model_dir).free
+            raise OutputError(f"{out}: writing the pre-packed copy failed ({str(exc).split(': ', 1)[-1]}); {free:,} "
+                              f"bytes free there, the copy needs about {need:,}; nothing was written") from None
         if not (staging / DATA_FILE).is_file():
             raise GemmaExportError(f"{model_dir / MODEL_FILE}: onnxruntime wrote no external data file; "
                                    "the export has no weights to pre-pack")
@@ -211,34 +313,54 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             raise VerificationError(f"{staging / MODEL_FILE}: the pre-packed copy's logits differ from the export's "
                                     f"(max |diff| {diff:.3g}); nothing was kept")
         say("recording checksums …")
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(staging.iterdir())}
+        files = {}
+        for path in sorted(staging.iterdir()):
+            stat = path.stat()
+            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
         record = {"format": FORMAT, "machine": machine_key(), "source": source_identity(model_dir), "files": files,
                   "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   "check": {"token_ids": token_ids, "logits": "identical"}}
         (staging / PREPACKED_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
         sizes = {name: entry["bytes"] for name, entry in files.items()}
         sizes[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
-    return PrepackResult(model_dir / PREPACKED_DIR, sizes, time.perf_counter() - start, len(token_ids))
+    return PrepackResult(out, sizes, time.perf_counter() - start, len(token_ids))
 
 
 def verify(model_dir: str | Path) -> str:
-    """Check ``<model_dir>/prepacked/`` (if any) against the sha256 of every file ``prepacked.json``
-    records, then :func:`status`. Returns one line for people ("" when there is no copy).
+    """Check ``<model_dir>/prepacked/`` (if any): a copy this toolkit wrote, every recorded file with
+    its sha256, then :func:`status`. Returns one line for people ("" when there is no copy).
 
     Raises:
-        VerificationError: a recorded file is missing or differs (a copy the runtime could load
-            with wrong weights); the message says how to rebuild or remove it.
+        VerificationError: leftovers of an interrupted ``prepack``; ``prepacked`` holds something
+            else; a recorded file differs (a copy the runtime could load with wrong weights). The
+            message says how to rebuild or remove it.
     """
-    folder = Path(model_dir) / PREPACKED_DIR
+    model_dir = Path(model_dir)
+    folder = model_dir / PREPACKED_DIR
+    fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
+    stale = leftovers(model_dir)
+    if stale:
+        raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; {fix}")
+    wrong = _owned(folder)
+    if wrong:
+        raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")
     found = status(model_dir)
+    if not folder.exists():
+        return ""
+    try:
+        files = json.loads((folder / PREPACKED_MANIFEST).read_text())["files"]
+        items = [(str(name), entry["sha256"]) for name, entry in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise VerificationError(f"{folder / PREPACKED_MANIFEST}: unreadable or without checksums; {fix}") from None
+    for name, digest in items:
+        path = folder / name
+        if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
+            raise VerificationError(f"{path}: recorded in {PREPACKED_MANIFEST} but missing; {fix}")
+        if _sha256(path) != digest:
+            raise VerificationError(f"{path}: sha256 differs from {PREPACKED_MANIFEST}; {fix}")
     if found.path is None:
-        return found.reason
-    files = json.loads((folder / PREPACKED_MANIFEST).read_text())["files"]
-    for name, entry in files.items():
-        if _sha256(folder / name) != entry.get("sha256"):
-            raise VerificationError(f"{folder / name}: sha256 differs from {PREPACKED_MANIFEST}; run gemma-export prepack "
-                                    f"--model {model_dir} again, or with --remove")
-    return f"pre-packed copy {folder}: {len(files)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
+        return f"pre-packed copy {folder}: intact, but {found.problem.split(': ', 1)[-1]}; not used here"
+    return f"pre-packed copy {folder}: {len(items)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
 
 
 def _sha256(path: Path) -> str:
@@ -248,21 +370,37 @@ def _sha256(path: Path) -> str:
 
 
 def remove(model_dir: str | Path) -> bool:
-    """Delete ``<model_dir>/prepacked/`` if it is a copy this module wrote. Returns whether one was removed.
+    """Delete ``<model_dir>/prepacked/`` if it is a copy this module wrote, and any leftovers of an
+    interrupted ``prepack``. Returns whether a copy was removed. The copy is first renamed aside,
+    so a failure leaves it whole.
 
     Raises:
-        SourceNotFoundError: ``model_dir`` does not exist.
-        GemmaExportError: ``prepacked`` exists but is not such a copy (left untouched).
+        SourceNotFoundError: ``model_dir`` is missing or a file.
+        OutputError: ``prepacked`` is not such a copy (left untouched), or no permission.
     """
     import shutil
 
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise SourceNotFoundError(f"{model_dir}: no such export folder")
+    _export_folder(model_dir)
     folder = model_dir / PREPACKED_DIR
+    wrong = _owned(folder)
+    if wrong:
+        raise OutputError(f"{folder}: {wrong}; not a copy gemma-export wrote, left untouched")
+    if not folder.exists() and not leftovers(model_dir):
+        return False
+    _writable(model_dir, "removing the pre-packed copy")
+    if folder.exists():
+        _writable(folder, "removing the pre-packed copy")
+    _clear_leftovers(model_dir, lambda _msg: None)
     if not folder.exists():
         return False
-    if not (folder / PREPACKED_MANIFEST).is_file():
-        raise GemmaExportError(f"{folder}: has no {PREPACKED_MANIFEST}; not a copy gemma-export wrote, left untouched")
-    shutil.rmtree(folder)
+    aside = Path(tempfile.mkdtemp(prefix=LEFTOVER_PREFIXES[2], dir=model_dir))
+    try:
+        os.replace(folder, aside / PREPACKED_DIR)
+        shutil.rmtree(aside)
+    except OSError as exc:
+        if (aside / PREPACKED_DIR).exists() and not folder.exists():
+            os.replace(aside / PREPACKED_DIR, folder)
+        shutil.rmtree(aside, ignore_errors=True)
+        raise OutputError(f"{folder}: could not remove it ({exc.strerror or exc}); it is unchanged") from None
     return True

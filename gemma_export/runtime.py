@@ -75,6 +75,8 @@ class OnnxDecoder:
     Raises:
         SourceNotFoundError: no ``model.onnx`` in the folder.
         GemmaExportError: ``prepacked=True`` and the copy cannot be used here.
+        FormatError: onnxruntime cannot load the model, or (``prepacked`` True or a path) the copy;
+            with the default, a copy that fails to load is skipped with a note instead.
     """
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
@@ -93,30 +95,45 @@ class OnnxDecoder:
             raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
         load_graph(path)  # a readable graph whose external data are regular files of this folder
         self.prepacked_path, self.prepacked_note = None, ""
+        copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:
-            pass
+            if copy_dir.exists() and optimized_model_path is None:
+                self.prepacked_note = f"pre-packed copy {copy_dir} not used (--no-prepacked)"
         elif isinstance(prepacked, (str, Path)):
             self.prepacked_path = Path(prepacked)
         else:
             found = prepack_copy.status(self.model_dir)
             self.prepacked_path, self.prepacked_note = found.path, found.reason
             if prepacked is True and found.path is None:
-                raise GemmaExportError(found.reason or f"{self.model_dir / prepack_copy.PREPACKED_DIR}: no pre-packed "
-                                       "copy (run gemma-export prepack)")
-        if self.prepacked_path is not None:
-            load_graph(self.prepacked_path)
-            path = self.prepacked_path
+                raise GemmaExportError(f"cannot use the pre-packed copy: {found.problem}" if found.problem else
+                                       f"{copy_dir}: no pre-packed copy (run gemma-export prepack --model {self.model_dir})")
         options = ort.SessionOptions()
         options.log_severity_level = 3
         if threads:
             options.intra_op_num_threads = threads
         if optimized_model_path is not None:
             options.optimized_model_filepath = str(optimized_model_path)
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
+        if self.prepacked_path is not None:
+            try:
+                load_graph(self.prepacked_path)
+                self.session = ort.InferenceSession(str(self.prepacked_path), options, providers=["CPUExecutionProvider"])
+            except Exception as exc:  # a damaged copy: FormatError from load_graph, onnxruntime's own errors
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                problem = f"{self.prepacked_path}: onnxruntime cannot load it ({first})"
+                if prepacked is not None:  # required, or a path given: no silent fallback
+                    raise FormatError(f"{problem}; run gemma-export prepack --model {self.model_dir} again, or with "
+                                      "--remove") from None
+                self.prepacked_path = None
+                self.prepacked_note = (f"{problem}; not used (`gemma-export prepack --model {self.model_dir}` makes a "
+                                       "new one)")
+        if self.prepacked_path is None:
+            try:
+                self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+            except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
+        else:
+            path = self.prepacked_path
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
         unknown = [n for n in inputs if n not in ("input_ids", "attention_mask", "position_ids")

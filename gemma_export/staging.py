@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -16,24 +17,55 @@ from typing import Iterator
 from .errors import OutputError
 
 
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
+    arrives meanwhile is dropped, since the block completes the output anyway. Outside the main
+    thread (where handlers cannot be set) the block runs unprotected."""
+    caught: list[int] = []
+    try:
+        previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def move_into_place(staging: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder."""
-    if out_dir.exists():
+    """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder. If the
+    second rename fails the old ``out_dir`` is put back; Ctrl-C cannot stop it between the two."""
+    with _interrupts_held():
+        if not (out_dir.exists() or out_dir.is_symlink()):
+            os.replace(staging, out_dir)
+            return
         old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        os.replace(out_dir, old / out_dir.name)
-        os.replace(staging, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)
+        try:
+            os.replace(out_dir, old / out_dir.name)
+        except BaseException:
+            old.rmdir()
+            raise
+        try:
+            os.replace(staging, out_dir)
+        except BaseException:
+            os.replace(old / out_dir.name, out_dir)
+            old.rmdir()
+            raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
-                        derived: tuple[tuple[str, str], ...] = ()) -> bool:
+                        derived: tuple[tuple[str, str], ...] = (), leftovers: tuple[str, ...] = ()) -> bool:
     """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
     key/value pairs and a ``files`` map of paths relative to ``folder``) and nothing but the files it
-    lists, the folders holding them, and ``derived`` sub-folders (``(name, marker file)`` pairs: a
-    folder ``name`` holding ``marker``, which the toolkit wrote from the listed files): only such a
-    folder may be replaced by a new output."""
+    lists, the folders holding them, ``derived`` sub-folders (``(name, marker file)`` pairs: a
+    folder ``name`` holding ``marker``, which the toolkit wrote from the listed files), and hidden
+    folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
+    sub-folder leaves): only such a folder may be replaced by a new output."""
     try:
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError):
@@ -46,6 +78,8 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
             and (folder / name / marker).is_file()}
+    skip |= {p.name for p in folder.iterdir() if leftovers and p.name.startswith(leftovers) and p.is_dir()
+             and not p.is_symlink()} if folder.is_dir() else set()
     for path in folder.rglob("*"):
         relative = str(path.relative_to(folder))
         if relative.split("/", 1)[0] in skip:

@@ -7,6 +7,7 @@ files it was made from, leave the export verifiable and replaceable, and never b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 
 from gemma_export import prepack as prepack_module
 from gemma_export.cli import app
-from gemma_export.errors import GemmaExportError, VerificationError
+from gemma_export.errors import GemmaExportError, OutputError, VerificationError
 from gemma_export.runtime import OnnxDecoder
 
 runner = CliRunner()
@@ -69,7 +70,7 @@ def test_a_copy_made_elsewhere_is_ignored(export_copy, field, value, expected):
     with pytest.raises(GemmaExportError, match="made for"):
         OnnxDecoder(export_copy, prepacked=True)
     result = _run("generate", "--model", export_copy, "--prompt", "the", "--max-new-tokens", 2)
-    assert result.exit_code == 0 and "note:" in result.output and "ignored" in result.output
+    assert result.exit_code == 0 and "note:" in result.output and "not used" in result.output
 
 
 def test_a_copy_of_other_model_files_is_ignored(export_copy):
@@ -87,7 +88,8 @@ def test_a_truncated_copy_is_ignored(export_copy):
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     decoder = OnnxDecoder(export_copy)
-    assert decoder.prepacked_path is None and "model.onnx.data: missing, a link, or not the" in decoder.prepacked_note
+    assert decoder.prepacked_path is None and "model.onnx.data: " in decoder.prepacked_note
+    assert "changed since prepacked.json recorded" in decoder.prepacked_note
 
 
 def test_a_failed_check_keeps_nothing_and_an_older_copy_stays(export_copy, monkeypatch):
@@ -104,9 +106,11 @@ def test_re_export_replaces_a_folder_with_a_copy(tiny_dir, tmp_path):
     out = tmp_path / "out"
     assert _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16).exit_code == 0
     assert _run("prepack", "--model", out).exit_code == 0
+    (out / ".prepacked.staging-x1").mkdir()  # and what a killed prepack left
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 32)
     assert result.exit_code == 0, result.output
     assert not (out / "prepacked").exists()  # the stale copy went with the old export
+    assert not prepack_module.leftovers(out)
 
 
 def test_an_unknown_prepacked_folder_blocks_verify_and_remove(export_copy):
@@ -130,7 +134,7 @@ def test_remove_and_bad_folders(export_copy, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     result = _run("prepack", "--model", empty)
-    assert result.exit_code != 0 and "no exported model here" in result.output
+    assert result.exit_code != 0 and "manifest.json: missing; not a gemma-export folder" in result.output
     assert list(empty.iterdir()) == []
 
 
@@ -163,7 +167,8 @@ def test_a_malformed_record_is_ignored_not_a_crash(export_copy, record):
     prepack_module.prepack(export_copy)
     (export_copy / "prepacked" / "prepacked.json").write_text(record)
     decoder = OnnxDecoder(export_copy)
-    assert decoder.prepacked_path is None and "ignored" in decoder.prepacked_note
+    assert decoder.prepacked_path is None and "prepacked.json" in decoder.prepacked_note
+    assert "not used" in decoder.prepacked_note
 
 
 def test_a_linked_copy_is_ignored(export_copy, tmp_path):
@@ -173,3 +178,132 @@ def test_a_linked_copy_is_ignored(export_copy, tmp_path):
     (export_copy / "prepacked").symlink_to(elsewhere)
     decoder = OnnxDecoder(export_copy)
     assert decoder.prepacked_path is None and "is a link" in decoder.prepacked_note
+
+
+def test_a_corrupt_export_is_not_prepacked(export_copy):
+    data = export_copy / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[1000] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(VerificationError, match="sha256 differs from the manifest"):
+        prepack_module.prepack(export_copy)
+    assert not (export_copy / "prepacked").exists() and not prepack_module.leftovers(export_copy)
+
+
+def test_replaced_export_files_make_the_copy_stale(export_copy):
+    prepack_module.prepack(export_copy)
+    data = export_copy / "model.onnx.data"
+    data.write_bytes(data.read_bytes())  # same bytes, written again: the copy can no longer vouch for them
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "made from other model files" in decoder.prepacked_note
+
+
+def test_same_size_damage_to_the_copy(export_copy):
+    prepack_module.prepack(export_copy)
+    data = export_copy / "prepacked" / "model.onnx.data"
+    stat = data.stat()
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert OnnxDecoder(export_copy).prepacked_path is None  # its time changed: not used
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # damage that kept the time: verify finds it
+    bad = _run("verify", export_copy)
+    assert bad.exit_code != 0 and "sha256 differs from prepacked.json" in bad.output
+
+
+def test_a_copy_onnxruntime_cannot_load_falls_back_unless_required(export_copy):
+    prepack_module.prepack(export_copy)
+    graph = export_copy / "prepacked" / "model.onnx"
+    graph.write_bytes(graph.read_bytes()[:1000])
+    record_path = export_copy / "prepacked" / "prepacked.json"
+    record = json.loads(record_path.read_text())
+    record["files"]["model.onnx"].update(bytes=1000, mtime_ns=graph.stat().st_mtime_ns)  # passes the cheap check
+    record_path.write_text(json.dumps(record))
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "cannot load it" in decoder.prepacked_note
+    ids = [2, 5, 9]
+    assert np.array_equal(decoder.teacher_forced_logits(ids), OnnxDecoder(export_copy, prepacked=False).teacher_forced_logits(ids))
+    with pytest.raises(GemmaExportError, match="cannot load it.*--remove"):
+        OnnxDecoder(export_copy, prepacked=True)
+
+
+@pytest.mark.parametrize("kind", ["folder", "file", "link", "extra"])
+def test_prepack_and_remove_leave_what_is_not_theirs(export_copy, tmp_path, kind):
+    target = export_copy / "prepacked"
+    if kind == "folder":
+        target.mkdir()
+        (target / "thesis.txt").write_text("mine")
+    elif kind == "file":
+        target.write_text("mine")
+    elif kind == "link":
+        (tmp_path / "elsewhere").mkdir()
+        target.symlink_to(tmp_path / "elsewhere")
+    else:
+        prepack_module.prepack(export_copy)
+        (target / "thesis.txt").write_text("mine")
+    before = sorted(str(p.relative_to(export_copy)) for p in export_copy.rglob("*"))
+    for args in (["prepack", "--model", export_copy], ["prepack", "--model", export_copy, "--remove"],
+                 ["verify", export_copy]):
+        result = _run(*args)
+        assert result.exit_code != 0 and "Traceback" not in result.output, (args, result.output)
+        assert "not a copy gemma-export wrote" in result.output or "files not in the manifest" in result.output
+    assert sorted(str(p.relative_to(export_copy)) for p in export_copy.rglob("*")) == before
+
+
+def test_leftovers_of_a_killed_run_are_reported_and_cleaned(export_copy):
+    prepack_module.prepack(export_copy)
+    stale = export_copy / ".prepacked.staging-abc123"
+    stale.mkdir()
+    (stale / "model.onnx.data").write_bytes(b"partial")
+    bad = _run("verify", export_copy)
+    assert bad.exit_code != 0 and ".prepacked.staging-abc123: left by an interrupted gemma-export prepack" in bad.output
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+    assert not stale.exists() and _run("verify", export_copy).exit_code == 0
+
+
+def test_no_space_or_no_permission_is_refused_before_any_work(export_copy, monkeypatch):
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(export_copy)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=1000))
+    result = _run("prepack", "--model", export_copy)
+    assert result.exit_code != 0 and "needs about" in result.output and "1,000 are free there" in result.output
+    monkeypatch.undo()
+    monkeypatch.setattr(prepack_module.os, "access", lambda _p, _mode: False)  # a read-only export folder
+    with pytest.raises(OutputError, match="no permission to write there"):
+        prepack_module.prepack(export_copy)
+    monkeypatch.undo()
+    assert not (export_copy / "prepacked").exists() and not prepack_module.leftovers(export_copy)
+    prepack_module.prepack(export_copy)
+    monkeypatch.setattr(prepack_module.os, "access", lambda _p, _mode: False)
+    with pytest.raises(OutputError, match="no permission to write there"):
+        prepack_module.remove(export_copy)
+    monkeypatch.undo()
+    assert prepack_module.status(export_copy).path is not None  # the copy is whole
+
+
+def test_a_failed_swap_puts_the_old_copy_back(export_copy, monkeypatch):
+    from gemma_export import staging
+
+    prepack_module.prepack(export_copy)
+    before = (export_copy / "prepacked" / "prepacked.json").read_text()
+    real_replace, calls = staging.os.replace, []
+
+    def replace(src, dst):
+        calls.append(src)
+        if len(calls) == 2:  # the new copy into place
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(staging.os, "replace", replace)
+    result = _run("prepack", "--model", export_copy)
+    assert result.exit_code != 0 and "the existing folder is unchanged" in result.output
+    assert (export_copy / "prepacked" / "prepacked.json").read_text() == before
+    assert not prepack_module.leftovers(export_copy) and not [p for p in export_copy.iterdir() if p.name.startswith(".")]
+
+
+def test_remove_on_a_file_names_it(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    result = _run("prepack", "--model", afile, "--remove")
+    assert result.exit_code != 0 and "is a file; expected an export folder" in result.output
