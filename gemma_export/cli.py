@@ -256,9 +256,13 @@ def verify(
     Example: gemma-export verify gemma-3-270m-onnx-int8
     """
     from .exporter import verify_manifest
+    from .prepack import busy
     from .prepack import verify as verify_prepacked
 
     try:
+        if busy(model):  # its staging folder is not a leftover, and the copy is about to change
+            raise GemmaExportError(f"{model}: a gemma-export prepack is working on this folder; verify again when it "
+                                   "has finished")
         files = verify_manifest(model)
         copy = verify_prepacked(model)
     except GemmaExportError as exc:
@@ -378,6 +382,7 @@ def quality(
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file."),
+    prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Teacher-forced quality of an export on real text against a reference: top-1 agreement
@@ -394,7 +399,7 @@ def quality(
     try:
         check_outputs(json_out, None)
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
-                             progress=lambda msg: typer.echo(msg, err=True))
+                             progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
@@ -421,6 +426,7 @@ def parity(
     new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Check an export against transformers, the reference MLIR export (IREE) and golden token
@@ -443,7 +449,7 @@ def parity(
         report = run_parity(model, against_transformers=against is not None or not (reference or golden),
                             reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
                             golden=golden, prompts=prompts, new_tokens=new_tokens, threads=threads,
-                            progress=lambda msg: typer.echo(msg, err=True))
+                            progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:

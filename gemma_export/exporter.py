@@ -24,7 +24,9 @@ from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import check_external_data, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
+from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
+from .prepack import owned_problem as prepack_owned_problem
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
 from .staging import is_unchanged_output, staged_folder
@@ -210,7 +212,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
@@ -268,8 +270,12 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"},
-                                                         derived=((PREPACKED_DIR, PREPACKED_MANIFEST),),
+        if prepack_busy(out):
+            raise OutputError(f"{out_dir}: a gemma-export prepack is working on this folder; export again when it has "
+                              "finished")
+        # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
+        derived = ((PREPACKED_DIR, PREPACKED_MANIFEST),) if not prepack_owned_problem(out / PREPACKED_DIR) else ()
+        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"}, derived=derived,
                                                          leftovers=LEFTOVER_PREFIXES):
             raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
                               f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")

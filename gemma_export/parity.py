@@ -111,7 +111,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
         if path.suffix == ".json":
             try:
                 items = json.loads(raw)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise FormatError(f"{path}: not JSON: {exc}") from None
             if not isinstance(items, list):
                 raise FormatError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
@@ -148,7 +148,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         raise SourceNotFoundError(f"{path}: no such golden file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise FormatError(f"{path}: not JSON: {exc}") from None
 
     def ids(value, what: str) -> list[int]:
@@ -239,7 +239,8 @@ def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: d
 def run_parity(model_dir: str | Path, *, against_transformers: bool = False, reference: str | Path | None = None,
                reference_weights: str | Path | None = None, reference_logits: bool = False,
                golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int = 16,
-               threads: int | None = None, progress: Callable[[str], None] | None = None) -> ParityReport:
+               threads: int | None = None, progress: Callable[[str], None] | None = None,
+               prepacked: bool | None = None) -> ParityReport:
     """Compare an export with transformers, the reference export and/or a golden file.
 
     Args:
@@ -250,11 +251,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         golden: a golden file (see :func:`read_golden`).
         prompts: a prompts file (see :func:`read_prompts`); default :data:`DEFAULT_PROMPTS`.
         new_tokens: greedy tokens generated after each prompt (positions compared with transformers).
+        prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
+            (the graph used is reported through ``progress``).
 
     Raises:
         GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
     """
-    from .quality import compare_logits, manifest_source, transformers_model
+    from .quality import compare_logits, graph_line, manifest_source, transformers_model
     from .runtime import OnnxDecoder, load_tokenizer
 
     say = progress or (lambda _msg: None)
@@ -263,7 +266,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     if new_tokens < 1:
         raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
     model_dir = Path(model_dir)
-    decoder = OnnxDecoder(model_dir, threads=threads)
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
+    say(graph_line(decoder))
     dtype = str(decoder.manifest.get("dtype", "fp32"))
     limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
     try:

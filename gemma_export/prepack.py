@@ -17,6 +17,7 @@ keeps the copy that its logits equal the export's, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -25,12 +26,12 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError
-from .staging import staged_folder
+from .staging import interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
@@ -69,7 +70,7 @@ def source_identity(model_dir: Path) -> dict:
     and, from the export's ``manifest.json``, sha256."""
     try:
         listed = json.loads((model_dir / "manifest.json").read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError):
+    except (OSError, ValueError, AttributeError, UnicodeDecodeError, RecursionError):
         listed = {}
     if not isinstance(listed, dict):
         listed = {}
@@ -95,15 +96,21 @@ def leftovers(model_dir: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(LEFTOVER_PREFIXES) and p.is_dir() and not p.is_symlink())
 
 
-def _owned(folder: Path) -> str:
+def owned_problem(folder: Path) -> str:
     """"" when ``folder`` (``<export>/prepacked``) is absent or a copy this module wrote (a real
-    folder holding ``prepacked.json`` and nothing but the copy's files); else what is wrong."""
+    folder holding our ``prepacked.json`` and nothing but the copy's files); else what is wrong."""
     if not folder.exists() and not folder.is_symlink():
         return ""
     if folder.is_symlink() or not folder.is_dir():
         return f"is {'a link' if folder.is_symlink() else 'not a folder'}"
     if not (folder / PREPACKED_MANIFEST).is_file():
         return f"has no {PREPACKED_MANIFEST}"
+    try:
+        record = json.loads((folder / PREPACKED_MANIFEST).read_text())
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        record = None
+    if not (isinstance(record, dict) and record.get("format") == FORMAT):
+        return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\""
     foreign = sorted(p.name for p in folder.iterdir()
                      if p.name not in (MODEL_FILE, DATA_FILE, PREPACKED_MANIFEST) or p.is_symlink() or not p.is_file())
     return f"holds files gemma-export did not write ({', '.join(foreign)})" if foreign else ""
@@ -142,12 +149,12 @@ def status(model_dir: str | Path) -> PrepackStatus:
 
     if not folder.exists() and not folder.is_symlink():
         return unusable("")
-    wrong = _owned(folder)
+    wrong = owned_problem(folder)
     if wrong:
         return unusable(f"{folder}: {wrong}")
     try:
         record = json.loads((folder / PREPACKED_MANIFEST).read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         return unusable(f"{folder / PREPACKED_MANIFEST}: unreadable ({exc})")
     if not isinstance(record, dict):
         return unusable(f"{folder / PREPACKED_MANIFEST}: expected a JSON object, found {type(record).__name__}")
@@ -167,14 +174,15 @@ def status(model_dir: str | Path) -> PrepackStatus:
         return unusable(f"{folder / PREPACKED_MANIFEST}: 'files' does not record {MODEL_FILE} and {DATA_FILE}")
     for name, entry in files.items():
         path = folder / str(name)
-        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("mtime_ns"), int)):
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and type(entry.get("mtime_ns")) is int):
             return unusable(f"{folder / PREPACKED_MANIFEST}: files[{name!r}] needs integer 'bytes' and 'mtime_ns'")
         if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
             return unusable(f"{path}: recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
         stat = path.stat()
-        if stat.st_size != entry["bytes"] or stat.st_mtime_ns != entry["mtime_ns"]:
-            return unusable(f"{path}: {stat.st_size:,} bytes, changed since {PREPACKED_MANIFEST} recorded "
-                            f"{entry['bytes']:,} bytes")
+        if stat.st_size != entry["bytes"]:
+            return unusable(f"{path}: {stat.st_size:,} bytes, {PREPACKED_MANIFEST} recorded {entry['bytes']:,}")
+        if stat.st_mtime_ns != entry["mtime_ns"]:
+            return unusable(f"{path}: modified since {PREPACKED_MANIFEST} was written (its time differs)")
     return PrepackStatus(folder / MODEL_FILE, "", folder)
 
 
@@ -233,14 +241,52 @@ def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool]:
+    """An advisory ``flock`` on the export folder itself (no lock file is written): ``prepack`` and
+    ``prepack --remove`` hold it exclusively, so two never work on one folder at once. Yields
+    whether the lock was taken; on systems without ``fcntl`` it always is.
+
+    Raises:
+        OutputError: ``exclusive`` and another process holds the lock.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield True
+        return
+    fd = os.open(model_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if exclusive:
+                raise OutputError(f"{model_dir}: another gemma-export prepack is working on this folder; try again "
+                                  "when it has finished (nothing was changed)") from None
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def busy(model_dir: str | Path) -> bool:
+    """Whether a ``prepack`` or ``prepack --remove`` is working on ``model_dir`` right now."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        return False
+    with _folder_lock(model_dir, exclusive=False) as taken:
+        return not taken
+
+
 def _writable(folder: Path, what: str) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputError(f"{folder}: no permission to write there, which {what} needs; nothing was changed")
 
 
 #: the copy holds the export's initializers and their packed form: 1.99-2.08 x the data file on the
-#: real 270M (fp32, int8, int4); space is checked against 2 x before any work starts
-SPACE_FACTOR = 2.0
+#: real 270M (fp32 1.99, int8 2.06, int4 2.08); space is checked against 2.1 x before any work starts
+SPACE_FACTOR = 2.1
 
 
 def prepack(model_dir: str | Path, threads: int | None = None,
@@ -271,59 +317,63 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     model_dir = Path(model_dir)
     start = time.perf_counter()
     _export_folder(model_dir)
-    out = model_dir / PREPACKED_DIR
-    wrong = _owned(out)
-    if wrong:
-        raise OutputError(f"{out}: {wrong}, so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
-    _writable(model_dir, "the pre-packed copy")
-    if out.is_dir():
-        _writable(out, "replacing the pre-packed copy")
-    _clear_leftovers(model_dir, say)
-    say(f"checking {model_dir} against its manifest …")
-    verify_manifest(model_dir)
-    data = model_dir / DATA_FILE
-    need = int(SPACE_FACTOR * data.stat().st_size) if data.is_file() else 0
-    free = shutil.disk_usage(model_dir).free
-    if free < need:
-        raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "
-                          "nothing was written")
-    original = OnnxDecoder(model_dir, threads=threads, prepacked=False)
-    token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
-    ids = np.asarray([token_ids], np.int64)
-    feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
-    expected, _ = original.forward(*feeds, original.empty_cache(1))
-    del original
-    with staged_folder(out, "pre-packed copy") as staging:
-        say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
-        try:
-            _session(model_dir / MODEL_FILE, threads, save_to=staging)
-        except FormatError as exc:
-            free = shutil.disk_usage(model_dir).free
-            raise OutputError(f"{out}: writing the pre-packed copy failed ({str(exc).split(': ', 1)[-1]}); {free:,} "
-                              f"bytes free there, the copy needs about {need:,}; nothing was written") from None
-        if not (staging / DATA_FILE).is_file():
-            raise GemmaExportError(f"{model_dir / MODEL_FILE}: onnxruntime wrote no external data file; "
-                                   "the export has no weights to pre-pack")
-        say("checking the copy's logits against the export's …")
-        copy = OnnxDecoder(model_dir, threads=threads, prepacked=staging / MODEL_FILE)
-        got, _ = copy.forward(*feeds, copy.empty_cache(1))
-        del copy
-        if got.shape != expected.shape or not np.array_equal(got, expected):
-            diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("nan")
-            raise VerificationError(f"{staging / MODEL_FILE}: the pre-packed copy's logits differ from the export's "
-                                    f"(max |diff| {diff:.3g}); nothing was kept")
-        say("recording checksums …")
-        files = {}
-        for path in sorted(staging.iterdir()):
-            stat = path.stat()
-            files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
-        record = {"format": FORMAT, "machine": machine_key(), "source": source_identity(model_dir), "files": files,
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  "check": {"token_ids": token_ids, "logits": "identical"}}
-        (staging / PREPACKED_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
-        sizes = {name: entry["bytes"] for name, entry in files.items()}
-        sizes[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
-    return PrepackResult(out, sizes, time.perf_counter() - start, len(token_ids))
+    with _folder_lock(model_dir):
+        out = model_dir / PREPACKED_DIR
+        wrong = owned_problem(out)
+        if wrong:
+            raise OutputError(f"{out}: {wrong}, so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
+        _writable(model_dir, "the pre-packed copy")
+        if out.is_dir():
+            _writable(out, "replacing the pre-packed copy")
+        _clear_leftovers(model_dir, say)
+        say(f"checking {model_dir} against its manifest …")
+        verify_manifest(model_dir)
+        data = model_dir / DATA_FILE
+        need = int(SPACE_FACTOR * data.stat().st_size) if data.is_file() else 0
+        free = shutil.disk_usage(model_dir).free
+        if free < need:
+            raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "
+                              "nothing was written")
+        original = OnnxDecoder(model_dir, threads=threads, prepacked=False)
+        token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
+        ids = np.asarray([token_ids], np.int64)
+        feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
+        expected, _ = original.forward(*feeds, original.empty_cache(1))
+        del original
+        with staged_folder(out, "pre-packed copy") as staging:
+            say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
+            try:
+                _session(model_dir / MODEL_FILE, threads, save_to=staging)
+            except FormatError as exc:
+                free = shutil.disk_usage(model_dir).free
+                written = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
+                cause = ("the disk is full or a file-size limit was reached" if free + written < need or free == 0 else
+                         str(exc).split("cannot load the model: ", 1)[-1][:160])
+                raise OutputError(f"{out}: onnxruntime could not write the pre-packed copy ({cause}); {free:,} bytes free "
+                                  f"there, the copy needs about {need:,}; nothing was written") from None
+            if not (staging / DATA_FILE).is_file():
+                raise GemmaExportError(f"{model_dir / MODEL_FILE}: onnxruntime wrote no external data file; "
+                                       "the export has no weights to pre-pack")
+            say("checking the copy's logits against the export's …")
+            copy = OnnxDecoder(model_dir, threads=threads, prepacked=staging / MODEL_FILE)
+            got, _ = copy.forward(*feeds, copy.empty_cache(1))
+            del copy
+            if got.shape != expected.shape or not np.array_equal(got, expected):
+                diff = float(np.abs(got - expected).max()) if got.shape == expected.shape else float("nan")
+                raise VerificationError(f"{staging / MODEL_FILE}: the pre-packed copy's logits differ from the export's "
+                                        f"(max |diff| {diff:.3g}); nothing was kept")
+            say("recording checksums …")
+            files = {}
+            for path in sorted(staging.iterdir()):
+                stat = path.stat()
+                files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+            record = {"format": FORMAT, "machine": machine_key(), "source": source_identity(model_dir), "files": files,
+                      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "check": {"token_ids": token_ids, "logits": "identical"}}
+            (staging / PREPACKED_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
+            sizes = {name: entry["bytes"] for name, entry in files.items()}
+            sizes[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
+        return PrepackResult(out, sizes, time.perf_counter() - start, len(token_ids))
 
 
 def verify(model_dir: str | Path) -> str:
@@ -341,7 +391,7 @@ def verify(model_dir: str | Path) -> str:
     stale = leftovers(model_dir)
     if stale:
         raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; {fix}")
-    wrong = _owned(folder)
+    wrong = owned_problem(folder)
     if wrong:
         raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")
     found = status(model_dir)
@@ -350,7 +400,7 @@ def verify(model_dir: str | Path) -> str:
     try:
         files = json.loads((folder / PREPACKED_MANIFEST).read_text())["files"]
         items = [(str(name), entry["sha256"]) for name, entry in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
         raise VerificationError(f"{folder / PREPACKED_MANIFEST}: unreadable or without checksums; {fix}") from None
     for name, digest in items:
         path = folder / name
@@ -358,6 +408,8 @@ def verify(model_dir: str | Path) -> str:
             raise VerificationError(f"{path}: recorded in {PREPACKED_MANIFEST} but missing; {fix}")
         if _sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from {PREPACKED_MANIFEST}; {fix}")
+    if found.path is None and PREPACKED_MANIFEST in found.problem.split(": ", 1)[0]:
+        raise VerificationError(f"{found.problem}; {fix}")  # a record the runtime cannot read
     if found.path is None:
         return f"pre-packed copy {folder}: intact, but {found.problem.split(': ', 1)[-1]}; not used here"
     return f"pre-packed copy {folder}: {len(items)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
@@ -382,25 +434,27 @@ def remove(model_dir: str | Path) -> bool:
 
     model_dir = Path(model_dir)
     _export_folder(model_dir)
-    folder = model_dir / PREPACKED_DIR
-    wrong = _owned(folder)
-    if wrong:
-        raise OutputError(f"{folder}: {wrong}; not a copy gemma-export wrote, left untouched")
-    if not folder.exists() and not leftovers(model_dir):
-        return False
-    _writable(model_dir, "removing the pre-packed copy")
-    if folder.exists():
-        _writable(folder, "removing the pre-packed copy")
-    _clear_leftovers(model_dir, lambda _msg: None)
-    if not folder.exists():
-        return False
-    aside = Path(tempfile.mkdtemp(prefix=LEFTOVER_PREFIXES[2], dir=model_dir))
-    try:
-        os.replace(folder, aside / PREPACKED_DIR)
-        shutil.rmtree(aside)
-    except OSError as exc:
-        if (aside / PREPACKED_DIR).exists() and not folder.exists():
-            os.replace(aside / PREPACKED_DIR, folder)
-        shutil.rmtree(aside, ignore_errors=True)
-        raise OutputError(f"{folder}: could not remove it ({exc.strerror or exc}); it is unchanged") from None
-    return True
+    with _folder_lock(model_dir):
+        folder = model_dir / PREPACKED_DIR
+        wrong = owned_problem(folder)
+        if wrong:
+            raise OutputError(f"{folder}: {wrong}; not a copy gemma-export wrote, left untouched")
+        if not folder.exists() and not leftovers(model_dir):
+            return False
+        _writable(model_dir, "removing the pre-packed copy")
+        if folder.exists():
+            _writable(folder, "removing the pre-packed copy")
+        _clear_leftovers(model_dir, lambda _msg: None)
+        if not folder.exists():
+            return False
+        with interrupts_held():  # the rename and the deletion run to the end once started
+            aside = Path(tempfile.mkdtemp(prefix=LEFTOVER_PREFIXES[2], dir=model_dir))
+            try:
+                os.replace(folder, aside / PREPACKED_DIR)
+                shutil.rmtree(aside)
+            except OSError as exc:
+                if (aside / PREPACKED_DIR).exists() and not folder.exists():
+                    os.replace(aside / PREPACKED_DIR, folder)
+                shutil.rmtree(aside, ignore_errors=True)
+                raise OutputError(f"{folder}: could not remove it ({exc.strerror or exc}); it is unchanged") from None
+        return True

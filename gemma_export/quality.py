@@ -159,16 +159,23 @@ def manifest_source(model_dir: Path) -> str:
     manifest = model_dir / "manifest.json"
     try:
         path = json.loads(manifest.read_text())["source"]["path"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source") from None
     if not Path(path).exists():
         raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")
     return path
 
 
+def graph_line(decoder) -> str:
+    """Which graph an :class:`~gemma_export.runtime.OnnxDecoder` loaded, for progress output."""
+    if decoder.prepacked_path is not None:
+        return f"graph: {decoder.prepacked_path} (pre-packed copy)"
+    return f"graph: {decoder.model_dir / 'model.onnx'}" + (f" ({decoder.prepacked_note})" if decoder.prepacked_note else "")
+
+
 def run_quality(model_dir: str | Path, reference: str = "transformers", text: str | Path | None = None,
                 tokens: int | None = None, threads: int | None = None,
-                progress=None) -> QualityReport:
+                progress=None, prepacked: bool | None = None) -> QualityReport:
     """Teacher-forced quality of an export on real text.
 
     Args:
@@ -178,6 +185,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         text: a text file (default: the Python license, ``bench.real_text``).
         tokens: use the first ``tokens`` tokens (default: all; at least 2 needed).
         threads: onnxruntime intra-op threads.
+        prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
+            (the graph used is reported through ``progress``).
 
     Raises:
         GemmaExportError: unusable folder, source or text; torch/transformers missing for
@@ -199,7 +208,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         ids = ids[:tokens]
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
-    decoder = OnnxDecoder(model_dir, threads=threads)
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
+    say(graph_line(decoder))
     decoder.check_length(len(ids))
     say(f"{len(ids)} tokens of {source}")
     if reference == "transformers":

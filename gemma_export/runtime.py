@@ -49,7 +49,7 @@ class GenerationResult:
 def _genai_decoder_config(model_dir: Path) -> dict:
     try:
         return json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return {}
 
 
@@ -153,7 +153,7 @@ class OnnxDecoder:
             self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
             if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("config", {}), dict):
                 raise ValueError("not a JSON object with an object 'config'")
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")

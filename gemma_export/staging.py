@@ -18,7 +18,7 @@ from .errors import OutputError
 
 
 @contextlib.contextmanager
-def _interrupts_held() -> Iterator[None]:
+def interrupts_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
     arrives meanwhile is dropped, since the block completes the output anyway. Outside the main
     thread (where handlers cannot be set) the block runs unprotected."""
@@ -37,9 +37,10 @@ def _interrupts_held() -> Iterator[None]:
 
 
 def move_into_place(staging: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder. If the
-    second rename fails the old ``out_dir`` is put back; Ctrl-C cannot stop it between the two."""
-    with _interrupts_held():
+    """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder, then
+    delete the old folder. If the second rename fails the old ``out_dir`` is put back; Ctrl-C cannot
+    stop it between the renames or during the deletion."""
+    with interrupts_held():
         if not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(staging, out_dir)
             return
@@ -55,7 +56,7 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
             os.replace(old / out_dir.name, out_dir)
             old.rmdir()
             raise
-    shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)  # inside: an interrupt here would leave it behind
 
 
 def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
@@ -68,7 +69,7 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
     sub-folder leaves): only such a folder may be replaced by a new output."""
     try:
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         return False

@@ -89,7 +89,7 @@ def test_a_truncated_copy_is_ignored(export_copy):
         f.truncate(data.stat().st_size // 2)
     decoder = OnnxDecoder(export_copy)
     assert decoder.prepacked_path is None and "model.onnx.data: " in decoder.prepacked_note
-    assert "changed since prepacked.json recorded" in decoder.prepacked_note
+    assert "bytes, prepacked.json recorded" in decoder.prepacked_note
 
 
 def test_a_failed_check_keeps_nothing_and_an_older_copy_stays(export_copy, monkeypatch):
@@ -307,3 +307,53 @@ def test_remove_on_a_file_names_it(tmp_path):
     afile.write_text("x")
     result = _run("prepack", "--model", afile, "--remove")
     assert result.exit_code != 0 and "is a file; expected an export folder" in result.output
+
+
+def test_a_prepacked_json_we_did_not_write_is_not_ours(export_copy):
+    folder = export_copy / "prepacked"
+    folder.mkdir()
+    (folder / "prepacked.json").write_text("my own notes, not json")
+    (folder / "model.onnx").write_text("mine too")
+    for args in (["prepack", "--model", export_copy], ["prepack", "--model", export_copy, "--remove"]):
+        result = _run(*args)
+        assert result.exit_code != 0 and "not a copy gemma-export wrote" in result.output
+    assert (folder / "model.onnx").read_text() == "mine too"
+
+
+def test_a_re_export_keeps_user_files_in_prepacked(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16).exit_code == 0
+    assert _run("prepack", "--model", out).exit_code == 0
+    (out / "prepacked" / "notes.txt").write_text("mine")
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
+    assert result.exit_code != 0 and (out / "prepacked" / "notes.txt").read_text() == "mine"
+
+
+def test_one_prepack_at_a_time_and_verify_waits(export_copy):
+    with prepack_module._folder_lock(export_copy):  # as a running prepack holds it
+        assert prepack_module.busy(export_copy)
+        for args in (["prepack", "--model", export_copy], ["prepack", "--model", export_copy, "--remove"],
+                     ["verify", export_copy]):
+            result = _run(*args)
+            assert result.exit_code != 0 and "a gemma-export prepack is working on this folder" in result.output \
+                or "another gemma-export prepack is working on this folder" in result.output, result.output
+    assert not prepack_module.busy(export_copy)
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+
+
+def test_deeply_nested_json_is_a_note_not_a_traceback(export_copy):
+    prepack_module.prepack(export_copy)
+    (export_copy / "prepacked" / "prepacked.json").write_text("[" * 100000)
+    result = _run("generate", "--model", export_copy, "--prompt", "the", "--max-new-tokens", 2)
+    assert result.exit_code == 0 and "Traceback" not in result.output and "not used" in result.output
+    (export_copy / "manifest.json").write_text("[" * 100000)
+    result = _run("verify", export_copy)
+    assert result.exit_code != 0 and "Traceback" not in result.output and "unreadable manifest" in result.output
+
+
+def test_quality_reports_the_graph_it_loaded(export_copy, text_file):
+    prepack_module.prepack(export_copy)
+    args = ["quality", "--model", export_copy, "--reference", export_copy, "--text", text_file, "--tokens", 30]
+    used, skipped = _run(*args), _run(*args, "--no-prepacked")
+    assert used.exit_code == 0 and "(pre-packed copy)" in used.output
+    assert skipped.exit_code == 0 and "not used (--no-prepacked)" in skipped.output
