@@ -217,10 +217,11 @@ def prepack(
     remove: bool = typer.Option(False, "--remove", help="Delete the folder's pre-packed copy instead."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Write MODEL/prepacked/: onnxruntime's optimized graph with the weights already in its kernels'
-    packed layout, for this machine. generate, bench, quality and parity then map the packed weights
-    from disk instead of building them on the heap (int8: ~1.1 x the archive less Anonymous memory,
-    same logits). Run it on the machine that runs the model (the layout depends on the CPU and the
+    """Pack an export's weights for this machine once, so onnxruntime maps them from disk.
+
+    Writes MODEL/prepacked/: onnxruntime's optimized graph with the weights already in its kernels'
+    packed layout. generate, bench, quality and parity then map the packed weights from disk instead
+    of building them on the heap (int8: ~1.1 x the archive less Anonymous memory, same logits). Run it on the machine that runs the model (the layout depends on the CPU and the
     onnxruntime version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk.
 
     Example: gemma-export prepack --model gemma-3-270m-onnx-int8
