@@ -240,7 +240,7 @@ def format_result(r: BenchResult) -> str:
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
         f"session creation {r.session_create_s:.2f} s",
         "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
-                               "model.onnx, weights packed on the heap" + (f" ({r.prepacked_note})" if r.prepacked_note
+                               "model.onnx, weights packed on the heap" + (f"; {r.prepacked_note}" if r.prepacked_note
                                                                            else "; `gemma-export prepack` maps them from disk")),
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],

@@ -86,8 +86,8 @@ from PyPI as aarch64 wheels):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
-Check the model files, pre-pack the weights for this board's CPU, then generate and benchmark
-with the board's {threads} threads:
+From inside this folder, check the model files, pre-pack the weights for this board's CPU, then
+generate and benchmark with the board's {threads} threads:
 
     ~/gx/bin/gemma-export verify model
     ~/gx/bin/gemma-export prepack --model model
@@ -97,9 +97,10 @@ with the board's {threads} threads:
 `prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
-the process's Anonymous memory near a tenth of the model instead of above its size. Skip it if the
-disk is short; everything works without it. `bench` fails with a message if peak memory leaves less
-than 300 MB of the board's memory free.
+the process's Anonymous memory (which the kernel cannot reclaim) near a tenth of the model instead
+of above its size. Peak resident memory rises by about 150 MB of clean file pages, which the kernel
+can reclaim under pressure. Skip it if the disk is short; everything works without it. `bench`
+fails with a message if peak memory leaves less than 300 MB of the board's memory free.
 """
 
 

@@ -357,3 +357,12 @@ def test_quality_reports_the_graph_it_loaded(export_copy, text_file):
     used, skipped = _run(*args), _run(*args, "--no-prepacked")
     assert used.exit_code == 0 and "(pre-packed copy)" in used.output
     assert skipped.exit_code == 0 and "not used (--no-prepacked)" in skipped.output
+
+
+def test_verify_takes_the_folder_either_way(export_copy, tmp_path):
+    assert _run("verify", export_copy).exit_code == 0
+    assert _run("verify", "--model", export_copy).exit_code == 0
+    none = _run("verify")
+    assert none.exit_code == 2 and "no export folder given" in none.output
+    both = _run("verify", export_copy, "--model", tmp_path)
+    assert both.exit_code == 2 and "two folders given" in both.output
