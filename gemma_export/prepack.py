@@ -285,8 +285,10 @@ def _writable(folder: Path, what: str) -> None:
 
 
 #: the copy holds the export's initializers and their packed form: 1.99-2.08 x the data file on the
-#: real 270M (fp32 1.99, int8 2.06, int4 2.08); space is checked against 2.1 x before any work starts
+#: real 270M (fp32 1.99, int8 2.06, int4 2.08); bf16 is widened to float32 when onnxruntime folds its
+#: Casts, so its copy is ~4 x. Space is checked against these factors before any work starts.
 SPACE_FACTOR = 2.1
+SPACE_FACTOR_BF16 = 4.1
 
 
 def prepack(model_dir: str | Path, threads: int | None = None,
@@ -329,7 +331,12 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         say(f"checking {model_dir} against its manifest …")
         verify_manifest(model_dir)
         data = model_dir / DATA_FILE
-        need = int(SPACE_FACTOR * data.stat().st_size) if data.is_file() else 0
+        try:
+            dtype = json.loads((model_dir / "manifest.json").read_text()).get("dtype")
+        except (OSError, ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+            dtype = None
+        factor = SPACE_FACTOR_BF16 if dtype == "bf16" else SPACE_FACTOR
+        need = int(factor * data.stat().st_size) if data.is_file() else 0
         free = shutil.disk_usage(model_dir).free
         if free < need:
             raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "

@@ -366,3 +366,21 @@ def test_verify_takes_the_folder_either_way(export_copy, tmp_path):
     assert none.exit_code == 2 and "no export folder given" in none.output
     both = _run("verify", export_copy, "--model", tmp_path)
     assert both.exit_code == 2 and "two folders given" in both.output
+
+
+def test_bf16_copies_are_counted_at_float32(tiny_dir, tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    out = tmp_path / "bf16"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "bf16").exit_code == 0
+    data = (out / "model.onnx.data").stat().st_size
+    usage = shutil_module.disk_usage(out)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=3 * data))
+    with pytest.raises(OutputError, match="needs about"):  # onnxruntime widens bf16 to float32: ~4 x
+        prepack_module.prepack(out)
+    monkeypatch.undo()
+    result = prepack_module.prepack(out)
+    assert result.files["model.onnx.data"] > 3 * data
+    ids = list(range(3, 30))
+    assert np.array_equal(OnnxDecoder(out).teacher_forced_logits(ids),
+                          OnnxDecoder(out, prepacked=False).teacher_forced_logits(ids))
