@@ -96,24 +96,30 @@ def leftovers(model_dir: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(LEFTOVER_PREFIXES) and p.is_dir() and not p.is_symlink())
 
 
-def owned_problem(folder: Path) -> str:
-    """"" when ``folder`` (``<export>/prepacked``) is absent or a copy this module wrote (a real
-    folder holding our ``prepacked.json`` and nothing but the copy's files); else what is wrong."""
+def _ownership(folder: Path) -> tuple[str, dict | None]:
+    """``(problem, record)``: problem is "" when ``folder`` (``<export>/prepacked``) is absent or a
+    copy this module wrote (a real folder holding our ``prepacked.json`` and nothing but the copy's
+    files), else what is wrong; record is the parsed ``prepacked.json`` of such a copy."""
     if not folder.exists() and not folder.is_symlink():
-        return ""
+        return "", None
     if folder.is_symlink() or not folder.is_dir():
-        return f"is {'a link' if folder.is_symlink() else 'not a folder'}"
+        return f"is {'a link' if folder.is_symlink() else 'not a folder'}", None
     if not (folder / PREPACKED_MANIFEST).is_file():
-        return f"has no {PREPACKED_MANIFEST}"
+        return f"has no {PREPACKED_MANIFEST}", None
     try:
         record = json.loads((folder / PREPACKED_MANIFEST).read_text())
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         record = None
     if not (isinstance(record, dict) and record.get("format") == FORMAT):
-        return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\""
+        return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\"", None
     foreign = sorted(p.name for p in folder.iterdir()
                      if p.name not in (MODEL_FILE, DATA_FILE, PREPACKED_MANIFEST) or p.is_symlink() or not p.is_file())
-    return f"holds files gemma-export did not write ({', '.join(foreign)})" if foreign else ""
+    return (f"holds files gemma-export did not write ({', '.join(foreign)})", None) if foreign else ("", record)
+
+
+def owned_problem(folder: Path) -> str:
+    """"" when ``folder`` (``<export>/prepacked``) is absent or a copy this module wrote; else what is wrong."""
+    return _ownership(folder)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,15 +155,9 @@ def status(model_dir: str | Path) -> PrepackStatus:
 
     if not folder.exists() and not folder.is_symlink():
         return unusable("")
-    wrong = owned_problem(folder)
+    wrong, record = _ownership(folder)  # a readable JSON object with our format, or a problem
     if wrong:
         return unusable(f"{folder}: {wrong}")
-    try:
-        record = json.loads((folder / PREPACKED_MANIFEST).read_text())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        return unusable(f"{folder / PREPACKED_MANIFEST}: unreadable ({exc})")
-    if not isinstance(record, dict):
-        return unusable(f"{folder / PREPACKED_MANIFEST}: expected a JSON object, found {type(record).__name__}")
     for field in ("machine", "source", "files"):
         if not isinstance(record.get(field), dict):
             return unusable(f"{folder / PREPACKED_MANIFEST}: field '{field}' missing or not an object")
@@ -207,23 +207,13 @@ class PrepackResult:
         return sum(self.files.values())
 
 
-def _session(path: Path, threads: int | None, save_to: Path | None = None):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    if save_to is not None:
-        options.optimized_model_filepath = str(save_to / MODEL_FILE)
-        options.add_session_config_entry("session.optimized_model_external_initializers_file_name", DATA_FILE)
-        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-    try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
+#: session config entries that make onnxruntime save its optimized graph with the packed weights
+#: in one external data file (onnxruntime_session_options_config_keys.h)
+SAVE_PREPACKED = {
+    "session.optimized_model_external_initializers_file_name": DATA_FILE,
+    "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+    "session.save_external_prepacked_constant_initializers": "1",
+}
 
 
 def _export_folder(model_dir: Path) -> None:
@@ -284,6 +274,23 @@ def _writable(folder: Path, what: str) -> None:
         raise OutputError(f"{folder}: no permission to write there, which {what} needs; nothing was changed")
 
 
+def _may_replace(model_dir: Path, what: str, refusal: str) -> Path:
+    """``<model_dir>/prepacked`` after checking that this module may replace or delete it: absent
+    or a copy it wrote, and the folders writable. ``refusal`` ends the message for a foreign one.
+
+    Raises:
+        OutputError: a ``prepacked`` gemma-export did not write, or no write permission.
+    """
+    folder = model_dir / PREPACKED_DIR
+    wrong = owned_problem(folder)
+    if wrong:
+        raise OutputError(f"{folder}: {wrong}{refusal}")
+    _writable(model_dir, what)
+    if folder.is_dir():
+        _writable(folder, what)
+    return folder
+
+
 #: the copy holds the export's initializers and their packed form: 1.99-2.08 x the data file on the
 #: real 270M (fp32 1.99, int8 2.06, int4 2.08); bf16 is widened to float32 when onnxruntime folds its
 #: Casts, so its copy is ~4 x. Space is checked against these factors before any work starts.
@@ -313,20 +320,15 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     import shutil
 
     from .exporter import verify_manifest
-    from .runtime import OnnxDecoder
+    from .runtime import OnnxDecoder, create_session
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
     start = time.perf_counter()
     _export_folder(model_dir)
     with _folder_lock(model_dir):
-        out = model_dir / PREPACKED_DIR
-        wrong = owned_problem(out)
-        if wrong:
-            raise OutputError(f"{out}: {wrong}, so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
-        _writable(model_dir, "the pre-packed copy")
-        if out.is_dir():
-            _writable(out, "replacing the pre-packed copy")
+        out = _may_replace(model_dir, "writing the pre-packed copy",
+                           ", so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
         _clear_leftovers(model_dir, say)
         say(f"checking {model_dir} against its manifest …")
         verify_manifest(model_dir)
@@ -350,7 +352,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         with staged_folder(out, "pre-packed copy") as staging:
             say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
             try:
-                _session(model_dir / MODEL_FILE, threads, save_to=staging)
+                create_session(model_dir / MODEL_FILE, threads, staging / MODEL_FILE, SAVE_PREPACKED)
             except FormatError as exc:
                 free = shutil.disk_usage(model_dir).free
                 written = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
@@ -398,16 +400,15 @@ def verify(model_dir: str | Path) -> str:
     stale = leftovers(model_dir)
     if stale:
         raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; {fix}")
-    wrong = owned_problem(folder)
+    wrong, record = _ownership(folder)
     if wrong:
         raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")
-    found = status(model_dir)
-    if not folder.exists():
+    if record is None:  # no copy
         return ""
+    found = status(model_dir)
     try:
-        files = json.loads((folder / PREPACKED_MANIFEST).read_text())["files"]
-        items = [(str(name), entry["sha256"]) for name, entry in files.items()]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
+        items = [(str(name), entry["sha256"]) for name, entry in record["files"].items()]
+    except (KeyError, TypeError, AttributeError):
         raise VerificationError(f"{folder / PREPACKED_MANIFEST}: unreadable or without checksums; {fix}") from None
     for name, digest in items:
         path = folder / name
@@ -443,14 +444,9 @@ def remove(model_dir: str | Path) -> bool:
     _export_folder(model_dir)
     with _folder_lock(model_dir):
         folder = model_dir / PREPACKED_DIR
-        wrong = owned_problem(folder)
-        if wrong:
-            raise OutputError(f"{folder}: {wrong}; not a copy gemma-export wrote, left untouched")
-        if not folder.exists() and not leftovers(model_dir):
+        if not folder.exists() and not folder.is_symlink() and not leftovers(model_dir):
             return False
-        _writable(model_dir, "removing the pre-packed copy")
-        if folder.exists():
-            _writable(folder, "removing the pre-packed copy")
+        _may_replace(model_dir, "removing the pre-packed copy", "; not a copy gemma-export wrote, left untouched")
         _clear_leftovers(model_dir, lambda _msg: None)
         if not folder.exists():
             return False

@@ -81,8 +81,6 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
                  prepacked: bool | str | Path | None = None):
-        import onnxruntime as ort
-
         from . import prepack as prepack_copy
 
         self.model_dir = Path(model_dir)
@@ -107,19 +105,13 @@ class OnnxDecoder:
             if prepacked is True and found.path is None:
                 raise GemmaExportError(f"cannot use the pre-packed copy: {found.problem}" if found.problem else
                                        f"{copy_dir}: no pre-packed copy (run gemma-export prepack --model {self.model_dir})")
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        if threads:
-            options.intra_op_num_threads = threads
-        if optimized_model_path is not None:
-            options.optimized_model_filepath = str(optimized_model_path)
         if self.prepacked_path is not None:
             try:
                 load_graph(self.prepacked_path)
-                self.session = ort.InferenceSession(str(self.prepacked_path), options, providers=["CPUExecutionProvider"])
-            except Exception as exc:  # a damaged copy: FormatError from load_graph, onnxruntime's own errors
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                problem = f"{self.prepacked_path}: onnxruntime cannot load it ({first})"
+                self.session = create_session(self.prepacked_path, threads)
+            except FormatError as exc:  # a damaged copy: from load_graph, or onnxruntime's own error
+                reason = str(exc).split(_CANNOT_LOAD, 1)[-1]
+                problem = f"{self.prepacked_path}: onnxruntime cannot load it ({reason})"
                 if prepacked is not None:  # required, or a path given: no silent fallback
                     raise FormatError(f"{problem}; run gemma-export prepack --model {self.model_dir} again, or with "
                                       "--remove") from None
@@ -127,11 +119,7 @@ class OnnxDecoder:
                 self.prepacked_note = (f"{problem}; not used (`gemma-export prepack --model {self.model_dir}` makes a "
                                        "new one)")
         if self.prepacked_path is None:
-            try:
-                self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-            except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise FormatError(f"{path}: onnxruntime cannot load the model: {first}") from None
+            self.session = create_session(path, threads, optimized_model_path)
         else:
             path = self.prepacked_path
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -280,6 +268,38 @@ class OnnxDecoder:
             rows[position] = cache.step(np.asarray([[token]], np.int64), np.ones((1, position + 1), np.int64),
                                         np.asarray([[position]], np.int64))[0, -1]
         return rows
+
+
+_CANNOT_LOAD = "onnxruntime cannot load the model: "
+
+
+def create_session(path: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
+                   config: dict[str, str] | None = None):
+    """An onnxruntime ``InferenceSession`` of ``path`` on the CPU provider, warnings silenced.
+
+    Args:
+        threads: intra-op threads (None: onnxruntime's default).
+        optimized_model_path: onnxruntime writes its optimized graph there.
+        config: session config entries (``SessionOptions.add_session_config_entry``).
+
+    Raises:
+        FormatError: onnxruntime cannot load (or write) the model; its first message line.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    if optimized_model_path is not None:
+        options.optimized_model_filepath = str(optimized_model_path)
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
