@@ -97,6 +97,30 @@ class BenchResult:
         return dataclasses.asdict(self)
 
 
+#: Linux's switch for dropping clean page-cache pages (root only)
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache() -> None:
+    """Write dirty pages back (``sync``) and drop the clean page cache (``1`` into
+    ``/proc/sys/vm/drop_caches``), so that the next run reads its model files from disk, as after a
+    reboot. Memory-bound decode timings depend on how a file's pages came into the cache: int8
+    copies with the same graph decoded up to 18% apart, a file just written against one that had sat
+    in the cache for hours, and alike once both were re-read (``docs/benchmarks.md``). Linux, root.
+
+    Raises:
+        GemmaExportError: the page cache cannot be dropped here (not root, not Linux); names the file.
+    """
+    import os
+
+    os.sync()
+    try:
+        DROP_CACHES.write_text("1\n")
+    except OSError as exc:
+        raise GemmaExportError(f"{DROP_CACHES}: cannot drop the page cache ({exc.strerror or exc}); "
+                               "cold runs need root on Linux") from None
+
+
 def _archive_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 

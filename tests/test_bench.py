@@ -96,3 +96,18 @@ def test_bench_times_the_reference_export_under_iree(tiny_int8_export, tiny_mode
     assert ref["ms_per_token_median"] > 0
     assert ref["export_vs_reference"] == pytest.approx(ref["export_decode_ms_median"] / ref["ms_per_token_median"])
     assert f"{ref['export_vs_reference']:.3f}x the reference" in result.stdout
+
+
+def test_drop_page_cache_writes_1_after_sync_or_names_the_file(tmp_path, monkeypatch):
+    from gemma_export import bench
+    from gemma_export.errors import GemmaExportError
+
+    switch = tmp_path / "drop_caches"
+    switch.write_text("0\n")
+    monkeypatch.setattr(bench, "DROP_CACHES", switch)
+    bench.drop_page_cache()
+    assert switch.read_text() == "1\n"  # 1: the clean page cache only (not dentries and inodes)
+    missing = tmp_path / "no-proc" / "drop_caches"
+    monkeypatch.setattr(bench, "DROP_CACHES", missing)
+    with pytest.raises(GemmaExportError, match=f"{missing}: cannot drop the page cache .*need root on Linux"):
+        bench.drop_page_cache()

@@ -4,11 +4,12 @@ the same real-text prompts, with the same threads.
 
 Usage:
     python tools/bench_genai.py --pair fp32=/tmp/genai-fp32,/tmp/gx/fp32 --pair int4=/tmp/genai-int4,/tmp/gx/int4 \\
-        [--contexts 16,128] [--steps 64] [--threads 2]
+        [--contexts 16,128] [--steps 64] [--threads 2] [--cold]
 
 Needs onnxruntime-genai in this interpreter (the test extra has it). Prints medians (ms/token,
 first 3 steps dropped) and our time as a ratio of genai's: with the weights packed on the heap, and
 from the export's pre-packed copy when `gemma-export prepack` made one on this machine.
+``--cold`` (root) drops the page cache before each measurement: every file is read from disk.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def main() -> None:
     parser.add_argument("--contexts", default="16,128")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before each measurement (needs root): every file read from disk")
     args = parser.parse_args()
+    from gemma_export.bench import drop_page_cache
+
+    cold = drop_page_cache if args.cold else (lambda: None)
+    cold()  # fails early when not permitted
 
     from gemma_export.bench import real_text
     from gemma_export.runtime import load_tokenizer
@@ -68,8 +75,11 @@ def main() -> None:
     for name, genai_dir, our_dir in pairs:
         packed = status(our_dir).path is not None  # a copy made here by `gemma-export prepack`
         for context in contexts:
+            cold()
             theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
+            cold()
             ours = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
+            cold()
             mapped = our_decode_ms(our_dir, ids, context, args.steps, args.threads, True) if packed else float("nan")
             print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {mapped:.1f} "
                   f"| {mapped / theirs:.2f} |", flush=True)

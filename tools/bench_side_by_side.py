@@ -5,13 +5,15 @@ memory-bandwidth floor measured on this machine.
 Usage:
     pip install llama-cpp-python   # optional; on x86 with gcc 12 build it with -mno-amx-* (see docs)
     python tools/bench_side_by_side.py --models int8=DIR fp32=DIR [--threads 2] [--contexts 16,128,512] \\
-        [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png] [--prepacked both]
+        [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png] [--prepacked both] [--cold]
 
 llama.cpp runs the bundled Q4_K_M GGUF and a Q8_0 GGUF requantized from it (written once next to
 the bundled file); ``--reference`` adds the board team's reference export under IREE (e.g. the one
 ``tools/make_reference_export.py`` writes), timed the board's way (its 24-position graph once per
 token). Prints a Markdown table of medians and ratios against llama.cpp Q8_0 at each context, the
 bandwidth floor of each export, and with ``--plot`` draws decode ms/token against context length.
+``--cold`` (root) drops the page cache before each system, so each reads its files from disk as
+after a reboot: timings otherwise depend on how long each file has sat in the cache.
 """
 
 from __future__ import annotations
@@ -154,7 +156,13 @@ def main() -> None:
                         help="both: time each export with its weights packed on the heap and, when it has a copy made "
                              "here by `gemma-export prepack`, again from that copy; auto: whichever the runtime picks; "
                              "off: the heap only")
+    parser.add_argument("--cold", action="store_true",
+                        help="drop the page cache before each system (needs root): every file read from disk")
     args = parser.parse_args()
+    from gemma_export.bench import drop_page_cache
+
+    cold = drop_page_cache if args.cold else (lambda: None)
+    cold()  # fails early, before any timing, when not permitted
     contexts = [int(c) for c in args.contexts.split(",")]
     models = dict(m.split("=", 1) for m in args.models)
     ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))
@@ -163,7 +171,10 @@ def main() -> None:
         from gemma_export.sources import bundled_gguf_path
 
         q4 = bundled_gguf_path()
-        rows["llama.cpp Q8_0"] = bench_llama(q8_0_gguf(q4), ids, contexts, args.new_tokens, args.prefill, args.threads)
+        q8 = q8_0_gguf(q4)
+        cold()
+        rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        cold()
         rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
@@ -175,14 +186,16 @@ def main() -> None:
         if args.prepacked == "both" and status(folder).path is not None:
             runs.append((f"{name} pre-packed", True))
         for label, prepacked in runs:
+            cold()
             rows[f"ours {label}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads,
                                                prepacked)
             rows[f"ours {label}"]["archive_bytes"] = archive
     if args.reference:
+        cold()
         rows["reference (IREE, re-decode)"] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)
     anchor = rows.get("llama.cpp Q8_0")
-    print(f"\nthreads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
+    print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
     print("| system | " + " | ".join(f"decode ms @{c} | × Q8_0" for c in contexts) + " | prefill ms | × Q8_0 |")
     print("|---|" + "---|---|" * len(contexts) + "---|---|")
