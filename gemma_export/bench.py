@@ -91,6 +91,7 @@ class BenchResult:
     prefill_chunk: int | None = None
     prepacked: str | None = None  # the pre-packed copy's model.onnx the session loaded, if any
     prepacked_note: str = ""
+    huge_page_bytes: int = 0  # heap moved onto transparent huge pages after session creation
     reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
 
     def to_dict(self) -> dict:
@@ -212,7 +213,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
-        reference=reference_figures)
+        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures)
     return result
 
 
@@ -264,7 +265,9 @@ def format_result(r: BenchResult) -> str:
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
         f"session creation {r.session_create_s:.2f} s",
         "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
-                               "model.onnx, weights packed on the heap" + (f"; {r.prepacked_note}" if r.prepacked_note
+                               "model.onnx, weights packed on the heap"
+                               + (f" ({r.huge_page_bytes / 2**20:,.0f} MiB on huge pages)" if r.huge_page_bytes else "")
+                               + (f"; {r.prepacked_note}" if r.prepacked_note
                                                                            else "; `gemma-export prepack` maps them from disk")),
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],

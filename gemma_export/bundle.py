@@ -99,9 +99,9 @@ the weights already in its kernels' layout for this CPU, checked to give the sam
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
 the process's Anonymous memory (which the kernel cannot reclaim) near a tenth of the model instead
 of above its size. Peak resident memory rises by about 150 MB of clean file pages, which the kernel
-can reclaim under pressure. Skip it if the disk is short; everything works without it (prefixing
-the commands with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` may then win back decode speed through
-transparent huge pages: 0.91 × the time on x86-64; measure it on the board). `bench`
+can reclaim under pressure. Skip it if the disk is short; everything works without it (the
+weights are then moved onto transparent huge pages after loading, when the board's kernel is
+Linux 6.1 or newer; `bench` prints how many MiB). `bench`
 fails with a message if peak memory leaves less than 300 MB of the board's memory free.
 """
 

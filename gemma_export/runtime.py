@@ -67,10 +67,14 @@ class OnnxDecoder:
             or an error saying why it cannot be used; a path: that copy's ``model.onnx``.
             ``optimized_model_path`` implies ``False``. The logits are the same either way; the copy
             maps the packed weights from disk instead of building them on the heap.
+        huge_pages: when the weights are packed on the heap, move them onto transparent huge
+            pages after session creation (:func:`gemma_export.memory.collapse_to_huge_pages`;
+            Linux ≥ 6.1, else nothing happens). Same logits; fewer TLB misses per decode step.
 
     Attributes:
         prepacked_path: the pre-packed ``model.onnx`` in use, or None.
         prepacked_note: why the folder's copy is or is not used ("" when there is none).
+        huge_page_bytes: bytes moved onto huge pages after session creation (0: none).
 
     Raises:
         SourceNotFoundError: no ``model.onnx`` in the folder.
@@ -80,7 +84,7 @@ class OnnxDecoder:
     """
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
-                 prepacked: bool | str | Path | None = None):
+                 prepacked: bool | str | Path | None = None, huge_pages: bool = True):
         from . import prepack as prepack_copy
 
         self.model_dir = Path(model_dir)
@@ -118,8 +122,14 @@ class OnnxDecoder:
                 self.prepacked_path = None
                 self.prepacked_note = (f"{problem}; not used (`gemma-export prepack --model {self.model_dir}` makes a "
                                        "new one)")
+        #: bytes of heap moved onto transparent huge pages after session creation (memory.collapse_to_huge_pages)
+        self.huge_page_bytes = 0
         if self.prepacked_path is None:
             self.session = create_session(path, threads, optimized_model_path)
+            if huge_pages:  # the weights onnxruntime just packed on the heap: fewer TLB misses per step
+                from .memory import collapse_to_huge_pages
+
+                self.huge_page_bytes = collapse_to_huge_pages()
         else:
             path = self.prepacked_path
         inputs = {i.name: i for i in self.session.get_inputs()}

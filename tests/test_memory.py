@@ -1,0 +1,88 @@
+"""``gemma_export.memory``: the huge-page move of onnxruntime's heap-packed weights."""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+import pytest
+
+from gemma_export import memory
+from gemma_export.runtime import OnnxDecoder
+
+MIB = 1 << 20
+
+MAPS = """\
+55d4c8a00000-55d4c8e00000 rw-p 00000000 00:00 0                          [heap]
+7f0000100000-7f0000a00000 rw-p 00000000 00:00 0 
+7f0000a00000-7f0000b00000 rw-p 00000000 00:00 0 
+7f0000c00000-7f0001000000 r--p 00000000 00:00 0 
+7f0001000000-7f0001400000 rw-s 00000000 00:05 12                         /dev/zero (deleted)
+7f0002000000-7f0002800000 rw-p 00001000 fd:01 4242                       /data/model.onnx.data
+7ffd1c000000-7ffd1c800000 rw-p 00000000 00:00 0                          [stack]
+"""
+
+
+def test_anonymous_huge_ranges_keeps_whole_aligned_huge_pages_of_private_writable_anonymous_memory():
+    ranges = memory.anonymous_huge_ranges(MAPS, 2 * MIB)
+    assert ranges == [
+        (0x55d4c8a00000, 0x55d4c8e00000),  # [heap], already aligned: 2 huge pages
+        (0x7f0000200000, 0x7f0000a00000),  # 1 MiB .. 10 MiB rounded inwards to 2 .. 10 MiB
+    ]  # 1 MiB mapping: no whole huge page; read-only, shared, file-backed and the stack: left out
+
+
+def _kernel_collapses() -> str | None:
+    """Why this machine cannot collapse (None when it can): Linux >= 6.1 with THP not 'never'."""
+    if platform.system() != "Linux" or not memory.HPAGE_PMD_SIZE.exists():
+        return "no transparent huge pages here"
+    mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    if "[never]" in mode:
+        return "transparent huge pages are set to never"
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    return None if (major, minor) >= (6, 1) else f"MADV_COLLAPSE needs Linux >= 6.1, found {platform.release()}"
+
+
+def _anon_huge_pages_of(address: int) -> int:
+    """``AnonHugePages`` (bytes) of the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(_kernel_collapses() is not None, reason=str(_kernel_collapses()))
+def test_collapse_moves_touched_anonymous_memory_onto_huge_pages_and_keeps_it():
+    import ctypes
+    import mmap
+
+    size = 64 * MIB  # private anonymous, as onnxruntime's allocations; nobody asked for huge pages
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pattern = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    region[:] = pattern.tobytes()  # every small page touched
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    before = _anon_huge_pages_of(address)
+    assert before <= 16 * MIB
+    moved = memory.collapse_to_huge_pages()
+    assert moved >= 48 * MIB - before  # the process total grew by at least this mapping's part
+    assert _anon_huge_pages_of(address) >= 62 * MIB  # all of it but one unaligned huge page at most
+    assert np.array_equal(np.frombuffer(region, np.uint8), pattern)
+
+
+def test_collapse_is_a_no_op_without_the_huge_page_switch(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "HPAGE_PMD_SIZE", tmp_path / "missing")
+    assert memory.collapse_to_huge_pages() == 0
+
+
+def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export):
+    ids = np.arange(3, 15, dtype=np.int64)[None]
+    feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
+    plain = OnnxDecoder(tiny_int8_export, prepacked=False, huge_pages=False)
+    assert plain.huge_page_bytes == 0
+    logits = plain.forward(*feeds, plain.empty_cache(1))[0]
+    huge = OnnxDecoder(tiny_int8_export, prepacked=False)
+    assert np.array_equal(huge.forward(*feeds, huge.empty_cache(1))[0], logits)
