@@ -130,7 +130,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
               reference: str | Path | None = None, reference_weights: str | Path | None = None,
               prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None,
-              prepacked: bool | None = None) -> BenchResult:
+              prepacked: bool | None = None, huge_pages: bool = True) -> BenchResult:
     """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
 
     Args:
@@ -148,6 +148,8 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step).
         prepacked: the folder's pre-packed copy: None uses it when made here, True requires it,
             False ignores it (see :class:`~gemma_export.runtime.OnnxDecoder`).
+        huge_pages: without the copy, move the heap-packed weights onto transparent huge pages
+            after session creation (``OnnxDecoder(huge_pages=...)``); False to measure without.
 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
@@ -177,7 +179,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     release_free_heap()
     before = snapshot()
     t0 = time.perf_counter()
-    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked, huge_pages=huge_pages)
     create_s = time.perf_counter() - t0
     say(f"session created in {create_s:.1f} s" + (f" from the {decoder.prepacked_note}" if decoder.prepacked_path else ""))
     decoder.check_length(lengths[-1] + new_tokens)

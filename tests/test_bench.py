@@ -111,3 +111,18 @@ def test_drop_page_cache_writes_1_after_sync_or_names_the_file(tmp_path, monkeyp
     monkeypatch.setattr(bench, "DROP_CACHES", missing)
     with pytest.raises(GemmaExportError, match=f"{missing}: cannot drop the page cache .*need root on Linux"):
         bench.drop_page_cache()
+
+
+@pytest.mark.parametrize("flag, moved", [([], 5 << 20), (["--no-huge-pages"], 0)])
+def test_bench_reports_the_heap_moved_onto_huge_pages(tiny_int8_export, text_file, tmp_path, monkeypatch, flag, moved):
+    from gemma_export import memory
+
+    calls = []
+    monkeypatch.setattr(memory, "collapse_to_huge_pages", lambda: calls.append(1) or 5 << 20)
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "5", "--new-tokens", "6",
+                                 "--text", str(text_file), "--json", str(out), "--no-prepacked", *flag])
+    assert result.exit_code == 0, result.output
+    assert len(calls) == (1 if moved else 0)
+    assert json.loads(out.read_text())["huge_page_bytes"] == moved
+    assert ("(5 MiB on huge pages)" in result.stdout) == bool(moved)
