@@ -320,7 +320,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     import shutil
 
     from .exporter import verify_manifest
-    from .runtime import OnnxDecoder, create_session
+    from .runtime import _CANNOT_LOAD, OnnxDecoder, create_session
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
@@ -343,7 +343,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         if free < need:
             raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "
                               "nothing was written")
-        original = OnnxDecoder(model_dir, threads=threads, prepacked=False)
+        original = OnnxDecoder(model_dir, threads=threads, prepacked=False, huge_pages=False)  # one forward pass
         token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
         ids = np.asarray([token_ids], np.int64)
         feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
@@ -357,7 +357,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
                 free = shutil.disk_usage(model_dir).free
                 written = sum(p.stat().st_size for p in staging.iterdir() if p.is_file())
                 cause = ("the disk is full or a file-size limit was reached" if free + written < need or free == 0 else
-                         str(exc).split("cannot load the model: ", 1)[-1][:160])
+                         str(exc).split(_CANNOT_LOAD, 1)[-1][:160])
                 raise OutputError(f"{out}: onnxruntime could not write the pre-packed copy ({cause}); {free:,} bytes free "
                                   f"there, the copy needs about {need:,}; nothing was written") from None
             if not (staging / DATA_FILE).is_file():
