@@ -258,7 +258,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     return {name: size for name, (size, _) in expected.items()}
 
 
-def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
+def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checked: bool = False) -> None:
     out = out_dir.resolve()
     src = checkpoint.path.resolve()
     src_dir = src if src.is_dir() else src.parent
@@ -267,6 +267,20 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint) -> None:
     if out == src or out in src.parents:
         raise OutputError(f"{out_dir}: the source {checkpoint.path} lies inside this folder, which the export would "
                           "replace; choose another --out")
+    if not replaceable_checked:
+        _check_replaceable(out_dir)
+
+
+def _related(a: Path, b: Path) -> bool:
+    """Whether one path is, contains or lies inside the other (after resolving links)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """The destination's own checks, which need no source: with --out given they run before the
+    (slow) source is read."""
+    out = out_dir.resolve()
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
@@ -365,9 +379,14 @@ def export(
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     text = read_calibration_text(calibration_text) if calibrate is not False and quantized else None
     started = time.perf_counter()
+    # refuse a foreign --out before the (slow) source is read, unless the source lies in or around it
+    # (then _check_destination's message about the source says more)
+    early = out_dir is not None and (source is None or not _related(Path(out_dir), Path(source)))
+    if early:
+        _check_replaceable(Path(out_dir))
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
-    _check_destination(out, ckpt)
+    _check_destination(out, ckpt, replaceable_checked=early)
     calibration = None
     if text is not None and (calibrate or ckpt.tokenizer is not None):
         calibration = _calibrate(ckpt, text, calibration_tokens, progress)

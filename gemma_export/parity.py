@@ -257,7 +257,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     Raises:
         GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
     """
-    from .quality import compare_logits, graph_line, manifest_source, transformers_model
+    from .quality import compare_logits, graph_line, manifest_source, require_transformers, transformers_model
     from .runtime import OnnxDecoder, load_tokenizer
 
     say = progress or (lambda _msg: None)
@@ -265,6 +265,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden")
     if new_tokens < 1:
         raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
+    if against_transformers:
+        require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
     model_dir = Path(model_dir)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))

@@ -84,6 +84,28 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
         first_disagreement=int(wrong[0]) if len(wrong) else None)
 
 
+TRANSFORMERS_MISSING = ("the transformers reference needs torch and transformers (the test extra): "
+                        "pip install -e '.[test]'")
+
+
+def require_transformers(hint: str = "") -> None:
+    """Fail fast, before any model is loaded, when the transformers reference cannot be built.
+
+    Looks the packages up without importing them (``importlib.util.find_spec``).
+
+    Args:
+        hint: appended to the message (e.g. what works without the extra).
+
+    Raises:
+        GemmaExportError: torch or transformers is not installed.
+    """
+    import importlib.util
+
+    missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise GemmaExportError(f"{TRANSFORMERS_MISSING}; not installed: {', '.join(missing)}{hint}")
+
+
 def transformers_model(source):
     """transformers' ``Gemma3ForCausalLM`` (fp32, eager attention) holding a checkpoint's weights:
     the independent reference.
@@ -99,7 +121,7 @@ def transformers_model(source):
         import torch
         import transformers
     except ImportError as exc:
-        raise GemmaExportError("the transformers reference needs torch and transformers: pip install -e '.[test]'") from exc
+        raise GemmaExportError(TRANSFORMERS_MISSING) from exc
     c = source.config
     config = transformers.Gemma3TextConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
@@ -199,6 +221,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     from .sources import open_source
 
     say = progress or (lambda _msg: None)
+    if reference == "transformers":
+        require_transformers("; or use --reference fp32 (an fp32 export of the same source, no extra needed)")
     model_dir = Path(model_dir)
     body, source = real_text(text)
     ids = load_tokenizer(model_dir).encode(body).ids

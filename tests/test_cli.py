@@ -212,3 +212,18 @@ def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(tmp_path,
     monkeypatch.setattr(runtime, "generate", interrupted)
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted"
+
+
+def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path, monkeypatch):
+    import gemma_export.exporter as exporter
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the source was opened before --out was checked")
+
+    monkeypatch.setattr(exporter, "open_source", must_not_run)
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
+    assert result.exit_code == 2 and "not an unchanged gemma-export folder" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"

@@ -95,3 +95,20 @@ def test_quality_bad_arguments(tiny_int8_export, args, message):
     assert result.exit_code == 2 and message in result.output
     assert len(result.output.strip().splitlines()) <= 4  # progress lines (graph, text, reference), then one error line
     assert result.output.strip().splitlines()[-1].startswith("error: ")
+
+
+@pytest.mark.parametrize("command", [["quality"], ["parity", "--against", "transformers"]])
+def test_missing_transformers_fails_before_loading_anything(command, monkeypatch, tmp_path):
+    """Without the test extra, the transformers reference is refused at once (the model folder
+    does not even exist here), and the message says what works without it."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a, **k: None if name == "torch" else real_find_spec(name, *a, **k))
+    result = runner.invoke(app, [*command, "--model", str(tmp_path / "not-an-export")])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: the transformers reference needs torch and transformers")
+    assert "not installed: torch" in line and "not-an-export" not in result.output
+    assert ("--reference fp32" if command == ["quality"] else "--golden") in line
