@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -42,17 +43,24 @@ def real_text(path: str | Path | None = None) -> tuple[str, str]:
     library), else the license file of the installed numpy (Debian's Python omits the former).
 
     Raises:
-        SourceNotFoundError: ``path`` is given and missing, or no default text is installed.
+        SourceNotFoundError: ``path`` is given and missing or unreadable, or no default text is installed.
+        FormatError: ``path`` is not UTF-8 text.
     """
     from importlib import metadata
 
-    from .errors import SourceNotFoundError
+    from .errors import FormatError, SourceNotFoundError
 
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise SourceNotFoundError(f"{p}: text file not found")
-        return p.read_text(encoding="utf-8", errors="replace"), str(p)
+        try:
+            return p.read_text(encoding="utf-8"), str(p)
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
+                              f"{exc.start}") from None
+        except OSError as exc:
+            raise SourceNotFoundError(f"{p}: cannot read the text: {exc.strerror or exc}") from None
     candidate = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
     if candidate.is_file():
         return candidate.read_text(encoding="utf-8"), str(candidate)
@@ -165,6 +173,18 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
+    if reference is not None:  # its files and IREE before the (long) measurement, not after it
+        from .errors import SourceNotFoundError
+        from .reference_iree import _iree
+        from .sources.mlir import find_archive
+
+        if not Path(reference).is_file():
+            raise SourceNotFoundError(f"--reference {reference}: no such file")
+        if reference_weights is not None and not Path(reference_weights).is_file():
+            raise SourceNotFoundError(f"--reference-weights {reference_weights}: no such file")
+        if reference_weights is None:
+            find_archive(Path(reference))
+        _iree()
     spec = None
     if board is not None:
         if board not in BOARDS:
@@ -295,8 +315,8 @@ def format_result(r: BenchResult) -> str:
 
 
 def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
-    """Fail before measuring when an output cannot be written: a missing folder, a plot that is
-    not ``.png``, or no matplotlib for ``--plot``.
+    """Fail before measuring when an output cannot be written: a missing folder, one that refuses
+    files (probed with a temporary file), a plot that is not ``.png``, or no matplotlib for ``--plot``.
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
@@ -310,6 +330,12 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
             raise OutputError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
         if Path(path).is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")
+        parent = Path(path).resolve().parent
+        try:  # a folder that exists may still refuse files (/proc, read-only mounts, permissions)
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".gemma-export-probe-"):
+                pass
+        except OSError as exc:
+            raise OutputError(f"{option} {path}: cannot write a file in {parent}: {exc.strerror or exc}") from None
     if plot is not None:
         if Path(plot).suffix.lower() != ".png":
             raise OutputError(f"--plot {plot}: expected a .png file name")

@@ -36,6 +36,9 @@ from .errors import ConfigError, GemmaExportError, SourceNotFoundError
 DEFAULT_CALIBRATION_TOKENS = 1024
 #: fewer tokens than this give GPTQ no statistics worth the name: refused
 MIN_CALIBRATION_TOKENS = 16
+#: more are refused: the numpy pass holds a ``T × T`` attention matrix per head and ``T`` activations
+#: per layer (4,096 tokens of the 270M: ~0.3 GB and ~0.6 GB on top of the export's own peak)
+MAX_CALIBRATION_TOKENS = 4096
 
 
 def default_calibration_text() -> tuple[str, str]:

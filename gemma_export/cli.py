@@ -18,7 +18,46 @@ import typer
 
 from .errors import GemmaExportError
 
+from typer.core import TyperGroup  # noqa: E402
+
+try:  # typer >= 0.29 carries its own copy of click
+    from typer._click.exceptions import ClickException, UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException, UsageError
+
+
+class _OneLineUsageError(ClickException):
+    """A usage error (bad option value, missing option, unknown command) shown as this toolkit
+    shows every error: one ``error:`` line on stderr, exit status 2."""
+
+    exit_code = 2
+
+    def __init__(self, error: UsageError) -> None:
+        where = f" (see '{error.ctx.command_path} --help')" if error.ctx is not None else ""
+        super().__init__(f"{error.format_message()}{where}")
+
+    def show(self, file=None) -> None:
+        typer.echo(f"error: {self.format_message()}", err=True)
+
+
+class _Group(TyperGroup):
+    """The command group, with usage errors of the group and of every subcommand on one line."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except UsageError as exc:
+            raise _OneLineUsageError(exc) from None
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UsageError as exc:
+            raise _OneLineUsageError(exc) from None
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=False,
     help=__doc__,
@@ -100,7 +139,7 @@ def main(
     scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds to nearest."),
     calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
-    calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", min=16, help="Tokens of the calibration text to run (default 1,024; at least 16)."),
+    calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 1,024; 16 to 4,096)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),

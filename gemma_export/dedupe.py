@@ -124,6 +124,8 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
         raise OutputError(f"{out_dir}: choose a folder other than the input's")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputError(f"{out_dir}: exists and is not an empty folder")
+    if in_path.is_dir():
+        raise FormatError(f"{in_path}: is a folder; expected an .onnx file")
     report = inspect_path(in_path)
     if report.format != "onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; this is {report.format}")

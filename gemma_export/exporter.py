@@ -18,7 +18,7 @@ from typing import Callable
 
 from . import __version__
 from .builder import build_model
-from .calibration import DEFAULT_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
+from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import Checkpoint
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
@@ -214,10 +214,20 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict):
+        raise VerificationError(f"{manifest_path}: unreadable manifest: expected a JSON object, found {type(manifest).__name__}")
+    files = manifest.get("files")
     if not isinstance(files, dict):
-        raise VerificationError(f"{manifest_path}: unreadable manifest: expected an object with a 'files' object, "
-                                f"found {type(manifest).__name__}{'' if not isinstance(manifest, dict) else ' without one'}")
+        raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
+                                f"found {'nothing' if files is None else type(files).__name__}")
+    if not isinstance(manifest.get("config", {}), dict):
+        raise VerificationError(f"{manifest_path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
+    from .runtime import check_manifest_fields
+
+    try:
+        check_manifest_fields(manifest, manifest_path)
+    except FormatError as exc:
+        raise VerificationError(str(exc)) from None
     expected = {}
     for name, entry in files.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
@@ -337,7 +347,7 @@ def export(
             (``calibration.py``, ``quant/gptq.py``). None (default): on when the source carries a
             tokenizer, off otherwise (a reference MLIR export has none); True requires a tokenizer.
         calibration_text: UTF-8 text file (default: Python's documentation, ``pydoc_data``).
-        calibration_tokens: tokens of it to run (default 1,024; at least 16).
+        calibration_tokens: tokens of it to run (default 1,024; 16 to 4,096).
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
@@ -374,8 +384,9 @@ def export(
             raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
         if given and calibrate is False:  # only the two value options can meet --no-calibrate
             raise ConfigError(f"{option} is used only when calibrating; drop --no-calibrate")
-    if calibration_tokens is not None and calibration_tokens < MIN_CALIBRATION_TOKENS:
-        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected at least {MIN_CALIBRATION_TOKENS}")
+    if calibration_tokens is not None and not MIN_CALIBRATION_TOKENS <= calibration_tokens <= MAX_CALIBRATION_TOKENS:
+        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected {MIN_CALIBRATION_TOKENS} to "
+                          f"{MAX_CALIBRATION_TOKENS:,}")
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     text = read_calibration_text(calibration_text) if calibrate is not False and quantized else None
     started = time.perf_counter()

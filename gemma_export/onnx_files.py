@@ -23,9 +23,13 @@ def read_graph(model_path: str | Path):
     import onnx
 
     try:
-        return onnx.load(str(model_path), load_external_data=False)
+        model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends: not our user's concern which
         raise FormatError(f"{model_path}: not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    if not model.HasField("graph"):  # protobuf parses an empty (or graph-less) file as a default model
+        empty = Path(model_path).stat().st_size == 0
+        raise FormatError(f"{model_path}: not an ONNX model: {'the file is empty' if empty else 'it has no graph'}")
+    return model
 
 
 def load_graph(model_path: str | Path):

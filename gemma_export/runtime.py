@@ -153,10 +153,12 @@ class OnnxDecoder:
                 raise ValueError("not a JSON object with an object 'config'")
         except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
+        check_manifest_fields(self.manifest, manifest)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
-        self.eos_token_id = tuple(self.manifest.get("config", {}).get("eos_token_id", (1, 106)))
+        eos = self.manifest.get("config", {}).get("eos_token_id", (1, 106))
+        self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
         """Zero-length ``past_key_values.*`` for a prefill step."""
@@ -280,6 +282,41 @@ class OnnxDecoder:
         return rows
 
 
+#: manifest fields the runtime reads: (where, name) → (what is expected, test)
+_MANIFEST_FIELDS = {
+    (None, "dtype"): ("one of fp32, bf16, int8, int4", lambda v: v in ("fp32", "bf16", "int8", "int4")),
+    ("config", "max_position_embeddings"): ("a positive integer", lambda v: _is_int(v) and v > 0),
+    ("config", "vocab_size"): ("a positive integer", lambda v: _is_int(v) and v > 0),
+    ("config", "num_hidden_layers"): ("a positive integer", lambda v: _is_int(v) and v > 0),
+    ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: _is_int(v) and v >= 0),
+    ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
+                                 lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and v != []
+                                                                       and all(_is_int(i) and i >= 0 for i in v))),
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_manifest_fields(manifest: dict, path: str | Path) -> None:
+    """Check the fields of an export's ``manifest.json`` that the runtime reads (absent ones are
+    allowed: folders of other exporters carry none).
+
+    Args:
+        manifest: the parsed manifest (a dict).
+        path: the manifest's path, for the message.
+
+    Raises:
+        FormatError: naming the first field whose value is not what the runtime expects.
+    """
+    for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
+        scope = manifest.get(section, {}) if section else manifest
+        if isinstance(scope, dict) and name in scope and not ok(scope[name]):
+            field = f"{section}.{name}" if section else name
+            raise FormatError(f"{path}: field {field!r} must be {expected}, found {scope[name]!r}")
+
+
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
 
 
@@ -297,6 +334,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     """
     import onnxruntime as ort
 
+    check_threads(threads)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     if threads:
@@ -310,6 +348,23 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse thread counts that cannot help: at most 4 × this machine's CPUs (onnxruntime starts
+    every intra-op thread up front, so 100,000 of them exhaust memory before anything runs).
+
+    Raises:
+        GemmaExportError: ``threads`` < 1 or above that limit.
+    """
+    import os
+
+    if threads is None:
+        return
+    limit = 4 * (os.cpu_count() or 1)
+    if not 1 <= threads <= limit:
+        raise GemmaExportError(f"--threads {threads}: expected 1 to {limit} (4 x this machine's "
+                               f"{os.cpu_count() or 1} CPUs)")
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
@@ -410,10 +465,16 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
 
     Raises:
         SourceNotFoundError, FormatError: the folder is not an export with a tokenizer.
-        GemmaExportError: prompt + new tokens exceed ``max_position_embeddings``.
+        GemmaExportError: the prompt is not UTF-8 text; prompt + new tokens exceed
+            ``max_position_embeddings``.
     """
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive from argv as lone surrogates
+        raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character "
+                               f"{exc.start}") from None
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt).ids

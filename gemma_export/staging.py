@@ -36,6 +36,56 @@ def interrupts_held() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def held_folder(folder: Path) -> Iterator[None]:
+    """Hold an advisory ``flock`` on ``folder`` (no file is written) while the block runs: the
+    kernel drops it when the process ends, however it ends, so :func:`remove_stale` can tell a
+    folder that is still being written from one a killed process left behind."""
+    try:
+        import fcntl
+    except ImportError:  # no flock: nothing is ever judged stale
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def remove_stale(out_dir: Path) -> list[Path]:
+    """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
+    (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds. Returns
+    what was removed."""
+    try:
+        import fcntl
+    except ImportError:
+        return []
+    removed = []
+    if not out_dir.parent.is_dir():
+        return removed
+    for path in sorted(out_dir.parent.iterdir()):
+        if not (path.name.startswith((f".{out_dir.name}.staging-", f".{out_dir.name}.old-")) and path.is_dir()
+                and not path.is_symlink()):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live writer holds it
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def move_into_place(staging: Path, out_dir: Path) -> None:
     """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder, then
     delete the old folder. If the second rename fails the old ``out_dir`` is put back; Ctrl-C cannot
@@ -45,18 +95,19 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
             os.replace(staging, out_dir)
             return
         old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        try:
-            os.replace(out_dir, old / out_dir.name)
-        except BaseException:
-            old.rmdir()
-            raise
-        try:
-            os.replace(staging, out_dir)
-        except BaseException:
-            os.replace(old / out_dir.name, out_dir)
-            old.rmdir()
-            raise
-        shutil.rmtree(old, ignore_errors=True)  # inside: an interrupt here would leave it behind
+        with held_folder(old):  # a killed process leaves it unheld, for remove_stale
+            try:
+                os.replace(out_dir, old / out_dir.name)
+            except BaseException:
+                old.rmdir()
+                raise
+            try:
+                os.replace(staging, out_dir)
+            except BaseException:
+                os.replace(old / out_dir.name, out_dir)
+                old.rmdir()
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # inside: an interrupt here would leave it behind
 
 
 def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
@@ -104,6 +155,7 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
     if blocker is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
+    remove_stale(out_dir)  # what a killed earlier run left beside the destination
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
@@ -111,9 +163,10 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
     existed = out_dir.exists()
     try:
-        yield staging
-        staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
-        move_into_place(staging, out_dir)
+        with held_folder(staging):
+            yield staging
+            staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
+            move_into_place(staging, out_dir)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in reversed(created):  # parents this call created, innermost first

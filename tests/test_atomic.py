@@ -99,10 +99,11 @@ def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tm
     assert _tree(tmp_path) == before
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_signal_during_an_export(tiny_dir, tmp_path, signum):
     """A real SIGINT (Ctrl-C) or SIGTERM (timeout, kill) delivered while the export process is
-    between writing and verifying."""
+    between writing and verifying; SIGKILL cannot be caught and leaves the staging folder, which
+    the next export to the same place removes."""
     marker = tmp_path / "written"
     script = textwrap.dedent(f"""
         import pathlib, sys, time
@@ -133,6 +134,24 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
     finally:
         if proc.poll() is None:
             proc.kill()
+    if signum == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL and staging.is_dir() and not out.exists()
+        exporter.export(tiny_dir, out, "fp32")
+        assert sorted(os.listdir(tmp_path)) == ["out", "written"]  # the killed run's staging folder is gone
+        return
     assert proc.returncode == 130, stderr
     assert "error: interrupted; nothing was written" in stderr and "Traceback" not in stderr
     assert sorted(os.listdir(tmp_path)) == ["written"]  # no output, no staging folder
+
+
+def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
+    from gemma_export.staging import held_folder, remove_stale
+
+    live, dead = tmp_path / ".out.staging-live", tmp_path / ".out.staging-dead"
+    for folder in (live, dead):
+        folder.mkdir()
+        (folder / "model.onnx.data").write_bytes(b"x" * 10)
+    (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
+    with held_folder(live):
+        assert remove_stale(tmp_path / "out") == [dead]
+    assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live"]

@@ -74,6 +74,8 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     (["--prompt-tokens", "4000"], "fewer than the longest prompt (4000)"),
     (["--json", "/nonexistent/dir/b.json"], "--json /nonexistent/dir/b.json: folder /nonexistent/dir does not exist"),
     (["--plot", "curve.txt"], "--plot curve.txt: expected a .png file name"),
+    (["--json", "/proc/b.json"], "--json /proc/b.json: cannot write a file in /proc"),
+    (["--reference", "/nonexistent/gemma.mlir"], "--reference /nonexistent/gemma.mlir: no such file"),
 ])
 def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file), *args])

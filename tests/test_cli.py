@@ -227,3 +227,17 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
     assert result.exit_code == 2 and "not an unchanged gemma-export folder" in result.stderr
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "int3"], "error: Invalid value for '--dtype'"),
+    (["generate", "--model", "m"], "error: Missing option '--prompt'. (see 'gemma-export generate --help')"),
+    (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: Invalid value for '--threads'"),
+    (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
+    (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
+])
+def test_usage_errors_take_one_line(args, message):
+    """Option parsing errors read like every other error: one line on stderr, exit status 2."""
+    result = runner.invoke(app, args, prog_name="gemma-export")
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)

@@ -228,6 +228,15 @@ def _write(name: str, content: bytes):
     return lambda folder: (folder / name).write_bytes(content)
 
 
+def _manifest_field(section: str | None, name: str, value):
+    """Set one field of the copy's manifest.json (``section`` None: top level)."""
+    def edit(folder: Path) -> None:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        (manifest[section] if section else manifest)[name] = value
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
 def plain(args: Callable[[Path], list], setup: Callable[[Path], None] | None = None):
     def make(work: Path, fx: Fixtures) -> list:
         if setup:
@@ -355,7 +364,30 @@ CASES = {
     "manifest files of the wrong kind": Case(export_copy(_write("manifest.json", b'{"files": {"model.onnx": "abc"}}'), _verify),
                                              VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
     "manifest a list (verify)": Case(export_copy(_write("manifest.json", b"[1, 2]"), _verify), VerificationError,
-                                     ("expected an object with a 'files' object, found list",)),
+                                     ("expected a JSON object, found list",)),
+    "prompt not UTF-8": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab\udcffc"]),
+                             GemmaExportError, ("--prompt: expected UTF-8 text", "at character 2")),
+    "text not UTF-8 (quality)": Case(export_copy(_write("bad.txt", b"some text \xff\xfe more"),
+                                                 lambda f: ["quality", "--model", f, "--reference", f, "--text", f / "bad.txt"]),
+                                     FormatError, ("bad.txt: expected UTF-8 text, found byte 0xff at offset 10",)),
+    "threads far above the CPUs": Case(export_copy(lambda f: None, lambda f: [*_generate(f), "--threads", 100000]),
+                                       GemmaExportError, ("--threads 100000: expected 1 to", "CPUs")),
+    "manifest files a string (verify)": Case(export_copy(_manifest_field(None, "files", "abc"), _verify), VerificationError,
+                                             ("field 'files' must be an object", "found str")),
+    "manifest eos a string (generate)": Case(export_copy(_manifest_field("config", "eos_token_id", "x"), _generate),
+                                             FormatError, ("field 'config.eos_token_id' must be a token id", "found 'x'")),
+    "manifest max positions a string (generate)": Case(export_copy(_manifest_field("config", "max_position_embeddings", "abc"),
+                                                                   _generate), FormatError,
+                                                       ("field 'config.max_position_embeddings' must be a positive integer",)),
+    "manifest dtype unknown (verify)": Case(export_copy(_manifest_field(None, "dtype", "int3"), _verify), VerificationError,
+                                            ("field 'dtype' must be one of fp32, bf16, int8, int4, found 'int3'",)),
+    "manifest negative bos (verify)": Case(export_copy(_manifest_field("config", "bos_token_id", -5), _verify),
+                                           VerificationError, ("field 'config.bos_token_id'", "found -5")),
+    "inspect an empty .onnx": Case(plain(lambda w: ["inspect", w / "empty.onnx"], _file("empty.onnx", b"")), FormatError,
+                                   ("empty.onnx: not an ONNX model: the file is empty",)),
+    "dedupe an empty .onnx": Case(plain(lambda w: ["dedupe", w / "empty.onnx", "--out", w / "d"], _file("empty.onnx", b"")),
+                                  FormatError, ("empty.onnx: not an ONNX model: the file is empty",)),
+    "dedupe a folder": Case(plain(lambda w: ["dedupe", w, "--out", w / "d"]), FormatError, ("is a folder; expected an .onnx file",)),
     "inspect a folder": Case(plain(lambda w: ["inspect", w]), SourceNotFoundError, ("is a folder; expected",)),
     "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
                                               ("manifest.json", "unreadable manifest")),
@@ -381,6 +413,10 @@ CASES = {
                                        ("--calibration-tokens applies to --dtype int8 and int4, not bf16",)),
     "calibration tokens with no-calibrate": Case(calibration("int8", "--no-calibrate", "--calibration-tokens", 512),
                                                  ConfigError, ("--calibration-tokens", "--no-calibrate")),
+    "calibration tokens too many": Case(calibration("int8", "--calibration-tokens", 99999999), ConfigError,
+                                        ("--calibration-tokens 99999999: expected 16 to 4,096",)),
+    "calibration tokens too few": Case(calibration("int8", "--calibration-tokens", 5), ConfigError,
+                                       ("--calibration-tokens 5: expected 16 to 4,096",)),
     "calibration text is a folder": Case(calibration("int8", "--calibration-text", "d.txt", setup=lambda w: (w / "d.txt").mkdir()),
                                          ConfigError, ("d.txt: is a folder",)),
     "calibration text missing": Case(calibration("int8", "--calibration-text", "nope.txt"), SourceNotFoundError,
@@ -519,3 +555,17 @@ def test_code_and_templates_in_a_model_folder_are_never_run(fx, tmp_path):
     assert result.exit_code == 0, result.output
     assert not marker.exists()
     assert "modeling_evil.py" not in os.listdir(tmp_path / "out")
+
+
+def test_a_single_integer_eos_token_id_stops_generation(tiny_int8_export, tmp_path):
+    """transformers configs may give ``eos_token_id`` as one integer: generation stops on it."""
+    from gemma_export.runtime import OnnxDecoder
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, folder)
+    free = OnnxDecoder(folder).greedy([2, 10, 11], 6, stop_ids=())[0]  # the model's tokens, no stop
+    eos = free[2]
+    _manifest_field("config", "eos_token_id", eos)(folder)
+    decoder = OnnxDecoder(folder)
+    assert decoder.eos_token_id == (eos,)
+    assert decoder.greedy([2, 10, 11], 6)[0] == free[:free.index(eos) + 1]
