@@ -12,6 +12,7 @@ import gc
 import hashlib
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -291,6 +292,14 @@ def _check_replaceable(out_dir: Path) -> None:
     """The destination's own checks, which need no source: with --out given they run before the
     (slow) source is read."""
     out = out_dir.resolve()
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and existing != out:  # what staged_folder will create lies under it
+        if not existing.is_dir():
+            raise OutputError(f"{out_dir}: cannot create the export folder: {existing} is a file, not a folder")
+        try:  # a folder may still refuse new entries (/proc, read-only mounts, permissions)
+            tempfile.TemporaryDirectory(dir=existing, prefix=".gemma-export-probe-").cleanup()
+        except OSError as exc:
+            raise OutputError(f"{out_dir}: cannot create the export folder in {existing}: {exc.strerror or exc}") from None
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")

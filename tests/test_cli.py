@@ -241,3 +241,17 @@ def test_usage_errors_take_one_line(args, message):
     result = runner.invoke(app, args, prog_name="gemma-export")
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and result.stderr.startswith(message)
+
+
+@pytest.mark.parametrize("out, message", [
+    ("/proc/gemma-out", "/proc/gemma-out: cannot create the export folder in /proc"),
+    ("{tmp}/a-file/sub", "cannot create the export folder: {tmp}/a-file is a file, not a folder"),
+])
+def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(tiny_dir, tmp_path, monkeypatch, out, message):
+    import gemma_export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "open_source", lambda *a, **k: pytest.fail("the source was read first"))
+    (tmp_path / "a-file").write_text("x")
+    result = _run("--source", tiny_dir, "--out", out.format(tmp=tmp_path), "--dtype", "fp32")
+    assert result.exit_code == 2 and message.format(tmp=tmp_path) in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
