@@ -209,6 +209,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise SourceNotFoundError(f"{folder}: no such export folder")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {MANIFEST_FILE})")
+    if manifest_path.is_dir():
+        raise VerificationError(f"{manifest_path}: is a folder; expected the export's manifest file")
     if not manifest_path.is_file():
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:

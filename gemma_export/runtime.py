@@ -148,6 +148,8 @@ class OnnxDecoder:
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         manifest = self.model_dir / "manifest.json"
         try:
+            if manifest.is_dir():
+                raise ValueError("it is a folder, not a file")
             self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
             if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("config", {}), dict):
                 raise ValueError("not a JSON object with an object 'config'")
@@ -450,6 +452,8 @@ def load_tokenizer(model_dir: str | Path):
     if not model_dir.is_dir():
         raise SourceNotFoundError(f"{model_dir}: no such export folder")
     path = model_dir / "tokenizer.json"
+    if path.is_dir():
+        raise FormatError(f"{path}: is a folder; expected the tokenizer file")
     if not path.is_file():
         raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
     try:
