@@ -52,6 +52,10 @@ def real_text(path: str | Path | None = None) -> tuple[str, str]:
 
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise SourceNotFoundError(f"{p}: is a folder; expected a text file")
+        if p.exists() and not p.is_file():
+            raise SourceNotFoundError(f"{p}: not a regular file; expected a text file")
         if not p.is_file():
             raise SourceNotFoundError(f"{p}: text file not found")
         try:
@@ -326,11 +330,13 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or str(path) == "-":
             continue
-        if not Path(path).resolve().parent.is_dir():
-            raise OutputError(f"{option} {path}: folder {Path(path).resolve().parent} does not exist")
+        parent = Path(path).resolve().parent
+        if parent.exists() and not parent.is_dir():
+            raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
+        if not parent.is_dir():
+            raise OutputError(f"{option} {path}: folder {parent} does not exist")
         if Path(path).is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")
-        parent = Path(path).resolve().parent
         try:  # a folder that exists may still refuse files (/proc, read-only mounts, permissions)
             with tempfile.NamedTemporaryFile(dir=parent, prefix=".gemma-export-probe-"):
                 pass
@@ -377,7 +383,7 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
 def main_json(result: BenchResult, path: str | Path | None) -> None:
     """Write ``result`` as JSON to ``path`` (``-`` = stdout)."""
     text = json.dumps(result.to_dict(), indent=2)
-    if path in (None, "-"):
+    if path is None or str(path) == "-":
         sys.stdout.write(text + "\n")
     else:
         Path(path).write_text(text + "\n")

@@ -90,8 +90,15 @@ class ScaleMethod(str, enum.Enum):
 def _fail(exc: GemmaExportError, debug: bool) -> None:
     if debug:
         raise exc
-    typer.echo(f"error: {exc}", err=True)
+    message = str(exc)
+    if len(message) > MAX_ERROR_CHARS:  # a value pasted into the message must not flood the terminal
+        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS:,} more characters)"
+    typer.echo(f"error: {message}", err=True)
     raise typer.Exit(exc.exit_code)
+
+
+#: an error line longer than this is cut
+MAX_ERROR_CHARS = 500
 
 
 def _stop_on_sigterm() -> None:

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import json
 import math
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -182,6 +183,11 @@ def verify_folder(folder: Path) -> None:
     try:
         onnx.checker.check_model(str(model_path), full_check=False)
     except Exception as exc:
+        linked = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.is_symlink() and p.stat().st_nlink > 1]
+        if "hard links" in str(exc) and linked:  # e.g. a backup made with cp -al: the checker's own guard
+            raise VerificationError(f"{linked[0]}: has {linked[0].stat().st_nlink} hard links, which the ONNX checker "
+                                    "refuses (its guard against hard-link attacks); keep a plain copy (cp, not ln) "
+                                    "and verify again") from None
         raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
     try:
         options = ort.SessionOptions()
@@ -225,10 +231,17 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
                                 f"found {'nothing' if files is None else type(files).__name__}")
     if not isinstance(manifest.get("config", {}), dict):
         raise VerificationError(f"{manifest_path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
-    from .runtime import check_manifest_fields
+    from .runtime import check_manifest_against_graph, check_manifest_fields
 
     try:
         check_manifest_fields(manifest, manifest_path)
+        if (folder / MODEL_FILE).is_file():  # a missing model file is named by the file checks below
+            graph = read_graph(folder / MODEL_FILE).graph
+            logits = next((o for o in graph.output if o.name == "logits"), None)
+            dims = logits.type.tensor_type.shape.dim if logits is not None else []
+            vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+            layers = sum(1 for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+            check_manifest_against_graph(manifest, manifest_path, vocab, layers)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = {}
@@ -305,6 +318,8 @@ def _check_replaceable(out_dir: Path) -> None:
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")
+        if os.path.ismount(out):  # staged_folder replaces the folder by renaming; a mount point cannot be
+            raise OutputError(f"{out_dir}: is a mount point, which the export cannot replace; choose a folder inside it")
         if prepack_busy(out):
             raise OutputError(f"{out_dir}: a gemma-export prepack is working on this folder; export again when it has "
                               "finished")

@@ -156,6 +156,7 @@ class OnnxDecoder:
         except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
         check_manifest_fields(self.manifest, manifest)
+        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_layers)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
@@ -287,7 +288,8 @@ class OnnxDecoder:
 #: manifest fields the runtime reads: (where, name) → (what is expected, test)
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of fp32, bf16, int8, int4", lambda v: v in ("fp32", "bf16", "int8", "int4")),
-    ("config", "max_position_embeddings"): ("a positive integer", lambda v: _is_int(v) and v > 0),
+    ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
+                                            lambda v: _is_int(v) and 0 < v < 2 ** 31),
     ("config", "vocab_size"): ("a positive integer", lambda v: _is_int(v) and v > 0),
     ("config", "num_hidden_layers"): ("a positive integer", lambda v: _is_int(v) and v > 0),
     ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: _is_int(v) and v >= 0),
@@ -316,7 +318,30 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         scope = manifest.get(section, {}) if section else manifest
         if isinstance(scope, dict) and name in scope and not ok(scope[name]):
             field = f"{section}.{name}" if section else name
-            raise FormatError(f"{path}: field {field!r} must be {expected}, found {scope[name]!r}")
+            raise FormatError(f"{path}: field {field!r} must be {expected}, found {_shown(scope[name])}")
+
+
+def _shown(value) -> str:
+    """A manifest value as JSON writes it, cut to 60 characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_layers: int) -> None:
+    """Check that the manifest's ``config`` describes the graph beside it: ``vocab_size`` and
+    ``num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs).
+    Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
+    and small test configs keep Gemma's default ids.)
+
+    Raises:
+        FormatError: naming the first field that contradicts the graph.
+    """
+    config = manifest.get("config", {})
+    if not isinstance(config, dict):
+        return
+    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_layers)):
+        if isinstance(actual, int) and field in config and config[field] != actual:
+            raise FormatError(f"{path}: field 'config.{field}' is {_shown(config[field])}, but the graph has {actual:,}")
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -55,10 +56,15 @@ def held_folder(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
+#: a leftover folder younger than this is never judged stale (see :func:`remove_stale`)
+STALE_AFTER_SECONDS = 60
+
+
 def remove_stale(out_dir: Path) -> list[Path]:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
-    (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds. Returns
-    what was removed."""
+    (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
+    modified in the last :data:`STALE_AFTER_SECONDS` (a writer locks its folder just after creating
+    it). Returns what was removed."""
     try:
         import fcntl
     except ImportError:
@@ -66,9 +72,15 @@ def remove_stale(out_dir: Path) -> list[Path]:
     removed = []
     if not out_dir.parent.is_dir():
         return removed
+    now = time.time()
     for path in sorted(out_dir.parent.iterdir()):
         if not (path.name.startswith((f".{out_dir.name}.staging-", f".{out_dir.name}.old-")) and path.is_dir()
                 and not path.is_symlink()):
+            continue
+        try:  # a writer creates its folder, then locks it: a folder this young may be between the two
+            if now - path.stat().st_mtime < STALE_AFTER_SECONDS:
+                continue
+        except OSError:
             continue
         try:
             fd = os.open(path, os.O_RDONLY)

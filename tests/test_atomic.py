@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from gemma_export import exporter
 from gemma_export.cli import app
+from gemma_export.staging import STALE_AFTER_SECONDS
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -136,6 +137,10 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
             proc.kill()
     if signum == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL and staging.is_dir() and not out.exists()
+        exporter.export(tiny_dir, out, "fp32")  # too soon: a folder this young may be a live writer's
+        assert staging.is_dir()
+        old = time.time() - 2 * STALE_AFTER_SECONDS
+        os.utime(staging, (old, old))  # as when the user comes back later
         exporter.export(tiny_dir, out, "fp32")
         assert sorted(os.listdir(tmp_path)) == ["out", "written"]  # the killed run's staging folder is gone
         return
@@ -147,11 +152,14 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
 def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
     from gemma_export.staging import held_folder, remove_stale
 
-    live, dead = tmp_path / ".out.staging-live", tmp_path / ".out.staging-dead"
-    for folder in (live, dead):
+    live, dead, young = (tmp_path / f".out.staging-{name}" for name in ("live", "dead", "young"))
+    old = time.time() - 2 * STALE_AFTER_SECONDS
+    for folder in (live, dead, young):
         folder.mkdir()
         (folder / "model.onnx.data").write_bytes(b"x" * 10)
+        if folder is not young:  # young: just created, perhaps not yet locked by its writer
+            os.utime(folder, (old, old))
     (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
     with held_folder(live):
         assert remove_stale(tmp_path / "out") == [dead]
-    assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live"]
+    assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]

@@ -128,3 +128,16 @@ def test_bench_reports_the_heap_moved_onto_huge_pages(tiny_int8_export, text_fil
     assert len(calls) == (1 if moved else 0)
     assert json.loads(out.read_text())["huge_page_bytes"] == moved
     assert ("(5 MiB on huge pages)" in result.stdout) == bool(moved)
+
+
+def test_bench_json_dash_goes_to_stdout_and_a_file_as_folder_is_named(tiny_int8_export, text_file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file),
+                                 "--prompt-tokens", "4", "--new-tokens", "6", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "-").exists()
+    figures = json.loads(result.stdout[result.stdout.index("\n{") + 1:])
+    assert list(figures["prefill_ms"]) == ["4"] and figures["model"] == str(tiny_int8_export)
+    (tmp_path / "afile").write_text("x")
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--json", "afile/b.json"])
+    assert result.exit_code == 2 and f"--json afile/b.json: {tmp_path / 'afile'} is a file, not a folder" in result.output
