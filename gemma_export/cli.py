@@ -33,7 +33,7 @@ class _OneLineUsageError(ClickException):
     exit_code = 2
 
     def __init__(self, error: UsageError) -> None:
-        where = f" (see '{error.ctx.command_path} --help')" if error.ctx is not None else ""
+        where = f" (see '{error.ctx.command_path if error.ctx is not None else 'gemma-export'} --help')"
         super().__init__(f"{error.format_message()}{where}")
 
     def show(self, file=None) -> None:

@@ -235,6 +235,7 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: Invalid value for '--threads'"),
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
     (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
+    (["--dtype"], "error: Option '--dtype' requires an argument. (see 'gemma-export --help')"),
 ])
 def test_usage_errors_take_one_line(args, message):
     """Option parsing errors read like every other error: one line on stderr, exit status 2."""
