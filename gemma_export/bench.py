@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -320,12 +319,13 @@ def format_result(r: BenchResult) -> str:
 
 def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
-    files (probed with a temporary file), a plot that is not ``.png``, or no matplotlib for ``--plot``.
+    files (``staging.entry_refused``), a plot that is not ``.png``, or no matplotlib for ``--plot``.
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
     """
     from .errors import OutputError
+    from .staging import entry_refused
 
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or str(path) == "-":
@@ -337,11 +337,9 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
             raise OutputError(f"{option} {path}: folder {parent} does not exist")
         if Path(path).is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")
-        try:  # a folder that exists may still refuse files (/proc, read-only mounts, permissions)
-            with tempfile.NamedTemporaryFile(dir=parent, prefix=".gemma-export-probe-"):
-                pass
-        except OSError as exc:
-            raise OutputError(f"{option} {path}: cannot write a file in {parent}: {exc.strerror or exc}") from None
+        reason = entry_refused(parent)  # a folder that exists may still refuse files (/proc, read-only mounts)
+        if reason is not None:
+            raise OutputError(f"{option} {path}: cannot write a file in {parent}: {reason}")
     if plot is not None:
         if Path(plot).suffix.lower() != ".png":
             raise OutputError(f"--plot {plot}: expected a .png file name")

@@ -15,15 +15,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-
-from .errors import GemmaExportError
-
-from typer.core import TyperGroup  # noqa: E402
+from typer.core import TyperGroup
 
 try:  # typer >= 0.29 carries its own copy of click
     from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
+
+from .errors import GemmaExportError
 
 
 class _OneLineUsageError(ClickException):

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,7 @@ from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .memory import peak_rss_bytes
 from .sources import default_output_name, open_source
-from .staging import is_unchanged_output, staged_folder
+from .staging import check_creatable, is_unchanged_output, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -229,19 +228,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if not isinstance(files, dict):
         raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
                                 f"found {'nothing' if files is None else type(files).__name__}")
-    if not isinstance(manifest.get("config", {}), dict):
-        raise VerificationError(f"{manifest_path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
     from .runtime import check_manifest_against_graph, check_manifest_fields
 
     try:
         check_manifest_fields(manifest, manifest_path)
-        if (folder / MODEL_FILE).is_file():  # a missing model file is named by the file checks below
-            graph = read_graph(folder / MODEL_FILE).graph
-            logits = next((o for o in graph.output if o.name == "logits"), None)
-            dims = logits.type.tensor_type.shape.dim if logits is not None else []
-            vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
-            layers = sum(1 for i in graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
-            check_manifest_against_graph(manifest, manifest_path, vocab, layers)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = {}
@@ -274,7 +264,13 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if extra:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
     try:
-        locations = check_external_data(read_graph(folder / MODEL_FILE), folder / MODEL_FILE)
+        model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data
+        logits = next((o for o in model.graph.output if o.name == "logits"), None)
+        dims = logits.type.tensor_type.shape.dim if logits is not None else []
+        vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+        layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+        check_manifest_against_graph(manifest, manifest_path, vocab, layers)
+        locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     unlisted = sorted(set(locations) - set(expected))
@@ -306,15 +302,8 @@ def _related(a: Path, b: Path) -> bool:
 def _check_replaceable(out_dir: Path) -> None:
     """The destination's own checks, which need no source: with --out given they run before the
     (slow) source is read."""
+    check_creatable(out_dir, "export")
     out = out_dir.resolve()
-    existing = next((p for p in (out, *out.parents) if p.exists()), None)
-    if existing is not None and existing != out:  # what staged_folder will create lies under it
-        if not existing.is_dir():
-            raise OutputError(f"{out_dir}: cannot create the export folder: {existing} is a file, not a folder")
-        try:  # a folder may still refuse new entries (/proc, read-only mounts, permissions)
-            tempfile.TemporaryDirectory(dir=existing, prefix=".gemma-export-probe-").cleanup()
-        except OSError as exc:
-            raise OutputError(f"{out_dir}: cannot create the export folder in {existing}: {exc.strerror or exc}") from None
     if out.exists():
         if not out.is_dir():
             raise OutputError(f"{out_dir}: exists and is not a folder")

@@ -151,8 +151,8 @@ class OnnxDecoder:
             if manifest.is_dir():
                 raise ValueError("it is a folder, not a file")
             self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
-            if not isinstance(self.manifest, dict) or not isinstance(self.manifest.get("config", {}), dict):
-                raise ValueError("not a JSON object with an object 'config'")
+            if not isinstance(self.manifest, dict):
+                raise ValueError("not a JSON object")
         except (OSError, ValueError, RecursionError) as exc:
             raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
         check_manifest_fields(self.manifest, manifest)
@@ -312,11 +312,14 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         path: the manifest's path, for the message.
 
     Raises:
-        FormatError: naming the first field whose value is not what the runtime expects.
+        FormatError: ``config`` is not an object, or naming the first field whose value is not what
+            the runtime expects.
     """
+    if not isinstance(manifest.get("config", {}), dict):
+        raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
     for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
         scope = manifest.get(section, {}) if section else manifest
-        if isinstance(scope, dict) and name in scope and not ok(scope[name]):
+        if name in scope and not ok(scope[name]):
             field = f"{section}.{name}" if section else name
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {_shown(scope[name])}")
 
@@ -330,15 +333,14 @@ def _shown(value) -> str:
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_layers: int) -> None:
     """Check that the manifest's ``config`` describes the graph beside it: ``vocab_size`` and
     ``num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs).
+    Call :func:`check_manifest_fields` first.
     Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
     and small test configs keep Gemma's default ids.)
 
     Raises:
         FormatError: naming the first field that contradicts the graph.
     """
-    config = manifest.get("config", {})
-    if not isinstance(config, dict):
-        return
+    config = manifest.get("config", {})  # an object: check_manifest_fields comes first
     for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_layers)):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {_shown(config[field])}, but the graph has {actual:,}")

@@ -154,6 +154,35 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
     return True
 
 
+def entry_refused(folder: Path) -> str | None:
+    """Why the existing ``folder`` refuses new entries (/proc, a read-only mount, permissions), in
+    the OS's words, or None: probed by creating and removing a temporary folder in it."""
+    try:
+        tempfile.TemporaryDirectory(dir=folder, prefix=".gemma-export-probe-").cleanup()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def check_creatable(out_dir: Path, what: str) -> None:
+    """Refuse, before any work, an output folder that cannot be made: a regular file among its
+    parents, or (when ``out_dir`` does not exist yet) a nearest existing parent that refuses new
+    entries (:func:`entry_refused`). ``what`` names the output in the message.
+
+    Raises:
+        OutputError: naming the blocking path and the reason.
+    """
+    blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
+    if out_dir.exists():
+        return
+    existing = next(p for p in out_dir.parents if p.exists())  # "/" or "." at the latest
+    reason = entry_refused(existing)
+    if reason is not None:
+        raise OutputError(f"{out_dir}: cannot create the {what} folder in {existing}: {reason}")
+
+
 @contextlib.contextmanager
 def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
     """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
@@ -164,9 +193,7 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
             left, a file-size limit, a read-only file system); ``what`` names the output in the message.
         Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included).
     """
-    blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
+    check_creatable(out_dir, what)
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
     remove_stale(out_dir)  # what a killed earlier run left beside the destination
     try:
