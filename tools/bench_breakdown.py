@@ -22,12 +22,12 @@ import argparse
 import shutil
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_side_by_side import real_text_ids  # the same real text as the side-by-side tables
 
 #: variant name → which MatMulNBits nodes it replaces: "head" (the one whose N is the vocabulary) or "all"
 VARIANTS = {"the export": None, "LM head replaced": "head", "all MatMulNBits replaced": "all"}
@@ -75,14 +75,6 @@ def make_variant(model_dir: Path, out_dir: Path, which: str, vocab_size: int) ->
     return count
 
 
-def text_ids(model_dir: Path, count: int) -> list[int]:
-    from gemma_export.runtime import load_tokenizer
-
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
-    ids = load_tokenizer(model_dir).encode(text * 4).ids
-    return ids[:count]
-
-
 def round_ms(decoder, ids: list[int], prompt_tokens: int, new_tokens: int) -> float:
     """One round: prefill ``ids[:prompt_tokens]``, then ``new_tokens`` teacher-forced steps; the median
     step time in ms."""
@@ -124,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.model / 'model.onnx'} has no MatMulNBits to replace (an int8 or int4 export is needed)",
               file=sys.stderr)
         return 2
-    ids = text_ids(args.model, args.prompt_tokens + args.new_tokens)
+    ids = real_text_ids(args.model, args.prompt_tokens + args.new_tokens)
     if len(ids) < args.prompt_tokens + args.new_tokens:
         print(f"error: the text gives {len(ids)} tokens, fewer than --prompt-tokens + --new-tokens", file=sys.stderr)
         return 2
