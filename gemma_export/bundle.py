@@ -33,6 +33,8 @@ BOARDS = {
     },
 }
 BUNDLE_MANIFEST = "BUNDLE.json"
+#: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
 
 
 @dataclasses.dataclass
@@ -61,8 +63,18 @@ def build_wheel(dest: Path) -> Path:
     if root is None:
         raise SourceNotFoundError("bundle: the toolkit's source tree (pyproject.toml) is not beside the installed "
                                   "package; pass --wheel PATH to a gemma_export wheel")
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(root)],
-                          capture_output=True, text=True)
+    # built from a copy of what the wheel holds, so setuptools' build/ and *.egg-info folders land in
+    # the temporary copy instead of the user's checkout
+    with tempfile.TemporaryDirectory(prefix="gemma-export-wheel-") as scratch:
+        tree = Path(scratch) / "src"
+        tree.mkdir()
+        for name in WHEEL_SOURCES:
+            if (root / name).is_dir():
+                shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(root / name, tree / name)
+        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(tree)],
+                              capture_output=True, text=True)
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -387,8 +387,16 @@ def export(
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if table_dtype not in (None, "int4", "int8"):
         raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
-    if dtype != "int4" and (table_dtype is not None or not symmetric or scale_method != "mse"):
-        raise ConfigError(f"--table-dtype, --asymmetric and --scale-method apply to --dtype int4, not {dtype}")
+    int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
+                                               ("--scale-method", scale_method != "mse")) if given]
+    if dtype != "int4" and int4_only:
+        raise ConfigError(f"{' and '.join(int4_only)} {'applies' if len(int4_only) == 1 else 'apply'} to --dtype int4, "
+                          f"not {dtype}")
+    quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
+                                                   ("--hadamard", hadamard_size)) if value is not None]
+    if dtype not in ("int8", "int4") and quantized_only:
+        raise ConfigError(f"{' and '.join(quantized_only)} {'applies' if len(quantized_only) == 1 else 'apply'} to "
+                          f"--dtype int8 and int4, not {dtype}")
     if scale_method not in ("mse", "rtn"):
         raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),

@@ -258,7 +258,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
     """
     from .quality import compare_logits, graph_line, manifest_source, require_transformers, transformers_model
-    from .runtime import OnnxDecoder, load_tokenizer
+    from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 
     say = progress or (lambda _msg: None)
     if not (against_transformers or reference or golden):
@@ -268,16 +268,18 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     if against_transformers:
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
     model_dir = Path(model_dir)
-    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
-    say(graph_line(decoder))
-    dtype = str(decoder.manifest.get("dtype", "fp32"))
-    limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
+    check_export_folder(model_dir)
     try:
         tokenizer = load_tokenizer(model_dir)
     except GemmaExportError:
         tokenizer = None
+    # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
+    say(graph_line(decoder))
+    dtype = str(decoder.manifest.get("dtype", "fp32"))
+    limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
     vocab = decoder.vocab_size
     for n, (_, ids) in enumerate(prompt_list):
         _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")

@@ -1,8 +1,9 @@
 """Teacher-forced quality of an export against a reference on real text.
 
 Row ``i`` of a logits matrix ``[T, V]`` predicts token ``i + 1``. For two such matrices on the same
-token ids this module computes, row chunk by row chunk (a 3,000-token text over a 262,144-word
-vocabulary is 3 GB of float32 per model, so nothing larger than a chunk is materialised twice):
+token ids this module computes, row chunk by row chunk (:class:`LogitComparison`; a 3,400-token text
+over a 262,144-word vocabulary is 3.6 GB of float32 per model, so ``gemma-export quality`` runs the
+reference and the export side by side and holds only a chunk of each):
 
 - top-1 agreement: share of rows whose argmax is equal (overall and past position 512, where
   Gemma 3's sliding window starts to drop tokens);
@@ -14,6 +15,7 @@ vocabulary is 3 GB of float32 per model, so nothing larger than a chunk is mater
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Sequence
@@ -23,6 +25,8 @@ import numpy as np
 from .errors import GemmaExportError
 
 WINDOW_START = 512
+#: rows of logits compared at a time (and held per model): 128 × 262,144 float32 = 134 MB
+CHUNK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,62 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+class LogitComparison:
+    """Accumulates the metrics of :func:`compare_logits` chunk by chunk, so that two long logit
+    matrices never have to exist in full.
+
+    Args:
+        token_ids: the teacher-forced ids (length T); row ``i`` predicts ``token_ids[i + 1]``.
+    """
+
+    def __init__(self, token_ids: Sequence[int]):
+        self.ids = np.asarray(token_ids, dtype=np.int64)
+        n = len(self.ids)
+        self.agree, self.kl = np.zeros(n, bool), np.zeros(n)
+        self.nll, self.ref_nll = np.zeros(max(n - 1, 0)), np.zeros(max(n - 1, 0))
+        self.max_diff, self.rows_seen = 0.0, 0
+
+    def add(self, start: int, reference: np.ndarray, logits: np.ndarray) -> None:
+        """Add rows ``start … start + len - 1`` of both matrices (float32 ``[rows, V]``, same shape).
+
+        Raises:
+            GemmaExportError: the shapes differ, or the rows are not the next ones expected.
+        """
+        n = len(self.ids)
+        if reference.shape != logits.shape or reference.ndim != 2 or start != self.rows_seen \
+                or start + reference.shape[0] > n:
+            raise GemmaExportError(f"logits: expected rows {self.rows_seen}… of two [T, V] matrices with T = {n} "
+                                   f"tokens, found rows {start}… of {list(reference.shape)} and {list(logits.shape)}")
+        e = start + reference.shape[0]
+        self.agree[start:e] = reference.argmax(-1) == logits.argmax(-1)
+        p, q = _log_softmax(reference), _log_softmax(logits)
+        self.kl[start:e] = (np.exp(p) * (p - q)).sum(-1)
+        self.max_diff = max(self.max_diff, float(np.abs(reference - logits).max()))
+        rows = np.arange(start, min(e, n - 1))
+        if len(rows):
+            targets = self.ids[rows + 1]
+            self.nll[rows] = -q[rows - start, targets]
+            self.ref_nll[rows] = -p[rows - start, targets]
+        self.rows_seen = e
+
+    def result(self) -> QualityMetrics:
+        """The metrics over all rows.
+
+        Raises:
+            GemmaExportError: not every row was added.
+        """
+        n = len(self.ids)
+        if self.rows_seen != n:
+            raise GemmaExportError(f"logits: {self.rows_seen} of {n} rows compared")
+        wrong = np.flatnonzero(~self.agree)
+        return QualityMetrics(
+            tokens=n, top1_agreement=float(self.agree.mean()),
+            top1_agreement_past_512=float(self.agree[WINDOW_START:].mean()) if n > WINDOW_START else None,
+            kl_mean=float(self.kl.mean()), max_abs_logit_diff=self.max_diff,
+            perplexity=float(np.exp(self.nll.mean())), reference_perplexity=float(np.exp(self.ref_nll.mean())),
+            first_disagreement=int(wrong[0]) if len(wrong) else None)
+
+
 def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128) -> QualityMetrics:
     """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T).
 
@@ -56,32 +116,10 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
     if reference.shape != logits.shape or reference.ndim != 2 or reference.shape[0] != len(token_ids):
         raise GemmaExportError(f"logits: expected two [T, V] matrices with T = {len(token_ids)} tokens, found "
                                f"{list(reference.shape)} and {list(logits.shape)}")
-    ids = np.asarray(token_ids, dtype=np.int64)
-    n = len(ids)
-    agree = np.zeros(n, bool)
-    kl = np.zeros(n)
-    nll = np.zeros(n - 1)
-    ref_nll = np.zeros(n - 1)
-    max_diff = 0.0
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        r, m = reference[s:e], logits[s:e]
-        agree[s:e] = r.argmax(-1) == m.argmax(-1)
-        p, q = _log_softmax(r), _log_softmax(m)
-        kl[s:e] = (np.exp(p) * (p - q)).sum(-1)
-        max_diff = max(max_diff, float(np.abs(r - m).max()))
-        rows = np.arange(s, min(e, n - 1))
-        if len(rows):
-            targets = ids[rows + 1]
-            nll[rows] = -q[rows - s, targets]
-            ref_nll[rows] = -p[rows - s, targets]
-    wrong = np.flatnonzero(~agree)
-    return QualityMetrics(
-        tokens=n, top1_agreement=float(agree.mean()),
-        top1_agreement_past_512=float(agree[WINDOW_START:].mean()) if n > WINDOW_START else None,
-        kl_mean=float(kl.mean()), max_abs_logit_diff=max_diff,
-        perplexity=float(np.exp(nll.mean())), reference_perplexity=float(np.exp(ref_nll.mean())),
-        first_disagreement=int(wrong[0]) if len(wrong) else None)
+    comparison = LogitComparison(token_ids)
+    for s in range(0, len(token_ids), chunk):
+        comparison.add(s, reference[s:s + chunk], logits[s:s + chunk])
+    return comparison.result()
 
 
 TRANSFORMERS_MISSING = ("the transformers reference needs torch and transformers (the test extra): "
@@ -152,6 +190,27 @@ def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndar
 
     with torch.no_grad():
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
+
+
+def transformers_logit_chunks(model, token_ids: Sequence[int], chunk: int = 128):
+    """The rows of :func:`transformers_logits`, ``chunk`` at a time: one forward pass of the decoder
+    stack over all of ``token_ids`` (its hidden states are ``[T, hidden_size]``), then the LM head and
+    the final logit soft-capping (as ``Gemma3ForCausalLM.forward``) per chunk of rows, so the
+    ``[T, V]`` matrix is never built.
+
+    Yields:
+        ``(start, rows)``: float32 ``[≤ chunk, V]`` for positions ``start …``.
+    """
+    import torch
+
+    with torch.no_grad():
+        hidden = model.model(torch.tensor([list(token_ids)])).last_hidden_state
+        cap = model.config.final_logit_softcapping
+        for start in range(0, len(token_ids), chunk):
+            logits = model.lm_head(hidden[:, start:start + chunk])
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
+            yield start, logits[0].float().numpy()
 
 
 @dataclasses.dataclass
@@ -236,21 +295,29 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     say(graph_line(decoder))
     decoder.check_length(len(ids))
     say(f"{len(ids)} tokens of {source}")
-    if reference == "transformers":
-        say("reference: transformers fp32 on the export's source weights")
-        ref_logits = transformers_logits(open_source(manifest_source(model_dir)), ids)
-    elif reference == "fp32":
-        from .exporter import export
+    # The reference and the export advance together, CHUNK rows at a time: neither [T, V] logit
+    # matrix (3.6 GB each for 3,400 tokens of Gemma's vocabulary) is ever held in full.
+    with contextlib.ExitStack() as stack:
+        if reference == "transformers":
+            say("reference: transformers fp32 on the export's source weights")
+            ref_chunks = transformers_logit_chunks(transformers_model(open_source(manifest_source(model_dir))), ids,
+                                                   CHUNK)
+        else:
+            if reference == "fp32":
+                from .exporter import export
 
-        with tempfile.TemporaryDirectory(prefix="gemma-export-fp32-") as tmp:
-            say("reference: exporting the source at fp32 into a temporary folder")
-            ref_dir = export(manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
-            ref_logits = OnnxDecoder(ref_dir, threads=threads).teacher_forced_logits(ids)
-    else:
-        say(f"reference: the export in {reference}")
-        ref_logits = OnnxDecoder(reference, threads=threads).teacher_forced_logits(ids)
-    say("running the export teacher-forced through its KV cache")
-    metrics = compare_logits(ref_logits, decoder.teacher_forced_logits(ids), ids)
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="gemma-export-fp32-"))
+                say("reference: exporting the source at fp32 into a temporary folder")
+                ref_dir = export(manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
+            else:
+                say(f"reference: the export in {reference}")
+                ref_dir = reference
+            ref_chunks = OnnxDecoder(ref_dir, threads=threads).teacher_forced_chunks(ids, CHUNK)
+        say("running the export teacher-forced through its KV cache, beside the reference")
+        comparison = LogitComparison(ids)
+        for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK)):
+            comparison.add(start, ref_rows, rows)
+        metrics = comparison.result()
     return QualityReport(str(model_dir), reference, source, metrics)
 
 

@@ -26,7 +26,8 @@ def _tree(folder: Path) -> dict[str, str]:
 
 
 def _export(source, out, dtype="int8", *extra):
-    return CliRunner().invoke(app, ["--source", str(source), "--out", str(out), "--dtype", dtype, "--block-size", "16", *extra])
+    quantized = ["--block-size", "16"] if dtype in ("int8", "int4") else []
+    return CliRunner().invoke(app, ["--source", str(source), "--out", str(out), "--dtype", dtype, *quantized, *extra])
 
 
 @pytest.fixture

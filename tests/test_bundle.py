@@ -26,6 +26,7 @@ def wheel(tmp_path_factory):
 def test_wheel_carries_both_packages_and_the_console_script(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert "gemma_export/cli.py" in names and "quant/int8.py" in names
+    assert "gemma_export/sources/gguf.py" in names and not [n for n in names if "__pycache__" in n]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "gemma-export = gemma_export.cli:app" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
@@ -97,3 +98,14 @@ def test_a_prepacked_copy_stays_out_of_the_bundle(tiny_int8_export, wheel, tmp_p
     assert result.exit_code == 0, result.output
     assert not (out / "model" / "prepacked").exists()
     assert sorted(p.name for p in (out / "model").iterdir()) == sorted(p.name for p in tiny_int8_export.iterdir())
+
+
+def test_building_the_wheel_leaves_the_checkout_as_it_was(tmp_path):
+    """setuptools writes build/ and *.egg-info beside the sources it builds: the bundle builds from a
+    temporary copy, so the user's checkout gets neither."""
+    from gemma_export.bundle import _project_root, build_wheel
+
+    root = _project_root()
+    before = sorted(p.name for p in root.iterdir())
+    assert build_wheel(tmp_path).name.startswith("gemma_export-")
+    assert sorted(p.name for p in root.iterdir()) == before

@@ -73,7 +73,8 @@ def test_bad_source_one_line_exit_2_nothing_left(tiny_dir, tmp_path, case, dtype
     src = _broken_copy(tiny_dir, tmp_path, edit_config, edit_tensors)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     out = tmp_path / "out"
-    result = _run("--format", "onnx", "--dtype", dtype, "--source", src, "--out", out, "--block-size", 16 if dtype == "int8" else 32)
+    result = _run("--format", "onnx", "--dtype", dtype, "--source", src, "--out", out,
+                  *(["--block-size", 16] if dtype == "int8" else []))
     assert result.exit_code == 2, result.output
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in result.output
@@ -230,7 +231,7 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dtype", "int3"], "error: Invalid value for '--dtype'"),
+    (["--dtype", "int3"], "error: Invalid value for '--dtype': 'int3' is not one of 'fp32', 'bf16', 'int8', 'int4'."),
     (["generate", "--model", "m"], "error: Missing option '--prompt'. (see 'gemma-export generate --help')"),
     (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: Invalid value for '--threads'"),
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
@@ -259,7 +260,15 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dtype", "int8", "--table-dtype", "int8"], "--table-dtype, --asymmetric and --scale-method apply to --dtype int4"),
+    (["--dtype", "int8", "--table-dtype", "int8"], "error: --table-dtype applies to --dtype int4, not int8"),
+    (["--dtype", "int8", "--asymmetric", "--scale-method", "rtn"],
+     "error: --asymmetric and --scale-method apply to --dtype int4, not int8"),
+    (["--dtype", "fp32", "--block-size", "64"], "error: --block-size applies to --dtype int8 and int4, not fp32"),
+    (["--dtype", "bf16", "--hadamard", "0", "--table-block-size", "64"],
+     "error: --table-block-size and --hadamard apply to --dtype int8 and int4, not bf16"),
+    (["--dtype", "int8", "--source", ""], "error: --source: empty path"),
+    (["--dtype", "int8", "--source", "   "], "error: --source: empty path"),
+    (["--dtype", "int8", "--out", ""], "error: --out: empty path"),
     (["--dtype", "fp32", "--calibration-tokens", "64"], "--calibration-tokens applies to --dtype int8 and int4"),
     (["--dtype", "int8", "--block-size", "48"], "--block-size 48: must be a power of two >= 16"),
 ])

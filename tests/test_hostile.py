@@ -50,7 +50,8 @@ def fx(tiny_dir, tiny_int8_export, tmp_path_factory) -> Fixtures:
 
 # ---- builders: each returns the command line; everything lives under `work` -----------------------
 def _export_args(source: Path, work: Path, dtype: str = "fp32") -> list:
-    return ["--source", source, "--out", work / "out", "--dtype", dtype, "--block-size", 16]
+    return ["--source", source, "--out", work / "out", "--dtype", dtype,
+            *(["--block-size", 16] if dtype in ("int8", "int4") else [])]
 
 
 def hf(edit_config=None, edit_tensors=None, edit_bytes=None, dtype="fp32"):

@@ -89,7 +89,7 @@ def test_iree_runs_the_reference_and_it_equals_transformers(reference, ref_model
 @pytest.mark.parametrize("export_dtype", ["fp32", "int8"])
 def test_export_of_the_archive_gives_the_reference_tokens_at_every_position(reference, prompts_file, tmp_path, export_dtype):
     dtype, mlir = reference
-    out = export(mlir, tmp_path / "out", export_dtype, block_size=16).out_dir
+    out = export(mlir, tmp_path / "out", export_dtype, block_size=16 if export_dtype in ("int8", "int4") else None).out_dir
     json_path = tmp_path / "parity.json"
     result = _parity("--model", out, "--reference", mlir, "--reference-weights", mlir.with_suffix(".safetensors"),
                      "--prompts", prompts_file, "--json", json_path)
@@ -265,3 +265,17 @@ def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
     for prompt in report["prompts"]:
         assert prompt["transformers"]["top1_agreement"] == 1.0 and prompt["transformers"]["max_abs_logit_diff"] < 1e-3
         assert prompt["reference"]["agreement"] == 1.0 and prompt["golden"]["match"]
+
+
+@pytest.mark.parametrize("content, message", [(None, "no such golden file"), ("{not json", "not JSON")])
+def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export, tmp_path, monkeypatch, content, message):
+    """The golden file is read first: its error is the only line (no 'graph: …' line as if the model ran)."""
+    import gemma_export.runtime as runtime
+
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", lambda *a, **k: pytest.fail("the model was loaded first"))
+    golden = tmp_path / "golden.json"
+    if content is not None:
+        golden.write_text(content)
+    result = _parity("--model", tiny_int8_export, "--golden", golden)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [result.output.strip()] and message in result.output

@@ -112,3 +112,52 @@ def test_missing_transformers_fails_before_loading_anything(command, monkeypatch
     assert line.startswith("error: the transformers reference needs torch and transformers")
     assert "not installed: torch" in line and "not-an-export" not in result.output
     assert ("--reference fp32" if command == ["quality"] else "--golden") in line
+
+
+def test_teacher_forced_chunks_are_the_rows_of_teacher_forced_logits(tiny_int8_export):
+    from gemma_export.runtime import OnnxDecoder
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    ids = [2, *range(10, 40)]
+    whole = decoder.teacher_forced_logits(ids)
+    starts, rows = [], []
+    for start, chunk in decoder.teacher_forced_chunks(ids, 8):
+        starts.append(start)
+        rows.append(chunk.copy())  # the generator reuses its array
+    assert starts == [0, 8, 16, 24] and [len(r) for r in rows] == [8, 8, 8, 7]
+    np.testing.assert_array_equal(np.concatenate(rows), whole)
+
+
+def test_quality_never_builds_a_whole_logit_matrix(tiny_int8_export, text_file, monkeypatch):
+    """The reference and the export advance together a chunk at a time (a 3,400-token text is
+    3.6 GB of logits per model): the whole-matrix helpers must not be called."""
+    from gemma_export import quality
+    from gemma_export.runtime import OnnxDecoder
+
+    def whole(*args, **kwargs):
+        raise AssertionError("a whole [T, V] logit matrix was built")
+
+    monkeypatch.setattr(OnnxDecoder, "teacher_forced_logits", whole)
+    monkeypatch.setattr(quality, "transformers_logits", whole)
+    monkeypatch.setattr(quality, "compare_logits", whole)
+    monkeypatch.setattr(quality, "CHUNK", 16)
+    for reference in ("transformers", str(tiny_int8_export)):
+        report = quality.run_quality(tiny_int8_export, reference, text=text_file, tokens=70)
+        assert report.metrics.tokens == 70
+        if reference != "transformers":
+            assert report.metrics.top1_agreement == 1.0 and report.metrics.max_abs_logit_diff == 0.0
+
+
+def test_logit_comparison_refuses_rows_out_of_order_and_an_incomplete_result():
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.quality import LogitComparison
+
+    rows = np.zeros((2, 5), np.float32)
+    comparison = LogitComparison([1, 2, 3, 4])
+    with pytest.raises(GemmaExportError, match=r"expected rows 0"):
+        comparison.add(2, rows, rows)
+    comparison.add(0, rows, rows)
+    with pytest.raises(GemmaExportError, match="2 of 4 rows compared"):
+        comparison.result()
+    with pytest.raises(GemmaExportError, match="found rows 2"):
+        comparison.add(2, rows, np.zeros((2, 6), np.float32))

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
@@ -59,7 +60,19 @@ def open_source(source: str | Path | None) -> Checkpoint:
     raise SourceNotFoundError(f"{path}: not a folder, a GGUF file or a .mlir reference export (first bytes {magic!r})")
 
 
+#: a llama.cpp quantization tag at the end of a GGUF file name (``-q4_k_m``, ``.Q8_0``, ``-f16``, ``-iq4_xs``, …)
+_GGUF_TYPE_SUFFIX = re.compile(r"[-_.](?:i?q\d(?:_[a-z0-9]+)*|f16|f32|bf16)$", re.IGNORECASE)
+
+
 def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype: str) -> str:
-    """Folder name for an export when --out is not given, e.g. ``gemma-3-270m-onnx-int8``."""
-    stem = BUNDLED_NAME if source is None else Path(source).resolve().name.removesuffix(".gguf").removesuffix(".mlir")
-    return f"{stem}-onnx-{dtype}"
+    """Folder name for an export when --out is not given, e.g. ``gemma-3-270m-onnx-int8``: the source's
+    name without its extension, and for a GGUF without the llama.cpp quantization tag the export does
+    not keep (``gemma-3-270m-q4_k_m.gguf`` → ``gemma-3-270m-onnx-fp32``)."""
+    if source is None:
+        return f"{BUNDLED_NAME}-onnx-{dtype}"
+    name = Path(source).resolve().name
+    if name.lower().endswith(".gguf"):
+        name = _GGUF_TYPE_SUFFIX.sub("", name[:-5]) or name[:-5]
+    else:
+        name = name.removesuffix(".mlir")
+    return f"{name}-onnx-{dtype}"
