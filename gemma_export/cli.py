@@ -214,6 +214,8 @@ def main(
     for name, size in result.files.items():
         typer.echo(f"  {name:<28} {size:>15,} bytes")
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
+    archive = sum(size for name, size in result.files.items() if name in ("model.onnx", "model.onnx.data"))
+    typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
     if result.calibration is not None:

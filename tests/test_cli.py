@@ -136,6 +136,8 @@ def test_export_summary_and_manifest(tiny_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
     assert "peak memory" in result.stdout
+    archive = (out / "model.onnx").stat().st_size + (out / "model.onnx.data").stat().st_size
+    assert f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["dtype"] == "int8" and manifest["int8_block_size"] == 16
     import hashlib
