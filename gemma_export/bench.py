@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import sysconfig
@@ -317,9 +318,12 @@ def format_result(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
+def check_outputs(json_out: str | Path | None, plot: str | Path | None,
+                  inputs: Sequence[str | Path | None] = ()) -> None:
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
-    files (``staging.entry_refused``), a plot that is not ``.png``, or no matplotlib for ``--plot``.
+    files (``staging.entry_refused``), a plot that is not ``.png``, no matplotlib for ``--plot``, or
+    an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
+    input folder such as the export's own ``manifest.json``).
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
@@ -330,7 +334,17 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None) -> None:
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or str(path) == "-":
             continue
-        parent = Path(path).resolve().parent
+        target = Path(path).resolve()
+        if target.is_dir():
+            raise OutputError(f"{option} {path}: is a folder; expected a file name")
+        for given in inputs:
+            if given is None or not Path(given).exists():
+                continue
+            source = Path(given).resolve()
+            if target == source or (source.is_dir() and source in target.parents):
+                raise OutputError(f"{option} {path}: would overwrite {'' if target == source else 'a file in '}"
+                                  f"the input {given}; write it elsewhere")
+        parent = target.parent
         if parent.exists() and not parent.is_dir():
             raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
         if not parent.is_dir():
@@ -380,8 +394,34 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
 
 def main_json(result: BenchResult, path: str | Path | None) -> None:
     """Write ``result`` as JSON to ``path`` (``-`` = stdout)."""
-    text = json.dumps(result.to_dict(), indent=2)
+    write_json(result.to_dict(), path)
+
+
+def write_json(data: dict, path: str | Path | None) -> None:
+    """Write ``data`` as indented JSON to ``path`` (None or ``-``: stdout), whole or not at all: a
+    temporary file beside it is renamed over it.
+
+    Raises:
+        OutputError: the file cannot be written (full disk, permissions), naming it.
+    """
+    from .errors import OutputError
+
+    text = json.dumps(data, indent=2) + "\n"
     if path is None or str(path) == "-":
-        sys.stdout.write(text + "\n")
-    else:
-        Path(path).write_text(text + "\n")
+        sys.stdout.write(text)
+        return
+    path = Path(path)
+    if not path.parent.is_dir() or (path.exists() and not path.is_file()):  # a device, a FIFO, /dev/full
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as exc:
+            raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
+        return
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None

@@ -421,7 +421,7 @@ def bench(
             lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
-        check_outputs(json_out, plot)
+        check_outputs(json_out, plot, inputs=(model, text, reference, reference_weights))
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
                            text=text, reference=reference, reference_weights=reference_weights,
                            prefill_chunk=prefill_chunk, progress=lambda msg: typer.echo(msg, err=True),
@@ -446,7 +446,7 @@ def quality(
     text: Optional[Path] = typer.Option(None, "--text", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -458,24 +458,20 @@ def quality(
 
     Example: gemma-export quality --model gemma-3-270m-onnx-int4 --reference transformers --json q.json
     """
-    import json
-
+    from .bench import check_outputs, write_json
     from .quality import format_report, run_quality
 
-    from .bench import check_outputs
-
     try:
-        check_outputs(json_out, None)
+        check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference))
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
+        typer.echo(format_report(report))
+        if json_out is not None:
+            write_json(report.to_dict(), json_out)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
-        _interrupted()
-        return
-    typer.echo(format_report(report))
-    if json_out is not None:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        _interrupted(writes=False)
 
 
 class Against(str, enum.Enum):
@@ -493,7 +489,7 @@ def parity(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -507,24 +503,22 @@ def parity(
       gemma-export parity --model out-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
       gemma-export parity --model out-int8 --golden golden.json --json parity.json
     """
-    import json
-
-    from .bench import check_outputs
+    from .bench import check_outputs, write_json
     from .parity import format_report, run_parity
 
     try:
-        check_outputs(json_out, None)
+        check_outputs(json_out, None, inputs=(model, reference, reference_weights, golden, prompts))
         report = run_parity(model, against_transformers=against is not None or not (reference or golden),
                             reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
                             golden=golden, prompts=prompts, new_tokens=new_tokens, threads=threads,
                             progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
+        typer.echo(format_report(report))
+        if json_out is not None:
+            write_json(report.to_dict(), json_out)
     except GemmaExportError as exc:
         _fail(exc, debug)
     except KeyboardInterrupt:
-        _interrupted()
-    typer.echo(format_report(report))
-    if json_out is not None:
-        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        _interrupted(writes=False)
     if not report.passed:
         raise typer.Exit(1)
 

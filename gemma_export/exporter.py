@@ -70,6 +70,11 @@ class ExportResult:
         return sum(self.files.values())
 
 
+def _listed(options: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} and {options[-1]}"
+
+
 def _is_block_size(value: int) -> bool:
     # MatMulNBits: a power of two >= 16
     return value >= 16 and not value & (value - 1)
@@ -390,12 +395,12 @@ def export(
     int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
                                                ("--scale-method", scale_method != "mse")) if given]
     if dtype != "int4" and int4_only:
-        raise ConfigError(f"{' and '.join(int4_only)} {'applies' if len(int4_only) == 1 else 'apply'} to --dtype int4, "
+        raise ConfigError(f"{_listed(int4_only)} {'applies' if len(int4_only) == 1 else 'apply'} to --dtype int4, "
                           f"not {dtype}")
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                                                    ("--hadamard", hadamard_size)) if value is not None]
     if dtype not in ("int8", "int4") and quantized_only:
-        raise ConfigError(f"{' and '.join(quantized_only)} {'applies' if len(quantized_only) == 1 else 'apply'} to "
+        raise ConfigError(f"{_listed(quantized_only)} {'applies' if len(quantized_only) == 1 else 'apply'} to "
                           f"--dtype int8 and int4, not {dtype}")
     if scale_method not in ("mse", "rtn"):
         raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")

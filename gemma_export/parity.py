@@ -105,10 +105,15 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
         items: list = list(DEFAULT_PROMPTS)
     else:
         path = Path(path)
+        if path.is_dir():
+            raise FormatError(f"{path}: is a folder; expected a prompts file")
         if not path.is_file():
             raise SourceNotFoundError(f"{path}: no such prompts file")
-        raw = path.read_text(encoding="utf-8", errors="replace")
-        if path.suffix == ".json":
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{path}: not UTF-8 text (byte {exc.start}); prompts are UTF-8 text or JSON") from None
+        if path.suffix.lower() == ".json":
             try:
                 items = json.loads(raw)
             except (ValueError, RecursionError) as exc:
@@ -144,6 +149,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         SourceNotFoundError, FormatError: naming the file and the entry.
     """
     path = Path(path)
+    if path.is_dir():
+        raise FormatError(f"{path}: is a folder; expected a golden file")
     if not path.is_file():
         raise SourceNotFoundError(f"{path}: no such golden file")
     try:
@@ -285,8 +292,14 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
     for n, (prompt_ids, expected) in enumerate(golden_pairs):
         _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
-    for sequence in [ids for _, ids in prompt_list] + [p for p, _ in golden_pairs]:
-        decoder.check_length(len(sequence) + new_tokens)
+    limit = decoder.max_position_embeddings
+    checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
+               for n, (_, ids) in enumerate(prompt_list)]
+    checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e) in enumerate(golden_pairs)]
+    for what, total in checked:  # before any prompt runs
+        if limit and total > limit:
+            raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
+                                   f"max_position_embeddings {limit} ({model_dir})")
     debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
 
     hf_model = None

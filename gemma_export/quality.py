@@ -293,8 +293,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
-    decoder.check_length(len(ids))
-    say(f"{len(ids)} tokens of {source}")
+    _check_fits(decoder, ids, source)
+    say(f"{len(ids)} tokens of {source}" + (f" (the whole text; {tokens} asked)" if tokens and tokens > len(ids) else ""))
     # The reference and the export advance together, CHUNK rows at a time: neither [T, V] logit
     # matrix (3.6 GB each for 3,400 tokens of Gemma's vocabulary) is ever held in full.
     with contextlib.ExitStack() as stack:
@@ -312,13 +312,34 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             else:
                 say(f"reference: the export in {reference}")
                 ref_dir = reference
-            ref_chunks = OnnxDecoder(ref_dir, threads=threads).teacher_forced_chunks(ids, CHUNK)
+            ref_decoder = OnnxDecoder(ref_dir, threads=threads)
+            if ref_decoder.vocab_size != decoder.vocab_size:
+                raise GemmaExportError(f"--reference {ref_dir}: its vocabulary has {ref_decoder.vocab_size:,} tokens, the "
+                                       f"export's {decoder.vocab_size:,} ({model_dir}); compare exports of the same model")
+            _check_fits(ref_decoder, ids, source, "--reference ")
+            ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK)
         say("running the export teacher-forced through its KV cache, beside the reference")
         comparison = LogitComparison(ids)
         for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK)):
             comparison.add(start, ref_rows, rows)
         metrics = comparison.result()
     return QualityReport(str(model_dir), reference, source, metrics)
+
+
+def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> None:
+    """The text's ids are inside the decoder's vocabulary and its positions inside its range.
+
+    Raises:
+        GemmaExportError: naming the folder, the limit and what to pass instead.
+    """
+    limit = decoder.max_position_embeddings
+    if limit and len(ids) > limit:
+        raise GemmaExportError(f"{role}{decoder.model_dir}: {len(ids)} tokens of {source} exceed its "
+                               f"max_position_embeddings {limit}; pass --tokens {limit} or fewer")
+    largest = max(ids)
+    if largest >= decoder.vocab_size:
+        raise GemmaExportError(f"{role}{decoder.model_dir}: token id {largest} of {source} is outside its vocabulary "
+                               f"of {decoder.vocab_size:,} (the tokenizer beside the export does not match it)")
 
 
 def format_report(report: QualityReport) -> str:

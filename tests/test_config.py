@@ -49,3 +49,19 @@ def test_v5_form_and_multimodal_nesting():
 def test_bad_configs_name_the_field(change, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         config_from_hf_dict({**V4, **change}, "some/config.json")
+
+
+def test_default_output_names(tmp_path):
+    """The name a user gave (not a link's target), without a GGUF's llama.cpp type tag."""
+    from gemma_export.sources import default_output_name
+
+    blob = tmp_path / "blobs" / "3f1a9c0e"
+    blob.parent.mkdir()
+    blob.write_bytes(b"GGUF")
+    link = tmp_path / "gemma-3-270m-it-Q8_0.gguf"
+    link.symlink_to(blob)
+    assert default_output_name(None, link, "fp32") == "gemma-3-270m-it-onnx-fp32"
+    assert default_output_name(None, None, "int8") == "gemma-3-270m-onnx-int8"
+    for given, expected in (("x-q4_k_m.gguf", "x"), ("model.GGUF", "model"), ("m-IQ4_XS.gguf", "m"),
+                            ("m.f16.gguf", "m"), (".gguf", "model"), ("ref.mlir", "ref"), ("my-gemma", "my-gemma")):
+        assert default_output_name(None, tmp_path / given, "int4") == f"{expected}-onnx-int4"

@@ -279,3 +279,30 @@ def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export,
     result = _parity("--model", tiny_int8_export, "--golden", golden)
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [result.output.strip()] and message in result.output
+
+
+def test_a_golden_entry_longer_than_the_model_is_named_before_any_prompt_runs(tiny_int8_export, tmp_path, monkeypatch):
+    monkeypatch.setattr(OnnxDecoder, "greedy", lambda *a, **k: pytest.fail("a prompt ran before the length check"))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt_ids": [2, 10, 11], "expected_ids": [5] * 300}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden)
+    assert result.exit_code == 2
+    assert f"{golden}: entry #0: 303 tokens (prompt + generated) exceed the model's max_position_embeddings 256" \
+        in result.output
+
+
+def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"hello \xff\xfe world\n")
+    golden = tmp_path / "golden.json"
+    golden.write_text("[5, 6]")
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--prompts", prompts)
+    assert result.exit_code == 2 and f"{prompts}: not UTF-8 text (byte 6)" in result.output
+
+
+def test_parity_json_may_not_overwrite_the_golden_file(tiny_int8_export, tmp_path):
+    golden = tmp_path / "golden.json"
+    golden.write_text("[5, 6]")
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", golden)
+    assert result.exit_code == 2 and "would overwrite the input" in result.output
+    assert golden.read_text() == "[5, 6]"

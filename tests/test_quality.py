@@ -161,3 +161,45 @@ def test_logit_comparison_refuses_rows_out_of_order_and_an_incomplete_result():
         comparison.result()
     with pytest.raises(GemmaExportError, match="found rows 2"):
         comparison.add(2, rows, np.zeros((2, 6), np.float32))
+
+
+def test_json_may_not_overwrite_an_input(tiny_int8_export, text_file, tmp_path):
+    """--json pointing into the export (its manifest, its model) or at the text is refused before
+    anything runs, and the file is left as it was."""
+    manifest = tiny_int8_export / "manifest.json"
+    before = manifest.read_bytes()
+    for target, words in ((manifest, "would overwrite a file in the input"), (text_file, "would overwrite the input")):
+        result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export),
+                                     "--text", str(text_file), "--tokens", "20", "--json", str(target)])
+        assert result.exit_code == 2 and words in result.stderr and result.stdout == ""
+    assert manifest.read_bytes() == before
+
+
+def test_json_dash_is_stdout_and_a_failed_write_is_one_line(tiny_int8_export, text_file):
+    args = ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export), "--text", str(text_file),
+            "--tokens", "20"]
+    result = runner.invoke(app, [*args, "--json", "-"])
+    assert result.exit_code == 0
+    figures = json.loads(result.stdout[result.stdout.index("{"):])
+    assert figures["tokens"] == 20 and figures["top1_agreement"] == 1.0
+    result = runner.invoke(app, [*args, "--json", "/dev/full"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --json /dev/full: cannot write")
+
+
+def test_a_reference_of_another_vocabulary_or_too_long_a_text_is_named_before_running(tiny_dir, tiny_int8_export,
+                                                                                       text_file, tmp_path):
+    from conftest import make_tiny_model, save_tiny, write_char_tokenizer
+    from gemma_export.exporter import export
+
+    src = save_tiny(make_tiny_model(vocab_size=128), tmp_path / "src128")
+    write_char_tokenizer(src)
+    other = export(src, tmp_path / "v128", "int8", block_size=16).out_dir
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(other),
+                                 "--text", str(text_file), "--tokens", "20"])
+    assert result.exit_code == 2
+    assert f"--reference {other}: its vocabulary has 128 tokens, the export's 96" in result.stderr
+    assert "running the export" not in result.stderr
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export),
+                                 "--text", str(text_file)])
+    assert result.exit_code == 2 and "exceed its max_position_embeddings 256; pass --tokens 256 or fewer" in result.stderr

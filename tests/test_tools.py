@@ -90,3 +90,20 @@ def test_check_wheels_asks_for_exactly_the_runtime_dependencies():
 def test_check_wheels_refuses_a_bad_python_version(capsys):
     assert _check_wheels().main(["--python", "3.9x"]) == 2
     assert "--python '3.9x': expected a version like 3.12" in capsys.readouterr().err
+
+
+def test_check_wheels_refuses_an_unknown_arch(capsys):
+    assert _check_wheels().main(["--arch", "nonsense"]) == 2
+    assert "--arch 'nonsense': expected one of aarch64, x86_64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rounds", "0"], "--rounds 0: expected 1 to 1,000"),
+    (["--new-tokens", "0"], "--new-tokens 0: expected 1 to 4,096"),
+    (["--prompt-tokens", "20000"], "--prompt-tokens 20000: expected 1 to 4,096"),
+    (["--prompt-tokens", "300"], "exceeds the model's max_position_embeddings 256"),
+])
+def test_bench_breakdown_refuses_bad_numbers(tiny_int8_export, capsys, args, message):
+    assert bench_breakdown.main(["--model", str(tiny_int8_export), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1

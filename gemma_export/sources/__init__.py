@@ -70,9 +70,11 @@ def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype
     not keep (``gemma-3-270m-q4_k_m.gguf`` → ``gemma-3-270m-onnx-fp32``)."""
     if source is None:
         return f"{BUNDLED_NAME}-onnx-{dtype}"
-    name = Path(source).resolve().name
+    path = Path(source).absolute()  # the name given, not a link's target (a hub cache's blob hash)
+    name = path.name if path.name not in ("", ".", "..") else path.resolve().name
     if name.lower().endswith(".gguf"):
         name = _GGUF_TYPE_SUFFIX.sub("", name[:-5]) or name[:-5]
     else:
         name = name.removesuffix(".mlir")
-    return f"{name}-onnx-{dtype}"
+    name = name.strip("-_. ")
+    return f"{name or 'model'}-onnx-{dtype}"

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: manylinux tags pip may accept for the board, oldest first (PEP 600 names and their legacy aliases)
 PLATFORMS = ("manylinux2014_{arch}", "manylinux_2_17_{arch}", "manylinux_2_24_{arch}", "manylinux_2_27_{arch}",
              "manylinux_2_28_{arch}", "manylinux_2_31_{arch}", "manylinux_2_34_{arch}", "manylinux_2_35_{arch}")
+#: machines with manylinux wheels of onnxruntime
+ARCHES = ("aarch64", "x86_64")
 _LEGACY = {"manylinux2014": (2, 17), "manylinux2010": (2, 12), "manylinux1": (2, 5)}
 
 
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not re.fullmatch(r"3\.\d+", args.python):
         print(f"error: --python {args.python!r}: expected a version like 3.12", file=sys.stderr)
+        return 2
+    if args.arch not in ARCHES:
+        print(f"error: --arch {args.arch!r}: expected one of {', '.join(ARCHES)}", file=sys.stderr)
         return 2
     abi = "cp" + args.python.replace(".", "")
     requirements = runtime_dependencies()
