@@ -284,11 +284,9 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         require_transformers("; or use --reference fp32 (an fp32 export of the same source, no extra needed)")
     model_dir = Path(model_dir)
     body, source = real_text(text)
-    ids = load_tokenizer(model_dir).encode(body).ids
-    if tokens is not None:
-        if tokens < 2:
-            raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
-        ids = ids[:tokens]
+    if tokens is not None and tokens < 2:
+        raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
+    ids = first_tokens(load_tokenizer(model_dir), body, tokens)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
@@ -324,6 +322,27 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             comparison.add(start, ref_rows, rows)
         metrics = comparison.result()
     return QualityReport(str(model_dir), reference, source, metrics)
+
+
+#: characters left out at the end of a tokenized prefix: the last tokens of a cut text may differ
+#: from the whole text's (a word cut in two), never those this far before the cut
+PREFIX_MARGIN = 256
+
+
+def first_tokens(tokenizer, text: str, count: int | None) -> list[int]:
+    """The first ``count`` ids of ``tokenizer.encode(text)`` (all of them when ``count`` is None),
+    tokenizing only as much of a long text as needed: prefixes of 8 characters per token, doubled
+    until enough tokens end ``PREFIX_MARGIN`` characters before the cut."""
+    size = max(8 * (count or 0), 4096)
+    while count is not None and size < len(text):
+        encoding = tokenizer.encode(text[:size])
+        limit = size - PREFIX_MARGIN
+        stable = next((i for i, (_, end) in enumerate(encoding.offsets) if end > limit), len(encoding.ids))
+        if stable >= count:
+            return list(encoding.ids[:count])
+        size *= 2
+    ids = tokenizer.encode(text).ids
+    return list(ids if count is None else ids[:count])
 
 
 def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> None:

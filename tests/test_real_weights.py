@@ -259,3 +259,19 @@ def test_bf16_export_of_a_full_size_reference_archive_is_token_exact_with_iree(h
     for prompt in report["prompts"]:
         r = prompt["reference"]
         assert r["positions"] == 24 and all(r["agreement_by_position"]) and r["greedy_match"]
+
+
+def test_first_tokens_of_a_prefix_equal_the_whole_texts(int8_dir):
+    """quality --tokens N tokenizes only a prefix of a long text: with Gemma's real tokenizer the ids
+    equal the whole text's first N (the license, and Python's documentation topics, 112k tokens)."""
+    import pydoc_data.topics
+
+    from gemma_export.bench import real_text
+    from gemma_export.quality import first_tokens
+    from gemma_export.runtime import load_tokenizer
+
+    tokenizer = load_tokenizer(int8_dir)
+    for text in (real_text()[0], "\n".join(pydoc_data.topics.topics.values())):
+        whole = tokenizer.encode(text).ids
+        for count in (2, 600, 3000, 20000):
+            assert first_tokens(tokenizer, text, count) == whole[:count]
