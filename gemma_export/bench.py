@@ -349,8 +349,6 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
             raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
         if not parent.is_dir():
             raise OutputError(f"{option} {path}: folder {parent} does not exist")
-        if Path(path).is_dir():
-            raise OutputError(f"{option} {path}: is a folder; expected a file name")
         reason = entry_refused(parent)  # a folder that exists may still refuse files (/proc, read-only mounts)
         if reason is not None:
             raise OutputError(f"{option} {path}: cannot write a file in {parent}: {reason}")
@@ -411,7 +409,7 @@ def write_json(data: dict, path: str | Path | None) -> None:
         sys.stdout.write(text)
         return
     path = Path(path)
-    if not path.parent.is_dir() or (path.exists() and not path.is_file()):  # a device, a FIFO, /dev/full
+    if path.exists() and not path.is_file():  # a device or a FIFO (/dev/full): written in place
         try:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)

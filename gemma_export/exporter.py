@@ -28,6 +28,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
+from .runtime import require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .staging import check_creatable, is_unchanged_output, staged_folder
@@ -215,10 +216,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
-    if not folder.exists():
-        raise SourceNotFoundError(f"{folder}: no such export folder")
-    if not folder.is_dir():
-        raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {MANIFEST_FILE})")
+    require_folder(folder, MANIFEST_FILE)
     if manifest_path.is_dir():
         raise VerificationError(f"{manifest_path}: is a folder; expected the export's manifest file")
     if not manifest_path.is_file():

@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError
+from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .staging import interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
@@ -217,10 +217,9 @@ SAVE_PREPACKED = {
 
 
 def _export_folder(model_dir: Path) -> None:
-    if not model_dir.exists():
-        raise SourceNotFoundError(f"{model_dir}: no such export folder")
-    if not model_dir.is_dir():
-        raise SourceNotFoundError(f"{model_dir}: is a file; expected an export folder (the one holding {MODEL_FILE})")
+    from .runtime import require_folder
+
+    require_folder(model_dir, MODEL_FILE)
 
 
 def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:

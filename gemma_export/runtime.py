@@ -53,6 +53,18 @@ def _genai_decoder_config(model_dir: Path) -> dict:
         return {}
 
 
+def require_folder(folder: Path, holding: str) -> None:
+    """``folder`` exists and is a folder (an export, which holds ``holding``).
+
+    Raises:
+        SourceNotFoundError: no such folder, or something else by that name.
+    """
+    if not folder.exists():
+        raise SourceNotFoundError(f"{folder}: no such export folder")
+    if not folder.is_dir():
+        raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
+
+
 def check_export_folder(model_dir: str | Path) -> Path:
     """The path of ``model_dir``'s ``model.onnx``, after checking that the folder exists and holds one.
 
@@ -61,10 +73,7 @@ def check_export_folder(model_dir: str | Path) -> Path:
     """
     model_dir = Path(model_dir)
     path = model_dir / MODEL_FILE
-    if not model_dir.exists():
-        raise SourceNotFoundError(f"{model_dir}: no such export folder")
-    if model_dir.is_file():
-        raise SourceNotFoundError(f"{model_dir}: is a file; expected an export folder (the one holding {MODEL_FILE})")
+    require_folder(model_dir, MODEL_FILE)
     if not path.is_file():
         raise SourceNotFoundError(f"{path}: no exported model here (run `gemma-export --out {model_dir}` first)")
     return path
