@@ -37,18 +37,27 @@ def _run(*args, emulated=False, cwd=None, allowed=(0,)):
     return proc
 
 
-def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, tmp_path_factory):
+@pytest.fixture(scope="module")
+def emulated_dump(tiny_int8_export, tmp_path_factory):
+    """200 token ids of a text, and the tiny int8 export's logits and greedy tokens for them on the
+    emulated board (from the heap: the export has no pre-packed copy). One emulated run serves both
+    tests below."""
     # tmp paths live under /tmp, which run.sh binds at the same path inside the emulated board
     work = tmp_path_factory.mktemp("aarch64")
     text = work / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog, again and again. " * 8)
     ids = work / "ids.json"
     _run(PARITY, "prepare", "--model", tiny_int8_export, "--out", ids, "--tokens", 200, "--text", text)
-    _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", work / "x86.npz")
     arm = _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", work / "arm.npz", emulated=True, cwd=work)
     assert "aarch64: wrote" in arm.stdout
-    result = _run(PARITY, "compare", work / "x86.npz", work / "arm.npz", "--json", work / "report.json", allowed=(0, 1))
-    report = json.loads((work / "report.json").read_text())
+    return ids, work / "arm.npz"
+
+
+def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, emulated_dump, tmp_path):
+    ids, arm = emulated_dump
+    _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", tmp_path / "x86.npz")
+    result = _run(PARITY, "compare", tmp_path / "x86.npz", arm, "--json", tmp_path / "report.json", allowed=(0, 1))
+    report = json.loads((tmp_path / "report.json").read_text())
     assert report["machines"] == ["x86_64", "aarch64"]
     assert all(report["greedy_identical"]), report
     assert report["top1_agreement"] >= 0.995, report
@@ -56,24 +65,19 @@ def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, tmp_path_f
     assert result.returncode == 0
 
 
-def test_prepack_on_emulated_aarch64_gives_the_same_logits(tiny_int8_export, tmp_path_factory):
+def test_prepack_on_emulated_aarch64_gives_the_same_logits(tiny_int8_export, emulated_dump, tmp_path):
     import numpy as np
 
     from gemma_export.runtime import OnnxDecoder
 
-    work = tmp_path_factory.mktemp("aarch64_prepack")
-    model = work / "int8"
+    ids, arm = emulated_dump
+    model = tmp_path / "int8"  # a copy, so the shared export gets no pre-packed folder
     shutil.copytree(tiny_int8_export, model)
-    text = work / "text.txt"
-    text.write_text("many hands make light work; the quick brown fox. " * 8)
-    ids = work / "ids.json"
-    _run(PARITY, "prepare", "--model", model, "--out", ids, "--tokens", 120, "--text", text)
-    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", work / "heap.npz", emulated=True, cwd=work)
-    packed = _run("-m", "gemma_export.cli", "prepack", "--model", model, emulated=True, cwd=work)
+    packed = _run("-m", "gemma_export.cli", "prepack", "--model", model, emulated=True, cwd=tmp_path)
     assert "identical to the export's" in packed.stdout
     assert json.loads((model / "prepacked" / "prepacked.json").read_text())["machine"]["machine"] == "aarch64"
-    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", work / "mapped.npz", emulated=True, cwd=work)
-    heap, mapped = np.load(work / "heap.npz"), np.load(work / "mapped.npz")
+    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", tmp_path / "mapped.npz", emulated=True, cwd=tmp_path)
+    heap, mapped = np.load(arm), np.load(tmp_path / "mapped.npz")
     assert str(heap["prepacked"]) == "" and str(mapped["prepacked"]).endswith("prepacked/model.onnx")
     assert np.array_equal(heap["logits"], mapped["logits"]) and np.array_equal(heap["greedy"], mapped["greedy"])
     host = OnnxDecoder(model)  # the aarch64 copy is not used on x86-64
