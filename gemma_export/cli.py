@@ -25,6 +25,16 @@ except ImportError:  # older typer runs on click itself
 from .errors import ConfigError, GemmaExportError
 
 
+def _path(value: str | Path) -> Path:
+    """Parse a path option or argument: an empty value is refused (``Path("")`` would silently mean
+    the current folder)."""
+    if isinstance(value, Path):
+        return value
+    if not value.strip():
+        raise typer.BadParameter("empty path")
+    return Path(value)
+
+
 class _OneLineUsageError(ClickException):
     """A usage error (bad option value, missing option, unknown command) shown as this toolkit
     shows every error: one ``error:`` line on stderr, exit status 2."""
@@ -143,9 +153,9 @@ def main(
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
     table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: keep the shared table at int8 (layers stay int4)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
-    scale_method: ScaleMethod = typer.Option(ScaleMethod.mse, "--scale-method", help="int4 only: mse (clipping search, least squared error) or rtn (round to nearest)."),
+    scale_method: Optional[ScaleMethod] = typer.Option(None, "--scale-method", help="int4 only: mse (clipping search, least squared error; the default) or rtn (round to nearest)."),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds to nearest."),
-    calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
+    calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", parser=_path, metavar="<path>", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 1,024; 16 to 4,096)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
@@ -198,7 +208,7 @@ def main(
                 raise ConfigError(f"{option}: empty path")
         result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
                         hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
-                        symmetric=not asymmetric, scale_method=scale_method.value, calibrate=calibrate,
+                        symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None, calibrate=calibrate,
                         calibration_text=calibration_text, calibration_tokens=calibration_tokens, all_logits=all_logits,
                         debug_outputs=debug_outputs, progress=progress,
                         status=lambda message: typer.echo(message, err=True))
@@ -233,7 +243,7 @@ PREPACKED_HELP = ("Load the folder's pre-packed copy (written by `gemma-export p
 
 @app.command()
 def generate(
-    model: Path = typer.Option(..., "--model", help="An export folder."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added)."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
@@ -266,7 +276,7 @@ def generate(
 
 @app.command()
 def prepack(
-    model: Path = typer.Option(..., "--model", help="An export folder."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     remove: bool = typer.Option(False, "--remove", help="Delete the folder's pre-packed copy instead."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -304,8 +314,8 @@ def prepack(
 
 @app.command()
 def verify(
-    model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", help="An export folder (with manifest.json)."),
-    model_opt: Optional[Path] = typer.Option(None, "--model", help="The same, as the other commands take it."),
+    model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", parser=_path, help="An export folder (with manifest.json)."),
+    model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files),
@@ -341,7 +351,7 @@ def verify(
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
+    path: Path = typer.Argument(..., parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -367,8 +377,8 @@ def inspect(
 
 @app.command()
 def dedupe(
-    model: Path = typer.Argument(..., help="An ONNX model (with its external data) that stores a table twice."),
-    out: Path = typer.Option(..., "--out", help="Folder for the rewritten model (must not exist or be empty)."),
+    model: Path = typer.Argument(..., parser=_path, help="An ONNX model (with its external data) that stores a table twice."),
+    out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="Folder for the rewritten model (must not exist or be empty)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Store each duplicated table of an ONNX model once (identical copies, pre-transposed copies,
@@ -394,16 +404,16 @@ def dedupe(
 
 @app.command()
 def bench(
-    model: Path = typer.Option(..., "--model", help="An export folder."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     threads: int = typer.Option(2, "--threads", min=1, help="onnxruntime intra-op threads (the board has 2 cores)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Text file for prompts (default: the Python license, else numpy's)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="Also time the board team's reference export (.mlir) under IREE, one re-decode per token (needs the iree extra)."),
-    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", help="The reference's safetensors archive (default: beside the .mlir)."),
+    text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Text file for prompts (default: the Python license, else numpy's)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", parser=_path, metavar="<path>", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", parser=_path, metavar="<path>", help="Also time the board team's reference export (.mlir) under IREE, one re-decode per token (needs the iree extra)."),
+    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     huge_pages: bool = typer.Option(True, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (Linux >= 6.1; 0.89 x the decode time on x86-64). --no-huge-pages measures without."),
@@ -441,12 +451,12 @@ def bench(
 
 @app.command()
 def quality(
-    model: Path = typer.Option(..., "--model", help="An export folder."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     reference: str = typer.Option("transformers", "--reference", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Real text to score (default: the Python license, ~3,400 tokens)."),
+    text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the figures as JSON to this file ('-' = stdout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -480,16 +490,16 @@ class Against(str, enum.Enum):
 
 @app.command()
 def parity(
-    model: Path = typer.Option(..., "--model", help="An export folder (made with --debug-outputs to locate a divergence)."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (made with --debug-outputs to locate a divergence)."),
     against: Optional[Against] = typer.Option(None, "--against", help="transformers: fp32 on the export's source weights (needs the test extra). Default when no --reference/--golden is given."),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="The board team's reference export (.mlir), run with IREE (needs the iree extra)."),
-    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", help="The reference's safetensors archive (default: beside the .mlir)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", parser=_path, metavar="<path>", help="The board team's reference export (.mlir), run with IREE (needs the iree extra)."),
+    reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     reference_logits: bool = typer.Option(False, "--reference-logits", help="Strip the reference's argmax tail and compare logits too."),
-    golden: Optional[Path] = typer.Option(None, "--golden", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
+    golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON to this file ('-' = stdout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -525,10 +535,10 @@ def parity(
 
 @app.command()
 def bundle(
-    model: Path = typer.Option(..., "--model", help="An export folder (verified against its manifest first)."),
-    out: Path = typer.Option(..., "--out", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced)."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first)."),
+    out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced)."),
     board: str = typer.Option("sl2610", "--board", help="Target board (sl2610)."),
-    wheel: Optional[Path] = typer.Option(None, "--wheel", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", parser=_path, metavar="<path>", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Write the folder the board team copies to the board: the verified model, this toolkit's

@@ -337,7 +337,7 @@ def export(
     hadamard_size: int | None = None,
     table_dtype: str | None = None,
     symmetric: bool = True,
-    scale_method: str = "mse",
+    scale_method: str | None = None,
     calibrate: bool | None = None,
     calibration_text: str | Path | None = None,
     calibration_tokens: int | None = None,
@@ -361,7 +361,7 @@ def export(
             matmul input and folded into the weights (default 64; 0 disables; ``quant/hadamard.py``).
         table_dtype: int4 only: ``int4`` (default) or ``int8`` for the shared table.
         symmetric: int4 only: fixed zero point 8 (default) or a 4-bit zero point per block.
-        scale_method: int4 only: ``mse`` (clipping search, default) or ``rtn`` (round to nearest).
+        scale_method: int4 only: ``mse`` (clipping search; None means mse) or ``rtn`` (round to nearest).
         calibrate: int8/int4: choose the codes by GPTQ on activation statistics of a calibration text
             (``calibration.py``, ``quant/gptq.py``). None (default): on when the source carries a
             tokenizer, off otherwise (a reference MLIR export has none); True requires a tokenizer.
@@ -391,7 +391,7 @@ def export(
     if table_dtype not in (None, "int4", "int8"):
         raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
     int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
-                                               ("--scale-method", scale_method != "mse")) if given]
+                                               ("--scale-method", scale_method is not None)) if given]
     if dtype != "int4" and int4_only:
         raise ConfigError(f"{_listed(int4_only)} {'applies' if len(int4_only) == 1 else 'apply'} to --dtype int4, "
                           f"not {dtype}")
@@ -400,6 +400,7 @@ def export(
     if dtype not in ("int8", "int4") and quantized_only:
         raise ConfigError(f"{_listed(quantized_only)} {'applies' if len(quantized_only) == 1 else 'apply'} to "
                           f"--dtype int8 and int4, not {dtype}")
+    scale_method = scale_method or "mse"
     if scale_method not in ("mse", "rtn"):
         raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),

@@ -265,6 +265,7 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
     (["--dtype", "int8", "--table-dtype", "int8"], "error: --table-dtype applies to --dtype int4, not int8"),
     (["--dtype", "int8", "--asymmetric", "--scale-method", "rtn"],
      "error: --asymmetric and --scale-method apply to --dtype int4, not int8"),
+    (["--dtype", "int8", "--scale-method", "mse"], "error: --scale-method applies to --dtype int4, not int8"),
     (["--dtype", "fp32", "--block-size", "64"], "error: --block-size applies to --dtype int8 and int4, not fp32"),
     (["--dtype", "bf16", "--hadamard", "0", "--table-block-size", "64"],
      "error: --table-block-size and --hadamard apply to --dtype int8 and int4, not bf16"),
@@ -297,4 +298,26 @@ def test_a_block_size_the_dims_refuse_is_named_before_calibrating(tiny_dir, tmp_
     lines = result.stderr.strip().splitlines()
     assert lines[0] == f"reading {tiny_dir} ..." and len(lines) == 2
     assert lines[1].startswith("error: --block-size 1024: must be a power of two >= 16 dividing 64")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, option", [
+    (["generate", "--model", "", "--prompt", "hi"], "'--model'"),
+    (["quality", "--model", "{model}", "--text", " "], "'--text'"),
+    (["quality", "--model", "{model}", "--reference", "fp32", "--json", ""], "'--json'"),
+    (["bench", "--model", "{model}", "--plot", ""], "'--plot'"),
+    (["parity", "--model", "{model}", "--golden", ""], "'--golden'"),
+    (["bundle", "--model", "{model}", "--out", ""], "'--out'"),
+    (["verify", ""], "'MODEL'"),
+    (["inspect", ""], "'path'"),
+    (["prepack", "--model", ""], "'--model'"),
+    (["--dtype", "int8", "--calibration-text", "", "--out", "{tmp}/out"], "'--calibration-text'"),
+])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(tiny_int8_export, tmp_path, monkeypatch, args, option):
+    """Path("") is "."; an empty value (a shell variable that was never set) is refused by name before
+    anything runs, from any folder."""
+    monkeypatch.chdir(tmp_path)
+    result = _run(*[a.format(model=tiny_int8_export, tmp=tmp_path) for a in args])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"error: Invalid value for {option}: empty path"), result.stderr
     assert list(tmp_path.iterdir()) == []
