@@ -143,7 +143,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
 
     Accepted JSON: the board team's bare list of expected greedy ids (``[262146, 236769, ...]``,
     for the first prompt), an object ``{"prompt" | "prompt_ids": ..., "expected_ids": [...]}``, or a
-    list of such objects.
+    list of such objects. An entry with both ``prompt`` and ``prompt_ids`` must have them agree under
+    the export's tokenizer (when it has one).
 
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
@@ -174,6 +175,11 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             raise FormatError(f"{path}: entry #{n} needs 'expected_ids' and 'prompt' or 'prompt_ids'")
         if "prompt_ids" in entry:
             prompt_ids = ids(entry["prompt_ids"], f"entry #{n} 'prompt_ids'")
+            if "prompt" in entry and tokenizer is not None and isinstance(entry["prompt"], str):
+                encoded = tokenizer.encode(entry["prompt"]).ids
+                if encoded != prompt_ids:  # both given: they must be the same prompt
+                    raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {str(encoded)[:60]}, "
+                                      f"not to its 'prompt_ids' {str(prompt_ids)[:60]}")
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
             prompt_ids = tokenizer.encode(entry["prompt"]).ids
         else:

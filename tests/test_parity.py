@@ -306,3 +306,20 @@ def test_parity_json_may_not_overwrite_the_golden_file(tiny_int8_export, tmp_pat
     result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", golden)
     assert result.exit_code == 2 and "would overwrite the input" in result.output
     assert golden.read_text() == "[5, 6]"
+
+
+def test_a_golden_entry_whose_prompt_and_prompt_ids_disagree_is_refused(tiny_int8_export, tmp_path):
+    """Both forms given: they must name the same prompt under the export's tokenizer; which one the
+    board team meant cannot be guessed."""
+    from gemma_export.runtime import load_tokenizer
+
+    ids = load_tokenizer(tiny_int8_export).encode("the fox").ids
+    agree, disagree = tmp_path / "agree.json", tmp_path / "disagree.json"
+    expected, _, _ = OnnxDecoder(tiny_int8_export).greedy(ids, 3, stop_ids=())
+    agree.write_text(json.dumps([{"prompt": "the fox", "prompt_ids": ids, "expected_ids": expected}]))
+    result = _parity("--model", tiny_int8_export, "--golden", agree)
+    assert result.exit_code == 0 and "golden: match" in result.stdout, result.output
+    disagree.write_text(json.dumps([{"prompt": "the fox", "prompt_ids": ids + [5], "expected_ids": expected}]))
+    result = _parity("--model", tiny_int8_export, "--golden", disagree)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert f"{disagree}: entry #0 'prompt' tokenizes to {ids}, not to its 'prompt_ids' {ids + [5]}" in result.stderr
