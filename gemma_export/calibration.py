@@ -161,9 +161,8 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         q = _rope(_rms_norm(q, w("self_attn.q_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
         k = _rope(_rms_norm(k, w("self_attn.k_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
         k, v = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)   # repeat_kv
+        # no attention soft-capping, as in the exported graph (transformers' Gemma3Attention ignores it)
         scores = (q @ k.transpose(0, 2, 1)) * np.float32(c.attention_scale)    # [H, T, T]
-        if c.attn_logit_softcapping:
-            scores = np.tanh(scores / np.float32(c.attn_logit_softcapping)) * np.float32(c.attn_logit_softcapping)
         scores = np.where(masks[layer_type][None], scores, np.float32(-np.inf))
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         context = ((scores / scores.sum(axis=-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, heads * d)

@@ -202,8 +202,12 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
     entries = []
     for t in model.graph.initializer:
         shape = tuple(int(d) for d in t.dims)
-        dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
-        name = onnx.TensorProto.DataType.Name(t.data_type)
+        try:
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            name = onnx.TensorProto.DataType.Name(t.data_type)
+        except (KeyError, ValueError):
+            raise FormatError(f"{path}: initializer '{t.name}' has data_type {t.data_type}, not an ONNX "
+                              "tensor type") from None
         count = math.prod(shape)
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: e.value for e in t.external_data}

@@ -238,8 +238,11 @@ class OnnxDecoder:
         after a long prompt shrinks with the chunk (``docs/benchmarks.md``), prefill takes longer.
 
         Raises:
-            GemmaExportError: ``prefill_chunk`` < 1, or the sequence exceeds ``max_position_embeddings``.
+            GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
+                ``max_position_embeddings``.
         """
+        if len(prompt_ids) == 0:
+            raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
         check_prefill_chunk(prefill_chunk)
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
         self.check_length(len(prompt_ids) + max_new_tokens)

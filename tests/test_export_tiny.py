@@ -316,3 +316,30 @@ def test_decoder_refuses_a_model_outside_the_io_contract(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "model.onnx"))
     with pytest.raises(FormatError, match=r"model.onnx: inputs \['pixel_values'\] are not the decoder contract"):
         OnnxDecoder(tmp_path)
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_greedy_refuses_an_empty_prompt(fp32_all, chunk):
+    from gemma_export.errors import GemmaExportError
+
+    with pytest.raises(GemmaExportError, match="^greedy: the prompt has no token ids"):
+        OnnxDecoder(fp32_all).greedy([], 3, prefill_chunk=chunk)
+
+
+def test_a_bf16_transformers_folder_reads_without_the_exporter_loaded(tmp_path):
+    """Gemma's published checkpoints are bf16: opening one through the public reader works in a
+    fresh interpreter, before any module that happens to import ml_dtypes."""
+    import subprocess
+    import sys
+
+    import torch
+
+    model = make_tiny_model(seed=3).to(torch.bfloat16)
+    save_tiny(model, tmp_path / "src")
+    expected = model.model.embed_tokens.weight.detach().float().numpy()
+    code = ("import sys, numpy as np; from gemma_export.sources import open_source; "
+            "c = open_source(sys.argv[1]); np.save(sys.argv[2], c.tensors['model.embed_tokens.weight'].load().astype(np.float32))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(tmp_path / "e.npy")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-1500:]
+    assert np.array_equal(np.load(tmp_path / "e.npy"), expected)

@@ -32,11 +32,19 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[rest.removesuffix('.weight')]}.weight"
 
 
-def write_tiny_gguf(model, path):
+def write_tiny_gguf(model, path, tokenizer=None):
     """Write ``model`` the way llama.cpp's converter does (norms + 1), one tensor as Q8_0.
+    ``tokenizer``: optional ``(tokens, token_types, {"bos": id, ...})`` for the tokenizer.ggml.* keys.
     Returns the state dict the GGUF represents (Q8_0 round trip applied)."""
     c = model.config
     w = gguf.GGUFWriter(str(path), "gemma3")
+    if tokenizer is not None:
+        tokens, token_types, special = tokenizer
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_types(token_types)
+        for kind, value in special.items():
+            w.add_uint32(f"tokenizer.ggml.{kind}_token_id", value)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
@@ -133,3 +141,19 @@ def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
     w.close()
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         open_source(path)
+
+
+@pytest.mark.parametrize("token_types, special, words", [
+    ([1] * 96, {"bos": 96}, "tokenizer.ggml.bos_token_id is 96, expected an id below the 96 tokens"),
+    ([1] * 96, {"unknown": 1000}, "tokenizer.ggml.unknown_token_id is 1000, expected an id below the 96 tokens"),
+    ([1] * 95, {}, "tokenizer.ggml.token_type has 95 entries, expected one per token (96)"),
+])
+def test_bad_gguf_tokenizer_ids_are_named_before_anything_is_written(tiny_gguf, tmp_path, token_types, special, words):
+    from gemma_export.errors import FormatError
+
+    model, _, _ = tiny_gguf
+    path = tmp_path / "bad-tokenizer.gguf"
+    write_tiny_gguf(model, path, tokenizer=([f"t{i}" for i in range(96)], token_types, special))
+    with pytest.raises(FormatError) as error:
+        open_source(path)
+    assert str(error.value) == f"{path}: {words}" + ("" if "token_type" in words else " of tokenizer.ggml.tokens")

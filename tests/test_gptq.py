@@ -222,3 +222,20 @@ def test_calibrate_needs_a_tokenizer_and_a_quantized_dtype(tiny_dir, tmp_path):
     with pytest.raises(SourceNotFoundError, match="no such calibration text"):
         export(tiny_dir, tmp_path / "c", "int8", calibrate=True, calibration_text=tmp_path / "missing.txt")
     assert not any(tmp_path.iterdir())
+
+
+def test_calibration_forward_ignores_attention_softcapping_like_the_graph(tmp_path):
+    """The calibration pass runs the exported graph's math: transformers' Gemma3Attention (and our
+    builder) ignore attn_logit_softcapping, so a config that sets it changes nothing here either."""
+    import torch
+    from conftest import make_tiny_model, save_tiny
+
+    from gemma_export.calibration import forward
+    from gemma_export.sources import open_source
+
+    model = make_tiny_model(attn_logit_softcapping=0.05)  # would flatten every score if applied
+    ids = list(np.random.default_rng(1).integers(3, 96, 20))
+    final = forward(open_source(save_tiny(model, tmp_path / "src")), ids)
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    assert np.abs(final - expected).max() <= 1e-4 * np.abs(expected).max()

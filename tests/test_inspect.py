@@ -175,3 +175,17 @@ def test_a_table_stored_three_times_identical_and_transposed(tmp_path):
     result = dedupe(path, tmp_path / "one")
     assert sorted(result.removed) == ["head", "head_t"] and result.max_abs_diff <= 1e-4
     assert [t.name for t in inspect_path(result.out_path).tensors if t.nbytes >= table.nbytes] == ["embed"]
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["dedupe", "--out", "{tmp}/out"]])
+def test_an_initializer_of_unknown_data_type_is_named(tmp_path, command):
+    weight = numpy_helper.from_array(rng.standard_normal((64, 8)).astype(np.float32), "w")
+    weight.data_type = 999  # not an ONNX tensor type (a newer or corrupt writer)
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [weight])
+    path = tmp_path / "m.onnx"
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    result = CliRunner().invoke(app, [*(a.format(tmp=tmp_path) for a in command), str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {path}: initializer 'w' has data_type 999, not an ONNX tensor type"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]

@@ -117,10 +117,18 @@ def read_gguf(path: Path) -> Checkpoint:
     # gguf-py keeps every metadata array element as a numpy view (~0.5 GB for 262,144 tokens); keep
     # only the plain lists and the tensors' memory-mapped data, and let the reader's fields go.
     reader.fields.clear()
+    defaults = {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}  # Gemma's ids
+    ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", v) for k, v in defaults.items()}
+    if has_tokenizer:  # checked here, before anything is written, not when the tokenizer is built
+        if len(token_types) not in (0, len(tokens)):
+            raise FormatError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries, "
+                              f"expected one per token ({len(tokens)})")
+        for k, value in ids.items():
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
+                raise FormatError(f"{path}: tokenizer.ggml.{k}_token_id is {value}, expected an id below the "
+                                  f"{len(tokens)} tokens of tokenizer.ggml.tokens")
 
     def build_tokenizer() -> dict[str, bytes]:
-        defaults = {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}  # Gemma's ids
-        ids = {k: int(meta.get(f"tokenizer.ggml.{k}_token_id", v)) for k, v in defaults.items()}
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
         tok = tokenizer_from_gguf(tokens, token_types, ids["bos"], ids["eos"], ids["unknown"], add_bos)
         cfg = tokenizer_config_json(tokens, ids["bos"], ids["eos"], ids["padding"], ids["unknown"], add_bos)

@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import ml_dtypes
 from safetensors import safe_open
 
 from ..checkpoint import Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
 from .safetensors_header import read_header
+
+# safe_open(framework="numpy") returns bf16 tensors (Gemma's published dtype) as numpy's bfloat16,
+# which exists only once ml_dtypes is imported
+BFLOAT16 = ml_dtypes.bfloat16
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
