@@ -418,7 +418,10 @@ def export(
         raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected {MIN_CALIBRATION_TOKENS} to "
                           f"{MAX_CALIBRATION_TOKENS:,}")
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
-    text = read_calibration_text(calibration_text) if calibrate is not False and quantized else None
+    # a text the user asked for is read (and refused) before the slow source; the default text only
+    # once the source is known to calibrate (a tokenizer-less source never needs it)
+    wants_text = quantized and (calibrate or calibration_text is not None)
+    text = read_calibration_text(calibration_text) if wants_text else None
     started = time.perf_counter()
     # refuse a foreign --out before the (slow) source is read, unless the source lies in or around it
     # (then _check_destination's message about the source says more)
@@ -438,8 +441,8 @@ def export(
         table_block = int8_block_size(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
                                       "--table-block-size")
     calibration = None
-    if text is not None and (calibrate or ckpt.tokenizer is not None):
-        calibration = _calibrate(ckpt, text, calibration_tokens, progress)
+    if wants_text or (quantized and calibrate is None and ckpt.tokenizer is not None):
+        calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress)
     if quantized:
         fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration)
     else:

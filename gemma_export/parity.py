@@ -332,10 +332,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     for text, ids in prompt_list:
         say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
         entry = PromptParity(text, ids)
-        continuation, _, _ = decoder.greedy(ids, new_tokens, stop_ids=())
         if hf_model is not None:
             from .quality import transformers_logits
 
+            continuation, _, _ = decoder.greedy(ids, new_tokens, stop_ids=())  # the sequence compared
             sequence = ids + continuation[:-1]
             ours = decoder.teacher_forced_logits(sequence)
             theirs = transformers_logits(None, sequence, model=hf_model)

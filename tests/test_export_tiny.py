@@ -343,3 +343,28 @@ def test_a_bf16_transformers_folder_reads_without_the_exporter_loaded(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-1500:]
     assert np.array_equal(np.load(tmp_path / "e.npy"), expected)
+
+
+@pytest.mark.parametrize("changed_row", [None, 0, 95])
+def test_a_stored_head_equal_to_the_table_is_tied_chunk_by_chunk(tiny_dir, tmp_path, changed_row):
+    """tie_word_embeddings with an lm_head.weight also stored: shared only when every row is equal
+    (compared in row chunks, so a difference in the last chunk counts too)."""
+    import shutil
+
+    from gemma_export.checkpoint import LM_HEAD, _equal_values
+    from gemma_export.sources import open_source
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    tensors = load_file(str(src / "model.safetensors"))
+    head = tensors["model.embed_tokens.weight"].copy()
+    if changed_row is not None:
+        head[changed_row, 5] += 1e-3
+    tensors["lm_head.weight"] = head
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    checkpoint = open_source(src)
+    assert (LM_HEAD in checkpoint.tensors) == (changed_row is not None)
+    if changed_row is not None:
+        table = open_source(tiny_dir).tensors["model.embed_tokens.weight"]
+        assert not _equal_values(checkpoint.tensors[LM_HEAD], table, chunk_rows=16)
+        assert _equal_values(table, table, chunk_rows=16)

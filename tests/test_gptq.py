@@ -224,6 +224,25 @@ def test_calibrate_needs_a_tokenizer_and_a_quantized_dtype(tiny_dir, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_calibration_text_for_a_source_without_tokenizer_is_refused_not_ignored(tiny_dir, text_file, tmp_path):
+    from gemma_export.errors import ConfigError
+    from gemma_export.exporter import export
+
+    with pytest.raises(ConfigError, match="needs a tokenizer"):
+        export(tiny_dir, tmp_path / "a", "int8", block_size=16, table_block_size=16, calibration_text=text_file)
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_default_text_is_read_only_when_the_source_calibrates(tiny_dir, tmp_path, monkeypatch):
+    """A tokenizer-less source is rounded to nearest by default: the default calibration text
+    (pydoc_data, missing from some Pythons) is never needed, so never read."""
+    import gemma_export.exporter as exporter
+
+    monkeypatch.setattr(exporter, "read_calibration_text", lambda *a: pytest.fail("read the calibration text"))
+    result = exporter.export(tiny_dir, tmp_path / "out", "int8", block_size=16, table_block_size=16)
+    assert result.calibration is None
+
+
 def test_calibration_forward_ignores_attention_softcapping_like_the_graph(tmp_path):
     """The calibration pass runs the exported graph's math: transformers' Gemma3Attention (and our
     builder) ignore attn_logit_softcapping, so a config that sets it changes nothing here either."""
