@@ -24,12 +24,12 @@ from pathlib import Path
 from . import __version__
 from .errors import GemmaExportError, OutputError, SourceNotFoundError
 
-#: Boards a bundle can target: what its README tells the board team.
+#: Boards a bundle can target: what its README tells the board team (threads and the memory
+#: budget come from ``bench.BOARDS``, which ``bench --board`` applies).
 BOARDS = {
     "sl2610": {
         "title": "Synaptics Astra SL2610 (2 x Cortex-A55, aarch64 Linux, ~1.9 GB usable RAM)",
         "python": "Python 3.12",
-        "threads": 2,
     },
 }
 BUNDLE_MANIFEST = "BUNDLE.json"
@@ -83,8 +83,11 @@ def build_wheel(dest: Path) -> Path:
 
 
 def _readme(board: str, wheel: str, model_manifest: dict) -> str:
+    from .bench import BOARDS as MEASURED
+
     spec = BOARDS[board]
-    python, threads = spec["python"], spec["threads"]
+    python, threads = spec["python"], MEASURED[board]["threads"]
+    headroom_mb = MEASURED[board]["headroom_bytes"] // 1_000_000
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
     return f"""# gemma-export bundle for the {spec['title']}
@@ -114,7 +117,7 @@ of above its size. Peak resident memory rises by 90–170 MB of clean file pages
 can reclaim under pressure. Skip it if the disk is short; everything works without it (the
 weights are then moved onto transparent huge pages after loading, when the board's kernel is
 Linux 6.1 or newer; `bench` prints how many MiB). `bench`
-fails with a message if peak memory leaves less than 300 MB of the board's memory free.
+fails with a message if peak memory leaves less than {headroom_mb} MB of the board's memory free.
 """
 
 

@@ -109,3 +109,14 @@ def test_building_the_wheel_leaves_the_checkout_as_it_was(tmp_path):
     before = sorted(p.name for p in root.iterdir())
     assert build_wheel(tmp_path).name.startswith("gemma_export-")
     assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_every_bundle_board_is_one_bench_knows():
+    """The bundle README's threads and memory headroom are those `bench --board` applies."""
+    from gemma_export import bench, bundle
+
+    assert set(bundle.BOARDS) == set(bench.BOARDS)
+    for board, spec in bench.BOARDS.items():
+        text = bundle._readme(board, "gemma_export.whl", {"config": {}, "dtype": "int8"})
+        assert f"--threads {spec['threads']} " in text
+        assert f"less than {spec['headroom_bytes'] // 1_000_000} MB" in text
