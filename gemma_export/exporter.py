@@ -81,11 +81,11 @@ def _is_block_size(value: int) -> bool:
     return value >= 16 and not value & (value - 1)
 
 
-def int8_block_size(checkpoint: Checkpoint, requested: int | None, dims: tuple[int, ...] | None = None,
+def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[int, ...] | None = None,
                     default: int = DEFAULT_INT8_BLOCK_SIZE, option: str = "--block-size") -> int:
-    """Block size for int8: ``requested``, or the largest power of two ≤ ``default`` dividing every
-    in_features in ``dims`` (default: hidden_size, heads × head_dim, intermediate_size).
-    MatMulNBits needs a power of two ≥ 16.
+    """A block size (int8 or int4 weights, the table, or the Hadamard rotation): ``requested``, or the
+    largest power of two ≤ ``default`` dividing every in_features in ``dims`` (default:
+    hidden_size, heads × head_dim, intermediate_size). MatMulNBits needs a power of two ≥ 16.
 
     Raises:
         ConfigError: the requested size is invalid, or no valid size divides the dimensions.
@@ -101,7 +101,7 @@ def int8_block_size(checkpoint: Checkpoint, requested: int | None, dims: tuple[i
     while block >= 16 and any(d % block for d in dims):
         block //= 2
     if block < 16:
-        raise ConfigError(f"int8 needs in_features divisible by 16; found {', '.join(map(str, dims))}")
+        raise ConfigError(f"{option}: block-wise weights need in_features divisible by 16; found {', '.join(map(str, dims))}")
     return block
 
 
@@ -434,11 +434,11 @@ def export(
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt, replaceable_checked=early)
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
-        rotation = 0 if hadamard_size == 0 else int8_block_size(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
+        rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
         table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
-        layer_block = int8_block_size(ckpt, block_size, default=layer_default)
-        table_block = int8_block_size(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
+        layer_block = block_size_for(ckpt, block_size, default=layer_default)
+        table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
                                       "--table-block-size")
     calibration = None
     if wants_text or (quantized and calibrate is None and ckpt.tokenizer is not None):

@@ -221,7 +221,7 @@ class Int8Format(WeightFormat):
         self._hessian_of: tuple = (None, None)  # (calibration input, its Hessian): q/k/v, gate/up share
         self.calibration = calibration
         self.block_size = block_size
-        self.table_block_size = table_block_size or block_size
+        self.table_block_size = table_block_size or block_size  # export() always passes both (exporter.block_size_for)
         self.hadamard_size = hadamard_size
         self._rotated: dict[int, tuple[ir.Value, ir.Value]] = {}
         self._hadamard: ir.Value | None = None
