@@ -107,3 +107,44 @@ def test_bench_breakdown_refuses_bad_numbers(tiny_int8_export, capsys, args, mes
     assert bench_breakdown.main(["--model", str(tiny_int8_export), *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_genai.py", ["--pair", "x"], "argument --pair: expected NAME=PATH,PATH, found 'x'"),
+    ("bench_genai.py", ["--pair", "x=/nonexistent,/nonexistent"], "argument --pair: /nonexistent: no such folder"),
+    ("bench_genai.py", ["--pair", "x={model},{model}", "--steps", "0"], "argument --steps: expected 4 to 4,096, found 0"),
+    ("bench_genai.py", ["--pair", "x={tmp},{model}"], "has no genai_config.json"),
+    ("bench_side_by_side.py", ["--models", "x"], "argument --models: expected NAME=PATH, found 'x'"),
+    ("bench_side_by_side.py", ["--models", "x={model}", "--contexts", "-1"], "argument --contexts: expected 1 to 8,192, found -1"),
+    ("bench_side_by_side.py", ["--models", "x={model}", "--plot", "/nonexistent/p.png"], "its folder /nonexistent does not exist"),
+    ("quality_anchor.py", [], "the following arguments are required: --models"),
+    ("quality_anchor.py", ["--models", "x={model}", "--tokens", "0"], "argument --tokens: expected 16 to 32,768, found 0"),
+    ("quality_anchor.py", ["--models", "x={model}", "--gguf", "/nonexistent.gguf"], "/nonexistent.gguf: no such file"),
+    ("bench_export.py", ["--dtypes", "bogus"], "expected comma-separated dtypes from fp32, bf16, int8, int4, found 'bogus'"),
+    ("bench_export.py", ["--workdir", "{tmp}/a-file"], "a-file: is a file, expected a folder"),
+    ("bench_inspect.py", ["--runs", "0"], "argument --runs: expected 1 to 100, found 0"),
+    ("make_reference_export.py", ["--out", ""], "argument --out: empty path"),
+    ("genai_anchor.py", ["--python", "/nonexistent/python", "--out", "{tmp}/g"], "/nonexistent/python: no such file"),
+    ("aarch64/parity.py", ["prepare", "--model", "{model}", "--out", "{tmp}"], "is a folder, expected a file name"),
+    ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/a-file", "--out", "{tmp}/x86"],
+     "expected a file name ending in .npz"),
+    ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/a-file", "--out", "{tmp}/x86.npz"],
+     "a-file: not an ids file written by `parity.py prepare`"),
+    ("aarch64/parity.py", ["compare", "{tmp}/a-file", "{tmp}/a-file"], "a-file: not a dump written by `parity.py dump`"),
+    ("aarch64/parity.py", ["compare", "{tmp}/a-file", "{tmp}/a-file", "--min-top1", "5"], "expected 0.0 to 1.0, found 5.0"),
+])
+def test_tools_refuse_bad_arguments_in_one_line(tiny_int8_export, tmp_path, script, args, message):
+    """Every script: bad input is an `error:` line and exit status 2, before any slow work, no traceback
+    and nothing written."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a-file").write_text("not what the script reads\n")
+    argv = [a.format(model=tiny_int8_export, tmp=tmp_path) for a in args]
+    proc = subprocess.run([sys.executable, str(TOOLS / script), *argv], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and message in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

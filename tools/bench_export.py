@@ -5,6 +5,9 @@ with `gemma-export bench` (real-text prompts of 16 and --prompt-tokens tokens).
 Usage:
     python tools/bench_export.py --dtypes fp32,bf16,int8 --workdir /tmp/gx-bench [--threads 2]
 
+Needs GNU time (``/usr/bin/time``, Debian package ``time``) for the exports' peak memory. Each dtype
+is a full export of the real model (about a minute) plus a benchmark (a few minutes).
+
 Each export and each measurement runs in its own process so that memory figures do not mix.
 Prints a Markdown table (paste into docs/benchmarks.md) and writes bench.json in the workdir.
 Figures are machine-dependent: compare ratios measured in one run.
@@ -16,8 +19,34 @@ import argparse
 import json
 import subprocess
 import sys
+import shutil
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import int_range, new_dir, run  # noqa: E402
+
+DTYPES = ("fp32", "bf16", "int8", "int4")
+
+
+def _dtypes(value: str) -> list[str]:
+    names = [d.strip() for d in value.split(",")]
+    unknown = [d for d in names if d not in DTYPES]
+    if unknown or not value.strip():
+        raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from {', '.join(DTYPES)}, found {value!r}")
+    return names
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a step; its own error line (the toolkit's ``error: ...``) is what a failure reports."""
+    from gemma_export.errors import GemmaExportError
+
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GemmaExportError(f"{' '.join(cmd[:6])} ... failed (exit {proc.returncode}): {last}")
+    return proc
+
 
 def _optimized_tables(model_dir: Path) -> int:
     """V x H initializers in onnxruntime's optimized graph of an export (must be 1 when tied)."""
@@ -34,28 +63,33 @@ def _optimized_tables(model_dir: Path) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="fp32,bf16,int8")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/gx-bench"))
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", type=_dtypes, default=["fp32", "bf16", "int8"],
+                        help="comma-separated: fp32, bf16, int8, int4 (default fp32,bf16,int8)")
+    parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-bench"),
+                        help="where the exports and bench.json go (default /tmp/gx-bench)")
+    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--prompt-tokens", type=int_range(1, 8192), default=512,
+                        help="the long prompt, after the 16-token one (default 512)")
+    parser.add_argument("--new-tokens", type=int_range(1, 4096), default=128, help="decode steps per prompt (default 128)")
     args = parser.parse_args()
+    from gemma_export.errors import GemmaExportError
+
+    if shutil.which("/usr/bin/time") is None:
+        raise GemmaExportError("/usr/bin/time: not found; install GNU time (Debian: apt-get install time)")
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for dtype in args.dtypes.split(","):
+    for dtype in args.dtypes:
         out = args.workdir / dtype / "model"
         t0 = time.perf_counter()
-        proc = subprocess.run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "gemma_export.cli",
-                               "--dtype", dtype, "--out", str(out)], capture_output=True, text=True, check=True)
+        proc = _run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "gemma_export.cli", "--dtype", dtype, "--out", str(out)])
         export_s = time.perf_counter() - t0
         peak_kb = int(proc.stderr.strip().splitlines()[-1])
         time.sleep(5)  # let the kernel write back the fresh data file (dirty pages skew Rss)
         subprocess.run(["sync"], check=False)
         archive = (out / "model.onnx").stat().st_size + (out / "model.onnx.data").stat().st_size
         figures = args.workdir / dtype / "bench.json"
-        subprocess.run([sys.executable, "-m", "gemma_export.cli", "bench", "--model", str(out), "--threads",
-                        str(args.threads), "--prompt-tokens", f"16,{args.prompt_tokens}", "--new-tokens",
-                        str(args.new_tokens), "--json", str(figures)], capture_output=True, text=True, check=True)
+        _run([sys.executable, "-m", "gemma_export.cli", "bench", "--model", str(out), "--threads", str(args.threads),
+              "--prompt-tokens", f"16,{args.prompt_tokens}", "--new-tokens", str(args.new_tokens), "--json", str(figures)])
         measured = json.loads(figures.read_text())
         measured["optimized_table_initializers"] = _optimized_tables(out)
         rows.append({"dtype": dtype, "archive_bytes": archive, "export_s": export_s,
@@ -76,4 +110,4 @@ def main() -> None:
               f"| {r['optimized_table_initializers']} | {long_prefill:.0f} | {r['decode_ms_median']:.1f} |")
 
 if __name__ == "__main__":
-    main()
+    run(main)

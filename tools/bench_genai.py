@@ -17,7 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_dir, int_list, int_range, named, run  # noqa: E402
 
 
 def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
@@ -49,10 +54,14 @@ def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", action="append", required=True, help="NAME=GENAI_DIR,OUR_EXPORT_DIR")
-    parser.add_argument("--contexts", default="16,128")
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pair", action="append", required=True, type=named(existing_dir, 2),
+                        metavar="NAME=GENAI_DIR,OUR_EXPORT_DIR",
+                        help="a folder genai's builder wrote (tools/genai_anchor.py) and one of our exports; repeatable")
+    parser.add_argument("--contexts", type=int_list(1, 8192), default=[16, 128],
+                        help="decode is timed after prompts of these lengths (default 16,128)")
+    parser.add_argument("--steps", type=int_range(4, 4096), default=64,
+                        help="decode steps per measurement; the first 3 are dropped (default 64)")
+    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads of both (default 2)")
     parser.add_argument("--cold", action="store_true",
                         help="drop the page cache before each measurement (needs root): every file read from disk")
     args = parser.parse_args()
@@ -64,9 +73,17 @@ def main() -> None:
     from gemma_export.bench import real_text
     from gemma_export.runtime import load_tokenizer
 
-    pairs = [(p.split("=", 1)[0], *p.split("=", 1)[1].split(",")) for p in args.pair]
-    contexts = [int(c) for c in args.contexts.split(",")]
+    from gemma_export.errors import GemmaExportError
+
+    pairs = [(name, str(genai_dir), str(our_dir)) for name, genai_dir, our_dir in args.pair]
+    for name, genai_dir, _ in pairs:
+        if not (Path(genai_dir) / "genai_config.json").is_file():
+            raise GemmaExportError(f"--pair {name}: {genai_dir} has no genai_config.json; "
+                                   "expected a folder onnxruntime-genai's builder wrote (tools/genai_anchor.py)")
+    contexts = args.contexts
     ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
+    if max(contexts) > len(ids):
+        raise GemmaExportError(f"--contexts {max(contexts)}: the prompt text has only {len(ids)} tokens")
     from gemma_export.prepack import status
 
     print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
@@ -76,7 +93,10 @@ def main() -> None:
         packed = status(our_dir).path is not None  # a copy made here by `gemma-export prepack`
         for context in contexts:
             cold()
-            theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
+            try:
+                theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
+            except RuntimeError as exc:  # onnxruntime-genai's own errors (e.g. the model's max length)
+                raise GemmaExportError(f"onnxruntime-genai on {genai_dir}: {exc}") from None
             cold()
             ours = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
             cold()
@@ -86,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

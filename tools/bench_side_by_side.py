@@ -20,17 +20,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sysconfig
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_dir, existing_file, int_list, int_range, named, new_file, run  # noqa: E402
+
 
 def real_text_ids(tokenizer_dir: Path, count: int) -> list[int]:
     from gemma_export.runtime import load_tokenizer
 
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
+    from gemma_export.bench import real_text
+
+    text, _ = real_text(None)  # the Python license, or numpy's where the interpreter ships none
     ids = load_tokenizer(tokenizer_dir).encode(text * 4).ids
     return ids[:count]
 
@@ -145,13 +150,17 @@ def q8_0_gguf(source: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", required=True, help="NAME=EXPORT_DIR pairs")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--contexts", default="16,128,512", help="decode is timed after prompts of these lengths")
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prefill", type=int, default=512)
-    parser.add_argument("--reference", type=Path, help="a reference export (.mlir, archive beside it), timed under IREE")
-    parser.add_argument("--plot", type=Path, help="write decode ms/token against context length (needs matplotlib)")
+    parser.add_argument("--models", nargs="+", required=True, type=named(existing_dir), metavar="NAME=EXPORT_DIR",
+                        help="our exports to time, each with a label")
+    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads of every system (default 2)")
+    parser.add_argument("--contexts", type=int_list(1, 8192), default=[16, 128, 512],
+                        help="decode is timed after prompts of these lengths (default 16,128,512)")
+    parser.add_argument("--new-tokens", type=int_range(4, 4096), default=64,
+                        help="decode steps after each prompt; the first 3 are dropped (default 64)")
+    parser.add_argument("--prefill", type=int_range(1, 8192), default=512, help="prefill prompt length (default 512)")
+    parser.add_argument("--reference", type=existing_file,
+                        help="a reference export (.mlir, archive beside it), timed under IREE (needs the iree extra)")
+    parser.add_argument("--plot", type=new_file, help="write decode ms/token against context length (needs matplotlib)")
     parser.add_argument("--prepacked", choices=("both", "auto", "off"), default="both",
                         help="both: time each export with its weights packed on the heap and, when it has a copy made "
                              "here by `gemma-export prepack`, again from that copy; auto: whichever the runtime picks; "
@@ -163,8 +172,8 @@ def main() -> None:
 
     cold = drop_page_cache if args.cold else (lambda: None)
     cold()  # fails early, before any timing, when not permitted
-    contexts = [int(c) for c in args.contexts.split(",")]
-    models = dict(m.split("=", 1) for m in args.models)
+    contexts = args.contexts
+    models = {name: folder for name, folder in args.models}
     ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))
     rows = {}
     try:
@@ -216,4 +225,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

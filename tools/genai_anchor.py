@@ -10,16 +10,21 @@ transformers 4.x (`../shared/anchors.md`), so it runs from its own virtual envir
     python tools/genai_anchor.py --python /tmp/genai-venv/bin/python --out /tmp/genai-int4 [--precision int4]
 
 Step 1 (this interpreter): write the bundled weights as a transformers 4.x folder (config.json,
-model.safetensors in float32, the tokenizer). Step 2 (the venv): run the builder on it.
+model.safetensors in float32, the tokenizer) beside the output, as OUT-hf/ (1.07 GB; kept, so a
+second precision reuses it; delete it when done). Step 2 (the venv): run the builder on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_file, new_dir, run  # noqa: E402
 
 
 def write_hf_folder(folder: Path) -> Path:
@@ -54,16 +59,27 @@ def write_hf_folder(folder: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--python", required=True, help="the venv's python with onnxruntime-genai 0.15.2")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--precision", default="int4", choices=["int4", "fp32"])
+    parser.add_argument("--python", required=True, type=existing_file,
+                        help="the venv's python with onnxruntime-genai 0.15.2 (see above)")
+    parser.add_argument("--out", type=new_dir, required=True, help="folder for genai's model")
+    parser.add_argument("--precision", default="int4", choices=["int4", "fp32"],
+                        help="int4 (block 32, round to nearest) or fp32 (default int4)")
     args = parser.parse_args()
-    hf = write_hf_folder(args.out.parent / (args.out.name + "-hf"))
-    cmd = [args.python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
+    from gemma_export.errors import GemmaExportError
+
+    if not os.access(args.python, os.X_OK):
+        raise GemmaExportError(f"--python {args.python}: not executable")
+    probe = subprocess.run([str(args.python), "-c", "import onnxruntime_genai.models.builder"], capture_output=True, text=True)
+    if probe.returncode != 0:  # before the 1 GB folder is written
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GemmaExportError(f"--python {args.python}: cannot import onnxruntime_genai's builder: {last}")
+    hf_folder = args.out.parent / (args.out.name + "-hf")
+    hf = hf_folder if (hf_folder / "model.safetensors").is_file() else write_hf_folder(hf_folder)
+    cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
            "-p", args.precision, "-e", "cpu", "-c", str(args.out.parent / (args.out.name + "-cache"))]
     print(" ".join(cmd), flush=True)
     sys.exit(subprocess.run(cmd).returncode)
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

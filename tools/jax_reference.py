@@ -183,3 +183,10 @@ def save_flat_archive(archive: dict[str, np.ndarray], path: Path) -> None:
     import ml_dtypes
 
     save_file({k: v.view(ml_dtypes.bfloat16) if v.dtype == np.uint16 else v for k, v in archive.items()}, str(path))
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit("tools/jax_reference.py is a module (the tests and tools/make_reference_export.py import it); "
+             "run tools/make_reference_export.py --help")

@@ -14,14 +14,20 @@ Needs the test extra (torch, transformers, jax). Writes about 860 MB (bf16) or 4
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import new_dir, run  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--dtype", choices=["bf16", "int8"], default="bf16")
+    parser.add_argument("--out", type=new_dir, required=True,
+                        help="folder for gemma.mlir and gemma.safetensors (created; existing files of those names are replaced)")
+    parser.add_argument("--dtype", choices=["bf16", "int8"], default="bf16",
+                        help="archive values: bf16 by truncation, or int8 per row + _scale (default bf16)")
     args = parser.parse_args()
 
     from jax_reference import write_jax_reference
@@ -38,4 +44,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

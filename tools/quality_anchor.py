@@ -9,10 +9,13 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import sysconfig
+import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import existing_dir, existing_file, int_range, named, run  # noqa: E402
 
 
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
@@ -25,18 +28,32 @@ def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=[], help="NAME=EXPORT_DIR pairs")
-    parser.add_argument("--gguf", nargs="*", default=[], type=Path, help="GGUF files to run with llama.cpp")
-    parser.add_argument("--tokens", type=int, default=640)
+    parser.add_argument("--models", nargs="+", required=True, type=named(existing_dir), metavar="NAME=EXPORT_DIR",
+                        help="our exports, each with a label; all made from the same source")
+    parser.add_argument("--gguf", nargs="*", default=[], type=existing_file,
+                        help="GGUF files to run with llama.cpp (needs llama-cpp-python)")
+    parser.add_argument("--tokens", type=int_range(16, 32768), default=640,
+                        help="tokens of the text to score (default 640; the whole license is ~3,400)")
     args = parser.parse_args()
-    from gemma_export.quality import compare_logits, transformers_logits
+    from gemma_export.bench import real_text
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.quality import compare_logits, first_tokens, manifest_source, transformers_logits
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
     from gemma_export.sources import open_source
 
-    models = dict(m.split("=", 1) for m in args.models)
-    text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
-    ids = load_tokenizer(next(iter(models.values()))).encode(text).ids[: args.tokens]
-    ref = transformers_logits(open_source(None), ids)
+    models = {name: folder for name, folder in args.models}
+    sources = {manifest_source(Path(folder)) for folder in models.values()}
+    if len(sources) != 1:
+        raise GemmaExportError(f"--models were exported from different sources ({', '.join(sorted(sources))}); "
+                               "compare exports of one source")
+    if args.gguf:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise GemmaExportError("--gguf needs llama-cpp-python (pip install llama-cpp-python)") from None
+    text, where = real_text(None)
+    ids = first_tokens(load_tokenizer(next(iter(models.values()))), text, args.tokens)
+    ref = transformers_logits(open_source(sources.pop()), ids)  # fp32 on the exports' own source weights
     rows = {}
     for name, folder in models.items():
         rows[f"ours {name}"] = compare_logits(ref, OnnxDecoder(folder).teacher_forced_logits(ids), ids)
@@ -44,7 +61,7 @@ def main() -> None:
     for path in args.gguf:
         rows[f"llama.cpp {path.name}"] = compare_logits(ref, llama_logits(path, ids), ids)
         print(path.name, rows[f"llama.cpp {path.name}"], flush=True)
-    print(f"\n{len(ids)} tokens of the Python license text, reference transformers fp32\n")
+    print(f"\n{len(ids)} tokens of {where}, reference transformers fp32\n")
     print("| model | top-1 agreement | top-1 past 512 | mean KL (nats/token) | perplexity (reference "
           f"{next(iter(rows.values())).reference_perplexity:.2f}) |")
     print("|---|---|---|---|---|")
@@ -53,4 +70,4 @@ def main() -> None:
         print(f"| {name} | {m.top1_agreement:.2%} | {past} | {m.kl_mean:.4f} | {m.perplexity:.3f} |")
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -29,6 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _args import existing_dir, existing_file, float_range, int_range, new_file, run  # noqa: E402
+
 PROMPTS = [
     "The capital of France is",
     "<start_of_turn>user\nTurn on the kitchen lights and set them to 40 percent.<end_of_turn>\n<start_of_turn>model\n",
@@ -45,7 +48,8 @@ def prepare(args: argparse.Namespace) -> None:
     text, source = real_text(args.text)
     ids = tokenizer.encode(text).ids[: args.tokens]
     if len(ids) < args.tokens:
-        sys.exit(f"error: {source}: {len(ids)} tokens, fewer than --tokens {args.tokens}")
+        print(f"error: {source}: {len(ids)} tokens, fewer than --tokens {args.tokens}", file=sys.stderr)
+        sys.exit(2)
     payload = {"prompts": [tokenizer.encode(p).ids for p in PROMPTS], "prompt_texts": PROMPTS,
                "text": ids, "text_source": source, "new_tokens": args.new_tokens}
     Path(args.out).write_text(json.dumps(payload))
@@ -55,7 +59,14 @@ def prepare(args: argparse.Namespace) -> None:
 def dump(args: argparse.Namespace) -> None:
     from gemma_export.runtime import OnnxDecoder
 
-    payload = json.loads(Path(args.ids).read_text())
+    from gemma_export.errors import FormatError
+
+    try:
+        payload = json.loads(Path(args.ids).read_text(encoding="utf-8"))
+        _ = payload["prompts"], payload["text"], payload["new_tokens"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        raise FormatError(f"{args.ids}: not an ids file written by `parity.py prepare` "
+                          "(JSON with prompts, text and new_tokens)") from None
     decoder = OnnxDecoder(args.model, threads=args.threads, prepacked=False if args.optimization == "basic" else None)
     if args.optimization == "basic":
         # the same arithmetic in another float32 order: without onnxruntime's fusions (e.g. RMSNorm
@@ -85,9 +96,21 @@ def dump(args: argparse.Namespace) -> None:
 def compare(args: argparse.Namespace) -> None:
     from gemma_export.quality import compare_logits
 
-    a, b = np.load(args.a), np.load(args.b)
+    from gemma_export.errors import FormatError
+
+    def load(path: Path):
+        try:
+            dump = np.load(path)
+            _ = [dump[key] for key in ("logits", "greedy", "text", "machine", "decode_ms_median")]
+            return dump
+        except (ValueError, OSError, KeyError):
+            raise FormatError(f"{path}: not a dump written by `parity.py dump` (.npz with logits, greedy, text)") from None
+
+    a, b = load(args.a), load(args.b)
     if not np.array_equal(a["text"], b["text"]) or a["greedy"].shape != b["greedy"].shape:
-        sys.exit("error: the two dumps were made from different token ids or prompts (run dump with the same --ids)")
+        print("error: the two dumps were made from different token ids or prompts (run dump with the same --ids)",
+              file=sys.stderr)
+        sys.exit(2)
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
     m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
@@ -105,29 +128,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare")
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--text", default=None)
+    p.add_argument("--model", required=True, type=existing_dir, help="an export folder (its tokenizer is used)")
+    p.add_argument("--out", required=True, type=new_file, help="the ids file to write (JSON)")
+    p.add_argument("--tokens", type=int_range(1, 32768), default=256, help="teacher-forced text tokens (default 256)")
+    p.add_argument("--new-tokens", type=int_range(1, 4096), default=16, help="greedy tokens per prompt (default 16)")
+    p.add_argument("--text", default=None, type=existing_file, help="text file (default: the Python license)")
     p.set_defaults(run=prepare)
     p = sub.add_parser("dump")
-    p.add_argument("--model", required=True)
-    p.add_argument("--ids", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", required=True, type=existing_dir, help="an export folder")
+    p.add_argument("--ids", required=True, type=existing_file, help="the file `prepare` wrote")
+    p.add_argument("--out", required=True, type=npz_file, help="the dump to write (a .npz file name)")
+    p.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
     p.add_argument("--optimization", choices=("all", "basic"), default="all",
                    help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
     p.set_defaults(run=dump)
     p = sub.add_parser("compare")
-    p.add_argument("a")
-    p.add_argument("b")
-    p.add_argument("--json", default=None)
-    p.add_argument("--min-top1", type=float, default=0.995)
+    p.add_argument("a", type=existing_file, help="a dump (.npz)")
+    p.add_argument("b", type=existing_file, help="another dump of the same ids")
+    p.add_argument("--json", default=None, type=new_file, help="also write the report here")
+    p.add_argument("--min-top1", type=float_range(0.0, 1.0), default=0.995,
+                   help="top-1 agreement below this exits 1 (default 0.995)")
     p.set_defaults(run=compare)
     args = parser.parse_args()
     args.run(args)
 
 
+def npz_file(value: str) -> Path:
+    """A .npz file name to write (numpy would append .npz to any other name)."""
+    path = new_file(value)
+    if path.suffix != ".npz":
+        raise argparse.ArgumentTypeError(f"{path}: expected a file name ending in .npz")
+    return path
+
+
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -25,6 +25,10 @@
 #   GX_AARCH64_SUITE (Debian suite, default trixie), GX_AARCH64_MIRROR (default deb.debian.org),
 #   GX_AARCH64_BIND (extra host folders to bind, colon-separated).
 set -euo pipefail
+if [ $# -eq 0 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"   # the comment above
+  [ $# -eq 0 ] && exit 2 || exit 0
+fi
 
 ROOTFS=${GX_AARCH64_ROOTFS:-$HOME/.cache/gemma-export/aarch64-rootfs}
 SUITE=${GX_AARCH64_SUITE:-trixie}

@@ -8,13 +8,19 @@
 # created afresh in a temporary HOME inside the emulated board, so nothing of the toolkit's checkout
 # is used: PYTHONPATH is cleared and the toolkit comes from the bundle's wheel.
 set -euo pipefail
+if [ $# -eq 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; }; then
+  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0
+fi
 [ $# -eq 1 ] || { echo "usage: $0 BOARD_DIR" >&2; exit 2; }
-BUNDLE=$(cd "$1" && pwd)
+[ -n "$1" ] || { echo "error: BOARD_DIR: empty path" >&2; exit 2; }
+[ -d "$1" ] || { echo "error: $1: not a folder (expected a gemma-export bundle folder)" >&2; exit 2; }
+BUNDLE=$(cd -- "$1" && pwd)
 [ -f "$BUNDLE/README.md" ] && [ -f "$BUNDLE/BUNDLE.json" ] || { echo "error: $BUNDLE: not a gemma-export bundle (README.md, BUNDLE.json)" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 COMMANDS=$(sed -n 's/^    //p' "$BUNDLE/README.md")
 echo "[try_bundle] running on the emulated board, in $BUNDLE:" >&2
 echo "$COMMANDS" | sed 's/^/  $ /' >&2
 HOME_DIR=$(mktemp -d /tmp/gx-board-home.XXXXXX)
+trap 'rm -rf "$HOME_DIR"' EXIT   # the throwaway venv (~330 MB)
 cd "$BUNDLE"
-exec "$HERE/run.sh" /usr/bin/env -u PYTHONPATH HOME="$HOME_DIR" PATH=/usr/bin:/bin /bin/sh -ec "$COMMANDS"
+"$HERE/run.sh" /usr/bin/env -u PYTHONPATH HOME="$HOME_DIR" PATH=/usr/bin:/bin /bin/sh -ec "$COMMANDS"

@@ -1,0 +1,113 @@
+"""Argument checks shared by the scripts in tools/: bad input ends in argparse's usage line and one
+``error:`` line with exit status 2, before any slow work starts; errors the toolkit raises later
+(``GemmaExportError``) and file-system errors are one ``error:`` line with exit status 2 too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Callable
+
+
+def _path(value: str) -> Path:
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty path")
+    return Path(value)
+
+
+def existing_dir(value: str) -> Path:
+    """A folder that exists."""
+    path = _path(value)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: {'is a file, expected a folder' if path.exists() else 'no such folder'}")
+    return path
+
+
+def existing_file(value: str) -> Path:
+    """A file that exists."""
+    path = _path(value)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path}: {'is a folder, expected a file' if path.is_dir() else 'no such file'}")
+    return path
+
+
+def new_file(value: str) -> Path:
+    """A file to write: not a folder, in a folder that exists."""
+    path = _path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: is a folder, expected a file name")
+    if not path.resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: its folder {path.parent} does not exist")
+    return path
+
+
+def new_dir(value: str) -> Path:
+    """A folder to write into: a new path or an existing folder, not a file."""
+    path = _path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: is a file, expected a folder")
+    return path
+
+
+def _number(kind: type, what: str, lo, hi) -> Callable[[str], int | float]:
+    def parse(value: str):
+        try:
+            number = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {value!r}") from None
+        if not lo <= number <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo:,} to {hi:,}, found {number}")
+        return number
+    return parse
+
+
+def int_range(lo: int, hi: int) -> Callable[[str], int]:
+    """An integer from ``lo`` to ``hi``."""
+    return _number(int, "an integer", lo, hi)
+
+
+def float_range(lo: float, hi: float) -> Callable[[str], float]:
+    """A number from ``lo`` to ``hi``."""
+    return _number(float, "a number", lo, hi)
+
+
+def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
+    """Comma-separated integers, each from ``lo`` to ``hi`` (e.g. ``16,128,512``)."""
+    one = int_range(lo, hi)
+
+    def parse(value: str) -> list[int]:
+        parts = [p.strip() for p in value.split(",")]
+        if not value.strip() or not all(parts):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {value!r}")
+        return [one(p) for p in parts]
+    return parse
+
+
+def named(kind: Callable[[str], Path], count: int = 1) -> Callable[[str], tuple]:
+    """``NAME=PATH`` (or ``NAME=PATH,PATH`` with ``count`` 2): a label and ``count`` paths of ``kind``."""
+    def parse(value: str) -> tuple:
+        name, sep, rest = value.partition("=")
+        paths = rest.split(",")
+        if not sep or not name.strip() or len(paths) != count:
+            form = "NAME=" + ",".join(["PATH"] * count)
+            raise argparse.ArgumentTypeError(f"expected {form}, found {value!r}")
+        return (name, *(kind(p) for p in paths))
+    return parse
+
+
+def run(main: Callable[[], int | None]) -> None:
+    """Run a script's ``main`` and exit with its status; the toolkit's errors and file-system errors
+    become one ``error:`` line (status 2), Ctrl-C status 130."""
+    from gemma_export.errors import GemmaExportError
+
+    try:
+        status = main()
+    except (GemmaExportError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(status or 0)
