@@ -21,7 +21,7 @@ FULL = "full_attention"
 
 #: Defaults of transformers' ``Gemma3TextConfig`` (used only where a source omits a field that
 #: transformers itself would default).
-_DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 _DEFAULT_SLIDING_WINDOW_PATTERN = 6
 _SUPPORTED_ROPE_TYPES = ("default", "linear")
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
@@ -205,8 +205,9 @@ class _Fields:
         return tuple(values)
 
 
-def _layer_types_from_pattern(num_layers: int, pattern: int) -> tuple[str, ...]:
-    # transformers Gemma3TextConfig: layer i is global iff (i + 1) % sliding_window_pattern == 0.
+def gemma3_layer_types(num_layers: int, pattern: int = _DEFAULT_SLIDING_WINDOW_PATTERN) -> tuple[str, ...]:
+    """Gemma 3's layer pattern: layer i is global iff ``(i + 1) % pattern == 0`` (transformers'
+    ``Gemma3TextConfig``; llama.cpp's ``i % 6 == 5`` for the default 6)."""
     return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
 
 
@@ -264,14 +265,14 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
             raise ConfigError(f"{where}: field 'layer_types' must be a list of strings, found {layer_types!r:.80}")
         layer_types = tuple(layer_types)
     else:
-        layer_types = _layer_types_from_pattern(num_layers, f.int("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
+        layer_types = gemma3_layer_types(num_layers, f.int("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
 
     rope_parameters_raw = cfg.get("rope_parameters")
     if rope_parameters_raw is not None and not isinstance(rope_parameters_raw, Mapping):
         raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {type(rope_parameters_raw).__name__}")
     if rope_parameters_raw and (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
         # transformers 5.x: one entry per layer type.
-        rope = {lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, _DEFAULT_ROPE_THETA[lt], where,
+        rope = {lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, DEFAULT_ROPE_THETA[lt], where,
                                     f"rope_parameters.{lt}") for lt in (FULL, SLIDING)}
     else:
         # transformers 4.x: global base + scaling, local base separately (local is never scaled).
@@ -279,10 +280,10 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         if not isinstance(scaling, Mapping):
             raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {type(scaling).__name__}")
         full = dict(scaling)
-        full.setdefault("rope_theta", f.number("rope_theta", _DEFAULT_ROPE_THETA[FULL]))
+        full.setdefault("rope_theta", f.number("rope_theta", DEFAULT_ROPE_THETA[FULL]))
         rope = {
-            FULL: _rope_from_dict(full, _DEFAULT_ROPE_THETA[FULL], where, "rope_scaling"),
-            SLIDING: RopeParameters(f.number("rope_local_base_freq", _DEFAULT_ROPE_THETA[SLIDING])),
+            FULL: _rope_from_dict(full, DEFAULT_ROPE_THETA[FULL], where, "rope_scaling"),
+            SLIDING: RopeParameters(f.number("rope_local_base_freq", DEFAULT_ROPE_THETA[SLIDING])),
         }
 
     top = _Fields(raw, where)
@@ -355,7 +356,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
     factor = f.number("rope.scaling.factor", 1.0)
     linear = scaling_type == "linear" and factor != 1.0
-    full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", _DEFAULT_ROPE_THETA[FULL]),
+    full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", DEFAULT_ROPE_THETA[FULL]),
                                rope_type="linear" if linear else "default", factor=factor if linear else 1.0)
     tokens = _Fields(meta, where, "tokenizer.ggml.")
     eos = tokens.token_ids("eos_token_id", 1)[0]
@@ -370,8 +371,8 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
         head_dim=head_dim,
         rms_norm_eps=f.number("attention.layer_norm_rms_epsilon"),
         sliding_window=f.int("attention.sliding_window"),
-        layer_types=tuple(FULL if i % 6 == 5 else SLIDING for i in range(num_layers)),
-        rope_parameters={FULL: full_rope, SLIDING: RopeParameters(_DEFAULT_ROPE_THETA[SLIDING])},
+        layer_types=gemma3_layer_types(num_layers),
+        rope_parameters={FULL: full_rope, SLIDING: RopeParameters(DEFAULT_ROPE_THETA[SLIDING])},
         query_pre_attn_scalar=float(head_dim),
         max_position_embeddings=f.int("context_length"),
         tie_word_embeddings=tied,

@@ -1,7 +1,8 @@
 """Weight quantizers: pure numpy functions on arrays. No file I/O, no ONNX.
 
 Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` constructor and a
-``dequantize`` method; :data:`SCHEMES` is the table the exporter chooses from.
+``dequantize`` method. The exporter chooses one per weight through ``gemma_export.weights``
+(``weight_format``: bf16, or block-wise int8 / int4 run by onnxruntime's ``MatMulNBits``).
 """
 
 from .bf16 import BF16Weights, float32_to_bfloat16_bits

@@ -22,8 +22,9 @@ nibble; ``data`` is uint8 ``[N, K/B, B/2]``, packed zero points uint8 ``[N, ceil
 Scale choice (``method``): ``"rtn"`` uses c = 1 (round to nearest, the anchors' scheme);
 ``"mse"`` searches c over ``CLIP_RATIOS`` per block and keeps the one with the least squared
 reconstruction error ``sum_i h_i (w_i - dequant(q)_i)^2`` (``h`` = per-input-channel weights such
-as the mean squared calibration activation, or ones) — the clipping search of GPTQ/AWQ-style
-quantizers (e.g. ``llama.cpp``'s ``make_qx_quants``, ``onnxruntime``'s ``HQQ``-free RTN variants).
+as the mean squared calibration activation, or ones) — the clipping search of AWQ-style
+quantizers and of ``llama.cpp``'s ``make_qx_quants``. With c = 1 the symmetric scale is ggml
+``Q4_0``'s (``max / -8``), rounded half to even instead of ggml's half away from zero.
 """
 
 from __future__ import annotations

@@ -30,9 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
-from ..config import FULL, SLIDING, GemmaConfig, RopeParameters
+from ..config import DEFAULT_ROPE_THETA, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
 from .safetensors_header import read_header
+
+#: the reference exports are of Gemma 3 270M / FunctionGemma, whose sliding window is 512 tokens
+#: (the MLIR carries no config; its baked masks use this window)
+REFERENCE_SLIDING_WINDOW = 512
 
 #: MLIR element type → (safetensors dtype, bytes per element)
 ELEMENT_TYPES = {"bf16": ("BF16", 2), "f32": ("F32", 4), "f16": ("F16", 2), "i8": ("I8", 1), "i32": ("I32", 4)}
@@ -302,9 +306,9 @@ def map_globals(module: MlirModule, archive: Archive) -> GlobalMap:
                           f"({layer} whole layers mapped)")
     config = GemmaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layer,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6, sliding_window=512,
-        layer_types=tuple(FULL if i % 6 == 5 else SLIDING for i in range(layer)),
-        rope_parameters={FULL: RopeParameters(1_000_000.0), SLIDING: RopeParameters(10_000.0)},
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6,
+        sliding_window=REFERENCE_SLIDING_WINDOW, layer_types=gemma3_layer_types(layer),
+        rope_parameters={kind: RopeParameters(theta) for kind, theta in DEFAULT_ROPE_THETA.items()},
         query_pre_attn_scalar=float(d), max_position_embeddings=32768)
     config.validate(str(where))
     return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
