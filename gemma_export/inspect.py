@@ -20,6 +20,8 @@ from typing import Iterator
 
 import numpy as np
 
+from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
+
 from .errors import FormatError, SourceNotFoundError
 
 CHUNK_BYTES = 8 << 20
@@ -288,7 +290,7 @@ def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
         import ml_dtypes
 
         nearest = values.astype(ml_dtypes.bfloat16).astype(np.float32)
-        truncated = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+        truncated = bfloat16_bits_to_float32(truncate_to_bfloat16_bits(values))
         return [nearest, truncated]
     return [values.astype(np.float16).astype(np.float32)]
 
@@ -340,7 +342,7 @@ def _read_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
 
 def _float_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
     if entry.dtype in ("BF16", "BFLOAT16"):
-        return (_read_flat(entry, start, count).astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(_read_flat(entry, start, count).view(np.uint16))
     return _read_flat(entry, start, count).astype(np.float32)
 
 

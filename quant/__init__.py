@@ -5,9 +5,9 @@ Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` 
 (``weight_format``: bf16, or block-wise int8 / int4 run by onnxruntime's ``MatMulNBits``).
 """
 
-from .bf16 import BF16Weights, float32_to_bfloat16_bits
+from .bf16 import BF16Weights, bfloat16_bits_to_float32, float32_to_bfloat16_bits, truncate_to_bfloat16_bits
 from .hadamard import hadamard_matrix, rotate_blocks
 from .int4 import BlockInt4Weights
 from .int8 import BlockInt8Weights
 
-__all__ = ["BF16Weights", "BlockInt4Weights", "BlockInt8Weights", "float32_to_bfloat16_bits", "hadamard_matrix", "rotate_blocks"]
+__all__ = ["BF16Weights", "bfloat16_bits_to_float32", "truncate_to_bfloat16_bits", "BlockInt4Weights", "BlockInt8Weights", "float32_to_bfloat16_bits", "hadamard_matrix", "rotate_blocks"]

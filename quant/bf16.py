@@ -28,6 +28,17 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
+def truncate_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 by dropping the low 16 bits (round toward zero), as the board team's
+    reference archives store bf16 (``../shared/reference-format.md``). uint16 array, same shape."""
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """uint16 bfloat16 bit patterns → float32, same shape (exact: every bf16 value is a float32)."""
+    return np.ascontiguousarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class BF16Weights:
     """A float32 tensor stored as bfloat16 bits (uint16, same shape)."""
@@ -40,4 +51,4 @@ class BF16Weights:
 
     def dequantize(self) -> np.ndarray:
         """float32 array, same shape: exact widening of each bf16 value."""
-        return (self.bits.astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(self.bits)

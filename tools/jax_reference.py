@@ -23,12 +23,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from quant.bf16 import truncate_to_bfloat16_bits
+
 SEQ = 24
 MASK_VALUE = -1e30  # the reference's additive mask
 
 
-def _truncate_bf16(x: np.ndarray) -> np.ndarray:
-    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def _rope_tables(theta: float, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +165,7 @@ def write_jax_reference(model, folder: Path, dtype: str = "bf16") -> Path:
                       f"({_type(array.shape[:1], 'f32')}) -> {arg_type}",
                       f"    %{arg} = stablehlo.multiply %{name}_f, %{name}_b : {arg_type}"]
         else:
-            archive[name] = _truncate_bf16(array).reshape(-1)
+            archive[name] = truncate_to_bfloat16_bits(array).reshape(-1)
             bf16 = _type(array.shape, "bf16")
             globals_.append(f'  util.global private @{name} = #flow.parameter.named<"model"::"{name}"> : {bf16}')
             loads += [f"    %{name}_raw = util.global.load @{name} : {bf16}",

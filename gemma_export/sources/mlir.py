@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quant.bf16 import bfloat16_bits_to_float32
+
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
 from ..config import DEFAULT_ROPE_THETA, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
@@ -190,7 +192,7 @@ class Archive:
 
 def _to_float(raw: np.ndarray, element_type: str) -> np.ndarray:
     if element_type == "bf16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        return bfloat16_bits_to_float32(raw.view(np.uint16))
     return raw.astype(np.float32)
 
 
