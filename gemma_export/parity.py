@@ -188,6 +188,20 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     return pairs
 
 
+def _manifest_config(model_dir: Path) -> dict:
+    """The ``config`` object of an export's ``manifest.json``, or ``{}`` when it cannot be read
+    (the session load that follows names that problem)."""
+    try:
+        config = json.loads((model_dir / "manifest.json").read_text(encoding="utf-8")).get("config")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
@@ -289,23 +303,30 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
+
+    def check_inputs(vocab: int | None, limit: int | None) -> None:
+        """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
+        if vocab:
+            for n, (_, ids) in enumerate(prompt_list):
+                _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
+            for n, (prompt_ids, expected) in enumerate(golden_pairs):
+                _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
+        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
+                   for n, (_, ids) in enumerate(prompt_list)]
+        checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e) in enumerate(golden_pairs)]
+        for what, total in checked:
+            if limit and total > limit:
+                raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
+                                       f"max_position_embeddings {limit} ({model_dir})")
+
+    # first with the manifest's figures, before the (slow) session; again with the loaded graph's
+    config = _manifest_config(model_dir)
+    check_inputs(_positive_int(config.get("vocab_size")), _positive_int(config.get("max_position_embeddings")))
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     dtype = str(decoder.manifest.get("dtype", "fp32"))
     limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
-    vocab = decoder.vocab_size
-    for n, (_, ids) in enumerate(prompt_list):
-        _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
-    for n, (prompt_ids, expected) in enumerate(golden_pairs):
-        _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
-    limit = decoder.max_position_embeddings
-    checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
-               for n, (_, ids) in enumerate(prompt_list)]
-    checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e) in enumerate(golden_pairs)]
-    for what, total in checked:  # before any prompt runs
-        if limit and total > limit:
-            raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
-                                   f"max_position_embeddings {limit} ({model_dir})")
+    check_inputs(decoder.vocab_size, decoder.max_position_embeddings)  # before any prompt runs
     debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
 
     hf_model = None

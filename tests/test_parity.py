@@ -281,14 +281,25 @@ def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export,
     assert result.output.strip().splitlines() == [result.output.strip()] and message in result.output
 
 
-def test_a_golden_entry_longer_than_the_model_is_named_before_any_prompt_runs(tiny_int8_export, tmp_path, monkeypatch):
-    monkeypatch.setattr(OnnxDecoder, "greedy", lambda *a, **k: pytest.fail("a prompt ran before the length check"))
+@pytest.mark.parametrize("entry, message", [
+    ({"prompt_ids": [2, 10, 11], "expected_ids": [5] * 300},
+     "entry #0: 303 tokens (prompt + generated) exceed the model's max_position_embeddings 256"),
+    ({"prompt_ids": [2, 10, 11], "expected_ids": [5, 96]},
+     "entry #0: token id 96 is outside the export's vocabulary (0 to 95)"),
+])
+def test_a_golden_entry_the_model_cannot_run_is_named_before_the_model_loads(tiny_int8_export, tmp_path, monkeypatch,
+                                                                          entry, message):
+    """Lengths and ids are checked against the manifest's config first: the error is the only line,
+    before the session is created or any prompt runs."""
+    import gemma_export.runtime as runtime
+
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", lambda *a, **k: pytest.fail("the model was loaded first"))
     golden = tmp_path / "golden.json"
-    golden.write_text(json.dumps([{"prompt_ids": [2, 10, 11], "expected_ids": [5] * 300}]))
+    golden.write_text(json.dumps([entry]))
     result = _parity("--model", tiny_int8_export, "--golden", golden)
     assert result.exit_code == 2
-    assert f"{golden}: entry #0: 303 tokens (prompt + generated) exceed the model's max_position_embeddings 256" \
-        in result.output
+    assert result.output.strip().splitlines() == [result.output.strip()]
+    assert result.output.startswith(f"error: {golden}: {message}")
 
 
 def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
