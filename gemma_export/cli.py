@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -179,6 +180,7 @@ def main(
     from .exporter import export
 
     bars: dict = {}  # one bar per stage, created when the stage starts (after the "reading" line)
+    plain = {"last": 0.0}  # without a terminal (a log, CI) tqdm is off: a plain line every 15 s instead
 
     def progress(done: int, total: int, name: str) -> None:
         stage = "calibrating" if name.startswith("calibration") else "writing"
@@ -197,6 +199,9 @@ def main(
         bar = bars[stage]
         bar.set_postfix_str(name.removeprefix("calibration: ")[-48:], refresh=False)
         bar.update(done - bar.n)
+        if bar.disable and (time.monotonic() - plain["last"] >= 15 or done == total):
+            plain["last"] = time.monotonic()
+            typer.echo(f"{stage}: {done}/{total} {name.removeprefix('calibration: ')[-48:]}", err=True)
 
     def close_bars() -> None:
         for bar in bars.values():

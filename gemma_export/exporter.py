@@ -220,6 +220,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if manifest_path.is_dir():
         raise VerificationError(f"{manifest_path}: is a folder; expected the export's manifest file")
     if not manifest_path.is_file():
+        if (folder / "BUNDLE.json").is_file() and (folder / "model" / MANIFEST_FILE).is_file():
+            raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} "
+                                      f"(gemma-export verify {folder / 'model'})")
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -457,9 +460,9 @@ def export(
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     with staged_folder(out, "export") as staging:
-        # ir.save reports the tensors it writes to the data file: those of at least SIZE_THRESHOLD bytes
+        # ir.save reports the tensors it writes to the data file: those larger than SIZE_THRESHOLD_BYTES
         total = sum(1 for v in model.graph.initializers.values()
-                    if v.const_value is not None and v.const_value.nbytes >= SIZE_THRESHOLD_BYTES)
+                    if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)
         done = 0
 
         def on_tensor(tensor, info) -> None:

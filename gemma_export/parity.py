@@ -141,7 +141,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int]]]:
     """``(prompt_ids, expected_ids)`` pairs from a golden file.
 
-    Accepted JSON: the board team's bare list of expected greedy ids (``[262146, 236769, ...]``,
+    Accepted JSON: the board team's bare list of expected greedy ids (the generated tokens only,
     for the first prompt), an object ``{"prompt" | "prompt_ids": ..., "expected_ids": [...]}``, or a
     list of such objects. An entry with both ``prompt`` and ``prompt_ids`` must have them agree under
     the export's tokenizer (when it has one).
@@ -400,7 +400,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                             f">= {limits['reference_tokens']:g}", share >= limits["reference_tokens"]))
     for r in results:
         if r.golden is not None:
-            checks.append(Check(f"golden ids ({len(r.golden['expected_ids'])} tokens)",
+            count = len(r.golden['expected_ids'])
+            checks.append(Check(f"golden ids ({count} token{'' if count == 1 else 's'})",
                                 "match" if r.golden["match"] else f"first mismatch at {r.golden['first_mismatch']}",
                                 "exact", r.golden["match"]))
     return ParityReport(str(model_dir), dtype, results, checks)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -318,8 +319,13 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK)
         say("running the export teacher-forced through its KV cache, beside the reference")
         comparison = LogitComparison(ids)
+        last = time.monotonic()
         for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK)):
             comparison.add(start, ref_rows, rows)
+            done = start + len(rows)
+            if time.monotonic() - last >= 15 and done < len(ids):  # a line every 15 s on long texts
+                last = time.monotonic()
+                say(f"{done:,} of {len(ids):,} positions")
         metrics = comparison.result()
     return QualityReport(str(model_dir), reference, source, metrics)
 

@@ -50,6 +50,8 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
+    pointed = runner.invoke(app, ["verify", str(out)])  # the bundle itself: says where its export is
+    assert pointed.exit_code == 2 and f"{out}: a bundle folder; its export is {out / 'model'}" in pointed.stderr
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
 

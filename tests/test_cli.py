@@ -321,3 +321,14 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(tiny_int8_expor
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith(f"error: Invalid value for {option}: empty path"), result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_progress_without_a_terminal_is_plain_lines(tiny_dir, tmp_path):
+    """In a log or CI (stderr not a terminal) tqdm's bars are off; each stage still says where it is,
+    at least at its end."""
+    result = _run("--source", tiny_dir, "--out", tmp_path / "out", "--dtype", "int8", "--block-size", "16",
+                  "--table-block-size", "16")
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("writing: ")]
+    total = int(lines[-1].split()[1].split("/")[1])
+    assert lines[-1].startswith(f"writing: {total}/{total} ") and total > 10, result.stderr

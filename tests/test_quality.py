@@ -85,6 +85,19 @@ def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
     assert "max |dlogit| 0" in result.stdout
 
 
+def test_a_long_quality_run_says_where_it_is(tiny_int8_export, text_file, monkeypatch):
+    """Every 15 s of scoring gives a 'N of T positions' line (here the clock jumps 20 s per look)."""
+    from gemma_export import quality
+
+    clock = iter(range(0, 10**6, 20))
+    monkeypatch.setattr(quality.time, "monotonic", lambda: float(next(clock)))
+    lines = []
+    report = quality.run_quality(tiny_int8_export, str(tiny_int8_export), text=text_file, tokens=250,
+                                 progress=lines.append)
+    assert report.metrics.tokens == 250
+    assert [line for line in lines if line.endswith(" of 250 positions")] == ["128 of 250 positions"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
     (["--reference", "/nonexistent/export"], "/nonexistent/export: no such export folder"),
