@@ -196,12 +196,12 @@ def main(
                 typer.echo(f"{doing} {total} tensors ...", err=True)
             bars[stage] = tqdm(total=total, unit="layer" if stage == "calibrating" else "tensor", desc=stage,
                                disable=None, file=sys.stderr)
-        bar = bars[stage]
-        bar.set_postfix_str(name.removeprefix("calibration: ")[-48:], refresh=False)
+        bar, label = bars[stage], name.removeprefix("calibration: ")[-48:]
+        bar.set_postfix_str(label, refresh=False)
         bar.update(done - bar.n)
         if bar.disable and (time.monotonic() - plain["last"] >= 15 or done == total):
             plain["last"] = time.monotonic()
-            typer.echo(f"{stage}: {done}/{total} {name.removeprefix('calibration: ')[-48:]}", err=True)
+            typer.echo(f"{stage}: {done}/{total} {label}", err=True)
 
     def close_bars() -> None:
         for bar in bars.values():

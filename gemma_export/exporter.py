@@ -71,9 +71,12 @@ class ExportResult:
         return sum(self.files.values())
 
 
-def _listed(options: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} and {options[-1]}"
+def _refuse_options(options: list[str], dtypes: str, dtype: str) -> None:
+    """ConfigError naming the given ``options`` (``a``, ``a and b``, ``a, b and c``) when any was
+    given for a dtype they do not apply to."""
+    if options:
+        listed = options[0] if len(options) == 1 else f"{', '.join(options[:-1])} and {options[-1]}"
+        raise ConfigError(f"{listed} {'applies' if len(options) == 1 else 'apply'} to --dtype {dtypes}, not {dtype}")
 
 
 def _is_block_size(value: int) -> bool:
@@ -395,14 +398,12 @@ def export(
         raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
     int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
                                                ("--scale-method", scale_method is not None)) if given]
-    if dtype != "int4" and int4_only:
-        raise ConfigError(f"{_listed(int4_only)} {'applies' if len(int4_only) == 1 else 'apply'} to --dtype int4, "
-                          f"not {dtype}")
+    if dtype != "int4":
+        _refuse_options(int4_only, "int4", dtype)
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                                                    ("--hadamard", hadamard_size)) if value is not None]
-    if dtype not in ("int8", "int4") and quantized_only:
-        raise ConfigError(f"{_listed(quantized_only)} {'applies' if len(quantized_only) == 1 else 'apply'} to "
-                          f"--dtype int8 and int4, not {dtype}")
+    if dtype not in ("int8", "int4"):
+        _refuse_options(quantized_only, "int8 and int4", dtype)
     scale_method = scale_method or "mse"
     if scale_method not in ("mse", "rtn"):
         raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")

@@ -319,14 +319,17 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                 raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
                                        f"max_position_embeddings {limit} ({model_dir})")
 
-    # first with the manifest's figures, before the (slow) session; again with the loaded graph's
+    # with the manifest's figures, before the (slow) session; the session checks that they are the
+    # graph's, so the loaded graph's are needed only where the manifest lacks them
     config = _manifest_config(model_dir)
-    check_inputs(_positive_int(config.get("vocab_size")), _positive_int(config.get("max_position_embeddings")))
+    vocab, limit = _positive_int(config.get("vocab_size")), _positive_int(config.get("max_position_embeddings"))
+    check_inputs(vocab, limit)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     dtype = str(decoder.manifest.get("dtype", "fp32"))
     limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
-    check_inputs(decoder.vocab_size, decoder.max_position_embeddings)  # before any prompt runs
+    if vocab is None or limit is None:  # before any prompt runs
+        check_inputs(decoder.vocab_size, decoder.max_position_embeddings)
     debug_names = [o.name for o in decoder.session.get_outputs() if o.name.startswith("debug.layers.")]
 
     hf_model = None
