@@ -457,7 +457,6 @@ def export(
     if quantized:
         quantization["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
                                        if calibration is not None else None)
-    int8_options = {f"int8_{k}": v for k, v in quantization.items()} if dtype == "int8" else {"quantization": quantization}
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     with staged_folder(out, "export") as staging:
@@ -487,7 +486,7 @@ def export(
         manifest = {
             "format": "onnx",
             "dtype": dtype,
-            **int8_options,
+            **({"quantization": quantization} if quantized else {}),
             "all_logits": all_logits,
             "debug_outputs": debug_outputs,
             "tie_word_embeddings": ckpt.tied,

@@ -174,9 +174,9 @@ def test_export_calibrates_by_default_and_records_it(tiny_with_tokenizer, text_f
     calibrated = export(tiny_with_tokenizer, tmp_path / "gptq", "int8", block_size=16, table_block_size=16,
                         calibration_text=text_file, calibration_tokens=300).out_dir
     plain = export(tiny_with_tokenizer, tmp_path / "rtn", "int8", block_size=16, table_block_size=16, calibrate=False).out_dir
-    record = json.loads((calibrated / "manifest.json").read_text())["int8_calibration"]
+    record = json.loads((calibrated / "manifest.json").read_text())["quantization"]["calibration"]
     assert record["method"] == "gptq" and record["tokens"] == 300 and str(text_file) in record["text"]
-    assert json.loads((plain / "manifest.json").read_text())["int8_calibration"] is None
+    assert json.loads((plain / "manifest.json").read_text())["quantization"]["calibration"] is None
     assert (calibrated / "model.onnx.data").read_bytes() != (plain / "model.onnx.data").read_bytes()
 
 

@@ -193,7 +193,7 @@ def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["files"]["model.onnx.data"]["bytes"] == (again / "model.onnx.data").stat().st_size
     assert manifest["source"]["kind"] == "gguf" and manifest["dtype"] == "int8"
-    assert manifest["int8_calibration"]["method"] == "gptq" and manifest["int8_calibration"]["tokens"] == 1024
+    assert manifest["quantization"]["calibration"]["method"] == "gptq" and manifest["quantization"]["calibration"]["tokens"] == 1024
     assert CliRunner().invoke(app, ["verify", str(again)]).exit_code == 0
     data = again / "model.onnx.data"
     with open(data, "r+b") as f:  # one flipped bit deep inside the table
