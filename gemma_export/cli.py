@@ -466,7 +466,7 @@ def quality(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Teacher-forced quality of an export on real text against a reference: top-1 agreement
-    (overall and past position 512), mean KL(reference || export) in nats/token, perplexity, max |dlogit|.
+    (overall and past the model's sliding_window, 512 for Gemma 3 270M), mean KL(reference || export) in nats/token, perplexity, max |dlogit|.
 
     The reference and the export run side by side, 128 positions at a time: on the default text
     (~3,400 tokens) the 270M peaks near 3.8 GB with either reference, and takes minutes.

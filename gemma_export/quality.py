@@ -5,8 +5,8 @@ token ids this module computes, row chunk by row chunk (:class:`LogitComparison`
 over a 262,144-word vocabulary is 3.6 GB of float32 per model, so ``gemma-export quality`` runs the
 reference and the export side by side and holds only a chunk of each):
 
-- top-1 agreement: share of rows whose argmax is equal (overall and past position 512, where
-  Gemma 3's sliding window starts to drop tokens);
+- top-1 agreement: share of rows whose argmax is equal (overall and past position ``sliding_window``,
+  512 in Gemma 3 270M, where the local layers start to drop tokens);
 - mean KL(reference ‖ model) in nats per token, ``sum_v p_v (log p_v - log q_v)`` with
   ``p``/``q`` the softmax of the reference/model row;
 - max |Δlogit|;
@@ -25,7 +25,8 @@ import numpy as np
 
 from .errors import GemmaExportError
 
-WINDOW_START = 512
+#: Gemma 3 270M's ``sliding_window``: the default split of top-1 agreement when no config is given
+DEFAULT_SLIDING_WINDOW = 512
 #: rows of logits compared at a time (and held per model): 128 × 262,144 float32 = 134 MB
 CHUNK = 128
 
@@ -36,7 +37,8 @@ class QualityMetrics:
 
     tokens: int
     top1_agreement: float
-    top1_agreement_past_512: float | None  # None when the text is not longer than 512 tokens
+    sliding_window: int  # positions; the split below
+    top1_agreement_past_window: float | None  # rows from ``sliding_window`` on; None when there are none
     kl_mean: float  # nats/token
     max_abs_logit_diff: float
     perplexity: float
@@ -58,10 +60,13 @@ class LogitComparison:
 
     Args:
         token_ids: the teacher-forced ids (length T); row ``i`` predicts ``token_ids[i + 1]``.
+        sliding_window: the model's ``sliding_window`` (positions): top-1 agreement is also reported
+            over the rows from there on, where the local layers no longer see the whole text.
     """
 
-    def __init__(self, token_ids: Sequence[int]):
+    def __init__(self, token_ids: Sequence[int], sliding_window: int = DEFAULT_SLIDING_WINDOW):
         self.ids = np.asarray(token_ids, dtype=np.int64)
+        self.sliding_window = sliding_window
         n = len(self.ids)
         self.agree, self.kl = np.zeros(n, bool), np.zeros(n)
         self.nll, self.ref_nll = np.zeros(max(n - 1, 0)), np.zeros(max(n - 1, 0))
@@ -102,14 +107,18 @@ class LogitComparison:
         wrong = np.flatnonzero(~self.agree)
         return QualityMetrics(
             tokens=n, top1_agreement=float(self.agree.mean()),
-            top1_agreement_past_512=float(self.agree[WINDOW_START:].mean()) if n > WINDOW_START else None,
+            sliding_window=self.sliding_window,
+            top1_agreement_past_window=(float(self.agree[self.sliding_window:].mean())
+                                        if n > self.sliding_window else None),
             kl_mean=float(self.kl.mean()), max_abs_logit_diff=self.max_diff,
             perplexity=float(np.exp(self.nll.mean())), reference_perplexity=float(np.exp(self.ref_nll.mean())),
             first_disagreement=int(wrong[0]) if len(wrong) else None)
 
 
-def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128) -> QualityMetrics:
-    """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T).
+def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128,
+                   sliding_window: int = DEFAULT_SLIDING_WINDOW) -> QualityMetrics:
+    """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T);
+    ``sliding_window`` as in :class:`LogitComparison`.
 
     Raises:
         GemmaExportError: shapes differ or do not match ``token_ids``.
@@ -117,7 +126,7 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
     if reference.shape != logits.shape or reference.ndim != 2 or reference.shape[0] != len(token_ids):
         raise GemmaExportError(f"logits: expected two [T, V] matrices with T = {len(token_ids)} tokens, found "
                                f"{list(reference.shape)} and {list(logits.shape)}")
-    comparison = LogitComparison(token_ids)
+    comparison = LogitComparison(token_ids, sliding_window)
     for s in range(0, len(token_ids), chunk):
         comparison.add(s, reference[s:s + chunk], logits[s:s + chunk])
     return comparison.result()
@@ -318,7 +327,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             _check_fits(ref_decoder, ids, source, "--reference ")
             ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK)
         say("running the export teacher-forced through its KV cache, beside the reference")
-        comparison = LogitComparison(ids)
+        comparison = LogitComparison(ids, decoder.manifest.get("config", {}).get("sliding_window")
+                                     or DEFAULT_SLIDING_WINDOW)
         last = time.monotonic()
         for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK)):
             comparison.add(start, ref_rows, rows)
@@ -370,12 +380,13 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
 def format_report(report: QualityReport) -> str:
     """Human-readable lines for a :class:`QualityReport`."""
     m = report.metrics
-    past = f"{m.top1_agreement_past_512:.2%}" if m.top1_agreement_past_512 is not None else "n/a (text <= 512 tokens)"
+    past = (f"{m.top1_agreement_past_window:.2%}" if m.top1_agreement_past_window is not None
+            else f"n/a (text <= {m.sliding_window} tokens)")
     return "\n".join([
         f"model        {report.model}",
         f"reference    {report.reference}",
         f"text         {m.tokens} tokens of {report.text_source}",
-        f"top-1        {m.top1_agreement:.2%} agreement (past 512: {past}); first difference at row "
+        f"top-1        {m.top1_agreement:.2%} agreement (past the sliding window of {m.sliding_window}: {past}); first difference at row "
         f"{m.first_disagreement if m.first_disagreement is not None else '-'}",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
         f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",

@@ -24,7 +24,7 @@ def test_metrics_match_hand_computed_values():
     assert m.tokens == 3
     assert m.top1_agreement == pytest.approx(2 / 3)
     assert m.first_disagreement == 2
-    assert m.top1_agreement_past_512 is None
+    assert m.sliding_window == 512 and m.top1_agreement_past_window is None
     assert m.kl_mean == pytest.approx((2 * kl_uniform + kl_row2) / 3, rel=1e-6)
     assert m.max_abs_logit_diff == pytest.approx(math.log(3.0), rel=1e-6)
     # perplexity over rows 0 and 1: targets 1 (q = 0.25) and 0 (q = 0.75)
@@ -36,9 +36,21 @@ def test_identical_logits_agree_fully():
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(600, 50)).astype(np.float32)
     m = compare_logits(logits, logits.copy(), rng.integers(0, 50, 600).tolist())
-    assert m.top1_agreement == 1.0 and m.top1_agreement_past_512 == 1.0
+    assert m.top1_agreement == 1.0 and m.top1_agreement_past_window == 1.0
     assert m.kl_mean == pytest.approx(0.0, abs=1e-12) and m.max_abs_logit_diff == 0.0
     assert m.first_disagreement is None
+
+
+def test_top1_past_the_window_counts_rows_from_the_window_on():
+    reference = np.zeros((10, 3), np.float32)
+    reference[:, 0] = 1.0
+    model = reference.copy()
+    model[[2, 3, 8]] = [0.0, 2.0, 0.0]  # rows 2, 3 (before the window) and 8 (after it) disagree
+    m = compare_logits(reference, model, [0] * 10, sliding_window=5)
+    assert m.sliding_window == 5
+    assert m.top1_agreement == pytest.approx(0.7)
+    assert m.top1_agreement_past_window == pytest.approx(0.8)  # rows 5-9: one of five differs
+    assert compare_logits(reference, model, [0] * 10, sliding_window=10).top1_agreement_past_window is None
 
 
 def test_shape_mismatch_is_refused():
@@ -68,13 +80,15 @@ def test_quality_against_transformers_equals_an_independent_computation(tiny_int
     figures = json.loads(out.read_text())
     ids = load_tokenizer(tiny_int8_export).encode(text_file.read_text()).ids[:250]
     expected = compare_logits(reference_logits(tiny_model, np.asarray([ids]))[0],
-                              OnnxDecoder(tiny_int8_export).teacher_forced_logits(ids), ids)
+                              OnnxDecoder(tiny_int8_export).teacher_forced_logits(ids), ids, sliding_window=6)
     assert figures["tokens"] == 250 and figures["reference"] == "transformers"
     assert figures["top1_agreement"] == pytest.approx(expected.top1_agreement)
     assert figures["kl_mean"] == pytest.approx(expected.kl_mean, rel=1e-3)
-    assert figures["top1_agreement_past_512"] is None  # the tiny model has 256 positions
+    # the split follows the model's own sliding_window (6 in the tiny config), not Gemma 3 270M's 512
+    assert figures["sliding_window"] == 6
+    assert figures["top1_agreement_past_window"] == pytest.approx(expected.top1_agreement_past_window)
     assert 0 < figures["kl_mean"] < 0.05  # int8 of the tiny model: close, not identical
-    assert "KL" in result.stdout and "n/a (text <= 512 tokens)" in result.stdout
+    assert "KL" in result.stdout and f"past the sliding window of 6: {expected.top1_agreement_past_window:.2%}" in result.stdout
 
 
 def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):

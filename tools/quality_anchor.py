@@ -66,7 +66,7 @@ def main() -> None:
           f"{next(iter(rows.values())).reference_perplexity:.2f}) |")
     print("|---|---|---|---|---|")
     for name, m in rows.items():
-        past = f"{m.top1_agreement_past_512:.2%}" if m.top1_agreement_past_512 is not None else "-"
+        past = f"{m.top1_agreement_past_window:.2%}" if m.top1_agreement_past_window is not None else "-"
         print(f"| {name} | {m.top1_agreement:.2%} | {past} | {m.kl_mean:.4f} | {m.perplexity:.3f} |")
 
 if __name__ == "__main__":
