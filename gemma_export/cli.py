@@ -23,7 +23,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
-from .errors import ConfigError, GemmaExportError
+from .errors import GemmaExportError
 
 
 def _path(value: str | Path) -> Path:
@@ -34,6 +34,11 @@ def _path(value: str | Path) -> Path:
     if not value.strip():
         raise typer.BadParameter("empty path")
     return Path(value)
+
+
+def _quality_reference(value: str) -> str:
+    """``quality --reference``: a reference name, or an export folder (refused when empty, as :func:`_path`)."""
+    return value if value in ("transformers", "fp32") else str(_path(value))
 
 
 class _OneLineUsageError(ClickException):
@@ -147,8 +152,8 @@ def main(
     ctx: typer.Context,
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
-    source: Optional[str] = typer.Option(None, "--source", metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[str] = typer.Option(None, "--out", metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>)."),
+    source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
@@ -208,9 +213,6 @@ def main(
             bar.close()
 
     try:
-        for option, value in (("--source", source), ("--out", out)):
-            if value is not None and not value.strip():
-                raise ConfigError(f"{option}: empty path")
         result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
                         hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
                         symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None, calibrate=calibrate,
@@ -356,7 +358,7 @@ def verify(
 
 @app.command()
 def inspect(
-    path: Path = typer.Argument(..., parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
+    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -382,7 +384,7 @@ def inspect(
 
 @app.command()
 def dedupe(
-    model: Path = typer.Argument(..., parser=_path, help="An ONNX model (with its external data) that stores a table twice."),
+    model: Path = typer.Argument(..., metavar="MODEL", parser=_path, help="An ONNX model (with its external data) that stores a table twice."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="Folder for the rewritten model (must not exist or be empty)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -457,7 +459,7 @@ def bench(
 @app.command()
 def quality(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    reference: str = typer.Option("transformers", "--reference", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
+    reference: str = typer.Option("transformers", "--reference", parser=_quality_reference, metavar="<transformers|fp32|path>", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),

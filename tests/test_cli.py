@@ -269,9 +269,6 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
     (["--dtype", "fp32", "--block-size", "64"], "error: --block-size applies to --dtype int8 and int4, not fp32"),
     (["--dtype", "bf16", "--hadamard", "0", "--table-block-size", "64"],
      "error: --table-block-size and --hadamard apply to --dtype int8 and int4, not bf16"),
-    (["--dtype", "int8", "--source", ""], "error: --source: empty path"),
-    (["--dtype", "int8", "--source", "   "], "error: --source: empty path"),
-    (["--dtype", "int8", "--out", ""], "error: --out: empty path"),
     (["--dtype", "fp32", "--calibration-tokens", "64"], "--calibration-tokens applies to --dtype int8 and int4"),
     (["--dtype", "int8", "--block-size", "48"], "--block-size 48: must be a power of two >= 16"),
 ])
@@ -305,13 +302,17 @@ def test_a_block_size_the_dims_refuse_is_named_before_calibrating(tiny_dir, tmp_
     (["generate", "--model", "", "--prompt", "hi"], "'--model'"),
     (["quality", "--model", "{model}", "--text", " "], "'--text'"),
     (["quality", "--model", "{model}", "--reference", "fp32", "--json", ""], "'--json'"),
+    (["quality", "--model", "{model}", "--reference", ""], "'--reference'"),
     (["bench", "--model", "{model}", "--plot", ""], "'--plot'"),
     (["parity", "--model", "{model}", "--golden", ""], "'--golden'"),
     (["bundle", "--model", "{model}", "--out", ""], "'--out'"),
     (["verify", ""], "'MODEL'"),
-    (["inspect", ""], "'path'"),
+    (["inspect", ""], "'PATH'"),
     (["prepack", "--model", ""], "'--model'"),
     (["--dtype", "int8", "--calibration-text", "", "--out", "{tmp}/out"], "'--calibration-text'"),
+    (["--dtype", "int8", "--source", "", "--out", "{tmp}/out"], "'--source'"),
+    (["--dtype", "int8", "--source", "   ", "--out", "{tmp}/out"], "'--source'"),
+    (["--dtype", "int8", "--out", ""], "'--out'"),
 ])
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(tiny_int8_export, tmp_path, monkeypatch, args, option):
     """Path("") is "."; an empty value (a shell variable that was never set) is refused by name before
