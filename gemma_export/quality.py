@@ -181,7 +181,9 @@ def transformers_model(source):
         rope_parameters={kind: {"rope_type": r.rope_type, "rope_theta": r.rope_theta,
                                 **({"factor": r.factor} if r.rope_type == "linear" else {})}
                          for kind, r in c.rope_parameters.items()},
-        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=c.attn_logit_softcapping)
+        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=c.attn_logit_softcapping,
+        # transformers ties by default: an untied source's lm_head would overwrite its table (or the reverse)
+        tie_word_embeddings=source.tied)
     model = transformers.Gemma3ForCausalLM(config).eval()
     state = {name: torch.from_numpy(np.ascontiguousarray(ref.load())) for name, ref in source.tensors.items()}
     state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])

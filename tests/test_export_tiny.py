@@ -131,6 +131,19 @@ def test_untied_head_keeps_two_tables(tmp_path):
     assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(model, ids)).max() <= 1e-4
 
 
+def test_the_transformers_reference_of_an_untied_source_keeps_both_tables(tmp_path):
+    """quality's and parity's transformers reference, built from the source's own tensors: with a
+    separate lm_head it must not be tied (transformers' default), or one table overwrites the other."""
+    from gemma_export.quality import transformers_logits
+    from gemma_export.sources import open_source
+
+    model = make_tiny_model(seed=7, tie_word_embeddings=False)
+    src = save_tiny(model, tmp_path / "untied")
+    ids = _ids(seed=9)
+    expected = reference_logits(model, ids)[0]
+    assert np.abs(transformers_logits(open_source(src), ids[0].tolist()) - expected).max() <= 1e-4
+
+
 def test_multimodal_prefix_and_sharded_index(tiny_model, tiny_dir, tmp_path):
     tensors = load_file(str(tiny_dir / "model.safetensors"))
     renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
