@@ -494,7 +494,9 @@ def export(
             # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
             "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
             "source": dict(ckpt.identity),
-            "config": ckpt.config.to_dict(),
+            # what the export is: a source that claims tie_word_embeddings but stores a different
+            # lm_head (or a GGUF with its own output.weight) is exported with two tables
+            "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},
             "tool": {"gemma-export": __version__, **_tool_versions()},
             "files": {name: {"bytes": size, "sha256": _sha256(staging / name)} for name, size in files.items()},
         }

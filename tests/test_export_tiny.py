@@ -381,3 +381,20 @@ def test_a_stored_head_equal_to_the_table_is_tied_chunk_by_chunk(tiny_dir, tmp_p
         table = open_source(tiny_dir).tensors["model.embed_tokens.weight"]
         assert not _equal_values(checkpoint.tensors[LM_HEAD], table, chunk_rows=16)
         assert _equal_values(table, table, chunk_rows=16)
+
+
+def test_a_different_stored_head_is_exported_untied_and_the_manifest_says_so(tiny_dir, tmp_path):
+    """config.json claims tie_word_embeddings, but lm_head.weight differs: two tables, and the
+    manifest's config agrees with its own tie_word_embeddings (the export's truth, not the claim)."""
+    import json
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * 0.5
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    result = export(src, tmp_path / "out", "fp32")
+    manifest = json.loads((result.out_dir / "manifest.json").read_text())
+    assert result.table_initializers == 2
+    assert manifest["tie_word_embeddings"] is False and manifest["config"]["tie_word_embeddings"] is False
