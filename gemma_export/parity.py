@@ -202,12 +202,6 @@ def _positive_int(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> None:
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
-        raise FormatError(f"{where}: token id {bad} is outside the export's vocabulary (0 to {vocab_size - 1})")
-
-
 # ---- comparisons --------------------------------------------------------------------------------
 def _cosine_rows(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64), b.astype(np.float64)
@@ -285,7 +279,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
     """
     from .quality import compare_logits, graph_line, manifest_source, require_transformers, transformers_model
-    from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
+    from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
 
     say = progress or (lambda _msg: None)
     if not (against_transformers or reference or golden):
@@ -308,9 +302,9 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
         if vocab:
             for n, (_, ids) in enumerate(prompt_list):
-                _check_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
+                check_token_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
             for n, (prompt_ids, expected) in enumerate(golden_pairs):
-                _check_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
+                check_token_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
         checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
                    for n, (_, ids) in enumerate(prompt_list)]
         checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e) in enumerate(golden_pairs)]

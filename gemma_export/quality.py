@@ -373,10 +373,7 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
     if limit and len(ids) > limit:
         raise GemmaExportError(f"{role}{decoder.model_dir}: {len(ids)} tokens of {source} exceed its "
                                f"max_position_embeddings {limit}; pass --tokens {limit} or fewer")
-    largest = max(ids)
-    if largest >= decoder.vocab_size:
-        raise GemmaExportError(f"{role}{decoder.model_dir}: token id {largest} of {source} is outside its vocabulary "
-                               f"of {decoder.vocab_size:,} (the tokenizer beside the export does not match it)")
+    decoder.check_ids(ids, source)
 
 
 def format_report(report: QualityReport) -> str:

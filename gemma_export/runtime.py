@@ -222,11 +222,17 @@ class OnnxDecoder:
         values = self.session.run(list(names), feeds)
         return dict(zip(names, values))
 
+    def check_ids(self, ids: Sequence[int], what: str) -> None:
+        """Raises FormatError naming the folder and ``what`` (e.g. ``prompt``) when an id lies outside
+        the graph's vocabulary (onnxruntime's Gather would fail with an index error mid-run instead)."""
+        check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
+                        "; the tokenizer beside the export does not match its graph")
+
     def check_length(self, total_tokens: int) -> None:
         """Raises GemmaExportError when a sequence would exceed ``max_position_embeddings``."""
         if self.max_position_embeddings and total_tokens > self.max_position_embeddings:
             raise GemmaExportError(
-                f"{self.model_dir}: a sequence of {total_tokens} tokens (prompt + new tokens) exceeds the model's "
+                f"{self.model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed back) exceeds the model's "
                 f"max_position_embeddings {self.max_position_embeddings}")
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
@@ -239,15 +245,18 @@ class OnnxDecoder:
 
         Raises:
             GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
-                ``max_position_embeddings``.
+                ``max_position_embeddings`` (FormatError: an id outside the vocabulary).
         """
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
         check_prefill_chunk(prefill_chunk)
+        self.check_ids(prompt_ids, "prompt")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
-        self.check_length(len(prompt_ids) + max_new_tokens)
+        # the last new token is returned, never fed back: the cache holds one position fewer
+        positions = len(prompt_ids) + max(max_new_tokens - 1, 0)
+        self.check_length(positions)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
-        cache = KVCache(self, 1, len(prompt_ids) + max_new_tokens)
+        cache = KVCache(self, 1, positions)
         new_ids: list[int] = []
         timings: list[float] = []
         position = 0
@@ -418,6 +427,14 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "") -> None:
+    """Raises FormatError ``"{where}: token id X is outside the export's vocabulary (0 to V-1){hint}"``
+    for the first id of ``ids`` not in ``0 … vocab_size - 1``."""
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise FormatError(f"{where}: token id {bad} is outside the export's vocabulary (0 to {vocab_size - 1}){hint}")
 
 
 def check_threads(threads: int | None) -> None:

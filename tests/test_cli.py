@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -333,3 +334,26 @@ def test_progress_without_a_terminal_is_plain_lines(tiny_dir, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("writing: ")]
     total = int(lines[-1].split()[1].split("/")[1])
     assert lines[-1].startswith(f"writing: {total}/{total} ") and total > 10, result.stderr
+
+
+def test_a_tokenizer_that_does_not_match_the_graph_is_named_not_a_traceback(tiny_int8_export, tmp_path):
+    """tokenizer.json gives ids beyond the graph's 96 rows: generate and bench name the folder and
+    the id before onnxruntime's Gather fails mid-run (it raised a RuntimeError traceback)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab.update({token: i + 100 for token, i in vocab.items() if i >= 4})  # letters etc. beyond the vocabulary
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    first_id = {"generate": vocab["h"], "bench": None}
+    for args in (["generate", "--model", model, "--prompt", "hello"],
+                 ["bench", "--model", model, "--prompt-tokens", "8", "--new-tokens", "8"]):
+        result = _run(*args)
+        assert result.exit_code == 2, result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"error: {re.escape(str(model))}: prompt: token id (\d+) is outside the export's "
+                            r"vocabulary \(0 to 95\); the tokenizer beside the export does not match its graph", last), last
+        if first_id[args[0]] is not None:  # <bos> (2) is kept; the first letter is the first id out of range (111)
+            assert f"token id {first_id[args[0]]} is" in last

@@ -290,6 +290,19 @@ def test_prompt_longer_than_max_positions_is_refused(fp32_all):
         decoder.greedy(list(range(3, 90)) * 3, 8)
 
 
+def test_greedy_may_fill_every_position(fp32_all):
+    """The last new token is returned, never fed back: a 250-token prompt and 7 new tokens use
+    positions 0-255 of the tiny model's 256, and are allowed; 8 new tokens would need 257."""
+    from gemma_export.errors import GemmaExportError
+
+    decoder = OnnxDecoder(fp32_all)
+    prompt = (list(range(3, 90)) * 3)[:250]
+    new_ids, _, decode_ms = decoder.greedy(prompt, 7, stop_ids=[])
+    assert len(new_ids) == 7 and len(decode_ms) == 6
+    with pytest.raises(GemmaExportError, match="a sequence of 257 tokens"):
+        decoder.greedy(prompt, 8, stop_ids=[])
+
+
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_graph_reads_exactly_the_quantized_weights(tiny_model, tiny_dir, tmp_path, symmetric):
     """The int4 graph (nibble unpacking in the lookup, MatMulNBits bits=4 elsewhere) equals

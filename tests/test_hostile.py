@@ -412,7 +412,7 @@ CASES = {
     "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
                                               ("manifest.json", "unreadable manifest")),
     "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
-                                      GemmaExportError, ("model: a sequence of 433 tokens", "exceeds the model's max_position_embeddings 256")),
+                                      GemmaExportError, ("model: a sequence of 432 tokens", "exceeds the model's max_position_embeddings 256")),
     # other commands
     "inspect garbage": Case(plain(lambda w: ["inspect", w / "x.bin"], _file("x.bin", b"\x00" * 64)), FormatError, ("x.bin",)),
     "inspect onnx garbage": Case(plain(lambda w: ["inspect", w / "m.onnx"], _file("m.onnx", b"\xff" * 64)), FormatError,
