@@ -113,6 +113,10 @@ class GemmaConfig:
                 raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
         if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
             raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer, found {self.sliding_window!r}")
+        for name, ids in (("eos_token_id", self.eos_token_id), ("bos_token_id", (self.bos_token_id,)),
+                          ("pad_token_id", (self.pad_token_id,))):
+            if max(ids) >= self.vocab_size:
+                raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {self.vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{where}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -291,9 +295,6 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     eos = f.token_ids("eos_token_id", raw.get("eos_token_id", [1, 106]))
     bos = f.token_ids("bos_token_id", raw.get("bos_token_id", 2))[0]
     pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or 0)[0]
-    for name, ids in (("eos_token_id", eos), ("bos_token_id", (bos,)), ("pad_token_id", (pad,))):
-        if max(ids) >= vocab_size:
-            raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {vocab_size}")
     config = GemmaConfig(
         vocab_size=vocab_size,
         hidden_size=f.int("hidden_size"),
@@ -360,7 +361,8 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
                                rope_type="linear" if linear else "default", factor=factor if linear else 1.0)
     tokens = _Fields(meta, where, "tokenizer.ggml.")
     eos = tokens.token_ids("eos_token_id", 1)[0]
-    eot = tokens.token_ids("eot_token_id", 106)[0]
+    # Gemma's <end_of_turn> (106) also stops generation; llama.cpp's Gemma 3 files may not say so
+    eot = tokens.token_ids("eot_token_id", 106 if vocab_rows > 106 else eos)[0]
     return GemmaConfig(
         vocab_size=int(vocab_rows),
         hidden_size=f.int("embedding_length"),

@@ -116,6 +116,9 @@ def test_gguf_export_matches_transformers(tiny_gguf, tmp_path):
     ("gemma3.block_count", 10**9, "'gemma3.block_count' must be an integer in [1, 1024], found 1000000000"),
     ("gemma3.block_count", "two", "'gemma3.block_count' must be an integer"),
     ("gemma3.attention.layer_norm_rms_epsilon", "tiny", "'gemma3.attention.layer_norm_rms_epsilon' must be a positive number"),
+    ("tokenizer.ggml.eos_token_id", 16, "eos_token_id 16 is not below vocab_size 16"),  # no token list to check it
+    ("tokenizer.ggml.padding_token_id", 99, "pad_token_id 99 is not below vocab_size 16"),
+    ("tokenizer.ggml.bos_token_id", 16, "bos_token_id 16 is not below vocab_size 16"),
 ])
 def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
     from gemma_export.errors import ConfigError
@@ -144,7 +147,7 @@ def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
 
 
 @pytest.mark.parametrize("token_types, special, words", [
-    ([1] * 96, {"bos": 96}, "tokenizer.ggml.bos_token_id is 96, expected an id below the 96 tokens"),
+    ([1] * 96, {"unknown": 96}, "tokenizer.ggml.unknown_token_id is 96, expected an id below the 96 tokens"),
     ([1] * 96, {"unknown": 1000}, "tokenizer.ggml.unknown_token_id is 1000, expected an id below the 96 tokens"),
     ([1] * 95, {}, "tokenizer.ggml.token_type has 95 entries, expected one per token (96)"),
 ])
