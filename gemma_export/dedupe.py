@@ -82,12 +82,9 @@ def _random_feeds(session, vocab: int) -> dict[str, np.ndarray]:
 
 
 def _compare(original: Path, rewritten: Path, vocab: int) -> float:
-    import onnxruntime as ort
+    from .runtime import create_session
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    a = ort.InferenceSession(str(original), options, providers=["CPUExecutionProvider"])
-    b = ort.InferenceSession(str(rewritten), options, providers=["CPUExecutionProvider"])
+    a, b = create_session(original), create_session(rewritten)
     feeds = _random_feeds(a, vocab)
     return max(float(np.abs(x.astype(np.float64) - y).max()) if x.size else 0.0
                for x, y in zip(a.run(None, feeds), b.run(None, feeds)))

@@ -28,7 +28,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import require_folder
+from .runtime import create_session, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .staging import check_creatable, is_unchanged_output, staged_folder
@@ -185,7 +185,6 @@ def verify_folder(folder: Path) -> None:
         VerificationError: naming the file and the failure.
     """
     import onnx
-    import onnxruntime as ort
 
     model_path = folder / MODEL_FILE
     try:
@@ -198,11 +197,9 @@ def verify_folder(folder: Path) -> None:
                                     "and verify again") from None
         raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
     try:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
-    except Exception as exc:
-        raise VerificationError(f"{model_path}: onnxruntime cannot load the model: {exc}") from None
+        create_session(model_path)
+    except FormatError as exc:
+        raise VerificationError(str(exc)) from None
 
 
 def verify_manifest(folder: str | Path) -> dict[str, int]:
