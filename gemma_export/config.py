@@ -72,6 +72,12 @@ class GemmaConfig:
     eos_token_id: tuple[int, ...] = (1, 106)
     pad_token_id: int = 0
 
+    @staticmethod
+    def default_eos_token_ids(vocab_size: int) -> tuple[int, ...]:
+        """Gemma's stop ids, <eos> (1) and <end_of_turn> (106), those inside a ``vocab_size`` vocabulary
+        (for sources that do not name them: a reference MLIR export)."""
+        return tuple(i for i in GemmaConfig.eos_token_id if i < vocab_size)
+
     # ---- derived values -------------------------------------------------------------------------
     @property
     def num_key_value_groups(self) -> int:

@@ -28,7 +28,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import create_session, require_folder
+from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .staging import check_creatable, is_unchanged_output, staged_folder
@@ -37,7 +37,6 @@ from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_IN
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
-MANIFEST_FILE = "manifest.json"
 GENAI_CONFIG_FILE = "genai_config.json"
 #: External tensors start on 64 KiB boundaries so that onnxruntime can memory-map them on x86-64
 #: and on aarch64 kernels with 64 KiB pages.
@@ -225,11 +224,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
                                       f"(gemma-export verify {folder / 'model'})")
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise VerificationError(f"{manifest_path}: unreadable manifest: {exc}") from None
-    if not isinstance(manifest, dict):
-        raise VerificationError(f"{manifest_path}: unreadable manifest: expected a JSON object, found {type(manifest).__name__}")
+        manifest = read_manifest(folder)
+    except FormatError as exc:
+        raise VerificationError(str(exc)) from None
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "

@@ -191,9 +191,11 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
 def _manifest_config(model_dir: Path) -> dict:
     """The ``config`` object of an export's ``manifest.json``, or ``{}`` when it cannot be read
     (the session load that follows names that problem)."""
+    from .runtime import read_manifest
+
     try:
-        config = json.loads((model_dir / "manifest.json").read_text(encoding="utf-8")).get("config")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        config = read_manifest(model_dir).get("config")
+    except FormatError:
         return {}
     return config if isinstance(config, dict) else {}
 

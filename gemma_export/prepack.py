@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
+from .runtime import read_manifest
 from .staging import interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
@@ -69,8 +70,8 @@ def source_identity(model_dir: Path) -> dict:
     """The export's graph and data files as the copy was made from them: size, modification time
     and, from the export's ``manifest.json``, sha256."""
     try:
-        listed = json.loads((model_dir / "manifest.json").read_text()).get("files", {})
-    except (OSError, ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        listed = read_manifest(model_dir).get("files", {})
+    except FormatError:
         listed = {}
     if not isinstance(listed, dict):
         listed = {}
@@ -332,10 +333,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         say(f"checking {model_dir} against its manifest …")
         verify_manifest(model_dir)
         data = model_dir / DATA_FILE
-        try:
-            dtype = json.loads((model_dir / "manifest.json").read_text()).get("dtype")
-        except (OSError, ValueError, AttributeError, UnicodeDecodeError, RecursionError):
-            dtype = None
+        dtype = read_manifest(model_dir).get("dtype")  # verify_manifest has read it
         factor = SPACE_FACTOR_BF16 if dtype == "bf16" else SPACE_FACTOR
         need = int(factor * data.stat().st_size) if data.is_file() else 0
         free = shutil.disk_usage(model_dir).free

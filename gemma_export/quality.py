@@ -245,14 +245,13 @@ def manifest_source(model_dir: Path) -> str:
     Raises:
         SourceNotFoundError: no manifest, no source path in it, or the source is gone.
     """
-    import json
+    from .errors import FormatError, SourceNotFoundError
+    from .runtime import MANIFEST_FILE, read_manifest
 
-    from .errors import SourceNotFoundError
-
-    manifest = model_dir / "manifest.json"
+    manifest = model_dir / MANIFEST_FILE
     try:
-        path = json.loads(manifest.read_text())["source"]["path"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        path = read_manifest(model_dir)["source"]["path"]
+    except (FormatError, KeyError, TypeError):
         raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source") from None
     if not Path(path).exists():
         raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")

@@ -46,6 +46,31 @@ class GenerationResult:
     prepacked_note: str = ""
 
 
+MANIFEST_FILE = "manifest.json"
+
+
+def read_manifest(model_dir: Path) -> dict:
+    """The JSON object in ``model_dir/manifest.json``; ``{}`` when the folder has none (a folder of
+    another tool, e.g. onnxruntime-genai's builder).
+
+    Raises:
+        FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, not UTF-8
+            JSON, or not a JSON object.
+    """
+    manifest = Path(model_dir) / MANIFEST_FILE
+    try:
+        if manifest.is_dir():
+            raise ValueError("it is a folder, not a file")
+        if not manifest.is_file():
+            return {}
+        value = json.loads(manifest.read_text(encoding="utf-8"))
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object, found {type(value).__name__}")
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
+    return value
+
+
 def _genai_decoder_config(model_dir: Path) -> dict:
     try:
         return json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
@@ -166,15 +191,8 @@ class OnnxDecoder:
             if not isinstance(self.head_dim, int):
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
-        manifest = self.model_dir / "manifest.json"
-        try:
-            if manifest.is_dir():
-                raise ValueError("it is a folder, not a file")
-            self.manifest = json.loads(manifest.read_text()) if manifest.is_file() else {}
-            if not isinstance(self.manifest, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError, RecursionError) as exc:
-            raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
+        manifest = self.model_dir / MANIFEST_FILE
+        self.manifest = read_manifest(self.model_dir)
         check_manifest_fields(self.manifest, manifest)
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_layers)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")

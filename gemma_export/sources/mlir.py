@@ -311,7 +311,8 @@ def map_globals(module: MlirModule, archive: Archive) -> GlobalMap:
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6,
         sliding_window=REFERENCE_SLIDING_WINDOW, layer_types=gemma3_layer_types(layer),
         rope_parameters={kind: RopeParameters(theta) for kind, theta in DEFAULT_ROPE_THETA.items()},
-        query_pre_attn_scalar=float(d), max_position_embeddings=32768)
+        query_pre_attn_scalar=float(d), max_position_embeddings=32768,
+        eos_token_id=GemmaConfig.default_eos_token_ids(vocab))
     config.validate(str(where))
     return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
 
