@@ -390,11 +390,6 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
     plt.close(fig)
 
 
-def main_json(result: BenchResult, path: str | Path | None) -> None:
-    """Write ``result`` as JSON to ``path`` (``-`` = stdout)."""
-    write_json(result.to_dict(), path)
-
-
 def write_json(data: dict, path: str | Path | None) -> None:
     """Write ``data`` as indented JSON to ``path`` (None or ``-``: stdout), whole or not at all: a
     temporary file beside it is renamed over it.

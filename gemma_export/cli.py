@@ -431,7 +431,7 @@ def bench(
 
     Example: gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
     """
-    from .bench import check_board_budget, check_outputs, format_result, main_json, run_bench, write_plot
+    from .bench import check_board_budget, check_outputs, format_result, run_bench, write_json, write_plot
 
     try:
         try:
@@ -445,7 +445,7 @@ def bench(
                            prepacked=prepacked, huge_pages=huge_pages)
         typer.echo(format_result(result))
         if json_out is not None:
-            main_json(result, json_out)
+            write_json(result.to_dict(), json_out)
         if plot is not None:
             write_plot([result], plot)
             typer.echo(f"plot: {plot}")

@@ -213,8 +213,6 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
                           f"(found {', '.join('@' + f.name for f in module.functions) or 'no functions'})")
     function = candidates[0]
     length = int(function.arguments[0].split("x")[1])
-    if not module.globals:
-        raise FormatError(f"{mlir_path}: no util.global weights")
     vocab = module.globals[0].shape[0]
     text = mlir_path.read_text(encoding="utf-8", errors="replace")
     if logits:

@@ -23,10 +23,8 @@ def interrupts_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
     arrives meanwhile is dropped, since the block completes the output anyway. Outside the main
     thread (where handlers cannot be set) the block runs unprotected."""
-    caught: list[int] = []
     try:
-        previous = {sig: signal.signal(sig, lambda signum, _frame: caught.append(signum))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:  # not the main thread
         yield
         return

@@ -234,12 +234,13 @@ class GlobalMap:
     config: GemmaConfig
 
 
-def map_globals(module: MlirModule, archive: Archive) -> GlobalMap:
-    """Assign the globals to Gemma 3 weights by trace order and shape (see the module docstring).
+def map_globals(module: MlirModule) -> GlobalMap:
+    """Assign the globals to Gemma 3 weights by trace order and shape (see the module docstring);
+    :func:`read_reference` then confirms the map with values (every norm gain must look like 1 + w).
 
     Raises:
-        FormatError: the first global is not a ``[vocab, hidden]`` table, the globals do not fill
-            whole layers, or a value check fails (names the global and what was found).
+        FormatError: the first global is not a ``[vocab, hidden]`` table, or the globals do not fill
+            whole layers (names the global and what was found).
     """
     where = module.path
     by_name = {g.name: g for g in module.globals}
@@ -328,9 +329,9 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     mlir_path = Path(mlir_path)
     module = parse_mlir(mlir_path)
     archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
-    mapped = map_globals(module, archive)
+    mapped = map_globals(module)
 
-    def values(name: str, g: MlirGlobal, rows=None) -> np.ndarray:
+    def values(g: MlirGlobal, rows=None) -> np.ndarray:
         raw = archive.raw(g, rows)
         if g.element_type == "i8":
             scale_g = mapped.scales.get(g.name)
@@ -346,18 +347,18 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     for name, g in mapped.weights.items():
         origin = f"{archive.path}:{g.key}"
         if name in norms:
-            gain = values(name, g)
+            gain = values(g)
             if not (np.isfinite(gain).all() and np.median(gain) > 0.05):
                 raise FormatError(f"{origin}: mapped to '{name}' but its median {np.median(gain):.3g} is not a "
                                   "positive norm gain (1 + w); the trace order is not the expected one")
             tensors[name] = TensorRef(name, g.shape, origin, lambda gain=gain: gain - 1.0)
         else:
-            tensors[name] = TensorRef(name, g.shape, origin, lambda n=name, g=g: values(n, g),
-                                      row_reader=(lambda a, b, n=name, g=g: values(n, g, (a, b))) if len(g.shape) == 2 else None)
+            tensors[name] = TensorRef(name, g.shape, origin, lambda g=g: values(g),
+                                      row_reader=(lambda a, b, g=g: values(g, (a, b))) if len(g.shape) == 2 else None)
     if mapped.duplicate_table is not None:
         g = mapped.duplicate_table
-        tensors[LM_HEAD] = TensorRef(LM_HEAD, g.shape, f"{archive.path}:{g.key}", lambda: values(LM_HEAD, g),
-                                     row_reader=lambda a, b: values(LM_HEAD, g, (a, b)))
+        tensors[LM_HEAD] = TensorRef(LM_HEAD, g.shape, f"{archive.path}:{g.key}", lambda: values(g),
+                                     row_reader=lambda a, b: values(g, (a, b)))
     config = mapped.config
     validate_tensors(config, tensors, str(mlir_path))
     resolve_lm_head(config, tensors, str(mlir_path))  # an equal second table is collapsed
