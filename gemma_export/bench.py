@@ -48,23 +48,11 @@ def real_text(path: str | Path | None = None) -> tuple[str, str]:
     """
     from importlib import metadata
 
-    from .errors import FormatError, SourceNotFoundError
+    from .errors import SourceNotFoundError
+    from .text_files import read_text_file
 
     if path is not None:
-        p = Path(path)
-        if p.is_dir():
-            raise SourceNotFoundError(f"{p}: is a folder; expected a text file")
-        if p.exists() and not p.is_file():
-            raise SourceNotFoundError(f"{p}: not a regular file; expected a text file")
-        if not p.is_file():
-            raise SourceNotFoundError(f"{p}: text file not found")
-        try:
-            return p.read_text(encoding="utf-8"), str(p)
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
-                              f"{exc.start}") from None
-        except OSError as exc:
-            raise SourceNotFoundError(f"{p}: cannot read the text: {exc.strerror or exc}") from None
+        return read_text_file(path, "text file"), str(path)
     candidate = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
     if candidate.is_file():
         return candidate.read_text(encoding="utf-8"), str(candidate)

@@ -30,6 +30,7 @@ import numpy as np
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
 from .errors import ConfigError, GemmaExportError, SourceNotFoundError
+from .text_files import read_text_file
 
 #: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license),
 #: GPTQ statistics from 512 tokens gave KL 0.00079, from 2,048 tokens 0.00067 (docs/quality.md).
@@ -60,19 +61,12 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
     """``(text, source)`` from a UTF-8 file, or the default text when ``path`` is None.
 
     Raises:
-        SourceNotFoundError: no such file; ConfigError: unreadable, not UTF-8, or empty.
+        SourceNotFoundError: no such file, or unreadable; FormatError: not UTF-8; ConfigError: empty.
     """
     if path is None:
         return default_calibration_text()
     path = Path(path)
-    if path.is_dir():
-        raise ConfigError(f"{path}: is a folder; --calibration-text expects a UTF-8 text file")
-    if not path.is_file():
-        raise SourceNotFoundError(f"{path}: no such calibration text file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the calibration text as UTF-8 ({exc.__class__.__name__})") from None
+    text = read_text_file(path, "calibration text file")
     if not text.strip():
         raise ConfigError(f"{path}: the calibration text is empty")
     return text, str(path)

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, SourceNotFoundError
+from .errors import FormatError, GemmaExportError
+from .text_files import read_text_file
 
 #: prompts used when none are given: short real requests of the kinds the board runs
 DEFAULT_PROMPTS = (
@@ -105,14 +106,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
         items: list = list(DEFAULT_PROMPTS)
     else:
         path = Path(path)
-        if path.is_dir():
-            raise FormatError(f"{path}: is a folder; expected a prompts file")
-        if not path.is_file():
-            raise SourceNotFoundError(f"{path}: no such prompts file")
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise FormatError(f"{path}: not UTF-8 text (byte {exc.start}); prompts are UTF-8 text or JSON") from None
+        raw = read_text_file(path, "prompts file")
         if path.suffix.lower() == ".json":
             try:
                 items = json.loads(raw)
@@ -150,13 +144,10 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         SourceNotFoundError, FormatError: naming the file and the entry.
     """
     path = Path(path)
-    if path.is_dir():
-        raise FormatError(f"{path}: is a folder; expected a golden file")
-    if not path.is_file():
-        raise SourceNotFoundError(f"{path}: no such golden file")
+    text = read_text_file(path, "golden file")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"{path}: not JSON: {exc}") from None
 
     def ids(value, what: str) -> list[int]:

@@ -308,7 +308,7 @@ def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
     golden = tmp_path / "golden.json"
     golden.write_text("[5, 6]")
     result = _parity("--model", tiny_int8_export, "--golden", golden, "--prompts", prompts)
-    assert result.exit_code == 2 and f"{prompts}: not UTF-8 text (byte 6)" in result.output
+    assert result.exit_code == 2 and f"{prompts}: expected UTF-8 text, found byte 0xff at offset 6" in result.output
 
 
 def test_parity_json_may_not_overwrite_the_golden_file(tiny_int8_export, tmp_path):

@@ -115,7 +115,7 @@ def test_a_long_quality_run_says_where_it_is(tiny_int8_export, text_file, monkey
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
     (["--reference", "/nonexistent/export"], "/nonexistent/export: no such export folder"),
-    (["--text", "/nonexistent/text.txt"], "/nonexistent/text.txt: text file not found"),
+    (["--text", "/nonexistent/text.txt"], "/nonexistent/text.txt: no such text file"),
 ])
 def test_quality_bad_arguments(tiny_int8_export, args, message):
     result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--tokens", "40", *args])
