@@ -135,7 +135,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
     from .exporter import MANIFEST_FILE, _sha256, verify_manifest
-    from .staging import is_unchanged_output, staged_folder
+    from .staging import check_replaceable, staged_folder
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -146,12 +146,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
-    if out.exists():
-        if not out.is_dir():
-            raise OutputError(f"{out_dir}: exists and is not a folder")
-        if any(out.iterdir()) and not is_unchanged_output(out, BUNDLE_MANIFEST):
-            raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export bundle; "
-                              "refusing to replace it")
+    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST)
     if wheel is not None:
         wheel = Path(wheel)
         if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

@@ -12,7 +12,6 @@ import gc
 import hashlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -31,7 +30,7 @@ from .prepack import owned_problem as prepack_owned_problem
 from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
-from .staging import check_creatable, is_unchanged_output, staged_folder
+from .staging import check_replaceable, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -305,22 +304,16 @@ def _related(a: Path, b: Path) -> bool:
 def _check_replaceable(out_dir: Path) -> None:
     """The destination's own checks, which need no source: with --out given they run before the
     (slow) source is read."""
-    check_creatable(out_dir, "export")
-    out = out_dir.resolve()
-    if out.exists():
-        if not out.is_dir():
-            raise OutputError(f"{out_dir}: exists and is not a folder")
-        if os.path.ismount(out):  # staged_folder replaces the folder by renaming; a mount point cannot be
-            raise OutputError(f"{out_dir}: is a mount point, which the export cannot replace; choose a folder inside it")
+    def not_busy(out: Path) -> None:
         if prepack_busy(out):
             raise OutputError(f"{out_dir}: a gemma-export prepack is working on this folder; export again when it has "
                               "finished")
-        # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
-        derived = ((PREPACKED_DIR, PREPACKED_MANIFEST),) if not prepack_owned_problem(out / PREPACKED_DIR) else ()
-        if any(out.iterdir()) and not is_unchanged_output(out, MANIFEST_FILE, {"format": "onnx"}, derived=derived,
-                                                         leftovers=LEFTOVER_PREFIXES):
-            raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged gemma-export folder (a "
-                              f"{MANIFEST_FILE} of ours listing every file in it); refusing to replace it")
+
+    out = out_dir.resolve()
+    # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
+    derived = ((PREPACKED_DIR, PREPACKED_MANIFEST),) if out.is_dir() and not prepack_owned_problem(out / PREPACKED_DIR) else ()
+    check_replaceable(out_dir, "export", MANIFEST_FILE, before=not_busy, required={"format": "onnx"}, derived=derived,
+                      leftovers=LEFTOVER_PREFIXES)
 
 
 #: tensors of at least this many bytes go to the data file; smaller constants stay in model.onnx

@@ -13,7 +13,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .errors import OutputError
 
@@ -179,6 +179,32 @@ def check_creatable(out_dir: Path, what: str) -> None:
     reason = entry_refused(existing)
     if reason is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder in {existing}: {reason}")
+
+
+def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
+                      **unchanged) -> None:
+    """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
+    replace: one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
+    mount point cannot be), or a non-empty folder that is not an unchanged output of ours
+    (:func:`is_unchanged_output` with ``manifest_name`` and ``unchanged``). ``before(out)`` runs on an
+    existing folder first (a check with a more specific message).
+
+    Raises:
+        OutputError: naming ``out_dir`` and the reason.
+    """
+    check_creatable(out_dir, what)
+    out = out_dir.resolve()
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutputError(f"{out_dir}: exists and is not a folder")
+    if os.path.ismount(out):
+        raise OutputError(f"{out_dir}: is a mount point, which the {what} cannot replace; choose a folder inside it")
+    if before is not None:
+        before(out)
+    if any(out.iterdir()) and not is_unchanged_output(out, manifest_name, **unchanged):
+        raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
+                          f"{manifest_name} of ours listing every file in it); refusing to replace it")
 
 
 @contextlib.contextmanager

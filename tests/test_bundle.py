@@ -85,8 +85,20 @@ def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_pa
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
-    assert result.exit_code == 2 and "is not an unchanged gemma-export bundle" in result.output
+    assert result.exit_code == 2 and "is not an unchanged bundle of gemma-export (a BUNDLE.json of ours" in result.output
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_an_out_below_a_file_is_refused_before_any_work(tiny_int8_export, wheel, tmp_path):
+    """The bundle's destination gets the export's checks (check_replaceable): a file among the
+    parents is named, with the bundle folder, before the model is copied."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine")
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(blocker / "board"),
+                                 "--wheel", str(wheel)])
+    assert result.exit_code == 2, result.output
+    assert f"{blocker / 'board'}: cannot create the bundle folder: {blocker} is a file, not a folder" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and blocker.read_text() == "mine"
 
 
 def test_a_prepacked_copy_stays_out_of_the_bundle(tiny_int8_export, wheel, tmp_path):

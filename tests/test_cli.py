@@ -229,7 +229,7 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
-    assert result.exit_code == 2 and "not an unchanged gemma-export folder" in result.stderr
+    assert result.exit_code == 2 and "not an unchanged export of gemma-export" in result.stderr
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
 
 

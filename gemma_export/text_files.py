@@ -1,0 +1,32 @@
+"""Reading the text files users pass (``--text``, ``--calibration-text``, ``--prompts``, ``--golden``)
+with one set of one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import FormatError, SourceNotFoundError
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The whole of a UTF-8 text file; ``what`` names it in errors (e.g. ``"golden file"``).
+
+    Raises:
+        SourceNotFoundError: ``"{path}: no such {what}"``, a folder or other non-regular file, or an
+            OS error while reading (its reason).
+        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise SourceNotFoundError(f"{p}: is a folder; expected a {what}")
+    if p.exists() and not p.is_file():
+        raise SourceNotFoundError(f"{p}: not a regular file; expected a {what}")
+    if not p.is_file():
+        raise SourceNotFoundError(f"{p}: no such {what}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}") from None
+    except OSError as exc:
+        raise SourceNotFoundError(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
