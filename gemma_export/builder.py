@@ -136,7 +136,10 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     heads each) fed the additive mask of :func:`attention_masks` as ``attention_bias``, so padding
     and the sliding window are exactly transformers' whatever the batch layout.
 
-    Returns ``(output [B, S, hidden], present_key, present_value)``.
+    ``x``: float32 ``[B, S, hidden]`` (after ``input_layernorm``); ``past_key``/``past_value``: float32
+    ``[B, num_key_value_heads, past, head_dim]`` (BNSH). Returns ``(output [B, S, hidden],
+    present_key, present_value)``, the presents ``[B, num_key_value_heads, past + S, head_dim]`` (or the
+    shared buffer's capacity when the runtime binds one buffer as past and present).
     """
     c = ckpt.config
     p = f"model.layers.{layer}.self_attn."
@@ -164,7 +167,10 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
 
 
 def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value) -> ir.Value:
-    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (transformers ``Gemma3MLP``)."""
+    """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (transformers ``Gemma3MLP``), float32
+    ``x [B, S, hidden]`` → ``[B, S, hidden]`` through ``[B, S, intermediate_size]``. ONNX ``Gelu``
+    (opset 20) with ``approximate="tanh"`` is ``0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))``, the
+    formula of transformers' ``gelu_pytorch_tanh`` (``hidden_activation`` of Gemma 3)."""
     p = f"model.layers.{layer}.mlp."
     gate, up = fmt.linears(g, x, [_weight(ckpt, p + "gate_proj.weight"), _weight(ckpt, p + "up_proj.weight")],
                            p + "gate_up_proj.weight")
@@ -176,7 +182,8 @@ def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: i
     """Sandwich-norm block (transformers ``Gemma3DecoderLayer``): input norm → attention →
     post-attention norm → residual; pre-feedforward norm → MLP → post-feedforward norm → residual.
 
-    Returns ``(hidden, present_key, present_value, sub_blocks)``; ``sub_blocks`` maps ``attention``
+    ``x``: float32 ``[B, S, hidden]``; caches as :func:`self_attention`.
+    Returns ``(hidden [B, S, hidden], present_key, present_value, sub_blocks)``; ``sub_blocks`` maps ``attention``
     and ``mlp`` to what each adds to the residual stream (the outputs of ``post_attention_layernorm``
     and ``post_feedforward_layernorm``, as transformers' modules of those names return them)."""
     p = f"model.layers.{layer}."
