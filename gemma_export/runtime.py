@@ -184,7 +184,7 @@ class OnnxDecoder:
         if unknown or "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
             raise FormatError(f"{path}: inputs {sorted(inputs)} are not the decoder contract (input_ids, "
                               "attention_mask, position_ids, past_key_values.{i}.key|value)")
-        self.num_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        self.num_hidden_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
         if not isinstance(self.head_dim, int):  # symbolic (onnxruntime-genai graphs): its config has it
             self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
@@ -194,7 +194,7 @@ class OnnxDecoder:
         manifest = self.model_dir / MANIFEST_FILE
         self.manifest = read_manifest(self.model_dir)
         check_manifest_fields(self.manifest, manifest)
-        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_layers)
+        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
@@ -205,7 +205,7 @@ class OnnxDecoder:
         """Zero-length ``past_key_values.*`` for a prefill step."""
         shape = (batch_size, self.num_key_value_heads, 0, self.head_dim)
         return {f"past_key_values.{i}.{kind}": np.zeros(shape, np.float32)
-                for i in range(self.num_layers) for kind in ("key", "value")}
+                for i in range(self.num_hidden_layers) for kind in ("key", "value")}
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -398,7 +398,7 @@ def _shown(value) -> str:
     return text if len(text) <= 60 else f"{text[:57]}..."
 
 
-def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_layers: int) -> None:
+def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int) -> None:
     """Check that the manifest's ``config`` describes the graph beside it: ``vocab_size`` and
     ``num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs).
     Call :func:`check_manifest_fields` first.
@@ -409,7 +409,7 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
         FormatError: naming the first field that contradicts the graph.
     """
     config = manifest.get("config", {})  # an object: check_manifest_fields comes first
-    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_layers)):
+    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers)):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {_shown(config[field])}, but the graph has {actual:,}")
 
@@ -511,7 +511,7 @@ class KVCache:
         self._binding.bind_output("logits")  # first bound output: get_outputs()[0]
         shape = (batch_size, decoder.num_key_value_heads, capacity, decoder.head_dim)
         self._buffers = []  # our references keep the bound buffers alive as long as the binding
-        for i in range(decoder.num_layers):
+        for i in range(decoder.num_hidden_layers):
             for kind in ("key", "value"):
                 buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
                 self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
