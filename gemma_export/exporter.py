@@ -320,6 +320,55 @@ def _check_replaceable(out_dir: Path) -> None:
 SIZE_THRESHOLD_BYTES = 256
 
 
+def _check_options(dtype: str, block_size: int | None, table_block_size: int | None, hadamard_size: int | None,
+                   table_dtype: str | None, symmetric: bool, scale_method: str | None, calibrate: bool | None,
+                   calibration_text, calibration_tokens: int | None) -> None:
+    """:func:`export`'s options against each other and their ranges, before any file is read.
+
+    Raises:
+        ConfigError: naming the option, what it applies to or expects, and what was given.
+    """
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if table_dtype not in (None, "int4", "int8"):
+        raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
+    int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
+                                               ("--scale-method", scale_method is not None)) if given]
+    if dtype != "int4":
+        _refuse_options(int4_only, "int4", dtype)
+    quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
+                                                   ("--hadamard", hadamard_size)) if value is not None]
+    if dtype not in ("int8", "int4"):
+        _refuse_options(quantized_only, "int8 and int4", dtype)
+    if scale_method not in (None, "mse", "rtn"):
+        raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
+    for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
+                          ("--hadamard", hadamard_size or None)):
+        if value is not None and not _is_block_size(value):  # before the (slow) source is read
+            raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
+    quantized = dtype in ("int8", "int4")
+    for option, given in (("--calibrate", bool(calibrate)), ("--calibration-text", calibration_text is not None),
+                          ("--calibration-tokens", calibration_tokens is not None)):
+        if given and not quantized:
+            raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
+        if given and calibrate is False:  # only the two value options can meet --no-calibrate
+            raise ConfigError(f"{option} is used only when calibrating; drop --no-calibrate")
+    if calibration_tokens is not None and not MIN_CALIBRATION_TOKENS <= calibration_tokens <= MAX_CALIBRATION_TOKENS:
+        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected {MIN_CALIBRATION_TOKENS} to "
+                          f"{MAX_CALIBRATION_TOKENS:,}")
+
+
+def _quantization_record(fmt, calibration: Calibration | None) -> dict:
+    """The manifest's ``quantization`` object of an int8/int4 export: block sizes, rotation, (int4)
+    table dtype, zero points and scale method, and the calibration (None: rounded to nearest)."""
+    record = {"block_size": fmt.block_size, "table_block_size": fmt.table_block_size, "hadamard_size": fmt.hadamard_size}
+    if fmt.name == "int4":
+        record.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
+    record["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
+                             if calibration is not None else None)
+    return record
+
+
 def export(
     source: str | Path | None = None,
     out_dir: str | Path | None = None,
@@ -379,35 +428,10 @@ def export(
     """
     import onnx_ir as ir
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if table_dtype not in (None, "int4", "int8"):
-        raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
-    int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
-                                               ("--scale-method", scale_method is not None)) if given]
-    if dtype != "int4":
-        _refuse_options(int4_only, "int4", dtype)
-    quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
-                                                   ("--hadamard", hadamard_size)) if value is not None]
-    if dtype not in ("int8", "int4"):
-        _refuse_options(quantized_only, "int8 and int4", dtype)
+    _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
+                   calibration_text, calibration_tokens)
     scale_method = scale_method or "mse"
-    if scale_method not in ("mse", "rtn"):
-        raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
-    for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
-                          ("--hadamard", hadamard_size or None)):
-        if value is not None and not _is_block_size(value):  # before the (slow) source is read
-            raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
     quantized = dtype in ("int8", "int4")
-    for option, given in (("--calibrate", bool(calibrate)), ("--calibration-text", calibration_text is not None),
-                          ("--calibration-tokens", calibration_tokens is not None)):
-        if given and not quantized:
-            raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
-        if given and calibrate is False:  # only the two value options can meet --no-calibrate
-            raise ConfigError(f"{option} is used only when calibrating; drop --no-calibrate")
-    if calibration_tokens is not None and not MIN_CALIBRATION_TOKENS <= calibration_tokens <= MAX_CALIBRATION_TOKENS:
-        raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected {MIN_CALIBRATION_TOKENS} to "
-                          f"{MAX_CALIBRATION_TOKENS:,}")
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     # a text the user asked for is read (and refused) before the slow source; the default text only
     # once the source is known to calibrate (a tokenizer-less source never needs it)
@@ -438,12 +462,7 @@ def export(
         fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration)
     else:
         fmt = weight_format(dtype)
-    quantization = {k: getattr(fmt, k) for k in ("block_size", "table_block_size", "hadamard_size") if hasattr(fmt, k)}
-    if dtype == "int4":
-        quantization.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
-    if quantized:
-        quantization["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
-                                       if calibration is not None else None)
+    quantization = _quantization_record(fmt, calibration) if quantized else None
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     with staged_folder(out, "export") as staging:
@@ -473,7 +492,7 @@ def export(
         manifest = {
             "format": "onnx",
             "dtype": dtype,
-            **({"quantization": quantization} if quantized else {}),
+            **({"quantization": quantization} if quantization is not None else {}),
             "all_logits": all_logits,
             "debug_outputs": debug_outputs,
             "tie_word_embeddings": ckpt.tied,
@@ -490,7 +509,7 @@ def export(
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
-                        quantization.get("calibration"))
+                        (quantization or {}).get("calibration"))
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -> Calibration:
