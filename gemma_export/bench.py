@@ -122,7 +122,8 @@ def drop_page_cache() -> None:
                                "cold runs need root on Linux") from None
 
 
-def _archive_bytes(model_dir: Path) -> int:
+def archive_bytes(model_dir: Path) -> int:
+    """Bytes of an export's ONNX archive: ``model.onnx`` and its external data (``model.onnx.data``)."""
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
@@ -220,7 +221,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
     reference_figures = time_reference(reference, reference_weights, ids, statistics.median(short_decode), say) \
         if reference else None
     result = BenchResult(
-        model=str(model_dir), threads=threads, archive_bytes=_archive_bytes(model_dir), session_create_s=create_s,
+        model=str(model_dir), threads=threads, archive_bytes=archive_bytes(model_dir), session_create_s=create_s,
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,

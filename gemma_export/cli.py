@@ -182,6 +182,7 @@ def main(
         return
     from tqdm import tqdm
 
+    from .bench import archive_bytes
     from .exporter import export
 
     bars: dict = {}  # one bar per stage, created when the stage starts (after the "reading" line)
@@ -228,10 +229,9 @@ def main(
         _interrupted()
     close_bars()
     typer.echo(f"wrote {result.out_dir}")
-    for name, size in result.files.items():
-        typer.echo(f"  {name:<28} {size:>15,} bytes")
+    _list_files(result.files, 28)
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
-    archive = sum(size for name, size in result.files.items() if name in ("model.onnx", "model.onnx.data"))
+    archive = archive_bytes(result.out_dir)
     typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
