@@ -134,8 +134,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         GemmaExportError: unknown board; the export fails verification (``VerificationError``);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
-    from .exporter import MANIFEST_FILE, _sha256, verify_manifest
-    from .staging import check_replaceable, staged_folder
+    from .exporter import MANIFEST_FILE, verify_manifest
+    from .staging import check_replaceable, file_sha256, staged_folder
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -168,7 +168,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
         verify_manifest(staging / "model")  # the copies, not only the originals
         manifest = {"board": board, "gemma_export_version": __version__,
-                    "files": {rel: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for rel, p in listing.items()}}
+                    "files": {rel: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for rel, p in listing.items()}}
         (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
     sizes[BUNDLE_MANIFEST] = (out / BUNDLE_MANIFEST).stat().st_size

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import hashlib
 import json
 import math
 import time
@@ -30,7 +29,7 @@ from .prepack import owned_problem as prepack_owned_problem
 from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
-from .staging import check_replaceable, staged_folder
+from .staging import check_replaceable, file_sha256, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -148,14 +147,6 @@ def genai_config(checkpoint: Checkpoint) -> dict:
     }
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
     """Initializers in an ONNX file that hold a whole ``vocab × hidden`` table in any layout: first
     dimension ``vocab`` and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
@@ -252,7 +243,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{path}: listed in the manifest but missing")
         if path.stat().st_size != size:
             raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
-        if _sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from the manifest")
     stale = prepack_leftovers(folder)
     if stale:
@@ -504,7 +495,7 @@ def export(
             # lm_head (or a GGUF with its own output.weight) is exported with two tables
             "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},
             "tool": {"gemma-export": __version__, **_tool_versions()},
-            "files": {name: {"bytes": size, "sha256": _sha256(staging / name)} for name, size in files.items()},
+            "files": {name: {"bytes": size, "sha256": file_sha256(staging / name)} for name, size in files.items()},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size

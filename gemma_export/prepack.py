@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .runtime import read_manifest
-from .staging import interrupts_held, staged_folder
+from .staging import file_sha256, interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
@@ -372,7 +372,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             files = {}
             for path in sorted(staging.iterdir()):
                 stat = path.stat()
-                files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256(path)}
+                files[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": file_sha256(path)}
             record = {"format": FORMAT, "machine": machine_key(), "source": source_identity(model_dir), "files": files,
                       "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "check": {"token_ids": token_ids, "logits": "identical"}}
@@ -411,19 +411,13 @@ def verify(model_dir: str | Path) -> str:
         path = folder / name
         if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
             raise VerificationError(f"{path}: recorded in {PREPACKED_MANIFEST} but missing; {fix}")
-        if _sha256(path) != digest:
+        if file_sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from {PREPACKED_MANIFEST}; {fix}")
     if found.path is None and PREPACKED_MANIFEST in found.problem.split(": ", 1)[0]:
         raise VerificationError(f"{found.problem}; {fix}")  # a record the runtime cannot read
     if found.path is None:
         return f"pre-packed copy {folder}: intact, but {found.problem.split(': ', 1)[-1]}; not used here"
     return f"pre-packed copy {folder}: {len(items)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
-
-
-def _sha256(path: Path) -> str:
-    from .exporter import _sha256 as sha256_of_file
-
-    return sha256_of_file(path)
 
 
 def remove(model_dir: str | Path) -> bool:

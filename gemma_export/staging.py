@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -179,6 +180,15 @@ def check_creatable(out_dir: Path, what: str) -> None:
     reason = entry_refused(existing)
     if reason is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder in {existing}: {reason}")
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read 1 MiB at a time."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,

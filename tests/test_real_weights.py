@@ -17,7 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 from gemma_export.cli import app
-from gemma_export.exporter import _sha256, is_table_shaped
+from gemma_export.exporter import is_table_shaped
+from gemma_export.staging import file_sha256
 from gemma_export.quality import compare_logits
 from gemma_export.runtime import OnnxDecoder, load_tokenizer
 from gemma_export.sources import bundled_gguf_path
@@ -189,7 +190,7 @@ def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
     names = sorted(p.name for p in int8_dir.iterdir())
     assert names == sorted(p.name for p in again.iterdir())
     for name in names:  # manifest.json included: same sha256 list, options, source identity, versions
-        assert _sha256(int8_dir / name) == _sha256(again / name), name
+        assert file_sha256(int8_dir / name) == file_sha256(again / name), name
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["files"]["model.onnx.data"]["bytes"] == (again / "model.onnx.data").stat().st_size
     assert manifest["source"]["kind"] == "gguf" and manifest["dtype"] == "int8"
