@@ -212,6 +212,14 @@ class _RotatedRows:
 
 
 class Int8Format(WeightFormat):
+    """Block-wise symmetric int8 projections and table (``MatMulNBits`` 8 bits, one float32 scale per
+    block of ``block_size`` inputs), every matmul input rotated by a ``hadamard_size`` block-diagonal
+    Hadamard folded into the weights, codes by GPTQ when ``calibration`` is given.
+
+    ``table_block_size`` defaults to ``block_size`` here; :func:`gemma_export.exporter.export` passes
+    ``DEFAULT_INT8_TABLE_BLOCK_SIZE`` (128) when the model's hidden size allows it.
+    """
+
     name = "int8"
 
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
