@@ -517,6 +517,9 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -
         raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
                           "export without --calibrate (round-to-nearest codes)")
     ids = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")).encode(body).ids[:tokens]
+    if ids and max(ids) >= ckpt.config.vocab_size:
+        raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
+                          f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least "
                           f"{MIN_CALIBRATION_TOKENS}")

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import GemmaExportError
+from .errors import GemmaExportError, NumericError
 
 #: Gemma 3 270M's ``sliding_window``: the default split of top-1 agreement when no config is given
 DEFAULT_SLIDING_WINDOW = 512
@@ -77,12 +77,19 @@ class LogitComparison:
 
         Raises:
             GemmaExportError: the shapes differ, or the rows are not the next ones expected.
+            NumericError: a row of either holds NaN or Inf (naming which and the row; the figures
+                would otherwise come out as NaN, or as a max |Δlogit| of 0).
         """
         n = len(self.ids)
         if reference.shape != logits.shape or reference.ndim != 2 or start != self.rows_seen \
                 or start + reference.shape[0] > n:
             raise GemmaExportError(f"logits: expected rows {self.rows_seen}… of two [T, V] matrices with T = {n} "
                                    f"tokens, found rows {start}… of {list(reference.shape)} and {list(logits.shape)}")
+        for side, values in (("reference", reference), ("export", logits)):
+            broken = ~np.isfinite(values).all(axis=-1)
+            if broken.any():
+                raise NumericError(f"logits: the {side}'s row {start + int(np.argmax(broken))} holds NaN or Inf; "
+                                   f"the {side} does not compute finite logits")
         e = start + reference.shape[0]
         self.agree[start:e] = reference.argmax(-1) == logits.argmax(-1)
         p, q = _log_softmax(reference), _log_softmax(logits)
@@ -252,7 +259,9 @@ def manifest_source(model_dir: Path) -> str:
     try:
         path = read_manifest(model_dir)["source"]["path"]
     except (FormatError, KeyError, TypeError):
-        raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source") from None
+        path = None
+    if not isinstance(path, str) or not path.strip():
+        raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source")
     if not Path(path).exists():
         raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")
     return path

@@ -196,8 +196,13 @@ class BF16Format(Float32Format):
     name = "bf16"
 
     def _weight(self, g, name, shape, make):
-        stored = g.initializer(_lazy(name, ir.DataType.BFLOAT16, shape,
-                                     lambda: BF16Weights.quantize(make()).bits.view(ml_dtypes.bfloat16)))
+        def bits():
+            try:
+                return BF16Weights.quantize(make()).bits.view(ml_dtypes.bfloat16)
+            except ValueError as exc:
+                raise NumericError(f"'{name}': cannot store as bf16: {exc}") from None
+
+        stored = g.initializer(_lazy(name, ir.DataType.BFLOAT16, shape, bits))
         return g.op("Cast", stored, to=ir.DataType.FLOAT)
 
 

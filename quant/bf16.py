@@ -47,7 +47,20 @@ class BF16Weights:
 
     @classmethod
     def quantize(cls, w: np.ndarray) -> "BF16Weights":
-        return cls(float32_to_bfloat16_bits(w))
+        """Round a float32 array to bfloat16 (:func:`float32_to_bfloat16_bits`).
+
+        Raises:
+            ValueError: a finite value rounds to ±Inf (|w| above bfloat16's largest finite value,
+                ~3.39e38), naming the first such value and its index.
+        """
+        w = np.asarray(w, dtype=np.float32)
+        bits = float32_to_bfloat16_bits(w)
+        overflow = np.isinf(bits.view(ml_dtypes.bfloat16)) & np.isfinite(w)
+        if overflow.any():
+            index = np.unravel_index(int(np.argmax(overflow)), w.shape)
+            raise ValueError(f"{w[index]:.6g} at index {list(map(int, index))} overflows bfloat16 (largest finite "
+                             f"{float(ml_dtypes.finfo(ml_dtypes.bfloat16).max):.6g})")
+        return cls(bits)
 
     def dequantize(self) -> np.ndarray:
         """float32 array, same shape: exact widening of each bf16 value."""

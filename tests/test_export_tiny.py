@@ -411,3 +411,19 @@ def test_a_different_stored_head_is_exported_untied_and_the_manifest_says_so(tin
     manifest = json.loads((result.out_dir / "manifest.json").read_text())
     assert result.table_initializers == 2
     assert manifest["tie_word_embeddings"] is False and manifest["config"]["tie_word_embeddings"] is False
+
+
+def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
+    """3.4e38 is a finite float32 but rounds to +Inf in bf16: the export names the tensor and writes
+    nothing (it wrote a graph whose logits were NaN, and verify passed it)."""
+    import torch
+
+    from gemma_export.errors import NumericError
+
+    model = make_tiny_model(seed=3)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = 3.4e38
+    src = save_tiny(model, tmp_path / "src")
+    with pytest.raises(NumericError, match=r"gate_up_proj.weight': cannot store as bf16: 3\.4e\+38 at index .* overflows"):
+        export(src, tmp_path / "out", "bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

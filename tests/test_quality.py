@@ -175,6 +175,35 @@ def test_quality_never_builds_a_whole_logit_matrix(tiny_int8_export, text_file, 
             assert report.metrics.top1_agreement == 1.0 and report.metrics.max_abs_logit_diff == 0.0
 
 
+@pytest.mark.parametrize("side", ["reference", "export"])
+def test_non_finite_logits_are_named_not_scored(side):
+    """NaN logits made KL and perplexity NaN and max |dlogit| 0 (max(0.0, nan)), with exit 0."""
+    from gemma_export.errors import NumericError
+
+    good = np.zeros((4, 5), np.float32)
+    bad = good.copy()
+    bad[2, 3] = np.nan
+    reference, logits = (bad, good) if side == "reference" else (good, bad)
+    with pytest.raises(NumericError, match=f"logits: the {side}'s row 2 holds NaN or Inf"):
+        compare_logits(reference, logits, [0, 1, 2, 3])
+
+
+def test_a_source_path_that_is_not_text_is_named(tiny_int8_export, tmp_path):
+    import shutil
+
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.quality import manifest_source
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    for value in (7, None, ["a"], ""):
+        manifest["source"]["path"] = value
+        (model / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(SourceNotFoundError, match="missing or without source.path"):
+            manifest_source(model)
+
+
 def test_logit_comparison_refuses_rows_out_of_order_and_an_incomplete_result():
     from gemma_export.errors import GemmaExportError
     from gemma_export.quality import LogitComparison

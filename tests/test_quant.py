@@ -65,6 +65,14 @@ def test_bf16_round_to_nearest_even_and_nan():
     assert (x.view(np.uint32)[1] >> 16) != bits[1]
 
 
+def test_bf16_refuses_a_finite_value_that_would_round_to_inf():
+    x = np.array([[1.0, 2.0], [-3.4e38, 5.0]], np.float32)  # beyond bf16's largest finite 3.3895e38
+    with pytest.raises(ValueError, match=r"-3\.4e\+38 at index \[1, 0\] overflows bfloat16 \(largest finite 3\.38953e\+38\)"):
+        BF16Weights.quantize(x)
+    kept = np.array([np.inf, -np.inf, np.nan, 3.3e38], np.float32)  # already infinite or in range: stored as is
+    assert np.isinf(BF16Weights.quantize(kept).dequantize()[:2]).all()
+
+
 def test_hadamard_is_orthogonal_symmetric_and_self_inverse():
     from quant import hadamard_matrix, rotate_blocks
 
