@@ -283,10 +283,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
     model_dir = Path(model_dir)
     check_export_folder(model_dir)
-    try:
-        tokenizer = load_tokenizer(model_dir)
-    except GemmaExportError:
-        tokenizer = None
+    # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
+    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
     # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []

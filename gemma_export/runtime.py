@@ -552,8 +552,7 @@ def load_tokenizer(model_dir: str | Path):
     from tokenizers import Tokenizer
 
     model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise SourceNotFoundError(f"{model_dir}: no such export folder")
+    require_folder(model_dir, "tokenizer.json")
     path = model_dir / "tokenizer.json"
     if path.is_dir():
         raise FormatError(f"{path}: is a folder; expected the tokenizer file")
