@@ -33,6 +33,8 @@ from .memory import peak_rss_bytes, release_free_heap, snapshot
 WARMUP_STEPS = 4
 
 #: Boards we know: intra-op threads and usable memory (bytes), and the headroom bench insists on.
+#: intra-op threads without --threads or --board: the board's two cores
+DEFAULT_THREADS = 2
 BOARDS = {"sl2610": {"threads": 2, "memory_bytes": 1_900_000_000, "headroom_bytes": 300_000_000}}
 
 
@@ -127,7 +129,7 @@ def archive_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
-def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Sequence[int] = (16, 128, 512),
+def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: Sequence[int] = (16, 128, 512),
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
               reference: str | Path | None = None, reference_weights: str | Path | None = None,
               prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None,
@@ -136,7 +138,7 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
 
     Args:
         model_dir: an export folder (``model.onnx``, ``model.onnx.data``, ``tokenizer.json``).
-        threads: intra-op threads (``board`` overrides it).
+        threads: intra-op threads (None: the ``board``'s, else 2; given, it wins over the board's).
         prompt_tokens: prompt lengths in tokens, each > 0.
         new_tokens: decode steps after each prompt, > ``WARMUP_STEPS``.
         board: a key of ``BOARDS``: sets threads and checks the memory budget.
@@ -183,7 +185,8 @@ def run_bench(model_dir: str | Path, threads: int | None = 2, prompt_tokens: Seq
         if board not in BOARDS:
             raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
         spec = BOARDS[board]
-        threads = spec["threads"]
+    if threads is None:
+        threads = spec["threads"] if spec is not None else DEFAULT_THREADS
     body, source = real_text(text)
     ids = load_tokenizer(model_dir).encode(body).ids
     if len(ids) < lengths[-1]:

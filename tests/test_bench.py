@@ -32,6 +32,21 @@ def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     assert r.text_source == str(text_file)
 
 
+def test_threads_come_from_the_option_then_the_board_then_the_default(tiny_int8_export, text_file, monkeypatch):
+    """--threads given wins over --board's (it ran the board's 2 silently); without it the board's,
+    without both the default 2. Checked on the sessions bench creates."""
+    from gemma_export import runtime
+
+    made = []
+    create = runtime.create_session
+    monkeypatch.setattr(runtime, "create_session",
+                        lambda path, threads=None, *a, **k: made.append(threads) or create(path, threads, *a, **k))
+    for threads, board, expected in ((1, "sl2610", 1), (None, "sl2610", 2), (None, None, 2), (3, None, 3)):
+        r = run_bench(tiny_int8_export, threads=threads, board=board, prompt_tokens=(4,), new_tokens=WARMUP_STEPS + 1,
+                      text=text_file)
+        assert r.threads == expected and made[-1] == expected, (threads, board, made)
+
+
 def test_bench_prefill_in_chunks(tiny_int8_export, text_file, monkeypatch):
     from gemma_export.runtime import KVCache
 
