@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
-from .errors import GemmaExportError, OutputError, SourceNotFoundError
+from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
 
 #: Boards a bundle can target: what its README tells the board team (threads and the memory
 #: budget come from ``bench.BOARDS``, which ``bench --board`` applies).
@@ -121,6 +121,23 @@ fails with a message if peak memory leaves less than {headroom_mb} MB of the boa
 """
 
 
+def _check_wheel(wheel: Path) -> None:
+    """A wheel is a zip archive; this one must hold the toolkit (``gemma_export/__init__.py``).
+
+    Raises:
+        FormatError: not a zip archive, or one without the package.
+    """
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            names = set(archive.namelist())
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise FormatError(f"{wheel}: not a wheel (a zip archive): {exc}") from None
+    if "gemma_export/__init__.py" not in names:
+        raise FormatError(f"{wheel}: a zip archive without gemma_export/__init__.py; not a gemma_export wheel")
+
+
 def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wheel: str | Path | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 
@@ -151,6 +168,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         wheel = Path(wheel)
         if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
             raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file")
+        _check_wheel(wheel)
     with staged_folder(out, "bundle") as staging:
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:

@@ -80,6 +80,24 @@ def test_bad_arguments(tiny_int8_export, tmp_path, args, message):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"not a zip", "not a wheel (a zip archive)"),
+    (None, "a zip archive without gemma_export/__init__.py; not a gemma_export wheel"),
+])
+def test_a_wheel_that_is_not_the_toolkit_is_refused(tiny_int8_export, tmp_path, content, message):
+    """Only the name was checked: a 9-byte text file called gemma_export-0.1.0-py3-none-any.whl was bundled."""
+    fake = tmp_path / "gemma_export-0.1.0-py3-none-any.whl"
+    if content is None:
+        with zipfile.ZipFile(fake, "w") as archive:
+            archive.writestr("other/__init__.py", "")
+    else:
+        fake.write_bytes(content)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    assert result.exit_code == 2 and f"{fake}: {message}" in result.output, result.output
+    assert not out.exists()
+
+
 def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_path):
     out = tmp_path / "board"
     out.mkdir()
