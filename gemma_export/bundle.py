@@ -152,7 +152,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
     from .exporter import MANIFEST_FILE, verify_manifest
-    from .staging import check_replaceable, file_sha256, staged_folder
+    from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -169,6 +169,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
             raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file")
         _check_wheel(wheel)
+    # the model's files, its manifest and a wheel of ~0.1 MB
+    check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + 10**5, "bundle")
     with staged_folder(out, "bundle") as staging:
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:

@@ -191,6 +191,27 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
+    """Refuse, before the slow work, an output that will not fit: ``need_bytes`` (an estimate of the
+    files :func:`staged_folder` writes beside ``out_dir``) against the free space of the nearest
+    existing folder on ``out_dir``'s path. The old output is replaced only after the new one is
+    complete, so its space does not count.
+
+    Raises:
+        OutputError: naming the folder, the bytes needed and free.
+    """
+    existing = next((p for p in (out_dir, *out_dir.parents) if p.is_dir()), None)
+    if existing is None:
+        return
+    try:
+        free = shutil.disk_usage(existing).free
+    except OSError:
+        return
+    if free < need_bytes:
+        raise OutputError(f"{out_dir}: the {what} needs about {need_bytes / 1e6:,.1f} MB and {existing} has "
+                          f"{free / 1e6:,.1f} MB free; free some space or choose another folder (nothing was written)")
+
+
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not

@@ -42,10 +42,18 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=False)
 
 
-def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_disk):
+def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_disk, monkeypatch):
     out = small_disk / "model"
     assert _export(tiny_dir, out).exit_code == 0
     before = _tree(small_disk)
+    # the estimate of the archive's size refuses first ...
+    result = _export(tiny_dir, out, "fp32")
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out}: the export needs about 0.") and "MB free; free some space" in line, line
+    assert _tree(small_disk) == before
+    # ... and where it is too low, the write itself fails cleanly
+    monkeypatch.setattr(exporter, "check_free_space", lambda *args: None)
     result = _export(tiny_dir, out, "fp32")
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]

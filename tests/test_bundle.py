@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import re
 import zipfile
 
 import pytest
@@ -152,3 +153,16 @@ def test_every_bundle_board_is_one_bench_knows():
         text = bundle._readme(board, "gemma_export.whl", {"config": {}, "dtype": "int8"})
         assert f"--threads {spec['threads']} " in text
         assert f"less than {spec['headroom_bytes'] // 1_000_000} MB" in text
+
+
+def test_a_bundle_that_will_not_fit_is_refused_before_copying(tiny_int8_export, wheel, tmp_path, monkeypatch):
+    import collections
+
+    import gemma_export.staging as staging
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 2 and re.search(r"board: the bundle needs about 0\.\d MB and .* has 0\.0 MB free", result.output), result.output
+    assert not out.exists()

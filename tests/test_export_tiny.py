@@ -427,3 +427,28 @@ def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
     with pytest.raises(NumericError, match=r"gate_up_proj.weight': cannot store as bf16: 3\.4e\+38 at index .* overflows"):
         export(src, tmp_path / "out", "bf16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_an_export_that_will_not_fit_is_refused_before_the_slow_work(tiny_dir, tmp_path, monkeypatch):
+    """A full disk was found after calibrating (45 s on the 270M): the archive's estimated size is
+    checked against the free space first. The estimate counts the weights' bytes: within 1% of the
+    real 270M's files; on the tiny model within 10% of its data file (the graph and configs dominate
+    the rest)."""
+    import collections
+
+    import gemma_export.exporter as exporter
+    import gemma_export.staging as staging
+    from gemma_export.errors import OutputError
+    from gemma_export.sources import open_source
+
+    written = export(tiny_dir, tmp_path / "fits", "int8", block_size=16, table_block_size=16)
+    estimate = exporter._estimated_bytes(open_source(tiny_dir), "int8", 16, 16, 8)
+    data = written.files["model.onnx.data"]
+    assert abs(estimate - data) <= 0.1 * data, (estimate, data)
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(staging.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(exporter, "_calibrate", lambda *a, **k: pytest.fail("calibrated before checking the space"))
+    with pytest.raises(OutputError, match=r"out: the export needs about 0\.\d MB and .* has 0\.0 MB free; free some space"):
+        export(tiny_dir, tmp_path / "out", "int8", block_size=16, table_block_size=16)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fits"]
