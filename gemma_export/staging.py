@@ -129,7 +129,8 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
     lists, the folders holding them, ``derived`` sub-folders (``(name, marker file)`` pairs: a
     folder ``name`` holding ``marker``, which the toolkit wrote from the listed files), and hidden
     folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
-    sub-folder leaves): only such a folder may be replaced by a new output."""
+    sub-folder leaves), each listed file with the size and sha256 recorded for it: only such a folder
+    may be replaced by a new output."""
     try:
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
@@ -150,7 +151,12 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
             continue
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return False
-    return True
+    # and every listed file still holds what the manifest records (sizes first: cheap)
+    recorded = [(folder / name, entry) for name, entry in manifest["files"].items()
+                if isinstance(entry, dict) and (folder / name).is_file()]
+    if any(path.stat().st_size != entry.get("bytes") for path, entry in recorded):
+        return False
+    return all(file_sha256(path) == entry.get("sha256") for path, entry in recorded)
 
 
 def entry_refused(folder: Path) -> str | None:

@@ -131,6 +131,23 @@ def test_an_unchanged_export_is_replaced_by_a_new_one(tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folder left
 
 
+@pytest.mark.parametrize("edit", ["flip a byte", "truncate"])
+def test_an_export_whose_files_were_edited_is_not_replaced(tiny_dir, tmp_path, edit):
+    """"Unchanged" means the listed files still hold the sizes and sha256 the manifest records (a
+    byte edited in model.onnx.data was replaced silently: only the file names were compared)."""
+    out = tmp_path / "out"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "fp32").exit_code == 0
+    data = bytearray((out / "model.onnx.data").read_bytes())
+    if edit == "flip a byte":
+        data[10] ^= 0xFF
+    else:
+        del data[-100:]
+    (out / "model.onnx.data").write_bytes(bytes(data))
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
+    assert result.exit_code == 2 and "not an unchanged export of gemma-export" in result.stderr, result.stderr
+    assert (out / "model.onnx.data").read_bytes() == bytes(data)
+
+
 def test_export_summary_and_manifest(tiny_dir, tmp_path):
     out = tmp_path / "out"
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
