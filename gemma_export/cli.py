@@ -435,7 +435,7 @@ def bench(
 
     try:
         try:
-            lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+            lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
         check_outputs(json_out, plot, inputs=(model, text, reference, reference_weights))

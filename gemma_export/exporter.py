@@ -95,7 +95,7 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
     if requested is not None:
         if not _is_block_size(requested) or any(d % requested for d in dims):
             raise ConfigError(
-                f"{option} {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dims))}")
+                f"{option} {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dict.fromkeys(dims)))}")
         return requested
     block = default
     while block >= 16 and any(d % block for d in dims):

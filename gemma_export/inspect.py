@@ -509,7 +509,7 @@ def format_report(report: Report, top: int = 10) -> str:
         f"{'globals' if report.format == 'mlir' else 'tensors'}: {len(report.tensors)}, total elements: {report.total_elements:,} = "
         f"{gib(4 * report.total_elements)} fp32; on disk {report.total_bytes:,} bytes ({gib(report.total_bytes)})",
         "bytes by dtype: " + ", ".join(f"{k} {gib(v)}" for k, v in report.bytes_by_dtype().items()),
-        f"largest {top}:",
+        f"largest {min(top, len(report.tensors))}:",
     ]
     total = max(report.total_bytes, 1)
     for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:
