@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .runtime import read_manifest
-from .staging import file_sha256, interrupts_held, staged_folder
+from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
@@ -270,8 +270,9 @@ def busy(model_dir: str | Path) -> bool:
 
 
 def _writable(folder: Path, what: str) -> None:
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputError(f"{folder}: no permission to write there, which {what} needs; nothing was changed")
+    reason = entry_refused(folder)  # the OS's reason: permissions, a read-only file system, ...
+    if reason is not None:
+        raise OutputError(f"{folder}: cannot write there ({reason}), which {what} needs; nothing was changed")
 
 
 def _may_replace(model_dir: Path, what: str, refusal: str) -> Path:
@@ -336,10 +337,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         dtype = read_manifest(model_dir).get("dtype")  # verify_manifest has read it
         factor = SPACE_FACTOR_BF16 if dtype == "bf16" else SPACE_FACTOR
         need = int(factor * data.stat().st_size) if data.is_file() else 0
-        free = shutil.disk_usage(model_dir).free
-        if free < need:
-            raise OutputError(f"{model_dir}: the pre-packed copy needs about {need:,} bytes and {free:,} are free there; "
-                              "nothing was written")
+        check_free_space(out, need, "pre-packed copy")
         original = OnnxDecoder(model_dir, threads=threads, prepacked=False, huge_pages=False)  # one forward pass
         token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
         ids = np.asarray([token_ids], np.int64)

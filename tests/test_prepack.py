@@ -267,16 +267,16 @@ def test_no_space_or_no_permission_is_refused_before_any_work(export_copy, monke
     usage = shutil_module.disk_usage(export_copy)
     monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=1000))
     result = _run("prepack", "--model", export_copy)
-    assert result.exit_code != 0 and "needs about" in result.output and "1,000 are free there" in result.output
+    assert result.exit_code != 0 and "the pre-packed copy needs about" in result.output and "0.0 MB free" in result.output
     monkeypatch.undo()
-    monkeypatch.setattr(prepack_module.os, "access", lambda _p, _mode: False)  # a read-only export folder
-    with pytest.raises(OutputError, match="no permission to write there"):
+    monkeypatch.setattr(prepack_module, "entry_refused", lambda _p: "Read-only file system")  # a read-only export folder
+    with pytest.raises(OutputError, match=r"cannot write there \(Read-only file system\), which"):
         prepack_module.prepack(export_copy)
     monkeypatch.undo()
     assert not (export_copy / "prepacked").exists() and not prepack_module.leftovers(export_copy)
     prepack_module.prepack(export_copy)
-    monkeypatch.setattr(prepack_module.os, "access", lambda _p, _mode: False)
-    with pytest.raises(OutputError, match="no permission to write there"):
+    monkeypatch.setattr(prepack_module, "entry_refused", lambda _p: "Permission denied")
+    with pytest.raises(OutputError, match=r"cannot write there \(Permission denied\)"):
         prepack_module.remove(export_copy)
     monkeypatch.undo()
     assert prepack_module.status(export_copy).path is not None  # the copy is whole
