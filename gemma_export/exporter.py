@@ -263,6 +263,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
         layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
         check_manifest_against_graph(manifest, manifest_path, vocab, layers)
+        stored = graph_dtype(model)
+        if manifest.get("dtype") != stored:
+            raise VerificationError(f"{manifest_path}: field 'dtype' is {json.dumps(manifest.get('dtype'))}, but "
+                                    f"{MODEL_FILE} stores {stored} weights")
         locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
@@ -271,6 +275,20 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
     verify_folder(folder)
     return {name: size for name, (size, _) in expected.items()}
+
+
+def graph_dtype(model) -> str:
+    """Which ``--dtype`` an export's graph (an ``onnx.ModelProto``, external data not loaded) stores:
+    ``int4`` or ``int8`` from its ``MatMulNBits`` ``bits`` (the layers'; an int4 export may keep an
+    int8 table), else ``bf16`` when an initializer is bfloat16, else ``fp32``."""
+    import onnx
+
+    bits = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    if bits:
+        return "int4" if 4 in bits else "int8"
+    if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
+        return "bf16"
+    return "fp32"
 
 
 def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checked: bool = False) -> None:

@@ -361,6 +361,9 @@ CASES = {
                                 ("model.onnx.data", "lies outside the file's 1000 bytes")),
     "model file garbage": Case(export_copy(_write("model.onnx", b"\x08\x07garbage" * 10), _generate), FormatError,
                                ("model.onnx", "not a readable ONNX model")),
+    "manifest dtype edited": Case(export_copy(lambda f: (f / "manifest.json").write_text(
+                                      (f / "manifest.json").read_text().replace('"dtype": "int8"', '"dtype": "int4"')), _verify),
+                                  VerificationError, ('field \'dtype\' is "int4", but model.onnx stores int8 weights',)),
     "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
     "manifest files of the wrong kind": Case(export_copy(_write("manifest.json", b'{"files": {"model.onnx": "abc"}}'), _verify),
                                              VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
