@@ -277,7 +277,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     Raises:
         GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
     """
-    from .quality import compare_logits, graph_line, manifest_source, require_transformers, transformers_model
+    from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
 
     say = progress or (lambda _msg: None)
@@ -325,10 +325,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     hf_model = None
     if against_transformers:
-        from .sources import open_source
-
         say("reference: transformers fp32 on the export's source weights")
-        hf_model = transformers_model(open_source(manifest_source(model_dir)))
+        hf_model = transformers_model(manifest_checkpoint(model_dir))
     ref_model = None
     if reference:
         from .reference_iree import load_reference

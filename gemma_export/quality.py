@@ -267,6 +267,28 @@ def manifest_source(model_dir: Path) -> str:
     return path
 
 
+def manifest_checkpoint(model_dir: Path):
+    """The export's source (:func:`manifest_source`), opened, after checking that it still has the
+    size the manifest recorded (``source.bytes``): a different model moved to the same path would
+    otherwise be blamed on the export.
+
+    Raises:
+        SourceNotFoundError: as :func:`manifest_source`, or the size differs.
+    """
+    from .errors import SourceNotFoundError
+    from .runtime import MANIFEST_FILE, read_manifest
+    from .sources import open_source
+
+    path = manifest_source(model_dir)
+    checkpoint = open_source(path)
+    recorded = (read_manifest(model_dir).get("source") or {}).get("bytes")
+    if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
+        raise SourceNotFoundError(f"{model_dir / MANIFEST_FILE}: the export's source {path} has "
+                                  f"{checkpoint.identity.get('bytes'):,} bytes now and had {recorded:,} when the export "
+                                  "was made; it is not the same model")
+    return checkpoint
+
+
 def graph_line(decoder) -> str:
     """Which graph an :class:`~gemma_export.runtime.OnnxDecoder` loaded, for progress output."""
     if decoder.prepacked_path is not None:
@@ -297,7 +319,6 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
 
     from .bench import real_text
     from .runtime import OnnxDecoder, load_tokenizer
-    from .sources import open_source
 
     say = progress or (lambda _msg: None)
     if reference == "transformers":
@@ -318,7 +339,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     with contextlib.ExitStack() as stack:
         if reference == "transformers":
             say("reference: transformers fp32 on the export's source weights")
-            ref_chunks = transformers_logit_chunks(transformers_model(open_source(manifest_source(model_dir))), ids,
+            ref_chunks = transformers_logit_chunks(transformers_model(manifest_checkpoint(model_dir)), ids,
                                                    CHUNK)
         else:
             if reference == "fp32":
@@ -326,7 +347,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="gemma-export-fp32-"))
                 say("reference: exporting the source at fp32 into a temporary folder")
-                ref_dir = export(manifest_source(model_dir), Path(tmp) / "fp32", "fp32").out_dir
+                source_checkpoint = manifest_checkpoint(model_dir)
+                ref_dir = export(source_checkpoint.path, Path(tmp) / "fp32", "fp32", checkpoint=source_checkpoint).out_dir
             else:
                 say(f"reference: the export in {reference}")
                 ref_dir = reference

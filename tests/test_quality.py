@@ -280,3 +280,24 @@ def test_tokens_limits_how_much_of_a_long_text_is_tokenized(tiny_int8_export):
     assert max(encoded) < len(text) // 50
     assert first_tokens(tokenizer, "short text", None) == real_encode("short text").ids
     assert first_tokens(tokenizer, "short text", 5) == real_encode("short text").ids[:5]
+
+
+def test_a_different_model_at_the_source_path_is_named_not_compared(tiny_dir, tmp_path):
+    """quality's and parity's reference re-open the export's source by path: a model of another size
+    moved there is refused (it gave parity FAIL, KL 1.43, blamed on the export)."""
+    import shutil
+
+    from conftest import make_tiny_model, save_tiny
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.exporter import export
+    from gemma_export.quality import manifest_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    assert manifest_checkpoint(out).identity["bytes"] > 0  # the same source: accepted
+    shutil.rmtree(src)
+    save_tiny(make_tiny_model(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]), src)
+    with pytest.raises(SourceNotFoundError, match=r"the export's source .*src has [\d,]+ bytes now and had [\d,]+ when "
+                                                  r"the export was made; it is not the same model"):
+        manifest_checkpoint(out)
