@@ -221,7 +221,7 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
-    replace: one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
+    replace: a symbolic link, one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
     mount point cannot be), or a non-empty folder that is not an unchanged output of ours
     (:func:`is_unchanged_output` with ``manifest_name`` and ``unchanged``). ``before(out)`` runs on an
     existing folder first (a check with a more specific message).
@@ -229,6 +229,8 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
     Raises:
         OutputError: naming ``out_dir`` and the reason.
     """
+    if out_dir.is_symlink():  # the rename would replace the link itself, not the folder it names
+        raise OutputError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); give the folder itself")
     check_creatable(out_dir, what)
     out = out_dir.resolve()
     if not out.exists():

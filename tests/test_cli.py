@@ -148,6 +148,20 @@ def test_an_export_whose_files_were_edited_is_not_replaced(tiny_dir, tmp_path, e
     assert (out / "model.onnx.data").read_bytes() == bytes(data)
 
 
+@pytest.mark.parametrize("target", ["empty folder", "missing"])
+def test_an_out_that_is_a_symbolic_link_is_refused(tiny_dir, tmp_path, target):
+    """The rename that puts the export in place replaced the link with a folder (the link's target
+    kept its old content): a link is refused, naming its target."""
+    folder = tmp_path / "real"
+    if target == "empty folder":
+        folder.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    result = _run("--source", tiny_dir, "--out", link, "--dtype", "fp32")
+    assert result.exit_code == 2 and f"{link}: is a symbolic link (to {folder}); give the folder itself" in result.stderr
+    assert link.is_symlink() and (not folder.exists() or list(folder.iterdir()) == [])
+
+
 def test_export_summary_and_manifest(tiny_dir, tmp_path):
     out = tmp_path / "out"
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
