@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
+from .runtime import BUNDLE_MANIFEST
 
 #: Boards a bundle can target: what its README tells the board team (threads and the memory
 #: budget come from ``bench.BOARDS``, which ``bench --board`` applies).
@@ -32,7 +33,6 @@ BOARDS = {
         "python": "Python 3.12",
     },
 }
-BUNDLE_MANIFEST = "BUNDLE.json"
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
 

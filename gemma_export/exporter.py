@@ -209,9 +209,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if manifest_path.is_dir():
         raise VerificationError(f"{manifest_path}: is a folder; expected the export's manifest file")
     if not manifest_path.is_file():
-        if (folder / "BUNDLE.json").is_file() and (folder / "model" / MANIFEST_FILE).is_file():
-            raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} "
-                                      f"(gemma-export verify {folder / 'model'})")
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:
         manifest = read_manifest(folder)

@@ -78,16 +78,23 @@ def _genai_decoder_config(model_dir: Path) -> dict:
         return {}
 
 
+#: the file ``gemma-export bundle`` writes at the top of a board folder; the export is in ``model/``
+BUNDLE_MANIFEST = "BUNDLE.json"
+
+
 def require_folder(folder: Path, holding: str) -> None:
-    """``folder`` exists and is a folder (an export, which holds ``holding``).
+    """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
 
     Raises:
-        SourceNotFoundError: no such folder, or something else by that name.
+        SourceNotFoundError: no such folder, something else by that name, or a bundle folder
+            (naming the export inside it).
     """
     if not folder.exists():
         raise SourceNotFoundError(f"{folder}: no such export folder")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
+    if (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file():
+        raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
 
 
 def check_export_folder(model_dir: str | Path) -> Path:

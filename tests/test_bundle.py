@@ -51,8 +51,14 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
-    pointed = runner.invoke(app, ["verify", str(out)])  # the bundle itself: says where its export is
-    assert pointed.exit_code == 2 and f"{out}: a bundle folder; its export is {out / 'model'}" in pointed.stderr
+    # the bundle itself, to any command that takes an export: says where its export is (generate told
+    # the user to export into the bundle, bench that the tokenizer was missing)
+    for command in (["verify", str(out)], ["generate", "--model", str(out), "--prompt", "a"],
+                    ["bench", "--model", str(out)], ["quality", "--model", str(out)], ["prepack", "--model", str(out)],
+                    ["parity", "--model", str(out), "--golden", str(out / "README.md")]):
+        pointed = runner.invoke(app, command)
+        assert pointed.exit_code == 2, (command, pointed.output)
+        assert pointed.stderr.strip() == f"error: {out}: a bundle folder; its export is {out / 'model'} (give that)", command
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
 
 
