@@ -280,7 +280,7 @@ def format_result(r: BenchResult) -> str:
     """A human-readable summary of a ``BenchResult``."""
     a = r.archive_bytes
     lines = [
-        f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads or 'default'} threads)",
+        f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads} thread{'' if r.threads == 1 else 's'})",
         f"session creation {r.session_create_s:.2f} s",
         "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
                                "model.onnx, weights packed on the heap"

@@ -371,13 +371,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                 agree[entry.reference["near_tie_mismatches"]] = True  # a tie either way is not a departure
                 pooled_ref.append(agree)
         results.append(entry)
-    for prompt_ids, expected in golden_pairs:
+    for n, (prompt_ids, expected) in enumerate(golden_pairs):
         got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=())
         entry = next((r for r in results if r.prompt_ids == prompt_ids), None)
         if entry is None:
             entry = PromptParity(None, prompt_ids)
             results.append(entry)
-        entry.golden = {"expected_ids": expected, "export_ids": got, "match": got == expected,
+        entry.golden = {"entry": n, "expected_ids": expected, "export_ids": got, "match": got == expected,
                         "first_mismatch": _first_difference(got, expected)}
 
     checks = []
@@ -393,8 +393,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     for r in results:
         if r.golden is not None:
             count = len(r.golden['expected_ids'])
-            checks.append(Check(f"golden ids ({count} token{'' if count == 1 else 's'})",
-                                "match" if r.golden["match"] else f"first mismatch at {r.golden['first_mismatch']}",
+            checks.append(Check(f"golden entry #{r.golden['entry']} ({count} token{'' if count == 1 else 's'})",
+                                "match" if r.golden["match"] else f"differs at {r.golden['first_mismatch']}",
                                 "exact", r.golden["match"]))
     return ParityReport(str(model_dir), dtype, results, checks)
 
@@ -452,7 +452,8 @@ def format_report(report: ParityReport) -> str:
                              f"({len(r['reference_greedy_ids'])} tokens){extra}")
         if p.golden:
             g = p.golden
-            lines.append(f"  golden: {'match' if g['match'] else 'first mismatch at ' + str(g['first_mismatch'])} "
+            first = f"first mismatch at generated token {g['first_mismatch']} (from 0)"
+            lines.append(f"  golden entry #{g['entry']}: {'match' if g['match'] else first} "
                          f"(expected {g['expected_ids']}, export {g['export_ids']})")
     lines.append("")
     lines.append(f"{'check':<52} {'measured':>14} {'threshold':>10}  result")

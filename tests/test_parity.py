@@ -195,14 +195,15 @@ def test_golden_files(tiny_int8_export, tmp_path):
     good.write_text(json.dumps(expected))  # the board team's bare list, for the first prompt
     result = _parity("--model", tiny_int8_export, "--golden", good, "--prompts", tmp_path / "prompts.json")
     assert result.exit_code == 0, result.output
-    assert "golden: match" in result.stdout
+    assert "golden entry #0: match" in result.stdout
     wrong = list(expected)
     wrong[3] = (wrong[3] + 1) % 96
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": wrong}, {"prompt": "the fox", "expected_ids": [5]}]))
     result = _parity("--model", tiny_int8_export, "--golden", bad, "--prompts", tmp_path / "prompts.json", "--json", tmp_path / "r.json")
     assert result.exit_code == 1
-    assert "golden: first mismatch at 3" in result.stdout and "verdict: FAIL" in result.stdout
+    assert "golden entry #0: first mismatch at generated token 3 (from 0)" in result.stdout and "verdict: FAIL" in result.stdout
+    assert "golden entry #1 (1 token)" in result.stdout  # the check rows name the file's entries
     report = json.loads((tmp_path / "r.json").read_text())
     assert [p["golden"]["first_mismatch"] for p in report["prompts"]] == [3, 0 if decoder.greedy(
         report["prompts"][1]["prompt_ids"], 1, stop_ids=())[0] != [5] else None]
@@ -261,7 +262,7 @@ def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
     report = json.loads((tmp_path / "r.json").read_text())
     assert [c["name"] for c in report["checks"]] == [
         "top-1 agreement with transformers", "mean KL(transformers || export), nats/token",
-        "tokens equal to the reference's (near-ties excepted)"] + ["golden ids (6 tokens)"] * len(PROMPTS)
+        "tokens equal to the reference's (near-ties excepted)"] + [f"golden entry #{n} (6 tokens)" for n in range(len(PROMPTS))]
     for prompt in report["prompts"]:
         assert prompt["transformers"]["top1_agreement"] == 1.0 and prompt["transformers"]["max_abs_logit_diff"] < 1e-3
         assert prompt["reference"]["agreement"] == 1.0 and prompt["golden"]["match"]
@@ -334,7 +335,7 @@ def test_a_golden_entry_whose_prompt_and_prompt_ids_disagree_is_refused(tiny_int
     expected, _, _ = OnnxDecoder(tiny_int8_export).greedy(ids, 3, stop_ids=())
     agree.write_text(json.dumps([{"prompt": "the fox", "prompt_ids": ids, "expected_ids": expected}]))
     result = _parity("--model", tiny_int8_export, "--golden", agree)
-    assert result.exit_code == 0 and "golden: match" in result.stdout, result.output
+    assert result.exit_code == 0 and "golden entry #0: match" in result.stdout, result.output
     disagree.write_text(json.dumps([{"prompt": "the fox", "prompt_ids": ids + [5], "expected_ids": expected}]))
     result = _parity("--model", tiny_int8_export, "--golden", disagree)
     assert result.exit_code == 2 and result.stdout == ""
