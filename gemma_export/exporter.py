@@ -489,6 +489,7 @@ def export(
     quantization = _quantization_record(fmt, calibration) if quantized else None
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
+    replaced_copy = (out / PREPACKED_DIR).is_dir()  # made from the files this export replaces
     with staged_folder(out, "export") as staging:
         # ir.save reports the tensors it writes to the data file: those larger than SIZE_THRESHOLD_BYTES
         total = sum(1 for v in model.graph.initializers.values()
@@ -532,6 +533,9 @@ def export(
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
+    if replaced_copy and status is not None:
+        status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
+               "makes one for the new files")
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
                         (quantization or {}).get("calibration"))
 

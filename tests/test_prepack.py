@@ -109,8 +109,11 @@ def test_re_export_replaces_a_folder_with_a_copy(tiny_dir, tmp_path):
     (out / ".prepacked.staging-x1").mkdir()  # and what a killed prepack left
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 32)
     assert result.exit_code == 0, result.output
-    assert not (out / "prepacked").exists()  # the stale copy went with the old export
+    assert not (out / "prepacked").exists()  # the stale copy went with the old export, and the user is told
+    assert f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}`" in result.stderr
     assert not prepack_module.leftovers(out)
+    again = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)  # no copy: no note
+    assert again.exit_code == 0 and "pre-packed copy" not in again.stderr
 
 
 def test_an_unknown_prepacked_folder_blocks_verify_and_remove(export_copy):
