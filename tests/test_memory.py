@@ -42,15 +42,15 @@ def _kernel_collapses() -> str | None:
     return None if (major, minor) >= (6, 1) else f"MADV_COLLAPSE needs Linux >= 6.1, found {platform.release()}"
 
 
-def _anon_huge_pages_of(address: int) -> int:
-    """``AnonHugePages`` (bytes) of the mapping holding ``address`` (``/proc/self/smaps``)."""
+def _anon_huge_pages_of(address: int, field: str = "AnonHugePages") -> int:
+    """``AnonHugePages`` (or another ``field``, bytes) of the mapping holding ``address`` (``/proc/self/smaps``)."""
     inside = False
     for line in open("/proc/self/smaps"):
         head = line.split()[0]
         if "-" in head and ":" not in head:
             low, high = (int(x, 16) for x in head.split("-"))
             inside = low <= address < high
-        elif inside and head == "AnonHugePages:":
+        elif inside and head == f"{field}:":
             return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping holds {address:#x}")
 
@@ -71,6 +71,26 @@ def test_collapse_moves_touched_anonymous_memory_onto_huge_pages_and_keeps_it():
     assert moved >= 48 * MIB - before  # the process total grew by at least this mapping's part
     assert _anon_huge_pages_of(address) >= 62 * MIB  # all of it but one unaligned huge page at most
     assert np.array_equal(np.frombuffer(region, np.uint8), pattern)
+
+
+@pytest.mark.skipif(_kernel_collapses() is not None, reason=str(_kernel_collapses()))
+def test_collapse_leaves_partly_used_huge_pages_alone():
+    """A huge page whose small pages are not all resident is not collapsed: collapsing would fill
+    its holes (on the int8 270M, 28 MB more Anonymous memory for no speed)."""
+    import ctypes
+    import mmap
+
+    if "[always]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
+        pytest.skip("THP 'always' gives huge pages at the first touch; nothing is left for collapse to decide")
+    size = 32 * MIB
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, size, 64 * 1024):  # one small page in sixteen touched
+        region[offset] = 1
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    before = _anon_huge_pages_of(address, "Rss")
+    memory.collapse_to_huge_pages()
+    assert _anon_huge_pages_of(address, "Rss") == before <= size // 8  # nothing filled in
+    assert _anon_huge_pages_of(address) == 0
 
 
 def test_collapse_is_a_no_op_without_the_huge_page_switch(tmp_path, monkeypatch):
