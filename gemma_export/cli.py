@@ -70,6 +70,12 @@ class _Group(TyperGroup):
             return super().invoke(ctx)
         except UsageError as exc:
             raise _OneLineUsageError(exc) from None
+        except ImportError as exc:
+            # Ctrl-C while a lazily imported library (onnxruntime, torch) initialises reaches us as
+            # "ImportError: initialization failed" raised from the KeyboardInterrupt
+            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
+                _interrupted()
+            raise
 
 
 app = typer.Typer(
