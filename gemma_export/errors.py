@@ -7,6 +7,15 @@ what was found.
 
 from __future__ import annotations
 
+import json
+
+
+def shown(value, limit: int = 60) -> str:
+    """A value from a user's JSON file for an error message, as JSON writes it (``true``, ``null``,
+    ``"text"``), cut to ``limit`` characters."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
 
 class GemmaExportError(Exception):
     """Base class of every error this toolkit raises on bad input or a failed check."""

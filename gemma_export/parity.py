@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError
+from .errors import FormatError, GemmaExportError, shown
 from .text_files import read_text_file
 
 #: prompts used when none are given: short real requests of the kinds the board runs
@@ -126,7 +126,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
         elif isinstance(item, list) and item and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
-            raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: {_as_json(item)}")
+            raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: {shown(item)}")
     if not prompts:
         raise FormatError(f"{path}: no prompts")
     return prompts
@@ -152,14 +152,14 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
 
     def ids(value, what: str) -> list[int]:
         if not isinstance(value, list) or not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
-            raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {_as_json(value)}")
+            raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {shown(value)}")
         return value
 
     if isinstance(data, list) and data and all(isinstance(i, int) and not isinstance(i, bool) for i in data):
         return [(prompts[0][1], ids(data, "the expected ids"))]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
-        raise FormatError(f"{path}: expected a list of token ids, an object or a list of objects; found {_as_json(data)}")
+        raise FormatError(f"{path}: expected a list of token ids, an object or a list of objects; found {shown(data)}")
     pairs = []
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
@@ -169,8 +169,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             if "prompt" in entry and tokenizer is not None and isinstance(entry["prompt"], str):
                 encoded = tokenizer.encode(entry["prompt"]).ids
                 if encoded != prompt_ids:  # both given: they must be the same prompt
-                    raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {_as_json(encoded)}, "
-                                      f"not to its 'prompt_ids' {_as_json(prompt_ids)}")
+                    raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {shown(encoded)}, "
+                                      f"not to its 'prompt_ids' {shown(prompt_ids)}")
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
             prompt_ids = tokenizer.encode(entry["prompt"]).ids
         else:
@@ -189,12 +189,6 @@ def _manifest_config(model_dir: Path) -> dict:
     except FormatError:
         return {}
     return config if isinstance(config, dict) else {}
-
-
-def _as_json(value, limit: int = 60) -> str:
-    """A value from a user's JSON file as it was written there (true, null, "…"), cut at ``limit``."""
-    text = json.dumps(value, default=str)
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def _positive_int(value) -> int | None:

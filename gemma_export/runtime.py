@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, SourceNotFoundError
+from .errors import FormatError, GemmaExportError, SourceNotFoundError, shown
 from .onnx_files import load_graph
 
 MODEL_FILE = "model.onnx"
@@ -396,13 +396,7 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         scope = manifest.get(section, {}) if section else manifest
         if name in scope and not ok(scope[name]):
             field = f"{section}.{name}" if section else name
-            raise FormatError(f"{path}: field {field!r} must be {expected}, found {_shown(scope[name])}")
-
-
-def _shown(value) -> str:
-    """A manifest value as JSON writes it, cut to 60 characters."""
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 60 else f"{text[:57]}..."
+            raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
 
 
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int) -> None:
@@ -418,7 +412,7 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
     config = manifest.get("config", {})  # an object: check_manifest_fields comes first
     for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers)):
         if isinstance(actual, int) and field in config and config[field] != actual:
-            raise FormatError(f"{path}: field 'config.{field}' is {_shown(config[field])}, but the graph has {actual:,}")
+            raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
