@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import ConfigError
+from .errors import ConfigError, shown
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -116,9 +116,9 @@ class GemmaConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {value!r}")
+                raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {shown(value)}")
         if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
-            raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer, found {self.sliding_window!r}")
+            raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer, found {shown(self.sliding_window)}")
         for name, ids in (("eos_token_id", self.eos_token_id), ("bos_token_id", (self.bos_token_id,)),
                           ("pad_token_id", (self.pad_token_id,))):
             if max(ids) >= self.vocab_size:
@@ -188,13 +188,13 @@ class _Fields:
         cap = _CAPS.get(key, 1 << 31)
         if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= cap:
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be an integer in [{minimum}, {cap}], "
-                              f"found {value!r}")
+                              f"found {shown(value)}")
         return value
 
     def number(self, key: str, default: Any = _MISSING) -> float:
         value = self._get(key, default)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be a positive number, found {value!r}")
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be a positive number, found {shown(value)}")
         return float(value)
 
     def optional_number(self, key: str) -> float | None:
@@ -203,7 +203,7 @@ class _Fields:
     def boolean(self, key: str, default: bool) -> bool:
         value = self.cfg.get(self.prefix + key, default)
         if not isinstance(value, bool):
-            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be true or false, found {value!r}")
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be true or false, found {shown(value)}")
         return value
 
     def token_ids(self, key: str, default: Any) -> tuple[int, ...]:
@@ -211,7 +211,7 @@ class _Fields:
         value = default if value is None else value
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {value!r}")
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
         return tuple(values)
 
 

@@ -52,7 +52,7 @@ CASES = {
     "vocab vs table rows": (lambda c: c.update(vocab_size=100), None, ["embed_tokens.weight", "expected [100, 64]"]),
     "nan weight": (None, _nan("model.layers.0.mlp.gate_proj.weight"), ["gate_proj.weight", "nan", "index (0, 3)"]),
     "rope_theta string": (lambda c: c["rope_parameters"]["sliding_attention"].update(rope_theta="x"), None,
-                          ["'rope_theta' must be a positive number, found 'x'"]),
+                          ["'rope_theta' must be a positive number, found \"x\""]),
     "rope_parameters list": (lambda c: c.update(rope_parameters=[1, 2]), None, ["'rope_parameters' must be an object"]),
     "huge layer count": (lambda c: (c.update(num_hidden_layers=10**9), c.pop("layer_types")), None,
                          ["'num_hidden_layers' must be an integer in [1, 1024], found 1000000000"]),
