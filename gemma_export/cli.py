@@ -9,11 +9,12 @@ then run, verify, measure and bundle it for the board.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -134,6 +135,18 @@ def _stop_on_sigterm() -> None:
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
+
+
+@contextlib.contextmanager
+def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
+    """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C as
+    :func:`_interrupted`; both end the command."""
+    try:
+        yield
+    except GemmaExportError as exc:
+        _fail(exc, debug)
+    except KeyboardInterrupt:
+        _interrupted(writes)
 
 
 def _interrupted(writes: bool = True) -> None:
@@ -270,14 +283,9 @@ def generate(
     """
     from .runtime import generate as run
 
-    try:
+    with _reported(debug, writes=False):
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=prefill_chunk,
                      prepacked=prepacked)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes=False)
-        return
     typer.echo(prompt + result.text)
     decode = sorted(result.decode_ms)
     median = decode[len(decode) // 2] if decode else float("nan")
@@ -309,17 +317,12 @@ def prepack(
     from .prepack import prepack as run
     from .prepack import remove as remove_copy
 
-    try:
+    with _reported(debug):
         if remove:
             removed = remove_copy(model)
             typer.echo(f"removed {model / 'prepacked'}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted()
-        return
     _list_files(result.files, 20)
     typer.echo(f"wrote {result.out_dir} ({_mib(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
                f"{result.checked_tokens} tokens identical to the export's")
@@ -346,17 +349,12 @@ def verify(
     model = model_arg if model_arg is not None else model_opt
     if model is None:
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
-    try:
+    with _reported(debug, writes=False):
         if busy(model):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{model}: a gemma-export prepack is working on this folder; verify again when it "
                                    "has finished")
         files = verify_manifest(model)
         copy = verify_prepacked(model)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes=False)
-        return
     typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes) and loads in onnxruntime")
     if copy:
         typer.echo(copy)
@@ -378,13 +376,8 @@ def inspect(
 
     from .inspect import format_report, inspect_path
 
-    try:
+    with _reported(debug, writes=False):
         report = inspect_path(path)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes=False)
-        return
     typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))
 
 
@@ -402,13 +395,8 @@ def dedupe(
     """
     from .dedupe import dedupe as run
 
-    try:
+    with _reported(debug):
         result = run(model, out)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted()
-        return
     typer.echo(f"wrote {result.out_path}")
     typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
                f"{result.saved_bytes:,} bytes; rewrote {result.rewritten_matmuls} MatMul(s) as Gemm(transB=1)")
@@ -439,7 +427,7 @@ def bench(
     """
     from .bench import check_board_budget, check_outputs, format_result, run_bench, write_json, write_plot
 
-    try:
+    with _reported(debug):
         try:
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
@@ -456,10 +444,6 @@ def bench(
             write_plot([result], plot)
             typer.echo(f"plot: {plot}")
         check_board_budget(result)  # after the figures are shown and saved
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted()
 
 
 @app.command()
@@ -484,17 +468,13 @@ def quality(
     from .bench import check_outputs, write_json
     from .quality import format_report, run_quality
 
-    try:
+    with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference))
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
         typer.echo(format_report(report))
         if json_out is not None:
             write_json(report.to_dict(), json_out)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes=False)
 
 
 class Against(str, enum.Enum):
@@ -529,7 +509,7 @@ def parity(
     from .bench import check_outputs, write_json
     from .parity import format_report, run_parity
 
-    try:
+    with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model, reference, reference_weights, golden, prompts))
         report = run_parity(model, against_transformers=against is not None or not (reference or golden),
                             reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
@@ -538,10 +518,6 @@ def parity(
         typer.echo(format_report(report))
         if json_out is not None:
             write_json(report.to_dict(), json_out)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes=False)
     if not report.passed:
         raise typer.Exit(1)
 
@@ -562,13 +538,8 @@ def bundle(
     """
     from .bundle import bundle as run
 
-    try:
+    with _reported(debug):
         result = run(model, out, board=board, wheel=wheel)
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted()
-        return
     _list_files(result.files, 40)
     typer.echo(f"wrote {result.out_dir} ({result.total_bytes / 2**20:,.1f} MiB); on the board, follow {result.out_dir}/README.md")
 
