@@ -27,6 +27,10 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear")
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 _TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 
+#: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which
+#: also stops generation; used where a source does not name them
+PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID, UNK_TOKEN_ID, END_OF_TURN_TOKEN_ID = 0, 1, 2, 3, 106
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeParameters:
@@ -68,9 +72,9 @@ class GemmaConfig:
     tie_word_embeddings: bool = True
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # read, not applied: transformers' Gemma3Attention ignores it
-    bos_token_id: int = 2
-    eos_token_id: tuple[int, ...] = (1, 106)
-    pad_token_id: int = 0
+    bos_token_id: int = BOS_TOKEN_ID
+    eos_token_id: tuple[int, ...] = (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID)
+    pad_token_id: int = PAD_TOKEN_ID
 
     @staticmethod
     def default_eos_token_ids(vocab_size: int) -> tuple[int, ...]:
@@ -298,9 +302,9 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
 
     top = _Fields(raw, where)
     vocab_size = f.int("vocab_size")
-    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", [1, 106]))
-    bos = f.token_ids("bos_token_id", raw.get("bos_token_id", 2))[0]
-    pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or 0)[0]
+    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", [EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID]))
+    bos = f.token_ids("bos_token_id", raw.get("bos_token_id", BOS_TOKEN_ID))[0]
+    pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or PAD_TOKEN_ID)[0]
     config = GemmaConfig(
         vocab_size=vocab_size,
         hidden_size=f.int("hidden_size"),
@@ -368,7 +372,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     tokens = _Fields(meta, where, "tokenizer.ggml.")
     eos = tokens.token_ids("eos_token_id", 1)[0]
     # Gemma's <end_of_turn> (106) also stops generation; llama.cpp's Gemma 3 files may not say so
-    eot = tokens.token_ids("eot_token_id", 106 if vocab_rows > 106 else eos)[0]
+    eot = tokens.token_ids("eot_token_id", END_OF_TURN_TOKEN_ID if vocab_rows > END_OF_TURN_TOKEN_ID else eos)[0]
     return GemmaConfig(
         vocab_size=int(vocab_rows),
         hidden_size=f.int("embedding_length"),
@@ -384,7 +388,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
         query_pre_attn_scalar=float(head_dim),
         max_position_embeddings=f.int("context_length"),
         tie_word_embeddings=tied,
-        bos_token_id=tokens.token_ids("bos_token_id", 2)[0],
+        bos_token_id=tokens.token_ids("bos_token_id", BOS_TOKEN_ID)[0],
         eos_token_id=tuple(dict.fromkeys((eos, eot))),
-        pad_token_id=tokens.token_ids("padding_token_id", 0)[0],
+        pad_token_id=tokens.token_ids("padding_token_id", PAD_TOKEN_ID)[0],
     ).validate(where)

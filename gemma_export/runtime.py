@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .config import END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, shown
 from .onnx_files import load_graph
 
@@ -205,7 +206,7 @@ class OnnxDecoder:
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
-        eos = self.manifest.get("config", {}).get("eos_token_id", (1, 106))
+        eos = self.manifest.get("config", {}).get("eos_token_id", (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID))
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:

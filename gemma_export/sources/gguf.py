@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resolve_lm_head, validate_tensors
-from ..config import config_from_gguf_metadata
+from ..config import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID, config_from_gguf_metadata
 from ..errors import FormatError
 from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
 from .gguf_header import validate_gguf
@@ -117,7 +117,7 @@ def read_gguf(path: Path) -> Checkpoint:
     # gguf-py keeps every metadata array element as a numpy view (~0.5 GB for 262,144 tokens); keep
     # only the plain lists and the tensors' memory-mapped data, and let the reader's fields go.
     reader.fields.clear()
-    defaults = {"bos": 2, "eos": 1, "unknown": 3, "padding": 0}  # Gemma's ids
+    defaults = {"bos": BOS_TOKEN_ID, "eos": EOS_TOKEN_ID, "unknown": UNK_TOKEN_ID, "padding": PAD_TOKEN_ID}
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", v) for k, v in defaults.items()}
     if has_tokenizer:  # checked here, before anything is written, not when the tokenizer is built
         if len(token_types) not in (0, len(tokens)):
