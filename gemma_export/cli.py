@@ -232,21 +232,16 @@ def main(
         for bar in bars.values():
             bar.close()
 
-    try:
-        result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
-                        hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
-                        symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None, calibrate=calibrate,
-                        calibration_text=calibration_text, calibration_tokens=calibration_tokens, all_logits=all_logits,
-                        debug_outputs=debug_outputs, progress=progress,
-                        status=lambda message: typer.echo(message, err=True))
-    except GemmaExportError as exc:
-        close_bars()
-        _fail(exc, debug)
-        return
-    except KeyboardInterrupt:
-        close_bars()
-        _interrupted()
-    close_bars()
+    with _reported(debug):
+        try:
+            result = export(source, out, dtype.value, block_size=block_size, table_block_size=table_block_size,
+                            hadamard_size=hadamard, table_dtype=table_dtype.value if table_dtype else None,
+                            symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None,
+                            calibrate=calibrate, calibration_text=calibration_text,
+                            calibration_tokens=calibration_tokens, all_logits=all_logits, debug_outputs=debug_outputs,
+                            progress=progress, status=lambda message: typer.echo(message, err=True))
+        finally:
+            close_bars()  # before any error line
     typer.echo(f"wrote {result.out_dir}")
     _list_files(result.files, 28)
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")

@@ -20,7 +20,7 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
+from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, shown
 from .onnx_files import check_external_data, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
@@ -262,7 +262,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         check_manifest_against_graph(manifest, manifest_path, vocab, layers)
         stored = graph_dtype(model)
         if manifest.get("dtype") != stored:
-            raise VerificationError(f"{manifest_path}: field 'dtype' is {json.dumps(manifest.get('dtype'))}, but "
+            raise VerificationError(f"{manifest_path}: field 'dtype' is {shown(manifest.get('dtype'))}, but "
                                     f"{MODEL_FILE} stores {stored} weights")
         locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
@@ -472,13 +472,15 @@ def export(
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
-        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if dtype == "int8" or table_dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
+        table_bits = 8 if dtype == "int8" or table_dtype == "int8" else 4
+        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if table_bits == 8 else DEFAULT_INT4_BLOCK_SIZE
         layer_block = block_size_for(ckpt, block_size, default=layer_default)
         table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
                                       "--table-block-size")
-    table_bits = 8 if dtype == "int8" or table_dtype == "int8" else 4
-    check_free_space(out, int(0.95 * _estimated_bytes(ckpt, dtype, *((layer_block, table_block, table_bits)
-                                                                      if quantized else ()))), "export")
+        estimate = _estimated_bytes(ckpt, dtype, layer_block, table_block, table_bits)
+    else:
+        estimate = _estimated_bytes(ckpt, dtype)
+    check_free_space(out, int(0.95 * estimate), "export")
     calibration = None
     if wants_text or (quantized and calibrate is None and ckpt.tokenizer is not None):
         calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress)

@@ -246,8 +246,8 @@ class QualityReport:
                 **self.metrics.to_dict()}
 
 
-def manifest_source(model_dir: Path) -> str:
-    """The path of the source an export was made from (``manifest.json`` → ``source.path``).
+def _manifest_source_record(model_dir: Path) -> dict:
+    """The manifest's ``source`` object, with a ``path`` that exists.
 
     Raises:
         SourceNotFoundError: no manifest, no source path in it, or the source is gone.
@@ -257,14 +257,24 @@ def manifest_source(model_dir: Path) -> str:
 
     manifest = model_dir / MANIFEST_FILE
     try:
-        path = read_manifest(model_dir)["source"]["path"]
+        record = read_manifest(model_dir)["source"]
+        path = record["path"]
     except (FormatError, KeyError, TypeError):
-        path = None
+        record, path = None, None
     if not isinstance(path, str) or not path.strip():
         raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source")
     if not Path(path).exists():
         raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")
-    return path
+    return record
+
+
+def manifest_source(model_dir: Path) -> str:
+    """The path of the source an export was made from (``manifest.json`` → ``source.path``).
+
+    Raises:
+        SourceNotFoundError: no manifest, no source path in it, or the source is gone.
+    """
+    return _manifest_source_record(model_dir)["path"]
 
 
 def manifest_checkpoint(model_dir: Path):
@@ -276,12 +286,12 @@ def manifest_checkpoint(model_dir: Path):
         SourceNotFoundError: as :func:`manifest_source`, or the size differs.
     """
     from .errors import SourceNotFoundError
-    from .runtime import MANIFEST_FILE, read_manifest
+    from .runtime import MANIFEST_FILE
     from .sources import open_source
 
-    path = manifest_source(model_dir)
+    record = _manifest_source_record(model_dir)
+    path, recorded = record["path"], record.get("bytes")
     checkpoint = open_source(path)
-    recorded = (read_manifest(model_dir).get("source") or {}).get("bytes")
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{model_dir / MANIFEST_FILE}: the export's source {path} has "
                                   f"{checkpoint.identity.get('bytes'):,} bytes now and had {recorded:,} when the export "
