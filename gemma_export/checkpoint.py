@@ -8,6 +8,7 @@ the weights came from. Tensor values follow transformers' convention: RMSNorm we
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -115,6 +116,7 @@ class Checkpoint:
         tokenizer: tokenizer files, or None when the source carries none.
         identity: what the source was (kind, path, size), recorded in the manifest.
         path: the source path (a folder or a file); outputs may not be written inside it.
+        files: the files whose bytes define the weights and the config (see :meth:`content_sha256`).
     """
 
     config: GemmaConfig
@@ -122,6 +124,20 @@ class Checkpoint:
     tokenizer: Tokenizer | None
     identity: Mapping[str, object]
     path: Path
+    files: tuple[Path, ...] = ()
+
+    def content_sha256(self) -> str | None:
+        """One hex sha256 for the source's contents: of the lines ``"<file name> <file sha256>"`` of
+        :attr:`files`, in their order (None when the source lists no files). Two sources of the
+        same size (e.g. two fine-tunes of one architecture) differ here. Reads every file once
+        (about 0.3 s for the 250 MB GGUF of Gemma 3 270M).
+        """
+        if not self.files:
+            return None
+        from .staging import file_sha256
+
+        lines = "".join(f"{p.name} {file_sha256(p)}\n" for p in self.files)
+        return hashlib.sha256(lines.encode()).hexdigest()
 
     @property
     def tied(self) -> bool:

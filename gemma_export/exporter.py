@@ -526,7 +526,8 @@ def export(
             # GroupQueryAttention reads past + sequence from attention_mask, so one [batch, kv_heads,
             # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
             "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
-            "source": dict(ckpt.identity),
+            # sha256: quality and parity re-open the source by path and refuse other contents there
+            "source": {**ckpt.identity, "sha256": ckpt.content_sha256()},
             # what the export is: a source that claims tie_word_embeddings but stores a different
             # lm_head (or a GGUF with its own output.weight) is exported with two tables
             "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},

@@ -279,23 +279,29 @@ def manifest_source(model_dir: Path) -> str:
 
 def manifest_checkpoint(model_dir: Path):
     """The export's source (:func:`manifest_source`), opened, after checking that it still has the
-    size the manifest recorded (``source.bytes``): a different model moved to the same path would
-    otherwise be blamed on the export.
+    size (``source.bytes``) and the contents (``source.sha256``, see
+    :meth:`~gemma_export.checkpoint.Checkpoint.content_sha256`) the manifest recorded: a different
+    model moved to the same path, even one of the same size, would otherwise be blamed on the export.
 
     Raises:
-        SourceNotFoundError: as :func:`manifest_source`, or the size differs.
+        SourceNotFoundError: as :func:`manifest_source`, or the size or the contents differ.
     """
     from .errors import SourceNotFoundError
     from .runtime import MANIFEST_FILE
     from .sources import open_source
 
     record = _manifest_source_record(model_dir)
-    path, recorded = record["path"], record.get("bytes")
+    path, recorded, digest = record["path"], record.get("bytes"), record.get("sha256")
     checkpoint = open_source(path)
+    where = f"{model_dir / MANIFEST_FILE}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
-        raise SourceNotFoundError(f"{model_dir / MANIFEST_FILE}: the export's source {path} has "
-                                  f"{checkpoint.identity.get('bytes'):,} bytes now and had {recorded:,} when the export "
-                                  "was made; it is not the same model")
+        raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "
+                                  f"{recorded:,} when the export was made; it is not the same model")
+    if isinstance(digest, str):
+        now = checkpoint.content_sha256()
+        if now is not None and now != digest:
+            raise SourceNotFoundError(f"{where} has other contents now (sha256 {now[:12]}…, recorded "
+                                      f"{digest[:12]}… when the export was made); it is not the same model")
     return checkpoint
 
 

@@ -282,6 +282,34 @@ def test_tokens_limits_how_much_of_a_long_text_is_tokenized(tiny_int8_export):
     assert first_tokens(tokenizer, "short text", 5) == real_encode("short text").ids[:5]
 
 
+def test_a_same_size_model_at_the_source_path_is_refused_by_its_contents(tiny_dir, tmp_path):
+    """Two fine-tunes of one architecture have the same size: the manifest's source sha256 tells them
+    apart; the unchanged source is still accepted."""
+    import shutil
+
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.exporter import export
+    from gemma_export.quality import manifest_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    recorded = json.loads((out / "manifest.json").read_text())["source"]
+    assert len(recorded["sha256"]) == 64
+    assert manifest_checkpoint(out).content_sha256() == recorded["sha256"]
+    weights = src / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # another model of the same shapes: the last 16 float32 weights scaled
+        f.seek(size - 64)
+        values = np.frombuffer(f.read(64), dtype="<f4") * np.float32(1.5)
+        f.seek(size - 64)
+        f.write(values.astype("<f4").tobytes())
+    assert weights.stat().st_size == size
+    with pytest.raises(SourceNotFoundError, match=r"the export's source .*src has other contents now \(sha256 "
+                                                  r"[0-9a-f]{12}…, recorded [0-9a-f]{12}… when the export was made\)"):
+        manifest_checkpoint(out)
+
+
 def test_a_different_model_at_the_source_path_is_named_not_compared(tiny_dir, tmp_path):
     """quality's and parity's reference re-open the export's source by path: a model of another size
     moved there is refused (it gave parity FAIL, KL 1.43, blamed on the export)."""

@@ -86,7 +86,8 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     wanted = set(expected_shapes(config)) | {"lm_head.weight"}
     tensors: dict[str, TensorRef] = {}
     total_bytes = 0
-    for shard in _shard_files(folder):
+    shards = _shard_files(folder)
+    for shard in shards:
         total_bytes += shard.stat().st_size
         read_header(shard)  # named errors for a corrupt header before the library reads it
         try:
@@ -120,4 +121,5 @@ def read_hf_folder(folder: Path) -> Checkpoint:
         tokenizer=Tokenizer(lambda: tokenizer_files) if "tokenizer.json" in tokenizer_files else None,
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
+        files=(folder / "config.json", *shards),
     )

@@ -363,6 +363,8 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     validate_tensors(config, tensors, str(mlir_path))
     resolve_lm_head(config, tensors, str(mlir_path))  # an equal second table is collapsed
     identity = {"kind": "reference-mlir", "path": str(mlir_path.resolve()), "archive": str(archive.path.resolve()),
+                "bytes": mlir_path.stat().st_size + archive.path.stat().st_size,
                 "globals": len(module.globals), "skipped_constants": len(mapped.skipped),
                 "duplicate_table_collapsed": mapped.duplicate_table is not None and LM_HEAD not in tensors}
-    return Checkpoint(config=config, tensors=tensors, tokenizer=None, identity=identity, path=mlir_path)
+    return Checkpoint(config=config, tensors=tensors, tokenizer=None, identity=identity, path=mlir_path,
+                      files=(mlir_path, archive.path))
