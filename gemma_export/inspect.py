@@ -177,19 +177,14 @@ def _mlir_entries(path: Path) -> list[TensorEntry]:
 def _gguf_entries(path: Path) -> list[TensorEntry]:
     import gguf
 
-    from .sources.gguf_header import validate_gguf
+    from .sources.gguf_header import read_gguf_header
 
-    validate_gguf(path)
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:
-        raise FormatError(f"{path}: not a readable GGUF file: {exc}") from None
     entries = []
     plain = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "I16": np.int16, "I32": np.int32}
-    for t in reader.tensors:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        kind = t.tensor_type.name
-        entries.append(TensorEntry(t.name, shape, kind, int(t.n_bytes), int(t.n_elements), path, int(t.data_offset),
+    for t in read_gguf_header(path).tensors:
+        shape = tuple(reversed(t.dims))
+        kind = gguf.GGMLQuantizationType(t.ggml_type).name
+        entries.append(TensorEntry(t.name, shape, kind, t.n_bytes, math.prod(shape), path, t.offset,
                                    np.dtype(plain[kind]) if kind in plain else None))
     return entries
 

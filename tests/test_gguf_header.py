@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gemma_export.errors import FormatError
-from gemma_export.sources.gguf_header import validate_gguf
+from gemma_export.sources.gguf_header import read_gguf_header
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +33,41 @@ def _check(tmp_path, data: bytes, words: str):
     path = tmp_path / "bad.gguf"
     path.write_bytes(data)
     with pytest.raises(FormatError) as info:
-        validate_gguf(path)
+        read_gguf_header(path)
     assert str(path) in str(info.value) and words in str(info.value), str(info.value)
 
 
-def test_good_file_passes(tmp_path, good):
-    (tmp_path / "ok.gguf").write_bytes(good)
-    validate_gguf(tmp_path / "ok.gguf")
+def test_good_file_is_read_as_gguf_py_reads_it(tmp_path, good):
+    """Metadata, tensor names, dims, types and data offsets equal gguf-py's own reader's."""
+    path = tmp_path / "ok.gguf"
+    path.write_bytes(good)
+    header = read_gguf_header(path)
+    reader = gguf.GGUFReader(str(path), "r")
+    assert header.metadata["gemma3.block_count"] == 1
+    assert header.metadata["tokenizer.ggml.tokens"] == ["<pad>", "<eos>", "a", "b"]
+    assert header.metadata["general.architecture"] == "gemma3"
+    assert {k: reader.fields[k].contents() for k in reader.fields if not k.startswith("GGUF.")} == header.metadata
+    assert [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset), int(t.n_bytes))
+            for t in reader.tensors] == [(t.name, t.dims, t.ggml_type, t.offset, t.n_bytes) for t in header.tensors]
+    assert header.tensors[1].dims == (64, 8) and header.tensors[1].n_bytes == 8 * 2 * 34  # two Q8_0 blocks a row
+
+
+def test_duplicated_names(tmp_path):
+    """gguf-py refuses a tensor name or a metadata key that appears twice; so does the walk, by name."""
+    path = tmp_path / "dup.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_uint32("dup.key.one", 1)
+    w.add_uint32("dup.key.two", 2)
+    w.add_tensor("dup.tensor.one", np.ones((2, 32), np.float32))
+    w.add_tensor("dup.tensor.two", np.ones((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    assert data.count(b"dup.key.two") == 1 and data.count(b"dup.tensor.two") == 1
+    _check(tmp_path, data.replace(b"dup.key.two", b"dup.key.one"), "metadata key 'dup.key.one' appears twice")
+    _check(tmp_path, data.replace(b"dup.tensor.two", b"dup.tensor.one"), "tensor 'dup.tensor.one' appears twice")
 
 
 @pytest.mark.parametrize("cut", [0, 10, 23, 40, 120, -1, -300])

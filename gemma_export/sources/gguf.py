@@ -1,8 +1,8 @@
 """Read a llama.cpp GGUF of architecture ``gemma3`` lazily.
 
-The file is memory-mapped by gguf-py's ``GGUFReader``; each tensor is dequantized to float32 with
-``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only
-when the exporter asks for it. Names are mapped to transformers names and llama.cpp's ``+1`` on
+The header is read and checked by :mod:`.gguf_header`; the file is memory-mapped and each tensor is
+dequantized to float32 with gguf-py's ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only when the exporter asks for it. Names are mapped to transformers names and llama.cpp's ``+1`` on
 every RMSNorm weight (``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) is undone, so the
 checkpoint follows transformers' convention (gain = ``1 + w``).
 """
@@ -17,7 +17,7 @@ from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resol
 from ..config import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID, config_from_gguf_metadata
 from ..errors import FormatError
 from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
-from .gguf_header import validate_gguf
+from .gguf_header import GGUFTensorInfo, read_gguf_header
 
 #: GGUF block tensor name → transformers name suffix; ``True`` marks RMSNorm weights (+1 undone).
 _BLOCK_NAMES: dict[str, tuple[str, bool]] = {
@@ -52,29 +52,40 @@ def _hf_name(gguf_name: str) -> tuple[str, bool] | None:
     return None
 
 
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+#: ggml types stored as plain numpy elements; every other type is blocks of bytes.
+_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
 
-def _tensor_reader(tensor, is_norm: bool, dequantize):
+def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo):
+    """A tensor's data as a view of the memory-mapped file, in gguf-py's ``GGUFReader`` layout: the
+    numpy shape (``dims`` reversed) for plain types, ``[..., rows, bytes per row]`` for block types
+    (whose rows dequantize independently). Returns ``(data, ggml type)``."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(info.ggml_type)
+    shape = tuple(reversed(info.dims))
+    raw = file_bytes[info.offset:info.offset + info.n_bytes]
+    if qtype.name in _PLAIN_TYPES:
+        return raw.view(_PLAIN_TYPES[qtype.name]).reshape(shape), qtype
+    return raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype
+
+
+def _tensor_reader(data, qtype, is_norm: bool, dequantize):
     def read() -> np.ndarray:
-        values = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        values = dequantize(data, qtype).astype(np.float32, copy=False)
         if is_norm:
             values = values - np.float32(1.0)
         return values
     return read
 
 
-def _tensor_row_reader(tensor, is_norm: bool, dequantize):
-    if is_norm or len(tensor.data.shape) != 2:
+def _tensor_row_reader(data, qtype, is_norm: bool, dequantize):
+    if is_norm or data.ndim != 2:
         return None
 
     def read_rows(start: int, stop: int) -> np.ndarray:
-        # tensor.data is [rows, bytes per row] for block types: rows dequantize independently.
-        return dequantize(tensor.data[start:stop], tensor.tensor_type).astype(np.float32, copy=False)
+        return dequantize(data[start:stop], qtype).astype(np.float32, copy=False)
     return read_rows
 
 
@@ -88,35 +99,35 @@ def read_gguf(path: Path) -> Checkpoint:
     import gguf  # imported here: gguf-py takes ~0.3 s to import
 
     path = Path(path)
-    validate_gguf(path)  # named errors for forged counts, truncation and bad offsets first
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:  # gguf-py raises ValueError/struct.error/IndexError on corrupt files
-        raise FormatError(f"{path}: not a readable GGUF file: {exc}") from None
+    header = read_gguf_header(path)  # named errors for forged counts, truncation and bad offsets
+    file_bytes = np.memmap(path, dtype=np.uint8, mode="r")
 
     tensors: dict[str, TensorRef] = {}
-    for t in reader.tensors:
+    for t in header.tensors:
         mapped = _hf_name(t.name)
         if mapped is None:
             continue
         name, is_norm = mapped
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists ne0 (fastest) first
-        tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(t, is_norm, gguf.quants.dequantize),
-                                  _tensor_row_reader(t, is_norm, gguf.quants.dequantize))
+        data, qtype = _tensor_data(file_bytes, t)
+        shape = tuple(reversed(t.dims))  # GGUF lists ne0 (fastest) first
+        tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(data, qtype, is_norm, gguf.quants.dequantize),
+                                  _tensor_row_reader(data, qtype, is_norm, gguf.quants.dequantize))
 
     if EMBED not in tensors:
         raise FormatError(f"{path}: missing tensor 'token_embd.weight'")
-    meta = {k: _field(reader, k) for k in reader.fields if k.startswith(("general.", "gemma3.", "tokenizer.ggml.")) and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
+    fields = header.metadata
+    meta = {k: v for k, v in fields.items() if k.startswith(("general.", "gemma3.", "tokenizer.ggml.")) and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
     config = config_from_gguf_metadata(meta, vocab_rows=tensors[EMBED].shape[0], tied=True, where=str(path))
     validate_tensors(config, tensors, str(path))
     resolve_lm_head(config, tensors, str(path))
 
-    has_tokenizer = _field(reader, "tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in reader.fields
-    tokens = list(_field(reader, "tokenizer.ggml.tokens")) if has_tokenizer else []
-    token_types = list(_field(reader, "tokenizer.ggml.token_type") or []) if has_tokenizer else []
-    # gguf-py keeps every metadata array element as a numpy view (~0.5 GB for 262,144 tokens); keep
-    # only the plain lists and the tensors' memory-mapped data, and let the reader's fields go.
-    reader.fields.clear()
+    has_tokenizer = fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
+    tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []
+    token_types = fields.get("tokenizer.ggml.token_type", []) if has_tokenizer else []
+    for key, value, kind in (("tokens", tokens, str), ("token_type", token_types, int)):
+        if not (isinstance(value, list) and all(isinstance(v, kind) for v in value)):
+            raise FormatError(f"{path}: tokenizer.ggml.{key} is not an array of {kind.__name__} "
+                              f"(found {type(value).__name__})")
     defaults = {"bos": BOS_TOKEN_ID, "eos": EOS_TOKEN_ID, "unknown": UNK_TOKEN_ID, "padding": PAD_TOKEN_ID}
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", v) for k, v in defaults.items()}
     if has_tokenizer:  # checked here, before anything is written, not when the tokenizer is built
@@ -141,4 +152,5 @@ def read_gguf(path: Path) -> Checkpoint:
         identity={"kind": "gguf", "path": str(path.resolve()), "bytes": path.stat().st_size,
                   "name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
         path=path,
+        files=(path,),
     )

@@ -1,6 +1,8 @@
-"""Walk a GGUF header and check every count, length, offset and size against the file and hard
-caps before gguf-py parses it (gguf-py trusts the header: a forged count makes it allocate or fail
-with numpy internals).
+"""Walk a GGUF header, check every count, length, offset and size against the file and hard caps,
+and return its metadata and tensor infos (gguf-py's ``GGUFReader`` trusts the header, where a forged
+count makes it allocate or fail with numpy internals, and it keeps every element of the 262,144-token
+vocabulary as a numpy view: 20–35 s to open Gemma 3 270M against under 1 s here). The tensors'
+bytes are then dequantized by gguf-py (``gemma_export.sources.gguf``).
 
 Layout (ggml's ``docs/gguf.md``, versions 2 and 3): magic ``GGUF``, uint32 version, uint64 tensor
 count, uint64 metadata count; metadata ``(string key, uint32 type, value)``; tensor infos
@@ -11,9 +13,12 @@ Strings are a uint64 length then UTF-8 bytes. All integers are little-endian.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import struct
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import FormatError
 
@@ -52,7 +57,8 @@ class _Cursor:
         except UnicodeDecodeError:
             raise FormatError(f"{self.path}: {what} at offset {self.pos - n} is not UTF-8") from None
 
-    def skip_value(self, kind: int, what: str) -> object:
+    def value(self, kind: int, what: str) -> object:
+        """A metadata value: a Python scalar, a str, or a list of either."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind], what)
         if kind == _STRING:
@@ -63,25 +69,48 @@ class _Cursor:
             if count > MAX_ARRAY_ITEMS:
                 raise FormatError(f"{self.path}: {what} has {count} items, limit {MAX_ARRAY_ITEMS}")
             if item_kind in _SCALARS:
-                self.take(count * struct.calcsize(_SCALARS[item_kind]), what)
-            elif item_kind == _STRING:
-                for i in range(count):
-                    n = self.unpack("<Q", f"{what}[{i}] length")
-                    if n > MAX_STRING_BYTES:
-                        raise FormatError(f"{self.path}: {what}[{i}] is {n} bytes long, limit {MAX_STRING_BYTES}")
-                    self.take(n, f"{what}[{i}]")
-            else:
-                raise FormatError(f"{self.path}: {what} has unsupported array item type {item_kind}")
-            return None
+                fmt = _SCALARS[item_kind]
+                return np.frombuffer(self.take(count * struct.calcsize(fmt), what), dtype=np.dtype(fmt)).tolist()
+            if item_kind == _STRING:
+                return [self.string(f"{what}[{i}]") for i in range(count)]
+            raise FormatError(f"{self.path}: {what} has unsupported array item type {item_kind}")
         raise FormatError(f"{self.path}: {what} has unknown value type {kind}")
 
 
-def validate_gguf(path: Path) -> None:
-    """Check a GGUF file's header and tensor layout.
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor info of a GGUF header.
+
+    Attributes:
+        name: the GGUF tensor name (``token_embd.weight``, ``blk.0.attn_q.weight``, ...).
+        dims: GGUF order, fastest-varying (``ne0``) first; the numpy shape is ``dims`` reversed.
+        ggml_type: the ``gguf.GGMLQuantizationType`` of the data.
+        offset: byte offset of the data in the file (the header's offset plus the data section's start).
+        n_bytes: bytes of data.
+    """
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+    n_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFHeader:
+    """A checked GGUF header: ``metadata`` (key → scalar, str or list) and ``tensors`` in file order."""
+
+    metadata: dict[str, object]
+    tensors: list[GGUFTensorInfo]
+
+
+def read_gguf_header(path: Path) -> GGUFHeader:
+    """Read and check a GGUF file's header and tensor layout.
 
     Raises:
         FormatError: bad magic or version, counts or lengths beyond the caps or the file, an unknown
-            value or ggml type, a tensor whose data is misaligned, overlaps another or runs past the end.
+            value or ggml type, a string that is not UTF-8, a tensor whose data is misaligned,
+            overlaps another or runs past the end.
     """
     import gguf
 
@@ -100,17 +129,23 @@ def validate_gguf(path: Path) -> None:
         if n_tensors > MAX_TENSORS or n_meta > MAX_METADATA:
             raise FormatError(f"{path}: {n_tensors} tensors / {n_meta} metadata entries, limits {MAX_TENSORS} / {MAX_METADATA}")
         alignment = DEFAULT_ALIGNMENT
+        metadata: dict[str, object] = {}
         for i in range(n_meta):
             key = c.string(f"metadata key #{i}")
             kind = c.unpack("<I", f"type of '{key}'")
-            value = c.skip_value(kind, f"metadata '{key}'")
+            if key in metadata:
+                raise FormatError(f"{path}: metadata key '{key}' appears twice")
+            value = metadata[key] = c.value(kind, f"metadata '{key}'")
             if key == "general.alignment":
                 if not isinstance(value, int) or value <= 0 or value & (value - 1):
                     raise FormatError(f"{path}: general.alignment {value!r} is not a power of two")
                 alignment = value
-        tensors = []
+        tensors, names = [], set()
         for i in range(n_tensors):
             name = c.string(f"tensor name #{i}")
+            if name in names:
+                raise FormatError(f"{path}: tensor '{name}' appears twice")
+            names.add(name)
             n_dims = c.unpack("<I", f"dims of '{name}'")
             if not 1 <= n_dims <= MAX_DIMS:
                 raise FormatError(f"{path}: tensor '{name}' has {n_dims} dims, expected 1..{MAX_DIMS}")
@@ -128,10 +163,10 @@ def validate_gguf(path: Path) -> None:
                 raise FormatError(f"{path}: tensor '{name}' dims {dims} hold {elements:,} elements, limit {1 << 40:,}")
             if dims[0] % block:
                 raise FormatError(f"{path}: tensor '{name}' first dim {dims[0]} is not a multiple of ggml type {kind}'s block of {block}")
-            tensors.append((offset, elements // block * type_bytes, name))
+            tensors.append((offset, elements // block * type_bytes, name, tuple(dims), kind))
         data_start = -(-c.pos // alignment) * alignment
         position = 0
-        for offset, nbytes, name in sorted(tensors):
+        for offset, nbytes, name, _, _ in sorted(tensors):
             if offset % alignment:
                 raise FormatError(f"{path}: tensor '{name}' offset {offset} is not a multiple of {alignment}")
             if offset < position:
@@ -140,3 +175,6 @@ def validate_gguf(path: Path) -> None:
                 raise FormatError(f"{path}: tensor '{name}' ends at byte {data_start + offset + nbytes}, "
                                   f"past the end of the file ({size} bytes): truncated")
             position = offset + nbytes
+    return GGUFHeader(metadata, [GGUFTensorInfo(name, dims, kind, data_start + offset, nbytes)
+                                 for offset, nbytes, name, dims, kind in tensors])
+
