@@ -251,6 +251,11 @@ def main(
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
     if result.calibration is not None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
+    if "tokenizer.json" not in result.files:
+        typer.echo("note: no tokenizer: the source carries none (a GGUF's is rebuilt only when its "
+                   "tokenizer.ggml.model is 'llama'; a reference export has none), so quantized weights were "
+                   "rounded to nearest; `generate`, `bench` and `quality` need a Gemma tokenizer.json copied into "
+                   f"{result.out_dir}", err=True)
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 
 

@@ -353,7 +353,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     ``token_embd`` (may be 262,153, not 262,144).
 
     Raises:
-        ConfigError: wrong architecture or a missing key.
+        ConfigError: wrong architecture, a missing key or an unsupported RoPE scaling type.
     """
     arch = meta.get("general.architecture")
     if arch != "gemma3":
@@ -365,6 +365,8 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     if f.int("attention.value_length", head_dim) != head_dim:
         raise ConfigError(f"{where}: attention.value_length differs from key_length {head_dim}")
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
+    if scaling_type not in ("none", "linear"):  # as the transformers path: default and linear only
+        raise ConfigError(f"{where}: gemma3.rope.scaling.type is {scaling_type!r}, expected 'none' or 'linear'")
     factor = f.number("rope.scaling.factor", 1.0)
     linear = scaling_type == "linear" and factor != 1.0
     full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", DEFAULT_ROPE_THETA[FULL]),

@@ -302,8 +302,12 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checke
 
 
 def _related(a: Path, b: Path) -> bool:
-    """Whether one path is, contains or lies inside the other (after resolving links)."""
-    a, b = a.resolve(), b.resolve()
+    """Whether one path is, contains or lies inside the other (after resolving links; False when a
+    link loops, which the source's own check then names)."""
+    try:
+        a, b = a.resolve(), b.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symbolic link loop (Python 3.11 and 3.12)
+        return False
     return a == b or a in b.parents or b in a.parents
 
 

@@ -277,6 +277,11 @@ def manifest_source(model_dir: Path) -> str:
     return _manifest_source_record(model_dir)["path"]
 
 
+#: the file bytes are compared, not the values: a re-saved or re-indented source counts as changed
+_CHANGED = ("it changed since the export, so it cannot serve as the export's reference; put the original "
+            "back or export again from it")
+
+
 def manifest_checkpoint(model_dir: Path):
     """The export's source (:func:`manifest_source`), opened, after checking that it still has the
     size (``source.bytes``) and the contents (``source.sha256``, see
@@ -296,12 +301,12 @@ def manifest_checkpoint(model_dir: Path):
     where = f"{model_dir / MANIFEST_FILE}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "
-                                  f"{recorded:,} when the export was made; it is not the same model")
+                                  f"{recorded:,} when the export was made; {_CHANGED}")
     if isinstance(digest, str):
         now = checkpoint.content_sha256()
         if now is not None and now != digest:
-            raise SourceNotFoundError(f"{where} has other contents now (sha256 {now[:12]}…, recorded "
-                                      f"{digest[:12]}… when the export was made); it is not the same model")
+            raise SourceNotFoundError(f"{where} has other bytes now (sha256 {now[:12]}…, recorded "
+                                      f"{digest[:12]}… when the export was made); {_CHANGED}")
     return checkpoint
 
 

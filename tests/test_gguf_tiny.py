@@ -7,8 +7,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from conftest import make_tiny_model, reference_logits
+from gemma_export.cli import app
 from gemma_export.exporter import export
 from gemma_export.runtime import OnnxDecoder
 from gemma_export.sources import open_source
@@ -32,12 +34,16 @@ def _gguf_name(hf: str) -> str:
     return f"blk.{layer}.{HF_TO_GGUF[rest.removesuffix('.weight')]}.weight"
 
 
-def write_tiny_gguf(model, path, tokenizer=None):
+def write_tiny_gguf(model, path, tokenizer=None, extra=None, rename=None):
     """Write ``model`` the way llama.cpp's converter does (norms + 1), one tensor as Q8_0.
-    ``tokenizer``: optional ``(tokens, token_types, {"bos": id, ...})`` for the tokenizer.ggml.* keys.
+    ``tokenizer``: optional ``(tokens, token_types, {"bos": id, ...})`` for the tokenizer.ggml.* keys;
+    ``extra(writer)`` adds keys or tensors; ``rename`` maps GGUF tensor names to the names written.
     Returns the state dict the GGUF represents (Q8_0 round trip applied)."""
     c = model.config
+    rename = rename or {}
     w = gguf.GGUFWriter(str(path), "gemma3")
+    if extra is not None:
+        extra(w)
     if tokenizer is not None:
         tokens, token_types, special = tokenizer
         w.add_tokenizer_model("llama")
@@ -63,12 +69,13 @@ def write_tiny_gguf(model, path, tokenizer=None):
         value = tensor.float().numpy()
         if name == Q8_TENSOR:
             q = gguf.quants.quantize(value, gguf.GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(rename.get(_gguf_name(name), _gguf_name(name)), q, raw_shape=q.shape,
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
             value = gguf.quants.dequantize(q, gguf.GGMLQuantizationType.Q8_0)
         elif name.endswith("norm.weight"):
-            w.add_tensor(_gguf_name(name), value + np.float32(1.0))
+            w.add_tensor(rename.get(_gguf_name(name), _gguf_name(name)), value + np.float32(1.0))
         else:
-            w.add_tensor(_gguf_name(name), value)
+            w.add_tensor(rename.get(_gguf_name(name), _gguf_name(name)), value)
         expected[name] = value
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -160,3 +167,55 @@ def test_bad_gguf_tokenizer_ids_are_named_before_anything_is_written(tiny_gguf, 
     with pytest.raises(FormatError) as error:
         open_source(path)
     assert str(error.value) == f"{path}: {words}" + ("" if "token_type" in words else " of tokenizer.ggml.tokens")
+
+
+TOKENS = [f"t{i}" for i in range(96)]
+UP = "blk.0.ffn_up.weight"
+
+
+@pytest.mark.parametrize("case, tokenizer, extra, rename, words", [
+    ("alignment not uint32", None, lambda w: w.add_bool("general.alignment", True), None,
+     "general.alignment has value type 7, expected 4 (uint32)"),
+    ("second name for a layer", None, None, {UP: "blk.00.ffn_up.weight"}, "unexpected tensor 'blk.00.ffn_up.weight'"),
+    ("layer beyond block_count", None, lambda w: w.add_tensor("blk.6.ffn_up.weight", np.zeros((128, 64), np.float32)),
+     None, "unexpected tensor 'blk.6.ffn_up.weight': gemma3.block_count is 6"),
+    ("integer weights", None, lambda w: w.add_tensor(UP, np.zeros((128, 64), np.int32)), {UP: "unused.ffn_up"},
+     f"tensor '{UP}' has ggml type I32, which gguf-py cannot dequantize"),
+    ("more tokens than rows", (TOKENS + ["t96"], [1] * 97, {}), None, None,
+     "tokenizer.ggml.tokens has 97 tokens, more than the 96 rows of token_embd.weight"),
+    ("a token twice", (TOKENS[:95] + ["t7"], [1] * 96, {}), None, None,
+     "tokenizer.ggml.tokens holds 't7' more than once"),
+    ("bos piece with a space", (TOKENS[:2] + ["<b os>"] + TOKENS[3:], [1] * 96, {"bos": 2}), None, None,
+     "the bos token (id 2) is '<b os>'"),
+    ("add_bos_token not a bool", (TOKENS, [1] * 96, {}), lambda w: w.add_string("tokenizer.ggml.add_bos_token", "false"),
+     None, "tokenizer.ggml.add_bos_token is 'false', expected a bool"),
+    ("rope scaling not supported", None, lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), None,
+     "gemma3.rope.scaling.type is 'yarn', expected 'none' or 'linear'"),
+])
+def test_hostile_gguf_is_refused_by_name_when_opened(tiny_gguf, tmp_path, case, tokenizer, extra, rename, words):
+    """Files gguf-py would open (or open wrongly) that must not become a model: each is named at open."""
+    from gemma_export.errors import GemmaExportError
+
+    model, _, _ = tiny_gguf
+    path = tmp_path / "hostile.gguf"
+    write_tiny_gguf(model, path, tokenizer=tokenizer, extra=extra, rename=rename)
+    with pytest.raises(GemmaExportError) as error:
+        open_source(path)
+    assert str(error.value).startswith(f"{path}: ") and words in str(error.value), (case, str(error.value))
+
+
+def test_a_fifo_or_a_link_loop_as_source_is_named_not_read(tmp_path):
+    import os
+
+    from gemma_export.errors import SourceNotFoundError
+
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)  # reading it would block for ever
+    with pytest.raises(SourceNotFoundError, match="not a regular file or a folder"):
+        open_source(fifo)
+    (tmp_path / "a.gguf").symlink_to(tmp_path / "b.gguf")
+    (tmp_path / "b.gguf").symlink_to(tmp_path / "a.gguf")
+    result = CliRunner().invoke(app, ["--source", str(tmp_path / "a.gguf"), "--dtype", "fp32", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "a.gguf: no such file or folder" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()

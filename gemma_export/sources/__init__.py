@@ -51,6 +51,8 @@ def open_source(source: str | Path | None) -> Checkpoint:
         raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
     if path.is_dir():
         return read_hf_folder(path)
+    if not path.is_file():  # a FIFO would block the read below; a device is no model
+        raise SourceNotFoundError(f"{path}: not a regular file or a folder")
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix == ".gguf":

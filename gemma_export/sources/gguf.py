@@ -9,6 +9,7 @@ checkpoint follows transformers' convention (gain = ``1 + w``).
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +44,37 @@ _TOP_NAMES: dict[str, tuple[str, bool]] = {
 
 
 def _hf_name(gguf_name: str) -> tuple[str, bool] | None:
+    """transformers name and is-norm flag of a GGUF tensor name; None for a name outside ``blk.*``
+    that the graph does not use.
+
+    Raises:
+        FormatError: a ``blk.*`` name that is not ``blk.<layer>.<known block tensor>.weight`` with
+            the layer in plain ASCII digits (``blk.00.…`` would be a second name for ``blk.0.…``).
+    """
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "weight" and parts[2] in _BLOCK_NAMES:
+    if parts[0] != "blk":
+        return None
+    index = parts[1] if len(parts) > 1 else ""
+    if (len(parts) == 4 and index.isascii() and index.isdigit() and str(int(index)) == index
+            and parts[3] == "weight" and parts[2] in _BLOCK_NAMES):
         suffix, is_norm = _BLOCK_NAMES[parts[2]]
-        return f"model.layers.{int(parts[1])}.{suffix}.weight", is_norm
-    return None
+        return f"model.layers.{int(index)}.{suffix}.weight", is_norm
+    raise FormatError(f"unexpected tensor '{gguf_name}': expected blk.<layer>.<name>.weight with <name> one "
+                      f"of {', '.join(_BLOCK_NAMES)}")
+
+
+def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype, dequantize) -> None:
+    """Refuse, at open, a tensor type gguf-py cannot turn into floats (I8, I32, F64, Q8_1, ...)."""
+    import gguf
+
+    first = 1 if data.ndim > 1 or qtype.name in _PLAIN_TYPES else gguf.GGML_QUANT_SIZES[qtype][1]
+    try:
+        dequantize(data[:first], qtype)  # one row, element or block
+    except NotImplementedError:
+        raise FormatError(f"{path}: tensor '{info.name}' has ggml type {qtype.name}, which gguf-py cannot "
+                          "dequantize; expected F32, F16, BF16 or a llama.cpp quantized type") from None
 
 
 #: ggml types stored as plain numpy elements; every other type is blocks of bytes.
@@ -89,6 +114,28 @@ def _tensor_row_reader(data, qtype, is_norm: bool, dequantize):
     return read_rows
 
 
+def _check_tokenizer_fields(path: Path, tokens, token_types, add_bos, rows: int) -> None:
+    """The ``tokenizer.ggml.*`` values the tokenizer is rebuilt from, checked before anything is written.
+
+    Raises:
+        FormatError: tokens not a list of distinct strings or more of them than table rows,
+            token_type not an integer array, add_bos_token not a bool.
+    """
+    if not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
+        raise FormatError(f"{path}: tokenizer.ggml.tokens is not an array of strings (found {type(tokens).__name__})")
+    if len(tokens) > rows:
+        raise FormatError(f"{path}: tokenizer.ggml.tokens has {len(tokens):,} tokens, more than the "
+                          f"{rows:,} rows of token_embd.weight")
+    if len(set(tokens)) != len(tokens):
+        twice = next(t for t, n in collections.Counter(tokens).items() if n > 1)
+        raise FormatError(f"{path}: tokenizer.ggml.tokens holds {twice!r} more than once; expected distinct pieces")
+    if not (isinstance(token_types, np.ndarray) and token_types.dtype.kind in "iu"):
+        raise FormatError(f"{path}: tokenizer.ggml.token_type is not an array of integers "
+                          f"(found {getattr(token_types, 'dtype', type(token_types).__name__)})")
+    if not isinstance(add_bos, bool):
+        raise FormatError(f"{path}: tokenizer.ggml.add_bos_token is {add_bos!r}, expected a bool")
+
+
 def read_gguf(path: Path) -> Checkpoint:
     """Open a Gemma 3 GGUF lazily.
 
@@ -106,11 +153,17 @@ def read_gguf(path: Path) -> Checkpoint:
 
     tensors: dict[str, TensorRef] = {}
     for t in header.tensors:
-        mapped = _hf_name(t.name)
+        try:
+            mapped = _hf_name(t.name)
+        except FormatError as exc:
+            raise FormatError(f"{path}: {exc}") from None
         if mapped is None:
             continue
         name, is_norm = mapped
+        if name in tensors:
+            raise FormatError(f"{path}: tensors {tensors[name].origin.rsplit(':', 1)[-1]!r} and '{t.name}' are both {name}")
         data, qtype = _tensor_data(file_bytes, t)
+        _check_dequantizable(path, t, data, qtype, gguf.quants.dequantize)
         shape = tuple(reversed(t.dims))  # GGUF lists ne0 (fastest) first
         tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(data, qtype, is_norm, gguf.quants.dequantize),
                                   _tensor_row_reader(data, qtype, is_norm, gguf.quants.dequantize))
@@ -120,16 +173,20 @@ def read_gguf(path: Path) -> Checkpoint:
     fields = header.metadata
     meta = {k: v for k, v in fields.items() if k.startswith(("general.", "gemma3.", "tokenizer.ggml.")) and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
     config = config_from_gguf_metadata(meta, vocab_rows=tensors[EMBED].shape[0], tied=True, where=str(path))
+    beyond = sorted(n for n in tensors if n.startswith("model.layers.") and int(n.split(".")[2]) >= config.num_hidden_layers)
+    if beyond:
+        raise FormatError(f"{path}: unexpected tensor {tensors[beyond[0]].origin.rsplit(':', 1)[-1]!r}: "
+                          f"gemma3.block_count is {config.num_hidden_layers}")
     validate_tensors(config, tensors, str(path))
     resolve_lm_head(config, tensors, str(path))
 
     has_tokenizer = fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
     tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []
-    token_types = fields.get("tokenizer.ggml.token_type", []) if has_tokenizer else []
-    for key, value, kind in (("tokens", tokens, str), ("token_type", token_types, int)):
-        if not (isinstance(value, list) and all(isinstance(v, kind) for v in value)):
-            raise FormatError(f"{path}: tokenizer.ggml.{key} is not an array of {kind.__name__} "
-                              f"(found {type(value).__name__})")
+    token_types = fields.get("tokenizer.ggml.token_type", np.zeros(0, np.int32)) if has_tokenizer else []
+    if has_tokenizer:
+        _check_tokenizer_fields(path, tokens, token_types, fields.get("tokenizer.ggml.add_bos_token", True),
+                                tensors[EMBED].shape[0])
+        token_types = token_types.tolist()
     defaults = {"bos": BOS_TOKEN_ID, "eos": EOS_TOKEN_ID, "unknown": UNK_TOKEN_ID, "padding": PAD_TOKEN_ID}
     ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", v) for k, v in defaults.items()}
     if has_tokenizer:  # checked here, before anything is written, not when the tokenizer is built
@@ -140,6 +197,10 @@ def read_gguf(path: Path) -> Checkpoint:
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
                 raise FormatError(f"{path}: tokenizer.ggml.{k}_token_id is {value}, expected an id below the "
                                   f"{len(tokens)} tokens of tokenizer.ggml.tokens")
+        bos = tokens[ids["bos"]]
+        if not bos or bos.startswith("$") or any(c.isspace() for c in bos):
+            raise FormatError(f"{path}: the bos token (id {ids['bos']}) is {bos!r}; expected a piece without "
+                              "spaces that does not start with '$' (the tokenizer's template names it)")
 
     def build_tokenizer() -> dict[str, bytes]:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
@@ -152,7 +213,9 @@ def read_gguf(path: Path) -> Checkpoint:
         tensors=tensors,
         tokenizer=Tokenizer(build_tokenizer) if has_tokenizer else None,
         identity={"kind": "gguf", "path": str(path.resolve()), "bytes": path.stat().st_size,
-                  "name": meta.get("general.name"), "file_type": meta.get("general.file_type")},
+                  # recorded as the file says them when they have their spec's types (string, uint32)
+                  "name": meta.get("general.name") if isinstance(meta.get("general.name"), str) else None,
+                  "file_type": meta.get("general.file_type") if type(meta.get("general.file_type")) is int else None},
         path=path,
         files=(path,),
     )

@@ -30,7 +30,7 @@ MAX_DIMS = 8
 DEFAULT_ALIGNMENT = 32
 #: metadata value type → struct format of a scalar (8 = string, 9 = array are handled apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
+_STRING, _ARRAY, _UINT32 = 8, 9, 4
 
 
 class _Cursor:
@@ -58,7 +58,8 @@ class _Cursor:
             raise FormatError(f"{self.path}: {what} at offset {self.pos - n} is not UTF-8") from None
 
     def value(self, kind: int, what: str) -> object:
-        """A metadata value: a Python scalar, a str, or a list of either."""
+        """A metadata value: a Python scalar, a str, a list of str, or a 1-D numpy array of numbers
+        (not a list: a list of 2^25 floats would take 1.6 GB)."""
         if kind in _SCALARS:
             return self.unpack(_SCALARS[kind], what)
         if kind == _STRING:
@@ -70,7 +71,7 @@ class _Cursor:
                 raise FormatError(f"{self.path}: {what} has {count} items, limit {MAX_ARRAY_ITEMS}")
             if item_kind in _SCALARS:
                 fmt = _SCALARS[item_kind]
-                return np.frombuffer(self.take(count * struct.calcsize(fmt), what), dtype=np.dtype(fmt)).tolist()
+                return np.frombuffer(self.take(count * struct.calcsize(fmt), what), dtype=np.dtype(fmt))
             if item_kind == _STRING:
                 return [self.string(f"{what}[{i}]") for i in range(count)]
             raise FormatError(f"{self.path}: {what} has unsupported array item type {item_kind}")
@@ -137,7 +138,9 @@ def read_gguf_header(path: Path) -> GGUFHeader:
                 raise FormatError(f"{path}: metadata key '{key}' appears twice")
             value = metadata[key] = c.value(kind, f"metadata '{key}'")
             if key == "general.alignment":
-                if not isinstance(value, int) or value <= 0 or value & (value - 1):
+                if kind != _UINT32:
+                    raise FormatError(f"{path}: general.alignment has value type {kind}, expected {_UINT32} (uint32)")
+                if value <= 0 or value & (value - 1):
                     raise FormatError(f"{path}: general.alignment {value!r} is not a power of two")
                 alignment = value
         tensors, names = [], set()
