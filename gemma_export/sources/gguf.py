@@ -2,8 +2,8 @@
 
 The header is read and checked by :mod:`.gguf_header`; the file is memory-mapped and each tensor is
 dequantized to float32 with gguf-py's ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only when the exporter asks for it. Names are mapped to transformers names and llama.cpp's ``+1`` on
-every RMSNorm weight (``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) is undone, so the
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only when the exporter asks for it. Names are mapped to
+transformers names and llama.cpp's ``+1`` on every RMSNorm weight (``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) is undone, so the
 checkpoint follows transformers' convention (gain = ``1 + w``).
 """
 
@@ -43,7 +43,7 @@ _TOP_NAMES: dict[str, tuple[str, bool]] = {
 }
 
 
-def _hf_name(gguf_name: str) -> tuple[str, bool] | None:
+def _hf_name(gguf_name: str, path: Path) -> tuple[str, bool] | None:
     """transformers name and is-norm flag of a GGUF tensor name; None for a name outside ``blk.*``
     that the graph does not use.
 
@@ -61,17 +61,17 @@ def _hf_name(gguf_name: str) -> tuple[str, bool] | None:
             and parts[3] == "weight" and parts[2] in _BLOCK_NAMES):
         suffix, is_norm = _BLOCK_NAMES[parts[2]]
         return f"model.layers.{int(index)}.{suffix}.weight", is_norm
-    raise FormatError(f"unexpected tensor '{gguf_name}': expected blk.<layer>.<name>.weight with <name> one "
+    raise FormatError(f"{path}: unexpected tensor '{gguf_name}': expected blk.<layer>.<name>.weight with <name> one "
                       f"of {', '.join(_BLOCK_NAMES)}")
 
 
-def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype, dequantize) -> None:
+def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype) -> None:
     """Refuse, at open, a tensor type gguf-py cannot turn into floats (I8, I32, F64, Q8_1, ...)."""
     import gguf
 
     first = 1 if data.ndim > 1 or qtype.name in _PLAIN_TYPES else gguf.GGML_QUANT_SIZES[qtype][1]
     try:
-        dequantize(data[:first], qtype)  # one row, element or block
+        gguf.quants.dequantize(data[:first], qtype)  # one row, element or block
     except NotImplementedError:
         raise FormatError(f"{path}: tensor '{info.name}' has ggml type {qtype.name}, which gguf-py cannot "
                           "dequantize; expected F32, F16, BF16 or a llama.cpp quantized type") from None
@@ -153,17 +153,12 @@ def read_gguf(path: Path) -> Checkpoint:
 
     tensors: dict[str, TensorRef] = {}
     for t in header.tensors:
-        try:
-            mapped = _hf_name(t.name)
-        except FormatError as exc:
-            raise FormatError(f"{path}: {exc}") from None
+        mapped = _hf_name(t.name, path)  # one transformers name per GGUF name: the header has no repeats
         if mapped is None:
             continue
         name, is_norm = mapped
-        if name in tensors:
-            raise FormatError(f"{path}: tensors {tensors[name].origin.rsplit(':', 1)[-1]!r} and '{t.name}' are both {name}")
         data, qtype = _tensor_data(file_bytes, t)
-        _check_dequantizable(path, t, data, qtype, gguf.quants.dequantize)
+        _check_dequantizable(path, t, data, qtype)
         shape = tuple(reversed(t.dims))  # GGUF lists ne0 (fastest) first
         tensors[name] = TensorRef(name, shape, f"{path}:{t.name}", _tensor_reader(data, qtype, is_norm, gguf.quants.dequantize),
                                   _tensor_row_reader(data, qtype, is_norm, gguf.quants.dequantize))
