@@ -3,8 +3,9 @@
 The header is read and checked by :mod:`.gguf_header`; the file is memory-mapped and each tensor is
 dequantized to float32 with gguf-py's ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, ...) only when the exporter asks for it. Names are mapped to
-transformers names and llama.cpp's ``+1`` on every RMSNorm weight (``convert_hf_to_gguf.py``, ``Gemma3Model.modify_tensors``) is undone, so the
-checkpoint follows transformers' convention (gain = ``1 + w``).
+transformers names and llama.cpp's ``+1`` on every RMSNorm weight (``convert_hf_to_gguf.py``,
+``Gemma3Model.modify_tensors``) is undone, so the checkpoint follows transformers' convention
+(gain = ``1 + w``).
 """
 
 from __future__ import annotations

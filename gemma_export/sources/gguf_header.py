@@ -99,7 +99,8 @@ class GGUFTensorInfo:
 
 @dataclasses.dataclass(frozen=True)
 class GGUFHeader:
-    """A checked GGUF header: ``metadata`` (key → scalar, str or list) and ``tensors`` in file order."""
+    """A checked GGUF header: ``metadata`` (key → value, as :meth:`_Cursor.value` returns them:
+    numeric arrays as numpy) and ``tensors`` in file order."""
 
     metadata: dict[str, object]
     tensors: list[GGUFTensorInfo]
