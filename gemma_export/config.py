@@ -210,12 +210,16 @@ class _Fields:
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be true or false, found {shown(value)}")
         return value
 
-    def token_ids(self, key: str, default: Any) -> tuple[int, ...]:
+    def token_ids(self, key: str, default: Any, below: int | None = None) -> tuple[int, ...]:
+        """Token ids (one or a list) under ``key``; ``below``: the vocabulary rows they must index."""
         value = self.cfg.get(self.prefix + key)
         value = default if value is None else value
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
+        if below is not None and max(values) >= below:
+            raise ConfigError(f"{self.where}: field '{self.prefix + key}' is {max(values)}, "
+                              f"expected a token id below the vocabulary's {below} rows")
         return tuple(values)
 
 
@@ -372,9 +376,10 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", DEFAULT_ROPE_THETA[FULL]),
                                rope_type="linear" if linear else "default", factor=factor if linear else 1.0)
     tokens = _Fields(meta, where, "tokenizer.ggml.")
-    eos = tokens.token_ids("eos_token_id", 1)[0]
+    eos = tokens.token_ids("eos_token_id", 1, below=vocab_rows)[0]
     # Gemma's <end_of_turn> (106) also stops generation; llama.cpp's Gemma 3 files may not say so
-    eot = tokens.token_ids("eot_token_id", END_OF_TURN_TOKEN_ID if vocab_rows > END_OF_TURN_TOKEN_ID else eos)[0]
+    eot = tokens.token_ids("eot_token_id", END_OF_TURN_TOKEN_ID if vocab_rows > END_OF_TURN_TOKEN_ID else eos,
+                           below=vocab_rows)[0]
     return GemmaConfig(
         vocab_size=int(vocab_rows),
         hidden_size=f.int("embedding_length"),
@@ -390,7 +395,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
         query_pre_attn_scalar=float(head_dim),
         max_position_embeddings=f.int("context_length"),
         tie_word_embeddings=tied,
-        bos_token_id=tokens.token_ids("bos_token_id", BOS_TOKEN_ID)[0],
+        bos_token_id=tokens.token_ids("bos_token_id", BOS_TOKEN_ID, below=vocab_rows)[0],
         eos_token_id=tuple(dict.fromkeys((eos, eot))),
-        pad_token_id=tokens.token_ids("padding_token_id", PAD_TOKEN_ID)[0],
+        pad_token_id=tokens.token_ids("padding_token_id", PAD_TOKEN_ID, below=vocab_rows)[0],
     ).validate(where)

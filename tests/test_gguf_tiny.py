@@ -123,9 +123,11 @@ def test_gguf_export_matches_transformers(tiny_gguf, tmp_path):
     ("gemma3.block_count", 10**9, "'gemma3.block_count' must be an integer in [1, 1024], found 1000000000"),
     ("gemma3.block_count", "two", "'gemma3.block_count' must be an integer"),
     ("gemma3.attention.layer_norm_rms_epsilon", "tiny", "'gemma3.attention.layer_norm_rms_epsilon' must be a positive number"),
-    ("tokenizer.ggml.eos_token_id", 16, "eos_token_id 16 is not below vocab_size 16"),  # no token list to check it
-    ("tokenizer.ggml.padding_token_id", 99, "pad_token_id 99 is not below vocab_size 16"),
-    ("tokenizer.ggml.bos_token_id", 16, "bos_token_id 16 is not below vocab_size 16"),
+    # no token list to check them against: the table's rows are the bound, named by the GGUF key
+    ("tokenizer.ggml.eos_token_id", 16, "'tokenizer.ggml.eos_token_id' is 16, expected a token id below the vocabulary's 16 rows"),
+    ("tokenizer.ggml.eot_token_id", 40, "'tokenizer.ggml.eot_token_id' is 40, expected a token id below the vocabulary's 16 rows"),
+    ("tokenizer.ggml.padding_token_id", 99, "'tokenizer.ggml.padding_token_id' is 99, expected a token id below the vocabulary's 16 rows"),
+    ("tokenizer.ggml.bos_token_id", 16, "'tokenizer.ggml.bos_token_id' is 16, expected a token id below the vocabulary's 16 rows"),
 ])
 def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
     from gemma_export.errors import ConfigError
