@@ -330,3 +330,38 @@ def test_a_different_model_at_the_source_path_is_named_not_compared(tiny_dir, tm
     with pytest.raises(SourceNotFoundError, match=r"the export's source .*src has [\d,]+ bytes now and had [\d,]+ when "
                                                   r"the export was made; it changed since the export"):
         manifest_checkpoint(out)
+
+
+@pytest.mark.parametrize("scale", [3.0, 1e-2, 1e-5])
+def test_kl_and_perplexity_equal_a_float64_computation(scale):
+    """The float32 softmax with float64 sums (quality._kl_rows) against float64 log-softmaxes, from
+    int4-sized differences down to fp32-vs-fp32 ones (KL ~1e-11 nats)."""
+    rng = np.random.default_rng(3)
+    reference = (3 * rng.standard_normal((40, 5000))).astype(np.float32)
+    logits = (reference + scale * rng.standard_normal(reference.shape)).astype(np.float32)
+    ids = rng.integers(0, 5000, 40)
+    m = compare_logits(reference, logits, ids.tolist(), chunk=16)
+
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        return x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(reference), log_softmax(logits)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1).mean()
+    assert m.kl_mean == pytest.approx(kl, rel=1e-3) and m.kl_mean > 0
+    assert m.perplexity == pytest.approx(np.exp(-lq[np.arange(39), ids[1:]].mean()), rel=1e-6)
+    assert m.reference_perplexity == pytest.approx(np.exp(-lp[np.arange(39), ids[1:]].mean()), rel=1e-6)
+
+
+def test_kl_of_rows_far_apart_falls_back_to_float64():
+    """expm1 overflows float32 where the export is ~100 above the reference on a word: such rows are
+    recomputed in float64 (a finite KL, not inf or NaN)."""
+    reference = np.zeros((3, 4), np.float32)
+    logits = reference.copy()
+    logits[1, 2] = 120.0  # row 1: the export puts all its mass on word 2
+    m = compare_logits(reference, logits, [0, 1, 2])
+    kl_row1 = 0.75 * math.log(0.25 / math.exp(-120.0)) + 0.25 * math.log(0.25 / 1.0)  # q(word 2) ~ 1
+    assert m.kl_mean == pytest.approx(kl_row1 / 3, rel=1e-6)
+    # rows 0 and 1 predict words 1 and 2: q = 1/4 (row 0 is uniform), q ~ 1 (row 1)
+    assert m.perplexity == pytest.approx(math.exp((math.log(4) + math.log1p(3 * math.exp(-120.0))) / 2), rel=1e-6)
+    assert m.reference_perplexity == pytest.approx(4.0, rel=1e-6)
