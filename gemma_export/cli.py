@@ -221,12 +221,13 @@ def main(
                 typer.echo(f"{doing} {total} tensors ...", err=True)
             bars[stage] = tqdm(total=total, unit="layer" if stage == "calibrating" else "tensor", desc=stage,
                                disable=None, file=sys.stderr)
-        bar, label = bars[stage], name.removeprefix("calibration: ")[-48:]
+        bar = bars[stage]
+        label = "" if stage == "calibrating" else name[-48:]  # layers are counted by the bar itself
         bar.set_postfix_str(label, refresh=False)
         bar.update(done - bar.n)
         if bar.disable and (time.monotonic() - plain["last"] >= 15 or done == total):
             plain["last"] = time.monotonic()
-            typer.echo(f"{stage}: {done}/{total} {label}", err=True)
+            typer.echo(f"{stage}: {done}/{total} {label or 'layers'}", err=True)
 
     def close_bars() -> None:
         for bar in bars.values():
@@ -355,7 +356,8 @@ def verify(
                                    "has finished")
         files = verify_manifest(model)
         copy = verify_prepacked(model)
-    typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes) and loads in onnxruntime")
+    typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes, "
+               f"manifest.json itself not counted) and loads in onnxruntime")
     if copy:
         typer.echo(copy)
 

@@ -437,7 +437,8 @@ def export(
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
-        progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written.
+        progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written,
+            and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
             right before the source is read.
@@ -567,7 +568,7 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least "
                           f"{MIN_CALIBRATION_TOKENS}")
-    say = (lambda done, total: progress(done, total, f"calibration: layer {done}/{total}")) if progress else None
+    say = (lambda done, total: progress(done, total, "calibration")) if progress else None
     shortfall = f" (the whole text; {tokens} asked)" if len(ids) < tokens else ""
     return collect(ckpt, ids, f"{where}, first {len(ids)} tokens{shortfall}", say)
 

@@ -466,7 +466,7 @@ def format_report(report: QualityReport) -> str:
         f"reference    {report.reference}",
         f"text         {m.tokens} tokens of {report.text_source}",
         f"top-1        {m.top1_agreement:.2%} agreement (past the sliding window of {m.sliding_window}: {past}); first differing position "
-        f"{m.first_disagreement if m.first_disagreement is not None else '-'} (from 0)",
+        f"{m.first_disagreement if m.first_disagreement is not None else '-'} (positions count from 0)",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
         f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
         f"max |dlogit| {m.max_abs_logit_diff:.4g}",
