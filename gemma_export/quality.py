@@ -60,7 +60,7 @@ def _kl_rows(reference: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.
 
     With ``d = reference - logits``, ``log p - log q = d + lse_q - lse_r`` and
     ``lse_q - lse_r = log Σ p·e^(-d)``, so ``KL = Σ p·d + log1p(Σ p·expm1(-d))``. Computed that way
-    the softmax and the differences stay float32 (a third of the time of float64 log-softmaxes) and
+    the softmax and the differences stay float32 (half the time of float64 log-softmaxes) and
     the two sums, accumulated in float64, cancel a relative error of ``p`` to first order: KL of
     1e-11 nats keeps three digits. Rows where ``expm1`` overflows (the export above the reference by
     more than ~88 on some word) are recomputed in float64.

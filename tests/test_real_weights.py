@@ -41,10 +41,10 @@ def real_text() -> str:
 def hf_reference():
     """transformers' Gemma3ForCausalLM and tokenizer loaded from the same GGUF (fp32, eager).
 
-    transformers parses the file with gguf-py's ``GGUFReader`` once for the config, once for the
-    weights and twice for the tokenizer, ~20 s each here (262,144 vocabulary strings as numpy
-    views). The parse is read-only, so the four loads share one reader of the file: the same
-    independent reading and dequantization, a minute less per run.
+    transformers parses the file with gguf-py's ``GGUFReader`` for the config, again for the
+    weights and again for the tokenizer, ~20 s each here (262,144 vocabulary strings as numpy
+    views). The parse is read-only, so the loads share one reader of the file: the same
+    independent reading and dequantization, about 50 s less per run here.
     """
     from unittest import mock
 
