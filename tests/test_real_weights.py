@@ -51,7 +51,7 @@ def hf_reference():
     import gguf
 
     path = bundled_gguf_path()
-    readers = {}
+    reader_class, readers = gguf.GGUFReader, {}
 
     def shared_reader(file, mode="r"):
         key = (str(file), mode)
@@ -59,7 +59,6 @@ def hf_reference():
             readers[key] = reader_class(file, mode)
         return readers[key]
 
-    reader_class = gguf.GGUFReader
     kwargs = dict(gguf_file=path.name)
     with mock.patch.object(gguf, "GGUFReader", shared_reader):
         model = transformers.AutoModelForCausalLM.from_pretrained(
