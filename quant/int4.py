@@ -54,32 +54,66 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _quantize_blocks(blocks: np.ndarray, symmetric: bool, ratio: float | np.ndarray):
-    """blocks float32 [R, nb, B] → (codes uint8 [R, nb, B] in 0..15, scales [R, nb], zp [R, nb])."""
+def _block_extremes(blocks: np.ndarray, symmetric: bool):
+    """What the scale of each block scales with, independent of the clipping ratio: the signed
+    element of largest magnitude ``[R, nb]`` (symmetric), or ``(min(w), max(w))`` (asymmetric)."""
     if symmetric:
         idx = np.abs(blocks).argmax(axis=2)[..., None]
-        m = np.take_along_axis(blocks, idx, axis=2)[..., 0]
-        scale = (ratio * m / -8.0).astype(np.float32)
+        return np.take_along_axis(blocks, idx, axis=2)[..., 0]
+    return blocks.min(axis=2), blocks.max(axis=2)
+
+
+def _scales(extremes, symmetric: bool, ratio: float | np.ndarray):
+    """Per-block (scale float32 ``[R, nb]``, zero point ``[R, nb]`` as floats) for one clipping ratio."""
+    if symmetric:
+        scale = (ratio * extremes / -8.0).astype(np.float32)
         scale[scale == 0] = 1.0  # an all-zero block quantizes to zeros
+        return scale, np.full(scale.shape, float(ZERO_POINT))
+    lo = np.minimum(extremes[0], 0.0) * ratio
+    hi = np.maximum(extremes[1], 0.0) * ratio
+    scale = ((hi - lo) / 15.0).astype(np.float32)
+    scale[scale == 0] = 1.0
+    return scale, np.clip(np.rint(-lo / scale), 0, 15)
+
+
+def _levels(blocks: np.ndarray, scale: np.ndarray, zp: np.ndarray, symmetric: bool) -> np.ndarray:
+    """Codes minus zero point, float32 ``[R, nb, B]``: ``clip(round(w / scale) + zp, 0, 15) − zp``."""
+    if symmetric:
         q = np.rint(blocks / scale[..., None])
-        np.clip(q, -8, 7, out=q)
-        codes = (q + ZERO_POINT).astype(np.uint8)
-        zp = np.full(scale.shape, ZERO_POINT, np.uint8)
-    else:
-        lo = np.minimum(blocks.min(axis=2), 0.0) * ratio
-        hi = np.maximum(blocks.max(axis=2), 0.0) * ratio
-        scale = ((hi - lo) / 15.0).astype(np.float32)
-        scale[scale == 0] = 1.0
-        zp = np.clip(np.rint(-lo / scale), 0, 15)
-        q = np.rint(blocks / scale[..., None]) + zp[..., None]
-        np.clip(q, 0, 15, out=q)
-        codes = q.astype(np.uint8)
-        zp = zp.astype(np.uint8)
-    return codes, scale, zp
+        return np.clip(q, -8, 7, out=q)
+    zp = zp.astype(np.float32)[..., None]  # small integers: exact in float32, as the codes are
+    q = np.rint(blocks / scale[..., None])
+    q += zp
+    np.clip(q, 0, 15, out=q)
+    q -= zp
+    return q
+
+
+def _codes(blocks, scale, zp, symmetric: bool) -> np.ndarray:
+    return (_levels(blocks, scale, zp, symmetric) + zp[..., None]).astype(np.uint8)
 
 
 def _dequantize_codes(codes, scale, zp):
     return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
+
+
+def _search_scales(blocks: np.ndarray, symmetric: bool, ratios, h):
+    """The clipping search: per block, the (scale, zero point) of ``ratios`` with the least
+    :func:`_error`; ties keep the earlier ratio. The block extremes are found once, and only the
+    winning ratio's codes are formed (the error of each candidate comes from its levels)."""
+    extremes = _block_extremes(blocks, symmetric)
+    best_scale, best_zp = _scales(extremes, symmetric, ratios[0])
+    if len(ratios) == 1:
+        return best_scale, best_zp
+    best_err = _error(blocks, _levels(blocks, best_scale, best_zp, symmetric), best_scale, h)
+    for ratio in ratios[1:]:
+        scale, zp = _scales(extremes, symmetric, ratio)
+        err = _error(blocks, _levels(blocks, scale, zp, symmetric), scale, h)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_scale = np.where(better, scale, best_scale)
+        best_zp = np.where(better, zp, best_zp)
+    return best_scale, best_zp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,17 +174,8 @@ class BlockInt4Weights:
         for start in range(0, n, _ROWS_PER_CHUNK):
             rows = float_rows(w, start, _ROWS_PER_CHUNK)
             blocks = rows.reshape(-1, nb, block_size)
-            best_codes, best_scale, best_zp = _quantize_blocks(blocks, symmetric, ratios[0])
-            if len(ratios) > 1:
-                best_err = _error(blocks, best_codes, best_scale, best_zp, h)
-                for ratio in ratios[1:]:
-                    codes, scale, zp = _quantize_blocks(blocks, symmetric, ratio)
-                    err = _error(blocks, codes, scale, zp, h)
-                    better = err < best_err
-                    best_err = np.where(better, err, best_err)
-                    best_scale = np.where(better, scale, best_scale)
-                    best_zp = np.where(better, zp, best_zp)
-                    best_codes = np.where(better[..., None], codes, best_codes)
+            best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h)
+            best_codes = _codes(blocks, best_scale, best_zp, symmetric)
             end = start + len(blocks)
             data[start:end] = pack_nibbles(best_codes)
             scales[start:end] = best_scale
@@ -177,8 +202,9 @@ class BlockInt4Weights:
         return _dequantize_codes(unpack_nibbles(self.data), self.scales, self.unpacked_zero_points()).reshape(n, -1)
 
 
-def _error(blocks, codes, scale, zp, h):
-    diff = blocks - _dequantize_codes(codes, scale, zp)
+def _error(blocks, levels, scale, h):
+    """Per block ``sum_i h_i (w_i − level_i · scale)²`` ``[R, nb]`` (``h`` None: ones)."""
+    diff = blocks - levels * scale[..., None]
     diff *= diff
     if h is not None:
         diff *= h

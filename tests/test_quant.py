@@ -159,6 +159,45 @@ def test_int4_mse_search_never_loses_to_round_to_nearest():
     assert 1.0 in CLIP_RATIOS  # round to nearest is one of the candidates
 
 
+def _block_candidates(block: np.ndarray, symmetric: bool) -> list[np.ndarray]:
+    """Every clipping ratio's dequantized block, one block at a time, from the formulas of
+    quant/int4.py's docstring (float64; written independently of the vectorised search)."""
+    out = []
+    for c in CLIP_RATIOS:
+        if symmetric:
+            m = block[np.argmax(np.abs(block))]
+            scale = c * m / -8 or 1.0
+            out.append(np.clip(np.round(block / scale), -8, 7) * scale)
+        else:
+            lo, hi = c * min(block.min(), 0.0), c * max(block.max(), 0.0)
+            scale = (hi - lo) / 15 or 1.0
+            zp = np.clip(np.round(-lo / scale), 0, 15)
+            out.append((np.clip(np.round(block / scale) + zp, 0, 15) - zp) * scale)
+    return out
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_int4_mse_search_picks_each_blocks_least_error_ratio(symmetric, weighted):
+    rng = np.random.default_rng(5)
+    w = (rng.standard_t(3, size=(24, 64)) * 0.02).astype(np.float32)
+    w[0, :16] = 0.0        # an all-zero block
+    w[1, 16:32] = 0.3      # a constant block
+    w[2, 40] = 5.0         # an outlier
+    h = rng.random(64).astype(np.float32) * 10 if weighted else np.ones(64, np.float32)
+    q = BlockInt4Weights.quantize(w, 16, symmetric=symmetric, channel_weights=h if weighted else None)
+    got = q.dequantize().astype(np.float64)
+    for r in range(w.shape[0]):
+        for b in range(4):
+            cols = slice(16 * b, 16 * b + 16)
+            block, hb = w[r, cols].astype(np.float64), h[cols].astype(np.float64)
+            errors = [float((hb * (block - d) ** 2).sum()) for d in _block_candidates(block, symmetric)]
+            chosen = float((hb * (block - got[r, cols]) ** 2).sum())
+            assert chosen <= min(errors) * (1 + 1e-4) + 1e-12, (r, b, chosen, min(errors))
+            assert any(np.allclose(got[r, cols], d, rtol=1e-5, atol=1e-9)
+                       for d in _block_candidates(block, symmetric))  # one of the candidates, as stored
+
+
 def test_int4_channel_weights_steer_the_error():
     rng = np.random.default_rng(4)
     w = (rng.standard_t(3, size=(128, 64)) * 0.02).astype(np.float32)
