@@ -29,6 +29,7 @@ import numpy as np
 
 from .errors import GemmaExportError, ResourceError
 from .memory import peak_rss_bytes, release_free_heap, snapshot
+from .runtime import DEFAULT_PREFILL_CHUNK
 
 WARMUP_STEPS = 4
 
@@ -132,7 +133,7 @@ def archive_bytes(model_dir: Path) -> int:
 def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: Sequence[int] = (16, 128, 512),
               new_tokens: int = 128, board: str | None = None, text: str | Path | None = None,
               reference: str | Path | None = None, reference_weights: str | Path | None = None,
-              prefill_chunk: int | None = None, progress: Callable[[str], None] | None = None,
+              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, progress: Callable[[str], None] | None = None,
               prepacked: bool | None = None, huge_pages: bool = True) -> BenchResult:
     """Measure an export folder with onnxruntime (``CPUExecutionProvider``, greedy decoding).
 
@@ -148,7 +149,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
             the board runs it: the fixed-length re-decode graph once per new token, after a prompt
             of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
             holds its ms/token and the ratio of the export's decode median at the shortest prompt.
-        prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step).
+        prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step;
+            default :data:`~gemma_export.runtime.DEFAULT_PREFILL_CHUNK`, llama.cpp's default batch).
         prepacked: the folder's pre-packed copy: None uses it when made here, True requires it,
             False ignores it (see :class:`~gemma_export.runtime.OnnxDecoder`).
         huge_pages: without the copy, move the heap-packed weights onto transparent huge pages
@@ -287,7 +289,7 @@ def format_result(r: BenchResult) -> str:
                                + (f" ({r.huge_page_bytes / 2**20:,.0f} MiB on huge pages)" if r.huge_page_bytes else "")
                                + (f"; {r.prepacked_note}" if r.prepacked_note
                                                                            else "; `gemma-export prepack` maps them from disk")),
-        *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk else "")
+        *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk and n > r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
         f"({r.tokens_per_s:.1f} tokens/s)",

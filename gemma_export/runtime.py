@@ -24,6 +24,14 @@ from .onnx_files import load_graph
 MODEL_FILE = "model.onnx"
 
 
+#: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
+#: onnxruntime's CPU ``GroupQueryAttention`` holds a step's attention scores, heads × step × context
+#: float32, and its arena keeps the largest step's buffers for the rest of the session: a 3,072-token
+#: prompt in one step left 920 MB more Anonymous memory, in steps of 512 tokens 530 MB
+#: (``docs/benchmarks.md``). The tokens are the same; llama.cpp's default batch is 512 tokens too.
+DEFAULT_PREFILL_CHUNK = 512
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
     """Greedy generation output.
@@ -262,12 +270,13 @@ class OnnxDecoder:
                 f"max_position_embeddings {self.max_position_embeddings}")
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
-               prefill_chunk: int | None = None):
+               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
         """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``.
 
         ``prefill_chunk``: run the prompt through the cache in steps of at most this many tokens
-        (None: one step). The result is the same; the activation memory onnxruntime's arena keeps
-        after a long prompt shrinks with the chunk (``docs/benchmarks.md``), prefill takes longer.
+        (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The result is the same; the
+        activation memory onnxruntime's arena keeps after a long prompt grows with the step
+        (``docs/benchmarks.md``).
 
         Raises:
             GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
@@ -477,7 +486,8 @@ def check_threads(threads: int | None) -> None:
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
     """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step)."""
     if prefill_chunk is not None and prefill_chunk < 1:
-        raise GemmaExportError(f"--prefill-chunk must be >= 1 token, found {prefill_chunk}")
+        raise GemmaExportError(f"--prefill-chunk must be >= 1 token (0 on the command line: the whole prompt "
+                               f"at once), found {prefill_chunk}")
 
 
 class KVCache:
@@ -567,9 +577,10 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
-             prefill_chunk: int | None = None, prepacked: bool | None = None) -> GenerationResult:
+             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None) -> GenerationResult:
     """Tokenize ``prompt`` (``<bos>`` prepended), greedy-decode with onnxruntime, decode the new tokens.
-    ``prepacked``: the folder's pre-packed copy, as in :class:`OnnxDecoder`.
+    ``prefill_chunk`` as in :meth:`OnnxDecoder.greedy`; ``prepacked``: the folder's pre-packed copy,
+    as in :class:`OnnxDecoder`.
 
     Raises:
         SourceNotFoundError, FormatError: the folder is not an export with a tokenizer.

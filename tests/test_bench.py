@@ -157,3 +157,29 @@ def test_bench_json_dash_goes_to_stdout_and_a_file_as_folder_is_named(tiny_int8_
     (tmp_path / "afile").write_text("x")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--json", "afile/b.json"])
     assert result.exit_code == 2 and f"--json afile/b.json: {tmp_path / 'afile'} is a file, not a folder" in result.output
+
+
+@pytest.mark.parametrize("option, expected", [([], [4, 4, 1]), (["--prefill-chunk", "0"], [9]),
+                                               (["--prefill-chunk", "5"], [5, 4])])
+def test_generate_and_bench_feed_prompts_in_default_steps(tiny_int8_export, text_file, monkeypatch, option, expected):
+    """Without --prefill-chunk a prompt goes in steps of runtime.DEFAULT_PREFILL_CHUNK (patched to 4
+    here: the tiny model holds 256 positions, the real default is 512); 0 feeds it in one step."""
+    from gemma_export import runtime
+    from gemma_export.cli import PREFILL_CHUNK_HELP
+
+    assert f"default {runtime.DEFAULT_PREFILL_CHUNK}," in PREFILL_CHUNK_HELP  # the help names the real default
+    monkeypatch.setattr(runtime, "DEFAULT_PREFILL_CHUNK", 4)
+    sizes = []
+    step = runtime.KVCache.step
+    monkeypatch.setattr(runtime.KVCache, "step", lambda self, ids, *a: sizes.append(ids.shape[1]) or step(self, ids, *a))
+    prompt = "hello wo"  # <bos> + 8 characters of the tiny character-level tokenizer
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", prompt,
+                                      "--max-new-tokens", "3", *option])
+    assert result.exit_code == 0, result.output
+    assert sizes == expected + [1, 1]
+    sizes.clear()
+    result = CliRunner().invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "9", "--new-tokens",
+                                      str(WARMUP_STEPS + 1), "--text", str(text_file), "--threads", "1", *option])
+    assert result.exit_code == 0, result.output
+    assert sizes[:len(expected)] == expected and set(sizes[len(expected):]) == {1}
+    assert ("(steps of" in result.stdout) == (len(expected) > 1)

@@ -253,7 +253,7 @@ def test_prefill_in_chunks_gives_the_same_tokens(fp32_all, chunk):
     tokens: the greedy continuation equals the one-step prefill's."""
     decoder = OnnxDecoder(fp32_all)
     prompt = [2, 17, 33, 52, 9, 71, 40, 12, 5, 60, 44, 8, 90, 91]
-    whole, _, _ = decoder.greedy(prompt, 10, stop_ids=[])
+    whole, _, _ = decoder.greedy(prompt, 10, stop_ids=[], prefill_chunk=None)
     chunked, _, _ = decoder.greedy(prompt, 10, stop_ids=[], prefill_chunk=chunk)
     assert chunked == whole
     ids = np.asarray([prompt])

@@ -496,8 +496,8 @@ CASES = {
                                    SourceNotFoundError, ("is a file; expected an export folder",)),
     "bench bad lengths": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prompt-tokens", "16,x"]),
                               GemmaExportError, ("--prompt-tokens", "'16,x'")),
-    "generate prefill chunk 0": Case(export_copy(lambda f: None, lambda f: _generate(f) + ["--prefill-chunk", 0]),
-                                     GemmaExportError, ("--prefill-chunk", ">= 1", "found 0")),
+    "generate prefill chunk -1": Case(export_copy(lambda f: None, lambda f: _generate(f) + ["--prefill-chunk", -1]),
+                                      GemmaExportError, ("--prefill-chunk", ">= 1", "0 on the command line", "found -1")),
     "bench prefill chunk -4": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prefill-chunk", -4]),
                                    GemmaExportError, ("--prefill-chunk", "found -4")),
 }
