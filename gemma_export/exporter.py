@@ -20,8 +20,8 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, shown
-from .onnx_files import check_external_data, read_graph
+from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
+from .onnx_files import check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
@@ -259,11 +259,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         dims = logits.type.tensor_type.shape.dim if logits is not None else []
         vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
         layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers)
-        stored = graph_dtype(model)
-        if manifest.get("dtype") != stored:
-            raise VerificationError(f"{manifest_path}: field 'dtype' is {shown(manifest.get('dtype'))}, but "
-                                    f"{MODEL_FILE} stores {stored} weights")
+        if "dtype" not in manifest:
+            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {graph_dtype(model)}, the weights "
+                                    f"{MODEL_FILE} stores")
+        check_manifest_against_graph(manifest, manifest_path, vocab, layers, graph_dtype(model))
         locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
@@ -272,20 +271,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
     verify_folder(folder)
     return {name: size for name, (size, _) in expected.items()}
-
-
-def graph_dtype(model) -> str:
-    """Which ``--dtype`` an export's graph (an ``onnx.ModelProto``, external data not loaded) stores:
-    ``int4`` or ``int8`` from its ``MatMulNBits`` ``bits`` (the layers'; an int4 export may keep an
-    int8 table), else ``bf16`` when an initializer is bfloat16, else ``fp32``."""
-    import onnx
-
-    bits = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
-    if bits:
-        return "int4" if 4 in bits else "int8"
-    if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
-        return "bf16"
-    return "fp32"
 
 
 def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checked: bool = False) -> None:

@@ -34,6 +34,12 @@ def _kb_fields(path: str) -> dict[str, int]:
     return fields
 
 
+def available_bytes() -> int | None:
+    """The kernel's estimate of memory available to a new allocation without swapping
+    (``MemAvailable`` of ``/proc/meminfo``), or None where it is not reported."""
+    return _kb_fields("/proc/meminfo").get("MemAvailable")
+
+
 def snapshot() -> MemorySnapshot:
     """Current ``Rss`` and ``Anonymous`` (0 where /proc is unavailable)."""
     f = _kb_fields("/proc/self/smaps_rollup")

@@ -82,3 +82,17 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
             raise FormatError(f"{path}: initializer '{t.name}' data [{offset}, {offset + length}) lies outside "
                               f"the file's {size} bytes")
     return sizes
+
+
+def graph_dtype(model) -> str:
+    """Which ``--dtype`` an export's graph (an ``onnx.ModelProto``, external data not loaded) stores:
+    ``int4`` or ``int8`` from its ``MatMulNBits`` ``bits`` (the layers'; an int4 export may keep an
+    int8 table), else ``bf16`` when an initializer is bfloat16, else ``fp32``."""
+    import onnx
+
+    bits = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    if bits:
+        return "int4" if 4 in bits else "int8"
+    if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
+        return "bf16"
+    return "fp32"

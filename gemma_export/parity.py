@@ -311,7 +311,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     check_inputs(vocab, limit)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
-    dtype = str(decoder.manifest.get("dtype", "fp32"))
+    dtype = decoder.dtype  # the graph's weights (a manifest that says otherwise was refused)
     limits = THRESHOLDS.get(dtype, THRESHOLDS["int4"])
     if vocab is None or limit is None:  # before any prompt runs
         check_inputs(decoder.vocab_size, decoder.max_position_embeddings)
@@ -367,7 +367,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         results.append(entry)
     for n, (prompt_ids, expected) in enumerate(golden_pairs):
         got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=())
-        entry = next((r for r in results if r.prompt_ids == prompt_ids), None)
+        # a prompt given twice (or also in --prompts) gets each golden entry checked, none overwritten
+        entry = next((r for r in results if r.prompt_ids == prompt_ids and r.golden is None), None)
         if entry is None:
             entry = PromptParity(None, prompt_ids)
             results.append(entry)

@@ -319,15 +319,24 @@ def manifest_checkpoint(model_dir: Path):
 
     Raises:
         SourceNotFoundError: as :func:`manifest_source`, or the size or the contents differ.
+        FormatError: ``source.bytes`` or ``source.sha256`` is present but not a size / a sha256 (or null).
     """
-    from .errors import SourceNotFoundError
+    import re
+
+    from .errors import FormatError, SourceNotFoundError, shown
     from .runtime import MANIFEST_FILE
     from .sources import open_source
 
     record = _manifest_source_record(model_dir)
     path, recorded, digest = record["path"], record.get("bytes"), record.get("sha256")
+    manifest = model_dir / MANIFEST_FILE
+    if "bytes" in record and not (isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 0):
+        raise FormatError(f"{manifest}: field 'source.bytes' must be a file size (integer >= 0), found {shown(recorded)}")
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
+        raise FormatError(f"{manifest}: field 'source.sha256' must be 64 lowercase hex digits (or null), found "
+                          f"{shown(digest)}")
     checkpoint = open_source(path)
-    where = f"{model_dir / MANIFEST_FILE}: the export's source {path}"
+    where = f"{manifest}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "
                                   f"{recorded:,} when the export was made; {_CHANGED}")

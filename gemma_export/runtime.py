@@ -19,7 +19,7 @@ import numpy as np
 
 from .config import END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, shown
-from .onnx_files import load_graph
+from .onnx_files import graph_dtype, load_graph
 
 MODEL_FILE = "model.onnx"
 
@@ -156,7 +156,8 @@ class OnnxDecoder:
 
         self.model_dir = Path(model_dir)
         path = check_export_folder(self.model_dir)
-        load_graph(path)  # a readable graph whose external data are regular files of this folder
+        #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says: checked below
+        self.dtype = graph_dtype(load_graph(path))  # a readable graph whose external data are files of this folder
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:
@@ -210,7 +211,7 @@ class OnnxDecoder:
         manifest = self.model_dir / MANIFEST_FILE
         self.manifest = read_manifest(self.model_dir)
         check_manifest_fields(self.manifest, manifest)
-        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers)
+        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
@@ -377,6 +378,7 @@ _MANIFEST_FIELDS = {
                                             lambda v: _is_int(v) and 0 < v < 2 ** 31),
     ("config", "vocab_size"): ("a positive integer", lambda v: _is_int(v) and v > 0),
     ("config", "num_hidden_layers"): ("a positive integer", lambda v: _is_int(v) and v > 0),
+    ("config", "sliding_window"): ("a positive integer (positions)", lambda v: _is_int(v) and v > 0),
     ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: _is_int(v) and v >= 0),
     ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
                                  lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and v != []
@@ -409,9 +411,12 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
 
 
-def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int) -> None:
-    """Check that the manifest's ``config`` describes the graph beside it: ``vocab_size`` and
-    ``num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs).
+def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
+                                 dtype: str | None = None) -> None:
+    """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
+    ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
+    and ``dtype`` the weights the graph stores (``onnx_files.graph_dtype``; ``parity`` picks its
+    thresholds by it).
     Call :func:`check_manifest_fields` first.
     Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
     and small test configs keep Gemma's default ids.)
@@ -423,6 +428,8 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
     for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers)):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
+    if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
+        raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
@@ -507,6 +514,9 @@ class KVCache:
 
     Raises:
         GemmaExportError: ``capacity`` < 1.
+        ResourceError: the buffers (``2 · layers · batch · kv_heads · capacity · head_dim`` float32)
+            would need more memory than the machine has available (``MemAvailable``): a length the
+            model's config does not cap, e.g. ``--max-new-tokens 100000000``.
     """
 
     def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int):
@@ -518,6 +528,15 @@ class KVCache:
             self._past = decoder.empty_cache(batch_size)
             return
         import onnxruntime as ort
+
+        from .errors import ResourceError
+        from .memory import available_bytes
+
+        need = 2 * decoder.num_hidden_layers * batch_size * decoder.num_key_value_heads * capacity * decoder.head_dim * 4
+        available = available_bytes()
+        if available is not None and need > available:
+            raise ResourceError(f"KV cache: {capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, more "
+                                f"than the {available / 1e9:,.1f} GB this machine has available; ask for fewer tokens")
 
         self._binding = decoder.session.io_binding()
         self._binding.bind_output("logits")  # first bound output: get_outputs()[0]

@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 
 from conftest import broken_copy, make_tiny_model
 from gemma_export.cli import app
-from gemma_export.errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError,
+from gemma_export.errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, ResourceError,
                                  SourceNotFoundError, VerificationError)
 from test_gguf_tiny import write_tiny_gguf
 from test_reference_mlir import write_reference
@@ -229,11 +229,18 @@ def _write(name: str, content: bytes):
     return lambda folder: (folder / name).write_bytes(content)
 
 
+DELETE = object()  # _manifest_field's value that removes the field
+
+
 def _manifest_field(section: str | None, name: str, value):
-    """Set one field of the copy's manifest.json (``section`` None: top level)."""
+    """Set (or, with ``DELETE``, remove) one field of the copy's manifest.json (``section`` None: top level)."""
     def edit(folder: Path) -> None:
         manifest = json.loads((folder / "manifest.json").read_text())
-        (manifest[section] if section else manifest)[name] = value
+        scope = manifest[section] if section else manifest
+        if value is DELETE:
+            del scope[name]
+        else:
+            scope[name] = value
         (folder / "manifest.json").write_text(json.dumps(manifest))
     return edit
 
@@ -363,7 +370,20 @@ CASES = {
                                ("model.onnx", "not a readable ONNX model")),
     "manifest dtype edited": Case(export_copy(lambda f: (f / "manifest.json").write_text(
                                       (f / "manifest.json").read_text().replace('"dtype": "int8"', '"dtype": "int4"')), _verify),
-                                  VerificationError, ('field \'dtype\' is "int4", but model.onnx stores int8 weights',)),
+                                  VerificationError, ('field \'dtype\' is "int4", but the graph stores int8 weights',)),
+    "manifest dtype edited (parity)": Case(export_copy(_manifest_field(None, "dtype", "int4"),
+                                                       lambda f: ["parity", "--model", f, "--new-tokens", 2]),
+                                           FormatError, ('field \'dtype\' is "int4", but the graph stores int8 weights',)),
+    "manifest without dtype (verify)": Case(export_copy(_manifest_field(None, "dtype", DELETE), _verify), VerificationError, ("no field 'dtype'; expected int8",)),
+    "manifest sliding window a string (generate)": Case(export_copy(_manifest_field("config", "sliding_window", "6"), _generate),
+                                                        FormatError, ("field 'config.sliding_window' must be a positive "
+                                                                      "integer", 'found "6"')),
+    "manifest sliding window negative (verify)": Case(export_copy(_manifest_field("config", "sliding_window", -3), _verify),
+                                                      VerificationError, ("field 'config.sliding_window'", "found -3")),
+    "cache beyond memory, no max positions (generate)": Case(
+        export_copy(_manifest_field("config", "max_position_embeddings", DELETE),
+                    lambda f: ["generate", "--model", f, "--prompt", "hi", "--max-new-tokens", 10 ** 12]),
+        ResourceError, ("KV cache: 1,000,000,000,002 positions", "ask for fewer tokens")),
     "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
     "manifest files of the wrong kind": Case(export_copy(_write("manifest.json", b'{"files": {"model.onnx": "abc"}}'), _verify),
                                              VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),

@@ -340,3 +340,20 @@ def test_a_golden_entry_whose_prompt_and_prompt_ids_disagree_is_refused(tiny_int
     result = _parity("--model", tiny_int8_export, "--golden", disagree)
     assert result.exit_code == 2 and result.stdout == ""
     assert f"{disagree}: entry #0 'prompt' tokenizes to {ids}, not to its 'prompt_ids' {ids + [5]}" in result.stderr
+
+
+def test_a_prompt_given_twice_in_a_golden_file_is_checked_twice(tiny_int8_export, tmp_path):
+    # Each entry is its own check: a wrong first entry must not be hidden by a right second one.
+    decoder = OnnxDecoder(tiny_int8_export)
+    prompt = [2, 7, 8, 9]
+    expected, _, _ = decoder.greedy(prompt, 3, stop_ids=())
+    wrong = [(expected[0] + 1) % 96, *expected[1:]]
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": wrong},
+                                  {"prompt_ids": prompt, "expected_ids": expected}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert "golden entry #0: first mismatch at generated token 0" in result.stdout
+    assert "golden entry #1: match" in result.stdout and "verdict: FAIL" in result.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert sorted(p["golden"]["entry"] for p in report["prompts"]) == [0, 1]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -59,8 +61,6 @@ def test_shape_mismatch_is_refused():
 
 
 # ---- gemma-export quality on the tiny export -------------------------------------------------------
-
-import json  # noqa: E402
 
 from typer.testing import CliRunner  # noqa: E402
 
@@ -365,3 +365,25 @@ def test_kl_of_rows_far_apart_falls_back_to_float64():
     # rows 0 and 1 predict words 1 and 2: q = 1/4 (row 0 is uniform), q ~ 1 (row 1)
     assert m.perplexity == pytest.approx(math.exp((math.log(4) + math.log1p(3 * math.exp(-120.0))) / 2), rel=1e-6)
     assert m.reference_perplexity == pytest.approx(4.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("field, value, words", [("bytes", "big", "field 'source.bytes' must be a file size"),
+                                                 ("sha256", 7, "field 'source.sha256' must be 64 lowercase hex"),
+                                                 ("sha256", "abc", 'found "abc"')])
+def test_a_wrong_typed_source_record_is_refused_not_skipped(tiny_dir, tmp_path, field, value, words):
+    """The size and digest checks of the export's source are not bypassed by a manifest that
+    holds something else in their place."""
+    import shutil
+
+    from gemma_export.errors import FormatError
+    from gemma_export.exporter import export
+    from gemma_export.quality import manifest_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["source"][field] = value
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match=re.escape(words)):
+        manifest_checkpoint(out)

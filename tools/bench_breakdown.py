@@ -19,6 +19,7 @@ Works for int8 and int4 exports (fp32 and bf16 have no ``MatMulNBits``).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
 import sys
@@ -27,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_side_by_side import real_text_ids  # the same real text as the side-by-side tables
+from bench_side_by_side import real_text_ids
+from gemma_export.onnx_files import graph_dtype  # the same real text as the side-by-side tables
 
 #: the prompt is prefilled in one step; longer ones only measure attention's memory, not decode
 MAX_PROMPT_TOKENS = 4096
@@ -74,6 +76,12 @@ def make_variant(model_dir: Path, out_dir: Path, which: str, vocab_size: int) ->
     model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
     count = replace_matmulnbits(model, which, vocab_size)
     onnx.save(model, str(out_dir / "model.onnx"))
+    # the manifest's dtype must be what the graph stores (runtime checks it): with every
+    # MatMulNBits replaced, the variant holds no quantized weights
+    manifest_path = out_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["dtype"] = graph_dtype(model)
+    manifest_path.write_text(json.dumps(manifest, indent=2))
     return count
 
 
