@@ -259,10 +259,11 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         dims = logits.type.tensor_type.shape.dim if logits is not None else []
         vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
         layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+        stored = graph_dtype(model)
         if "dtype" not in manifest:
-            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {graph_dtype(model)}, the weights "
+            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
                                     f"{MODEL_FILE} stores")
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers, graph_dtype(model))
+        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored)
         locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None

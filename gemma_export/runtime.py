@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from .config import END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID
-from .errors import FormatError, GemmaExportError, SourceNotFoundError, shown
+from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, shown
 from .onnx_files import graph_dtype, load_graph
 
 MODEL_FILE = "model.onnx"
@@ -529,7 +529,6 @@ class KVCache:
             return
         import onnxruntime as ort
 
-        from .errors import ResourceError
         from .memory import available_bytes
 
         need = 2 * decoder.num_hidden_layers * batch_size * decoder.num_key_value_heads * capacity * decoder.head_dim * 4

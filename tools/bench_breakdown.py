@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_side_by_side import real_text_ids
-from gemma_export.onnx_files import graph_dtype  # the same real text as the side-by-side tables
+from bench_side_by_side import real_text_ids  # the same real text as the side-by-side tables
+from gemma_export.onnx_files import graph_dtype
 
 #: the prompt is prefilled in one step; longer ones only measure attention's memory, not decode
 MAX_PROMPT_TOKENS = 4096
