@@ -10,6 +10,12 @@ I/O contract (onnxruntime-genai / Optimum convention), one graph for prefill (pa
   ``[batch, total_sequence_length]`` (1 = real token, 0 = padding; total = past + sequence);
   ``position_ids`` int64 ``[batch, sequence_length]``; ``past_key_values.{i}.key|value`` float32
   ``[batch, num_key_value_heads, past_sequence_length, head_dim]``.
+* optional input (an overridable initializer, default 0; runtimes that do not know it, such as
+  onnxruntime-genai, leave it out): ``sliding_cache_start`` int64 scalar, the cache position of the
+  first row the sliding layers' ``past_key_values`` hold. A runtime may drop the rows of positions
+  that no longer fall in the window from the sliding layers' caches (``runtime.KVCache`` does);
+  those layers then read ``attention_mask[:, sliding_cache_start:]`` and
+  ``total_sequence_length − sliding_cache_start`` rows.
 * outputs: ``logits`` float32 ``[batch, 1, vocab]`` (last position; all positions with
   ``all_logits``), ``present.{i}.key|value`` ``[batch, num_key_value_heads, total_sequence_length, head_dim]``.
 """
@@ -35,12 +41,12 @@ MASK_VALUE = float(np.finfo(np.float32).min)
 class _Shared:
     """Values computed once and used by every layer."""
 
-    mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, seq, total]
+    mask: dict[str, ir.Value]   # layer type → additive mask [batch, 1, seq, rows held + seq]
     cos: dict[str, ir.Value]    # layer type → [batch · seq, head_dim / 2]
     sin: dict[str, ir.Value]
     rope_index: ir.Value        # [batch, seq]: row of cos/sin for each token
-    seqlens_k: ir.Value         # int32 [batch]: total − 1 (GroupQueryAttention's "seqlens_k")
-    total_sequence_length: ir.Value  # int32 scalar: past + seq
+    seqlens_k: dict[str, ir.Value]  # layer type → int32 [batch]: total − 1 (GroupQueryAttention's "seqlens_k")
+    total_sequence_length: dict[str, ir.Value]  # layer type → int32 scalar: rows held + seq
 
 
 def _weight(checkpoint: Checkpoint, name: str) -> TensorRef:
@@ -90,13 +96,17 @@ def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, ind
     return g.op("RotaryEmbedding", x, index, cos, sin, domain="com.microsoft", interleaved=0)
 
 
-def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value, config: GemmaConfig) -> dict[str, ir.Value]:
-    """Additive masks ``[batch, 1, seq, total]`` (0 = attend, finfo.min = masked), one per layer type.
+def attention_bias(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value,
+                   sliding_window: int | None) -> ir.Value:
+    """Additive mask ``[batch, 1, seq, total]`` (0 = attend, finfo.min = masked) over the keys a
+    layer's cache holds plus this call's: ``attention_mask`` int64 ``[batch, total]`` covers exactly
+    those keys, in cache order.
 
-    Query ``i`` of this call sits at cache index ``q = past + i``; key ``k`` is allowed when
-    ``k <= q`` (causal), ``attention_mask[b, k] == 1`` (padding), and on sliding layers also
+    Query ``i`` of this call sits at row ``q = total − seq + i``; key row ``k`` is allowed when
+    ``k <= q`` (causal), ``attention_mask[b, k] == 1`` (padding), and with a ``sliding_window`` also
     ``q - k < sliding_window`` (transformers ``sliding_window_overlay``: ``kv_idx > q_idx - window``).
-    Indices are cache positions, not ``position_ids``, as in transformers.
+    Rows are cache positions, not ``position_ids``, as in transformers; a cache that dropped its
+    first rows shifts ``q`` and ``k`` alike, so the distances, and the mask, are the same.
     """
     # past = total − seq from the mask, not from past_key's shape: with a shared KV buffer
     # (GroupQueryAttention's past_present_share_buffer) past_key is longer than the past.
@@ -109,11 +119,16 @@ def attention_masks(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Val
     distance = g.op("Sub", g.op("Unsqueeze", query_index, g.const_i64([1])), key_index)  # [S, T]: q - k
     causal = g.op("GreaterOrEqual", distance, g.const(np.int64(0)))
     not_padding = g.op("Unsqueeze", g.op("Cast", attention_mask, to=ir.DataType.BOOL), g.const_i64([1, 2]))
-    allowed = {FULL: g.op("And", causal, not_padding)}                       # [B, 1, S, T]
-    in_window = g.op("Less", distance, g.const(np.int64(config.sliding_window)))
-    allowed[SLIDING] = g.op("And", allowed[FULL], in_window)
-    zero, masked = g.const_f32(0.0), g.const_f32(MASK_VALUE)
-    return {kind: g.op("Where", value, zero, masked) for kind, value in allowed.items()}
+    allowed = g.op("And", causal, not_padding)                               # [B, 1, S, T]
+    if sliding_window is not None:
+        allowed = g.op("And", allowed, g.op("Less", distance, g.const(np.int64(sliding_window))))
+    return g.op("Where", allowed, g.const_f32(0.0), g.const_f32(MASK_VALUE))
+
+
+#: the optional input naming the first cache position the sliding layers hold (see the module docstring)
+SLIDING_CACHE_START = "sliding_cache_start"
+#: model metadata: the sliding layers' indices ("0,1,2,3,4,6,…") and their window (positions)
+SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY = "gemma_export.sliding_layers", "gemma_export.sliding_window"
 
 
 def _softcap(g: GraphBuilder, x: ir.Value, cap: float | None) -> ir.Value:
@@ -133,7 +148,7 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
 
     The cache append and the attention itself are one onnxruntime ``GroupQueryAttention``
     (com.microsoft; BNSH cache, ``kv_num_heads`` KV heads shared by ``num_key_value_groups`` query
-    heads each) fed the additive mask of :func:`attention_masks` as ``attention_bias``, so padding
+    heads each) fed the additive mask of :func:`attention_bias` as ``attention_bias``, so padding
     and the sliding window are exactly transformers' whatever the batch layout.
 
     ``x``: float32 ``[B, S, hidden]`` (after ``input_layernorm``); ``past_key``/``past_value``: float32
@@ -158,8 +173,8 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     q = apply_rotary(g, normed(q, heads, "q_norm.weight"), *rope)
     k = apply_rotary(g, normed(k, kv_heads, "k_norm.weight"), *rope)
     context, present_key, present_value = g.op(
-        "GroupQueryAttention", q, k, v, past_key, past_value, shared.seqlens_k, shared.total_sequence_length,
-        None, None, None, shared.mask[layer_type], domain="com.microsoft", num_outputs=3,
+        "GroupQueryAttention", q, k, v, past_key, past_value, shared.seqlens_k[layer_type],
+        shared.total_sequence_length[layer_type], None, None, None, shared.mask[layer_type], domain="com.microsoft", num_outputs=3,
         num_heads=heads, kv_num_heads=kv_heads, scale=float(c.attention_scale))
     # No attention soft-capping: transformers' Gemma3Attention reads attn_logit_softcapping from the
     # config but never applies it (Gemma 3 checkpoints set it to null), and it is the reference.
@@ -237,13 +252,23 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
         layer_types = sorted(set(c.layer_types))
         rope = {t: rotary_embedding(g, position_ids, c, t) for t in layer_types}
         index = rope_index(g, position_ids)
-    with g.scope("mask"):
-        masks = attention_masks(g, attention_mask, input_ids, c)
-        total = g.op("Cast", g.op("Gather", g.op("Shape", attention_mask), g.const(np.int64(1))), to=ir.DataType.INT32)
-        batch = g.op("Gather", g.op("Shape", input_ids), g.const_i64([0]))
-        seqlens_k = g.op("Expand", g.op("Sub", total, g.const(np.int32(1))), batch)
+    held = {FULL: attention_mask}  # layer type → the mask of the rows its cache holds plus this call's
+    if SLIDING in layer_types:
+        # an overridable initializer: an optional input, 0 (the whole past) unless the runtime feeds it
+        start = g.initializer(ir.tensor(np.int64(0), name=SLIDING_CACHE_START))
+        g.inputs.append(start)
+        end = g.const_i64([np.iinfo(np.int64).max])
+        held[SLIDING] = g.op("Slice", attention_mask, g.op("Unsqueeze", start, g.const_i64([0])), end, g.const_i64([1]))
+    masks, seqlens_k, totals = {}, {}, {}
+    batch = g.op("Gather", g.op("Shape", input_ids), g.const_i64([0]))
+    for kind in layer_types:
+        with g.scope(f"mask/{kind}"):
+            masks[kind] = attention_bias(g, held[kind], input_ids, c.sliding_window if kind == SLIDING else None)
+            totals[kind] = g.op("Cast", g.op("Gather", g.op("Shape", held[kind]), g.const(np.int64(1))),
+                                to=ir.DataType.INT32)
+            seqlens_k[kind] = g.op("Expand", g.op("Sub", totals[kind], g.const(np.int32(1))), batch)
     shared = _Shared(mask=masks, cos={t: r[0] for t, r in rope.items()}, sin={t: r[1] for t, r in rope.items()},
-                     rope_index=index, seqlens_k=seqlens_k, total_sequence_length=total)
+                     rope_index=index, seqlens_k=seqlens_k, total_sequence_length=totals)
 
     presents, debug = [], []
     for i in range(c.num_hidden_layers):
@@ -266,4 +291,9 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
     if debug_outputs:
         for name, value in debug:
             g.output(g.op("Identity", value), name, F32, ["batch_size", "sequence_length", c.hidden_size])
-    return g.model("gemma3_decoder", doc_string=f"Gemma 3 decoder exported by gemma-export ({fmt.name})")
+    model = g.model("gemma3_decoder", doc_string=f"Gemma 3 decoder exported by gemma-export ({fmt.name})")
+    sliding = [i for i, kind in enumerate(c.layer_types) if kind == SLIDING]
+    if sliding:  # what a runtime needs to drop out-of-window rows (runtime.KVCache), read from the graph itself
+        model.metadata_props[SLIDING_LAYERS_KEY] = ",".join(map(str, sliding))
+        model.metadata_props[SLIDING_WINDOW_KEY] = str(c.sliding_window)
+    return model

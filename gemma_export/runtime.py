@@ -31,6 +31,11 @@ MODEL_FILE = "model.onnx"
 #: (``docs/benchmarks.md``). The tokens are the same; llama.cpp's default batch is 512 tokens too.
 DEFAULT_PREFILL_CHUNK = 512
 
+#: Room a sliding layer's cache keeps beyond its window - 1 rows when it drops the rows that left
+#: the window (:class:`KVCache`): one drop per this many decode steps. Each step reads window + up
+#: to this many rows instead of the whole past; each drop moves window - 1 rows.
+SLIDING_ROOM = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResult:
@@ -213,6 +218,9 @@ class OnnxDecoder:
         check_manifest_fields(self.manifest, manifest)
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
+        #: layers whose caches may drop the rows outside their window, and that window (positions):
+        #: read from the graph (its metadata and its optional ``sliding_cache_start`` input)
+        self.sliding_layers, self.sliding_window = _sliding_layers(self.session, path, self.num_hidden_layers)
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         eos = self.manifest.get("config", {}).get("eos_token_id", (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID))
@@ -292,7 +300,7 @@ class OnnxDecoder:
         positions = len(prompt_ids) + max(max_new_tokens - 1, 0)
         self.check_length(positions)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
-        cache = KVCache(self, 1, positions)
+        cache = KVCache(self, 1, positions, max_step=len(prompt_ids) if prefill_chunk is None else prefill_chunk)
         new_ids: list[int] = []
         timings: list[float] = []
         position = 0
@@ -327,7 +335,7 @@ class OnnxDecoder:
             ids[row, longest - len(prompt):] = prompt
             mask[row, longest - len(prompt):] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        cache = KVCache(self, batch, longest + max_new_tokens)
+        cache = KVCache(self, batch, longest + max_new_tokens, max_step=longest)
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
             tokens = cache.step(ids, mask, positions)[:, -1].argmax(-1)
@@ -361,7 +369,7 @@ class OnnxDecoder:
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings`` (before any step).
         """
         self.check_length(len(token_ids))
-        cache = KVCache(self, 1, max(1, len(token_ids)))
+        cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
             count = min(chunk, len(token_ids) - start)
@@ -369,6 +377,30 @@ class OnnxDecoder:
                 rows[row] = cache.step(np.asarray([[token_ids[position]]], np.int64),
                                        np.ones((1, position + 1), np.int64), np.asarray([[position]], np.int64))[0, -1]
             yield start, rows[:count]
+
+
+def _sliding_layers(session, path: Path, num_hidden_layers: int) -> tuple[tuple[int, ...], int | None]:
+    """``(sliding layer indices, sliding_window)`` from a graph that takes ``sliding_cache_start``;
+    ``((), None)`` for graphs that do not (other exporters', or before the input existed).
+
+    Raises:
+        FormatError: the metadata naming them is missing or malformed.
+    """
+    from .builder import SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY
+
+    if SLIDING_CACHE_START not in {i.name for i in session.get_overridable_initializers()}:
+        return (), None
+    meta = session.get_modelmeta().custom_metadata_map
+    try:
+        layers = tuple(int(i) for i in meta[SLIDING_LAYERS_KEY].split(","))
+        window = int(meta[SLIDING_WINDOW_KEY])
+        if window < 1 or not layers or any(not 0 <= i < num_hidden_layers for i in layers):
+            raise ValueError
+    except (KeyError, ValueError):
+        raise FormatError(f"{path}: the graph takes {SLIDING_CACHE_START} but its metadata {SLIDING_LAYERS_KEY!r} / "
+                          f"{SLIDING_WINDOW_KEY!r} do not name layers below {num_hidden_layers} and a window >= 1: "
+                          f"found {meta.get(SLIDING_LAYERS_KEY)!r} / {meta.get(SLIDING_WINDOW_KEY)!r}") from None
+    return layers, window
 
 
 #: manifest fields the runtime reads: (where, name) → (what is expected, test)
@@ -501,25 +533,34 @@ class KVCache:
     """The KV cache of one generation with an :class:`OnnxDecoder`, and the step that uses it.
 
     For this toolkit's exports (manifest ``kv_cache.past_present_share_buffer``) each
-    ``past_key_values.{i}.key|value`` is one onnxruntime buffer float32 ``[batch, kv_heads, capacity,
-    head_dim]`` bound through IO binding as both the input and the matching ``present.{i}.*`` output:
-    GroupQueryAttention writes the step's keys and values at rows ``past … past + seq − 1`` in place
-    (its ``past_present_share_buffer`` mode), so no step copies or reallocates the cache. Other graphs
-    get the numpy round trip of :meth:`OnnxDecoder.forward`.
+    ``past_key_values.{i}.key|value`` is one float32 buffer ``[batch, kv_heads, rows, head_dim]``
+    bound through IO binding as both the input and the matching ``present.{i}.*`` output:
+    GroupQueryAttention writes the step's keys and values after the rows held, in place (its
+    ``past_present_share_buffer`` mode), so no step copies the cache. Full-attention layers hold
+    every position (``capacity`` rows). Sliding layers (graphs with ``sliding_cache_start``) hold at
+    most ``sliding_window - 1 + max(step, SLIDING_ROOM)`` rows: when a step would not fit, the rows
+    that left the window are dropped (the last ``sliding_window - 1`` move to the front) and the
+    graph is told the first position held. Their attention then reads ~``sliding_window`` rows per
+    step instead of the whole past, and their memory stops growing with the context (Gemma 3 270M at
+    32,768 positions: 3 full layers × 64 MB, 15 sliding × 1.2 MB, against 18 × 64 MB). The logits
+    are those of the whole cache: a dropped row is masked out by the window on every later step.
+    Other graphs get the numpy round trip of :meth:`OnnxDecoder.forward`.
 
     Args:
         decoder: the loaded export.
         batch_size: rows of every step.
         capacity: the most tokens (past + sequence) any step will hold.
+        max_step: the longest step (tokens) expected; sizes the sliding layers' buffers, which grow
+            if a step is longer.
 
     Raises:
         GemmaExportError: ``capacity`` < 1.
-        ResourceError: the buffers (``2 · layers · batch · kv_heads · capacity · head_dim`` float32)
+        ResourceError: the buffers (``2 · batch · kv_heads · head_dim`` float32 per row, per layer)
             would need more memory than the machine has available (``MemAvailable``): a length the
             model's config does not cap, e.g. ``--max-new-tokens 100000000``.
     """
 
-    def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int):
+    def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int, max_step: int = DEFAULT_PREFILL_CHUNK):
         if capacity < 1:
             raise GemmaExportError(f"KV cache capacity must be >= 1 token, found {capacity}")
         self.decoder, self.capacity = decoder, capacity
@@ -527,11 +568,16 @@ class KVCache:
         if not self.shared:
             self._past = decoder.empty_cache(batch_size)
             return
-        import onnxruntime as ort
-
         from .memory import available_bytes
 
-        need = 2 * decoder.num_hidden_layers * batch_size * decoder.num_key_value_heads * capacity * decoder.head_dim * 4
+        self.window = decoder.sliding_window
+        self._sliding = {f"past_key_values.{i}.{kind}" for i in decoder.sliding_layers for kind in ("key", "value")}
+        #: cache position of the sliding buffers' first row
+        self.sliding_start = 0
+        sliding_rows = self._rows(max_step) if self._sliding else 0
+        full_layers = decoder.num_hidden_layers - len(decoder.sliding_layers)
+        row_bytes = batch_size * decoder.num_key_value_heads * decoder.head_dim * 4
+        need = 2 * row_bytes * (full_layers * capacity + len(decoder.sliding_layers) * sliding_rows)
         available = available_bytes()
         if available is not None and need > available:
             raise ResourceError(f"KV cache: {capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, more "
@@ -539,23 +585,53 @@ class KVCache:
 
         self._binding = decoder.session.io_binding()
         self._binding.bind_output("logits")  # first bound output: get_outputs()[0]
-        shape = (batch_size, decoder.num_key_value_heads, capacity, decoder.head_dim)
-        self._buffers = []  # our references keep the bound buffers alive as long as the binding
+        self._shape = (batch_size, decoder.num_key_value_heads, decoder.head_dim)
+        #: the numpy arrays the bound buffers wrap (onnxruntime reads and writes them in place)
+        self.arrays: dict[str, np.ndarray] = {}
         for i in range(decoder.num_hidden_layers):
             for kind in ("key", "value"):
-                buffer = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cpu", 0)
-                self._binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", buffer)
-                self._binding.bind_ortvalue_output(f"present.{i}.{kind}", buffer)
-                self._buffers.append(buffer)
+                name = f"past_key_values.{i}.{kind}"
+                self._bind(name, sliding_rows if name in self._sliding else capacity)
+
+    def _rows(self, step: int) -> int:
+        # rows a sliding buffer needs to take a step of `step` tokens after dropping the out-of-window rows
+        return min(self.capacity, self.window - 1 + max(step, SLIDING_ROOM))
+
+    def _bind(self, name: str, rows: int) -> np.ndarray:
+        import onnxruntime as ort
+
+        b, heads, d = self._shape
+        array = np.empty((b, heads, rows, d), np.float32)
+        buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the same memory, not a copy
+        self._binding.bind_ortvalue_input(name, buffer)
+        self._binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), buffer)
+        self.arrays[name] = array  # our reference keeps the memory alive as long as the binding
+        return array
+
+    def _drop_out_of_window_rows(self, past: int, seq: int) -> None:
+        # The sliding buffers hold positions sliding_start … past − 1; keep the last window − 1 of them
+        # (all a query of this or a later step can see), at the front of a buffer sized for this step.
+        held = past - self.sliding_start
+        keep = min(held, self.window - 1)
+        rows = self._rows(seq)
+        for name in self._sliding:
+            old = self.arrays[name]
+            kept = old[:, :, held - keep:held]
+            if old.shape[2] == rows:
+                old[:, :, :keep] = kept  # numpy copies overlapping ranges correctly
+            else:
+                self._bind(name, rows)[:, :, :keep] = kept
+        self.sliding_start = past - keep
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
-        """Run one step and append its keys/values. Shapes as :meth:`OnnxDecoder.forward`; returns
-        logits float32 ``[B, 1 or S, vocab]`` (an array the caller owns).
+        """Run one step and append its keys/values. Shapes as :meth:`OnnxDecoder.forward` (each step's
+        ``attention_mask`` one step longer than the last: past + sequence); returns logits float32
+        ``[B, 1 or S, vocab]`` (an array the caller owns).
 
         Raises:
             GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``.
         """
-        total = attention_mask.shape[1]
+        total, seq = attention_mask.shape[1], input_ids.shape[1]
         if total > self.capacity:
             raise GemmaExportError(f"KV cache: a step of {total} tokens (past + sequence) exceeds the cache "
                                    f"capacity of {self.capacity}")
@@ -563,6 +639,22 @@ class KVCache:
             logits, self._past = self.decoder.forward(input_ids, attention_mask, position_ids, self._past)
             return logits
         b = self._binding
+        if self._sliding:
+            from .builder import SLIDING_CACHE_START
+
+            past = total - seq
+            held = past - self.sliding_start
+            # drop when this step would not fit, or when more than SLIDING_ROOM rows beyond the window are
+            # held (e.g. after a long prompt in one step, so decode does not read it all again)
+            rows = self.arrays[next(iter(self._sliding))].shape[2]
+            if held + seq > rows or held > self.window - 1 + SLIDING_ROOM:
+                self._drop_out_of_window_rows(past, seq)
+            import onnxruntime as ort
+
+            # an overridable initializer: IO binding takes it as an OrtValue only (bind_cpu_input
+            # looks among the required inputs); the array backs the value until the next step
+            self._start = np.asarray(self.sliding_start, np.int64)
+            b.bind_ortvalue_input(SLIDING_CACHE_START, ort.OrtValue.ortvalue_from_numpy(self._start))
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))

@@ -232,6 +232,75 @@ def test_shared_kv_buffer_equals_the_numpy_round_trip(tiny_dir, tmp_path):
         cache.step(ids[:, :1], np.ones((2, 26), np.int64), np.full((2, 1), 25))
 
 
+@pytest.mark.parametrize("batch, steps", [(2, [1] * 200), (1, [37, 1, 1, 5, 80, *[1] * 77]), (2, [150, *[1] * 100])],
+                         ids=["one-by-one", "mixed", "long-prompt"])
+def test_sliding_layers_drop_rows_outside_the_window(tiny_model, fp32_all, batch, steps):
+    """The sliding layers' caches drop the rows that left the window (window 6, room 64: rows kept
+    ≤ 69) while the full layers keep every row (200 or 250): one token at a time and after a long prompt (dropped
+    before decoding reads it again) with batch 2 and left padding; steps of mixed sizes, one longer
+    than the buffers (they grow), with batch 1 (GroupQueryAttention takes several tokens after a
+    past with batch 1 only). Every position's logits equal transformers' full-sequence forward."""
+    from gemma_export.runtime import SLIDING_ROOM, KVCache
+
+    decoder = OnnxDecoder(fp32_all)
+    assert decoder.sliding_layers == (0, 2) and decoder.sliding_window == 6
+    ids = _ids(batch=batch, seq=sum(steps), seed=7)
+    mask = np.ones_like(ids)
+    mask[-1, :3] = 0
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    reference = reference_logits(tiny_model, ids, mask)
+    cache = KVCache(decoder, batch, ids.shape[1], max_step=steps[0])
+    rows, first, starts = [], 0, set()
+    for seq in steps:
+        end = first + seq
+        rows.append(cache.step(ids[:, first:end], mask[:, :end], positions[:, first:end]))
+        starts.add(cache.sliding_start)
+        held = {name: a.shape[2] for name, a in cache.arrays.items()}
+        assert held["past_key_values.1.key"] == held["past_key_values.3.value"] == ids.shape[1]
+        assert max(held["past_key_values.0.key"], held["past_key_values.2.value"]) <= 5 + max(seq, SLIDING_ROOM)
+        first = end
+    assert len(starts) >= 3 and max(starts) > ids.shape[1] - 6 - SLIDING_ROOM  # rows were dropped, repeatedly
+    ours = np.concatenate(rows, axis=1)
+    assert np.abs(ours[:-1] - reference[:-1]).max(initial=0) <= 1e-4
+    assert np.abs(ours[-1, 3:] - reference[-1, 3:]).max() <= 1e-4
+
+
+def test_the_sliding_cache_start_is_an_optional_input(fp32_all):
+    """Runtimes that do not know ``sliding_cache_start`` (onnxruntime-genai, forward()) leave it out:
+    an overridable initializer, 0 by default; the graph names its sliding layers in its metadata."""
+    import onnx
+
+    model = onnx.load(fp32_all / "model.onnx", load_external_data=False)
+    assert "sliding_cache_start" not in {i.name for i in OnnxDecoder(fp32_all).session.get_inputs()}
+    (start,) = [t for t in model.graph.initializer if t.name == "sliding_cache_start"]
+    assert onnx.numpy_helper.to_array(start) == 0 and "sliding_cache_start" in {i.name for i in model.graph.input}
+    assert {p.key: p.value for p in model.metadata_props}["gemma_export.sliding_layers"] == "0,2"
+
+
+@pytest.mark.parametrize("layers, window", [("0,9", "6"), ("0,2", "0"), (None, "6"), ("sliding", "6")])
+def test_malformed_sliding_layer_metadata_is_refused_in_one_line(fp32_all, tmp_path, layers, window):
+    import shutil
+
+    import onnx
+
+    from gemma_export.errors import FormatError
+
+    folder = tmp_path / "copy"
+    shutil.copytree(fp32_all, folder)
+    model = onnx.load(folder / "model.onnx", load_external_data=False)
+    meta = {p.key: p.value for p in model.metadata_props}
+    meta["gemma_export.sliding_window"] = window
+    if layers is None:
+        del meta["gemma_export.sliding_layers"]
+    else:
+        meta["gemma_export.sliding_layers"] = layers
+    onnx.helper.set_model_props(model, meta)
+    onnx.save(model, folder / "model.onnx")
+    with pytest.raises(FormatError, match=r"model.onnx: the graph takes sliding_cache_start but its metadata "
+                                          r"'gemma_export.sliding_layers' / 'gemma_export.sliding_window' do not name"):
+        OnnxDecoder(folder, prepacked=False)
+
+
 def test_exports_without_the_shared_buffer_flag_use_the_numpy_round_trip(tiny_dir, tmp_path):
     from gemma_export.runtime import KVCache
 
