@@ -2,9 +2,10 @@
 
 Inputs follow the export's I/O contract (see ``builder.py``). Generation keeps the KV cache in a
 :class:`KVCache`: for this toolkit's exports one onnxruntime buffer per cache tensor, bound as both
-``past_key_values.*`` and ``present.*`` (GroupQueryAttention appends in place); for other graphs
-numpy arrays fed back step by step (``present.*`` of one step become ``past_key_values.*`` of the
-next), which is also what :meth:`OnnxDecoder.forward` does.
+``past_key_values.*`` and ``present.*`` (GroupQueryAttention appends in place), the sliding layers'
+buffers holding only their window (the graph's optional ``sliding_cache_start`` input); for other
+graphs numpy arrays fed back step by step (``present.*`` of one step become ``past_key_values.*`` of
+the next), which is also what :meth:`OnnxDecoder.forward` does.
 """
 
 from __future__ import annotations
