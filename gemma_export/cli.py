@@ -287,18 +287,31 @@ def generate(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
+    json_out: Optional[Path] = typer.Option(
+        None, "--json", parser=_path, metavar="<path>",
+        help="Also write the prompt's and the new tokens' ids as a golden entry for `parity --golden` "
+             "(prompt, prompt_ids, expected_ids, text) to this file ('-' = stdout)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
 
     Example: gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+
+    With --json, the ids as a golden file: run it on one machine, then
+    `gemma-export parity --model DIR --golden golden.json` on another checks the same greedy tokens.
     """
+    from .bench import check_outputs, write_json
     from .runtime import generate as run
 
     with _reported(debug, writes=False):
+        check_outputs(json_out, None, inputs=(model,))
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads,
                      prefill_chunk=_prefill_chunk(prefill_chunk), prepacked=prepacked)
-    typer.echo(prompt + result.text)
+        if json_out is not None:
+            write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
+                        "text": result.text}, json_out)
+    if json_out is None or str(json_out) != "-":  # with --json -, stdout holds the JSON alone
+        typer.echo(prompt + result.text)
     decode = sorted(result.decode_ms)
     median = decode[len(decode) // 2] if decode else float("nan")
     typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms, "

@@ -183,3 +183,35 @@ def test_generate_and_bench_feed_prompts_in_default_steps(tiny_int8_export, text
     assert result.exit_code == 0, result.output
     assert sizes[:len(expected)] == expected and set(sizes[len(expected):]) == {1}
     assert ("(steps of" in result.stdout) == (len(expected) > 1)
+
+
+def test_generate_writes_a_golden_entry_that_parity_checks(tiny_int8_export, tmp_path):
+    """`generate --json` writes the prompt's and the new tokens' ids in the golden format: `parity
+    --golden` on the same export matches, and fails at the first id changed; `--json -` keeps
+    stdout for the JSON alone; an output inside the export is refused before any work."""
+    from gemma_export.runtime import OnnxDecoder, load_tokenizer
+
+    golden = tmp_path / "golden.json"
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
+                                      "--max-new-tokens", "6", "--json", str(golden)])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(golden.read_text())
+    prompt_ids = load_tokenizer(tiny_int8_export).encode("the fox").ids
+    assert entry["prompt_ids"] == prompt_ids and entry["prompt"] == "the fox"
+    assert entry["expected_ids"] == OnnxDecoder(tiny_int8_export).greedy(prompt_ids, 6)[0]
+    assert result.stdout.startswith("the fox" + entry["text"])
+    checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
+    assert checked.exit_code == 0, checked.output
+    assert "golden entry #0: match" in checked.stdout
+    entry["expected_ids"][2] = (entry["expected_ids"][2] + 1) % 96
+    golden.write_text(json.dumps(entry))
+    checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
+    assert checked.exit_code == 1 and "first mismatch at generated token 2" in checked.stdout
+
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
+                                      "--max-new-tokens", "6", "--json", "-"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["prompt_ids"] == prompt_ids
+    inside = tiny_int8_export / "golden.json"
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
+                                      "--json", str(inside)])
+    assert result.exit_code != 0 and "would overwrite a file in the input" in result.output and not inside.exists()
