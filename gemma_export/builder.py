@@ -28,7 +28,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef
-from .config import FULL, SLIDING, GemmaConfig
+from .config import FULL, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY, GemmaConfig
 from .graph import GraphBuilder
 from .weights import Table, WeightFormat
 
@@ -123,12 +123,6 @@ def attention_bias(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Valu
     if sliding_window is not None:
         allowed = g.op("And", allowed, g.op("Less", distance, g.const(np.int64(sliding_window))))
     return g.op("Where", allowed, g.const_f32(0.0), g.const_f32(MASK_VALUE))
-
-
-#: the optional input naming the first cache position the sliding layers hold (see the module docstring)
-SLIDING_CACHE_START = "sliding_cache_start"
-#: model metadata: the sliding layers' indices ("0,1,2,3,4,6,…") and their window (positions)
-SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY = "gemma_export.sliding_layers", "gemma_export.sliding_window"
 
 
 def _softcap(g: GraphBuilder, x: ir.Value, cap: float | None) -> ir.Value:

@@ -19,6 +19,13 @@ from .errors import ConfigError, shown
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
+#: the exported graph's optional input naming the first cache position the sliding layers hold
+#: (``builder.py``'s I/O contract), and the model metadata naming those layers' indices ("0,1,2,3,4,6,…")
+#: and their window (positions). Here, not in ``builder``, so the runtime reads them without
+#: importing the graph builder (onnx_ir: ~30 MB of resident memory on a board with 1.9 GB).
+SLIDING_CACHE_START = "sliding_cache_start"
+SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY = "gemma_export.sliding_layers", "gemma_export.sliding_window"
+
 #: Defaults of transformers' ``Gemma3TextConfig`` (used only where a source omits a field that
 #: transformers itself would default).
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}

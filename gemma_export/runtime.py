@@ -18,7 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID
+from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
+                     SLIDING_WINDOW_KEY)
 from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, shown
 from .onnx_files import graph_dtype, load_graph
 
@@ -387,8 +388,6 @@ def _sliding_layers(session, path: Path, num_hidden_layers: int) -> tuple[tuple[
     Raises:
         FormatError: the metadata naming them is missing or malformed.
     """
-    from .builder import SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY
-
     if SLIDING_CACHE_START not in {i.name for i in session.get_overridable_initializers()}:
         return (), None
     meta = session.get_modelmeta().custom_metadata_map
@@ -641,8 +640,6 @@ class KVCache:
             return logits
         b = self._binding
         if self._sliding:
-            from .builder import SLIDING_CACHE_START
-
             past = total - seq
             held = past - self.sliding_start
             # drop when this step would not fit, or when more than SLIDING_ROOM rows beyond the window are

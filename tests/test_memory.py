@@ -106,3 +106,19 @@ def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export):
     logits = plain.forward(*feeds, plain.empty_cache(1))[0]
     huge = OnnxDecoder(tiny_int8_export, prepacked=False)
     assert np.array_equal(huge.forward(*feeds, huge.empty_cache(1))[0], logits)
+
+
+def test_generation_does_not_import_the_graph_builder(tiny_int8_export):
+    # The board's process holds only what generation needs: the graph builder's onnx_ir (and the
+    # checkpoint readers) cost ~30 MB of anonymous memory there (docs/benchmarks.md).
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom gemma_export.runtime import OnnxDecoder\n"
+            "d = OnnxDecoder(sys.argv[1])\nassert d.sliding_layers, 'the tiny export has sliding layers'\n"
+            "d.greedy([2, 40, 41], 3)\n"
+            "print(sorted(m for m in sys.modules if m in ('onnx_ir', 'gguf', 'safetensors', 'gemma_export.builder', "
+            "'gemma_export.checkpoint')))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_int8_export)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
