@@ -264,7 +264,7 @@ THREADS_HELP = "onnxruntime intra-op threads (default: onnxruntime's, one per co
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
                       "once). Same tokens either way; "
                       "a longer step keeps more activation memory after long prompts (a 3,072-token prompt in one "
-                      "step: 920 MB more Anonymous memory, in steps of 512: 530 MB).")
+                      "step: 946 MB more Anonymous memory, in steps of 512: 477 MB).")
 
 
 def _prefill_chunk(value: int | None) -> int | None:

@@ -29,8 +29,8 @@ MODEL_FILE = "model.onnx"
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
 #: onnxruntime's CPU ``GroupQueryAttention`` holds a step's attention scores, heads × step × context
 #: float32, and its arena keeps the largest step's buffers for the rest of the session: a 3,072-token
-#: prompt in one step left 920 MB more Anonymous memory, in steps of 512 tokens 530 MB
-#: (``docs/benchmarks.md``). The tokens are the same; llama.cpp's default batch is 512 tokens too.
+#: prompt in one step left 946 MB more Anonymous memory, in steps of 512 tokens 477 MB
+#: (``docs/benchmarks.md``, int8, 2026-12-03). The tokens are the same; llama.cpp's default batch is 512 tokens too.
 DEFAULT_PREFILL_CHUNK = 512
 
 #: Room a sliding layer's cache keeps beyond its window - 1 rows when it drops the rows that left
