@@ -96,6 +96,7 @@ class BenchResult:
     prepacked_note: str = ""
     huge_page_bytes: int = 0  # heap moved onto transparent huge pages after session creation
     reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
+    new_tokens: int | None = None  # decode steps after each prompt (the first WARMUP_STEPS untimed)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -233,7 +234,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
-        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures)
+        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures, new_tokens=new_tokens)
     return result
 
 
@@ -281,6 +282,7 @@ def check_board_budget(result: BenchResult) -> None:
 def format_result(r: BenchResult) -> str:
     """A human-readable summary of a ``BenchResult``."""
     a = r.archive_bytes
+    steps = f" and its {r.new_tokens} decode steps" if r.new_tokens else ""
     lines = [
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads} thread{'' if r.threads == 1 else 's'})",
         f"session creation {r.session_create_s:.2f} s",
@@ -293,10 +295,10 @@ def format_result(r: BenchResult) -> str:
           for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
         f"({r.tokens_per_s:.1f} tokens/s)",
-        f"memory growth    after the {min(r.prefill_ms)}-token prompt: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
+        f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",
-        f"                 after all prompts: Anonymous {r.anon_growth_bytes / 1e6:,.0f} MB "
+        f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous {r.anon_growth_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB ({r.rss_growth_bytes / a:.2f}x)",
         f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
         f"prompts          real text from {r.text_source}",

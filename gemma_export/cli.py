@@ -489,7 +489,7 @@ def quality(
     The reference and the export run side by side, 128 positions at a time: on the default text
     (~3,400 tokens) the 270M peaks near 3.8 GB with either reference, and takes minutes.
 
-    Example: gemma-export quality --model gemma-3-270m-onnx-int4 --reference transformers --json q.json
+    Example: gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
     """
     from .bench import check_outputs, write_json
     from .quality import format_report, run_quality

@@ -168,8 +168,8 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
     return comparison.result()
 
 
-TRANSFORMERS_MISSING = ("the transformers reference needs torch and transformers (the test extra): "
-                        "pip install -e '.[test]'")
+TRANSFORMERS_MISSING = ("the transformers reference needs torch and transformers: "
+                        "pip install torch==2.13.0 'transformers>=5,<6' (or the whole test extra: pip install -e '.[test]')")
 
 
 def require_transformers(hint: str = "") -> None:

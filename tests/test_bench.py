@@ -69,6 +69,8 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
     assert "1,200 MB of 1.9 GB left at peak" in result.stdout
+    assert figures["new_tokens"] == 6
+    assert "after the 5-token prompt and its 6 decode steps: Anonymous" in result.stdout  # what the growth covers
 
 
 def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_file, monkeypatch):
