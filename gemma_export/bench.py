@@ -16,6 +16,7 @@ machine-dependent; compare ratios measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import statistics
@@ -314,6 +315,20 @@ def format_result(r: BenchResult) -> str:
     return "\n".join(lines)
 
 
+def to_stdout(path: str | Path | None) -> bool:
+    """Whether ``--json PATH`` means standard output: ``-``, ``/dev/stdout``, ``/proc/self/fd/1``, or
+    a path naming the very file or pipe standard output is (e.g. the file it was redirected to). The
+    commands then print their text report on stderr, so stdout holds the JSON alone."""
+    if path is None:
+        return False
+    if str(path) in ("-", "/dev/stdout", "/proc/self/fd/1"):
+        return True
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):  # no such file; stdout captured
+        return False
+
+
 def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                   inputs: Sequence[str | Path | None] = ()) -> None:
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
@@ -328,7 +343,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     from .staging import entry_refused
 
     for option, path in (("--json", json_out), ("--plot", plot)):
-        if path is None or str(path) == "-":
+        if path is None or (option == "--json" and to_stdout(path)):
             continue
         target = Path(path).resolve()
         if target.is_dir():
@@ -338,8 +353,9 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                 continue
             source = Path(given).resolve()
             if target == source or (source.is_dir() and source in target.parents):
-                raise OutputError(f"{option} {path}: would overwrite {'' if target == source else 'a file in '}"
-                                  f"the input {given}; write it elsewhere")
+                what = ("overwrite the input" if target == source else
+                        "overwrite a file in the input" if target.exists() else "write into the input folder")
+                raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
         parent = target.parent
         if parent.exists() and not parent.is_dir():
             raise OutputError(f"{option} {path}: {parent} is a file, not a folder")
@@ -387,8 +403,9 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
 
 
 def write_json(data: dict, path: str | Path | None) -> None:
-    """Write ``data`` as indented JSON to ``path`` (None or ``-``: stdout), whole or not at all: a
-    temporary file beside it is renamed over it.
+    """Write ``data`` as indented JSON to ``path`` (None or :func:`to_stdout`: stdout), whole or not at all: a
+    temporary file beside it is renamed over it (over the file a symbolic link names, so the link
+    stays). Devices, FIFOs and anything under ``/dev`` or ``/proc`` are written in place.
 
     Raises:
         OutputError: the file cannot be written (full disk, permissions), naming it.
@@ -396,17 +413,22 @@ def write_json(data: dict, path: str | Path | None) -> None:
     from .errors import OutputError
 
     text = json.dumps(data, indent=2) + "\n"
-    if path is None or str(path) == "-":
+    if path is None or to_stdout(path):
         sys.stdout.write(text)
         return
     path = Path(path)
-    if path.exists() and not path.is_file():  # a device or a FIFO (/dev/full): written in place
+    absolute = Path(os.path.abspath(path))
+    if absolute.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file()):
+        # a device, a FIFO or a descriptor (/dev/full, /dev/stdout, /proc/self/fd/1): written in place,
+        # never replaced by a regular file
         try:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
         return
+    if path.is_symlink():  # replace the file the link names, not the link
+        path = Path(os.path.realpath(path))
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         temporary.write_text(text, encoding="utf-8")

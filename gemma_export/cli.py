@@ -300,7 +300,7 @@ def generate(
     With --json, the ids as a golden file: run it on one machine, then
     `gemma-export parity --model DIR --golden golden.json` on another checks the same greedy tokens.
     """
-    from .bench import check_outputs, write_json
+    from .bench import check_outputs, to_stdout, write_json
     from .runtime import generate as run
 
     with _reported(debug, writes=False):
@@ -310,8 +310,7 @@ def generate(
         if json_out is not None:
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text}, json_out)
-    if json_out is None or str(json_out) != "-":  # with --json -, stdout holds the JSON alone
-        typer.echo(prompt + result.text)
+    typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
     decode = sorted(result.decode_ms)
     median = decode[len(decode) // 2] if decode else float("nan")
     typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms, "
@@ -451,7 +450,7 @@ def bench(
 
     Example: gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
     """
-    from .bench import check_board_budget, check_outputs, format_result, run_bench, write_json, write_plot
+    from .bench import check_board_budget, check_outputs, format_result, run_bench, to_stdout, write_json, write_plot
 
     with _reported(debug):
         try:
@@ -463,12 +462,12 @@ def bench(
                            text=text, reference=reference, reference_weights=reference_weights,
                            prefill_chunk=_prefill_chunk(prefill_chunk), progress=lambda msg: typer.echo(msg, err=True),
                            prepacked=prepacked, huge_pages=huge_pages)
-        typer.echo(format_result(result))
+        typer.echo(format_result(result), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:
             write_json(result.to_dict(), json_out)
         if plot is not None:
             write_plot([result], plot)
-            typer.echo(f"plot: {plot}")
+            typer.echo(f"plot: {plot}", err=to_stdout(json_out))
         check_board_budget(result)  # after the figures are shown and saved
 
 
@@ -491,14 +490,14 @@ def quality(
 
     Example: gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
     """
-    from .bench import check_outputs, write_json
+    from .bench import check_outputs, to_stdout, write_json
     from .quality import format_report, run_quality
 
     with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference))
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
-        typer.echo(format_report(report))
+        typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:
             write_json(report.to_dict(), json_out)
 
@@ -532,7 +531,7 @@ def parity(
       gemma-export parity --model out-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
       gemma-export parity --model out-int8 --golden golden.json --json parity.json
     """
-    from .bench import check_outputs, write_json
+    from .bench import check_outputs, to_stdout, write_json
     from .parity import format_report, run_parity
 
     with _reported(debug, writes=False):
@@ -541,7 +540,7 @@ def parity(
                             reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
                             golden=golden, prompts=prompts, new_tokens=new_tokens, threads=threads,
                             progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
-        typer.echo(format_report(report))
+        typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:
             write_json(report.to_dict(), json_out)
     if not report.passed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -154,8 +155,9 @@ def test_bench_json_dash_goes_to_stdout_and_a_file_as_folder_is_named(tiny_int8_
                                  "--prompt-tokens", "4", "--new-tokens", "6", "--json", "-"])
     assert result.exit_code == 0, result.output
     assert not (tmp_path / "-").exists()
-    figures = json.loads(result.stdout[result.stdout.index("\n{") + 1:])
+    figures = json.loads(result.stdout)  # the JSON alone: the text report went to stderr
     assert list(figures["prefill_ms"]) == ["4"] and figures["model"] == str(tiny_int8_export)
+    assert "decode           median" in result.stderr
     (tmp_path / "afile").write_text("x")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--json", "afile/b.json"])
     assert result.exit_code == 2 and f"--json afile/b.json: {tmp_path / 'afile'} is a file, not a folder" in result.output
@@ -216,4 +218,24 @@ def test_generate_writes_a_golden_entry_that_parity_checks(tiny_int8_export, tmp
     inside = tiny_int8_export / "golden.json"
     result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
                                       "--json", str(inside)])
-    assert result.exit_code != 0 and "would overwrite a file in the input" in result.output and not inside.exists()
+    assert result.exit_code != 0 and "would write into the input folder" in result.output and not inside.exists()
+
+
+def test_write_json_replaces_the_file_a_link_names_and_writes_devices_in_place(tmp_path, capsys):
+    import stat
+
+    from gemma_export.bench import to_stdout, write_json
+
+    target = tmp_path / "target.json"
+    target.write_text('{"old": 1}')
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    write_json({"new": 2}, link)
+    assert link.is_symlink() and json.loads(target.read_text()) == {"new": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "target.json"]  # no temporary left
+    # /dev/stdout (a link to a descriptor) is standard output, never replaced by a regular file
+    assert to_stdout("/dev/stdout") and to_stdout("-") and not to_stdout(target) and not to_stdout(None)
+    write_json({"x": 3}, "/dev/stdout")
+    assert json.loads(capsys.readouterr().out) == {"x": 3}
+    write_json({"x": 4}, "/dev/null")  # a device: written in place
+    assert stat.S_ISCHR(Path("/dev/null").stat().st_mode) and Path("/dev/stdout").is_symlink()

@@ -236,8 +236,8 @@ def test_json_dash_is_stdout_and_a_failed_write_is_one_line(tiny_int8_export, te
             "--tokens", "20"]
     result = runner.invoke(app, [*args, "--json", "-"])
     assert result.exit_code == 0
-    figures = json.loads(result.stdout[result.stdout.index("{"):])
-    assert figures["tokens"] == 20 and figures["top1_agreement"] == 1.0
+    figures = json.loads(result.stdout)  # the JSON alone: the text report went to stderr
+    assert figures["tokens"] == 20 and figures["top1_agreement"] == 1.0 and "top-1" in result.stderr
     result = runner.invoke(app, [*args, "--json", "/dev/full"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert result.stderr.strip().splitlines()[-1].startswith("error: --json /dev/full: cannot write")
