@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
+from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, shown
 from .onnx_files import graph_dtype, load_graph
@@ -222,7 +222,8 @@ class OnnxDecoder:
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         #: layers whose caches may drop the rows outside their window, and that window (positions):
         #: read from the graph (its metadata and its optional ``sliding_cache_start`` input)
-        self.sliding_layers, self.sliding_window = _sliding_layers(self.session, path, self.num_hidden_layers)
+        self.sliding_layers, self.sliding_window = _sliding_layers(self.session, path, self.num_hidden_layers,
+                                                                   self.manifest.get("config", {}))
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         eos = self.manifest.get("config", {}).get("eos_token_id", (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID))
@@ -381,25 +382,39 @@ class OnnxDecoder:
             yield start, rows[:count]
 
 
-def _sliding_layers(session, path: Path, num_hidden_layers: int) -> tuple[tuple[int, ...], int | None]:
+def _sliding_layers(session, path: Path, num_hidden_layers: int,
+                    config: dict | None = None) -> tuple[tuple[int, ...], int | None]:
     """``(sliding layer indices, sliding_window)`` from a graph that takes ``sliding_cache_start``;
-    ``((), None)`` for graphs that do not (other exporters', or before the input existed).
+    ``((), None)`` for graphs that do not (other exporters', or before the input existed). When the
+    manifest's ``config`` has ``layer_types`` / ``sliding_window``, the metadata must agree with them:
+    a wrong window or layer list would silently change the logits once rows are dropped.
 
     Raises:
-        FormatError: the metadata naming them is missing or malformed.
+        FormatError: the metadata naming them is missing, malformed, or disagrees with the manifest.
     """
     if SLIDING_CACHE_START not in {i.name for i in session.get_overridable_initializers()}:
         return (), None
     meta = session.get_modelmeta().custom_metadata_map
+    found = f"found {meta.get(SLIDING_LAYERS_KEY)!r:.60} / {meta.get(SLIDING_WINDOW_KEY)!r:.20}"
     try:
-        layers = tuple(int(i) for i in meta[SLIDING_LAYERS_KEY].split(","))
-        window = int(meta[SLIDING_WINDOW_KEY])
-        if window < 1 or not layers or any(not 0 <= i < num_hidden_layers for i in layers):
+        text = meta[SLIDING_LAYERS_KEY]
+        if not text.isascii():  # int() also reads full-width digits
+            raise ValueError
+        layers = tuple(int(i) for i in text.split(","))
+        window = int(meta[SLIDING_WINDOW_KEY]) if meta[SLIDING_WINDOW_KEY].isascii() else 0
+        if window < 1 or not layers or any(not 0 <= i < num_hidden_layers for i in layers) or len(set(layers)) != len(layers):
             raise ValueError
     except (KeyError, ValueError):
         raise FormatError(f"{path}: the graph takes {SLIDING_CACHE_START} but its metadata {SLIDING_LAYERS_KEY!r} / "
                           f"{SLIDING_WINDOW_KEY!r} do not name layers below {num_hidden_layers} and a window >= 1: "
-                          f"found {meta.get(SLIDING_LAYERS_KEY)!r} / {meta.get(SLIDING_WINDOW_KEY)!r}") from None
+                          f"{found}") from None
+    config = config or {}
+    types = config.get("layer_types")
+    expected = tuple(i for i, kind in enumerate(types) if kind == SLIDING) if isinstance(types, list) else layers
+    if layers != expected or config.get("sliding_window", window) != window:
+        raise FormatError(f"{path}: its metadata {SLIDING_LAYERS_KEY!r} / {SLIDING_WINDOW_KEY!r} disagree with "
+                          f"manifest.json's config: expected {','.join(map(str, expected))!r:.60} / "
+                          f"'{config.get('sliding_window', window)}', {found}")
     return layers, window
 
 

@@ -277,8 +277,13 @@ def test_the_sliding_cache_start_is_an_optional_input(fp32_all):
     assert {p.key: p.value for p in model.metadata_props}["gemma_export.sliding_layers"] == "0,2"
 
 
-@pytest.mark.parametrize("layers, window", [("0,9", "6"), ("0,2", "0"), (None, "6"), ("sliding", "6")])
-def test_malformed_sliding_layer_metadata_is_refused_in_one_line(fp32_all, tmp_path, layers, window):
+@pytest.mark.parametrize("layers, window, message", [
+    ("0,9", "6", "do not name"), ("0,2", "0", "do not name"), (None, "6", "do not name"), ("sliding", "6", "do not name"),
+    ("0,0,2", "6", "do not name"), ("\uff10,\uff12", "6", "do not name"),  # a repeated layer; full-width digits
+    # well-formed but wrong: dropping rows on these would silently change the logits
+    ("0", "6", "disagree with manifest.json's config: expected '0,2' / '6'"), ("0,1,2", "6", "disagree"),
+    ("0,2", "5", "disagree with manifest.json's config: expected '0,2' / '6', found '0,2' / '5'")])
+def test_malformed_sliding_layer_metadata_is_refused_in_one_line(fp32_all, tmp_path, layers, window, message):
     import shutil
 
     import onnx
@@ -296,9 +301,10 @@ def test_malformed_sliding_layer_metadata_is_refused_in_one_line(fp32_all, tmp_p
         meta["gemma_export.sliding_layers"] = layers
     onnx.helper.set_model_props(model, meta)
     onnx.save(model, folder / "model.onnx")
-    with pytest.raises(FormatError, match=r"model.onnx: the graph takes sliding_cache_start but its metadata "
-                                          r"'gemma_export.sliding_layers' / 'gemma_export.sliding_window' do not name"):
+    with pytest.raises(FormatError, match=r"model.onnx: ") as caught:
         OnnxDecoder(folder, prepacked=False)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+    assert "'gemma_export.sliding_layers' / 'gemma_export.sliding_window'" in str(caught.value)
 
 
 def test_exports_without_the_shared_buffer_flag_use_the_numpy_round_trip(tiny_dir, tmp_path):
