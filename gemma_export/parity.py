@@ -132,6 +132,15 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     return prompts
 
 
+def _encodable(text: str) -> bool:
+    # JSON's \uXXXX escapes can spell lone surrogates, which no tokenizer (nor UTF-8) accepts
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int]]]:
     """``(prompt_ids, expected_ids)`` pairs from a golden file.
 
@@ -164,6 +173,9 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
             raise FormatError(f"{path}: entry #{n} needs 'expected_ids' and 'prompt' or 'prompt_ids'")
+        if isinstance(entry.get("prompt"), str) and not _encodable(entry["prompt"]):
+            raise FormatError(f"{path}: entry #{n} 'prompt' is not valid Unicode text (a lone surrogate such as "
+                              f"\\ud800); found {entry['prompt']!r:.60}")
         if "prompt_ids" in entry:
             prompt_ids = ids(entry["prompt_ids"], f"entry #{n} 'prompt_ids'")
             if "prompt" in entry and tokenizer is not None and isinstance(entry["prompt"], str):
