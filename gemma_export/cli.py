@@ -262,7 +262,8 @@ def main(
 
 THREADS_HELP = "onnxruntime intra-op threads (default: onnxruntime's, one per core)."
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
-                      "once). Same tokens either way; "
+                      "once). fp32 logits agree to 1e-4 either way; int8 ones move by up to ~0.7 (8-bit activations), "
+                      "which can flip a near-tied token; "
                       "a longer step keeps more activation memory after long prompts (a 3,072-token prompt in one "
                       "step: 946 MB more Anonymous memory, in steps of 512: 477 MB).")
 
@@ -290,7 +291,7 @@ def generate(
     json_out: Optional[Path] = typer.Option(
         None, "--json", parser=_path, metavar="<path>",
         help="Also write the prompt's and the new tokens' ids as a golden entry for `parity --golden` "
-             "(prompt, prompt_ids, expected_ids, text) to this file ('-' = stdout)."),
+             "(prompt, prompt_ids, expected_ids, text, prefill_chunk) to this file ('-' = stdout)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
@@ -305,11 +306,12 @@ def generate(
 
     with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model,))
-        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads,
-                     prefill_chunk=_prefill_chunk(prefill_chunk), prepacked=prepacked)
-        if json_out is not None:
+        chunk = _prefill_chunk(prefill_chunk)
+        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
+                     prepacked=prepacked)
+        if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
-                        "text": result.text}, json_out)
+                        "text": result.text, "prefill_chunk": chunk or 0}, json_out)
     typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
     decode = sorted(result.decode_ms)
     median = decode[len(decode) // 2] if decode else float("nan")

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, shown
+from .runtime import DEFAULT_PREFILL_CHUNK
 from .text_files import read_text_file
 
 #: prompts used when none are given: short real requests of the kinds the board runs
@@ -141,13 +142,17 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, expected_ids)`` pairs from a golden file.
+def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int], int | None]]:
+    """``(prompt_ids, expected_ids, prefill_chunk)`` entries from a golden file.
 
     Accepted JSON: the board team's bare list of expected greedy ids (the generated tokens only,
     for the first prompt), an object ``{"prompt" | "prompt_ids": ..., "expected_ids": [...]}``, or a
     list of such objects. An entry with both ``prompt`` and ``prompt_ids`` must have them agree under
-    the export's tokenizer (when it has one).
+    the export's tokenizer (when it has one). An optional ``prefill_chunk`` (written by ``generate
+    --json``: the prompt's step in tokens, 0 = one step; default ``runtime.DEFAULT_PREFILL_CHUNK``)
+    is how the prompt is fed again: an int8 export's logits move by up to ~0.7 with the step (its
+    activations are rounded to 8 bits, which magnifies float-order differences), enough to flip a
+    near-tied greedy token.
 
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
@@ -165,7 +170,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         return value
 
     if isinstance(data, list) and data and all(isinstance(i, int) and not isinstance(i, bool) for i in data):
-        return [(prompts[0][1], ids(data, "the expected ids"))]
+        return [(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK)]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise FormatError(f"{path}: expected a list of token ids, an object or a list of objects; found {shown(data)}")
@@ -187,7 +192,11 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             prompt_ids = tokenizer.encode(entry["prompt"]).ids
         else:
             raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
-        pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'")))
+        chunk = entry.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+            raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "
+                              f"prompt in one step), found {shown(chunk)}")
+        pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'"), chunk or None))
     return pairs
 
 
@@ -306,11 +315,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         if vocab:
             for n, (_, ids) in enumerate(prompt_list):
                 check_token_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
-            for n, (prompt_ids, expected) in enumerate(golden_pairs):
+            for n, (prompt_ids, expected, _) in enumerate(golden_pairs):
                 check_token_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
         checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
                    for n, (_, ids) in enumerate(prompt_list)]
-        checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e) in enumerate(golden_pairs)]
+        checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e, _) in enumerate(golden_pairs)]
         for what, total in checked:
             if limit and total > limit:
                 raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
@@ -347,7 +356,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     pooled_kl: list[float] = []
     pooled_ref: list[np.ndarray] = []
     if hf_model is None and ref_model is None:
-        prompt_list = [p for p in prompt_list if any(p[1] == g for g, _ in golden_pairs)]  # golden only
+        prompt_list = [p for p in prompt_list if any(p[1] == g for g, _, _ in golden_pairs)]  # golden only
     for text, ids in prompt_list:
         say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
         entry = PromptParity(text, ids)
@@ -377,8 +386,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                 agree[entry.reference["near_tie_mismatches"]] = True  # a tie either way is not a departure
                 pooled_ref.append(agree)
         results.append(entry)
-    for n, (prompt_ids, expected) in enumerate(golden_pairs):
-        got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=())
+    for n, (prompt_ids, expected, chunk) in enumerate(golden_pairs):
+        got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=(), prefill_chunk=chunk)
         # a prompt given twice (or also in --prompts) gets each golden entry checked, none overwritten
         entry = next((r for r in results if r.prompt_ids == prompt_ids and r.golden is None), None)
         if entry is None:

@@ -30,7 +30,8 @@ MODEL_FILE = "model.onnx"
 #: onnxruntime's CPU ``GroupQueryAttention`` holds a step's attention scores, heads × step × context
 #: float32, and its arena keeps the largest step's buffers for the rest of the session: a 3,072-token
 #: prompt in one step left 946 MB more Anonymous memory, in steps of 512 tokens 477 MB
-#: (``docs/benchmarks.md``, int8, 2026-12-03). The tokens are the same; llama.cpp's default batch is 512 tokens too.
+#: (``docs/benchmarks.md``, int8, 2026-12-03). fp32 logits are the same to float rounding (≤ 4e-5); int8 ones
+#: move by up to ~0.7 with the step (activations rounded to 8 bits). llama.cpp's default batch is 512 tokens too.
 DEFAULT_PREFILL_CHUNK = 512
 
 #: Room a sliding layer's cache keeps beyond its window - 1 rows when it drops the rows that left
@@ -286,7 +287,8 @@ class OnnxDecoder:
         """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``.
 
         ``prefill_chunk``: run the prompt through the cache in steps of at most this many tokens
-        (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The result is the same; the
+        (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The logits are the same up to float
+        rounding, which an int8 export's 8-bit activations magnify (up to ~0.7 on the real 270M); the
         activation memory onnxruntime's arena keeps after a long prompt grows with the step
         (``docs/benchmarks.md``).
 

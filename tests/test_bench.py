@@ -201,7 +201,7 @@ def test_generate_writes_a_golden_entry_that_parity_checks(tiny_int8_export, tmp
     assert result.exit_code == 0, result.output
     entry = json.loads(golden.read_text())
     prompt_ids = load_tokenizer(tiny_int8_export).encode("the fox").ids
-    assert entry["prompt_ids"] == prompt_ids and entry["prompt"] == "the fox"
+    assert entry["prompt_ids"] == prompt_ids and entry["prompt"] == "the fox" and entry["prefill_chunk"] == 512
     assert entry["expected_ids"] == OnnxDecoder(tiny_int8_export).greedy(prompt_ids, 6)[0]
     assert result.stdout.startswith("the fox" + entry["text"])
     checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
@@ -239,3 +239,29 @@ def test_write_json_replaces_the_file_a_link_names_and_writes_devices_in_place(t
     assert json.loads(capsys.readouterr().out) == {"x": 3}
     write_json({"x": 4}, "/dev/null")  # a device: written in place
     assert stat.S_ISCHR(Path("/dev/null").stat().st_mode) and Path("/dev/stdout").is_symlink()
+
+
+def test_parity_feeds_a_golden_prompt_in_the_steps_generate_used(tiny_int8_export, tmp_path, monkeypatch):
+    """int8 logits depend on how the prompt is stepped (activation rounding): the golden entry
+    records generate's --prefill-chunk and parity --golden replays it (0: one step)."""
+    from gemma_export.runtime import OnnxDecoder
+
+    golden = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the quick fox",
+                                      "--max-new-tokens", "4", "--prefill-chunk", "3", "--json", str(golden)])
+    assert result.exit_code == 0, result.output
+    entry = json.loads(golden.read_text())
+    assert entry["prefill_chunk"] == 3
+    used = []
+    greedy = OnnxDecoder.greedy
+
+    def spy(self, prompt_ids, max_new_tokens, stop_ids=None, prefill_chunk=512):
+        used.append(prefill_chunk)
+        return greedy(self, prompt_ids, max_new_tokens, stop_ids, prefill_chunk)
+
+    monkeypatch.setattr(OnnxDecoder, "greedy", spy)
+    one_step, default = dict(entry, prefill_chunk=0), {k: v for k, v in entry.items() if k != "prefill_chunk"}
+    golden.write_text(json.dumps([entry, one_step, default]))
+    checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
+    assert checked.exit_code == 0, checked.output
+    assert used == [3, None, 512]

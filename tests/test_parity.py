@@ -274,6 +274,8 @@ def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
     ("[true, false]", "expected a list of token ids, an object or a list of objects; found [true, false]"),
     ('{"prompt_ids": null, "expected_ids": [1]}', "must be a non-empty list of token ids, found null"),
     (r'{"prompt": "\ud800", "expected_ids": [5]}', "entry #0 'prompt' is not valid Unicode text"),
+    ('{"prompt_ids": [2], "expected_ids": [5], "prefill_chunk": -1}', "entry #0 'prefill_chunk' must be a whole number"),
+    ('{"prompt_ids": [2], "expected_ids": [5], "prefill_chunk": 1.5}', "found 1.5"),
 ])
 def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export, tmp_path, monkeypatch, content, message):
     """The golden file is read first: its error is the only line (no 'graph: …' line as if the model ran)."""
