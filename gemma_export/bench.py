@@ -98,6 +98,8 @@ class BenchResult:
     huge_page_bytes: int = 0  # heap moved onto transparent huge pages after session creation
     reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
     new_tokens: int | None = None  # decode steps after each prompt (the first WARMUP_STEPS untimed)
+    #: prompt length → median ms/token of the steps after that prompt (decode_ms_median pools them all)
+    decode_ms_median_by_prompt: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -205,6 +207,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     decoder.check_length(lengths[-1] + new_tokens)
 
     prefill_ms: dict[int, float] = {}
+    by_prompt: dict[int, float] = {}
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
@@ -216,8 +219,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
             if step >= WARMUP_STEPS:
                 timed.append(ms)
                 curve.append((n + step + 1, ms))
-        say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median "
-            f"{statistics.median(timed[-(new_tokens - WARMUP_STEPS):]):.1f} ms/token")
+        by_prompt[n] = statistics.median(decode_ms[WARMUP_STEPS:])
+        say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median {by_prompt[n]:.1f} ms/token")
         if short is None:
             short = snapshot() - before
             short_decode = decode_ms[WARMUP_STEPS:]
@@ -235,7 +238,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
-        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures, new_tokens=new_tokens)
+        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures, new_tokens=new_tokens,
+        decode_ms_median_by_prompt=by_prompt)
     return result
 
 
@@ -295,7 +299,9 @@ def format_result(r: BenchResult) -> str:
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk and n > r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
-        f"({r.tokens_per_s:.1f} tokens/s)",
+        f"({r.tokens_per_s:.1f} tokens/s)" + (" over the steps after every prompt: " + ", ".join(
+            f"{ms:.1f} after {n}" for n, ms in r.decode_ms_median_by_prompt.items())
+            if len(r.decode_ms_median_by_prompt) > 1 else ""),
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",

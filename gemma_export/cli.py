@@ -309,10 +309,11 @@ def generate(
         chunk = _prefill_chunk(prefill_chunk)
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
                      prepacked=prepacked)
+        # the text first, so a --json that cannot be written (full disk) does not lose the run
+        typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text, "prefill_chunk": chunk or 0}, json_out)
-    typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
     decode = sorted(result.decode_ms)
     median = decode[len(decode) // 2] if decode else float("nan")
     typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms, "

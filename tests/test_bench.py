@@ -26,6 +26,12 @@ def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     assert r.decode_ms_median == pytest.approx(times[len(times) // 2] if len(times) % 2 else
                                                (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2)
     assert r.decode_ms_median <= r.decode_ms_p90 <= times[-1]
+    import statistics
+
+    steps = 7 - WARMUP_STEPS  # the curve lists the 4-token prompt's steps, then the 8-token one's
+    assert list(r.decode_ms_median_by_prompt) == [4, 8]
+    assert r.decode_ms_median_by_prompt[4] == statistics.median(ms for _, ms in r.decode_curve[:steps])
+    assert r.decode_ms_median_by_prompt[8] == statistics.median(ms for _, ms in r.decode_curve[steps:])
     assert r.tokens_per_s == pytest.approx(1e3 / r.decode_ms_median)
     files = [p for p in tiny_int8_export.iterdir() if p.name.startswith("model.onnx")]
     assert r.archive_bytes == sum(p.stat().st_size for p in files)
