@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import ConfigError, shown
+from .errors import ConfigError, is_whole_number, shown
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -222,7 +222,7 @@ class _Fields:
         value = self.cfg.get(self.prefix + key)
         value = default if value is None else value
         values = value if isinstance(value, (list, tuple)) else [value]
-        if not values or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        if not values or not all(is_whole_number(v) and v >= 0 for v in values):
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
         if below is not None and max(values) >= below:
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' is {max(values)}, "

@@ -17,6 +17,11 @@ def shown(value, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
+def is_whole_number(value) -> bool:
+    """A JSON number read as a Python ``int``, not ``true``/``false`` (which Python's ``bool`` also is)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class GemmaExportError(Exception):
     """Base class of every error this toolkit raises on bad input or a failed check."""
 

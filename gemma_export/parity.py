@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, shown
+from .errors import FormatError, GemmaExportError, is_whole_number, shown
 from .runtime import DEFAULT_PREFILL_CHUNK
 from .text_files import read_text_file
 
@@ -124,7 +124,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
                 raise FormatError(f"{path or 'the default prompts'}: prompt #{n} is text, but the export has no "
                                   "tokenizer.json; give --prompts with token ids (a JSON list of id lists)")
             prompts.append((item, tokenizer.encode(item).ids))
-        elif isinstance(item, list) and item and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in item):
+        elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
             raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: {shown(item)}")
@@ -165,11 +165,11 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         raise FormatError(f"{path}: not JSON: {exc}") from None
 
     def ids(value, what: str) -> list[int]:
-        if not isinstance(value, list) or not value or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        if not isinstance(value, list) or not value or not all(is_whole_number(i) and i >= 0 for i in value):
             raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {shown(value)}")
         return value
 
-    if isinstance(data, list) and data and all(isinstance(i, int) and not isinstance(i, bool) for i in data):
+    if isinstance(data, list) and data and all(is_whole_number(i) for i in data):
         return [(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK)]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
@@ -193,7 +193,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         else:
             raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
         chunk = entry.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
+        if not is_whole_number(chunk) or chunk < 0:
             raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "
                               f"prompt in one step), found {shown(chunk)}")
         pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'"), chunk or None))
@@ -213,7 +213,7 @@ def _manifest_config(model_dir: Path) -> dict:
 
 
 def _positive_int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if is_whole_number(value) and value > 0 else None
 
 
 # ---- comparisons --------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import GemmaExportError, NumericError
+from .errors import GemmaExportError, NumericError, is_whole_number
 
 #: Gemma 3 270M's ``sliding_window``: the default split of top-1 agreement when no config is given
 DEFAULT_SLIDING_WINDOW = 512
@@ -330,7 +330,7 @@ def manifest_checkpoint(model_dir: Path):
     record = _manifest_source_record(model_dir)
     path, recorded, digest = record["path"], record.get("bytes"), record.get("sha256")
     manifest = model_dir / MANIFEST_FILE
-    if "bytes" in record and not (isinstance(recorded, int) and not isinstance(recorded, bool) and recorded >= 0):
+    if "bytes" in record and not (is_whole_number(recorded) and recorded >= 0):
         raise FormatError(f"{manifest}: field 'source.bytes' must be a file size (integer >= 0), found {shown(recorded)}")
     if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
         raise FormatError(f"{manifest}: field 'source.sha256' must be 64 lowercase hex digits (or null), found "

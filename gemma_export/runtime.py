@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, shown
+from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, is_whole_number, shown
 from .onnx_files import graph_dtype, load_graph
 
 MODEL_FILE = "model.onnx"
@@ -424,19 +424,15 @@ def _sliding_layers(session, path: Path, num_hidden_layers: int,
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of fp32, bf16, int8, int4", lambda v: v in ("fp32", "bf16", "int8", "int4")),
     ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
-                                            lambda v: _is_int(v) and 0 < v < 2 ** 31),
-    ("config", "vocab_size"): ("a positive integer", lambda v: _is_int(v) and v > 0),
-    ("config", "num_hidden_layers"): ("a positive integer", lambda v: _is_int(v) and v > 0),
-    ("config", "sliding_window"): ("a positive integer (positions)", lambda v: _is_int(v) and v > 0),
-    ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: _is_int(v) and v >= 0),
+                                            lambda v: is_whole_number(v) and 0 < v < 2 ** 31),
+    ("config", "vocab_size"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),
+    ("config", "num_hidden_layers"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),
+    ("config", "sliding_window"): ("a positive integer (positions)", lambda v: is_whole_number(v) and v > 0),
+    ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: is_whole_number(v) and v >= 0),
     ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
-                                 lambda v: (_is_int(v) and v >= 0) or (isinstance(v, list) and v != []
-                                                                       and all(_is_int(i) and i >= 0 for i in v))),
+                                 lambda v: (is_whole_number(v) and v >= 0)
+                                 or (isinstance(v, list) and v != [] and all(is_whole_number(i) and i >= 0 for i in v))),
 }
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_manifest_fields(manifest: dict, path: str | Path) -> None:

@@ -14,7 +14,7 @@ import math
 import struct
 from pathlib import Path
 
-from ..errors import FormatError
+from ..errors import FormatError, is_whole_number
 
 #: bytes per element of each safetensors dtype
 DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -76,7 +76,7 @@ def read_header(path: Path) -> list[HeaderEntry]:
             continue
         try:
             dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-            if not all(isinstance(d, int) and not isinstance(d, bool) for d in [*shape, *offsets]) or len(offsets) != 2:
+            if not all(is_whole_number(d) for d in [*shape, *offsets]) or len(offsets) != 2:
                 raise TypeError
         except (KeyError, TypeError):
             raise FormatError(f"{path}: tensor '{name}' lacks an integer shape, data_offsets or a dtype") from None
