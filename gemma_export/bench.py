@@ -171,6 +171,9 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     lengths = sorted(set(int(n) for n in prompt_tokens))
     if not lengths or lengths[0] <= 0:
         raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
+    if len(lengths) != len(prompt_tokens):  # one run per length: a repeat would be measured once, silently
+        repeated = sorted({int(n) for n in prompt_tokens if list(prompt_tokens).count(n) > 1})
+        raise GemmaExportError(f"--prompt-tokens: each length once; {', '.join(map(str, repeated))} given more than once")
     check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
@@ -196,7 +199,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     body, source = real_text(text)
     ids = load_tokenizer(model_dir).encode(body).ids
     if len(ids) < lengths[-1]:
-        raise GemmaExportError(f"{source}: {len(ids)} tokens, fewer than the longest prompt ({lengths[-1]})")
+        raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
+                               f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
 
     release_free_heap()
     before = snapshot()
