@@ -15,6 +15,7 @@ machine-dependent; compare ratios measured in the same run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import io
 import json
@@ -172,7 +173,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     if not lengths or lengths[0] <= 0:
         raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
     if len(lengths) != len(prompt_tokens):  # one run per length: a repeat would be measured once, silently
-        repeated = sorted({int(n) for n in prompt_tokens if list(prompt_tokens).count(n) > 1})
+        repeated = sorted(n for n, count in collections.Counter(int(n) for n in prompt_tokens).items() if count > 1)
         raise GemmaExportError(f"--prompt-tokens: each length once; {', '.join(map(str, repeated))} given more than once")
     check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
@@ -215,7 +216,6 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
-    short_decode: list[float] = []
     for n in lengths:
         # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
         _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[], prefill_chunk=prefill_chunk)
@@ -227,12 +227,11 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median {by_prompt[n]:.1f} ms/token")
         if short is None:
             short = snapshot() - before
-            short_decode = decode_ms[WARMUP_STEPS:]
     after = snapshot() - before
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
     peak = peak_rss_bytes()
-    reference_figures = time_reference(reference, reference_weights, ids, statistics.median(short_decode), say) \
+    reference_figures = time_reference(reference, reference_weights, ids, by_prompt[lengths[0]], say) \
         if reference else None
     result = BenchResult(
         model=str(model_dir), threads=threads, archive_bytes=archive_bytes(model_dir), session_create_s=create_s,
@@ -429,8 +428,8 @@ def write_json(data: dict, path: str | Path | None) -> None:
     path = Path(path)
     absolute = Path(os.path.abspath(path))
     if absolute.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file()):
-        # a device, a FIFO or a descriptor (/dev/full, /dev/stdout, /proc/self/fd/1): written in place,
-        # never replaced by a regular file
+        # a device, a FIFO or a descriptor (/dev/full, /dev/stderr, /proc/self/fd/2, even when it leads to
+        # a regular file): written in place, never replaced by a regular file
         try:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)

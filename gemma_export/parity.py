@@ -29,7 +29,7 @@ import numpy as np
 
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
 from .runtime import DEFAULT_PREFILL_CHUNK
-from .text_files import read_text_file
+from .text_files import not_unicode_at, read_text_file
 
 #: prompts used when none are given: short real requests of the kinds the board runs
 DEFAULT_PROMPTS = (
@@ -123,6 +123,9 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
             if tokenizer is None:
                 raise FormatError(f"{path or 'the default prompts'}: prompt #{n} is text, but the export has no "
                                   "tokenizer.json; give --prompts with token ids (a JSON list of id lists)")
+            if not_unicode_at(item) is not None:
+                raise FormatError(f"{path}: prompt #{n} is not valid Unicode text (a lone surrogate such as "
+                                  f"\\ud800); found {item!r:.60}")
             prompts.append((item, tokenizer.encode(item).ids))
         elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
@@ -131,15 +134,6 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     if not prompts:
         raise FormatError(f"{path}: no prompts")
     return prompts
-
-
-def _encodable(text: str) -> bool:
-    # JSON's \uXXXX escapes can spell lone surrogates, which no tokenizer (nor UTF-8) accepts
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int], int | None]]:
@@ -178,7 +172,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
             raise FormatError(f"{path}: entry #{n} needs 'expected_ids' and 'prompt' or 'prompt_ids'")
-        if isinstance(entry.get("prompt"), str) and not _encodable(entry["prompt"]):
+        if isinstance(entry.get("prompt"), str) and not_unicode_at(entry["prompt"]) is not None:
             raise FormatError(f"{path}: entry #{n} 'prompt' is not valid Unicode text (a lone surrogate such as "
                               f"\\ud800); found {entry['prompt']!r:.60}")
         if "prompt_ids" in entry:

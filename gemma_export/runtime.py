@@ -22,6 +22,7 @@ from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_
                      SLIDING_WINDOW_KEY)
 from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, is_whole_number, shown
 from .onnx_files import graph_dtype, load_graph
+from .text_files import not_unicode_at
 
 MODEL_FILE = "model.onnx"
 
@@ -710,11 +711,9 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     """
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as exc:  # bytes that were not UTF-8 arrive from argv as lone surrogates
-        raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character "
-                               f"{exc.start}") from None
+    bad = not_unicode_at(prompt)
+    if bad is not None:  # bytes that were not UTF-8 arrive from argv as lone surrogates
+        raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt).ids

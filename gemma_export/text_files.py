@@ -30,3 +30,14 @@ def read_text_file(path: str | Path, what: str) -> str:
                           f"{exc.start}") from None
     except OSError as exc:
         raise SourceNotFoundError(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
+
+
+def not_unicode_at(text: str) -> int | None:
+    """The index of the first character of ``text`` that UTF-8 (and so a tokenizer) cannot encode, or
+    None. Such characters are lone surrogates: bytes that were not UTF-8 arriving from argv, or
+    JSON's ``\\uXXXX`` escapes (``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start
+    return None

@@ -318,6 +318,12 @@ def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
     golden.write_text("[5, 6]")
     result = _parity("--model", tiny_int8_export, "--golden", golden, "--prompts", prompts)
     assert result.exit_code == 2 and f"{prompts}: expected UTF-8 text, found byte 0xff at offset 6" in result.output
+    # valid UTF-8, but a JSON escape that spells a lone surrogate: one line, not a tokenizer traceback
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(r'["fine", "bad \ud800 prompt"]')
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--prompts", prompts)
+    assert result.exit_code == 2 and f"{prompts}: prompt #1 is not valid Unicode text" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_parity_json_may_not_overwrite_the_golden_file(tiny_int8_export, tmp_path):
