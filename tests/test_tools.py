@@ -148,3 +148,28 @@ def test_tools_refuse_bad_arguments_in_one_line(tiny_int8_export, tmp_path, scri
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and message in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip):
+    """try_bundle.sh hands run.sh every indented README line (bench left out with --skip-bench)."""
+    import shutil
+    import subprocess
+
+    here = tmp_path / "aarch64"
+    here.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "tools" / "aarch64" / "try_bundle.sh", here)
+    # a stand-in for the emulated board: prints the script it was asked to run
+    (here / "run.sh").write_text('#!/bin/sh\nfor last; do :; done\nprintf "%s\\n" "$last"\n')
+    (here / "run.sh").chmod(0o755)
+    bundle = tmp_path / "board"
+    bundle.mkdir()
+    (bundle / "BUNDLE.json").write_text("{}")
+    (bundle / "README.md").write_text("# b\n\n    pip install ./w.whl\n\ntext\n\n    gx verify model\n"
+                                      "    gx/bin/gemma-export bench --model model --board sl2610\n")
+    args = ["bash", str(here / "try_bundle.sh")] + (["--skip-bench"] if skip else []) + [str(bundle)]
+    done = subprocess.run(args, capture_output=True, text=True, check=True)
+    expected = ["pip install ./w.whl", "gx verify model"]
+    if not skip:
+        expected.append("gx/bin/gemma-export bench --model model --board sl2610")
+    assert done.stdout.splitlines() == expected

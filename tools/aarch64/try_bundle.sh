@@ -2,7 +2,10 @@
 # Install a `gemma-export bundle` folder on the emulated board and run its README's commands as
 # written (every indented line of README.md, in order, from inside the bundle folder).
 #
-# Usage: sudo tools/aarch64/try_bundle.sh BOARD_DIR
+# Usage: sudo tools/aarch64/try_bundle.sh [--skip-bench] BOARD_DIR
+#
+# --skip-bench leaves out the README's `gemma-export bench` line: under emulation it takes about an
+# hour (its times are emulation times anyway); the other commands take minutes.
 #
 # The bundle folder must be under /tmp or the current directory (run.sh binds those). The venv is
 # created afresh in a temporary HOME inside the emulated board, so nothing of the toolkit's checkout
@@ -11,13 +14,19 @@ set -euo pipefail
 if [ $# -eq 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; }; then
   sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0
 fi
-[ $# -eq 1 ] || { echo "usage: $0 BOARD_DIR" >&2; exit 2; }
+SKIP_BENCH=0
+if [ $# -ge 1 ] && [ "$1" = "--skip-bench" ]; then SKIP_BENCH=1; shift; fi
+[ $# -eq 1 ] || { echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2; }
 [ -n "$1" ] || { echo "error: BOARD_DIR: empty path" >&2; exit 2; }
 [ -d "$1" ] || { echo "error: $1: not a folder (expected a gemma-export bundle folder)" >&2; exit 2; }
 BUNDLE=$(cd -- "$1" && pwd)
 [ -f "$BUNDLE/README.md" ] && [ -f "$BUNDLE/BUNDLE.json" ] || { echo "error: $BUNDLE: not a gemma-export bundle (README.md, BUNDLE.json)" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 COMMANDS=$(sed -n 's/^    //p' "$BUNDLE/README.md")
+if [ "$SKIP_BENCH" = 1 ]; then
+  COMMANDS=$(printf '%s\n' "$COMMANDS" | grep -v 'gemma-export bench ' || true)
+fi
+[ -n "$COMMANDS" ] || { echo "error: $BUNDLE/README.md: no indented command lines to run" >&2; exit 2; }
 echo "[try_bundle] running on the emulated board, in $BUNDLE:" >&2
 echo "$COMMANDS" | sed 's/^/  $ /' >&2
 HOME_DIR=$(mktemp -d /tmp/gx-board-home.XXXXXX)
