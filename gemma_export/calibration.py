@@ -9,9 +9,10 @@ that layer's weights are read), and keeps the activations each weight consumes:
 * ``down_proj``: ``gelu_tanh(gate) · up``;
 * the embedding table (as LM head): the output of the final norm.
 
-:meth:`Calibration.hessian` turns them into ``Xᵀ X`` on demand, so memory holds ``T × (hidden +
-heads·head_dim + hidden + intermediate)`` values per layer, stored as float16 where they fit (for
-the 270M and 1,024 tokens: 9 MB per layer), rather than ``K × K`` per weight.
+:meth:`Calibration.hessian` turns them into ``Xᵀ X`` on demand. Each input is kept in whichever
+form is smaller: the activations ``[T, K]`` as float16 where they fit (for the 270M and 1,024
+tokens: 9 MB per layer), or, when ``T > 2 K``, ``Xᵀ X`` itself as float32 ``[K, K]`` (4,096 tokens:
+24 MB per layer instead of 36 MB).
 
 The math follows transformers' ``Gemma3ForCausalLM`` (eager attention), as the ONNX graph does
 (``builder.py``): scaled embedding, sandwich RMSNorm ``x / sqrt(mean(x²) + eps) · (1 + w)``,
@@ -32,14 +33,17 @@ from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
 from .errors import ConfigError, GemmaExportError, SourceNotFoundError
 from .text_files import read_text_file
 
-#: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license),
-#: GPTQ statistics from 512 tokens gave KL 0.00079, from 2,048 tokens 0.00067 (docs/quality.md).
-DEFAULT_CALIBRATION_TOKENS = 1024
+#: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license,
+#: docs/quality.md): GPTQ statistics from 1,024 tokens gave top-1 98.37% and KL 0.00131, from 4,096
+#: tokens 98.72–98.87% and 0.00112–0.00114, for ~25 s more export time and a peak still near 1.3 GB.
+DEFAULT_CALIBRATION_TOKENS = 4096
 #: fewer tokens than this give GPTQ no statistics worth the name: refused
 MIN_CALIBRATION_TOKENS = 16
-#: more are refused: the numpy pass holds a ``T × T`` attention matrix per head and ``T`` activations
-#: per layer (4,096 tokens of the 270M: ~0.3 GB and ~0.6 GB on top of the export's own peak)
-MAX_CALIBRATION_TOKENS = 4096
+#: more are refused: the numpy pass's time grows with ``T`` (``T²`` on the full-attention layers)
+#: while the kept statistics stop growing at ``T = 2 K`` per input (~0.44 GB for the 270M)
+MAX_CALIBRATION_TOKENS = 16384
+#: queries per attention block of the numpy pass (memory: heads × block × T scores)
+_QUERY_BLOCK = 256
 
 
 def default_calibration_text() -> tuple[str, str]:
@@ -92,11 +96,13 @@ def _rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndar
 
 @dataclasses.dataclass
 class Calibration:
-    """Inputs of each weight on the calibration text.
+    """Inputs of each weight on the calibration text, or their ``Xᵀ X`` where that is smaller.
 
     Attributes:
         inputs: weight name → float16 (or float32) ``[T, in_features]`` (arrays shared by weights
-            that read the same input).
+            that read the same input), for inputs with ``T ≤ 2 · in_features``.
+        hessians: weight name → float32 ``Xᵀ X`` ``[in_features, in_features]`` (shared likewise),
+            for longer calibration texts, whose activations would take more memory than the matrix.
         tokens: number of calibration tokens ``T``.
         source: where the text came from, for the manifest.
     """
@@ -104,14 +110,26 @@ class Calibration:
     inputs: dict[str, np.ndarray]
     tokens: int
     source: str
+    hessians: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def statistics(self, name: str) -> np.ndarray | None:
+        """What is kept for weight ``name`` (its inputs or their ``Xᵀ X``; the same object for
+        weights that read the same input); None when not collected."""
+        x = self.inputs.get(name)
+        return self.hessians.get(name) if x is None else x
 
     def hessian(self, name: str) -> np.ndarray | None:
         """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected."""
+        if name in self.hessians:
+            return self.hessians[name].astype(np.float64)
         x = self.inputs.get(name)
-        if x is None:
-            return None
-        x64 = x.astype(np.float64)
-        return x64.T @ x64
+        return None if x is None else gram(x)
+
+
+def gram(x: np.ndarray) -> np.ndarray:
+    """``Xᵀ X`` in float64 of ``x`` ``[T, K]`` (any float dtype): float64 ``[K, K]``."""
+    x64 = x.astype(np.float64)
+    return x64.T @ x64
 
 
 def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
@@ -134,9 +152,12 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
     table = checkpoint.tensors[EMBED].rows()
     x = np.stack([table[int(i):int(i) + 1][0] for i in ids]).astype(np.float32) * np.float32(c.embed_scale)
     positions = np.arange(t)
-    distance = positions[:, None] - positions[None, :]                  # q - k
-    masks = {"full_attention": distance >= 0,
-             "sliding_attention": (distance >= 0) & (distance < c.sliding_window)}
+
+    def mask(layer_type: str, first: int, start: int, end: int) -> np.ndarray:
+        distance = positions[first:end, None] - positions[None, start:end]   # q - k, [block, keys]
+        allowed = distance >= 0
+        return allowed & (distance < c.sliding_window) if layer_type == "sliding_attention" else allowed
+
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     groups = heads // kv_heads
     eps = c.rms_norm_eps
@@ -155,11 +176,20 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         q = _rope(_rms_norm(q, w("self_attn.q_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
         k = _rope(_rms_norm(k, w("self_attn.k_norm.weight"), eps).transpose(1, 0, 2), positions, inv_freq)
         k, v = np.repeat(k, groups, axis=0), np.repeat(v, groups, axis=0)   # repeat_kv
-        # no attention soft-capping, as in the exported graph (transformers' Gemma3Attention ignores it)
-        scores = (q @ k.transpose(0, 2, 1)) * np.float32(c.attention_scale)    # [H, T, T]
-        scores = np.where(masks[layer_type][None], scores, np.float32(-np.inf))
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        context = ((scores / scores.sum(axis=-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(t, heads * d)
+        context = np.empty((heads, t, d), np.float32)
+        # queries in blocks, each against the keys up to its last position (causal) and no further
+        # back than the window on sliding layers: [H, block, ≤ end] instead of [H, T, T] scores,
+        # whose temporaries took ~1 GB at 4,096 tokens
+        for first in range(0, t, _QUERY_BLOCK):
+            end = min(first + _QUERY_BLOCK, t)
+            # keys a query of this block may see: from the window's start on sliding layers
+            start = max(0, first - c.sliding_window + 1) if layer_type == "sliding_attention" else 0
+            # no attention soft-capping, as in the exported graph (transformers' Gemma3Attention ignores it)
+            scores = (q[:, first:end] @ k[:, start:end].transpose(0, 2, 1)) * np.float32(c.attention_scale)
+            scores = np.where(mask(layer_type, first, start, end)[None], scores, np.float32(-np.inf))
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            context[:, first:end] = (scores / scores.sum(axis=-1, keepdims=True)) @ v[:, start:end]
+        context = context.transpose(1, 0, 2).reshape(t, heads * d)
         record(f"{p}self_attn.o_proj.weight", context)
         x = x + _rms_norm(context @ w("self_attn.o_proj.weight").T, w("post_attention_layernorm.weight"), eps)
 
@@ -186,13 +216,18 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
     if len(token_ids) < 2:
         raise GemmaExportError(f"calibration needs at least 2 tokens, found {len(token_ids)}")
     inputs: dict[str, np.ndarray] = {}
-    last: list = [None, None]  # (array, stored copy): q/k/v and gate/up are recorded back to back
+    hessians: dict[str, np.ndarray] = {}
+    last: list = [None, None]  # (array, what is kept of it): q/k/v and gate/up are recorded back to back
+    t = len(token_ids)
 
     def record(name: str, x: np.ndarray) -> None:
-        # float16 halves the memory (the statistics need ~3 digits); float32 where values exceed its range
         if last[0] is not x:
-            last[:] = [x, x.astype(np.float16) if np.abs(x).max() < 6e4 else np.ascontiguousarray(x, np.float32)]
-        inputs[name] = last[1]
+            if t > 2 * x.shape[1]:  # K × K float32 takes less than T × K float16
+                kept = gram(x).astype(np.float32)
+            else:  # float16 halves the memory (the statistics need ~3 digits); float32 beyond its range
+                kept = x.astype(np.float16) if np.abs(x).max() < 6e4 else np.ascontiguousarray(x, np.float32)
+            last[:] = [x, kept]
+        (inputs if t <= 2 * x.shape[1] else hessians)[name] = last[1]
 
     forward(checkpoint, token_ids, record, progress)
-    return Calibration(inputs=inputs, tokens=len(token_ids), source=source)
+    return Calibration(inputs=inputs, tokens=t, source=source, hessians=hessians)

@@ -160,10 +160,23 @@ class GemmaConfig:
                 )
             if not rope.rope_theta > 0 or not rope.factor > 0:
                 raise ConfigError(f"{where}: rope_theta and factor for {layer_type} must be > 0, found {rope}")
-        if not self.rms_norm_eps > 0:
-            raise ConfigError(f"{where}: rms_norm_eps must be > 0, found {self.rms_norm_eps}")
-        if not self.query_pre_attn_scalar > 0:
-            raise ConfigError(f"{where}: query_pre_attn_scalar must be > 0, found {self.query_pre_attn_scalar}")
+            with np.errstate(all="ignore"):
+                inv_freq = rope.inv_freq(self.head_dim, np.float32)
+            if not (np.isfinite(inv_freq).all() and (inv_freq > 0).all()):
+                raise ConfigError(f"{where}: rope_theta {rope.rope_theta} and factor {rope.factor} for {layer_type} give "
+                                  f"inverse frequencies float32 cannot hold (expected finite and > 0; the graph "
+                                  f"computes RoPE in float32)")
+        # the graph computes in float32: a positive value that float32 rounds to 0 or inf would make NaN logits
+        for name, value in (("rms_norm_eps", self.rms_norm_eps), ("query_pre_attn_scalar", self.query_pre_attn_scalar)):
+            if not value > 0:
+                raise ConfigError(f"{where}: {name} must be > 0, found {value}")
+        with np.errstate(all="ignore"):
+            derived = {"rms_norm_eps": np.float32(self.rms_norm_eps),
+                       "query_pre_attn_scalar": np.float32(self.query_pre_attn_scalar ** -0.5)}
+        for name, value in derived.items():
+            if not (np.isfinite(value) and value > 0):
+                raise ConfigError(f"{where}: {name} {getattr(self, name)} is outside what float32 can use "
+                                  f"(the graph computes in float32; Gemma uses {'1e-6' if name == 'rms_norm_eps' else 'head_dim, e.g. 256'})")
         return self
 
 

@@ -20,6 +20,7 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
+from .config import SLIDING_CACHE_START
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
@@ -29,6 +30,7 @@ from .prepack import owned_problem as prepack_owned_problem
 from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
+from .text_files import first_tokens
 from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
@@ -218,7 +220,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if not isinstance(files, dict):
         raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
                                 f"found {'nothing' if files is None else type(files).__name__}")
-    from .runtime import check_manifest_against_graph, check_manifest_fields
+    from .runtime import check_manifest_against_graph, check_manifest_fields, sliding_layers_from
 
     try:
         check_manifest_fields(manifest, manifest_path)
@@ -264,6 +266,11 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
                                     f"{MODEL_FILE} stores")
         check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored)
+        # the sliding-window metadata the runtime checks against the manifest before it generates
+        takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
+            any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)
+        sliding_layers_from({m.key: m.value for m in model.metadata_props}, takes_start, folder / MODEL_FILE,
+                            layers, manifest.get("config"))
         locations = check_external_data(model, folder / MODEL_FILE)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
@@ -419,7 +426,8 @@ def export(
             (``calibration.py``, ``quant/gptq.py``). None (default): on when the source carries a
             tokenizer, off otherwise (a reference MLIR export has none); True requires a tokenizer.
         calibration_text: UTF-8 text file (default: Python's documentation, ``pydoc_data``).
-        calibration_tokens: tokens of it to run (default 1,024; 16 to 4,096).
+        calibration_tokens: tokens of it to run (default ``DEFAULT_CALIBRATION_TOKENS``, 4,096; 16 to
+            ``MAX_CALIBRATION_TOKENS``, 16,384).
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
@@ -547,7 +555,8 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress) -
     if "tokenizer.json" not in files:
         raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
                           "export without --calibrate (round-to-nearest codes)")
-    ids = Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")).encode(body).ids[:tokens]
+    # only a prefix of a long text is tokenized (encoding 10 MB of text took ~0.7 GB and 15 s)
+    ids = first_tokens(Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")), body, tokens)
     if ids and max(ids) >= ckpt.config.vocab_size:
         raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
                           f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")

@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import GemmaExportError, NumericError, is_whole_number
+from .text_files import first_tokens
 
 #: Gemma 3 270M's ``sliding_window``: the default split of top-1 agreement when no config is given
 DEFAULT_SLIDING_WINDOW = 512
@@ -377,7 +378,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     import tempfile
 
     from .bench import real_text
-    from .runtime import OnnxDecoder, load_tokenizer
+    from .runtime import OnnxDecoder, load_tokenizer, read_manifest
 
     say = progress or (lambda _msg: None)
     if reference == "transformers":
@@ -386,7 +387,10 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     body, source = real_text(text)
     if tokens is not None and tokens < 2:
         raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
-    ids = first_tokens(load_tokenizer(model_dir), body, tokens)
+    # without --tokens, tokenize no further than one token past what the model can take (a huge
+    # --text is refused after a prefix, not after tokenizing all of it)
+    limit = read_manifest(model_dir).get("config", {}).get("max_position_embeddings")
+    ids = first_tokens(load_tokenizer(model_dir), body, tokens if tokens is not None or not limit else limit + 1)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
@@ -431,27 +435,6 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     return QualityReport(str(model_dir), reference, source, metrics)
 
 
-#: characters left out at the end of a tokenized prefix: the last tokens of a cut text may differ
-#: from the whole text's (a word cut in two), never those this far before the cut
-PREFIX_MARGIN = 256
-
-
-def first_tokens(tokenizer, text: str, count: int | None) -> list[int]:
-    """The first ``count`` ids of ``tokenizer.encode(text)`` (all of them when ``count`` is None),
-    tokenizing only as much of a long text as needed: prefixes of 8 characters per token, doubled
-    until enough tokens end ``PREFIX_MARGIN`` characters before the cut."""
-    size = max(8 * (count or 0), 4096)
-    while count is not None and size < len(text):
-        encoding = tokenizer.encode(text[:size])
-        limit = size - PREFIX_MARGIN
-        stable = next((i for i, (_, end) in enumerate(encoding.offsets) if end > limit), len(encoding.ids))
-        if stable >= count:
-            return list(encoding.ids[:count])
-        size *= 2
-    ids = tokenizer.encode(text).ids
-    return list(ids if count is None else ids[:count])
-
-
 def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> None:
     """The text's ids are inside the decoder's vocabulary and its positions inside its range.
 
@@ -460,8 +443,8 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
     """
     limit = decoder.max_position_embeddings
     if limit and len(ids) > limit:
-        raise GemmaExportError(f"{role}{decoder.model_dir}: {len(ids)} tokens of {source} exceed its "
-                               f"max_position_embeddings {limit}; pass --tokens {limit} or fewer")
+        raise GemmaExportError(f"{role}{decoder.model_dir}: {source} has more than {limit} tokens, its "
+                               f"max_position_embeddings; pass --tokens {limit} or fewer")
     decoder.check_ids(ids, source)
 
 

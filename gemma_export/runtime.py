@@ -395,9 +395,16 @@ def _sliding_layers(session, path: Path, num_hidden_layers: int,
     Raises:
         FormatError: the metadata naming them is missing, malformed, or disagrees with the manifest.
     """
-    if SLIDING_CACHE_START not in {i.name for i in session.get_overridable_initializers()}:
+    takes_start = SLIDING_CACHE_START in {i.name for i in session.get_overridable_initializers()}
+    return sliding_layers_from(session.get_modelmeta().custom_metadata_map, takes_start, path, num_hidden_layers, config)
+
+
+def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Path, num_hidden_layers: int,
+                        config: dict | None = None) -> tuple[tuple[int, ...], int | None]:
+    """:func:`_sliding_layers` from a graph's metadata map and whether it takes ``sliding_cache_start``
+    (``verify`` reads both from the ONNX file without a session). Raises as :func:`_sliding_layers`."""
+    if not takes_start:
         return (), None
-    meta = session.get_modelmeta().custom_metadata_map
     found = f"found {meta.get(SLIDING_LAYERS_KEY)!r:.60} / {meta.get(SLIDING_WINDOW_KEY)!r:.20}"
     try:
         text = meta[SLIDING_LAYERS_KEY]

@@ -41,3 +41,24 @@ def not_unicode_at(text: str) -> int | None:
     except UnicodeEncodeError as exc:
         return exc.start
     return None
+
+
+#: characters left out at the end of a tokenized prefix: the last tokens of a cut text may differ
+#: from the whole text's (a word cut in two), never those this far before the cut
+PREFIX_MARGIN = 256
+
+
+def first_tokens(tokenizer, text: str, count: int | None) -> list[int]:
+    """The first ``count`` ids of ``tokenizer.encode(text)`` (all of them when ``count`` is None),
+    tokenizing only as much of a long text as needed: prefixes of 8 characters per token, doubled
+    until enough tokens end ``PREFIX_MARGIN`` characters before the cut."""
+    size = max(8 * (count or 0), 4096)
+    while count is not None and size < len(text):
+        encoding = tokenizer.encode(text[:size])
+        limit = size - PREFIX_MARGIN
+        stable = next((i for i, (_, end) in enumerate(encoding.offsets) if end > limit), len(encoding.ids))
+        if stable >= count:
+            return list(encoding.ids[:count])
+        size *= 2
+    ids = tokenizer.encode(text).ids
+    return list(ids if count is None else ids[:count])

@@ -248,7 +248,7 @@ class Int8Format(WeightFormat):
     def _hessian(self, name: str) -> Hessian | None:
         """The GPTQ Hessian of weight ``name``'s input, rotated as its weight is; one object (and one
         factorisation) for the weights that read the same input, which are quantized back to back."""
-        x = self.calibration.inputs.get(name) if self.calibration is not None else None
+        x = self.calibration.statistics(name) if self.calibration is not None else None
         if x is None:
             return None
         if self._hessian_of[0] is not x:

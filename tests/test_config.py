@@ -45,6 +45,10 @@ def test_v5_form_and_multimodal_nesting():
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
     ({"hidden_activation": "relu"}, "hidden_activation"),
     ({"layer_types": ["sliding_attention"] * 17 + ["chunked"]}, "chunked"),
+    # finite and positive in JSON, but 0 or inf once the float32 graph uses them: NaN logits (found by a helper)
+    ({"rope_theta": 1e-300}, "rope_theta 1e-300 and factor 1.0 for full_attention give inverse frequencies float32 cannot hold"),
+    ({"query_pre_attn_scalar": 1e-300}, "query_pre_attn_scalar 1e-300 is outside what float32 can use"),
+    ({"rms_norm_eps": 1e-300}, "rms_norm_eps 1e-300 is outside what float32 can use"),
 ])
 def test_bad_configs_name_the_field(change, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):

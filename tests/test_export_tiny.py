@@ -307,6 +307,29 @@ def test_malformed_sliding_layer_metadata_is_refused_in_one_line(fp32_all, tmp_p
     assert "'gemma_export.sliding_layers' / 'gemma_export.sliding_window'" in str(caught.value)
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.update(sliding_window=7), "expected '0,2' / '7', found '0,2' / '6'"),
+    (lambda c: c.update(layer_types=["full_attention"] * len(c["layer_types"])), "expected '' / '6'")])
+def test_verify_refuses_a_manifest_whose_sliding_config_the_graph_contradicts(fp32_all, tmp_path, edit, message):
+    """verify (and so bundle) fails where generate would: the manifest's layer_types / sliding_window
+    against the graph's metadata (found by a helper: such a folder verified and bundled, then refused to run)."""
+    import shutil
+
+    from gemma_export.errors import FormatError, VerificationError
+    from gemma_export.exporter import verify_manifest
+
+    folder = tmp_path / "copy"
+    shutil.copytree(fp32_all, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    edit(manifest["config"])
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(VerificationError, match="disagree with manifest.json's config") as caught:
+        verify_manifest(folder)
+    assert message in str(caught.value)
+    with pytest.raises(FormatError, match="disagree with manifest.json's config"):
+        OnnxDecoder(folder, prepacked=False)
+
+
 def test_exports_without_the_shared_buffer_flag_use_the_numpy_round_trip(tiny_dir, tmp_path):
     from gemma_export.runtime import KVCache
 

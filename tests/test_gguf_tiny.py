@@ -189,6 +189,8 @@ UP = "blk.0.ffn_up.weight"
      "tokenizer.ggml.tokens holds 't7' more than once"),
     ("bos piece with a space", (TOKENS[:2] + ["<b os>"] + TOKENS[3:], [1] * 96, {"bos": 2}), None, None,
      "the bos token (id 2) is '<b os>'"),
+    ("bos piece with a colon", (TOKENS[:2] + ["b:1"] + TOKENS[3:], [1] * 96, {"bos": 2}), None, None,
+     "the bos token (id 2) is 'b:1'; expected a piece without spaces or ':'"),
     ("add_bos_token not a bool", (TOKENS, [1] * 96, {}), lambda w: w.add_string("tokenizer.ggml.add_bos_token", "false"),
      None, "tokenizer.ggml.add_bos_token is 'false', expected a bool"),
     ("rope scaling not supported", None, lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), None,

@@ -65,6 +65,15 @@ def hf(edit_config=None, edit_tensors=None, edit_bytes=None, dtype="fp32"):
     return make
 
 
+def hf_file(name: str, content: bytes, dtype="fp32"):
+    """A copy of the tiny transformers folder with file ``name`` written beside its weights."""
+    def make(work: Path, fx: Fixtures) -> list:
+        src = broken_copy(fx.tiny_dir, work / "src", None, None)
+        (src / name).write_bytes(content)
+        return _export_args(src, work, dtype)
+    return make
+
+
 def _header(raw: bytes) -> tuple[dict, bytes]:
     n = struct.unpack("<Q", raw[:8])[0]
     return json.loads(raw[8:8 + n]), raw[8 + n:]
@@ -305,6 +314,13 @@ CASES = {
     "inf weight": Case(hf(edit_tensors=_with_value(EMBED, 5, np.inf), dtype="int8"), NumericError, (EMBED, "inf", "index (0, 5)")),
     "integer weight": Case(hf(edit_tensors=_set("model.norm.weight", np.zeros(64, np.int32))), FormatError,
                            ("model.norm.weight", "dtype I32")),
+    # tokenizer.json beside the weights: copied into the export, used to calibrate
+    "tokenizer not json": Case(hf_file("tokenizer.json", b"{oops"), FormatError,
+                               ("src/tokenizer.json: not a readable tokenizer",)),
+    "tokenizer not utf-8": Case(hf_file("tokenizer.json", b"\xff\xfe{}", dtype="int8"), FormatError,
+                                ("src/tokenizer.json: not a readable tokenizer (not UTF-8",)),
+    "tokenizer empty": Case(hf_file("tokenizer.json", b"", dtype="int4"), FormatError,
+                            ("src/tokenizer.json: not a readable tokenizer",)),
     # config.json
     "config not json": Case(lambda work, fx: _broken_config(work, fx, b"{not json"), ConfigError, ("config.json", "JSON")),
     "config missing field": Case(hf(edit_config=lambda c: c.pop("hidden_size")), ConfigError,
@@ -457,9 +473,9 @@ CASES = {
     "calibration tokens with no-calibrate": Case(calibration("int8", "--no-calibrate", "--calibration-tokens", 512),
                                                  ConfigError, ("--calibration-tokens", "--no-calibrate")),
     "calibration tokens too many": Case(calibration("int8", "--calibration-tokens", 99999999), ConfigError,
-                                        ("--calibration-tokens 99999999: expected 16 to 4,096",)),
+                                        ("--calibration-tokens 99999999: expected 16 to 16,384",)),
     "calibration tokens too few": Case(calibration("int8", "--calibration-tokens", 5), ConfigError,
-                                       ("--calibration-tokens 5: expected 16 to 4,096",)),
+                                       ("--calibration-tokens 5: expected 16 to 16,384",)),
     "calibration text is a folder": Case(calibration("int8", "--calibration-text", "d.txt", setup=lambda w: (w / "d.txt").mkdir()),
                                          SourceNotFoundError, ("d.txt: is a folder; expected a calibration text file",)),
     "calibration text missing": Case(calibration("int8", "--calibration-text", "nope.txt"), SourceNotFoundError,

@@ -258,12 +258,12 @@ def test_a_reference_of_another_vocabulary_or_too_long_a_text_is_named_before_ru
     assert "running the export" not in result.stderr
     result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export),
                                  "--text", str(text_file)])
-    assert result.exit_code == 2 and "exceed its max_position_embeddings 256; pass --tokens 256 or fewer" in result.stderr
+    assert result.exit_code == 2 and "has more than 256 tokens, its max_position_embeddings; pass --tokens 256 or fewer" in result.stderr
 
 
 def test_tokens_limits_how_much_of_a_long_text_is_tokenized(tiny_int8_export):
     """--tokens 50 on a long text encodes a prefix only (a 10 MB text took 28 s and 4 GB in full)."""
-    from gemma_export.quality import first_tokens
+    from gemma_export.text_files import first_tokens
     from gemma_export.runtime import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_int8_export)

@@ -214,7 +214,7 @@ def test_real_int8_export_is_deterministic_and_verifiable(int8_dir, tmp_path):
     manifest = json.loads((again / "manifest.json").read_text())
     assert manifest["files"]["model.onnx.data"]["bytes"] == (again / "model.onnx.data").stat().st_size
     assert manifest["source"]["kind"] == "gguf" and manifest["dtype"] == "int8"
-    assert manifest["quantization"]["calibration"]["method"] == "gptq" and manifest["quantization"]["calibration"]["tokens"] == 1024
+    assert manifest["quantization"]["calibration"]["method"] == "gptq" and manifest["quantization"]["calibration"]["tokens"] == 4096
     assert CliRunner().invoke(app, ["verify", str(again)]).exit_code == 0
     data = again / "model.onnx.data"
     with open(data, "r+b") as f:  # one flipped bit deep inside the table
@@ -298,7 +298,7 @@ def test_first_tokens_of_a_prefix_equal_the_whole_texts(int8_dir):
     import pydoc_data.topics
 
     from gemma_export.bench import real_text
-    from gemma_export.quality import first_tokens
+    from gemma_export.text_files import first_tokens
     from gemma_export.runtime import load_tokenizer
 
     tokenizer = load_tokenizer(int8_dir)

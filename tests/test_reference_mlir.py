@@ -157,6 +157,9 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace('"model"::', '"weights"::')),
      "global @t8 is bound to scope 'weights', expected 'model'"),
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "0xbf16")), "not a static size > 0"),
+    # digits of other scripts: a superscript (int() refuses it) and full-width ones (int() reads 64)
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "6\u00b2xbf16")), "not a static size > 0"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "\uff16\uff14xbf16")), "not a static size > 0"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)

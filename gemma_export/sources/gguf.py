@@ -194,9 +194,10 @@ def read_gguf(path: Path) -> Checkpoint:
                 raise FormatError(f"{path}: tokenizer.ggml.{k}_token_id is {value}, expected an id below the "
                                   f"{len(tokens)} tokens of tokenizer.ggml.tokens")
         bos = tokens[ids["bos"]]
-        if not bos or bos.startswith("$") or any(c.isspace() for c in bos):
+        # the template reads "piece:N" as a piece with type id N, and splits at spaces
+        if not bos or bos.startswith("$") or ":" in bos or any(c.isspace() for c in bos):
             raise FormatError(f"{path}: the bos token (id {ids['bos']}) is {bos!r}; expected a piece without "
-                              "spaces that does not start with '$' (the tokenizer's template names it)")
+                              "spaces or ':' that does not start with '$' (the tokenizer's template names it)")
 
     def build_tokenizer() -> dict[str, bytes]:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))

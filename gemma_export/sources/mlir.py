@@ -91,7 +91,7 @@ def _tensor_type(text: str, where: str) -> tuple[tuple[int, ...], str]:
         raise FormatError(f"{where}: element type {element!r} in tensor<{text}> is not one of {', '.join(ELEMENT_TYPES)}")
     dims = []
     for p in parts[:-1]:
-        if not p.isdigit() or int(p) == 0:
+        if not (p.isascii() and p.isdigit()) or int(p) == 0:  # int() also reads other scripts' digits
             raise FormatError(f"{where}: dimension {p!r} in tensor<{text}> is not a static size > 0")
         dims.append(int(p))
     return tuple(dims), element
