@@ -243,10 +243,19 @@ def main(
                             progress=progress, status=lambda message: typer.echo(message, err=True))
         finally:
             close_bars()  # before any error line
+    try:
+        _export_summary(result, archive_bytes(result.out_dir))
+    except KeyboardInterrupt:  # the folder is already in place: say so, and do not report a failure
+        typer.echo(f"\ninterrupted while reporting; {result.out_dir} is written and complete "
+                   f"(gemma-export verify {result.out_dir} checks it)", err=True)
+
+
+def _export_summary(result, archive: int) -> None:
+    """What an export wrote: files, sizes, the shared table, calibration, time and memory."""
+    rounded = ", so the weights were rounded to nearest (no calibration)" if result.dtype in ("int8", "int4") else ""
     typer.echo(f"wrote {result.out_dir}")
     _list_files(result.files, 28)
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
-    archive = archive_bytes(result.out_dir)
     typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
@@ -254,8 +263,8 @@ def main(
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     if "tokenizer.json" not in result.files:
         typer.echo("note: no tokenizer: the source carries none (a GGUF's is rebuilt only when its "
-                   "tokenizer.ggml.model is 'llama'; a reference export has none), so quantized weights were "
-                   "rounded to nearest; `generate`, `bench` and `quality` need a Gemma tokenizer.json copied into "
+                   f"tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "
+                   "and `quality` need a Gemma tokenizer.json copied into "
                    f"{result.out_dir}", err=True)
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 

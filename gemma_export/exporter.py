@@ -97,7 +97,7 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
     if requested is not None:
         if not _is_block_size(requested) or any(d % requested for d in dims):
             raise ConfigError(
-                f"{option} {requested}: must be a power of two >= 16 dividing {', '.join(map(str, dict.fromkeys(dims)))}")
+                f"{option} {requested}: must be a power of two >= 16 dividing each of {', '.join(map(str, dict.fromkeys(dims)))}")
         return requested
     block = default
     while block >= 16 and any(d % block for d in dims):
@@ -238,6 +238,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{manifest_path}: lists {name!r}, which is not a file name in the folder")
         if path.is_symlink():
             raise VerificationError(f"{path}: is a link; an export folder holds regular files only")
+        if path.is_dir():
+            raise VerificationError(f"{path}: is a folder; the manifest lists it as a file")
+        if path.exists() and not path.is_file():
+            raise VerificationError(f"{path}: not a regular file (a FIFO, socket or device); the manifest lists a file")
         if not path.is_file():
             raise VerificationError(f"{path}: listed in the manifest but missing")
         if path.stat().st_size != size:
@@ -287,7 +291,9 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checke
     src_dir = src if src.is_dir() else src.parent
     if src.is_dir() and (out == src_dir or src_dir in out.parents):
         raise OutputError(f"{out_dir}: output folder is inside the source {src_dir}; choose another --out")
-    if out == src or out in src.parents:
+    if out == src:
+        raise OutputError(f"{out_dir}: is the source itself, which the export would replace; choose another --out")
+    if out in src.parents:
         raise OutputError(f"{out_dir}: the source {checkpoint.path} lies inside this folder, which the export would "
                           "replace; choose another --out")
     if not replaceable_checked:

@@ -214,8 +214,11 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
     except OSError:
         return
     if free < need_bytes:
-        raise OutputError(f"{out_dir}: the {what} needs about {need_bytes / 1e6:,.1f} MB and {existing} has "
-                          f"{free / 1e6:,.1f} MB free; free some space or choose another folder (nothing was written)")
+        # in bytes when the two would print alike in MB (a small file system)
+        need, left = ((f"{need_bytes / 1e6:,.1f} MB", f"{free / 1e6:,.1f} MB") if need_bytes - free >= 100_000
+                      else (f"{need_bytes:,} bytes", f"{free:,} bytes"))
+        raise OutputError(f"{out_dir}: the {what} needs about {need} and {existing} has {left} free; free some "
+                          "space or choose another folder (nothing was written)")
 
 
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,

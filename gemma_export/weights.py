@@ -168,22 +168,23 @@ def _gemm_lm_head(g: GraphBuilder, table_value: ir.Value, hidden: ir.Value, voca
 class Float32Format(WeightFormat):
     name = "fp32"
 
-    def _weight(self, g, name, shape, make):
-        """A float32 value of ``shape`` read from an initializer written by ``make()``."""
+    def _weight(self, g, name, shape, make, refs=()):
+        """A float32 value of ``shape`` read from an initializer written by ``make()`` (from the
+        source tensors ``refs``, which errors name)."""
         return g.initializer(_lazy(name, ir.DataType.FLOAT, shape, make))
 
     def linear(self, g, x, ref):
         out_features, in_features = ref.shape
-        w = self._weight(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T))
+        w = self._weight(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T), (ref,))
         return g.op("MatMul", x, w)
 
     def stacked_linear(self, g, x, refs, name):
         w = self._weight(g, name, (refs[0].shape[1], sum(r.shape[0] for r in refs)),
-                         lambda: np.ascontiguousarray(np.concatenate([r.load() for r in refs]).T))
+                         lambda: np.ascontiguousarray(np.concatenate([r.load() for r in refs]).T), refs)
         return g.op("MatMul", x, w)
 
     def table(self, g, ref):
-        return Table(ref, {"float": self._weight(g, ref.name, ref.shape, ref.load)})
+        return Table(ref, {"float": self._weight(g, ref.name, ref.shape, ref.load, (ref,))})
 
     def embedding(self, g, table, input_ids):
         return g.op("Gather", table.values["float"], input_ids, axis=0)
@@ -195,11 +196,17 @@ class Float32Format(WeightFormat):
 class BF16Format(Float32Format):
     name = "bf16"
 
-    def _weight(self, g, name, shape, make):
+    def _weight(self, g, name, shape, make, refs=()):
         def bits():
             try:
                 return BF16Weights.quantize(make()).bits.view(ml_dtypes.bfloat16)
             except ValueError as exc:
+                # name the source tensor and its own index, not the stacked/transposed initializer's
+                for ref in refs:
+                    try:
+                        BF16Weights.quantize(ref.load())
+                    except ValueError as own:
+                        raise NumericError(f"{ref.origin}: cannot store as bf16: {own}") from None
                 raise NumericError(f"'{name}': cannot store as bf16: {exc}") from None
 
         stored = g.initializer(_lazy(name, ir.DataType.BFLOAT16, shape, bits))

@@ -219,6 +219,14 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     (out / "genai_config.json").unlink()
     result = _run("verify", out)
     assert result.exit_code == 2 and "genai_config.json: listed in the manifest but missing" in result.stderr
+    (out / "genai_config.json").mkdir()
+    result = _run("verify", out)
+    assert result.exit_code == 2 and "genai_config.json: is a folder; the manifest lists it as a file" in result.stderr
+    (out / "genai_config.json").rmdir()
+    import os
+    os.mkfifo(out / "genai_config.json")  # never opened: reading it would block
+    result = _run("verify", out)
+    assert result.exit_code == 2 and "genai_config.json: not a regular file (a FIFO" in result.stderr
 
 
 def test_python_api_from_readme(tiny_dir, tmp_path):
@@ -326,7 +334,7 @@ def test_a_block_size_the_dims_refuse_is_named_before_calibrating(tiny_dir, tmp_
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert lines[0] == f"reading {tiny_dir} ..." and len(lines) == 2
-    assert lines[1].startswith("error: --block-size 1024: must be a power of two >= 16 dividing 64")
+    assert lines[1].startswith("error: --block-size 1024: must be a power of two >= 16 dividing each of 64")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -410,3 +418,26 @@ def test_ctrl_c_while_a_library_initialises_is_an_interrupt_not_a_traceback(tiny
 
     monkeypatch.setattr(runtime, "generate", broken_import)
     assert isinstance(_run("generate", "--model", tiny_int8_export, "--prompt", "a").exception, ImportError)
+
+
+def test_ctrl_c_after_the_folder_is_in_place_reports_it_written(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C while the summary prints (found by a helper: exit 130 said 'failed' for a written folder)."""
+    from gemma_export import cli
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_list_files", interrupted)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["--source", str(tiny_dir), "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert f"interrupted while reporting; {out} is written and complete" in result.stderr
+    assert (out / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("dtype, rounded", [("fp32", False), ("int8", True)])
+def test_the_no_tokenizer_note_speaks_of_rounding_only_for_quantized_exports(tiny_dir, tmp_path, dtype, rounded):
+    args = ["--source", str(tiny_dir), "--dtype", dtype, "--out", str(tmp_path / dtype)]
+    result = runner.invoke(app, args + (["--block-size", "16"] if dtype == "int8" else []))
+    assert result.exit_code == 0, result.output
+    assert "note: no tokenizer" in result.stderr
+    assert ("rounded to nearest" in result.stderr) is rounded

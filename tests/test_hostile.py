@@ -311,6 +311,8 @@ CASES = {
     "tensor wrong shape": Case(hf(edit_tensors=_set(UP, np.zeros((128, 63), np.float32))), FormatError,
                                (UP, "has shape [128, 63]", "expected [128, 64]")),
     "nan weight": Case(hf(edit_tensors=_with_value(UP, 70, np.nan)), NumericError, (UP, "nan", "index (1, 6)")),
+    "bf16 overflow": Case(hf(edit_tensors=_with_value(UP, 70, 3.4e38), dtype="bf16"), NumericError,
+                          (f"model.safetensors:{UP}: cannot store as bf16", "at index [1, 6]")),
     "inf weight": Case(hf(edit_tensors=_with_value(EMBED, 5, np.inf), dtype="int8"), NumericError, (EMBED, "inf", "index (0, 5)")),
     "integer weight": Case(hf(edit_tensors=_set("model.norm.weight", np.zeros(64, np.int32))), FormatError,
                            ("model.norm.weight", "dtype I32")),
@@ -372,6 +374,7 @@ CASES = {
                                                     OutputError, ("not an unchanged export of gemma-export",)),
     "output is an export with a user's file added": Case(lambda work, fx: _export_plus_notes(work, fx), OutputError,
                                                          ("not an unchanged export of gemma-export",)),
+    "output is the source file": Case(lambda work, fx: _output_is_source(work, fx), OutputError, ("m.gguf: is the source itself",)),
     "source file inside the output folder": Case(lambda work, fx: _source_inside_output(work, fx), OutputError,
                                                  ("lies inside this folder",)),
     # export folders given to generate / verify
@@ -559,6 +562,11 @@ def _source_inside_output(work: Path, fx: Fixtures) -> list:
     (work / "out").mkdir()
     (work / "out" / "model.gguf").write_bytes(fx.gguf_bytes)
     return _export_args(work / "out" / "model.gguf", work)
+
+
+def _output_is_source(work: Path, fx: Fixtures) -> list:
+    (work / "m.gguf").write_bytes(fx.gguf_bytes)
+    return ["--source", work / "m.gguf", "--out", work / "m.gguf", "--dtype", "fp32"]
 
 
 def _inside_source(work: Path, fx: Fixtures) -> list:
