@@ -4,6 +4,8 @@ then run, verify, measure and bundle it for the board.
 \b
     gemma-export --format onnx --dtype int8                  # bundled Gemma 3 270M -> ./gemma-3-270m-onnx-int8
     gemma-export --source ./my-gemma --dtype bf16 --out out/  # a transformers folder or a .gguf
+    gemma-export --dtype int4 --table-dtype int8              # 4-bit layers, int8 table
+    gemma-export --dtype int8 --no-calibrate                  # round to nearest, no calibration pass
     gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
 """
 
@@ -172,7 +174,7 @@ def main(
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>)."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
@@ -186,16 +188,8 @@ def main(
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table.
-
-    \b
-    Examples:
-      gemma-export --format onnx --dtype int8
-      gemma-export --dtype int4 --table-dtype int8          # 4-bit layers, int8 table
-      gemma-export --dtype int8 --no-calibrate              # round to nearest, no calibration pass
-      gemma-export --source model.gguf --dtype bf16 --out gemma-bf16
-      gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "Hello"
-    """
+    """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table (the examples
+    are in the module docstring, which ``--help`` shows)."""
     _stop_on_sigterm()
     if ctx.invoked_subcommand is not None:
         return
@@ -343,8 +337,8 @@ def prepack(
     Writes MODEL/prepacked/: onnxruntime's optimized graph with the weights already in its kernels'
     packed layout. generate, bench, quality and parity then map the packed weights from disk instead
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
-    reclaim) drops by about the archive's size (int8 after a short prompt: about 1.2 x -> 0.13 x
-    the archive; after a 512-token prompt and 128 steps: 1.42 x -> 0.36 x). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    reclaim) drops by about the archive's size (int8 after a short prompt: about 1.18 x -> 0.13-0.15 x
+    the archive; after a 512-token prompt and 128 steps: 1.44 x -> 0.38 x; 2026-12-03). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 
@@ -445,7 +439,7 @@ def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; given with --board, it wins)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
-    new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (the first 4 are warm-up and not timed)."),
+    new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Text file for prompts (default: the Python license, else numpy's)."),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
@@ -488,7 +482,7 @@ def quality(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     reference: str = typer.Option("transformers", "--reference", parser=_quality_reference, metavar="<transformers|fp32|path>", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Real text to score (default: the Python license, ~3,400 tokens)."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text (at least 2)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
@@ -527,7 +521,7 @@ def parity(
     reference_logits: bool = typer.Option(False, "--reference-logits", help="Strip the reference's argmax tail and compare logits too."),
     golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
-    new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt."),
+    new_tokens: int = typer.Option(16, "--new-tokens", help="Greedy tokens generated after each prompt (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),

@@ -3,7 +3,7 @@
 One small class per dtype, registered in :data:`WEIGHT_FORMATS`; each knows three things — a
 linear projection, the embedding lookup and the LM head — and the tied table is created once by
 :meth:`WeightFormat.table` and handed to both of the last two. The choices come from onnxruntime's
-CPU provider (``../shared/anchors.md``):
+CPU provider (the board team's notes on it, and docs/benchmarks.md):
 
 * ``fp32``: ``MatMul`` on ``[in, out]`` weights; the table ``[vocab, hidden]`` feeds ``Gather`` and
   ``Gemm(transB=1)`` directly, so no Transpose of it exists to be folded into a second copy.

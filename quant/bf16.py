@@ -21,8 +21,8 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
         uint16 array of the same shape holding the bfloat16 bit patterns.
 
     Rounding is ml_dtypes' float32 → bfloat16 cast (round half to even, NaN stays NaN, overflow
-    to ±Inf like IEEE). Note: the reference MLIR archives truncate instead; see
-    ``../shared/reference-format.md``.
+    to ±Inf like IEEE). Note: the board team's reference MLIR archives truncate instead
+    (:func:`truncate_to_bfloat16_bits`).
     """
     x = np.asarray(x, dtype=np.float32)
     return x.astype(ml_dtypes.bfloat16).view(np.uint16)
@@ -30,7 +30,7 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
 
 def truncate_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """float32 → bfloat16 by dropping the low 16 bits (round toward zero), as the board team's
-    reference archives store bf16 (``../shared/reference-format.md``). uint16 array, same shape."""
+    reference archives store bf16 (their export's description). uint16 array, same shape."""
     return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 

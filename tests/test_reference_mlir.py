@@ -1,6 +1,6 @@
 """Reference exports (StableHLO MLIR globals + a flat 1-D safetensors archive) as a --source.
 
-The fixtures are written here in the board pipeline's format (``../shared/reference-format.md``)
+The fixtures are written here in the board pipeline's format (the board team's StableHLO/IREE export)
 from a tiny transformers model: globals in trace order with sparse ``tN`` names, values flat,
 bf16 by truncation or int8 per row with ``tN_scale``, norms holding ``1 + w``, RoPE tables and
 sliding-window masks between the weights, and the tied table stored a second time for the head.

@@ -3,7 +3,7 @@ round-to-nearest by default) so that `gemma-export quality --reference ... ` and
 compare against it on the same machine and text.
 
 onnxruntime-genai's builder 0.18 fails on transformers 5 configs and 0.16–0.18 do not import with
-transformers 4.x (`../shared/anchors.md`), so it runs from its own virtual environment:
+transformers 4.x (as the board team found), so it runs from its own virtual environment:
 
     python -m venv /tmp/genai-venv
     /tmp/genai-venv/bin/pip install torch==2.13.0 "transformers>=4.50,<5" onnxruntime-genai==0.15.2 onnx onnx_ir

@@ -1,7 +1,7 @@
 """A reference export in the board pipeline's format, with its forward math written in JAX.
 
 ``write_jax_reference(model, folder, dtype)`` writes ``gemma.mlir`` + ``gemma.safetensors`` for a tiny
-transformers Gemma 3 the way ``../shared/reference-format.md`` describes the board team's tracer
+transformers Gemma 3 the way the board team describes their tracer's
 output: a ``@gemma`` function ``tensor<1x24xi32> -> tensor<24xi32>`` (per-position greedy argmax),
 weights as ``util.global`` bound to ``#flow.parameter.named<"model"::"tN">`` (sparse names in trace
 order; bf16 globals converted to f32 at each load, or i8 + ``_scale`` per row dequantized in the

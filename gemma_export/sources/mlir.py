@@ -1,6 +1,6 @@
 """The board team's reference export: StableHLO MLIR text + a flat 1-D safetensors archive.
 
-Format (``../shared/reference-format.md``): every weight is a module-level global bound to an
+Format (the board team's StableHLO/IREE export, as they describe it): every weight is a module-level global bound to an
 external parameter, in trace order::
 
     util.global private @t0 = #flow.parameter.named<"model"::"t0"> : tensor<262153x640xbf16>
