@@ -40,7 +40,8 @@ DATA_FILE = "model.onnx.data"
 GENAI_CONFIG_FILE = "genai_config.json"
 #: External tensors of 1 MiB and more (onnx_ir's ``align_threshold``) start on 64 KiB boundaries so
 #: that onnxruntime can memory-map them on x86-64 and on aarch64 kernels with 64 KiB pages; smaller
-#: ones are packed without padding (aligning them too would add ~6 MB to the int8 archive).
+#: ones are packed without padding (aligning every tensor to 4 KiB instead left onnxruntime's memory
+#: after session creation unchanged: int8, 302 MB Anonymous either way, 2026-12-03).
 ALIGNMENT_BYTES = 65536
 
 

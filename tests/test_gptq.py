@@ -278,3 +278,41 @@ def test_calibration_forward_ignores_attention_softcapping_like_the_graph(tmp_pa
     with torch.no_grad():
         expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
     assert np.abs(final - expected).max() <= 1e-4 * np.abs(expected).max()
+
+
+def test_long_calibration_keeps_the_gram_matrix_not_the_activations(tiny_dir):
+    """Past T = 2 K an input is kept as Xᵀ X (float32 [K, K]); it equals the Gram matrix of the
+    activations the forward pass produced, and weights that read one input share one matrix."""
+    from gemma_export.calibration import collect, forward, gram
+    from gemma_export.sources import open_source
+
+    checkpoint = open_source(tiny_dir)
+    c = checkpoint.config
+    ids = [int(i) for i in np.random.default_rng(1).integers(3, 96, 2 * c.hidden_size + 5)]
+    seen = {}
+    forward(checkpoint, ids, lambda name, x: seen.setdefault(name, x.copy()))
+    cal = collect(checkpoint, ids, "test")
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert q in cal.hessians and q not in cal.inputs and cal.hessians[q].dtype == np.float32
+    assert cal.statistics(q) is cal.statistics(k)
+    expected = gram(seen[q])
+    assert np.abs(cal.hessian(q) - expected).max() <= 1e-5 * np.abs(expected).max()
+    # the MLP's wider input stays as activations while T <= 2 K
+    assert c.intermediate_size * 2 >= len(ids) and down in cal.inputs
+    assert np.abs(cal.hessian(down) - gram(seen[down])).max() <= 2e-2 * np.abs(gram(seen[down])).max()
+
+
+def test_calibration_forward_in_query_blocks_matches_transformers(tiny_dir, tiny_model):
+    """Longer than two query blocks (256 each): later blocks see keys from the window's start on
+    sliding layers and from position 0 on full ones, as transformers' eager attention does."""
+    import torch
+
+    from gemma_export.calibration import _QUERY_BLOCK, forward
+    from gemma_export.sources import open_source
+
+    ids = [int(i) for i in np.random.default_rng(2).integers(3, 96, 2 * _QUERY_BLOCK + 37)]
+    final = forward(open_source(tiny_dir), ids)
+    with torch.no_grad():
+        expected = tiny_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    assert np.abs(final - expected).max() < 1e-4 * np.abs(expected).max()
