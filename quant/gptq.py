@@ -17,6 +17,11 @@ With ``U`` the upper Cholesky factor of ``(H + λ I)⁻¹`` (``λ = damp · mean
 Scales ``s`` and zero points ``z`` are chosen beforehand per block (by the scheme's own rule) and
 kept: the codes change, the layout does not. Updates are applied lazily per group of ``lazy``
 columns (the paper's block update), so the inner loop touches ``[rows, lazy]`` only.
+
+"In order" is by decreasing ``diag H`` by default (the reference implementation's ``act_order``,
+with its "static groups": since the scales are fixed, each column keeps its own block's scale).
+On the real 270M it lowered the int8 KL from 0.00114 to 0.00105 and the int4 KL from 0.1103 to
+0.1080 (docs/quality.md).
 """
 
 from __future__ import annotations
@@ -76,6 +81,17 @@ class Hessian:
         self.matrix = np.asarray(matrix, np.float64)
         self.damp = damp
         self._factor: np.ndarray | None = None
+        self._ordered: tuple[np.ndarray, np.ndarray] | None = None
+
+    @property
+    def ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(order, factor)``: the columns by decreasing ``diag H`` (GPTQ's "act order": the inputs
+        with the most energy are rounded first, while the most columns remain to take their error)
+        and the :func:`inverse_cholesky` factor of ``H`` permuted that way; computed once."""
+        if self._ordered is None:
+            order = np.argsort(-np.diagonal(self.matrix), kind="stable")
+            self._ordered = (order, inverse_cholesky(self.matrix[np.ix_(order, order)], self.damp))
+        return self._ordered
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -97,7 +113,7 @@ def as_hessian(hessian: "np.ndarray | Hessian", damp: float = DEFAULT_DAMP) -> H
 
 
 def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_points: np.ndarray, block_size: int,
-               qmin: int, qmax: int, damp: float = DEFAULT_DAMP) -> np.ndarray:
+               qmin: int, qmax: int, damp: float = DEFAULT_DAMP, act_order: bool = True) -> np.ndarray:
     """GPTQ codes for ``w`` with fixed per-block ``scales`` and ``zero_points``.
 
     Args:
@@ -107,6 +123,7 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
         scales: float32 ``[N, K / block_size]``, nonzero.
         zero_points: ``[N, K / block_size]``, the code that dequantizes to 0.
         qmin, qmax: the code range (e.g. 1..255 for symmetric int8 around 128, 0..15 for 4 bits).
+        act_order: round the columns by decreasing ``diag H`` (True) or left to right.
 
     Returns:
         uint8 codes ``[N, K]``; ``(code − zero_point) · scale`` per block dequantizes them.
@@ -119,11 +136,16 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
     if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
         raise ValueError(f"GPTQ: weight {tuple(w.shape)}, block {block_size}, scales {scales.shape}, "
                          f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
-    u = as_hessian(hessian, damp).factor
+    h = as_hessian(hessian, damp)
+    if act_order:
+        order, u = h.ordered
+    else:
+        order, u = np.arange(k), h.factor
+    block_of = order // block_size  # the (fixed) scale block of each column, in rounding order
     codes = np.empty((n, k), np.uint8)
     for start in range(0, n, _ROWS_PER_CHUNK):
-        # column-major chunk: column j of W is the contiguous row cols[j]
-        cols = np.ascontiguousarray(float_rows(w, start, _ROWS_PER_CHUNK).T)       # [K, R]
+        # column-major chunk in rounding order: column order[j] of W is the contiguous row cols[j]
+        cols = np.ascontiguousarray(float_rows(w, start, _ROWS_PER_CHUNK).T[order])  # [K, R]
         end = start + cols.shape[1]
         s = np.ascontiguousarray(scales[start:end].T, dtype=np.float32)            # [K / B, R]
         z = np.ascontiguousarray(zero_points[start:end].T, dtype=np.float32)
@@ -132,14 +154,14 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
             i2 = min(i1 + _LAZY, k)
             errors = np.empty((i2 - i1, end - start), np.float32)
             for j in range(i1, i2):
-                sj, zj = s[j // block_size], z[j // block_size]
+                sj, zj = s[block_of[j]], z[block_of[j]]
                 q = np.clip(np.rint(cols[j] / sj) + zj, qmin, qmax)
                 chunk_codes[j] = q
                 e = (cols[j] - (q - zj) * sj) / u[j, j]
                 cols[j + 1 : i2] -= np.outer(u[j, j + 1 : i2], e)
                 errors[j - i1] = e
             cols[i2:] -= u[i1:i2, i2:].T @ errors
-        codes[start:end] = chunk_codes.T
+        codes[start:end, order] = chunk_codes.T
     return codes
 
 

@@ -316,3 +316,39 @@ def test_calibration_forward_in_query_blocks_matches_transformers(tiny_dir, tiny
     with torch.no_grad():
         expected = tiny_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
     assert np.abs(final - expected).max() < 1e-4 * np.abs(expected).max()
+
+
+def test_act_order_puts_each_code_back_in_its_column():
+    # a diagonal Hessian with unequal energies: a non-trivial order, but no error to move, so the
+    # codes must be round-to-nearest in every column (a wrong un-permutation would scramble them)
+    rng = np.random.default_rng(4)
+    k = 96
+    w = rng.standard_normal((40, k)).astype(np.float32)
+    hessian = np.diag(rng.uniform(0.1, 10.0, k))
+    scales = np.abs(w).reshape(40, 3, 32).max(axis=2) / 127
+    natural = gptq_codes(w, hessian, scales, np.full((40, 3), 128.0), 32, 1, 255, act_order=False)
+    ordered = gptq_codes(w, hessian, scales, np.full((40, 3), 128.0), 32, 1, 255)
+    assert not np.array_equal(gptq.Hessian(hessian).ordered[0], np.arange(k))
+    assert np.array_equal(natural, ordered)
+    assert np.array_equal(ordered, BlockInt8Weights.quantize(w, 32).data.reshape(40, k))
+
+
+def test_act_order_rounds_the_strongest_inputs_first_and_is_no_worse():
+    rng = np.random.default_rng(5)
+    k = 128
+    x = _correlated(rng, 1024, k)
+    x[:, 64:67] *= 6.0  # strong channels away from the front: the natural order reaches them late
+    w = rng.standard_normal((64, k)).astype(np.float32)
+    hessian = x.T.astype(np.float64) @ x
+    scales = np.abs(w).reshape(64, 4, 32).max(axis=2) / 127
+    zero = np.full((64, 4), 128.0)
+    order = gptq.Hessian(hessian).ordered[0]
+    assert set(order[:6]) == {0, 1, 2, 64, 65, 66}
+    errors = {}
+    for act_order in (False, True):
+        codes = gptq_codes(w, hessian, scales, zero, 32, 1, 255, act_order=act_order)
+        w_hat = (codes.astype(np.float32) - 128).reshape(64, 4, 32) * scales[:, :, None]
+        errors[act_order] = _output_error(w, w_hat.reshape(64, k), x)
+    rtn = _output_error(w, BlockInt8Weights.quantize(w, 32).dequantize(), x)
+    assert errors[True] < 0.8 * rtn and errors[False] < 0.8 * rtn
+    assert errors[True] <= 1.02 * errors[False], errors
