@@ -221,13 +221,14 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
     t = len(token_ids)
 
     def record(name: str, x: np.ndarray) -> None:
+        as_gram = t > 2 * x.shape[1]  # K × K float32 takes less than T × K float16
         if last[0] is not x:
-            if t > 2 * x.shape[1]:  # K × K float32 takes less than T × K float16
+            if as_gram:
                 kept = gram(x).astype(np.float32)
             else:  # float16 halves the memory (the statistics need ~3 digits); float32 beyond its range
                 kept = x.astype(np.float16) if np.abs(x).max() < 6e4 else np.ascontiguousarray(x, np.float32)
             last[:] = [x, kept]
-        (inputs if t <= 2 * x.shape[1] else hessians)[name] = last[1]
+        (hessians if as_gram else inputs)[name] = last[1]
 
     forward(checkpoint, token_ids, record, progress)
     return Calibration(inputs=inputs, tokens=t, source=source, hessians=hessians)

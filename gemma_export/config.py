@@ -166,17 +166,18 @@ class GemmaConfig:
                 raise ConfigError(f"{where}: rope_theta {rope.rope_theta} and factor {rope.factor} for {layer_type} give "
                                   f"inverse frequencies float32 cannot hold (expected finite and > 0; the graph "
                                   f"computes RoPE in float32)")
-        # the graph computes in float32: a positive value that float32 rounds to 0 or inf would make NaN logits
-        for name, value in (("rms_norm_eps", self.rms_norm_eps), ("query_pre_attn_scalar", self.query_pre_attn_scalar)):
+        # the graph computes in float32: a positive value that float32 rounds to 0 or inf would make NaN
+        # logits. name → (value, what the graph uses of it, Gemma's usual value)
+        for name, value, used, usual in (("rms_norm_eps", self.rms_norm_eps, lambda v: v, "1e-6"),
+                                         ("query_pre_attn_scalar", self.query_pre_attn_scalar, lambda v: v ** -0.5,
+                                          "head_dim, e.g. 256")):
             if not value > 0:
                 raise ConfigError(f"{where}: {name} must be > 0, found {value}")
-        with np.errstate(all="ignore"):
-            derived = {"rms_norm_eps": np.float32(self.rms_norm_eps),
-                       "query_pre_attn_scalar": np.float32(self.query_pre_attn_scalar ** -0.5)}
-        for name, value in derived.items():
-            if not (np.isfinite(value) and value > 0):
-                raise ConfigError(f"{where}: {name} {getattr(self, name)} is outside what float32 can use "
-                                  f"(the graph computes in float32; Gemma uses {'1e-6' if name == 'rms_norm_eps' else 'head_dim, e.g. 256'})")
+            with np.errstate(all="ignore"):
+                in_graph = np.float32(used(value))
+            if not (np.isfinite(in_graph) and in_graph > 0):
+                raise ConfigError(f"{where}: {name} {value} is outside what float32 can use "
+                                  f"(the graph computes in float32; Gemma uses {usual})")
         return self
 
 

@@ -690,7 +690,7 @@ def load_tokenizer(model_dir: str | Path):
         SourceNotFoundError: no such folder.
         FormatError: the folder has no readable ``tokenizer.json``.
     """
-    from tokenizers import Tokenizer
+    from .tokenizer import read_tokenizer_json
 
     model_dir = Path(model_dir)
     require_folder(model_dir, "tokenizer.json")
@@ -699,10 +699,7 @@ def load_tokenizer(model_dir: str | Path):
         raise FormatError(f"{path}: is a folder; expected the tokenizer file")
     if not path.is_file():
         raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
-        raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
+    return read_tokenizer_json(path)
 
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,

@@ -12,14 +12,35 @@ Pipeline (normalizer, pre-tokenizer, decoder) as transformers' ``GemmaTokenizer`
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Sequence
 
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from .errors import FormatError
+
 SPACE = "\u2581"  # SentencePiece's visible space
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+
+
+def read_tokenizer_json(path: Path, content: bytes | None = None) -> Tokenizer:
+    """The ``tokenizers.Tokenizer`` in ``tokenizer.json`` at ``path`` (``content``: its bytes, when
+    already read).
+
+    Raises:
+        FormatError: ``"{path}: not a readable tokenizer (...)"``: not UTF-8, or not a tokenizer the
+            ``tokenizers`` library reads.
+    """
+    try:
+        text = (path.read_bytes() if content is None else content).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: not a readable tokenizer (not UTF-8: byte {exc.start})") from None
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
+        raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
 
 
 def _merges(pieces: Sequence[str]) -> list[tuple[str, str]]:

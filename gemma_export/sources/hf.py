@@ -16,6 +16,7 @@ from safetensors import safe_open
 from ..checkpoint import Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
+from ..tokenizer import read_tokenizer_json
 from .safetensors_header import read_header
 
 # safe_open(framework="numpy") returns bf16 tensors (Gemma's published dtype) as numpy's bfloat16,
@@ -116,7 +117,7 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     resolve_lm_head(config, tensors, str(folder))
     tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
     if "tokenizer.json" in tokenizer_files:  # copied beside the export and used to calibrate: refuse it now
-        _check_tokenizer(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
+        read_tokenizer_json(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
     return Checkpoint(
         config=config,
         tensors=tensors,
@@ -126,14 +127,3 @@ def read_hf_folder(folder: Path) -> Checkpoint:
         files=(folder / "config.json", *shards),
     )
 
-
-def _check_tokenizer(path: Path, content: bytes) -> None:
-    """Raises FormatError when ``content`` is not a tokenizer the ``tokenizers`` library reads."""
-    from tokenizers import Tokenizer as Reader
-
-    try:
-        Reader.from_str(content.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"{path}: not a readable tokenizer (not UTF-8: byte {exc.start})") from None
-    except Exception as exc:  # the tokenizers library raises a bare Exception on a malformed file
-        raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
