@@ -10,6 +10,10 @@ reference and the export side by side and holds only a chunk of each):
 - mean KL(reference ‖ model) in nats per token, ``sum_v p_v (log p_v - log q_v)`` with
   ``p``/``q`` the softmax of the reference/model row;
 - max |Δlogit|;
+- how close the reference's calls were where the two disagree: the largest reference margin
+  ``r[argmax r] - r[argmax q]`` over the disagreeing rows (small: every miss was a near-tie), and
+  the median absolute change of the reference's top-1 − top-2 logit gap, ``|(q_a - q_b) - (r_a - r_b)|``
+  with ``a``/``b`` the reference's two best words (how far the export moves close calls);
 - perplexity of each on the text, ``exp(mean_i -log q(ids[i+1] | row i))``.
 """
 
@@ -45,6 +49,9 @@ class QualityMetrics:
     perplexity: float
     reference_perplexity: float
     first_disagreement: int | None  # first row whose argmax differs
+    disagreements: int = 0  # rows whose argmax differs
+    disagreement_margin_max: float | None = None  # logits; max over those rows of r[argmax r] - r[argmax q]
+    top2_gap_change_median: float = 0.0  # logits; median over rows of |(q_a - q_b) - (r_a - r_b)|
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -99,6 +106,7 @@ class LogitComparison:
         self.sliding_window = sliding_window
         n = len(self.ids)
         self.agree, self.kl = np.zeros(n, bool), np.zeros(n)
+        self.margin, self.gap_change = np.zeros(n), np.zeros(n)
         self.nll, self.ref_nll = np.zeros(max(n - 1, 0)), np.zeros(max(n - 1, 0))
         self.max_diff, self.rows_seen = 0.0, 0
 
@@ -121,8 +129,16 @@ class LogitComparison:
                 raise NumericError(f"logits: the {side}'s row {start + int(np.argmax(broken))} holds NaN or Inf; "
                                    f"the {side} does not compute finite logits")
         e = start + reference.shape[0]
-        self.agree[start:e] = reference.argmax(-1) == logits.argmax(-1)
         reference, logits = reference.astype(np.float32, copy=False), logits.astype(np.float32, copy=False)
+        at = np.arange(reference.shape[0])
+        best, picked = reference.argmax(-1), logits.argmax(-1)
+        self.agree[start:e] = best == picked
+        self.margin[start:e] = reference[at, best] - reference[at, picked]
+        if reference.shape[1] > 1:
+            second = np.argpartition(reference, -2, axis=-1)[:, -2:]  # the two best, in either order
+            second = np.where(second[:, 0] == best, second[:, 1], second[:, 0])
+            self.gap_change[start:e] = np.abs((logits[at, best] - logits[at, second])
+                                              - (reference[at, best] - reference[at, second]))
         self.kl[start:e], lse_r, lse_q, max_diff = _kl_rows(reference, logits)
         self.max_diff = max(self.max_diff, max_diff)
         rows = np.arange(start, min(e, n - 1))
@@ -149,7 +165,10 @@ class LogitComparison:
                                         if n > self.sliding_window else None),
             kl_mean=float(self.kl.mean()), max_abs_logit_diff=self.max_diff,
             perplexity=float(np.exp(self.nll.mean())), reference_perplexity=float(np.exp(self.ref_nll.mean())),
-            first_disagreement=int(wrong[0]) if len(wrong) else None)
+            first_disagreement=int(wrong[0]) if len(wrong) else None,
+            disagreements=len(wrong),
+            disagreement_margin_max=float(self.margin[wrong].max()) if len(wrong) else None,
+            top2_gap_change_median=float(np.median(self.gap_change)))
 
 
 def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128,
@@ -459,6 +478,10 @@ def format_report(report: QualityReport) -> str:
         f"text         {m.tokens} tokens of {report.text_source}",
         f"top-1        {m.top1_agreement:.2%} agreement (past the sliding window of {m.sliding_window}: {past}); first differing position "
         f"{m.first_disagreement if m.first_disagreement is not None else '-'} (positions count from 0)",
+        f"misses       {m.disagreements} position(s)"
+        + (f"; the reference preferred its own word there by at most {m.disagreement_margin_max:.3f} (logit)"
+           if m.disagreements else "")
+        + f"; median change of the reference's top-1 - top-2 gap {m.top2_gap_change_median:.4f}",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
         f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
         f"max |dlogit| {m.max_abs_logit_diff:.4g}",

@@ -32,6 +32,10 @@ def test_metrics_match_hand_computed_values():
     # perplexity over rows 0 and 1: targets 1 (q = 0.25) and 0 (q = 0.75)
     assert m.perplexity == pytest.approx(math.exp(-(math.log(0.25) + math.log(0.75)) / 2), rel=1e-6)
     assert m.reference_perplexity == pytest.approx(2.0, rel=1e-6)
+    # row 2 is the one miss: the reference preferred word 1 by 1.0 over the model's word 0
+    assert m.disagreements == 1 and m.disagreement_margin_max == pytest.approx(1.0)
+    # top-1 − top-2 gap: rows 0, 1 move from 0 to ln 3; row 2 from 1 to -ln 3
+    assert m.top2_gap_change_median == pytest.approx(math.log(3.0), rel=1e-6)
 
 
 def test_identical_logits_agree_fully():
@@ -41,6 +45,17 @@ def test_identical_logits_agree_fully():
     assert m.top1_agreement == 1.0 and m.top1_agreement_past_window == 1.0
     assert m.kl_mean == pytest.approx(0.0, abs=1e-12) and m.max_abs_logit_diff == 0.0
     assert m.first_disagreement is None
+    assert m.disagreements == 0 and m.disagreement_margin_max is None and m.top2_gap_change_median == 0.0
+
+
+def test_near_tie_figures_name_the_closest_call_the_export_overturned():
+    reference = np.array([[5.0, 4.9, 0.0], [3.0, 0.0, 2.0], [1.0, 0.0, 0.5]], np.float32)
+    model = np.array([[4.0, 4.5, 0.0], [2.0, 0.0, 2.5], [1.0, 0.0, 0.5]], np.float32)
+    m = compare_logits(reference, model, [0, 1, 2])
+    # rows 0 and 1 flip: the reference preferred its word by 0.1 and by 1.0 over the model's pick
+    assert m.disagreements == 2 and m.disagreement_margin_max == pytest.approx(1.0)
+    # gap changes: row 0 (0 vs 1) 0.1 → -0.5: 0.6; row 1 (0 vs 2) 1 → -0.5: 1.5; row 2 (0 vs 2): 0
+    assert m.top2_gap_change_median == pytest.approx(0.6, rel=1e-6)
 
 
 def test_top1_past_the_window_counts_rows_from_the_window_on():
