@@ -76,6 +76,7 @@ def dump(args: argparse.Namespace) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = args.threads
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        options.log_severity_level = 3  # as the runtime's sessions: no warnings about overridable inputs
         decoder.session = ort.InferenceSession(str(Path(args.model) / "model.onnx"), options,
                                                providers=["CPUExecutionProvider"])
     greedy, times = [], []
