@@ -174,7 +174,7 @@ def main(
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name)."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
@@ -534,8 +534,8 @@ def parity(
     \b
     Examples:
       gemma-export parity --model gemma-3-270m-onnx-int8 --against transformers
-      gemma-export parity --model out-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
-      gemma-export parity --model out-int8 --golden golden.json --json parity.json
+      gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
+      gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json --json parity.json
     """
     from .bench import check_outputs, to_stdout, write_json
     from .parity import format_report, run_parity

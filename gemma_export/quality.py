@@ -479,9 +479,10 @@ def format_report(report: QualityReport) -> str:
         f"top-1        {m.top1_agreement:.2%} agreement (past the sliding window of {m.sliding_window}: {past}); first differing position "
         f"{m.first_disagreement if m.first_disagreement is not None else '-'} (positions count from 0)",
         f"misses       {m.disagreements} position(s)"
-        + (f"; the reference preferred its own word there by at most {m.disagreement_margin_max:.3f} (logit)"
+        + (f", where the reference's top word led the export's pick by at most {m.disagreement_margin_max:.3f} logits"
            if m.disagreements else "")
-        + f"; median change of the reference's top-1 - top-2 gap {m.top2_gap_change_median:.4f}",
+        + f"; the export moves the lead of the reference's top word over its second by {m.top2_gap_change_median:.4f} "
+        "logits (median over positions)",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
         f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
         f"max |dlogit| {m.max_abs_logit_diff:.4g}",

@@ -12,8 +12,11 @@ import pytest
 # tools/ holds the reference-format fixture generator (tools/jax_reference.py) the tests share
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+try:
+    import torch
+    import transformers
+except ImportError as exc:  # a one-line usage error, not a traceback from every test module
+    raise pytest.UsageError(f"the tests need the [test] extra ({exc}): pip install -e '.[test]'") from None
 
 
 def broken_copy(tiny_dir: Path, src: Path, edit_config=None, edit_tensors=None) -> Path:

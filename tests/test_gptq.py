@@ -205,10 +205,19 @@ def test_a_short_calibration_text_is_refused_or_recorded(tiny_with_tokenizer, tm
     with pytest.raises(ConfigError, match="10 token\\(s\\) after tokenizing; calibration needs at least 16"):
         export(tiny_with_tokenizer, tmp_path / "a", "int8", block_size=16, table_block_size=16, calibration_text=short)
     short.write_text("a text of forty characters, give or take")   # 40 characters + <bos>
+    notes = []
     result = export(tiny_with_tokenizer, tmp_path / "b", "int8", block_size=16, table_block_size=16,
-                    calibration_text=short, calibration_tokens=500)
+                    calibration_text=short, calibration_tokens=500, status=notes.append)
     assert result.calibration["tokens"] == 41 and "(the whole text; 500 asked)" in result.calibration["text"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "short.txt"]
+    assert [n for n in notes if n.startswith("note:")] == [
+        f"note: {short} gives only 41 calibration tokens; GPTQ's statistics are thin below 1,024 (the default "
+        "text gives 4,096): give a longer --calibration-text, or --no-calibrate for round-to-nearest codes"]
+    # a short length asked for on purpose gets no note
+    notes.clear()
+    export(tiny_with_tokenizer, tmp_path / "c", "int8", block_size=16, table_block_size=16,
+           calibration_text=short, calibration_tokens=20, status=notes.append)
+    assert not [n for n in notes if n.startswith("note:")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", "short.txt"]
 
 
 def test_a_tokenizer_of_another_vocabulary_is_named_when_calibrating(tiny_with_tokenizer, text_file, tmp_path):
