@@ -30,11 +30,24 @@ pytestmark = [
 ]
 
 
-def _run(*args, emulated=False, cwd=None, allowed=(0,)):
+def _run(*args, emulated=False, cwd=None, allowed=(0,), env=None):
     cmd = [str(RUN), "python", *map(str, args)] if emulated else [sys.executable, *map(str, args)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=None if env is None else {**os.environ, **env})
     assert proc.returncode in allowed, proc.stderr[-2000:]
     return proc
+
+
+#: The tiny random model's next-word distributions are flat, so some of its 200 positions are
+#: near-ties that int8 activation rounding in another float order may flip (docs/sl2610.md). A
+#: wrong kernel moves logits by far more than this.
+NEAR_TIE = 0.05
+
+
+def _assert_only_near_ties(report: dict) -> None:
+    """The two runs' top-1 differ only where the first run's best word led by less than NEAR_TIE."""
+    assert report["top1_agreement"] >= 0.98, report
+    assert report["disagreements"] == 0 or report["disagreement_margin_max"] < NEAR_TIE, report
+    assert report["max_abs_logit_diff"] < 0.5, report
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +73,8 @@ def test_tiny_int8_tokens_equal_on_emulated_aarch64(tiny_int8_export, emulated_d
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["machines"] == ["x86_64", "aarch64"]
     assert all(report["greedy_identical"]), report
-    assert report["top1_agreement"] >= 0.995, report
-    assert report["max_abs_logit_diff"] < 0.5, report
-    assert result.returncode == 0
+    _assert_only_near_ties(report)
+    assert result.returncode in (0, 1)  # 1: below parity.py's 99.5% by near-ties
 
 
 def test_prepack_on_emulated_aarch64_gives_the_same_logits(tiny_int8_export, emulated_dump, tmp_path):
@@ -82,3 +94,17 @@ def test_prepack_on_emulated_aarch64_gives_the_same_logits(tiny_int8_export, emu
     assert np.array_equal(heap["logits"], mapped["logits"]) and np.array_equal(heap["greedy"], mapped["greedy"])
     host = OnnxDecoder(model)  # the aarch64 copy is not used on x86-64
     assert host.prepacked_path is None and "made for machine 'aarch64'" in host.prepacked_note
+
+
+def test_tiny_int8_runs_on_an_emulated_cortex_a72(tiny_int8_export, emulated_dump, tmp_path):
+    # the plain NEON kernels (no dotprod, no fp16 arithmetic): the board's A55 lies between this and
+    # qemu's "max". run.sh's /proc/cpuinfo must then claim no dotprod, or onnxruntime runs dotprod
+    # instructions and the process dies of SIGILL.
+    ids, arm = emulated_dump
+    a72 = _run(PARITY, "dump", "--model", tiny_int8_export, "--ids", ids, "--out", tmp_path / "a72.npz",
+               emulated=True, cwd=tmp_path, env={"GX_AARCH64_CPU": "cortex-a72"})
+    assert "aarch64: wrote" in a72.stdout
+    _run(PARITY, "compare", arm, tmp_path / "a72.npz", "--json", tmp_path / "report.json", allowed=(0, 1))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert all(report["greedy_identical"]), report
+    _assert_only_near_ties(report)

@@ -74,12 +74,21 @@ bind() {  # bind host folder $1 at the same path inside the root filesystem
 }
 
 # qemu 7.2 passes the host's (x86) /proc/cpuinfo through, and onnxruntime's cpuinfo library crashes
-# parsing it; inside the root filesystem it reads this one instead: the board's two Cortex-A55 cores.
+# parsing it; inside the root filesystem it reads this one instead: the board's two Cortex-A55 cores,
+# or two Cortex-A72 cores (no fp16 arithmetic, no dotprod) for QEMU_CPU cortex-a72. onnxruntime picks
+# its kernels from these features, so they must not claim more than the emulated CPU has: A55
+# features on a cortex-a72 made it run dotprod instructions and die of SIGILL.
 fake_cpuinfo() {
-  local n
+  local n features part variant
+  if [ "$CPU" = cortex-a72 ]; then
+    features="fp asimd evtstrm aes pmull sha1 sha2 crc32 cpuid" part=0xd08 variant=0x0
+  else
+    features="fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp"
+    part=0xd05 variant=0x2
+  fi
   for n in 0 1; do
-    printf 'processor\t: %s\nBogoMIPS\t: 48.00\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\n' "$n"
-    printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x2\nCPU part\t: 0xd05\nCPU revision\t: 0\n\n'
+    printf 'processor\t: %s\nBogoMIPS\t: 48.00\nFeatures\t: %s\n' "$n" "$features"
+    printf 'CPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: %s\nCPU part\t: %s\nCPU revision\t: 0\n\n' "$variant" "$part"
   done
 }
 
