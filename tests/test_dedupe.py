@@ -99,7 +99,7 @@ def test_torch_onnx_export_of_tiny_gemma(tmp_path):
     src = tmp_path / "torch" / "model.onnx"
     src.parent.mkdir()
     ids = torch.randint(3, 512, (1, 8))
-    torch.onnx.export(Logits(model), (ids,), str(src), input_names=["input_ids"], output_names=["logits"], dynamo=True)
+    torch.onnx.export(Logits(model).eval(), (ids,), str(src), input_names=["input_ids"], output_names=["logits"], dynamo=True)
     assert _optimized_tables(src, tmp_path, 512 * 64) == 2
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)])
