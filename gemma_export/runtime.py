@@ -489,13 +489,15 @@ _CANNOT_LOAD = "onnxruntime cannot load the model: "
 
 
 def create_session(path: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
-                   config: dict[str, str] | None = None):
+                   config: dict[str, str] | None = None, optimization: str = "all"):
     """An onnxruntime ``InferenceSession`` of ``path`` on the CPU provider, warnings silenced.
 
     Args:
         threads: intra-op threads (None: onnxruntime's default).
         optimized_model_path: onnxruntime writes its optimized graph there.
         config: session config entries (``SessionOptions.add_session_config_entry``).
+        optimization: onnxruntime's graph optimization level, ``all`` (default) or ``basic`` (no
+            fusions: the same arithmetic in another float32 order, for control runs).
 
     Raises:
         FormatError: onnxruntime cannot load (or write) the model; its first message line.
@@ -505,6 +507,8 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     check_threads(threads)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                                        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
     if threads:
         options.intra_op_num_threads = threads
     if optimized_model_path is not None:

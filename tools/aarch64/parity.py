@@ -57,7 +57,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def dump(args: argparse.Namespace) -> None:
-    from gemma_export.runtime import OnnxDecoder
+    from gemma_export.runtime import OnnxDecoder, create_session
 
     from gemma_export.errors import FormatError
 
@@ -71,14 +71,7 @@ def dump(args: argparse.Namespace) -> None:
     if args.optimization == "basic":
         # the same arithmetic in another float32 order: without onnxruntime's fusions (e.g. RMSNorm
         # stays Pow/ReduceMean/Sqrt/Div); a same-machine control for the cross-architecture figures
-        import onnxruntime as ort
-
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = args.threads
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-        options.log_severity_level = 3  # as the runtime's sessions: no warnings about overridable inputs
-        decoder.session = ort.InferenceSession(str(Path(args.model) / "model.onnx"), options,
-                                               providers=["CPUExecutionProvider"])
+        decoder.session = create_session(Path(args.model) / "model.onnx", args.threads, optimization="basic")
     greedy, times = [], []
     for prompt in payload["prompts"]:
         new_ids, _, decode_ms = decoder.greedy(prompt, payload["new_tokens"], stop_ids=[])
