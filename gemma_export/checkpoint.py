@@ -91,11 +91,12 @@ class RowView:
 
 class Tokenizer:
     """Tokenizer files to place beside an export, built on first use (rebuilding one from GGUF
-    metadata takes seconds)."""
+    metadata takes seconds), and the ``tokenizers.Tokenizer`` they hold, parsed once."""
 
-    def __init__(self, build: Callable[[], Mapping[str, bytes]]):
+    def __init__(self, build: Callable[[], Mapping[str, bytes]], parsed=None):
         self._build = build
         self._files: Mapping[str, bytes] | None = None
+        self._parsed = parsed
 
     @property
     def files(self) -> Mapping[str, bytes]:
@@ -103,6 +104,21 @@ class Tokenizer:
         if self._files is None:
             self._files = dict(self._build())
         return self._files
+
+    def parsed(self, where: Path):
+        """The ``tokenizers.Tokenizer`` of ``tokenizer.json`` (parsed on first use; a source that
+        already parsed it to validate it passes it in). ``where`` names the source in errors.
+
+        Raises:
+            FormatError: ``tokenizer.json`` is missing or unreadable.
+        """
+        if self._parsed is None:
+            from .tokenizer import read_tokenizer_json
+
+            if "tokenizer.json" not in self.files:
+                raise FormatError(f"{where}: the source's tokenizer has no tokenizer.json")
+            self._parsed = read_tokenizer_json(where / "tokenizer.json", self.files["tokenizer.json"])
+        return self._parsed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -563,15 +563,13 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
     Raises:
         ConfigError: the source has no tokenizer, or the text is shorter than MIN_CALIBRATION_TOKENS.
     """
-    from tokenizers import Tokenizer
-
     body, where = text
     files = ckpt.tokenizer.files if ckpt.tokenizer is not None else {}
     if "tokenizer.json" not in files:
         raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
                           "export without --calibrate (round-to-nearest codes)")
     # only a prefix of a long text is tokenized (encoding 10 MB of text took ~0.7 GB and 15 s)
-    ids = first_tokens(Tokenizer.from_str(files["tokenizer.json"].decode("utf-8")), body, tokens)
+    ids = first_tokens(ckpt.tokenizer.parsed(Path(ckpt.path)), body, tokens)
     if ids and max(ids) >= ckpt.config.vocab_size:
         raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
                           f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")

@@ -180,6 +180,28 @@ def test_export_calibrates_by_default_and_records_it(tiny_with_tokenizer, text_f
     assert (calibrated / "model.onnx.data").read_bytes() != (plain / "model.onnx.data").read_bytes()
 
 
+def test_a_folder_source_parses_its_tokenizer_once(tiny_with_tokenizer, text_file, tmp_path, monkeypatch):
+    # the folder reader validates tokenizer.json; calibration reuses that parse instead of a second one
+    import tokenizers
+
+    import gemma_export.tokenizer as tokenizer_module
+    from gemma_export.exporter import export
+
+    real, parses = tokenizers.Tokenizer, []
+
+    class Counting:
+        @staticmethod
+        def from_str(text):
+            parses.append(len(text))
+            return real.from_str(text)
+
+    monkeypatch.setattr(tokenizers, "Tokenizer", Counting)
+    monkeypatch.setattr(tokenizer_module, "Tokenizer", Counting)
+    export(tiny_with_tokenizer, tmp_path / "once", "int8", block_size=16, table_block_size=16,
+           calibration_text=text_file, calibration_tokens=64)
+    assert parses == [(tiny_with_tokenizer / "tokenizer.json").stat().st_size]
+
+
 def test_calibrated_int8_and_int4_track_transformers(tiny_with_tokenizer, tiny_model, text_file, tmp_path):
     # GPTQ moves rounding errors around; the export must still compute the same model
     from conftest import reference_logits

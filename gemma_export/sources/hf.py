@@ -116,12 +116,13 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     validate_tensors(config, tensors, str(folder))
     resolve_lm_head(config, tensors, str(folder))
     tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+    parsed = None
     if "tokenizer.json" in tokenizer_files:  # copied beside the export and used to calibrate: refuse it now
-        read_tokenizer_json(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
+        parsed = read_tokenizer_json(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
     return Checkpoint(
         config=config,
         tensors=tensors,
-        tokenizer=Tokenizer(lambda: tokenizer_files) if "tokenizer.json" in tokenizer_files else None,
+        tokenizer=Tokenizer(lambda: tokenizer_files, parsed) if "tokenizer.json" in tokenizer_files else None,
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
         files=(folder / "config.json", *shards),
