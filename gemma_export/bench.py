@@ -179,14 +179,13 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     if reference is not None:  # its files and IREE before the (long) measurement, not after it
-        from .errors import SourceNotFoundError
         from .reference_iree import _iree
         from .sources.mlir import find_archive
+        from .text_files import require_file
 
-        if not Path(reference).is_file():
-            raise SourceNotFoundError(f"--reference {reference}: no such file")
-        if reference_weights is not None and not Path(reference_weights).is_file():
-            raise SourceNotFoundError(f"--reference-weights {reference_weights}: no such file")
+        require_file(reference, "reference MLIR file (--reference)")
+        if reference_weights is not None:
+            require_file(reference_weights, "reference archive (--reference-weights)")
         if reference_weights is None:
             find_archive(Path(reference))
         _iree()

@@ -23,6 +23,7 @@ import numpy as np
 from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
 
 from .errors import FormatError, SourceNotFoundError
+from .text_files import require_file
 
 CHUNK_BYTES = 8 << 20
 #: Tensors smaller than this are counted but not checked for duplicates (norm weights and the like
@@ -466,11 +467,7 @@ def inspect_path(path: str | Path) -> Report:
         SourceNotFoundError: no such file.
         FormatError: the file is not one of the supported formats or is malformed.
     """
-    path = Path(path)
-    if path.is_dir():
-        raise SourceNotFoundError(f"{path}: is a folder; expected an .onnx, .safetensors, .gguf or .mlir file")
-    if not path.is_file():
-        raise SourceNotFoundError(f"{path}: no such file")
+    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file")
     with open(path, "rb") as f:
         magic = f.read(9)
     consumers: dict[str, list[str]] = {}

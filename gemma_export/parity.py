@@ -31,6 +31,8 @@ from .errors import FormatError, GemmaExportError, is_whole_number, shown
 from .runtime import DEFAULT_PREFILL_CHUNK
 from .text_files import not_unicode_at, read_text_file
 
+#: greedy tokens generated after each prompt for the comparison with transformers
+DEFAULT_NEW_TOKENS = 16
 #: prompts used when none are given: short real requests of the kinds the board runs
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -136,6 +138,16 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     return prompts
 
 
+def _bare_ids(path: str | Path) -> bool:
+    """True when a golden file (already read by :func:`read_golden`) is a bare list of ids."""
+    data = json.loads(read_text_file(path, "golden file"))
+    return isinstance(data, list) and all(is_whole_number(i) for i in data)
+
+
+#: keys of a golden entry (``generate --json`` writes them all; ``text`` is informative)
+GOLDEN_KEYS = ("prompt", "prompt_ids", "expected_ids", "text", "prefill_chunk")
+
+
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int], int | None]]:
     """``(prompt_ids, expected_ids, prefill_chunk)`` entries from a golden file.
 
@@ -172,6 +184,10 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "expected_ids" not in entry or not ({"prompt", "prompt_ids"} & set(entry)):
             raise FormatError(f"{path}: entry #{n} needs 'expected_ids' and 'prompt' or 'prompt_ids'")
+        unknown = [key for key in entry if key not in GOLDEN_KEYS]
+        if unknown:
+            raise FormatError(f"{path}: entry #{n} has key {shown(unknown[0])}; expected only "
+                              f"{', '.join(GOLDEN_KEYS)}")
         if isinstance(entry.get("prompt"), str) and not_unicode_at(entry["prompt"]) is not None:
             raise FormatError(f"{path}: entry #{n} 'prompt' is not valid Unicode text (a lone surrogate such as "
                               f"\\ud800); found {entry['prompt']!r:.60}")
@@ -267,7 +283,7 @@ def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: d
 # ---- the command --------------------------------------------------------------------------------
 def run_parity(model_dir: str | Path, *, against_transformers: bool = False, reference: str | Path | None = None,
                reference_weights: str | Path | None = None, reference_logits: bool = False,
-               golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int = 16,
+               golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int | None = None,
                threads: int | None = None, progress: Callable[[str], None] | None = None,
                prepacked: bool | None = None) -> ParityReport:
     """Compare an export with transformers, the reference export and/or a golden file.
@@ -279,12 +295,16 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         reference_logits: strip the reference's argmax tail to compare logits as well.
         golden: a golden file (see :func:`read_golden`).
         prompts: a prompts file (see :func:`read_prompts`); default :data:`DEFAULT_PROMPTS`.
-        new_tokens: greedy tokens generated after each prompt (positions compared with transformers).
+        new_tokens: greedy tokens generated after each prompt for the comparison with transformers
+            (default :data:`DEFAULT_NEW_TOKENS`); a golden entry generates as many as it expects.
         prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
             (the graph used is reported through ``progress``).
 
     Raises:
-        GemmaExportError: nothing to compare, unusable inputs, a missing optional dependency.
+        GemmaExportError: nothing to compare, unusable inputs, an option that no comparison asked for
+            uses (``reference_weights``/``reference_logits`` without ``reference``, ``new_tokens``
+            without ``against_transformers``, ``prompts`` with a golden file alone), a missing
+            optional dependency.
     """
     from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
@@ -292,6 +312,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     say = progress or (lambda _msg: None)
     if not (against_transformers or reference or golden):
         raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden")
+    if not reference and (reference_weights or reference_logits):
+        option = "--reference-weights" if reference_weights else "--reference-logits"
+        raise GemmaExportError(f"{option} applies to --reference, which is not given")
+    if new_tokens is not None and not against_transformers:
+        raise GemmaExportError("--new-tokens applies to --against transformers; a golden entry generates as many "
+                               "tokens as it expects, and --reference runs its fixed length")
+    new_tokens = DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens
     if new_tokens < 1:
         raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
     if against_transformers:
@@ -303,6 +330,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
+    if prompts is not None and golden and not (against_transformers or reference):
+        if not _bare_ids(golden):
+            raise GemmaExportError(f"--prompts: with --golden alone the golden entries carry their own prompts ({golden}); "
+                                   "--prompts applies to --against transformers and --reference")
+        if len(prompt_list) > 1:
+            raise GemmaExportError(f"--prompts: {golden} is a bare list of expected ids, which belongs to one prompt; "
+                                   f"{prompts} gives {len(prompt_list)}")
 
     def check_inputs(vocab: int | None, limit: int | None) -> None:
         """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
@@ -311,9 +345,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                 check_token_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
             for n, (prompt_ids, expected, _) in enumerate(golden_pairs):
                 check_token_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
-        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + new_tokens)
-                   for n, (_, ids) in enumerate(prompt_list)]
-        checked += [(f"{golden}: entry #{n}", len(p) + max(len(e), new_tokens)) for n, (p, e, _) in enumerate(golden_pairs)]
+        generated = new_tokens if against_transformers else 0  # the reference runs its own fixed length
+        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + generated)
+                   for n, (_, ids) in enumerate(prompt_list) if against_transformers or reference]
+        checked += [(f"{golden}: entry #{n}", len(p) + len(e)) for n, (p, e, _) in enumerate(golden_pairs)]
         for what, total in checked:
             if limit and total > limit:
                 raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "

@@ -8,13 +8,13 @@ from pathlib import Path
 from .errors import FormatError, SourceNotFoundError
 
 
-def read_text_file(path: str | Path, what: str) -> str:
-    """The whole of a UTF-8 text file; ``what`` names it in errors (e.g. ``"golden file"``).
+def require_file(path: str | Path, what: str) -> Path:
+    """``path`` as a :class:`Path` when it is an existing regular file; ``what`` names it in errors
+    (e.g. ``"MLIR file"``).
 
     Raises:
-        SourceNotFoundError: ``"{path}: no such {what}"``, a folder or other non-regular file, or an
-            OS error while reading (its reason).
-        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``.
+        SourceNotFoundError: ``"{path}: no such {what}"``, ``"{path}: is a folder; expected a
+            {what}"`` or ``"{path}: not a regular file; expected a {what}"``.
     """
     p = Path(path)
     if p.is_dir():
@@ -23,6 +23,17 @@ def read_text_file(path: str | Path, what: str) -> str:
         raise SourceNotFoundError(f"{p}: not a regular file; expected a {what}")
     if not p.is_file():
         raise SourceNotFoundError(f"{p}: no such {what}")
+    return p
+
+
+def read_text_file(path: str | Path, what: str) -> str:
+    """The whole of a UTF-8 text file; ``what`` names it in errors (e.g. ``"golden file"``).
+
+    Raises:
+        SourceNotFoundError: as :func:`require_file`, or an OS error while reading (its reason).
+        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``.
+    """
+    p = require_file(path, what)
     try:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:

@@ -101,7 +101,8 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     (["--json", "/nonexistent/dir/b.json"], "--json /nonexistent/dir/b.json: folder /nonexistent/dir does not exist"),
     (["--plot", "curve.txt"], "--plot curve.txt: expected a .png file name"),
     (["--json", "/proc/b.json"], "--json /proc/b.json: cannot write a file in /proc"),
-    (["--reference", "/nonexistent/gemma.mlir"], "--reference /nonexistent/gemma.mlir: no such file"),
+    (["--reference", "/nonexistent/gemma.mlir"], "/nonexistent/gemma.mlir: no such reference MLIR file (--reference)"),
+    (["--reference", "/tmp"], "/tmp: is a folder; expected a reference MLIR file (--reference)"),
 ])
 def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file), *args])

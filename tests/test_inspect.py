@@ -79,7 +79,9 @@ def test_bad_files_get_one_line(tmp_path):
     result = CliRunner().invoke(app, ["inspect", str(bad)])
     assert result.exit_code == 2 and "header length" in result.stderr
     result = CliRunner().invoke(app, ["inspect", str(tmp_path / "missing.onnx")])
-    assert result.exit_code == 2 and "no such file" in result.stderr
+    assert result.exit_code == 2 and "missing.onnx: no such .onnx, .safetensors, .gguf or .mlir file" in result.stderr
+    result = CliRunner().invoke(app, ["inspect", "/dev/null"])  # exists, but is no file to read
+    assert result.exit_code == 2 and "/dev/null: not a regular file; expected a" in result.stderr
 
 
 @pytest.mark.slow

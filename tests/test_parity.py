@@ -200,13 +200,67 @@ def test_golden_files(tiny_int8_export, tmp_path):
     wrong[3] = (wrong[3] + 1) % 96
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": wrong}, {"prompt": "the fox", "expected_ids": [5]}]))
-    result = _parity("--model", tiny_int8_export, "--golden", bad, "--prompts", tmp_path / "prompts.json", "--json", tmp_path / "r.json")
+    result = _parity("--model", tiny_int8_export, "--golden", bad, "--json", tmp_path / "r.json")
     assert result.exit_code == 1
     assert "golden entry #0: first mismatch at generated token 3 (from 0)" in result.stdout and "verdict: FAIL" in result.stdout
     assert "golden entry #1 (1 token)" in result.stdout  # the check rows name the file's entries
     report = json.loads((tmp_path / "r.json").read_text())
     assert [p["golden"]["first_mismatch"] for p in report["prompts"]] == [3, 0 if decoder.greedy(
         report["prompts"][1]["prompt_ids"], 1, stop_ids=())[0] != [5] else None]
+
+
+@pytest.mark.parametrize("golden_kind, args, message", [
+    ("objects", ["--prompts", "prompts.json"], "--prompts: with --golden alone the golden entries carry their own prompts"),
+    ("bare", ["--prompts", "two.json"], "is a bare list of expected ids, which belongs to one prompt; "),
+    ("bare", ["--new-tokens", "3"], "--new-tokens applies to --against transformers"),
+    ("bare", ["--reference-weights", "prompts.json"], "--reference-weights applies to --reference, which is not given"),
+    ("bare", ["--reference-logits"], "--reference-logits applies to --reference, which is not given"),
+    ("typo", [], "entry #0 has key \"prefil_chunk\"; expected only prompt, prompt_ids, expected_ids, text, prefill_chunk"),
+])
+def test_an_option_no_comparison_uses_is_refused(tiny_int8_export, tmp_path, golden_kind, args, message):
+    # an option that would be silently ignored (or a misspelt golden key) is named, before the model loads
+    (tmp_path / "prompts.json").write_text(json.dumps([[2, 7, 8]]))
+    (tmp_path / "two.json").write_text(json.dumps([[2, 7, 8], [2, 9]]))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps({"objects": [{"prompt_ids": [2, 7, 8], "expected_ids": [5]}], "bare": [5, 6],
+                                  "typo": [{"prompt_ids": [2, 7], "expected_ids": [5], "prefil_chunk": 0}]}[golden_kind]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden,
+                     *[tmp_path / a if a.endswith(".json") else a for a in args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_reference_paths_that_are_folders_are_named(reference, tiny_int8_export, tmp_path):
+    # a folder given as the archive, or lying beside the .mlir under the archive's name: one line, exit 2
+    _, mlir = reference
+    result = _parity("--model", tiny_int8_export, "--reference", mlir, "--reference-weights", tmp_path)
+    assert result.exit_code == 2 and f"{tmp_path}: is a folder; expected a reference archive (safetensors)" in result.output
+    assert "Traceback" not in result.output
+    result = _parity("--model", tiny_int8_export, "--reference", mlir.parent)
+    assert result.exit_code == 2 and f"{mlir.parent}: is a folder; expected a reference MLIR file" in result.output
+    lone = tmp_path / "lone"
+    (lone / "gemma.safetensors").mkdir(parents=True)
+    (lone / "gemma.mlir").write_bytes(mlir.read_bytes())
+    result = _parity("--model", tiny_int8_export, "--reference", lone / "gemma.mlir")
+    assert result.exit_code == 2 and "gemma.safetensors: is a folder; expected a reference archive" in result.output
+
+
+def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_int8_export, tmp_path):
+    # golden alone: the length check counts the expected ids, not --new-tokens' default of 16
+    import shutil
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 8
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6, 7, 8, 9, 10]}]))
+    result = _parity("--model", model, "--golden", golden)
+    assert "entry #0: 9 tokens (prompt + generated) exceed the model's max_position_embeddings 8" in result.output
+    golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6]}]))
+    result = _parity("--model", model, "--golden", golden)
+    assert "exceed" not in result.output and "golden entry #0" in result.output, result.output
 
 
 def test_vocabulary_of_262153_rows_with_added_tokens(tmp_path):

@@ -34,6 +34,7 @@ from quant.bf16 import bfloat16_bits_to_float32
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
 from ..config import DEFAULT_ROPE_THETA, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
+from ..text_files import require_file
 from .safetensors_header import read_header
 
 #: the reference exports are of Gemma 3 270M / FunctionGemma, whose sliding window is 512 tokens
@@ -106,9 +107,7 @@ def parse_mlir(path: str | Path) -> MlirModule:
         FormatError: a line over 1 MiB, a global with a dynamic or unknown tensor type, a global
             declared twice, or no global at all.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise SourceNotFoundError(f"{path}: no such MLIR file")
+    path = require_file(path, "reference MLIR file")
     globals_: list[MlirGlobal] = []
     functions: list[MlirFunction] = []
     seen: set[str] = set()
@@ -151,6 +150,9 @@ def find_archive(mlir_path: Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate
+    for candidate in candidates:
+        if candidate.exists():
+            require_file(candidate, "reference archive (safetensors)")
     raise SourceNotFoundError(f"{mlir_path}: no archive beside it (expected {' or '.join(c.name for c in candidates)})")
 
 
@@ -158,7 +160,7 @@ class Archive:
     """The flat safetensors archive, checked against the MLIR declarations before any data is read."""
 
     def __init__(self, module: MlirModule, path: Path):
-        self.path = path
+        self.path = require_file(path, "reference archive (safetensors)")
         entries = {e.name: e for e in read_header(path)}
         declared = {g.key: g for g in module.globals}
         missing = [g for g in module.globals if g.key not in entries]
