@@ -41,7 +41,10 @@ def _path(value: str | Path) -> Path:
 
 def _quality_reference(value: str) -> str:
     """``quality --reference``: a reference name, or an export folder (refused when empty, as :func:`_path`)."""
-    return value if value in ("transformers", "fp32") else str(_path(value))
+    if value in ("transformers", "fp32"):
+        return value
+    path = str(_path(value))
+    return f"./{path}" if path in ("transformers", "fp32") else path  # "./fp32" stays a folder, not the keyword
 
 
 class _OneLineUsageError(ClickException):
@@ -168,6 +171,20 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _refuse_export_options(ctx: typer.Context) -> None:
+    """Exit 2 when an export option stands before a subcommand (``gemma-export --dtype fp32 generate
+    ...``): it would otherwise be ignored without a word."""
+    given = [p for p in ctx.command.params
+             if getattr(ctx.get_parameter_source(p.name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")]
+    if given:
+        options = ", ".join(p.opts[0] for p in given)
+        kind = "is an export option and does" if len(given) == 1 else "are export options and do"
+        typer.echo(f"error: {options} {kind} nothing before `{ctx.invoked_subcommand}`; "
+                   f"give `{ctx.invoked_subcommand}`'s own options after it (see `gemma-export {ctx.invoked_subcommand} --help`)",
+                   err=True)
+        raise typer.Exit(2)
+
+
 @app.callback(invoke_without_command=True)
 def main(
     ctx: typer.Context,
@@ -192,6 +209,7 @@ def main(
     are in the module docstring, which ``--help`` shows)."""
     _stop_on_sigterm()
     if ctx.invoked_subcommand is not None:
+        _refuse_export_options(ctx)
         return
     from tqdm import tqdm
 

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError
 from .inspect import MIN_DUPLICATE_BYTES, inspect_path
-from .staging import staged_folder
+from .staging import check_outside_outputs, staged_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,8 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     Raises:
         FormatError: not an ONNX model, nothing to deduplicate, or two large tensors are close but
             not identical (merging them would change the model).
-        OutputError: ``out_dir`` is the input's folder.
+        OutputError: ``out_dir`` is the input's folder, not an empty folder, or inside an export or
+            bundle folder of this toolkit.
         VerificationError: outputs on random inputs changed.
     """
     in_path = Path(in_path)
@@ -121,6 +122,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
         raise OutputError(f"{out_dir}: choose a folder other than the input's")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputError(f"{out_dir}: exists and is not an empty folder")
+    check_outside_outputs(out_dir, "deduplicated model")
     if in_path.is_dir():
         raise FormatError(f"{in_path}: is a folder; expected an .onnx file")
     report = inspect_path(in_path)

@@ -418,6 +418,9 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     say(f"{len(ids)} tokens of {source}" + (f" (the whole text; {tokens} asked)" if tokens and tokens > len(ids) else ""))
     # The reference and the export advance together, CHUNK rows at a time: neither [T, V] logit
     # matrix (3.6 GB each for 3,400 tokens of Gemma's vocabulary) is ever held in full.
+    if reference in ("fp32", "transformers") and Path(reference).exists():
+        say(f"note: --reference {reference} is the keyword (a {'fresh fp32 export of the source' if reference == 'fp32' else 'transformers model'}), "
+            f"not the folder ./{reference} here; give ./{reference} to use the folder")
     with contextlib.ExitStack() as stack:
         if reference == "transformers":
             say("reference: transformers fp32 on the export's source weights")

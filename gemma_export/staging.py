@@ -221,6 +221,37 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
                           "space or choose another folder (nothing was written)")
 
 
+#: files that mark a folder as one of this toolkit's outputs (an export, a bundle)
+OUTPUT_MARKERS = ("manifest.json", "BUNDLE.json")
+
+
+def enclosing_output(path: Path) -> Path | None:
+    """The nearest folder above ``path`` that is an output of this toolkit (it holds a
+    :data:`OUTPUT_MARKERS` file that is a JSON object with a ``files`` map), or None. Writing into
+    such a folder would add files its manifest does not list, and ``verify`` would then refuse it."""
+    for parent in path.resolve().parents:
+        for marker in OUTPUT_MARKERS:
+            try:
+                data = json.loads((parent / marker).read_text(encoding="utf-8"))
+            except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+                continue
+            if isinstance(data, dict) and isinstance(data.get("files"), dict):
+                return parent
+    return None
+
+
+def check_outside_outputs(out_dir: Path, what: str) -> None:
+    """Refuse an output inside another output of this toolkit (:func:`enclosing_output`).
+
+    Raises:
+        OutputError: naming ``out_dir`` and the enclosing folder.
+    """
+    enclosing = enclosing_output(out_dir)
+    if enclosing is not None:
+        raise OutputError(f"{out_dir}: is inside {enclosing}, an output of gemma-export whose manifest would no longer "
+                          f"list every file in it; write the {what} elsewhere")
+
+
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
@@ -235,6 +266,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
     if out_dir.is_symlink():  # the rename would replace the link itself, not the folder it names
         raise OutputError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); give the folder itself")
     check_creatable(out_dir, what)
+    check_outside_outputs(out_dir, what)
     out = out_dir.resolve()
     if not out.exists():
         return
@@ -285,14 +317,17 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
 
 
 def _describe(exc: OSError, folder: Path) -> str:
-    """The reason of a failed write, with the free space left on that file system."""
+    """The reason of a failed write; for a full disk or a size limit, with the free space left on that
+    file system (other reasons, e.g. a folder that refuses changes, say nothing of space)."""
     reason = exc.strerror or str(exc)
     # ENOSPC / EFBIG / EDQUOT from the OS, or a short write reported without an errno (numpy's
     # tofile: "8192 requested and 6144 written")
     short = isinstance(exc, BlockingIOError) or (exc.errno is None and "written" in reason)
     if short or exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         reason += ": the disk is full or a file-size limit was reached"
-    existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
-    with contextlib.suppress(OSError, TypeError):
-        reason += f"; {shutil.disk_usage(existing).free:,} bytes free there"
+        existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+        with contextlib.suppress(OSError, TypeError):
+            reason += f"; {shutil.disk_usage(existing).free:,} bytes free there"
+    elif exc.filename:
+        reason += f" ({exc.filename})"
     return reason

@@ -441,3 +441,35 @@ def test_the_no_tokenizer_note_speaks_of_rounding_only_for_quantized_exports(tin
     assert result.exit_code == 0, result.output
     assert "note: no tokenizer" in result.stderr
     assert ("rounded to nearest" in result.stderr) is rounded
+
+
+@pytest.mark.parametrize("args", [
+    ["--dtype", "fp32", "inspect", "{model}/model.onnx"],
+    ["--out", "{tmp}/x", "generate", "--model", "{model}", "--prompt", "a"],
+    ["--format", "onnx", "--debug", "verify", "{model}"],
+])
+def test_export_options_before_a_subcommand_are_refused(tiny_int8_export, tmp_path, args):
+    # `gemma-export --dtype fp32 inspect ...` would run inspect and ignore --dtype without a word
+    args = [a.format(model=tiny_int8_export, tmp=tmp_path) for a in args]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    command = next(a for a in args if a in ("inspect", "generate", "verify"))
+    given = [a for a in args[:args.index(command)] if a.startswith("--")]
+    kind = "is an export option and does" if len(given) == 1 else "are export options and do"
+    assert f"error: {', '.join(given)} {kind} nothing before `{command}`" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_outputs_inside_an_export_folder_are_refused(tiny_dir, tiny_int8_export, tmp_path):
+    # files the enclosing export's manifest does not list would make `verify` (and bundle) refuse it
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    before = sorted(p.name for p in model.iterdir())
+    for args, what in ((["--source", str(tiny_dir), "--dtype", "fp32", "--out", str(model / "sub")], "export"),
+                       (["bundle", "--model", str(tiny_int8_export), "--out", str(model / "b")], "bundle"),
+                       (["dedupe", str(tiny_int8_export / "model.onnx"), "--out", str(model / "dd")], "deduplicated model")):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert f"is inside {model}, an output of gemma-export" in result.output and f"write the {what} elsewhere" in result.output
+        assert sorted(p.name for p in model.iterdir()) == before
+    assert runner.invoke(app, ["verify", str(model)]).exit_code == 0

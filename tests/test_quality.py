@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -402,3 +403,18 @@ def test_a_wrong_typed_source_record_is_refused_not_skipped(tiny_dir, tmp_path, 
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(FormatError, match=re.escape(words)):
         manifest_checkpoint(out)
+
+
+def test_a_folder_named_like_a_reference_keyword_is_reachable_as_a_path(tiny_int8_export, text_file, tmp_path, monkeypatch):
+    # `--reference ./fp32` means the folder; `--reference fp32` stays the keyword and says so
+    shutil.copytree(tiny_int8_export, tmp_path / "fp32")  # any export folder will do as the reference
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", "./fp32",
+                                 "--text", str(text_file), "--tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert "reference: the export in ./fp32" in result.output and "top-1        100.00%" in result.output
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", "fp32",
+                                 "--text", str(text_file), "--tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert "note: --reference fp32 is the keyword" in result.output
+    assert "reference: exporting the source at fp32" in result.output
