@@ -178,6 +178,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
+    if reference is None and reference_weights is not None:
+        raise GemmaExportError("--reference-weights applies to --reference, which is not given")
     if reference is not None:  # its files and IREE before the (long) measurement, not after it
         from .reference_iree import _iree
         from .sources.mlir import find_archive

@@ -80,7 +80,7 @@ class _Group(TyperGroup):
             # Ctrl-C while a lazily imported library (onnxruntime, torch) initialises reaches us as
             # "ImportError: initialization failed" raised from the KeyboardInterrupt
             if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-                _interrupted()
+                _interrupted(signal_exit=143 if isinstance(exc.__cause__ or exc.__context__, Terminated) else 130)
             raise
 
 
@@ -129,6 +129,10 @@ def _fail(exc: GemmaExportError, debug: bool) -> None:
 MAX_ERROR_CHARS = 500
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so that the same clean-up runs; exits 143 (128 + 15)."""
+
+
 def _stop_on_sigterm() -> None:
     """Treat SIGTERM (``timeout``, systemd, ``kill``) like Ctrl-C, so that writers clean up their
     staging folders instead of dying with them on disk."""
@@ -136,7 +140,7 @@ def _stop_on_sigterm() -> None:
     import threading
 
     def stop(_signum, _frame):
-        raise KeyboardInterrupt
+        raise Terminated
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, stop)
@@ -150,16 +154,17 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         yield
     except GemmaExportError as exc:
         _fail(exc, debug)
-    except KeyboardInterrupt:
-        _interrupted(writes)
+    except KeyboardInterrupt as exc:
+        _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 
 
-def _interrupted(writes: bool = True) -> None:
-    """Ctrl-C: one line and the shell's exit status for SIGINT (130); writers have cleaned up.
-    ``writes``: the command writes output (its message then says that nothing was written)."""
+def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
+    """Ctrl-C or SIGTERM: one line and the shell's exit status for the signal (130 for SIGINT, 143
+    for SIGTERM); writers have cleaned up. ``writes``: the command writes output (its message then
+    says that nothing was written)."""
     typer.echo("error: interrupted; nothing was written (an existing output folder is unchanged)" if writes
                else "error: interrupted", err=True)
-    raise typer.Exit(130)
+    raise typer.Exit(signal_exit)
 
 
 def _list_files(files: dict[str, int], width: int) -> None:

@@ -114,6 +114,9 @@ class Report:
     tensors: list[TensorEntry]
     duplicates: list[DuplicateGroup]
     consumers: dict[str, list[str]]  # ONNX: initializer → consumer op types
+    #: why no tensor data was read (a reference .mlir without its archive): sizes are the declared
+    #: ones and duplicates were not searched; None when the data was read
+    no_data: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -140,6 +143,7 @@ class Report:
             "duplicates": [{"kind": d.kind, "names": list(d.names), "bytes_each": d.nbytes_each,
                             "wasted_bytes": d.wasted_bytes} for d in self.duplicates],
             "consumers": self.consumers,
+            "duplicates_searched": self.no_data is None, "no_data": self.no_data,
         }
 
 
@@ -484,7 +488,16 @@ def inspect_path(path: str | Path) -> Report:
     else:
         raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
     with_data = [e for e in entries if e.path is not None or e.inline is not None]
-    return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers)
+    no_data = None
+    if entries and not with_data:
+        from .sources.mlir import find_archive
+
+        try:
+            find_archive(path)
+            no_data = "no tensor data"
+        except SourceNotFoundError as exc:
+            no_data = str(exc)
+    return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data)
 
 
 def _is_shared_table(ops: list[str]) -> bool:
@@ -499,7 +512,8 @@ def format_report(report: Report, top: int = 10) -> str:
     lines = [
         f"{report.path} ({report.format})",
         f"{'globals' if report.format == 'mlir' else 'tensors'}: {len(report.tensors)}, total elements: {report.total_elements:,} = "
-        f"{gib(4 * report.total_elements)} fp32; on disk {report.total_bytes:,} bytes ({gib(report.total_bytes)})",
+        f"{gib(4 * report.total_elements)} fp32; {'declared' if report.no_data else 'on disk'} {report.total_bytes:,} bytes "
+        f"({gib(report.total_bytes)})",
         "bytes by dtype: " + ", ".join(f"{k} {gib(v)}" for k, v in report.bytes_by_dtype().items()),
         f"largest {min(top, len(report.tensors))}:",
     ]
@@ -512,6 +526,8 @@ def format_report(report: Report, top: int = 10) -> str:
         for g in report.duplicates:
             lines.append(f"  {g.kind}: {', '.join(g.names)} — one table stored {g.count} times "
                          f"({100 * g.nbytes_each / total:.1f}% each)")
+    elif report.no_data:
+        lines.append(f"duplicates: not searched, no data was read ({report.no_data})")
     else:
         lines.append("duplicates: none")
     if report.consumers:

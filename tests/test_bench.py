@@ -103,6 +103,7 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     (["--json", "/proc/b.json"], "--json /proc/b.json: cannot write a file in /proc"),
     (["--reference", "/nonexistent/gemma.mlir"], "/nonexistent/gemma.mlir: no such reference MLIR file (--reference)"),
     (["--reference", "/tmp"], "/tmp: is a folder; expected a reference MLIR file (--reference)"),
+    (["--reference-weights", "/tmp/x.safetensors"], "--reference-weights applies to --reference, which is not given"),
 ])
 def test_bench_bad_arguments(tiny_int8_export, text_file, args, message):
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--text", str(text_file), *args])

@@ -205,6 +205,10 @@ def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):
     (tmp_path / "ref" / "gemma.safetensors").unlink()  # declarations only: sizes, no duplicate search
     report = inspect_path(mlir)
     assert len(report.tensors) == len(names) and report.duplicates == [] and report.total_bytes == sum(e.nbytes for e in report.tensors)
+    assert "no archive beside it" in report.no_data and report.to_dict(5)["duplicates_searched"] is False
+    printed = CliRunner().invoke(app, ["inspect", str(mlir)]).stdout
+    assert "duplicates: not searched, no data was read (" in printed and "duplicates: none" not in printed
+    assert f"; declared {report.total_bytes:,} bytes" in printed and "on disk" not in printed
 
 
 def test_int8_scales_must_be_per_row_f32(ref_model, tmp_path):
