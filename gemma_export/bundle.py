@@ -153,6 +153,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     """
     from .exporter import MANIFEST_FILE, verify_manifest
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
+    from .text_files import require_file
 
     if board not in BOARDS:
         raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
@@ -165,9 +166,9 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
     check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST)
     if wheel is not None:
-        wheel = Path(wheel)
-        if not wheel.is_file() or not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
-            raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file")
+        wheel = require_file(wheel, "wheel (--wheel)")
+        if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
+            raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file, found the name '{wheel.name}'")
         _check_wheel(wheel)
     # the model's files, its manifest and a wheel of ~0.1 MB
     check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + 10**5, "bundle")

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from .errors import FormatError, OutputError, VerificationError
 from .inspect import MIN_DUPLICATE_BYTES, inspect_path
 from .staging import check_outside_outputs, staged_folder
+from .text_files import require_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +124,9 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise OutputError(f"{out_dir}: exists and is not an empty folder")
     check_outside_outputs(out_dir, "deduplicated model")
-    if in_path.is_dir():
-        raise FormatError(f"{in_path}: is a folder; expected an .onnx file")
+    require_file(in_path, "model file (.onnx)")
+    if in_path.suffix != ".onnx":
+        raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")
     report = inspect_path(in_path)
     if report.format != "onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; this is {report.format}")

@@ -109,8 +109,9 @@ def _ownership(folder: Path) -> tuple[str, dict | None]:
         return f"has no {PREPACKED_MANIFEST}", None
     try:
         record = json.loads((folder / PREPACKED_MANIFEST).read_text())
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        record = None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        reason = "not UTF-8 JSON" if isinstance(exc, ValueError) else str(exc)
+        return f"has a {PREPACKED_MANIFEST} that cannot be read ({reason})", None
     if not (isinstance(record, dict) and record.get("format") == FORMAT):
         return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\"", None
     foreign = sorted(p.name for p in folder.iterdir()

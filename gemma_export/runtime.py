@@ -81,10 +81,17 @@ def read_manifest(model_dir: Path) -> dict:
             raise ValueError("it is a folder, not a file")
         if not manifest.is_file():
             return {}
-        value = json.loads(manifest.read_text(encoding="utf-8"))
+        text = manifest.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{manifest}: unreadable manifest: expected UTF-8 text, found byte "
+                          f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
+    try:
+        value = json.loads(text)
         if not isinstance(value, dict):
             raise ValueError(f"expected a JSON object, found {type(value).__name__}")
-    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
     return value
 

@@ -77,10 +77,12 @@ def test_tampered_export_is_refused_and_nothing_written(tiny_int8_export, wheel,
 
 @pytest.mark.parametrize("args, message", [
     (["--board", "pi5"], "--board: unknown board 'pi5'; known: sl2610"),
-    (["--wheel", "nothing.whl"], "nothing.whl: expected a gemma_export-*.whl file"),
+    (["--wheel", "nothing.whl"], "nothing.whl: no such wheel (--wheel)"),
+    (["--wheel", "{tmp}"], "is a folder; expected a wheel (--wheel)"),
 ])
 def test_bad_arguments(tiny_int8_export, tmp_path, args, message):
     out = tmp_path / "board"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), *args])
     assert result.exit_code == 2 and message in result.output
     assert len(result.output.strip().splitlines()) == 1

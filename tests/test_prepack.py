@@ -323,6 +323,7 @@ def test_a_prepacked_json_we_did_not_write_is_not_ours(export_copy):
     for args in (["prepack", "--model", export_copy], ["prepack", "--model", export_copy, "--remove"]):
         result = _run(*args)
         assert result.exit_code != 0 and "not a copy gemma-export wrote" in result.output
+        assert "has a prepacked.json that cannot be read (not UTF-8 JSON)" in result.output, result.output
     assert (folder / "model.onnx").read_text() == "mine too"
 
 
