@@ -732,6 +732,9 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     tokenizer = load_tokenizer(model_dir)
     prompt_ids = tokenizer.encode(prompt).ids
+    if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
+        raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
+                          "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,

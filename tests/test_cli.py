@@ -375,6 +375,20 @@ def test_progress_without_a_terminal_is_plain_lines(tiny_dir, tmp_path):
     assert lines[-1].startswith(f"writing: {total}/{total} ") and total > 10, result.stderr
 
 
+def test_a_tokenizer_that_gives_no_ids_is_blamed_not_the_prompt(tiny_int8_export, tmp_path):
+    # without its post-processor the tokenizer adds no <bos>: an empty prompt then has no ids at all
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    assert tokenizer["post_processor"] is not None
+    tokenizer["post_processor"] = None
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = _run("generate", "--model", model, "--prompt", "")
+    assert result.exit_code == 2
+    assert f"error: {model / 'tokenizer.json'}: gives no token ids for the prompt '', not even <bos>" in result.stderr
+    assert _run("generate", "--model", model, "--prompt", "the", "--max-new-tokens", 1).exit_code == 0
+
+
 def test_a_tokenizer_that_does_not_match_the_graph_is_named_not_a_traceback(tiny_int8_export, tmp_path):
     """tokenizer.json gives ids beyond the graph's 96 rows: generate and bench name the folder and
     the id before onnxruntime's Gather fails mid-run (it raised a RuntimeError traceback)."""
