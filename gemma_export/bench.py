@@ -344,13 +344,14 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
     files (``staging.entry_refused``), a plot that is not ``.png``, no matplotlib for ``--plot``, or
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
-    input folder such as the export's own ``manifest.json``).
+    input folder such as the export's own ``manifest.json``), or a file inside any export or bundle
+    folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying).
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
     """
     from .errors import OutputError
-    from .staging import entry_refused
+    from .staging import enclosing_output, entry_refused
 
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or (option == "--json" and to_stdout(path)):
@@ -366,6 +367,10 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                 what = ("overwrite the input" if target == source else
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
+        enclosing = enclosing_output(target)
+        if enclosing is not None:
+            raise OutputError(f"{option} {path}: would write into {enclosing}, an output of gemma-export whose manifest "
+                              "would no longer list every file in it; write it elsewhere")
         parent = target.parent
         if parent.exists() and not parent.is_dir():
             raise OutputError(f"{option} {path}: {parent} is a file, not a folder")

@@ -88,7 +88,8 @@ class ParityReport:
 
     @property
     def passed(self) -> bool:
-        return all(c.passed for c in self.checks)
+        """Every check passed, and there was at least one (a run that compared nothing fails)."""
+        return bool(self.checks) and all(c.passed for c in self.checks)
 
     def to_dict(self) -> dict:
         return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
@@ -505,5 +506,6 @@ def format_report(report: ParityReport) -> str:
     for c in report.checks:
         measured = f"{c.measured:.6g}" if isinstance(c.measured, float) else str(c.measured)
         lines.append(f"{c.name:<52} {measured:>14} {c.threshold:>10}  {'pass' if c.passed else 'FAIL'}")
-    lines.append(f"verdict: {'PASS' if report.passed else 'FAIL'}")
+    lines.append(f"verdict: {'PASS' if report.passed else 'FAIL'}"
+                 + ("" if report.checks else " (nothing was compared: every prompt was skipped)"))
     return "\n".join(lines)

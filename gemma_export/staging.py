@@ -268,6 +268,10 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
     check_creatable(out_dir, what)
     check_outside_outputs(out_dir, what)
     out = out_dir.resolve()
+    here = Path.cwd().resolve()
+    if out == here or out in here.parents:  # renaming it away fails (EBUSY) after all the work
+        raise OutputError(f"{out_dir}: is the current folder{'' if out == here else ' or holds it'}, which the {what} "
+                          "cannot replace; run from another folder or choose another --out")
     if not out.exists():
         return
     if not out.is_dir():

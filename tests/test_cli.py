@@ -486,4 +486,22 @@ def test_outputs_inside_an_export_folder_are_refused(tiny_dir, tiny_int8_export,
         assert result.exit_code == 2, result.output
         assert f"is inside {model}, an output of gemma-export" in result.output and f"write the {what} elsewhere" in result.output
         assert sorted(p.name for p in model.iterdir()) == before
+    for args in (["generate", "--model", str(tiny_int8_export), "--prompt", "a", "--max-new-tokens", "1", "--json", str(model / "g.json")],
+                 ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5", "--json", str(model / "b.json")]):
+        result = runner.invoke(app, args)  # a JSON report would also stop the other export from verifying
+        assert result.exit_code == 2 and f"would write into {model}, an output of gemma-export" in result.output, result.output
+    assert sorted(p.name for p in model.iterdir()) == before
     assert runner.invoke(app, ["verify", str(model)]).exit_code == 0
+
+
+def test_the_current_folder_cannot_be_the_export_folder(tiny_dir, tiny_int8_export, tmp_path, monkeypatch):
+    # renaming the current folder away fails only after the whole export: refused before any work
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    monkeypatch.chdir(model)
+    result = runner.invoke(app, ["--source", str(tiny_dir), "--dtype", "fp32", "--out", "."])
+    assert result.exit_code == 2 and "is the current folder, which the export cannot replace" in result.output
+    (tmp_path / "outer" / "inner").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "outer" / "inner")
+    result = runner.invoke(app, ["--source", str(tiny_dir), "--dtype", "fp32", "--out", ".."])
+    assert result.exit_code == 2 and "is the current folder or holds it" in result.output

@@ -245,6 +245,18 @@ def test_reference_paths_that_are_folders_are_named(reference, tiny_int8_export,
     assert result.exit_code == 2 and "gemma.safetensors: is a folder; expected a reference archive" in result.output
 
 
+def test_a_run_that_compares_nothing_fails(reference, tiny_int8_export, tmp_path):
+    # every prompt too long for the reference's fixed length: skipped, so no check ran; not a PASS
+    _, mlir = reference
+    prompts = tmp_path / "long.json"
+    prompts.write_text(json.dumps([[2] + [5] * (SEQ + 4)]))
+    result = _parity("--model", tiny_int8_export, "--reference", mlir, "--prompts", prompts, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert "verdict: FAIL (nothing was compared: every prompt was skipped)" in result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is False and report["checks"] == []
+
+
 def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_int8_export, tmp_path):
     # golden alone: the length check counts the expected ids, not --new-tokens' default of 16
     import shutil
