@@ -286,7 +286,7 @@ def _export_summary(result, archive: int) -> None:
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 
 
-THREADS_HELP = "onnxruntime intra-op threads (default: onnxruntime's, one per core)."
+THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (default: onnxruntime's, one per core)."
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
                       "once). fp32 logits agree to 1e-4 either way; int8 ones move by up to ~0.7 (8-bit activations), "
                       "which can flip a near-tied token; "
@@ -341,9 +341,10 @@ def generate(
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text, "prefill_chunk": chunk or 0}, json_out)
     decode = sorted(result.decode_ms)
-    median = decode[len(decode) // 2] if decode else float("nan")
-    typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms, "
-               f"decode median {median:.1f} ms/token{'; pre-packed copy' if result.prepacked else ''}]", err=True)
+    # the first new token comes from the prefill: with one new token there is no decode step to time
+    timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"
+    typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
+               f"{timing}{'; pre-packed copy' if result.prepacked else ''}]", err=True)
     if result.prepacked_note and not result.prepacked:
         typer.echo(f"note: {result.prepacked_note}", err=True)
 

@@ -505,3 +505,12 @@ def test_the_current_folder_cannot_be_the_export_folder(tiny_dir, tiny_int8_expo
     monkeypatch.chdir(tmp_path / "outer" / "inner")
     result = runner.invoke(app, ["--source", str(tiny_dir), "--dtype", "fp32", "--out", ".."])
     assert result.exit_code == 2 and "is the current folder or holds it" in result.output
+
+
+def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
+    # one new token comes from the prefill alone: there is no decode step to take a median of
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 1)
+    assert result.exit_code == 0 and "1 new; prefill" in result.stderr and "no decode step" in result.stderr
+    assert "nan" not in result.stderr
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
+    assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token", result.stderr), result.stderr
