@@ -188,7 +188,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         require_file(reference, "reference MLIR file (--reference)")
         if reference_weights is not None:
             require_file(reference_weights, "reference archive (--reference-weights)")
-        if reference_weights is None:
+        else:
             find_archive(Path(reference))
         _iree()
     spec = None

@@ -79,8 +79,9 @@ class _Group(TyperGroup):
         except ImportError as exc:
             # Ctrl-C while a lazily imported library (onnxruntime, torch) initialises reaches us as
             # "ImportError: initialization failed" raised from the KeyboardInterrupt
-            if isinstance(exc.__cause__ or exc.__context__, KeyboardInterrupt):
-                _interrupted(signal_exit=143 if isinstance(exc.__cause__ or exc.__context__, Terminated) else 130)
+            interrupt = exc.__cause__ or exc.__context__
+            if isinstance(interrupt, KeyboardInterrupt):
+                _interrupted(signal_exit=143 if isinstance(interrupt, Terminated) else 130)
             raise
 
 

@@ -158,17 +158,18 @@ def _safetensors_entries(path: Path) -> list[TensorEntry]:
     return entries
 
 
-def _mlir_entries(path: Path) -> list[TensorEntry]:
-    """The ``util.global`` declarations of a reference MLIR, with their data from the flat archive
-    beside it (reshaped to the declared shapes) when there is one; without an archive the entries
-    carry no data (sizes only, no duplicate search)."""
+def _mlir_entries(path: Path) -> tuple[list[TensorEntry], str | None]:
+    """``(entries, no_data)``: the ``util.global`` declarations of a reference MLIR, with their data
+    from the flat archive beside it (reshaped to the declared shapes) when there is one; without an
+    archive the entries carry no data (sizes only, no duplicate search) and ``no_data`` says why."""
     from .sources.mlir import ELEMENT_TYPES, Archive, find_archive, parse_mlir
 
     module = parse_mlir(path)
+    no_data = None
     try:
         archive = Archive(module, find_archive(path))
-    except SourceNotFoundError:
-        archive = None
+    except SourceNotFoundError as exc:
+        archive, no_data = None, str(exc)
     entries = []
     for g in module.globals:
         st_dtype, width = ELEMENT_TYPES[g.element_type]
@@ -176,7 +177,7 @@ def _mlir_entries(path: Path) -> list[TensorEntry]:
         entries.append(TensorEntry(g.name, g.shape, st_dtype, g.count * width, g.count,
                                    archive.path if archive else None, offset,
                                    np.dtype(_SAFETENSORS_DTYPES[st_dtype]) if archive else None))
-    return entries
+    return entries, no_data
 
 
 def _gguf_entries(path: Path) -> list[TensorEntry]:
@@ -476,6 +477,7 @@ def inspect_path(path: str | Path) -> Report:
         magic = f.read(9)
     consumers: dict[str, list[str]] = {}
     dequantize: list[tuple[str, str, str | None]] = []
+    no_data = None
     if magic[:4] == b"GGUF":
         kind, entries = "gguf", _gguf_entries(path)
     elif path.suffix == ".safetensors" or magic[8:9] == b"{":
@@ -484,19 +486,11 @@ def inspect_path(path: str | Path) -> Report:
         kind = "onnx"
         entries, consumers, dequantize = _onnx_entries(path)
     elif path.suffix == ".mlir":
-        kind, entries = "mlir", _mlir_entries(path)
+        kind = "mlir"
+        entries, no_data = _mlir_entries(path)
     else:
         raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
     with_data = [e for e in entries if e.path is not None or e.inline is not None]
-    no_data = None
-    if entries and not with_data:
-        from .sources.mlir import find_archive
-
-        try:
-            find_archive(path)
-            no_data = "no tensor data"
-        except SourceNotFoundError as exc:
-            no_data = str(exc)
     return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data)
 
 

@@ -139,17 +139,12 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     return prompts
 
 
-def _bare_ids(path: str | Path) -> bool:
-    """True when a golden file (already read by :func:`read_golden`) is a bare list of ids."""
-    data = json.loads(read_text_file(path, "golden file"))
-    return isinstance(data, list) and all(is_whole_number(i) for i in data)
-
-
 #: keys of a golden entry (``generate --json`` writes them all; ``text`` is informative)
 GOLDEN_KEYS = ("prompt", "prompt_ids", "expected_ids", "text", "prefill_chunk")
 
 
-def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer) -> list[tuple[list[int], list[int], int | None]]:
+def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer,
+                prompts_file: str | Path | None = None) -> list[tuple[list[int], list[int], int | None]]:
     """``(prompt_ids, expected_ids, prefill_chunk)`` entries from a golden file.
 
     Accepted JSON: the board team's bare list of expected greedy ids (the generated tokens only,
@@ -161,8 +156,13 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     activations are rounded to 8 bits, which magnifies float-order differences), enough to flip a
     near-tied greedy token.
 
+    ``prompts_file``: the ``--prompts`` file that ``prompts`` came from, when only the golden check
+    uses it; only a bare list of ids takes its prompt from there, and that is one prompt.
+
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
+        GemmaExportError: ``prompts_file`` given for a golden file that carries its own prompts, or
+            with more than one prompt for a bare list of ids.
     """
     path = Path(path)
     text = read_text_file(path, "golden file")
@@ -176,7 +176,14 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             raise FormatError(f"{path}: {what} must be a non-empty list of token ids, found {shown(value)}")
         return value
 
-    if isinstance(data, list) and data and all(is_whole_number(i) for i in data):
+    bare = isinstance(data, list) and data and all(is_whole_number(i) for i in data)
+    if prompts_file is not None and not bare:
+        raise GemmaExportError(f"--prompts: with --golden alone the golden entries carry their own prompts ({path}); "
+                               "--prompts applies to --against transformers and --reference")
+    if bare:
+        if prompts_file is not None and len(prompts) > 1:
+            raise GemmaExportError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
+                                   f"{prompts_file} gives {len(prompts)}")
         return [(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK)]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
@@ -330,14 +337,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
     # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
-    golden_pairs = read_golden(golden, prompt_list, tokenizer) if golden else []
-    if prompts is not None and golden and not (against_transformers or reference):
-        if not _bare_ids(golden):
-            raise GemmaExportError(f"--prompts: with --golden alone the golden entries carry their own prompts ({golden}); "
-                                   "--prompts applies to --against transformers and --reference")
-        if len(prompt_list) > 1:
-            raise GemmaExportError(f"--prompts: {golden} is a bare list of expected ids, which belongs to one prompt; "
-                                   f"{prompts} gives {len(prompt_list)}")
+    golden_only = not (against_transformers or reference)
+    golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None) if golden else []
 
     def check_inputs(vocab: int | None, limit: int | None) -> None:
         """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
