@@ -201,10 +201,10 @@ def main(
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
-    table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: keep the shared table at int8 (layers stay int4)."),
+    table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: the shared table's codes: int4 (the default, like the layers) or int8 (layers stay int4)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
-    scale_method: Optional[ScaleMethod] = typer.Option(None, "--scale-method", help="int4 only: mse (clipping search, least squared error; the default) or rtn (round to nearest)."),
-    calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds to nearest."),
+    scale_method: Optional[ScaleMethod] = typer.Option(None, "--scale-method", help="int4 only: how each block's scale is chosen: mse (clipping search, least squared error; the default) or rtn (the block's largest magnitude). The codes are then chosen by GPTQ unless --no-calibrate."),
+    calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds each weight to nearest (int4 scales still follow --scale-method)."),
     calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", parser=_path, metavar="<path>", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 4,096; 16 to 16,384; more: better int8/int4 codes, slower export)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
@@ -462,7 +462,7 @@ def dedupe(
 @app.command()
 def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; given with --board, it wins)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; 1 to 4 x this machine's CPUs; given with --board, it wins)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),

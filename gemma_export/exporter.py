@@ -460,6 +460,11 @@ def export(
                    calibration_text, calibration_tokens)
     scale_method = scale_method or "mse"
     quantized = dtype in ("int8", "int4")
+    # the calibration option the user gave, if any: on a source without a tokenizer it is refused
+    # under its own name rather than ignored
+    asked = next((option for option, given in (("--calibrate", calibrate), ("--calibration-text", calibration_text),
+                                               ("--calibration-tokens", calibration_tokens))
+                  if given), None) if quantized else None
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     # a text the user asked for is read (and refused) before the slow source; the default text only
     # once the source is known to calibrate (a tokenizer-less source never needs it)
@@ -489,8 +494,9 @@ def export(
         estimate = _estimated_bytes(ckpt, dtype)
     check_free_space(out, int(0.95 * estimate), "export")
     calibration = None
-    if wants_text or (quantized and calibrate is None and ckpt.tokenizer is not None):
-        calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress, status)
+    if asked or (quantized and calibrate is None and ckpt.tokenizer is not None):
+        calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress, status,
+                                 asked or "--calibrate")
     if quantized:
         fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration)
     else:
@@ -556,9 +562,12 @@ FEW_CALIBRATION_TOKENS = 1024
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
-               status: Callable[[str], None] | None = None) -> Calibration:
+               status: Callable[[str], None] | None = None, option: str = "--calibrate") -> Calibration:
     """Activation statistics of the first ``tokens`` tokens of ``text`` (``calibration.collect``);
     ``status`` gets a note when the text gives fewer than :data:`FEW_CALIBRATION_TOKENS`.
+
+    ``option`` is the calibration option the user gave (named in the error when the source has no
+    tokenizer).
 
     Raises:
         ConfigError: the source has no tokenizer, or the text is shorter than MIN_CALIBRATION_TOKENS.
@@ -566,8 +575,8 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
     body, where = text
     files = ckpt.tokenizer.files if ckpt.tokenizer is not None else {}
     if "tokenizer.json" not in files:
-        raise ConfigError(f"{ckpt.path}: --calibrate needs a tokenizer and this source has none; "
-                          "export without --calibrate (round-to-nearest codes)")
+        raise ConfigError(f"{ckpt.path}: {option} needs a tokenizer (calibration tokenizes a text) and this source "
+                          f"has none; export without {option} (round-to-nearest codes)")
     # only a prefix of a long text is tokenized (encoding 10 MB of text took ~0.7 GB and 15 s)
     ids = first_tokens(ckpt.tokenizer.parsed(Path(ckpt.path)), body, tokens)
     if ids and max(ids) >= ckpt.config.vocab_size:

@@ -156,11 +156,16 @@ def test_every_bundle_board_is_one_bench_knows():
     """The bundle README's threads and memory headroom are those `bench --board` applies."""
     from gemma_export import bench, bundle
 
-    assert set(bundle.BOARDS) == set(bench.BOARDS)
+    assert set(bundle.BOARDS) == set(bench.BOARDS) == {"sl2610"}
     for board, spec in bench.BOARDS.items():
         text = bundle._readme(board, "gemma_export.whl", {"config": {}, "dtype": "int8"})
         assert f"--threads {spec['threads']} " in text
         assert f"less than {spec['headroom_bytes'] // 1_000_000} MB" in text
+    # the SL2610's own figures (issue #8 and the board team's notes): 2 cores, 1.9 GB, 300 MB kept free
+    spec = bench.BOARDS["sl2610"]
+    assert (spec["threads"], spec["memory_bytes"], spec["headroom_bytes"]) == (2, 1_900_000_000, 300_000_000)
+    text = bundle._readme("sl2610", "gemma_export.whl", {"config": {}, "dtype": "int8"})
+    assert "--threads 2 " in text and "less than 300 MB" in text
 
 
 def test_a_bundle_that_will_not_fit_is_refused_before_copying(tiny_int8_export, wheel, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,8 +93,21 @@ def test_output_under_a_file_and_created_parents_removed(tiny_dir, tmp_path):
     result = _run("--source", tiny_dir, "--out", blocker / "sub", "--dtype", "fp32")
     assert result.exit_code == 2 and f"cannot create the export folder: {blocker} is a file" in result.stderr
     src = _broken_copy(tiny_dir, tmp_path, None, _nan("model.layers.0.mlp.up_proj.weight"))
-    result = _run("--source", src, "--out", tmp_path / "new" / "a" / "out", "--dtype", "int8", "--block-size", 16)
-    assert result.exit_code == 2 and not (tmp_path / "new").exists()
+    created = []
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):  # records the folders the export creates for --out
+        real_mkdir(self, *args, **kwargs)
+        created.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Path, "mkdir", mkdir)
+        result = _run("--source", src, "--out", tmp_path / "new" / "a" / "out", "--dtype", "int8", "--block-size", 16)
+    # the NaN is found while tensors are written, after the parents and the staging folder exist
+    assert result.exit_code == 2 and "model.layers.0.mlp.up_proj.weight" in result.stderr, result.output
+    assert "NaN" in result.stderr or "nan" in result.stderr
+    assert any(p == tmp_path / "new" or tmp_path / "new" in p.parents for p in created)
+    assert not (tmp_path / "new").exists()
 
 
 def test_missing_source_path(tmp_path):
@@ -116,7 +130,7 @@ def test_failed_export_keeps_existing_output(tiny_dir, tmp_path):
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     src = _broken_copy(tiny_dir, tmp_path, None, _drop("model.norm.weight"))
     result = _run("--source", src, "--out", out, "--dtype", "fp32")
-    assert result.exit_code == 2
+    assert result.exit_code == 2 and "model.norm.weight" in result.stderr, result.output
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

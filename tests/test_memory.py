@@ -98,13 +98,21 @@ def test_collapse_is_a_no_op_without_the_huge_page_switch(tmp_path, monkeypatch)
     assert memory.collapse_to_huge_pages() == 0
 
 
-def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export):
+def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export, monkeypatch):
+    calls, collapse = [], memory.collapse_to_huge_pages
+
+    def spy():  # the real collapse, counted: the decoder must call it once, after session creation
+        calls.append(collapse())
+        return calls[-1]
+
     ids = np.arange(3, 15, dtype=np.int64)[None]
     feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
+    monkeypatch.setattr(memory, "collapse_to_huge_pages", spy)
     plain = OnnxDecoder(tiny_int8_export, prepacked=False, huge_pages=False)
-    assert plain.huge_page_bytes == 0
+    assert plain.huge_page_bytes == 0 and calls == []
     logits = plain.forward(*feeds, plain.empty_cache(1))[0]
     huge = OnnxDecoder(tiny_int8_export, prepacked=False)
+    assert len(calls) == 1 and huge.huge_page_bytes == calls[0]  # what moved is what the decoder reports
     assert np.array_equal(huge.forward(*feeds, huge.empty_cache(1))[0], logits)
 
 

@@ -4,6 +4,7 @@ report naming a layer broken on purpose."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -16,11 +17,11 @@ from gemma_export.cli import app
 from gemma_export.errors import FormatError
 from gemma_export.exporter import export
 from gemma_export.reference_iree import load_reference, strip_argmax_tail
-from gemma_export.runtime import OnnxDecoder
+from gemma_export.runtime import OnnxDecoder, load_tokenizer
 from jax_reference import SEQ, write_jax_reference
 from test_reference_mlir import _dequantized_model
 
-pytest.importorskip("iree.runtime")
+importlib.import_module("iree.runtime")  # test extra: a missing one fails loudly instead of skipping the module
 PROMPTS = [[2, 10, 20, 30, 40], [2, 5, 6, 7, 8, 9, 11, 12, 13], [2, 90, 3]]
 
 
@@ -181,6 +182,7 @@ def test_divergence_names_the_broken_layer(debug_export, prompts_file, tmp_path,
         assert (first["layer"], first["block"]) == (layer, block)
         earlier = [e for e in prompt["divergence"]["sub_blocks"]
                    if (e["layer"], e["block"] == "mlp") < (layer, block == "mlp")]
+        assert len(earlier) == 2 * layer + (block == "mlp")  # attention and MLP of each earlier layer
         assert all(e["relative_error"] < 1e-4 for e in earlier)  # everything before it still agrees
     assert f"first sub-block beyond 0.001: layer {layer} {block}" in result.stdout
     assert "verdict: FAIL" in result.stdout
@@ -198,15 +200,19 @@ def test_golden_files(tiny_int8_export, tmp_path):
     assert "golden entry #0: match" in result.stdout
     wrong = list(expected)
     wrong[3] = (wrong[3] + 1) % 96
+    # a text entry: tokenized by the export's tokenizer, and given a first token that cannot be greedy's
+    fox = load_tokenizer(tiny_int8_export).encode("the fox").ids
+    not_greedy = (decoder.greedy(fox, 1, stop_ids=())[0][0] + 1) % 96
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": wrong}, {"prompt": "the fox", "expected_ids": [5]}]))
+    bad.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": wrong},
+                               {"prompt": "the fox", "expected_ids": [not_greedy]}]))
     result = _parity("--model", tiny_int8_export, "--golden", bad, "--json", tmp_path / "r.json")
     assert result.exit_code == 1
     assert "golden entry #0: first mismatch at generated token 3 (from 0)" in result.stdout and "verdict: FAIL" in result.stdout
     assert "golden entry #1 (1 token)" in result.stdout  # the check rows name the file's entries
     report = json.loads((tmp_path / "r.json").read_text())
-    assert [p["golden"]["first_mismatch"] for p in report["prompts"]] == [3, 0 if decoder.greedy(
-        report["prompts"][1]["prompt_ids"], 1, stop_ids=())[0] != [5] else None]
+    assert report["prompts"][1]["prompt_ids"] == fox
+    assert [p["golden"]["first_mismatch"] for p in report["prompts"]] == [3, 0]
 
 
 @pytest.mark.parametrize("golden_kind, args, message", [

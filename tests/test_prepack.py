@@ -333,7 +333,8 @@ def test_a_re_export_keeps_user_files_in_prepacked(tiny_dir, tmp_path):
     assert _run("prepack", "--model", out).exit_code == 0
     (out / "prepacked" / "notes.txt").write_text("mine")
     result = _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16)
-    assert result.exit_code != 0 and (out / "prepacked" / "notes.txt").read_text() == "mine"
+    assert result.exit_code == 2 and (out / "prepacked" / "notes.txt").read_text() == "mine"
+    assert "is not an unchanged export of gemma-export" in result.output, result.output
 
 
 def test_one_prepack_at_a_time_and_verify_waits(export_copy):
@@ -342,8 +343,9 @@ def test_one_prepack_at_a_time_and_verify_waits(export_copy):
         for args in (["prepack", "--model", export_copy], ["prepack", "--model", export_copy, "--remove"],
                      ["verify", export_copy]):
             result = _run(*args)
-            assert result.exit_code != 0 and "a gemma-export prepack is working on this folder" in result.output \
-                or "another gemma-export prepack is working on this folder" in result.output, result.output
+            assert result.exit_code != 0 and ("a gemma-export prepack is working on this folder" in result.output
+                                              or "another gemma-export prepack is working on this folder" in result.output), \
+                result.output
     assert not prepack_module.busy(export_copy)
     assert _run("prepack", "--model", export_copy).exit_code == 0
 

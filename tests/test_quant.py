@@ -131,7 +131,6 @@ def test_int4_rtn_round_trip_error_is_bounded_by_half_a_step(symmetric):
     assert (err[inside] <= np.broadcast_to(step, err.shape)[inside] / 2 + 1e-6).all()
     assert (err <= step + 1e-6).all()  # code 7 clips the far side of the largest magnitude by < 1 step
     codes = unpack_nibbles(q.data)
-    assert codes.max() <= 15
     if symmetric:  # the largest-magnitude element of each block lands exactly on code 0 (-8 * scale)
         assert (codes.reshape(64, 4, 32).min(axis=2) == 0).all()
 

@@ -196,19 +196,22 @@ def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):
     assert report.format == "mlir" and [t.name for t in report.tensors] == names
     assert report.tensors[0].shape == (1024, 64)  # the declared shape, not the archive's flat [count]
     table = 1024 * 64
-    assert report.total_elements == sum(e.elements for e in report.tensors)
+    expected = sum(a.size for _, a in _trace(model))  # every global of the fixture, the table twice
+    assert report.total_elements == expected and report.total_bytes == 2 * expected  # all bf16
+    assert [t.elements for t in report.tensors] == [a.size for _, a in _trace(model)]
     assert [g.names for g in report.duplicates] == [("t0", names[-1])]  # embedding and head, 128 KiB each
     assert report.duplicates[0].wasted_bytes == table * 2
     printed = CliRunner().invoke(app, ["inspect", str(mlir)]).stdout
-    assert f"globals: {len(names)}, total elements: {report.total_elements:,}" in printed
+    assert f"globals: {len(names)}, total elements: {expected:,}" in printed
     assert f"t0, {names[-1]} — one table stored 2 times" in printed
     (tmp_path / "ref" / "gemma.safetensors").unlink()  # declarations only: sizes, no duplicate search
     report = inspect_path(mlir)
-    assert len(report.tensors) == len(names) and report.duplicates == [] and report.total_bytes == sum(e.nbytes for e in report.tensors)
+    assert len(report.tensors) == len(names) and report.duplicates == []
+    assert report.total_elements == expected and report.total_bytes == 2 * expected  # as declared: bf16
     assert "no archive beside it" in report.no_data and report.to_dict(5)["duplicates_searched"] is False
     printed = CliRunner().invoke(app, ["inspect", str(mlir)]).stdout
     assert "duplicates: not searched, no data was read (" in printed and "duplicates: none" not in printed
-    assert f"; declared {report.total_bytes:,} bytes" in printed and "on disk" not in printed
+    assert f"; declared {2 * expected:,} bytes" in printed and "on disk" not in printed
 
 
 def test_int8_scales_must_be_per_row_f32(ref_model, tmp_path):
