@@ -26,7 +26,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
-from .errors import GemmaExportError
+from .errors import GemmaExportError, ResourceError
 
 
 def _path(value: str | Path) -> Path:
@@ -499,7 +499,11 @@ def bench(
         if plot is not None:
             write_plot([result], plot)
             typer.echo(f"plot: {plot}", err=to_stdout(json_out))
-        check_board_budget(result)  # after the figures are shown and saved
+        try:
+            check_board_budget(result)  # after the figures are shown and saved
+        except ResourceError as exc:  # a verdict on the model, as parity's FAIL: exit 1 (2 is bad input)
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from None
 
 
 @app.command()
@@ -544,7 +548,7 @@ def parity(
     reference: Optional[Path] = typer.Option(None, "--reference", parser=_path, metavar="<path>", help="The board team's reference export (.mlir), run with IREE (needs the iree extra)."),
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     reference_logits: bool = typer.Option(False, "--reference-logits", help="Strip the reference's argmax tail and compare logits too."),
-    golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: a list of ids, or {prompt|prompt_ids, expected_ids} objects)."),
+    golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: {prompt|prompt_ids, expected_ids} objects, or a bare list of ids expected after the first prompt: of --prompts, else 'The capital of France is')."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: Optional[int] = typer.Option(None, "--new-tokens", metavar="<int>", help="With --against transformers: greedy tokens generated after each prompt and compared (at least 1; default 16). A golden entry generates as many as it expects."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),

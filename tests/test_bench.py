@@ -87,7 +87,7 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
                                                            "headroom_bytes": 50_000_000})
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
                                  "--board", "tinyboard", "--text", str(text_file)])
-    assert result.exit_code == 2
+    assert result.exit_code == 1  # a verdict, as parity's FAIL; 2 stays for bad input
     assert "peak resident memory" in result.output and "at least 50 MB must stay free" in result.output
     assert "decode           median" in result.output  # the figures are shown before the verdict
 
