@@ -117,7 +117,7 @@ short prompt and 0.4 × after a 512-token one (on x86-64), instead of above its 
 can reclaim under pressure. Skip it if the disk is short; everything works without it (the
 weights are then moved onto transparent huge pages after loading, when the board's kernel is
 Linux 6.1 or newer; `bench` prints how many MiB). `bench`
-fails with a message if peak memory leaves less than {headroom_mb} MB of the board's memory free.
+fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the board's memory free.
 """
 
 
