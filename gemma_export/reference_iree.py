@@ -97,8 +97,9 @@ def _cache_dir() -> Path:
     return Path(root) / "gemma-export" / "iree"
 
 
-def compile_reference(text: str, cache_dir: Path | None = None) -> bytes:
+def compile_reference(text: str, cache_dir: Path | None = None, source: str | Path | None = None) -> bytes:
     """Compile StableHLO MLIR text for the host CPU (llvm-cpu) to an IREE module; cached.
+    ``source``: the file the text came from, named in IREE's messages in place of ``<stdin>``.
 
     Raises:
         GemmaExportError: IREE is missing or rejects the MLIR (first line of its message).
@@ -119,6 +120,8 @@ def compile_reference(text: str, cache_dir: Path | None = None) -> bytes:
         vmfb = compiler.compile_str(text, target_backends=["llvm-cpu"], input_type="stablehlo", extra_args=list(COMPILE_FLAGS))
     except Exception as exc:
         first = next((line for line in str(exc).splitlines() if "error" in line), str(exc).splitlines()[0] if str(exc) else "")
+        if source is not None:  # IREE read the text from its stdin; its line numbers are the file's
+            first = first.replace("<stdin>", str(source))
         raise GemmaExportError(f"IREE cannot compile the reference MLIR: {first.strip()[:300]}") from None
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -220,7 +223,7 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
             text = strip_argmax_tail(text, function.name, vocab)
         except FormatError as exc:
             raise FormatError(f"{mlir_path}: {exc}") from None
-    vmfb = compile_reference(text, cache_dir)
+    vmfb = compile_reference(text, cache_dir, mlir_path)
     config = runtime.Config("local-task")
     index = runtime.ParameterIndex()
     index.load(str(archive.path))

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from conftest import make_tiny_model, reference_logits
 from gemma_export.cli import app
-from gemma_export.errors import FormatError
+from gemma_export.errors import FormatError, GemmaExportError
 from gemma_export.exporter import export
 from gemma_export.reference_iree import load_reference, strip_argmax_tail
 from gemma_export.runtime import OnnxDecoder, load_tokenizer
@@ -249,6 +249,23 @@ def test_reference_paths_that_are_folders_are_named(reference, tiny_int8_export,
     (lone / "gemma.mlir").write_bytes(mlir.read_bytes())
     result = _parity("--model", tiny_int8_export, "--reference", lone / "gemma.mlir")
     assert result.exit_code == 2 and "gemma.safetensors: is a folder; expected a reference archive" in result.output
+
+
+def test_mlir_iree_rejects_is_named_by_file_and_line(reference, tmp_path):
+    # IREE reads the text from its stdin; the message names the file (and the line) instead
+    import shutil
+
+    _, mlir = reference
+    broken = tmp_path / "broken.mlir"
+    lines = mlir.read_text().splitlines()
+    body = next(i for i, line in enumerate(lines) if line.strip().startswith("func.func @gemma")) + 1
+    lines.insert(body, "    %bogus = stablehlo.no_such_op : tensor<f32>")
+    broken.write_text("\n".join(lines) + "\n")
+    shutil.copy(mlir.with_suffix(".safetensors"), broken.with_suffix(".safetensors"))
+    with pytest.raises(GemmaExportError) as caught:
+        load_reference(broken, cache_dir=tmp_path / "cache")
+    message = str(caught.value)
+    assert f"{broken}:{body + 1}:" in message and "<stdin>" not in message, message
 
 
 def test_a_run_that_compares_nothing_fails(reference, tiny_int8_export, tmp_path):
