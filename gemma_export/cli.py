@@ -383,7 +383,7 @@ def prepack(
                f"{result.checked_tokens} tokens identical to the export's")
 
 
-@app.command()
+@app.command(short_help="Re-check an export folder against its manifest.")
 def verify(
     model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", parser=_path, help="An export folder (with manifest.json)."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
@@ -416,9 +416,9 @@ def verify(
         typer.echo(copy)
 
 
-@app.command()
+@app.command(short_help="Show what an archive carries, and tables stored twice.")
 def inspect(
-    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it)."),
+    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -437,7 +437,7 @@ def inspect(
     typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))
 
 
-@app.command()
+@app.command(short_help="Store each duplicated table of an ONNX model once.")
 def dedupe(
     model: Path = typer.Argument(..., metavar="MODEL", parser=_path, help="An ONNX model (with its external data) that stores a table twice."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="Folder for the rewritten model (must not exist or be empty)."),
@@ -459,7 +459,7 @@ def dedupe(
     typer.echo(f"outputs on random inputs: max |diff| {result.max_abs_diff:.3g}")
 
 
-@app.command()
+@app.command(short_help="Time and measure an export with onnxruntime.")
 def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; 1 to 4 x this machine's CPUs; given with --board, it wins)."),
@@ -506,7 +506,7 @@ def bench(
             raise typer.Exit(1) from None
 
 
-@app.command()
+@app.command(short_help="Teacher-forced quality of an export on real text.")
 def quality(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     reference: str = typer.Option("transformers", "--reference", parser=_quality_reference, metavar="<transformers|fp32|path>", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
@@ -541,7 +541,7 @@ class Against(str, enum.Enum):
     transformers = "transformers"
 
 
-@app.command()
+@app.command(short_help="Check an export against transformers, the reference, golden ids.")
 def parity(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (made with --debug-outputs to locate a divergence)."),
     against: Optional[Against] = typer.Option(None, "--against", help="transformers: fp32 on the export's source weights (needs the test extra). Default when no --reference/--golden is given."),
@@ -582,7 +582,7 @@ def parity(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(short_help="Write the folder the board team copies to the board.")
 def bundle(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first)."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced)."),

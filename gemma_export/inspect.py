@@ -466,13 +466,16 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str
 # ---- entry point --------------------------------------------------------------------------------
 def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
-    archive beside it; the type is read from the file).
+    archive beside it; the type is read from the file). An export folder stands for its
+    ``model.onnx``.
 
     Raises:
-        SourceNotFoundError: no such file.
+        SourceNotFoundError: no such file, or a folder without ``model.onnx``.
         FormatError: the file is not one of the supported formats or is malformed.
     """
-    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file")
+    if Path(path).is_dir() and (Path(path) / "model.onnx").is_file():  # an export folder: its graph
+        path = Path(path) / "model.onnx"
+    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")
     with open(path, "rb") as f:
         magic = f.read(9)
     consumers: dict[str, list[str]] = {}
@@ -506,8 +509,8 @@ def format_report(report: Report, top: int = 10) -> str:
     lines = [
         f"{report.path} ({report.format})",
         f"{'globals' if report.format == 'mlir' else 'tensors'}: {len(report.tensors)}, total elements: {report.total_elements:,} = "
-        f"{gib(4 * report.total_elements)} fp32; {'declared' if report.no_data else 'on disk'} {report.total_bytes:,} bytes "
-        f"({gib(report.total_bytes)})",
+        f"{gib(4 * report.total_elements)} fp32; {'declared' if report.no_data else 'tensor data'} {report.total_bytes:,} bytes "
+        f"({gib(report.total_bytes)}{'' if report.no_data else '; the files add headers and alignment'})",
         "bytes by dtype: " + ", ".join(f"{k} {gib(v)}" for k, v in report.bytes_by_dtype().items()),
         f"largest {min(top, len(report.tensors))}:",
     ]

@@ -71,6 +71,13 @@ def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     assert data["consumers"]["model.embed_tokens.weight"] == ["Gather", "MatMulNBits"]
     table = next(t for t in data["largest"] if t["name"] == "model.embed_tokens.weight")
     assert table["dtype"] == "UINT8" and table["shape"] == [96, 1, 64] and table["bytes"] == 96 * 64
+    # the export folder stands for its model.onnx: the same report
+    folder = CliRunner().invoke(app, ["inspect", str(out), "--json", "--top", "1000"])
+    assert folder.exit_code == 0 and json.loads(folder.stdout) == data
+    printed = CliRunner().invoke(app, ["inspect", str(out)]).stdout
+    data_bytes = sum(t["bytes"] for t in data["largest"])
+    assert f"tensor data {data_bytes:,} bytes" in printed
+    assert data_bytes <= (out / "model.onnx.data").stat().st_size + (out / "model.onnx").stat().st_size
 
 
 def test_bad_files_get_one_line(tmp_path):
