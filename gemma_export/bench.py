@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import GemmaExportError, ResourceError
+from .errors import BudgetExceeded, GemmaExportError
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .runtime import DEFAULT_PREFILL_CHUNK
 
@@ -276,13 +276,13 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
 
 
 def check_board_budget(result: BenchResult) -> None:
-    """Raises ResourceError when ``result`` ran for a board and its peak memory leaves less than
+    """Raises BudgetExceeded (exit status 1) when ``result`` ran for a board and its peak memory leaves less than
     the board's headroom free (call it after the figures are shown and saved)."""
     if result.board is None:
         return
     spec = BOARDS[result.board]
     if result.peak_rss_bytes > spec["memory_bytes"] - spec["headroom_bytes"]:
-        raise ResourceError(
+        raise BudgetExceeded(
             f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
             f"{(spec['memory_bytes'] - result.peak_rss_bytes) / 1e6:,.0f} MB of the {result.board}'s "
             f"{spec['memory_bytes'] / 1e9:.1f} GB; at least {spec['headroom_bytes'] / 1e6:.0f} MB must stay free")

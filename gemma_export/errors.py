@@ -54,3 +54,10 @@ class VerificationError(GemmaExportError):
 
 class ResourceError(GemmaExportError):
     """A measured resource (memory, disk) exceeds the budget the user asked for."""
+
+
+class BudgetExceeded(ResourceError):
+    """A measured model does not fit the board it was measured for: a verdict on the model, like
+    parity's FAIL, so the CLI exits 1 (2 stays for bad input)."""
+
+    exit_code = 1

@@ -358,15 +358,21 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
     quantized = dtype in ("int8", "int4")
-    for option, given in (("--calibrate", bool(calibrate)), ("--calibration-text", calibration_text is not None),
-                          ("--calibration-tokens", calibration_tokens is not None)):
-        if given and not quantized:
+    for option in _calibration_options(calibrate, calibration_text, calibration_tokens):
+        if not quantized:
             raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
-        if given and calibrate is False:  # only the two value options can meet --no-calibrate
+        if calibrate is False:  # only the two value options can meet --no-calibrate
             raise ConfigError(f"{option} is used only when calibrating; drop --no-calibrate")
     if calibration_tokens is not None and not MIN_CALIBRATION_TOKENS <= calibration_tokens <= MAX_CALIBRATION_TOKENS:
         raise ConfigError(f"--calibration-tokens {calibration_tokens}: expected {MIN_CALIBRATION_TOKENS} to "
                           f"{MAX_CALIBRATION_TOKENS:,}")
+
+
+def _calibration_options(calibrate: bool | None, calibration_text, calibration_tokens: int | None) -> list[str]:
+    """The calibration options the user gave, by name (``--no-calibrate`` is not one of them)."""
+    return [option for option, given in (("--calibrate", bool(calibrate)),
+                                         ("--calibration-text", calibration_text is not None),
+                                         ("--calibration-tokens", calibration_tokens is not None)) if given]
 
 
 def _estimated_bytes(ckpt: Checkpoint, dtype: str, layer_block: int = 0, table_block: int = 0,
@@ -462,9 +468,7 @@ def export(
     quantized = dtype in ("int8", "int4")
     # the calibration option the user gave, if any: on a source without a tokenizer it is refused
     # under its own name rather than ignored
-    asked = next((option for option, given in (("--calibrate", calibrate), ("--calibration-text", calibration_text),
-                                               ("--calibration-tokens", calibration_tokens))
-                  if given), None) if quantized else None
+    asked = next(iter(_calibration_options(calibrate, calibration_text, calibration_tokens)), None)
     calibration_tokens = calibration_tokens or DEFAULT_CALIBRATION_TOKENS
     # a text the user asked for is read (and refused) before the slow source; the default text only
     # once the source is known to calibrate (a tokenizer-less source never needs it)
