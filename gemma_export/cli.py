@@ -310,7 +310,7 @@ PREPACKED_HELP = ("Load the folder's pre-packed copy (written by `gemma-export p
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added)."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat or function-calling turn can be written out."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),

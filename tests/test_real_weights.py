@@ -115,6 +115,8 @@ def test_tokenizer_matches_transformers(hf_reference, int8_dir):
                "  two  spaces\tand tab\n\nnew paragraph — ünïcödé 東京 🙂 1234567"]
     for text in samples:
         assert ours.encode(text).ids == reference(text).input_ids
+    # special-token text becomes the control token (generate --prompt says so), not its characters
+    assert ours.encode(samples[2]).ids[:2] == [2, ours.token_to_id("<start_of_turn>")]
     ids = ours.encode(samples[1]).ids
     assert ours.decode(ids, skip_special_tokens=True) == reference.decode(ids, skip_special_tokens=True)
 
