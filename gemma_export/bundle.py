@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -73,8 +74,12 @@ def build_wheel(dest: Path) -> Path:
                 shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(root / name, tree / name)
+        # pip's own temporary folders go into the scratch folder too, so an interrupted build
+        # (Ctrl-C kills pip mid-build) leaves none of them in the system's temporary folder
+        pip_tmp = Path(scratch) / "tmp"
+        pip_tmp.mkdir()
         proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(tree)],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env={**os.environ, "TMPDIR": str(pip_tmp)})
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -26,7 +26,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
-from .errors import GemmaExportError
+from .errors import GemmaExportError, os_error_line
 
 
 def _path(value: str | Path) -> Path:
@@ -155,6 +155,10 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         yield
     except GemmaExportError as exc:
         _fail(exc, debug)
+    except OSError as exc:  # an input that cannot be read (writes fail as OutputError inside the writers)
+        if debug:
+            raise
+        _fail(GemmaExportError(os_error_line(exc)), debug)
     except KeyboardInterrupt as exc:
         _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 

@@ -7,7 +7,9 @@ what was found.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 
 def shown(value, limit: int = 60) -> str:
@@ -20,6 +22,35 @@ def shown(value, limit: int = 60) -> str:
 def is_whole_number(value) -> bool:
     """A JSON number read as a Python ``int``, not ``true``/``false`` (which Python's ``bool`` also is)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def printable_path(path) -> str:
+    """A path for a message: bytes that are not UTF-8 (kept by Python as surrogates) shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def check_utf8_path(path, what: str) -> None:
+    """Refuse a path that is not valid UTF-8: the onnx checker and onnxruntime take UTF-8 paths only,
+    so such a folder would fail deep inside them with a misleading message.
+
+    Raises:
+        GemmaExportError: naming the path (bytes shown as ``\\xNN``) and ``what`` it is.
+    """
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise GemmaExportError(f"{printable_path(path)}: the {what} path is not valid UTF-8, which onnx and onnxruntime "
+                               "need; rename it") from None
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an ``OSError`` that reached the command line (an input that cannot be read:
+    permissions, an I/O error): the file and the system's reason."""
+    reason = exc.strerror or str(exc)
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        reason += " (check the file's permissions)"
+    named = isinstance(exc.filename, (str, bytes, os.PathLike))
+    return f"{printable_path(exc.filename)}: {reason}" if named else reason
 
 
 class GemmaExportError(Exception):

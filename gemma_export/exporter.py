@@ -31,7 +31,7 @@ from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folde
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
-from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
+from .staging import check_free_space, check_replaceable, file_sha256, folder_state, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
@@ -358,6 +358,8 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
     quantized = dtype in ("int8", "int4")
+    if calibrate is False and not quantized:  # as --calibrate is: an option that would do nothing
+        raise ConfigError(f"--no-calibrate applies to --dtype int8 and int4, not {dtype} (nothing is calibrated)")
     for option in _calibration_options(calibrate, calibration_text, calibration_tokens):
         if not quantized:
             raise ConfigError(f"{option} applies to --dtype int8 and int4, not {dtype}")
@@ -485,6 +487,7 @@ def export(
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
     _check_destination(out, ckpt, replaceable_checked=early)
+    checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
@@ -509,7 +512,7 @@ def export(
     model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
     replaced_copy = (out / PREPACKED_DIR).is_dir()  # made from the files this export replaces
-    with staged_folder(out, "export") as staging:
+    with staged_folder(out, "export", checked_state) as staging:
         # ir.save reports the tensors it writes to the data file: those larger than SIZE_THRESHOLD_BYTES
         total = sum(1 for v in model.graph.initializers.values()
                     if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)

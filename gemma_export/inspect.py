@@ -476,8 +476,11 @@ def inspect_path(path: str | Path) -> Report:
     if Path(path).is_dir() and (Path(path) / "model.onnx").is_file():  # an export folder: its graph
         path = Path(path) / "model.onnx"
     path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")
-    with open(path, "rb") as f:
-        magic = f.read(9)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(9)
+    except OSError as exc:  # a read error carries no file name of its own
+        raise FormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     consumers: dict[str, list[str]] = {}
     dequantize: list[tuple[str, str, str | None]] = []
     no_data = None

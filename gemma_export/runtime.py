@@ -20,7 +20,8 @@ import numpy as np
 
 from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import FormatError, GemmaExportError, ResourceError, SourceNotFoundError, is_whole_number, shown
+from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoundError, check_utf8_path, is_whole_number,
+                     shown)
 from .onnx_files import graph_dtype, load_graph
 from .text_files import not_unicode_at
 
@@ -114,12 +115,41 @@ def require_folder(folder: Path, holding: str) -> None:
         SourceNotFoundError: no such folder, something else by that name, or a bundle folder
             (naming the export inside it).
     """
+    check_utf8_path(folder, "export folder")
     if not folder.exists():
         raise SourceNotFoundError(f"{folder}: no such export folder")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
     if (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file():
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
+
+
+def check_listed_files(manifest: dict, model_dir: Path) -> None:
+    """The weight data files an export's manifest lists (``model.onnx.data``) have the sizes it
+    records and can be read: a cheap check (one ``stat`` and ``open`` per file) against a folder
+    changed after the export, e.g. the data file of another export copied in, which onnxruntime
+    would run without a word. The graph and the tokenizer have checks of their own (against each
+    other and the manifest); a missing file is left to the step that reads it; ``gemma-export
+    verify`` compares every byte of every file.
+
+    Raises:
+        FormatError: naming the first file whose size differs from the manifest's.
+        OSError: a listed file cannot be opened for reading (permissions, I/O error).
+    """
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return
+    for name, entry in files.items():
+        path = model_dir / name
+        if not (name.startswith(f"{MODEL_FILE}.") and isinstance(entry, dict) and is_whole_number(entry.get("bytes"))
+                and path.is_file()):
+            continue
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise FormatError(f"{path}: {size:,} bytes, but {model_dir / MANIFEST_FILE} records {entry['bytes']:,}: the "
+                              f"folder changed after the export (export it again; gemma-export verify checks every file)")
+        with open(path, "rb"):
+            pass
 
 
 def check_export_folder(model_dir: str | Path) -> Path:
@@ -174,6 +204,7 @@ class OnnxDecoder:
         path = check_export_folder(self.model_dir)
         #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says: checked below
         self.dtype = graph_dtype(load_graph(path))  # a readable graph whose external data are files of this folder
+        check_listed_files(read_manifest(self.model_dir), self.model_dir)
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import OutputError
+from .errors import OutputError, check_utf8_path
 
 
 @contextlib.contextmanager
@@ -177,6 +177,7 @@ def check_creatable(out_dir: Path, what: str) -> None:
     Raises:
         OutputError: naming the blocking path and the reason.
     """
+    check_utf8_path(out_dir, f"{what} folder")
     blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
@@ -285,14 +286,38 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
                           f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder")
 
 
+def folder_state(folder: Path) -> tuple | None:
+    """What ``folder`` holds, to tell whether it changed: None when nothing is there, else every entry
+    below it (relative path, kind, size, modification time in ns, inode), sorted. A folder
+    that cannot be listed gives its own entry's state."""
+    try:
+        top = folder.lstat()
+    except OSError:
+        return None
+    state = [(".", top.st_mode, 0, 0, top.st_ino)]
+    if folder.is_dir() and not folder.is_symlink():
+        try:
+            for path in folder.rglob("*"):
+                with contextlib.suppress(OSError):
+                    st = path.lstat()
+                    state.append((str(path.relative_to(folder)), st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino))
+        except OSError:
+            pass
+    return tuple(sorted(state))
+
+
 @contextlib.contextmanager
-def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
+def staged_folder(out_dir: Path, what: str, checked_state: tuple | None | bool = False) -> Iterator[Path]:
     """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
-    staging folder (made ``0755``) replaces ``out_dir``.
+    staging folder (made ``0755``) replaces ``out_dir``, unless ``out_dir`` changed since
+    ``checked_state`` (its :func:`folder_state` when the caller checked it could be replaced; by
+    default, when this block began): a file a user added, another process's output. Then nothing is
+    replaced, since the folder no longer holds what was checked.
 
     Raises:
-        OutputError: the folder cannot be created, or writing failed with an ``OSError`` (no space
-            left, a file-size limit, a read-only file system); ``what`` names the output in the message.
+        OutputError: the folder cannot be created, it changed meanwhile, or writing failed with an
+            ``OSError`` (no space left, a file-size limit, a read-only file system); ``what`` names
+            the output in the message.
         Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included).
     """
     check_creatable(out_dir, what)
@@ -303,11 +328,17 @@ def staged_folder(out_dir: Path, what: str) -> Iterator[Path]:
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
-    existed = out_dir.exists()
+    before = folder_state(out_dir) if checked_state is False else checked_state
+    existed = before is not None
     try:
         with held_folder(staging):
             yield staging
             staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
+            if folder_state(out_dir) != before:
+                raise OutputError(
+                    f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
+                    f"added, removed or rewritten, or another gemma-export writing to the same folder); the {what} "
+                    f"was not moved in and {out_dir} is left as it is now: run again or choose another folder")
             move_into_place(staging, out_dir)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)

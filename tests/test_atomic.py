@@ -172,3 +172,41 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
     with held_folder(live):
         assert remove_stale(tmp_path / "out") == [dead]
     assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_file_added_to_the_output_folder_during_an_export_is_kept(tiny_dir, tmp_path, existing):
+    # the folder was checked before the slow work; a user's file (or another export's folder) that
+    # lands in it meanwhile must stop the move, not be renamed away and deleted with the old output
+    out = tmp_path / "model"
+    if existing:
+        assert _export(tiny_dir, out).exit_code == 0
+    before = _tree(out) if existing else {}
+
+    def add_notes(done, total, name):
+        if done == 1:
+            out.mkdir(exist_ok=True)
+            (out / "NOTES.txt").write_text("mine")
+
+    with pytest.raises(exporter.OutputError) as caught:
+        exporter.export(tiny_dir, out, "fp32", progress=add_notes)
+    message = str(caught.value)
+    assert message.startswith(f"{out}: {'changed' if existing else 'appeared'} while the export was being written")
+    assert "was not moved in" in message
+    assert (out / "NOTES.txt").read_text() == "mine"
+    assert {k: v for k, v in _tree(out).items() if k != "NOTES.txt"} == before  # the old export, untouched
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # the staging folder is gone
+
+
+def test_two_writers_of_one_folder_the_second_to_finish_is_refused(tmp_path):
+    from gemma_export.staging import OutputError, folder_state, staged_folder
+
+    out = tmp_path / "out"
+    first_checked = folder_state(out)  # both checked the folder when it did not exist
+    with staged_folder(out, "export") as staging:
+        (staging / "a.txt").write_text("first")
+    with pytest.raises(OutputError, match="appeared while the export was being written"):
+        with staged_folder(out, "export", first_checked) as staging:
+            (staging / "a.txt").write_text("second")
+    assert (out / "a.txt").read_text() == "first"
+    assert sorted(os.listdir(tmp_path)) == ["out"]

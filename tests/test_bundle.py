@@ -179,3 +179,26 @@ def test_a_bundle_that_will_not_fit_is_refused_before_copying(tiny_int8_export, 
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
     assert result.exit_code == 2 and re.search(r"board: the bundle needs about 0\.\d MB and .* has 0\.0 MB free", result.output), result.output
     assert not out.exists()
+
+
+def test_pip_keeps_its_temporary_folders_in_the_wheel_build_scratch_folder(tmp_path, monkeypatch):
+    # pip killed mid-build (Ctrl-C on bundle) leaves its pip-build-env-* folders behind in TMPDIR:
+    # that TMPDIR must be the build's own scratch folder, which is removed whatever happens
+    import subprocess
+
+    from gemma_export import bundle
+    from gemma_export.errors import GemmaExportError
+
+    seen = {}
+
+    def interrupted_pip(command, **kwargs):
+        tmp = kwargs["env"]["TMPDIR"]
+        (bundle.Path(tmp) / "pip-build-env-x").mkdir()  # what a killed pip leaves
+        seen["tmp"] = tmp
+        return subprocess.CompletedProcess(command, 1, "", "ERROR: interrupted")
+
+    monkeypatch.setattr(bundle.subprocess, "run", interrupted_pip)
+    with pytest.raises(GemmaExportError, match="ERROR: interrupted"):
+        bundle.build_wheel(tmp_path)
+    assert seen["tmp"].startswith(bundle.tempfile.gettempdir()) and "gemma-export-wheel-" in seen["tmp"]
+    assert not bundle.Path(seen["tmp"]).exists()

@@ -528,3 +528,69 @@ def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
     assert "nan" not in result.stderr
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
     assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token", result.stderr), result.stderr
+
+
+def test_an_export_whose_data_file_was_swapped_is_refused_before_running(tiny_int8_export, tiny_dir, tmp_path):
+    # onnxruntime runs another export's (larger) data file without a word and prints garbage text;
+    # the manifest records every file's size, so the runtime compares them first
+    from gemma_export.exporter import export
+
+    fp32 = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    recorded = json.loads((model / "manifest.json").read_text())["files"]["model.onnx.data"]["bytes"]
+    shutil.copyfile(fp32 / "model.onnx.data", model / "model.onnx.data")
+    found = (model / "model.onnx.data").stat().st_size
+    assert found != recorded
+    for command in (["generate", "--model", model, "--prompt", "ab"], ["bench", "--model", model, "--prompt-tokens", "4",
+                                                                       "--new-tokens", "8"]):
+        result = _run(*command)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == (
+            f"error: {model / 'model.onnx.data'}: {found:,} bytes, but {model / 'manifest.json'} records {recorded:,}: the "
+            "folder changed after the export (export it again; gemma-export verify checks every file)")
+
+
+def test_an_input_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    # an I/O error from the kernel, not from us: reading /proc/self/mem at offset 0 fails with EIO
+    result = _run("inspect", "/proc/self/mem")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == "error: /proc/self/mem: cannot be read (Input/output error)"
+    # a file the user may not read (root reads any file, so the refusal is simulated where it happens)
+    from gemma_export import runtime
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "model" / "tokenizer.json"))
+
+    monkeypatch.setattr(runtime, "check_export_folder", refuse)
+    result = _run("generate", "--model", tmp_path / "model", "--prompt", "a")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: {tmp_path / 'model' / 'tokenizer.json'}: Permission denied (check the "
+                                     "file's permissions)")
+
+
+def test_a_path_that_is_not_utf8_is_refused_by_name(tiny_dir, tiny_int8_export, tmp_path):
+    import os
+
+    bad = Path(os.fsdecode(bytes(tmp_path) + b"/bad\xffname"))
+    result = _run("--source", tiny_dir, "--dtype", "fp32", "--out", bad)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: {tmp_path}/bad\\xffname: the export folder path is not valid UTF-8, which "
+                                     "onnx and onnxruntime need; rename it")
+    assert os.listdir(tmp_path) == []
+    shutil.copytree(tiny_int8_export, bad)
+    for command in (["generate", "--model", bad, "--prompt", "ab"], ["verify", bad], ["prepack", "--model", bad],
+                    ["bundle", "--model", bad, "--out", tmp_path / "board"]):
+        result = _run(*command)
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip().splitlines() == [
+            f"error: {tmp_path}/bad\\xffname: the export folder path is not valid UTF-8, which onnx and onnxruntime need; "
+            "rename it"], command
+
+
+def test_an_export_given_as_the_source_is_named_as_such(tiny_int8_export, tmp_path):
+    result = _run("--source", tiny_int8_export, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"error: {tiny_int8_export}: an ONNX export (model.onnx, no config.json), not a "
+                                     "source; give the transformers folder, .gguf or .mlir it was made from")
+    assert list(tmp_path.iterdir()) == []

@@ -478,6 +478,8 @@ CASES = {
                                                              setup=_file("t.txt", b"some text")), ConfigError,
                                                  ("--calibration-text needs a tokenizer",)),
     "calibrate fp32": Case(calibration("fp32", "--calibrate"), ConfigError, ("--calibrate applies to --dtype int8 and int4, not fp32",)),
+    "no-calibrate bf16": Case(calibration("bf16", "--no-calibrate"), ConfigError,
+                              ("--no-calibrate applies to --dtype int8 and int4, not bf16",)),
     "calibration text on bf16": Case(calibration("bf16", "--calibration-text", "t.txt", setup=_file("t.txt", b"some text")),
                                      ConfigError, ("--calibration-text applies to --dtype int8 and int4, not bf16",)),
     "calibration text with no-calibrate": Case(calibration("int8", "--no-calibrate", "--calibration-text", "t.txt",

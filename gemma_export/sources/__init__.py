@@ -50,6 +50,9 @@ def open_source(source: str | Path | None) -> Checkpoint:
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
     if path.is_dir():
+        if not (path / "config.json").exists() and (path / "model.onnx").is_file():
+            raise SourceNotFoundError(f"{path}: an ONNX export (model.onnx, no config.json), not a source; give the "
+                                      "transformers folder, .gguf or .mlir it was made from")
         return read_hf_folder(path)
     if not path.is_file():  # a FIFO would block the read below; a device is no model
         raise SourceNotFoundError(f"{path}: not a regular file or a folder")
