@@ -4,6 +4,8 @@ and aarch64/check_wheels.py (the board's Python gets binary wheels)."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -97,26 +99,30 @@ def test_check_wheels_refuses_an_unknown_arch(capsys):
     assert "--arch 'nonsense': expected one of aarch64, x86_64" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rounds", "0"], "--rounds 0: expected 1 to 1,000"),
-    (["--new-tokens", "0"], "--new-tokens 0: expected 1 to 4,096"),
-    (["--prompt-tokens", "20000"], "--prompt-tokens 20000: expected 1 to 4,096"),
-    (["--prompt-tokens", "300"], "exceeds the model's max_position_embeddings 256"),
-])
-def test_bench_breakdown_refuses_bad_numbers(tiny_int8_export, capsys, args, message):
-    assert bench_breakdown.main(["--model", str(tiny_int8_export), *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.startswith("error: ") and len(err.strip().splitlines()) == 1
-
-
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
 @pytest.mark.parametrize("script, args, message", [
     ("bench_genai.py", ["--pair", "x"], "argument --pair: expected NAME=PATH,PATH, found 'x'"),
     ("bench_genai.py", ["--pair", "x=/nonexistent,/nonexistent"], "argument --pair: /nonexistent: no such folder"),
-    ("bench_genai.py", ["--pair", "x={model},{model}", "--steps", "0"], "argument --steps: expected 4 to 4,096, found 0"),
-    ("bench_genai.py", ["--pair", "x={tmp},{model}"], "has no genai_config.json"),
+    ("bench_genai.py", ["--pair", "x={tmp}/genai,{model}", "--steps", "0"], "argument --steps: expected 4 to 4,096, found 0"),
+    ("bench_genai.py", ["--pair", "x={tmp},{model}"], "no genai_config.json; expected a folder onnxruntime-genai's"),
+    # the two folders swapped, or genai's twice: each is checked for what it must be
+    ("bench_genai.py", ["--pair", "x={model},{tmp}/genai"], "an export of gemma-export (it has our manifest.json), not a"),
+    ("bench_genai.py", ["--pair", "x={tmp}/genai,{tmp}/genai"], "genai: not an export of gemma-export"),
+    ("bench_genai.py", ["--pair", "x={tmp}/genai,{model}", "--pair", "x={tmp}/genai,{model}"],
+     "--pair: the name 'x' is given twice"),
+    ("bench_side_by_side.py", ["--models", "x={tmp}/genai"], "genai: not an export of gemma-export"),
+    ("bench_side_by_side.py", ["--models", "x={model}", "--reference", "{tmp}/a-file"],
+     "a-file: expected a reference export's .mlir file, found no suffix"),
+    ("bench_side_by_side.py", ["--models", "x={model}", "--plot", "/proc/p.png"], "p.png: cannot write in /proc"),
+    ("bench_breakdown.py", ["--model", "{tmp}"], "not an export of gemma-export"),
+    ("bench_breakdown.py", ["--model", "{model}", "--rounds", "0"], "argument --rounds: expected 1 to 1,000, found 0"),
+    ("bench_breakdown.py", ["--model", "{model}", "--new-tokens", "0"], "argument --new-tokens: expected 1 to 4,096, found 0"),
+    ("bench_breakdown.py", ["--model", "{model}", "--prompt-tokens", "20000"], "expected 1 to 4,096, found 20000"),
+    ("bench_breakdown.py", ["--model", "{model}", "--prompt-tokens", "300"], "exceeds the model's max_position_embeddings 256"),
+    ("quality_anchor.py", ["--models", "x={model}", "--gguf", "{tmp}/a-file"], "a-file: not a GGUF file (first bytes b'not '"),
+    ("quality_anchor.py", ["--models", "x={model}", "--gguf"], "argument --gguf: expected at least one argument"),
     ("bench_side_by_side.py", ["--models", "x"], "argument --models: expected NAME=PATH, found 'x'"),
     ("bench_side_by_side.py", ["--models", "x={model}", "--contexts", "-1"], "argument --contexts: expected 1 to 8,192, found -1"),
     ("bench_side_by_side.py", ["--models", "x={model}", "--plot", "/nonexistent/p.png"], "its folder /nonexistent does not exist"),
@@ -134,6 +140,10 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
     ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/a-file", "--out", "{tmp}/x86.npz"],
      "a-file: not an ids file written by `parity.py prepare`"),
     ("aarch64/parity.py", ["compare", "{tmp}/a-file", "{tmp}/a-file"], "a-file: not a dump written by `parity.py dump`"),
+    ("aarch64/parity.py", ["prepare", "--model", "{model}", "--out", "{tmp}/ids.json", "--new-tokens", "1"],
+     "argument --new-tokens: expected 2 to 4,096, found 1"),
+    ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/genai/genai_config.json", "--out", "{tmp}/x.npz"],
+     "not an ids file written by `parity.py prepare`"),
     ("aarch64/parity.py", ["compare", "{tmp}/a-file", "{tmp}/a-file", "--min-top1", "5"], "expected 0.0 to 1.0, found 5.0"),
 ])
 def test_tools_refuse_bad_arguments_in_one_line(tiny_int8_export, tmp_path, script, args, message):
@@ -143,11 +153,26 @@ def test_tools_refuse_bad_arguments_in_one_line(tiny_int8_export, tmp_path, scri
     import sys
 
     (tmp_path / "a-file").write_text("not what the script reads\n")
+    (tmp_path / "genai").mkdir()  # what onnxruntime-genai's builder writes, as far as the checks look
+    (tmp_path / "genai" / "genai_config.json").write_text("{}")
     argv = [a.format(model=tiny_int8_export, tmp=tmp_path) for a in args]
     proc = subprocess.run([sys.executable, str(TOOLS / script), *argv], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and message in proc.stderr.strip().splitlines()[-1], proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "genai"]
+    assert os.listdir(tmp_path / "genai") == ["genai_config.json"]
+
+
+def test_a_plot_without_matplotlib_is_refused_before_the_run(tmp_path, monkeypatch):
+    import argparse
+    import importlib.util
+
+    import _args
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"needs matplotlib \(pip install matplotlib\)"):
+        _args.plot_file(str(tmp_path / "p.png"))
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -173,3 +198,100 @@ def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip
     if not skip:
         expected.append("gx/bin/gemma-export bench --model model --board sl2610")
     assert done.stdout.splitlines() == expected
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_make_reference_export_replaces_both_files_or_neither(tmp_path, monkeypatch, fails):
+    # the slow parts (transformers model, JAX lowering) replaced by a writer of the two files that
+    # may stop between them, as Ctrl-C did: the old pair must stay a pair
+    import sys
+
+    import jax_reference
+    import make_reference_export
+
+    import gemma_export.quality
+    import gemma_export.sources
+
+    out = tmp_path / "ref"
+    out.mkdir()
+    (out / "gemma.mlir").write_text("old mlir")
+    (out / "gemma.safetensors").write_text("old archive")
+
+    def write(model, folder, dtype):
+        (folder / "gemma.mlir").write_text("new mlir")
+        if fails:
+            raise KeyboardInterrupt
+        (folder / "gemma.safetensors").write_text("new archive")
+        return folder / "gemma.mlir"
+
+    monkeypatch.setattr(gemma_export.sources, "open_source", lambda source: None)
+    monkeypatch.setattr(gemma_export.quality, "transformers_model", lambda checkpoint: None)
+    monkeypatch.setattr(jax_reference, "write_jax_reference", write)
+    monkeypatch.setattr(sys, "argv", ["make_reference_export.py", "--out", str(out)])
+    if fails:
+        with pytest.raises(KeyboardInterrupt):
+            make_reference_export.main()
+    else:
+        make_reference_export.main()
+    expected = "old" if fails else "new"
+    assert (out / "gemma.mlir").read_text() == f"{expected} mlir"
+    assert (out / "gemma.safetensors").read_text() == f"{expected} archive"
+    assert sorted(os.listdir(out)) == ["gemma.mlir", "gemma.safetensors"]  # no scratch folder left
+
+
+def test_bench_inspect_names_a_damaged_cached_archive(tmp_path):
+    import subprocess
+    import sys
+
+    cached = tmp_path / "table-three-times.safetensors"
+    cached.write_text("junk\n")  # what an interrupted or foreign run may leave in --workdir
+    proc = subprocess.run([sys.executable, str(TOOLS / "bench_inspect.py"), "--workdir", str(tmp_path), "--runs", "1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip() == (f"error: {cached}: gemma-export inspect failed on it (error: {cached}: 5 bytes, too "
+                                   "short for a safetensors header (8-byte length)); delete it to write it again")
+
+
+def test_genai_anchor_marks_its_transformers_folder_complete_only_at_the_end(tiny_dir, tmp_path, monkeypatch):
+    # an interrupted write (Ctrl-C in the 1 GB model.safetensors) must not be reused by the next run
+    import genai_anchor
+    import safetensors.numpy
+
+    import gemma_export.sources as sources
+
+    real_open, real_save = sources.open_source, safetensors.numpy.save_file
+    monkeypatch.setattr(sources, "open_source", lambda source: real_open(tiny_dir))
+    folder = tmp_path / "g-hf"
+    folder.mkdir()
+    (folder / genai_anchor.COMPLETE_MARKER).write_text("")  # an earlier run's, now being rewritten
+
+    def interrupted(tensors, path):
+        real_save(tensors, path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        genai_anchor.write_hf_folder(folder)
+    assert (folder / "model.safetensors").is_file() and not (folder / genai_anchor.COMPLETE_MARKER).exists()
+    monkeypatch.setattr(safetensors.numpy, "save_file", real_save)
+    assert genai_anchor.write_hf_folder(folder) == folder
+    assert (folder / genai_anchor.COMPLETE_MARKER).is_file()
+    assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"prompts": "abc", "text": [1, 2], "new_tokens": 4}, "'prompts' must be a non-empty list of non-empty token id lists"),
+    ({"prompts": [[2, 5]], "text": [], "new_tokens": 4}, "'text' must be a list of at least 2 token ids, found []"),
+    ({"prompts": [[2, 5]], "text": [2, 5, 6], "new_tokens": -3}, "'new_tokens' must be 2 to 4,096"),
+])
+def test_parity_dump_refuses_a_hand_edited_ids_file(tiny_int8_export, tmp_path, payload, message):
+    import subprocess
+    import sys
+
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(payload))
+    proc = subprocess.run([sys.executable, str(TOOLS / "aarch64" / "parity.py"), "dump", "--model", str(tiny_int8_export),
+                           "--ids", str(ids), "--out", str(tmp_path / "x.npz")], capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().startswith(f"error: {ids}: {message}"), proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ids.json"]

@@ -43,6 +43,69 @@ def new_file(value: str) -> Path:
     return path
 
 
+def our_export(value: str) -> Path:
+    """An export folder of this toolkit: it holds ``model.onnx`` and our ``manifest.json``."""
+    path = existing_dir(value)
+    if not (path / "model.onnx").is_file() or not (path / "manifest.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path}: not an export of gemma-export (expected model.onnx and manifest.json "
+                                         "in it)")
+    return path
+
+
+def genai_folder(value: str) -> Path:
+    """A folder onnxruntime-genai's model builder wrote: ``genai_config.json`` and no manifest of ours."""
+    path = existing_dir(value)
+    if (path / "manifest.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path}: an export of gemma-export (it has our manifest.json), not a folder "
+                                         "onnxruntime-genai's builder wrote")
+    if not (path / "genai_config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path}: no genai_config.json; expected a folder onnxruntime-genai's builder "
+                                         "wrote (tools/genai_anchor.py)")
+    return path
+
+
+def gguf_file(value: str) -> Path:
+    """A file that starts with the GGUF magic bytes."""
+    path = existing_file(value)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise argparse.ArgumentTypeError(f"{path}: not a GGUF file (first bytes {magic!r}, expected b'GGUF')")
+    return path
+
+
+def reference_mlir(value: str) -> Path:
+    """A reference export's ``.mlir`` with its ``.safetensors`` archive beside it."""
+    path = existing_file(value)
+    if path.suffix != ".mlir":
+        raise argparse.ArgumentTypeError(f"{path}: expected a reference export's .mlir file, found {path.suffix or 'no'} "
+                                         "suffix")
+    if not path.with_suffix(".safetensors").is_file():
+        raise argparse.ArgumentTypeError(f"{path}: its archive {path.with_suffix('.safetensors').name} is not beside it")
+    return path
+
+
+def writable_file(value: str) -> Path:
+    """A file to write (:func:`new_file`) in a folder that accepts new files, checked before any work."""
+    from gemma_export.staging import entry_refused
+
+    path = new_file(value)
+    reason = entry_refused(path.resolve().parent)
+    if reason is not None:
+        raise argparse.ArgumentTypeError(f"{path}: cannot write in {path.parent}: {reason}")
+    return path
+
+
+def plot_file(value: str) -> Path:
+    """A ``--plot`` file (:func:`writable_file`), with matplotlib importable."""
+    path = writable_file(value)
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise argparse.ArgumentTypeError("needs matplotlib (pip install matplotlib)")
+    return path
+
+
 def new_dir(value: str) -> Path:
     """A folder to write into: a new path or an existing folder, not a file."""
     path = _path(value)
@@ -85,16 +148,29 @@ def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
     return parse
 
 
-def named(kind: Callable[[str], Path], count: int = 1) -> Callable[[str], tuple]:
-    """``NAME=PATH`` (or ``NAME=PATH,PATH`` with ``count`` 2): a label and ``count`` paths of ``kind``."""
+def named(kind: Callable[[str], Path] | tuple[Callable[[str], Path], ...], count: int = 1) -> Callable[[str], tuple]:
+    """``NAME=PATH`` (or ``NAME=PATH,PATH`` with ``count`` 2): a label and ``count`` paths of ``kind``
+    (one check for every path, or one per path)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,) * count
+
     def parse(value: str) -> tuple:
         name, sep, rest = value.partition("=")
         paths = rest.split(",")
         if not sep or not name.strip() or len(paths) != count:
             form = "NAME=" + ",".join(["PATH"] * count)
             raise argparse.ArgumentTypeError(f"expected {form}, found {value!r}")
-        return (name, *(kind(p) for p in paths))
+        return (name, *(check(p) for check, p in zip(kinds, paths)))
     return parse
+
+
+def unique_names(parser: argparse.ArgumentParser, option: str, items: list[tuple]) -> dict:
+    """``{name: paths}`` of ``NAME=…`` values; a name given twice is an error (the first would be dropped)."""
+    seen: dict = {}
+    for name, *paths in items:
+        if name in seen:
+            parser.error(f"{option}: the name {name!r} is given twice")
+        seen[name] = paths[0] if len(paths) == 1 else tuple(paths)
+    return seen
 
 
 def run(main: Callable[[], int | None]) -> None:
@@ -102,10 +178,15 @@ def run(main: Callable[[], int | None]) -> None:
     become one ``error:`` line (status 2), Ctrl-C status 130."""
     from gemma_export.errors import GemmaExportError
 
+    from gemma_export.errors import os_error_line
+
     try:
         status = main()
-    except (GemmaExportError, OSError) as exc:
+    except GemmaExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as exc:
+        print(f"error: {os_error_line(exc)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from bench_side_by_side import real_text_ids  # the same real text as the side-by-side tables
+from _args import int_range, our_export, run  # noqa: E402
+from bench_side_by_side import real_text_ids  # noqa: E402  (the same real text as the side-by-side tables)
 from gemma_export.onnx_files import graph_dtype
 
 #: the prompt is prefilled in one step; longer ones only measure attention's memory, not decode
@@ -104,27 +105,15 @@ def round_ms(decoder, ids: list[int], prompt_tokens: int, new_tokens: int) -> fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, required=True, help="an int8 or int4 export folder")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=6)
-    args = parser.parse_args(argv)
-    for option, value, most in (("--threads", args.threads, 64), ("--prompt-tokens", args.prompt_tokens, MAX_PROMPT_TOKENS),
-                                ("--new-tokens", args.new_tokens, 4096), ("--rounds", args.rounds, 1000)):
-        if not 1 <= value <= most:
-            print(f"error: {option} {value}: expected 1 to {most:,}", file=sys.stderr)
-            return 2
-    from gemma_export.errors import GemmaExportError
-
-    try:
-        return _run(args)
-    except GemmaExportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    parser.add_argument("--model", type=our_export, required=True, help="an int8 or int4 export folder of gemma-export")
+    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--prompt-tokens", type=int_range(1, MAX_PROMPT_TOKENS), default=128,
+                        help="real-text prompt prefilled before the timed steps (default 128)")
+    parser.add_argument("--new-tokens", type=int_range(1, 4096), default=48,
+                        help="teacher-forced decode steps per round (default 48)")
+    parser.add_argument("--rounds", type=int_range(1, 1000), default=6,
+                        help="alternating rounds of the three variants (default 6)")
+    return _run(parser.parse_args(argv))
 
 
 def _run(args) -> int:
@@ -176,4 +165,4 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

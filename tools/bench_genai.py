@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import existing_dir, int_list, int_range, named, run  # noqa: E402
+from _args import genai_folder, int_list, int_range, named, our_export, run, unique_names  # noqa: E402
 
 
 def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
@@ -54,7 +54,7 @@ def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--pair", action="append", required=True, type=named(existing_dir, 2),
+    parser.add_argument("--pair", action="append", required=True, type=named((genai_folder, our_export), 2),
                         metavar="NAME=GENAI_DIR,OUR_EXPORT_DIR",
                         help="a folder genai's builder wrote (tools/genai_anchor.py) and one of our exports; repeatable")
     parser.add_argument("--contexts", type=int_list(1, 8192), default=[16, 128],
@@ -75,11 +75,7 @@ def main() -> None:
 
     from gemma_export.errors import GemmaExportError
 
-    pairs = [(name, str(genai_dir), str(our_dir)) for name, genai_dir, our_dir in args.pair]
-    for name, genai_dir, _ in pairs:
-        if not (Path(genai_dir) / "genai_config.json").is_file():
-            raise GemmaExportError(f"--pair {name}: {genai_dir} has no genai_config.json; "
-                                   "expected a folder onnxruntime-genai's builder wrote (tools/genai_anchor.py)")
+    pairs = [(name, str(genai_dir), str(our_dir)) for name, (genai_dir, our_dir) in unique_names(parser, "--pair", args.pair).items()]
     contexts = args.contexts
     ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
     if max(contexts) > len(ids):

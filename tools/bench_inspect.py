@@ -36,6 +36,8 @@ from gemma_export.memory import _kb_fields, peak_rss_bytes, snapshot
 start = time.perf_counter()
 result = CliRunner().invoke(app, ["inspect", sys.argv[1], "--json"])
 elapsed = time.perf_counter() - start
+if result.exit_code != 0:  # its error line, for the caller's message
+    sys.exit((result.output.strip().splitlines() or ["exit status %d" % result.exit_code])[-1])
 now = snapshot()
 report = json.loads(result.stdout)
 print(json.dumps({"exit_code": result.exit_code, "seconds": elapsed, "peak_rss": peak_rss_bytes(),
@@ -72,6 +74,8 @@ def main() -> None:
                         help="where the 1.17 GB archive is written once and kept (default /tmp/gx-inspect)")
     parser.add_argument("--runs", type=int_range(1, 100), default=3, help="inspect runs; medians are reported (default 3)")
     args = parser.parse_args()
+    from gemma_export.errors import GemmaExportError
+
     args.workdir.mkdir(parents=True, exist_ok=True)
     archive = args.workdir / "table-three-times.safetensors"
     if not archive.exists():
@@ -82,7 +86,10 @@ def main() -> None:
                                          check=True).stdout)["peak_rss"]
     runs = []
     for i in range(args.runs):
-        out = subprocess.run([sys.executable, "-c", _MEASURE, str(archive)], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, "-c", _MEASURE, str(archive)], capture_output=True, text=True)
+        if out.returncode != 0:  # e.g. a damaged archive kept from an interrupted earlier run
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise GemmaExportError(f"{archive}: gemma-export inspect failed on it ({last}); delete it to write it again")
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"run {i + 1}: {runs[-1]['seconds']:.1f} s, peak {runs[-1]['peak_rss'] / 2**20:.0f} MiB", file=sys.stderr)
     mib = lambda n: f"{n / 2**20:,.0f} MiB"  # noqa: E731

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import existing_dir, existing_file, int_list, int_range, named, new_file, run  # noqa: E402
+from _args import (int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
+                   unique_names)
 
 
 def real_text_ids(tokenizer_dir: Path, count: int) -> list[int]:
@@ -153,7 +154,7 @@ def q8_0_gguf(source: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", required=True, type=named(existing_dir), metavar="NAME=EXPORT_DIR",
+    parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
                         help="our exports to time, each with a label")
     parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads of every system (default 2)")
     parser.add_argument("--contexts", type=int_list(1, 8192), default=[16, 128, 512],
@@ -161,9 +162,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int_range(4, 4096), default=64,
                         help="decode steps after each prompt; the first 3 are dropped (default 64)")
     parser.add_argument("--prefill", type=int_range(1, 8192), default=512, help="prefill prompt length (default 512)")
-    parser.add_argument("--reference", type=existing_file,
+    parser.add_argument("--reference", type=reference_mlir,
                         help="a reference export (.mlir, archive beside it), timed under IREE (needs the iree extra)")
-    parser.add_argument("--plot", type=new_file, help="write decode ms/token against context length (needs matplotlib)")
+    parser.add_argument("--plot", type=plot_file, help="write decode ms/token against context length (needs matplotlib)")
     parser.add_argument("--prepacked", choices=("both", "auto", "off"), default="both",
                         help="both: time each export with its weights packed on the heap and, when it has a copy made "
                              "here by `gemma-export prepack`, again from that copy; auto: whichever the runtime picks; "
@@ -176,7 +177,7 @@ def main() -> None:
     cold = drop_page_cache if args.cold else (lambda: None)
     cold()  # fails early, before any timing, when not permitted
     contexts = args.contexts
-    models = {name: folder for name, folder in args.models}
+    models = unique_names(parser, "--models", args.models)
     ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))
     rows = {}
     try:

@@ -27,8 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import existing_file, new_dir, run  # noqa: E402
 
 
+#: written last into the transformers folder: its absence marks a folder an interrupted run left
+COMPLETE_MARKER = ".complete"
+
+
 def write_hf_folder(folder: Path) -> Path:
-    """The bundled checkpoint as a transformers 4.x ``Gemma3ForCausalLM`` folder (float32)."""
+    """The bundled checkpoint as a transformers 4.x ``Gemma3ForCausalLM`` folder (float32), ending
+    with :data:`COMPLETE_MARKER` (a folder without it is written again)."""
     from safetensors.numpy import save_file
 
     from gemma_export.sources import open_source
@@ -36,6 +41,7 @@ def write_hf_folder(folder: Path) -> Path:
     ckpt = open_source(None)
     c = ckpt.config
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / COMPLETE_MARKER).unlink(missing_ok=True)
     config = {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": c.vocab_size,
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -54,6 +60,7 @@ def write_hf_folder(folder: Path) -> Path:
     save_file({name: ref.load() for name, ref in ckpt.tensors.items()}, str(folder / "model.safetensors"))
     for name, content in (ckpt.tokenizer.files if ckpt.tokenizer else {}).items():
         (folder / name).write_bytes(content)
+    (folder / COMPLETE_MARKER).write_text("")
     return folder
 
 
@@ -74,7 +81,7 @@ def main() -> None:
         last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
         raise GemmaExportError(f"--python {args.python}: cannot import onnxruntime_genai's builder: {last}")
     hf_folder = args.out.parent / (args.out.name + "-hf")
-    hf = hf_folder if (hf_folder / "model.safetensors").is_file() else write_hf_folder(hf_folder)
+    hf = hf_folder if (hf_folder / COMPLETE_MARKER).is_file() else write_hf_folder(hf_folder)
     cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
            "-p", args.precision, "-e", "cpu", "-c", str(args.out.parent / (args.out.name + "-cache"))]
     print(" ".join(cmd), flush=True)

@@ -14,7 +14,10 @@ Needs the test extra (torch, transformers, jax). Writes about 860 MB (bf16) or 4
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,13 +37,30 @@ def main() -> None:
 
     from gemma_export.quality import transformers_model
     from gemma_export.sources import open_source
+    from gemma_export.staging import check_creatable, interrupts_held
 
+    check_creatable(args.out, "reference export")  # before the slow work: e.g. a folder under /sys
     start = time.perf_counter()
     model = transformers_model(open_source(None))  # the bundled GGUF, through this toolkit's reader
-    mlir = write_jax_reference(model, args.out, args.dtype)
-    size = sum(p.stat().st_size for p in args.out.iterdir())
-    print(f"wrote {mlir} and {mlir.with_suffix('.safetensors').name} ({size / 1e6:,.1f} MB) "
-          f"in {time.perf_counter() - start:.0f} s")
+    created = not args.out.exists()
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        # both files are written in a scratch folder and moved in together at the end, so an
+        # interrupt or a failure never leaves a new .mlir beside an old (or no) archive
+        with tempfile.TemporaryDirectory(prefix=".reference-export-", dir=args.out) as scratch:
+            written = write_jax_reference(model, Path(scratch), args.dtype)
+            names = [written.with_suffix(".safetensors").name, written.name]
+            with interrupts_held():
+                for name in names:
+                    os.replace(Path(scratch) / name, args.out / name)
+    except BaseException:
+        if created:
+            with contextlib.suppress(OSError):
+                args.out.rmdir()  # only if empty: the folder this run made
+        raise
+    mlir = args.out / names[1]
+    size = sum((args.out / name).stat().st_size for name in names)
+    print(f"wrote {mlir} and {names[0]} ({size / 1e6:,.1f} MB) in {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import existing_dir, existing_file, int_range, named, run  # noqa: E402
+from _args import gguf_file, int_range, named, our_export, run, unique_names  # noqa: E402
 
 
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
@@ -28,9 +28,9 @@ def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", required=True, type=named(existing_dir), metavar="NAME=EXPORT_DIR",
+    parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
                         help="our exports, each with a label; all made from the same source")
-    parser.add_argument("--gguf", nargs="*", default=[], type=existing_file,
+    parser.add_argument("--gguf", nargs="+", default=[], type=gguf_file,
                         help="GGUF files to run with llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--tokens", type=int_range(16, 32768), default=640,
                         help="tokens of the text to score (default 640; the whole license is ~3,400)")
@@ -41,7 +41,7 @@ def main() -> None:
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
     from gemma_export.sources import open_source
 
-    models = {name: folder for name, folder in args.models}
+    models = unique_names(parser, "--models", args.models)
     sources = {manifest_source(Path(folder)) for folder in models.values()}
     if len(sources) != 1:
         raise GemmaExportError(f"--models were exported from different sources ({', '.join(sorted(sources))}); "

@@ -59,7 +59,10 @@ def prepare(args: argparse.Namespace) -> None:
 def dump(args: argparse.Namespace) -> None:
     from gemma_export.runtime import OnnxDecoder, create_session
 
-    from gemma_export.errors import FormatError
+    from gemma_export.errors import FormatError, is_whole_number, shown
+
+    def id_list(value) -> bool:
+        return isinstance(value, list) and len(value) > 0 and all(is_whole_number(i) and i >= 0 for i in value)
 
     try:
         payload = json.loads(Path(args.ids).read_text(encoding="utf-8"))
@@ -67,6 +70,14 @@ def dump(args: argparse.Namespace) -> None:
     except (ValueError, UnicodeDecodeError, KeyError, TypeError):
         raise FormatError(f"{args.ids}: not an ids file written by `parity.py prepare` "
                           "(JSON with prompts, text and new_tokens)") from None
+    prompts, new_tokens = payload["prompts"], payload["new_tokens"]
+    if not (isinstance(prompts, list) and prompts and all(id_list(p) for p in prompts)):
+        raise FormatError(f"{args.ids}: 'prompts' must be a non-empty list of non-empty token id lists, found "
+                          f"{shown(prompts)}")
+    if not id_list(payload["text"]) or len(payload["text"]) < 2:
+        raise FormatError(f"{args.ids}: 'text' must be a list of at least 2 token ids, found {shown(payload['text'])}")
+    if not (is_whole_number(new_tokens) and 2 <= new_tokens <= 4096):
+        raise FormatError(f"{args.ids}: 'new_tokens' must be 2 to 4,096 (one decode step at least), found {shown(new_tokens)}")
     decoder = OnnxDecoder(args.model, threads=args.threads, prepacked=False if args.optimization == "basic" else None)
     if args.optimization == "basic":
         # the same arithmetic in another float32 order: without onnxruntime's fusions (e.g. RMSNorm
@@ -110,7 +121,7 @@ def compare(args: argparse.Namespace) -> None:
     m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
     report = {"machines": [str(a["machine"]), str(b["machine"])], "greedy_identical": same,
               "greedy_first_difference": first_diff, "greedy_tokens_per_prompt": int(a["greedy"].shape[1]),
-              "decode_ms_median": [float(a["decode_ms_median"]), float(b["decode_ms_median"])], **m.to_dict()}
+              "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])], **m.to_dict()}
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
@@ -121,14 +132,18 @@ def compare(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("prepare")
+    p = sub.add_parser("prepare", description="Tokenize the prompts and the text on this machine into an ids file "
+                       "for `dump`. Example: parity.py prepare --model gemma-3-270m-onnx-int8 --out ids.json")
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder (its tokenizer is used)")
     p.add_argument("--out", required=True, type=new_file, help="the ids file to write (JSON)")
     p.add_argument("--tokens", type=int_range(1, 32768), default=256, help="teacher-forced text tokens (default 256)")
-    p.add_argument("--new-tokens", type=int_range(1, 4096), default=16, help="greedy tokens per prompt (default 16)")
+    p.add_argument("--new-tokens", type=int_range(2, 4096), default=16,
+                   help="greedy tokens per prompt (default 16; at least 2, so that a decode step is timed)")
     p.add_argument("--text", default=None, type=existing_file, help="text file (default: the Python license)")
     p.set_defaults(run=prepare)
-    p = sub.add_parser("dump")
+    p = sub.add_parser("dump", description="Run the export on this machine over the ids file: greedy tokens and "
+                       "teacher-forced logits. Example: parity.py dump --model gemma-3-270m-onnx-int8 --ids ids.json "
+                       "--out x86.npz")
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder")
     p.add_argument("--ids", required=True, type=existing_file, help="the file `prepare` wrote")
     p.add_argument("--out", required=True, type=npz_file, help="the dump to write (a .npz file name)")
@@ -136,7 +151,8 @@ def main() -> None:
     p.add_argument("--optimization", choices=("all", "basic"), default="all",
                    help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
     p.set_defaults(run=dump)
-    p = sub.add_parser("compare")
+    p = sub.add_parser("compare", description="Compare two dumps of the same ids (e.g. x86-64 and aarch64); exits 1 "
+                       "below --min-top1. Example: parity.py compare x86.npz arm.npz --json report.json")
     p.add_argument("a", type=existing_file, help="a dump (.npz)")
     p.add_argument("b", type=existing_file, help="another dump of the same ids")
     p.add_argument("--json", default=None, type=new_file, help="also write the report here")
@@ -145,6 +161,12 @@ def main() -> None:
     p.set_defaults(run=compare)
     args = parser.parse_args()
     args.run(args)
+
+
+def _number_or_null(value) -> float | None:
+    """A float for the JSON report; None (JSON null) for a NaN, which strict JSON readers refuse."""
+    number = float(value)
+    return number if np.isfinite(number) else None
 
 
 def npz_file(value: str) -> Path:
