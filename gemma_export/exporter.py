@@ -27,7 +27,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import MANIFEST_FILE, create_session, read_manifest, require_folder
+from .runtime import DATA_FILE, MANIFEST_FILE, MODEL_FILE, create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
@@ -35,8 +35,6 @@ from .staging import check_free_space, check_replaceable, file_sha256, folder_st
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 GENAI_CONFIG_FILE = "genai_config.json"
 #: External tensors of 1 MiB and more (onnx_ir's ``align_threshold``) start on 64 KiB boundaries so
 #: that onnxruntime can memory-map them on x86-64 and on aarch64 kernels with 64 KiB pages; smaller

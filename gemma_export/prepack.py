@@ -31,13 +31,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
-from .runtime import read_manifest
+from .runtime import DATA_FILE, MODEL_FILE, read_manifest
 from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): a short prompt is enough to run
 #: every packed weight once.

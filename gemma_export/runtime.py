@@ -25,7 +25,9 @@ from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoun
 from .onnx_files import graph_dtype, load_graph
 from .text_files import not_unicode_at
 
+#: the graph and its external data, in every export folder (and the pre-packed copy)
 MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
 
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
