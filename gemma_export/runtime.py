@@ -206,7 +206,8 @@ class OnnxDecoder:
         path = check_export_folder(self.model_dir)
         #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says: checked below
         self.dtype = graph_dtype(load_graph(path))  # a readable graph whose external data are files of this folder
-        check_listed_files(read_manifest(self.model_dir), self.model_dir)
+        self.manifest = read_manifest(self.model_dir)
+        check_listed_files(self.manifest, self.model_dir)
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:
@@ -258,7 +259,6 @@ class OnnxDecoder:
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         manifest = self.model_dir / MANIFEST_FILE
-        self.manifest = read_manifest(self.model_dir)
         check_manifest_fields(self.manifest, manifest)
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype)
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")

@@ -306,12 +306,16 @@ def folder_state(folder: Path) -> tuple | None:
     return tuple(sorted(state))
 
 
+#: :func:`staged_folder`'s default ``checked_state``: the folder's state when the block begins
+AT_START = object()
+
+
 @contextlib.contextmanager
-def staged_folder(out_dir: Path, what: str, checked_state: tuple | None | bool = False) -> Iterator[Path]:
+def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[Path]:
     """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
     staging folder (made ``0755``) replaces ``out_dir``, unless ``out_dir`` changed since
-    ``checked_state`` (its :func:`folder_state` when the caller checked it could be replaced; by
-    default, when this block began): a file a user added, another process's output. Then nothing is
+    ``checked_state`` (its :func:`folder_state` when the caller checked it could be replaced;
+    :data:`AT_START`: when this block began): a file a user added, another process's output. Then nothing is
     replaced, since the folder no longer holds what was checked.
 
     Raises:
@@ -328,7 +332,7 @@ def staged_folder(out_dir: Path, what: str, checked_state: tuple | None | bool =
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
-    before = folder_state(out_dir) if checked_state is False else checked_state
+    before = folder_state(out_dir) if checked_state is AT_START else checked_state
     existed = before is not None
     try:
         with held_folder(staging):

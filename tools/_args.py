@@ -176,9 +176,7 @@ def unique_names(parser: argparse.ArgumentParser, option: str, items: list[tuple
 def run(main: Callable[[], int | None]) -> None:
     """Run a script's ``main`` and exit with its status; the toolkit's errors and file-system errors
     become one ``error:`` line (status 2), Ctrl-C status 130."""
-    from gemma_export.errors import GemmaExportError
-
-    from gemma_export.errors import os_error_line
+    from gemma_export.errors import GemmaExportError, os_error_line
 
     try:
         status = main()

@@ -75,7 +75,8 @@ def main() -> None:
 
     from gemma_export.errors import GemmaExportError
 
-    pairs = [(name, str(genai_dir), str(our_dir)) for name, (genai_dir, our_dir) in unique_names(parser, "--pair", args.pair).items()]
+    pairs = [(name, str(genai_dir), str(our_dir))
+             for name, (genai_dir, our_dir) in unique_names(parser, "--pair", args.pair).items()]
     contexts = args.contexts
     ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
     if max(contexts) > len(ids):

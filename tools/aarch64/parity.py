@@ -121,7 +121,8 @@ def compare(args: argparse.Namespace) -> None:
     m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
     report = {"machines": [str(a["machine"]), str(b["machine"])], "greedy_identical": same,
               "greedy_first_difference": first_diff, "greedy_tokens_per_prompt": int(a["greedy"].shape[1]),
-              "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])], **m.to_dict()}
+              "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])],
+              **m.to_dict()}
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
