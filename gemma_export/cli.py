@@ -521,7 +521,8 @@ def quality(
     (overall and past the model's sliding_window, 512 for Gemma 3 270M), mean KL(reference || export) in nats/token, perplexity, max |dlogit|.
 
     The reference and the export run side by side, 128 positions at a time: on the default text
-    (~3,400 tokens) the 270M peaks near 3.8 GB with either reference, and takes minutes.
+    (~3,400 tokens) the 270M peaks near 3.8 GB against transformers (up to ~4.2 GB with --reference
+    fp32, while it exports that reference), and takes minutes.
 
     Example: gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
     """
