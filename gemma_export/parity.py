@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
-from .runtime import DEFAULT_PREFILL_CHUNK
+from .runtime import DEFAULT_PREFILL_CHUNK, manifest_figure
 from .text_files import not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
@@ -218,22 +218,6 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     return pairs
 
 
-def _manifest_config(model_dir: Path) -> dict:
-    """The ``config`` object of an export's ``manifest.json``, or ``{}`` when it cannot be read
-    (the session load that follows names that problem)."""
-    from .runtime import read_manifest
-
-    try:
-        config = read_manifest(model_dir).get("config")
-    except FormatError:
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _positive_int(value) -> int | None:
-    return value if is_whole_number(value) and value > 0 else None
-
-
 # ---- comparisons --------------------------------------------------------------------------------
 def _cosine_rows(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a.astype(np.float64), b.astype(np.float64)
@@ -358,8 +342,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     # with the manifest's figures, before the (slow) session; the session checks that they are the
     # graph's, so the loaded graph's are needed only where the manifest lacks them
-    config = _manifest_config(model_dir)
-    vocab, limit = _positive_int(config.get("vocab_size")), _positive_int(config.get("max_position_embeddings"))
+    vocab, limit = manifest_figure(model_dir, "vocab_size"), manifest_figure(model_dir, "max_position_embeddings")
     check_inputs(vocab, limit)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))

@@ -397,7 +397,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     import tempfile
 
     from .bench import real_text
-    from .runtime import OnnxDecoder, load_tokenizer, read_manifest
+    from .runtime import OnnxDecoder, load_tokenizer, manifest_figure
 
     say = progress or (lambda _msg: None)
     if reference == "transformers":
@@ -408,7 +408,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
     # without --tokens, tokenize no further than one token past what the model can take (a huge
     # --text is refused after a prefix, not after tokenizing all of it)
-    limit = read_manifest(model_dir).get("config", {}).get("max_position_embeddings")
+    limit = manifest_figure(model_dir, "max_position_embeddings")
     ids = first_tokens(load_tokenizer(model_dir), body, tokens if tokens is not None or not limit else limit + 1)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")

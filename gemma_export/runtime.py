@@ -99,6 +99,22 @@ def read_manifest(model_dir: Path) -> dict:
     return value
 
 
+def manifest_figure(model_dir: Path, key: str) -> int | None:
+    """A positive whole number from the ``config`` object of an export's ``manifest.json`` (e.g.
+    ``vocab_size``, ``max_position_embeddings``), for checks made before the (slow) session load.
+
+    Returns ``None`` when the manifest is missing or unreadable, has no ``config`` object, or the
+    value is absent or not a positive whole number: the session load that follows names a damaged
+    manifest, and checks made after it use the loaded graph's figures. Never raises.
+    """
+    try:
+        config = read_manifest(model_dir).get("config")
+    except FormatError:
+        return None
+    value = config.get(key) if isinstance(config, dict) else None
+    return value if is_whole_number(value) and value > 0 else None
+
+
 def _genai_decoder_config(model_dir: Path) -> dict:
     try:
         return json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]

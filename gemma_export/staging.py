@@ -322,7 +322,8 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[
         OutputError: the folder cannot be created, it changed meanwhile, or writing failed with an
             ``OSError`` (no space left, a file-size limit, a read-only file system); ``what`` names
             the output in the message.
-        Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included).
+        Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included), an
+        ``OSError`` that names a file outside the output (a source read while writing) included.
     """
     check_creatable(out_dir, what)
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
@@ -349,10 +350,25 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[
         for folder in reversed(created):  # parents this call created, innermost first
             with contextlib.suppress(OSError):
                 folder.rmdir()
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
             raise OutputError(f"{out_dir}: writing the {what} failed ({_describe(exc, out_dir.parent)}); nothing was "
                               f"written{' and the existing folder is unchanged' if existed else ''}") from None
         raise
+
+
+def _names_an_input(exc: OSError, out_dir: Path) -> bool:
+    """Whether ``exc`` names a file outside the output: neither ``out_dir`` nor the hidden
+    ``.NAME.*`` folders beside it (staging, the old folder being replaced). That is a source tensor
+    read lazily while the output is written: an input's error, not a failed write. Errors without a
+    file name (a short write) count as writes."""
+    if not exc.filename or not isinstance(exc.filename, (str, bytes, os.PathLike)):
+        return False
+    name = Path(os.path.abspath(os.fsdecode(exc.filename)))
+    out = Path(os.path.abspath(out_dir))
+    if name == out or out in name.parents:
+        return False
+    beside = next((p for p in (name, *name.parents) if p.parent == out.parent), None)
+    return beside is None or not beside.name.startswith(f".{out.name}.")
 
 
 def _describe(exc: OSError, folder: Path) -> str:

@@ -210,3 +210,34 @@ def test_two_writers_of_one_folder_the_second_to_finish_is_refused(tmp_path):
             (staging / "a.txt").write_text("second")
     assert (out / "a.txt").read_text() == "first"
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_source_that_fails_while_the_export_is_written_is_named_as_the_source(tiny_dir, tmp_path, monkeypatch):
+    """A source tensor is read lazily while the output is written: losing the source then is the
+    source's error (named, exit 2), not a failed write; the output folder stays as it was."""
+    import errno
+
+    out = tmp_path / "model"
+    assert _export(tiny_dir, out).exit_code == 0
+    before = _tree(tmp_path)
+    source = tiny_dir / "model.safetensors"
+
+    def gone(folder):
+        (folder / "model.onnx").stat()  # the staging folder was written, as it is when sha256 runs
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(source))
+
+    monkeypatch.setattr(exporter, "verify_folder", gone)
+    result = _export(tiny_dir, out, "fp32")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {source}: No such file or directory")
+    assert "writing the export failed" not in result.stderr
+    assert _tree(tmp_path) == before
+
+    def full(folder):  # the same error about a file of the output stays a failed write
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.onnx.data"))
+
+    monkeypatch.setattr(exporter, "verify_folder", full)
+    result = _export(tiny_dir, out, "fp32")
+    assert result.exit_code == 2
+    assert "writing the export failed (No space left on device: the disk is full" in result.stderr
+    assert _tree(tmp_path) == before

@@ -403,6 +403,14 @@ CASES = {
         export_copy(_manifest_field("config", "max_position_embeddings", DELETE),
                     lambda f: ["generate", "--model", f, "--prompt", "hi", "--max-new-tokens", 10 ** 12]),
         ResourceError, ("KV cache: 1,000,000,000,002 positions", "ask for fewer tokens")),
+    # quality reads max_position_embeddings before the session load: an edited value must not crash it
+    "manifest config a list (quality)": Case(export_copy(_manifest_field(None, "config", ["x"]),
+                                                         lambda f: ["quality", "--model", f, "--reference", f]),
+                                             FormatError, ("field 'config'",)),
+    "manifest max positions a string (quality)": Case(
+        export_copy(_manifest_field("config", "max_position_embeddings", "64"),
+                    lambda f: ["quality", "--model", f, "--reference", f]),
+        FormatError, ("field 'config.max_position_embeddings'", 'found "64"')),
     "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
     "manifest not UTF-8 (generate)": Case(export_copy(_write("manifest.json", b"\xff{}"), _generate), FormatError,
                                           ("manifest.json: unreadable manifest: expected UTF-8 text, found byte 0xff at offset 0",)),
