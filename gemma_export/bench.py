@@ -165,7 +165,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
-    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer
+    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer, positions_needed
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
@@ -210,7 +210,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked, huge_pages=huge_pages)
     create_s = time.perf_counter() - t0
     say(f"session created in {create_s:.1f} s" + (f" from the {decoder.prepacked_note}" if decoder.prepacked_path else ""))
-    decoder.check_length(lengths[-1] + new_tokens)
+    decoder.check_length(positions_needed(lengths[-1], new_tokens + 1))  # the prefill's token, then new_tokens steps
 
     prefill_ms: dict[int, float] = {}
     by_prompt: dict[int, float] = {}

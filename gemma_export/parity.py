@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
-from .runtime import DEFAULT_PREFILL_CHUNK, manifest_figure
+from .runtime import DEFAULT_PREFILL_CHUNK, manifest_figure, positions_needed
 from .text_files import not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
@@ -332,12 +332,12 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             for n, (prompt_ids, expected, _) in enumerate(golden_pairs):
                 check_token_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
         generated = new_tokens if against_transformers else 0  # the reference runs its own fixed length
-        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", len(ids) + generated)
+        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", positions_needed(len(ids), generated))
                    for n, (_, ids) in enumerate(prompt_list) if against_transformers or reference]
-        checked += [(f"{golden}: entry #{n}", len(p) + len(e)) for n, (p, e, _) in enumerate(golden_pairs)]
+        checked += [(f"{golden}: entry #{n}", positions_needed(len(p), len(e))) for n, (p, e, _) in enumerate(golden_pairs)]
         for what, total in checked:
             if limit and total > limit:
-                raise GemmaExportError(f"{what}: {total} tokens (prompt + generated) exceed the model's "
+                raise GemmaExportError(f"{what}: {total} tokens (the prompt and the new tokens fed back) exceed the model's "
                                        f"max_position_embeddings {limit} ({model_dir})")
 
     # with the manifest's figures, before the (slow) session; the session checks that they are the

@@ -99,6 +99,12 @@ def read_manifest(model_dir: Path) -> dict:
     return value
 
 
+def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
+    """Cache positions a greedy run of ``new_tokens`` after ``prompt_tokens`` occupies: every prompt
+    token and every new token but the last, which is returned and never fed back."""
+    return prompt_tokens + max(new_tokens - 1, 0)
+
+
 def manifest_figure(model_dir: Path, key: str) -> int | None:
     """A positive whole number from the ``config`` object of an export's ``manifest.json`` (e.g.
     ``vocab_size``, ``max_position_embeddings``), for checks made before the (slow) session load.
@@ -358,8 +364,7 @@ class OnnxDecoder:
         check_prefill_chunk(prefill_chunk)
         self.check_ids(prompt_ids, "prompt")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
-        # the last new token is returned, never fed back: the cache holds one position fewer
-        positions = len(prompt_ids) + max(max_new_tokens - 1, 0)
+        positions = positions_needed(len(prompt_ids), max_new_tokens)
         self.check_length(positions)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
         cache = KVCache(self, 1, positions, max_step=len(prompt_ids) if prefill_chunk is None else prefill_chunk)
@@ -390,14 +395,15 @@ class OnnxDecoder:
         if batch == 0:
             return []
         longest = max(len(p) for p in prompts)
-        self.check_length(longest + max_new_tokens)
+        capacity = positions_needed(longest, max_new_tokens)
+        self.check_length(capacity)
         ids = np.zeros((batch, longest), np.int64)
         mask = np.zeros((batch, longest), np.int64)
         for row, prompt in enumerate(prompts):
             ids[row, longest - len(prompt):] = prompt
             mask[row, longest - len(prompt):] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        cache = KVCache(self, batch, longest + max_new_tokens, max_step=longest)
+        cache = KVCache(self, batch, capacity, max_step=longest)
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
             tokens = cache.step(ids, mask, positions)[:, -1].argmax(-1)
@@ -778,12 +784,13 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     bad = not_unicode_at(prompt)
     if bad is not None:  # bytes that were not UTF-8 arrive from argv as lone surrogates
         raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")
-    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
-    tokenizer = load_tokenizer(model_dir)
+    check_export_folder(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # before the (slow, memory-heavy) session
     prompt_ids = tokenizer.encode(prompt).ids
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
+    decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,

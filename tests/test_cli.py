@@ -207,6 +207,24 @@ def test_generate_refuses_missing_model(tmp_path):
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
 
 
+def test_generate_checks_the_tokenizer_before_creating_the_session(tiny_int8_export, tmp_path, monkeypatch):
+    import shutil
+
+    from gemma_export import runtime
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    (model / "tokenizer.json").unlink()
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("the session was created before the tokenizer was checked")
+
+    monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
+    result = _run("generate", "--model", model, "--prompt", "hi")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: {model / 'tokenizer.json'}: missing; export from a source that carries a tokenizer\n"
+
+
 def test_verify_names_a_missing_folder_and_a_file(tmp_path):
     result = _run("verify", tmp_path / "typo")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr

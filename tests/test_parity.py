@@ -290,12 +290,15 @@ def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_in
     manifest["config"]["max_position_embeddings"] = 8
     (model / "manifest.json").write_text(json.dumps(manifest))
     golden = tmp_path / "golden.json"
-    golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6, 7, 8, 9, 10]}]))
+    golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6, 7, 8, 9, 10, 11]}]))
     result = _parity("--model", model, "--golden", golden)
-    assert "entry #0: 9 tokens (prompt + generated) exceed the model's max_position_embeddings 8" in result.output
-    golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6]}]))
-    result = _parity("--model", model, "--golden", golden)
-    assert "exceed" not in result.output and "golden entry #0" in result.output, result.output
+    assert ("entry #0: 9 tokens (the prompt and the new tokens fed back) exceed the model's "
+            "max_position_embeddings 8") in result.output
+    # 3 + 6 expected: the last expected token is never fed back, so 8 positions fit exactly, as in generate
+    for expected in ([5, 6], [5, 6, 7, 8, 9, 10]):
+        golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": expected}]))
+        result = _parity("--model", model, "--golden", golden)
+        assert "exceed" not in result.output and "golden entry #0" in result.output, result.output
 
 
 def test_vocabulary_of_262153_rows_with_added_tokens(tmp_path):
@@ -381,7 +384,7 @@ def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export,
 
 @pytest.mark.parametrize("entry, message", [
     ({"prompt_ids": [2, 10, 11], "expected_ids": [5] * 300},
-     "entry #0: 303 tokens (prompt + generated) exceed the model's max_position_embeddings 256"),
+     "entry #0: 302 tokens (the prompt and the new tokens fed back) exceed the model's max_position_embeddings 256"),
     ({"prompt_ids": [2, 10, 11], "expected_ids": [5, 96]},
      "entry #0: token id 96 is outside the export's vocabulary (0 to 95)"),
 ])
