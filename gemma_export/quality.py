@@ -218,8 +218,9 @@ def transformers_model(source):
         source: a :class:`~gemma_export.checkpoint.Checkpoint` (``open_source(...)``).
 
     Raises:
-        GemmaExportError: torch or transformers is not installed (they are test extras), or the
-            model does not take the weights.
+        GemmaExportError: torch or transformers is not installed (they are test extras), the model
+            does not take the weights, or ``query_pre_attn_scalar`` is not a whole number (transformers'
+            config field is an int).
     """
     try:
         import torch
@@ -227,6 +228,9 @@ def transformers_model(source):
     except ImportError as exc:
         raise GemmaExportError(TRANSFORMERS_MISSING) from exc
     c = source.config
+    if c.query_pre_attn_scalar != int(c.query_pre_attn_scalar):  # transformers' config field is an int
+        raise GemmaExportError(f"query_pre_attn_scalar {c.query_pre_attn_scalar:g}: transformers' Gemma3TextConfig "
+                               "takes a whole number, so it cannot be the reference for this model")
     config = transformers.Gemma3TextConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,

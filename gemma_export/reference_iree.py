@@ -13,6 +13,7 @@ version.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -123,13 +124,17 @@ def compile_reference(text: str, cache_dir: Path | None = None, source: str | Pa
         if source is not None:  # IREE read the text from its stdin; its line numbers are the file's
             first = first.replace("<stdin>", str(source))
         raise GemmaExportError(f"IREE cannot compile the reference MLIR: {first.strip()[:300]}") from None
+    partial = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".partial") as f:
+            partial = f.name
             f.write(vmfb)
-        os.replace(f.name, cached)
-    except OSError:
-        pass  # a cache that cannot be written only costs a recompile
+        os.replace(partial, cached)
+    except OSError:  # a cache that cannot be written only costs a recompile; leave no partial file
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(partial)
     return vmfb
 
 

@@ -418,3 +418,20 @@ def test_a_folder_named_like_a_reference_keyword_is_reachable_as_a_path(tiny_int
     assert result.exit_code == 0, result.output
     assert "note: --reference fp32 is the keyword" in result.output
     assert "reference: exporting the source at fp32" in result.output
+
+
+def test_a_reference_transformers_cannot_represent_is_refused_not_rounded(tiny_dir):
+    """transformers' Gemma3TextConfig takes query_pre_attn_scalar as an int: 16.5 would become 16 and
+    the reference would compute another model, so it is refused by name."""
+    import dataclasses
+
+    pytest.importorskip("transformers")
+    from gemma_export.quality import transformers_model
+    from gemma_export.sources import open_source
+
+    checkpoint = open_source(tiny_dir)
+    odd = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, query_pre_attn_scalar=16.5))
+    with pytest.raises(GemmaExportError, match=r"^query_pre_attn_scalar 16.5: transformers' Gemma3TextConfig takes a whole"):
+        transformers_model(odd)
+    whole = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, query_pre_attn_scalar=16.0))
+    assert transformers_model(whole).config.query_pre_attn_scalar == 16

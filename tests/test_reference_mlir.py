@@ -239,3 +239,22 @@ def test_six_layer_reference_uses_gemma3_layer_pattern(tmp_path):
     dec = OnnxDecoder(out)
     logits, _ = dec.forward(ids, np.ones_like(ids), np.arange(16)[None], dec.empty_cache(1))
     assert np.abs(logits - reference_logits(_dequantized_model(model, "bf16"), ids)).max() <= 1e-4
+
+
+def test_a_compile_cache_that_cannot_be_written_leaves_no_partial_file(tmp_path, monkeypatch):
+    pytest.importorskip("iree.compiler")
+    from gemma_export import reference_iree
+
+    text = ("func.func @identity(%x: tensor<2xf32>) -> tensor<2xf32> {\n"
+            "  %y = stablehlo.add %x, %x : tensor<2xf32>\n  return %y : tensor<2xf32>\n}\n")
+
+    def refuse(src, dst):
+        raise OSError(18, "Invalid cross-device link", src)
+
+    monkeypatch.setattr(reference_iree.os, "replace", refuse)
+    vmfb = reference_iree.compile_reference(text, cache_dir=tmp_path / "cache")
+    assert len(vmfb) > 0
+    assert list((tmp_path / "cache").iterdir()) == []  # neither a .partial nor a .vmfb
+    monkeypatch.undo()
+    assert reference_iree.compile_reference(text, cache_dir=tmp_path / "cache") == vmfb
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".vmfb"]
