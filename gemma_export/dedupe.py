@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError
-from .inspect import MIN_DUPLICATE_BYTES, inspect_path
+from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
 from .staging import check_outside_outputs, staged_folder
 from .text_files import require_file
 
@@ -92,6 +92,13 @@ def _compare(original: Path, rewritten: Path, vocab: int) -> float:
 
 
 def _refuse_near_duplicates(report) -> None:
+    """Refuse two 2-D float tables (same shape, or one the other's transpose) whose values differ
+    by at most 1% of the first one's range without being identical: merging them would change the
+    model. Compared in blocks of rows (a few MiB at a time), never whole.
+
+    Raises:
+        FormatError: naming the file and both tensors.
+    """
     exact = {n for g in report.duplicates for n in g.names}
     floats = [t for t in report.tensors if t.nbytes >= MIN_DUPLICATE_BYTES and t.name not in exact
               and t.dtype in ("FLOAT", "FLOAT16") and len(t.shape) == 2]
@@ -99,12 +106,24 @@ def _refuse_near_duplicates(report) -> None:
         for b in floats[i + 1:]:
             if a.shape not in (b.shape, b.shape[::-1]) or a.shape[0] == a.shape[1]:
                 continue
-            x, y = a.array(), b.array()
-            y = y if a.shape == b.shape else y.T
-            scale = float(np.abs(x).max()) or 1.0
-            if float(np.abs(x - y).max()) <= 1e-2 * scale:
+            largest, difference = _largest_and_difference(a, b, transposed=a.shape != b.shape)
+            if difference <= 1e-2 * (largest or 1.0):
                 raise FormatError(f"{report.path}: '{a.name}' and '{b.name}' are close but not identical "
                                   "(max difference ≤ 1% of their range); refusing to merge them")
+
+
+def _largest_and_difference(a, b, transposed: bool) -> tuple[float, float]:
+    """``(max |a|, max |a - b|)`` (``b.T`` when ``transposed``) for ``a [R, C]``, read in row blocks."""
+    rows, cols = a.shape
+    step = max(1, CHUNK_BYTES // (cols * 8))  # the float64 block is the largest temporary
+    largest = difference = 0.0
+    for start in range(0, rows, step):
+        block = slice(start, start + step)
+        x = read_block(a, block, slice(None)).astype(np.float64)
+        y = read_block(b, slice(None), block).T if transposed else read_block(b, block, slice(None))
+        largest = max(largest, float(np.abs(x).max()))
+        difference = max(difference, float(np.abs(x - y).max()))
+    return largest, difference
 
 
 def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:

@@ -74,14 +74,6 @@ class TensorEntry:
                 remaining -= len(data)
                 yield data
 
-    def array(self) -> np.ndarray | None:
-        """A read-only memory map of the values in their stored shape, when they are plain numbers."""
-        if self.item_dtype is None:
-            return None
-        if self.inline is not None:
-            return np.frombuffer(self.inline, dtype=self.item_dtype).reshape(self.shape)
-        return np.memmap(self.path, dtype=self.item_dtype, mode="r", offset=self.offset, shape=self.shape or (1,))
-
 
 @dataclasses.dataclass(frozen=True)
 class DuplicateGroup:
@@ -245,9 +237,10 @@ def _digest(entry: TensorEntry) -> str:
     return h.hexdigest()
 
 
-def _read_block(entry: TensorEntry, rows: slice, cols: slice) -> np.ndarray:
-    """``entry[rows, cols]`` of a 2-D tensor, read with plain file reads (no memory map, so the
-    pages read do not stay in this process's resident set)."""
+def read_block(entry: TensorEntry, rows: slice, cols: slice) -> np.ndarray:
+    """``entry[rows, cols]`` of a 2-D tensor of plain numbers (``entry.item_dtype`` set), in its
+    stored dtype, read with plain file reads (no memory map, so the pages read do not stay in this
+    process's resident set)."""
     n_rows, n_cols = entry.shape
     item = entry.item_dtype.itemsize
     r0, r1, _ = rows.indices(n_rows)
@@ -274,7 +267,7 @@ def _equal_transposed(a: TensorEntry, b: TensorEntry, block_bytes: int = CHUNK_B
     step = max(1, block_bytes // max(1, cols * a.item_dtype.itemsize))
     for start in range(0, rows, step):
         block = slice(start, start + step)
-        if not np.array_equal(_read_block(a, block, slice(None)), _read_block(b, slice(None), block).T):
+        if not np.array_equal(read_block(a, block, slice(None)), read_block(b, slice(None), block).T):
             return False
     return True
 

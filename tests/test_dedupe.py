@@ -72,13 +72,32 @@ def test_dedupe_leaves_one_table(tmp_path, case, graph):
     assert np.array_equal(run(src), run(out / "model.onnx"))
 
 
-def test_near_duplicate_is_refused(tmp_path):
-    graph = _lm(lambda t: t + np.float32(1e-3))
+@pytest.mark.parametrize("graph", [_lm(lambda t: t + np.float32(1e-3)),
+                                   _lm(lambda t: (t + np.float32(1e-3)).T.copy(), head_op="MatMul")],
+                         ids=["same layout", "transposed"])
+@pytest.mark.parametrize("chunk_bytes", [8 << 20, 4096], ids=["one block", "many blocks"])
+def test_near_duplicate_is_refused(tmp_path, monkeypatch, graph, chunk_bytes):
+    from gemma_export import dedupe
+
+    monkeypatch.setattr(dedupe, "CHUNK_BYTES", chunk_bytes)  # the tables are compared a block of rows at a time
     (tmp_path / "in").mkdir()
     src = _save(graph, tmp_path / "in" / "model.onnx")
     result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "close but not identical" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_different_table_of_the_same_shape_is_not_a_near_duplicate(tmp_path, monkeypatch):
+    from gemma_export import dedupe
+
+    monkeypatch.setattr(dedupe, "CHUNK_BYTES", 4096)
+    # one value off by 2% of the range, in the last block: not "close", so not refused (and not merged)
+    graph = _lm(lambda t: np.where(np.arange(t.size).reshape(t.shape) == t.size - 1,
+                                   t + np.float32(0.02 * np.abs(t).max()), t).astype(np.float32))
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "no duplicated table and no Transpose-shared table found" in result.stderr
 
 
 def test_torch_onnx_export_of_tiny_gemma(tmp_path):
