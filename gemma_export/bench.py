@@ -31,6 +31,7 @@ import numpy as np
 
 from .errors import BudgetExceeded, GemmaExportError
 from .memory import peak_rss_bytes, release_free_heap, snapshot
+from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
 
 WARMUP_STEPS = 4
@@ -132,7 +133,7 @@ def drop_page_cache() -> None:
 
 def archive_bytes(model_dir: Path) -> int:
     """Bytes of an export's ONNX archive: ``model.onnx`` and its external data (``model.onnx.data``)."""
-    return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
+    return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith(MODEL_FILE))
 
 
 def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: Sequence[int] = (16, 128, 512),

@@ -29,7 +29,7 @@ import onnx_ir as ir
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef
 from .config import FULL, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY, GemmaConfig
-from .graph import GraphBuilder
+from .graph import MS_DOMAIN, GraphBuilder
 from .weights import Table, WeightFormat
 
 F32, I64 = ir.DataType.FLOAT, ir.DataType.INT64
@@ -93,7 +93,7 @@ def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, ind
     ``head_dim`` values of ``x`` ``[batch, seq, heads · head_dim]``: one onnxruntime
     ``RotaryEmbedding`` (com.microsoft, ``interleaved`` 0; the head size is read from ``cos``), reading
     the cos/sin row ``index[b, s]`` for token ``(b, s)``."""
-    return g.op("RotaryEmbedding", x, index, cos, sin, domain="com.microsoft", interleaved=0)
+    return g.op("RotaryEmbedding", x, index, cos, sin, domain=MS_DOMAIN, interleaved=0)
 
 
 def attention_bias(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Value,
@@ -168,7 +168,7 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     k = apply_rotary(g, normed(k, kv_heads, "k_norm.weight"), *rope)
     context, present_key, present_value = g.op(
         "GroupQueryAttention", q, k, v, past_key, past_value, shared.seqlens_k[layer_type],
-        shared.total_sequence_length[layer_type], None, None, None, shared.mask[layer_type], domain="com.microsoft", num_outputs=3,
+        shared.total_sequence_length[layer_type], None, None, None, shared.mask[layer_type], domain=MS_DOMAIN, num_outputs=3,
         num_heads=heads, kv_num_heads=kv_heads, scale=float(c.attention_scale))
     # No attention soft-capping: transformers' Gemma3Attention reads attn_logit_softcapping from the
     # config but never applies it (Gemma 3 checkpoints set it to null), and it is the reference.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
-from .runtime import BUNDLE_MANIFEST
+from .onnx_files import BUNDLE_MANIFEST
 
 #: Boards a bundle can target: what its README tells the board team (threads and the memory
 #: budget come from ``bench.BOARDS``, which ``bench --board`` applies).
@@ -156,7 +156,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
         GemmaExportError: unknown board; the export fails verification (``VerificationError``);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
-    from .exporter import MANIFEST_FILE, verify_manifest
+    from .exporter import verify_manifest
+    from .onnx_files import MANIFEST_FILE
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
+from .config import SLIDING
 from .errors import ConfigError, GemmaExportError, SourceNotFoundError
 from .text_files import read_text_file
 
@@ -157,7 +158,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
     def mask(layer_type: str, first: int, start: int, end: int) -> np.ndarray:
         distance = positions[first:end, None] - positions[None, start:end]   # q - k, [block, keys]
         allowed = distance >= 0
-        return allowed & (distance < c.sliding_window) if layer_type == "sliding_attention" else allowed
+        return allowed & (distance < c.sliding_window) if layer_type == SLIDING else allowed
 
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     groups = heads // kv_heads
@@ -184,7 +185,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         for first in range(0, t, _QUERY_BLOCK):
             end = min(first + _QUERY_BLOCK, t)
             # keys a query of this block may see: from the window's start on sliding layers
-            start = max(0, first - c.sliding_window + 1) if layer_type == "sliding_attention" else 0
+            start = max(0, first - c.sliding_window + 1) if layer_type == SLIDING else 0
             # no attention soft-capping, as in the exported graph (transformers' Gemma3Attention ignores it)
             scores = (q[:, first:end] @ k[:, start:end].transpose(0, 2, 1)) * np.float32(c.attention_scale)
             scores = np.where(mask(layer_type, first, start, end)[None], scores, np.float32(-np.inf))

@@ -373,13 +373,14 @@ def prepack(
 
     Example: gemma-export prepack --model gemma-3-270m-onnx-int8
     """
+    from .prepack import PREPACKED_DIR
     from .prepack import prepack as run
     from .prepack import remove as remove_copy
 
     with _reported(debug):
         if remove:
             removed = remove_copy(model)
-            typer.echo(f"removed {model / 'prepacked'}" if removed else f"{model}: no pre-packed copy to remove")
+            typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
     _list_files(result.files, 20)

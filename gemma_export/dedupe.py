@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
+from .onnx_files import ALIGNMENT_BYTES
 from .staging import check_outside_outputs, staged_folder
 from .text_files import require_file
 
@@ -205,7 +206,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     vocab = max((t.shape[0] for t in report.tensors if len(t.shape) == 2), default=2)
     with staged_folder(out_dir, "deduplicated model") as staging:
         out_path = staging / in_path.name
-        ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=65536)
+        ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=ALIGNMENT_BYTES)
         try:
             diff = _compare(in_path, out_path, vocab)
         except Exception as exc:

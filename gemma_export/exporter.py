@@ -22,12 +22,12 @@ from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
 from .config import SLIDING_CACHE_START
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
-from .onnx_files import check_external_data, graph_dtype, read_graph
+from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import DATA_FILE, MANIFEST_FILE, MODEL_FILE, create_session, read_manifest, require_folder
+from .runtime import create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
@@ -36,11 +36,6 @@ from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_IN
                       DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
 
 GENAI_CONFIG_FILE = "genai_config.json"
-#: External tensors of 1 MiB and more (onnx_ir's ``align_threshold``) start on 64 KiB boundaries so
-#: that onnxruntime can memory-map them on x86-64 and on aarch64 kernels with 64 KiB pages; smaller
-#: ones are packed without padding (aligning every tensor to 4 KiB instead left onnxruntime's memory
-#: after session creation unchanged: int8, 302 MB Anonymous either way, 2026-12-03).
-ALIGNMENT_BYTES = 65536
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ import numpy as np
 from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
 
 from .errors import FormatError, SourceNotFoundError
+from .onnx_files import MODEL_FILE
 from .text_files import require_file
 
 CHUNK_BYTES = 8 << 20
@@ -466,8 +467,8 @@ def inspect_path(path: str | Path) -> Report:
         SourceNotFoundError: no such file, or a folder without ``model.onnx``.
         FormatError: the file is not one of the supported formats or is malformed.
     """
-    if Path(path).is_dir() and (Path(path) / "model.onnx").is_file():  # an export folder: its graph
-        path = Path(path) / "model.onnx"
+    if Path(path).is_dir() and (Path(path) / MODEL_FILE).is_file():  # an export folder: its graph
+        path = Path(path) / MODEL_FILE
     path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")
     try:
         with open(path, "rb") as f:

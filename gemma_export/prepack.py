@@ -31,7 +31,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
-from .runtime import DATA_FILE, MODEL_FILE, read_manifest
+from .onnx_files import DATA_FILE, MODEL_FILE
+from .runtime import read_manifest
 from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
 
 PREPACKED_DIR = "prepacked"

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .checkpoint import EMBED, LM_HEAD
 from .errors import GemmaExportError, NumericError, is_whole_number
 from .text_files import first_tokens
 
@@ -246,9 +247,9 @@ def transformers_model(source):
         tie_word_embeddings=source.tied)
     model = transformers.Gemma3ForCausalLM(config).eval()
     state = {name: torch.from_numpy(np.ascontiguousarray(ref.load())) for name, ref in source.tensors.items()}
-    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    state.setdefault(LM_HEAD, state[EMBED])
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+    if [m for m in missing if m != LM_HEAD] or unexpected:
         raise GemmaExportError(f"{source.path}: transformers reference did not take the weights: missing {missing}, "
                                f"unexpected {unexpected}")
     return model
@@ -306,7 +307,8 @@ def _manifest_source_record(model_dir: Path) -> dict:
         SourceNotFoundError: no manifest, no source path in it, or the source is gone.
     """
     from .errors import FormatError, SourceNotFoundError
-    from .runtime import MANIFEST_FILE, read_manifest
+    from .onnx_files import MANIFEST_FILE
+    from .runtime import read_manifest
 
     manifest = model_dir / MANIFEST_FILE
     try:
@@ -348,7 +350,7 @@ def manifest_checkpoint(model_dir: Path):
     import re
 
     from .errors import FormatError, SourceNotFoundError, shown
-    from .runtime import MANIFEST_FILE
+    from .onnx_files import MANIFEST_FILE
     from .sources import open_source
 
     record = _manifest_source_record(model_dir)

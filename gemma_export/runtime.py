@@ -22,12 +22,8 @@ from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoundError, check_utf8_path, is_whole_number,
                      shown)
-from .onnx_files import graph_dtype, load_graph
+from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
 from .text_files import not_unicode_at
-
-#: the graph and its external data, in every export folder (and the pre-packed copy)
-MODEL_FILE = "model.onnx"
-DATA_FILE = "model.onnx.data"
 
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
@@ -66,8 +62,6 @@ class GenerationResult:
     prepacked: bool = False
     prepacked_note: str = ""
 
-
-MANIFEST_FILE = "manifest.json"
 
 
 def read_manifest(model_dir: Path) -> dict:
@@ -127,9 +121,6 @@ def _genai_decoder_config(model_dir: Path) -> dict:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return {}
 
-
-#: the file ``gemma-export bundle`` writes at the top of a board folder; the export is in ``model/``
-BUNDLE_MANIFEST = "BUNDLE.json"
 
 
 def require_folder(folder: Path, holding: str) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .errors import OutputError, check_utf8_path
+from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
 @contextlib.contextmanager
@@ -223,7 +224,7 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
 
 
 #: files that mark a folder as one of this toolkit's outputs (an export, a bundle)
-OUTPUT_MARKERS = ("manifest.json", "BUNDLE.json")
+OUTPUT_MARKERS = (MANIFEST_FILE, BUNDLE_MANIFEST)
 
 
 def enclosing_output(path: Path) -> Path | None:

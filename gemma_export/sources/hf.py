@@ -13,7 +13,7 @@ from pathlib import Path
 import ml_dtypes
 from safetensors import safe_open
 
-from ..checkpoint import Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
+from ..checkpoint import LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
 from ..tokenizer import read_tokenizer_json
@@ -30,8 +30,8 @@ _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
 def _hf_name(key: str) -> str | None:
     """Map a checkpoint key to the text decoder's transformers name, or None when not ours."""
-    if key == "lm_head.weight" or key == "language_model.lm_head.weight":
-        return "lm_head.weight"
+    if key in (LM_HEAD, "language_model." + LM_HEAD):
+        return LM_HEAD
     for prefix in _PREFIXES:
         if key.startswith(prefix):
             return "model." + key[len(prefix):]
@@ -84,7 +84,7 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     """
     folder = Path(folder)
     config = load_hf_config(folder / "config.json")
-    wanted = set(expected_shapes(config)) | {"lm_head.weight"}
+    wanted = set(expected_shapes(config)) | {LM_HEAD}
     tensors: dict[str, TensorRef] = {}
     total_bytes = 0
     shards = _shard_files(folder)
