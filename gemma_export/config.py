@@ -37,6 +37,11 @@ _TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 #: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which
 #: also stops generation; used where a source does not name them
 PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID, UNK_TOKEN_ID, END_OF_TURN_TOKEN_ID = 0, 1, 2, 3, 106
+#: the ids that stop generation where a source names none: <eos> and <end_of_turn>
+DEFAULT_STOP_TOKEN_IDS = (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID)
+#: ``sliding_window`` of Gemma 3 270M and FunctionGemma-270M (their ``config.json``), for what
+#: carries no config: the board team's reference exports, and metrics given no config
+GEMMA3_270M_SLIDING_WINDOW = 512
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,7 @@ class GemmaConfig:
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None  # read, not applied: transformers' Gemma3Attention ignores it
     bos_token_id: int = BOS_TOKEN_ID
-    eos_token_id: tuple[int, ...] = (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID)
+    eos_token_id: tuple[int, ...] = DEFAULT_STOP_TOKEN_IDS
     pad_token_id: int = PAD_TOKEN_ID
 
     @staticmethod
@@ -122,14 +127,12 @@ class GemmaConfig:
         """
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
         )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {shown(value)}")
-        if not isinstance(self.sliding_window, int) or self.sliding_window <= 0:
-            raise ConfigError(f"{where}: field 'sliding_window' must be a positive integer, found {shown(self.sliding_window)}")
         for name, ids in (("eos_token_id", self.eos_token_id), ("bos_token_id", (self.bos_token_id,)),
                           ("pad_token_id", (self.pad_token_id,))):
             if max(ids) >= self.vocab_size:
@@ -327,7 +330,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
 
     top = _Fields(raw, where)
     vocab_size = f.int("vocab_size")
-    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", [EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID]))
+    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", list(DEFAULT_STOP_TOKEN_IDS)))
     bos = f.token_ids("bos_token_id", raw.get("bos_token_id", BOS_TOKEN_ID))[0]
     pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or PAD_TOKEN_ID)[0]
     config = GemmaConfig(
@@ -397,7 +400,7 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", DEFAULT_ROPE_THETA[FULL]),
                                rope_type="linear" if linear else "default", factor=factor if linear else 1.0)
     tokens = _Fields(meta, where, "tokenizer.ggml.")
-    eos = tokens.token_ids("eos_token_id", 1, below=vocab_rows)[0]
+    eos = tokens.token_ids("eos_token_id", EOS_TOKEN_ID, below=vocab_rows)[0]
     # Gemma's <end_of_turn> (106) also stops generation; llama.cpp's Gemma 3 files may not say so
     eot = tokens.token_ids("eot_token_id", END_OF_TURN_TOKEN_ID if vocab_rows > END_OF_TURN_TOKEN_ID else eos,
                            below=vocab_rows)[0]

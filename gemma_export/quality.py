@@ -28,13 +28,11 @@ from typing import Sequence
 import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
+from .config import GEMMA3_270M_SLIDING_WINDOW
 from .errors import GemmaExportError, NumericError, is_whole_number
+from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
-#: Gemma 3 270M's ``sliding_window``: the default split of top-1 agreement when no config is given
-DEFAULT_SLIDING_WINDOW = 512
-#: rows of logits compared at a time (and held per model): 128 × 262,144 float32 = 134 MB
-CHUNK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +100,7 @@ class LogitComparison:
             over the rows from there on, where the local layers no longer see the whole text.
     """
 
-    def __init__(self, token_ids: Sequence[int], sliding_window: int = DEFAULT_SLIDING_WINDOW):
+    def __init__(self, token_ids: Sequence[int], sliding_window: int = GEMMA3_270M_SLIDING_WINDOW):
         self.ids = np.asarray(token_ids, dtype=np.int64)
         self.sliding_window = sliding_window
         n = len(self.ids)
@@ -172,8 +170,8 @@ class LogitComparison:
             top2_gap_change_median=float(np.median(self.gap_change)))
 
 
-def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = 128,
-                   sliding_window: int = DEFAULT_SLIDING_WINDOW) -> QualityMetrics:
+def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = CHUNK_ROWS,
+                   sliding_window: int = GEMMA3_270M_SLIDING_WINDOW) -> QualityMetrics:
     """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T);
     ``sliding_window`` as in :class:`LogitComparison`.
 
@@ -265,7 +263,7 @@ def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndar
         return model(torch.tensor([list(token_ids)])).logits[0].float().numpy()
 
 
-def transformers_logit_chunks(model, token_ids: Sequence[int], chunk: int = 128):
+def transformers_logit_chunks(model, token_ids: Sequence[int], chunk: int = CHUNK_ROWS):
     """The rows of :func:`transformers_logits`, ``chunk`` at a time: one forward pass of the decoder
     stack over all of ``token_ids`` (its hidden states are ``[T, hidden_size]``), then the LM head and
     the final logit soft-capping (as ``Gemma3ForCausalLM.forward``) per chunk of rows, so the
@@ -422,7 +420,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     say(graph_line(decoder))
     _check_fits(decoder, ids, source)
     say(f"{len(ids)} tokens of {source}" + (f" (the whole text; {tokens} asked)" if tokens and tokens > len(ids) else ""))
-    # The reference and the export advance together, CHUNK rows at a time: neither [T, V] logit
+    # The reference and the export advance together, CHUNK_ROWS rows at a time: neither [T, V] logit
     # matrix (3.6 GB each for 3,400 tokens of Gemma's vocabulary) is ever held in full.
     if reference in ("fp32", "transformers") and Path(reference).exists():
         say(f"note: --reference {reference} is the keyword (a {'fresh fp32 export of the source' if reference == 'fp32' else 'transformers model'}), "
@@ -431,7 +429,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         if reference == "transformers":
             say("reference: transformers fp32 on the export's source weights")
             ref_chunks = transformers_logit_chunks(transformers_model(manifest_checkpoint(model_dir)), ids,
-                                                   CHUNK)
+                                                   CHUNK_ROWS)
         else:
             if reference == "fp32":
                 from .exporter import export
@@ -448,12 +446,12 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                 raise GemmaExportError(f"--reference {ref_dir}: its vocabulary has {ref_decoder.vocab_size:,} tokens, the "
                                        f"export's {decoder.vocab_size:,} ({model_dir}); compare exports of the same model")
             _check_fits(ref_decoder, ids, source, "--reference ")
-            ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK)
+            ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK_ROWS)
         say("running the export teacher-forced through its KV cache, beside the reference")
         comparison = LogitComparison(ids, decoder.manifest.get("config", {}).get("sliding_window")
-                                     or DEFAULT_SLIDING_WINDOW)
+                                     or GEMMA3_270M_SLIDING_WINDOW)
         last = time.monotonic()
-        for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK)):
+        for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK_ROWS)):
             comparison.add(start, ref_rows, rows)
             done = start + len(rows)
             if time.monotonic() - last >= 15 and done < len(ids):  # a line every 15 s on long texts

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import (END_OF_TURN_TOKEN_ID, EOS_TOKEN_ID, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
+from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoundError, check_utf8_path, is_whole_number,
                      shown)
@@ -91,6 +91,11 @@ def read_manifest(model_dir: Path) -> dict:
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
     return value
+
+
+#: rows of logits per chunk of :meth:`OnnxDecoder.teacher_forced_chunks` (and compared at a time by
+#: ``quality``, which holds one chunk per model): 128 × 262,144 float32 = 134 MB
+CHUNK_ROWS = 128
 
 
 def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
@@ -281,7 +286,7 @@ class OnnxDecoder:
                                                                    self.manifest.get("config", {}))
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
-        eos = self.manifest.get("config", {}).get("eos_token_id", (EOS_TOKEN_ID, END_OF_TURN_TOKEN_ID))
+        eos = self.manifest.get("config", {}).get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
@@ -417,7 +422,7 @@ class OnnxDecoder:
         ((_, rows),) = self.teacher_forced_chunks(token_ids, len(token_ids))  # one chunk: the whole matrix
         return rows
 
-    def teacher_forced_chunks(self, token_ids: Sequence[int], chunk: int = 128):
+    def teacher_forced_chunks(self, token_ids: Sequence[int], chunk: int = CHUNK_ROWS):
         """The rows of :meth:`teacher_forced_logits`, ``chunk`` at a time, as they are computed.
 
         Yields:

@@ -183,7 +183,7 @@ def test_quality_never_builds_a_whole_logit_matrix(tiny_int8_export, text_file, 
     monkeypatch.setattr(OnnxDecoder, "teacher_forced_logits", whole)
     monkeypatch.setattr(quality, "transformers_logits", whole)
     monkeypatch.setattr(quality, "compare_logits", whole)
-    monkeypatch.setattr(quality, "CHUNK", 16)
+    monkeypatch.setattr(quality, "CHUNK_ROWS", 16)
     for reference in ("transformers", str(tiny_int8_export)):
         report = quality.run_quality(tiny_int8_export, reference, text=text_file, tokens=70)
         assert report.metrics.tokens == 70

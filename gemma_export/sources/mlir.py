@@ -32,14 +32,11 @@ import numpy as np
 from quant.bf16 import bfloat16_bits_to_float32
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
-from ..config import DEFAULT_ROPE_THETA, GemmaConfig, RopeParameters, gemma3_layer_types
+from ..config import DEFAULT_ROPE_THETA, GEMMA3_270M_SLIDING_WINDOW, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
 from ..text_files import require_file
 from .safetensors_header import read_header
 
-#: the reference exports are of Gemma 3 270M / FunctionGemma, whose sliding window is 512 tokens
-#: (the MLIR carries no config; its baked masks use this window)
-REFERENCE_SLIDING_WINDOW = 512
 
 #: MLIR element type → (safetensors dtype, bytes per element)
 ELEMENT_TYPES = {"bf16": ("BF16", 2), "f32": ("F32", 4), "f16": ("F16", 2), "i8": ("I8", 1), "i32": ("I32", 4)}
@@ -309,10 +306,12 @@ def map_globals(module: MlirModule) -> GlobalMap:
     if partial or final_norm is None or layer == 0:
         raise FormatError(f"{where}: globals end inside layer {layer} or without a final norm "
                           f"({layer} whole layers mapped)")
+    # rms_norm_eps, max_position_embeddings: Gemma 3 270M's and FunctionGemma's config.json values
     config = GemmaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layer,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=d, rms_norm_eps=1e-6,
-        sliding_window=REFERENCE_SLIDING_WINDOW, layer_types=gemma3_layer_types(layer),
+        sliding_window=GEMMA3_270M_SLIDING_WINDOW,  # the MLIR carries no config; its baked masks use this window
+        layer_types=gemma3_layer_types(layer),
         rope_parameters={kind: RopeParameters(theta) for kind, theta in DEFAULT_ROPE_THETA.items()},
         query_pre_attn_scalar=float(d), max_position_embeddings=32768,
         eos_token_id=GemmaConfig.default_eos_token_ids(vocab))
