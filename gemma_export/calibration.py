@@ -161,7 +161,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         return allowed & (distance < c.sliding_window) if layer_type == SLIDING else allowed
 
     heads, kv_heads, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    groups = heads // kv_heads
+    groups = c.num_key_value_groups
     eps = c.rms_norm_eps
     for layer in range(c.num_hidden_layers):
         p = f"model.layers.{layer}."

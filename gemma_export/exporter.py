@@ -320,7 +320,8 @@ def _check_replaceable(out_dir: Path) -> None:
                       leftovers=LEFTOVER_PREFIXES)
 
 
-#: tensors of at least this many bytes go to the data file; smaller constants stay in model.onnx
+#: tensors of more than this many bytes go to the data file (onnx_ir's ``size_threshold_bytes``
+#: compares ``nbytes > threshold``); smaller constants stay in model.onnx
 SIZE_THRESHOLD_BYTES = 256
 
 

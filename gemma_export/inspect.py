@@ -290,7 +290,7 @@ def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
     return [values.astype(np.float16).astype(np.float32)]
 
 
-def _same_after_dequantization(wide: TensorEntry, narrow: TensorEntry, chunk_values: int = 1 << 20) -> bool:
+def _same_after_rounding(wide: TensorEntry, narrow: TensorEntry, chunk_values: int = 1 << 20) -> bool:
     """Stream both tensors (``chunk_values`` values at a time) and compare the wide one rounded to
     the narrow one's precision."""
     for start in range(0, narrow.elements, chunk_values):
@@ -303,7 +303,7 @@ def _same_after_dequantization(wide: TensorEntry, narrow: TensorEntry, chunk_val
 
 #: names under which a quantized tensor ``X`` keeps its scales (safetensors / reference archives)
 _SCALE_SUFFIXES = ("_scale", "_scales", ".scale", ".scales")
-#: quantized storage types with a separate scale tensor: (signed, largest magnitude)
+#: quantized storage types with a separate scale tensor: the largest code magnitude of each
 _QUANT_TYPES = {"I8": 127, "INT8": 127, "U8": 255, "UINT8": 255}
 #: relative rounding error of each float storage type (truncation for bf16, as the reference archives)
 _RELATIVE_PRECISION = {"BF16": 2.0**-8, "BFLOAT16": 2.0**-8, "F16": 2.0**-11, "FLOAT16": 2.0**-11}
@@ -418,8 +418,10 @@ def _same_after_quantization(wide: TensorEntry, t: Quantized) -> bool:
 def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str, str, str | None]] = ()) -> list[DuplicateGroup]:
     """Groups of tensors stored more than once: identical bytes (any shape, e.g. a flat 1-D copy of a
     2-D table), 2-D tensors equal to another's transpose, and the same values stored in two float
-    precisions (float32 and bf16/f16). Only tensors ≥ 64 KiB are checked; hashing reads only
-    tensors whose byte size matches another's."""
+    precisions (float32 and bf16/f16), and a float tensor stored again quantized (int8/uint8 codes
+    with a scale tensor, a GGUF Q8_0 tensor, or ``dequantize_nodes``: ``(codes, scales, zero
+    points or None)`` of a graph's ``DequantizeLinear`` nodes) whose dequantized values equal it.
+    Only tensors ≥ 64 KiB are checked; hashing reads only tensors whose byte size matches another's."""
     big = [e for e in entries if e.nbytes >= MIN_DUPLICATE_BYTES]
     by_size: dict[tuple[int, str], list[TensorEntry]] = collections.defaultdict(list)
     for e in big:
@@ -443,7 +445,7 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str
     floats = [e for e in big if e.dtype in _FLOAT_RANK and e.item_dtype is not None]
     for wide in (e for e in floats if _FLOAT_RANK[e.dtype] == 0):
         for narrow in (e for e in floats if _FLOAT_RANK[e.dtype] == 1 and e.elements == wide.elements):
-            if _same_after_dequantization(wide, narrow):
+            if _same_after_rounding(wide, narrow):
                 groups.append(DuplicateGroup("same values, two precisions", (wide.name, narrow.name), narrow.nbytes))
     for t in _quantized_tensors(entries, list(dequantize_nodes)):
         if t.values.nbytes < MIN_DUPLICATE_BYTES:

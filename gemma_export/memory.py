@@ -71,7 +71,7 @@ def peak_rss_bytes() -> int:
 #: and aarch64)
 MADV_COLLAPSE = 25
 #: size of one transparent huge page (PMD mapping): 2 MiB with 4 KiB base pages
-HPAGE_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
+HPAGE_PMD_SIZE_FILE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 
 
 def anonymous_huge_ranges(maps_text: str, huge_page: int) -> list[tuple[int, int]]:
@@ -114,7 +114,7 @@ def collapse_to_huge_pages() -> int:
     import mmap
 
     try:
-        huge_page = int(HPAGE_PMD_SIZE.read_text())
+        huge_page = int(HPAGE_PMD_SIZE_FILE.read_text())
         maps = Path("/proc/self/maps").read_text()
         libc = ctypes.CDLL(None, use_errno=True)
         madvise, mincore = libc.madvise, libc.mincore

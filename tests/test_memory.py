@@ -33,7 +33,7 @@ def test_anonymous_huge_ranges_keeps_whole_aligned_huge_pages_of_private_writabl
 
 def _kernel_collapses() -> str | None:
     """Why this machine cannot collapse (None when it can): Linux >= 6.1 with THP not 'never'."""
-    if platform.system() != "Linux" or not memory.HPAGE_PMD_SIZE.exists():
+    if platform.system() != "Linux" or not memory.HPAGE_PMD_SIZE_FILE.exists():
         return "no transparent huge pages here"
     mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
     if "[never]" in mode:
@@ -94,7 +94,7 @@ def test_collapse_leaves_partly_used_huge_pages_alone():
 
 
 def test_collapse_is_a_no_op_without_the_huge_page_switch(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory, "HPAGE_PMD_SIZE", tmp_path / "missing")
+    monkeypatch.setattr(memory, "HPAGE_PMD_SIZE_FILE", tmp_path / "missing")
     assert memory.collapse_to_huge_pages() == 0
 
 

