@@ -40,6 +40,8 @@ WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
 
 @dataclasses.dataclass
 class BundleResult:
+    """The board folder written by :func:`bundle` and its files (path relative to it → bytes)."""
+
     out_dir: Path
     files: dict[str, int]  # relative path -> bytes
 

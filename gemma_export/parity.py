@@ -73,6 +73,9 @@ class PromptParity:
 
 @dataclasses.dataclass
 class Check:
+    """One verdict line: ``measured`` (a share, nats/token, or text such as "match") against
+    ``threshold`` (its condition as text, e.g. ``">= 0.99"``)."""
+
     name: str
     measured: float | str
     threshold: str
@@ -81,6 +84,9 @@ class Check:
 
 @dataclasses.dataclass
 class ParityReport:
+    """What ``gemma-export parity`` found: per-prompt figures and the pooled checks; :attr:`passed`
+    is every check's verdict (``--json`` writes :meth:`to_dict`)."""
+
     model: str
     dtype: str
     prompts: list[PromptParity]

@@ -38,8 +38,9 @@ from .staging import check_free_space, entry_refused, file_sha256, interrupts_he
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
 FORMAT = "gemma-export-prepacked/1"
-#: token ids of the bit-exactness check (batch 1, empty cache): a short prompt is enough to run
-#: every packed weight once.
+#: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
+#: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A
+#: short prompt is enough to run every packed weight once.
 CHECK_TOKENS = (2, 651, 6037, 529, 7001, 563)
 
 

@@ -375,7 +375,18 @@ class Int8Format(WeightFormat):
 
 
 class Int4Format(Int8Format):
-    """4-bit projections and table (or an int8 table with ``table_dtype="int8"``)."""
+    """4-bit projections and table (or an int8 table with ``table_dtype="int8"``).
+
+    Args:
+        block_size: weights per scale in the layers (default :data:`DEFAULT_INT4_BLOCK_SIZE`).
+        table_block_size: weights per scale in the table (default: ``block_size`` for an int4
+            table, :data:`DEFAULT_INT8_TABLE_BLOCK_SIZE` for an int8 one).
+        hadamard_size: width of the block-diagonal rotation folded into the weights (0: none).
+        table_dtype: ``"int4"`` or ``"int8"``.
+        symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
+        method: ``"mse"`` (clipping search) or ``"rtn"`` (round to nearest).
+        calibration: activation statistics; set, every weight's codes are GPTQ's.
+    """
 
     name = "int4"
     bits = 4
@@ -402,7 +413,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
 
     ``table_dtype`` (``int4`` or ``int8``), ``symmetric`` and ``method`` (``mse`` or ``rtn``) apply
     to int4 only; ``calibration`` (int8 and int4) makes every quantized weight's codes GPTQ's
-    (``quant/gptq.py``) on those activation statistics.
+    (``quant/gptq.py``) on those activation statistics. fp32 and bf16 take no option: every
+    argument but ``dtype`` is ignored for them (the CLI refuses such options before this).
 
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).

@@ -37,6 +37,9 @@ from .gptq import as_hessian, gptq_codes
 from .rows import float_rows
 
 ZERO_POINT = 8
+#: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
+#: grows with their count; on the real 270M the search gives 17% lower KL than round to nearest at the
+#: same size, docs/quality.md)
 CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.6, 17), 4))
 _ROWS_PER_CHUNK = 4096
 
