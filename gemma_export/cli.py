@@ -26,6 +26,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
+from .config import DTYPES, QUANTIZED_DTYPES
 from .errors import GemmaExportError, os_error_line
 
 
@@ -99,11 +100,7 @@ class Format(str, enum.Enum):
     onnx = "onnx"
 
 
-class DType(str, enum.Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    int8 = "int8"
-    int4 = "int4"
+DType = enum.Enum("DType", [(name, name) for name in DTYPES], type=str)  # --dtype (config.DTYPES)
 
 
 class TableDType(str, enum.Enum):
@@ -274,7 +271,7 @@ def main(
 
 def _export_summary(result, archive: int) -> None:
     """What an export wrote: files, sizes, the shared table, calibration, time and memory."""
-    rounded = ", so the weights were rounded to nearest (no calibration)" if result.dtype in ("int8", "int4") else ""
+    rounded = ", so the weights were rounded to nearest (no calibration)" if result.dtype in QUANTIZED_DTYPES else ""
     typer.echo(f"wrote {result.out_dir}")
     _list_files(result.files, 28)
     typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")

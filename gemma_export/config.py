@@ -34,6 +34,11 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear")
 _SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 _TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 
+#: ``--dtype`` choices (``weights.WEIGHT_FORMATS`` implements each, widest first) and those stored
+#: as block-wise integer codes with scales
+DTYPES = ("fp32", "bf16", "int8", "int4")
+QUANTIZED_DTYPES = ("int8", "int4")
+
 #: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which
 #: also stops generation; used where a source does not name them
 PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID, UNK_TOKEN_ID, END_OF_TURN_TOKEN_ID = 0, 1, 2, 3, 106

@@ -20,7 +20,7 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .config import SLIDING_CACHE_START
+from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
@@ -32,8 +32,8 @@ from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
 from .staging import check_free_space, check_replaceable, file_sha256, folder_state, staged_folder
-from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT4_BLOCK_SIZE, DEFAULT_INT8_BLOCK_SIZE,
-                      DEFAULT_INT8_TABLE_BLOCK_SIZE, DTYPES, weight_format)
+from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
+                      weight_format)
 
 GENAI_CONFIG_FILE = "genai_config.json"
 
@@ -343,15 +343,15 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
         _refuse_options(int4_only, "int4", dtype)
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                                                    ("--hadamard", hadamard_size)) if value is not None]
-    if dtype not in ("int8", "int4"):
-        _refuse_options(quantized_only, "int8 and int4", dtype)
+    if dtype not in QUANTIZED_DTYPES:
+        _refuse_options(quantized_only, " and ".join(QUANTIZED_DTYPES), dtype)
     if scale_method not in (None, "mse", "rtn"):
         raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read
             raise ConfigError(f"{option} {value}: must be a power of two >= 16{' (or 0: no rotation)' if option == '--hadamard' else ''}")
-    quantized = dtype in ("int8", "int4")
+    quantized = dtype in QUANTIZED_DTYPES
     if calibrate is False and not quantized:  # as --calibrate is: an option that would do nothing
         raise ConfigError(f"--no-calibrate applies to --dtype int8 and int4, not {dtype} (nothing is calibrated)")
     for option in _calibration_options(calibrate, calibration_text, calibration_tokens):
@@ -377,11 +377,11 @@ def _estimated_bytes(ckpt: Checkpoint, dtype: str, layer_block: int = 0, table_b
     with one float32 scale per block), plus the tokenizer files. Within 1% on the real 270M (every dtype)."""
     table_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name in (EMBED, LM_HEAD))
     other_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name not in (EMBED, LM_HEAD))
-    if dtype in ("fp32", "bf16"):
-        weights = (table_numel + other_numel) * (4 if dtype == "fp32" else 2)
+    fmt = WEIGHT_FORMATS[dtype]
+    if not fmt.quantized:
+        weights = (table_numel + other_numel) * fmt.bits / 8
     else:
-        bits = 8 if dtype == "int8" else 4
-        weights = table_numel * (table_bits / 8 + 4 / table_block) + other_numel * (bits / 8 + 4 / layer_block)
+        weights = table_numel * (table_bits / 8 + 4 / table_block) + other_numel * (fmt.bits / 8 + 4 / layer_block)
     tokenizer = sum(len(content) for content in ckpt.tokenizer.files.values()) if ckpt.tokenizer is not None else 0
     return int(weights) + tokenizer
 
@@ -461,7 +461,7 @@ def export(
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
                    calibration_text, calibration_tokens)
     scale_method = scale_method or "mse"
-    quantized = dtype in ("int8", "int4")
+    quantized = dtype in QUANTIZED_DTYPES
     # the calibration option the user gave, if any: on a source without a tokenizer it is refused
     # under its own name rather than ignored
     asked = next(iter(_calibration_options(calibrate, calibration_text, calibration_tokens)), None)
@@ -484,11 +484,9 @@ def export(
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
-        layer_default = DEFAULT_INT8_BLOCK_SIZE if dtype == "int8" else DEFAULT_INT4_BLOCK_SIZE
-        table_bits = 8 if dtype == "int8" or table_dtype == "int8" else 4
-        table_default = DEFAULT_INT8_TABLE_BLOCK_SIZE if table_bits == 8 else DEFAULT_INT4_BLOCK_SIZE
-        layer_block = block_size_for(ckpt, block_size, default=layer_default)
-        table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), table_default,
+        layer_block = block_size_for(ckpt, block_size, default=WEIGHT_FORMATS[dtype].default_block_size)
+        table_bits = Int4Format.TABLE_BITS[table_dtype or "int4"] if dtype == Int4Format.name else WEIGHT_FORMATS[dtype].bits
+        table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_TABLE_BLOCK_SIZE[table_bits],
                                       "--table-block-size")
         estimate = _estimated_bytes(ckpt, dtype, layer_block, table_block, table_bits)
     else:

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
+from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoundError, check_utf8_path, is_whole_number,
                      shown)
@@ -488,7 +488,7 @@ def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Pat
 
 #: manifest fields the runtime reads: (where, name) → (what is expected, test)
 _MANIFEST_FIELDS = {
-    (None, "dtype"): ("one of fp32, bf16, int8, int4", lambda v: v in ("fp32", "bf16", "int8", "int4")),
+    (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
     ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
                                             lambda v: is_whole_number(v) and 0 < v < 2 ** 31),
     ("config", "vocab_size"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),

@@ -63,6 +63,8 @@ DEFAULT_INT4_BLOCK_SIZE = 32
 #: Hadamard rotation of every int8 matmul input (``quant/hadamard.py``): 64 measured best on the
 #: real 270M (KL vs fp32 0.0014 against 0.0034 unrotated; 32 and 128 were worse).
 DEFAULT_HADAMARD_SIZE = 64
+#: default table block size by the table's bits
+DEFAULT_TABLE_BLOCK_SIZE = {8: DEFAULT_INT8_TABLE_BLOCK_SIZE, 4: DEFAULT_INT4_BLOCK_SIZE}
 
 
 def _lazy(name: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]) -> ir.LazyTensor:
@@ -116,14 +118,27 @@ class Table:
 
 
 class WeightFormat:
-    """Base class: how one dtype stores and reads weights. Subclasses register themselves by ``name``."""
+    """Base class: how one dtype stores and reads weights. Subclasses register themselves by ``name``
+    and state their facts as class attributes: ``bits`` per stored weight (before scales),
+    ``quantized`` (block-wise codes with scales) and ``default_block_size`` (None: no blocks)."""
 
     name: ClassVar[str]
+    bits: ClassVar[int]
+    quantized: ClassVar[bool] = False
+    default_block_size: ClassVar[int | None] = None
     registry: ClassVar[dict[str, type["WeightFormat"]]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         WeightFormat.registry[cls.name] = cls
+
+    @classmethod
+    def from_options(cls, block_size: int | None = None, table_block_size: int | None = None,
+                     hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
+                     method: str = "mse", calibration: Calibration | None = None) -> "WeightFormat":
+        """The format for ``--dtype`` with the export's options (None: the format's default); a
+        float format takes none and ignores them (the CLI refuses them before this)."""
+        return cls()
 
     def linear(self, g: GraphBuilder, x: ir.Value, ref: TensorRef) -> ir.Value:
         """``x @ W.T`` for ``W = ref`` of shape ``[out, in]``; ``x`` float32 ``[..., in]`` → ``[..., out]``."""
@@ -167,6 +182,7 @@ def _gemm_lm_head(g: GraphBuilder, table_value: ir.Value, hidden: ir.Value, voca
 
 class Float32Format(WeightFormat):
     name = "fp32"
+    bits = 32
 
     def _weight(self, g, name, shape, make, refs=()):
         """A float32 value of ``shape`` read from an initializer written by ``make()`` (from the
@@ -195,6 +211,7 @@ class Float32Format(WeightFormat):
 
 class BF16Format(Float32Format):
     name = "bf16"
+    bits = 16
 
     def _weight(self, g, name, shape, make, refs=()):
         def bits():
@@ -233,6 +250,14 @@ class Int8Format(WeightFormat):
     """
 
     name = "int8"
+    quantized = True
+    default_block_size = DEFAULT_INT8_BLOCK_SIZE
+
+    @classmethod
+    def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
+                     symmetric=True, method="mse", calibration=None):
+        return cls(block_size or cls.default_block_size, table_block_size,
+                   DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size, calibration)
 
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None):
@@ -390,20 +415,33 @@ class Int4Format(Int8Format):
 
     name = "int4"
     bits = 4
+    default_block_size = DEFAULT_INT4_BLOCK_SIZE
+    #: ``table_dtype`` → the table's bits
+    TABLE_BITS = {"int4": 4, "int8": 8}
+
+    @classmethod
+    def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
+                     symmetric=True, method="mse", calibration=None):
+        return cls(block_size or cls.default_block_size, table_block_size,
+                   DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size,
+                   table_dtype or "int4", symmetric, method, calibration)
 
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
                  method: str = "mse", calibration: Calibration | None = None):
-        if table_dtype == "int8":
-            table_block_size = table_block_size or DEFAULT_INT8_TABLE_BLOCK_SIZE
-        super().__init__(block_size, table_block_size, hadamard_size, calibration)
-        self.table_bits = 4 if table_dtype == "int4" else 8
+        if table_dtype not in self.TABLE_BITS:
+            raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
+        if method not in ("mse", "rtn"):
+            raise ValueError(f"method {method!r}: expected mse or rtn")
+        table_bits = self.TABLE_BITS[table_dtype]
+        super().__init__(block_size, table_block_size or (DEFAULT_TABLE_BLOCK_SIZE[table_bits] if table_bits == 8 else None),
+                         hadamard_size, calibration)
+        self.table_bits = table_bits
         self.symmetric = symmetric
         self.method = method
 
 
 WEIGHT_FORMATS = WeightFormat.registry
-DTYPES = tuple(WEIGHT_FORMATS)
 
 
 def weight_format(dtype: str, block_size: int | None = None, table_block_size: int | None = None,
@@ -419,11 +457,5 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).
     """
-    cls = WEIGHT_FORMATS[dtype]
-    hadamard = DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size
-    if cls is Int8Format:
-        return Int8Format(block_size or DEFAULT_INT8_BLOCK_SIZE, table_block_size, hadamard, calibration)
-    if cls is Int4Format:
-        return Int4Format(block_size or DEFAULT_INT4_BLOCK_SIZE, table_block_size, hadamard,
-                          table_dtype or "int4", symmetric, method, calibration)
-    return cls()
+    return WEIGHT_FORMATS[dtype].from_options(block_size, table_block_size, hadamard_size, table_dtype, symmetric,
+                                              method, calibration)
