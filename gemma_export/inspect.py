@@ -31,11 +31,6 @@ CHUNK_BYTES = 8 << 20
 #: are often legitimately equal).
 MIN_DUPLICATE_BYTES = 1 << 16
 
-#: numpy view of each safetensors dtype (BF16 as its bits); sizes live in safetensors_header
-_SAFETENSORS_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,12 +137,12 @@ class Report:
 
 # ---- readers ------------------------------------------------------------------------------------
 def _safetensors_entries(path: Path) -> list[TensorEntry]:
-    from .sources.safetensors_header import read_header
+    from .sources.safetensors_header import NUMPY_DTYPES, read_header
 
     entries = []
     for t in read_header(path):
         entries.append(TensorEntry(t.name, t.shape, t.dtype, t.nbytes, math.prod(t.shape), path, t.offset,
-                                   np.dtype(_SAFETENSORS_DTYPES[t.dtype])))
+                                   np.dtype(NUMPY_DTYPES[t.dtype])))
     return entries
 
 
@@ -156,6 +151,7 @@ def _mlir_entries(path: Path) -> tuple[list[TensorEntry], str | None]:
     from the flat archive beside it (reshaped to the declared shapes) when there is one; without an
     archive the entries carry no data (sizes only, no duplicate search) and ``no_data`` says why."""
     from .sources.mlir import ELEMENT_TYPES, Archive, find_archive, parse_mlir
+    from .sources.safetensors_header import DTYPE_BYTES, NUMPY_DTYPES
 
     module = parse_mlir(path)
     no_data = None
@@ -165,21 +161,21 @@ def _mlir_entries(path: Path) -> tuple[list[TensorEntry], str | None]:
         archive, no_data = None, str(exc)
     entries = []
     for g in module.globals:
-        st_dtype, width = ELEMENT_TYPES[g.element_type]
+        st_dtype = ELEMENT_TYPES[g.element_type]
         offset = archive.entries[g.key].offset if archive else 0
-        entries.append(TensorEntry(g.name, g.shape, st_dtype, g.count * width, g.count,
+        entries.append(TensorEntry(g.name, g.shape, st_dtype, g.count * DTYPE_BYTES[st_dtype], g.count,
                                    archive.path if archive else None, offset,
-                                   np.dtype(_SAFETENSORS_DTYPES[st_dtype]) if archive else None))
+                                   np.dtype(NUMPY_DTYPES[st_dtype]) if archive else None))
     return entries, no_data
 
 
 def _gguf_entries(path: Path) -> list[TensorEntry]:
     import gguf
 
-    from .sources.gguf_header import read_gguf_header
+    from .sources.gguf_header import PLAIN_GGML_TYPES, read_gguf_header
 
     entries = []
-    plain = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I8": np.int8, "I16": np.int16, "I32": np.int32}
+    plain = {**PLAIN_GGML_TYPES, "BF16": np.uint16}  # bf16 as its bits, as in safetensors
     for t in read_gguf_header(path).tensors:
         shape = tuple(reversed(t.dims))
         kind = gguf.GGMLQuantizationType(t.ggml_type).name

@@ -19,7 +19,7 @@ from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resol
 from ..config import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID, config_from_gguf_metadata
 from ..errors import FormatError
 from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
-from .gguf_header import GGUFTensorInfo, read_gguf_header
+from .gguf_header import PLAIN_GGML_TYPES, GGUFTensorInfo, read_gguf_header
 
 #: GGUF block tensor name → transformers name suffix; ``True`` marks RMSNorm weights (+1 undone).
 _BLOCK_NAMES: dict[str, tuple[str, bool]] = {
@@ -70,7 +70,7 @@ def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype) -> None:
     """Refuse, at open, a tensor type gguf-py cannot turn into floats (I8, I32, F64, Q8_1, ...)."""
     import gguf
 
-    first = 1 if data.ndim > 1 or qtype.name in _PLAIN_TYPES else gguf.GGML_QUANT_SIZES[qtype][1]
+    first = 1 if data.ndim > 1 or qtype.name in PLAIN_GGML_TYPES else gguf.GGML_QUANT_SIZES[qtype][1]
     try:
         gguf.quants.dequantize(data[:first], qtype)  # one row, element or block
     except NotImplementedError:
@@ -78,9 +78,6 @@ def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype) -> None:
                           "dequantize; expected F32, F16, BF16 or a llama.cpp quantized type") from None
 
 
-#: ggml types stored as plain numpy elements; every other type is blocks of bytes.
-_PLAIN_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                "I32": np.int32, "I64": np.int64}
 
 
 def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo):
@@ -92,8 +89,8 @@ def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo):
     qtype = gguf.GGMLQuantizationType(info.ggml_type)
     shape = tuple(reversed(info.dims))
     raw = file_bytes[info.offset:info.offset + info.n_bytes]
-    if qtype.name in _PLAIN_TYPES:
-        return raw.view(_PLAIN_TYPES[qtype.name]).reshape(shape), qtype
+    if qtype.name in PLAIN_GGML_TYPES:
+        return raw.view(PLAIN_GGML_TYPES[qtype.name]).reshape(shape), qtype
     return raw.reshape(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), qtype
 
 

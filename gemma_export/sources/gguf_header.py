@@ -22,6 +22,11 @@ import numpy as np
 
 from ..errors import FormatError
 
+#: ggml types stored as plain numpy elements (every other type is blocks of bytes; BF16 too, which
+#: gguf-py dequantizes like a block type)
+PLAIN_GGML_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                    "I32": np.int32, "I64": np.int64}
+
 MAX_TENSORS = 1 << 20
 MAX_METADATA = 1 << 20
 MAX_STRING_BYTES = 1 << 24

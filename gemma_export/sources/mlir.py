@@ -35,11 +35,12 @@ from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, reso
 from ..config import DEFAULT_ROPE_THETA, GEMMA3_270M_SLIDING_WINDOW, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
 from ..text_files import require_file
-from .safetensors_header import read_header
+from .safetensors_header import DTYPE_BYTES, NUMPY_DTYPES, read_header
 
 
-#: MLIR element type → (safetensors dtype, bytes per element)
-ELEMENT_TYPES = {"bf16": ("BF16", 2), "f32": ("F32", 4), "f16": ("F16", 2), "i8": ("I8", 1), "i32": ("I32", 4)}
+#: MLIR element type → the safetensors dtype its archive stores (sizes and numpy types:
+#: ``safetensors_header.DTYPE_BYTES`` / ``NUMPY_DTYPES``)
+ELEMENT_TYPES = {"bf16": "BF16", "f32": "F32", "f16": "F16", "i8": "I8", "i32": "I32"}
 MAX_LINE_BYTES = 1 << 20
 
 _GLOBAL = re.compile(
@@ -169,7 +170,8 @@ class Archive:
             raise FormatError(f"{path}: key '{extra[0]}' has no util.global in {module.path.name}")
         for g in module.globals:
             e = entries[g.key]
-            st_dtype, width = ELEMENT_TYPES[g.element_type]
+            st_dtype = ELEMENT_TYPES[g.element_type]
+            width = DTYPE_BYTES[st_dtype]
             if e.dtype != st_dtype or e.nbytes != g.count * width:
                 raise FormatError(f"{path}: key '{g.key}' holds {e.dtype} {list(e.shape)} ({e.nbytes:,} bytes); "
                                   f"{module.path.name}:{g.line} declares tensor<{'x'.join(map(str, g.shape))}x"
@@ -179,8 +181,8 @@ class Archive:
     def raw(self, g: MlirGlobal, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The global's values in its stored type, reshaped to the declared shape (rows optional)."""
         entry = self.entries[g.key]
-        st_dtype, width = ELEMENT_TYPES[g.element_type]
-        np_dtype = {"BF16": np.uint16, "F32": np.float32, "F16": np.float16, "I8": np.int8, "I32": np.int32}[st_dtype]
+        st_dtype = ELEMENT_TYPES[g.element_type]
+        np_dtype, width = NUMPY_DTYPES[st_dtype], DTYPE_BYTES[st_dtype]
         row_elems = g.count // g.shape[0] if g.shape else 1
         start, stop = rows if rows is not None else (0, g.shape[0] if g.shape else 1)
         data = np.memmap(self.path, dtype=np_dtype, mode="r", offset=entry.offset + start * row_elems * width,

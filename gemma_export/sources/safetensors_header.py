@@ -14,10 +14,17 @@ import math
 import struct
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import FormatError, is_whole_number
 
+#: numpy element type of each safetensors dtype (BF16 as its raw bits: plain numpy has no bfloat16)
+NUMPY_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
+    "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
 #: bytes per element of each safetensors dtype
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_BYTES = {name: np.dtype(t).itemsize for name, t in NUMPY_DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20
 
 
