@@ -161,29 +161,37 @@ class Checkpoint:
         return LM_HEAD not in self.tensors
 
 
+def layer_shapes(hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
+                 intermediate_size: int) -> dict[str, tuple[int, ...]]:
+    """The 13 tensors of one Gemma 3 decoder layer, by name inside ``model.layers.{i}.``, with their
+    shapes (transformers' layout: projections ``[out, in]``)."""
+    h, d, i = hidden_size, head_dim, intermediate_size
+    q_out, kv_out = num_attention_heads * d, num_key_value_heads * d
+    return {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q_out, h),
+        "self_attn.k_proj.weight": (kv_out, h),
+        "self_attn.v_proj.weight": (kv_out, h),
+        "self_attn.o_proj.weight": (h, q_out),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "post_attention_layernorm.weight": (h,),
+        "pre_feedforward_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "post_feedforward_layernorm.weight": (h,),
+    }
+
+
 def expected_shapes(config: GemmaConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Gemma 3 decoder needs, with its shape (transformers names and layout)."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-    shapes: dict[str, tuple[int, ...]] = {EMBED: (config.vocab_size, h)}
+    layer = layer_shapes(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         config.intermediate_size)
+    shapes: dict[str, tuple[int, ...]] = {EMBED: (config.vocab_size, config.hidden_size)}
     for n in range(config.num_hidden_layers):
-        p = f"model.layers.{n}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q_out, h),
-            p + "self_attn.k_proj.weight": (kv_out, h),
-            p + "self_attn.v_proj.weight": (kv_out, h),
-            p + "self_attn.o_proj.weight": (h, q_out),
-            p + "self_attn.q_norm.weight": (d,),
-            p + "self_attn.k_norm.weight": (d,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "pre_feedforward_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-            p + "post_feedforward_layernorm.weight": (h,),
-        })
-    shapes[FINAL_NORM] = (h,)
+        shapes.update({f"model.layers.{n}.{name}": shape for name, shape in layer.items()})
+    shapes[FINAL_NORM] = (config.hidden_size,)
     return shapes
 
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from quant.bf16 import bfloat16_bits_to_float32
 
-from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, resolve_lm_head, validate_tensors
+from ..checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, layer_shapes, resolve_lm_head,
+                          validate_tensors)
 from ..config import DEFAULT_ROPE_THETA, GEMMA3_270M_SLIDING_WINDOW, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, SourceNotFoundError
 from ..text_files import require_file
@@ -204,23 +205,19 @@ class _Slot:
     norm: bool = False
 
 
+#: one layer's tensors in the order a trace of the forward loads them (q/k norms right after v,
+#: before the attention's output projection)
+_LAYER_TRACE_ORDER = (
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+    "self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight", "mlp.down_proj.weight", "post_feedforward_layernorm.weight",
+)
+
+
 def _layer_slots(i: int, h: int, heads: int, kv: int, d: int, inter: int) -> list[_Slot]:
-    p = f"model.layers.{i}."
-    return [
-        _Slot(p + "input_layernorm.weight", (h,), True),
-        _Slot(p + "self_attn.q_proj.weight", (heads * d, h)),
-        _Slot(p + "self_attn.k_proj.weight", (kv * d, h)),
-        _Slot(p + "self_attn.v_proj.weight", (kv * d, h)),
-        _Slot(p + "self_attn.q_norm.weight", (d,), True),
-        _Slot(p + "self_attn.k_norm.weight", (d,), True),
-        _Slot(p + "self_attn.o_proj.weight", (h, heads * d)),
-        _Slot(p + "post_attention_layernorm.weight", (h,), True),
-        _Slot(p + "pre_feedforward_layernorm.weight", (h,), True),
-        _Slot(p + "mlp.gate_proj.weight", (inter, h)),
-        _Slot(p + "mlp.up_proj.weight", (inter, h)),
-        _Slot(p + "mlp.down_proj.weight", (h, inter)),
-        _Slot(p + "post_feedforward_layernorm.weight", (h,), True),
-    ]
+    shapes = layer_shapes(h, heads, kv, d, inter)
+    return [_Slot(f"model.layers.{i}.{name}", shapes[name], name.endswith("norm.weight")) for name in _LAYER_TRACE_ORDER]
 
 
 @dataclasses.dataclass(frozen=True)
