@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import int_range, new_dir, run  # noqa: E402
 
-DTYPES = ("fp32", "bf16", "int8", "int4")
+from gemma_export.config import DTYPES  # noqa: E402
 
 
 def _dtypes(value: str) -> list[str]:
