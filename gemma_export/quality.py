@@ -401,11 +401,13 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     import tempfile
 
     from .bench import real_text
-    from .runtime import OnnxDecoder, load_tokenizer, manifest_figure
+    from .runtime import OnnxDecoder, check_export_folder, load_tokenizer, manifest_figure
 
     say = progress or (lambda _msg: None)
     if reference == "transformers":
         require_transformers("; or use --reference fp32 (an fp32 export of the same source, no extra needed)")
+    elif reference != "fp32":  # a folder: named before the text is read and tokenized
+        check_export_folder(Path(reference))
     model_dir = Path(model_dir)
     body, source = real_text(text)
     if tokens is not None and tokens < 2:
@@ -437,7 +439,17 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="gemma-export-fp32-"))
                 say("reference: exporting the source at fp32 into a temporary folder")
                 source_checkpoint = manifest_checkpoint(model_dir)
-                ref_dir = export(source_checkpoint.path, Path(tmp) / "fp32", "fp32", checkpoint=source_checkpoint).out_dir
+                started = last_line = time.monotonic()
+
+                def written(done: int, total: int, _name: str) -> None:  # a line every 15 s
+                    nonlocal last_line
+                    if time.monotonic() - last_line >= 15 and done < total:
+                        last_line = time.monotonic()
+                        say(f"reference: {done} of {total} tensors written")
+
+                ref_dir = export(source_checkpoint.path, Path(tmp) / "fp32", "fp32", checkpoint=source_checkpoint,
+                                 progress=written, status=lambda msg: say(f"reference: {msg}")).out_dir
+                say(f"reference: fp32 export written in {time.monotonic() - started:.0f} s")
             else:
                 say(f"reference: the export in {reference}")
                 ref_dir = reference

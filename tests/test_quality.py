@@ -128,6 +128,20 @@ def test_a_long_quality_run_says_where_it_is(tiny_int8_export, text_file, monkey
     assert [line for line in lines if line.endswith(" of 250 positions")] == ["128 of 250 positions"]
 
 
+def test_the_fp32_reference_export_says_where_it_is(tiny_int8_export, text_file, monkeypatch):
+    """--reference fp32 exports the source first: a line every 15 s of it (the clock jumps 20 s
+    per look) and its time at the end, so a long export is not silent."""
+    from gemma_export import quality
+
+    clock = iter(range(0, 10**6, 20))
+    monkeypatch.setattr(quality.time, "monotonic", lambda: float(next(clock)))
+    lines = []
+    quality.run_quality(tiny_int8_export, "fp32", text=text_file, tokens=40, progress=lines.append)
+    written = [line for line in lines if line.startswith("reference: ") and "tensors written" in line]
+    assert written and all(re.fullmatch(r"reference: \d+ of \d+ tensors written", line) for line in written)
+    assert any(re.fullmatch(r"reference: fp32 export written in \d+ s", line) for line in lines), lines
+
+
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
     (["--reference", "/nonexistent/export"], "/nonexistent/export: no such export folder"),
@@ -138,6 +152,8 @@ def test_quality_bad_arguments(tiny_int8_export, args, message):
     assert result.exit_code == 2 and message in result.output
     assert len(result.output.strip().splitlines()) <= 4  # progress lines (graph, text, reference), then one error line
     assert result.output.strip().splitlines()[-1].startswith("error: ")
+    if args[0] == "--reference":  # a missing reference folder is named before the text is read or the model loaded
+        assert result.output.strip().splitlines() == [result.output.strip().splitlines()[-1]]
 
 
 @pytest.mark.parametrize("command", [["quality"], ["parity", "--against", "transformers"]])
