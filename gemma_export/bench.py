@@ -310,8 +310,9 @@ def format_result(r: BenchResult) -> str:
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",
-        f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous {r.anon_growth_bytes / 1e6:,.0f} MB "
-        f"({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB ({r.rss_growth_bytes / a:.2f}x)",
+        *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous "
+           f"{r.anon_growth_bytes / 1e6:,.0f} MB ({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB "
+           f"({r.rss_growth_bytes / a:.2f}x)"] if len(r.prefill_ms) > 1 else []),  # one prompt: the line above
         f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
         f"prompts          real text from {r.text_source}",
     ]

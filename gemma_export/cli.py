@@ -347,6 +347,8 @@ def generate(
     timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"
     typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
                f"{timing}{'; pre-packed copy' if result.prepacked else ''}]", err=True)
+    if json_out is not None and not to_stdout(json_out):
+        typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked:
         typer.echo(f"note: {result.prepacked_note}", err=True)
 
@@ -464,7 +466,7 @@ def dedupe(
 @app.command(short_help="Time and measure an export with onnxruntime.")
 def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; 1 to 4 x this machine's CPUs; given with --board, it wins)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),

@@ -188,7 +188,8 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
 
 
 TRANSFORMERS_MISSING = ("the transformers reference needs torch and transformers: "
-                        "pip install torch==2.13.0 'transformers>=5,<6' (or the whole test extra: pip install -e '.[test]')")
+                        "pip install torch==2.13.0 'transformers>=5,<6' (or the whole test extra: pip install -e '.[test]'; "
+                        "where PyPI's torch is the CUDA build, add --extra-index-url https://download.pytorch.org/whl/cpu)")
 
 
 def require_transformers(hint: str = "") -> None:

@@ -612,3 +612,16 @@ def test_an_export_given_as_the_source_is_named_as_such(tiny_int8_export, tmp_pa
     assert result.stderr.strip().splitlines()[-1] == (f"error: {tiny_int8_export}: an ONNX export (model.onnx, no config.json), not a "
                                      "source; give the transformers folder, .gguf or .mlir it was made from")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_json_names_the_file_it_wrote_and_bench_gives_one_memory_line_per_distinct_figure(tiny_int8_export, tmp_path):
+    golden = tmp_path / "golden.json"
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "ab", "--max-new-tokens", "3", "--json", golden)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {golden} (a golden file: gemma-export parity --model {tiny_int8_export} --golden {golden})" in result.stderr
+    assert len(json.loads(golden.read_text())["expected_ids"]) == 3
+    one = _run("bench", "--model", tiny_int8_export, "--prompt-tokens", "4", "--new-tokens", "5")
+    two = _run("bench", "--model", tiny_int8_export, "--prompt-tokens", "4,8", "--new-tokens", "5")
+    assert one.exit_code == two.exit_code == 0, one.output + two.output
+    assert "after all prompts" not in one.stdout and "after the 4-token prompt and its 5 decode steps" in one.stdout
+    assert "after all prompts and their steps" in two.stdout
