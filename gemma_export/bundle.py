@@ -108,10 +108,10 @@ from PyPI as aarch64 wheels, which need glibc 2.28 or newer: `ldd --version` sho
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
-From inside this folder, check the model files, pre-pack the weights for this board's CPU, then
-generate and benchmark with the board's {threads} threads:
+From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, pre-pack the
+weights for this board's CPU, then generate and benchmark with the board's {threads} threads:
 
-    ~/gx/bin/gemma-export verify model
+    ~/gx/bin/gemma-export verify .
     ~/gx/bin/gemma-export prepack --model model
     ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
     ~/gx/bin/gemma-export bench --model model --board {board} --json ~/bench.json
@@ -202,3 +202,73 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
     sizes[BUNDLE_MANIFEST] = (out / BUNDLE_MANIFEST).stat().st_size
     return BundleResult(out_dir, sizes)
+
+
+def is_bundle(folder: str | Path) -> bool:
+    """Whether ``folder`` is a board folder written by :func:`bundle` (``BUNDLE.json`` at its top,
+    the export in ``model/``)."""
+    from .onnx_files import MANIFEST_FILE
+
+    folder = Path(folder)
+    return (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file()
+
+
+def verify_bundle(folder: str | Path) -> dict[str, int]:
+    """Re-check a board folder against its ``BUNDLE.json``: every listed file present with its size
+    and sha256 and nothing unlisted, except the pre-packed copy ``gemma-export prepack`` adds to
+    ``model/`` on the board (checked against its own ``prepacked.json`` when loaded); then the
+    model folder as an export (:func:`gemma_export.exporter.verify_manifest`).
+
+    Returns:
+        path relative to ``folder`` → size in bytes of the verified files (``BUNDLE.json`` not counted).
+
+    Raises:
+        SourceNotFoundError: not a board folder.
+        VerificationError: naming the first file that differs and how.
+    """
+    from .errors import VerificationError
+    from .exporter import verify_manifest
+    from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
+    from .staging import file_sha256
+
+    folder = Path(folder)
+    listing_path = folder / BUNDLE_MANIFEST
+    if not is_bundle(folder):
+        raise SourceNotFoundError(f"{folder}: not a board folder of gemma-export bundle ({BUNDLE_MANIFEST} and "
+                                  "model/manifest.json expected)")
+    try:
+        files = json.loads(listing_path.read_text(encoding="utf-8")).get("files")
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
+        raise VerificationError(f"{listing_path}: unreadable: {exc}") from None
+    if not isinstance(files, dict) or not files:
+        raise VerificationError(f"{listing_path}: field 'files' must be an object of path -> bytes and sha256")
+    expected = {}
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise VerificationError(f"{listing_path}: lists {name!r}, which is not a path inside the folder")
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+            raise VerificationError(f"{listing_path}: files[{name!r}] needs an integer 'bytes' and a string 'sha256'")
+        expected[Path(name).as_posix()] = (entry["bytes"], entry["sha256"])
+    for name, (size, digest) in expected.items():
+        path = folder / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            raise VerificationError(f"{path}: not a regular file; {BUNDLE_MANIFEST} lists a file")
+        if not path.is_file():
+            raise VerificationError(f"{path}: listed in {BUNDLE_MANIFEST} but missing")
+        if path.stat().st_size != size:
+            raise VerificationError(f"{path}: {path.stat().st_size:,} bytes, {BUNDLE_MANIFEST} says {size:,}")
+        if file_sha256(path) != digest:
+            raise VerificationError(f"{path}: sha256 differs from {BUNDLE_MANIFEST}")
+
+    def derived(rel: Path) -> bool:  # what prepack adds to model/ on the board (verify_manifest checks it)
+        return len(rel.parts) >= 2 and rel.parts[0] == "model" and (
+            rel.parts[1] == PREPACKED_DIR or rel.parts[1].startswith(LEFTOVER_PREFIXES))
+
+    extra = sorted(rel.as_posix() for rel in (p.relative_to(folder) for p in folder.rglob("*") if not p.is_dir())
+                   if rel.as_posix() not in expected and rel.as_posix() != BUNDLE_MANIFEST and not derived(rel))
+    if extra:
+        raise VerificationError(f"{folder}: files not in {BUNDLE_MANIFEST}: {', '.join(extra[:5])}"
+                                f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
+    verify_manifest(folder / "model")
+    return {name: size for name, (size, _) in expected.items()}

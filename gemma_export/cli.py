@@ -389,16 +389,20 @@ def prepack(
 
 @app.command(short_help="Re-check an export folder against its manifest.")
 def verify(
-    model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", parser=_path, help="An export folder (with manifest.json)."),
+    model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", parser=_path, help="An export folder (with manifest.json), or a board folder of `bundle`."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files),
     then run the ONNX checker and an onnxruntime load; a pre-packed copy (prepacked/) is checked
-    against the checksums its prepacked.json records.
+    against the checksums its prepacked.json records. A board folder written by `bundle` is checked
+    against its BUNDLE.json (every file, the wheel and README included), then its model folder.
 
-    Example: gemma-export verify gemma-3-270m-onnx-int8
+    Examples:
+      gemma-export verify gemma-3-270m-onnx-int8
+      gemma-export verify board-int8              # a bundle: BUNDLE.json, then model/
     """
+    from .bundle import is_bundle, verify_bundle
     from .exporter import verify_manifest
     from .prepack import busy
     from .prepack import verify as verify_prepacked
@@ -409,13 +413,19 @@ def verify(
     if model is None:
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
     with _reported(debug, writes=False):
-        if busy(model):  # its staging folder is not a leftover, and the copy is about to change
-            raise GemmaExportError(f"{model}: a gemma-export prepack is working on this folder; verify again when it "
-                                   "has finished")
-        files = verify_manifest(model)
-        copy = verify_prepacked(model)
-    typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes, "
-               f"manifest.json itself not counted) and loads in onnxruntime")
+        bundled = is_bundle(model)
+        export_dir = model / "model" if bundled else model
+        if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
+            raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "
+                                   "it has finished")
+        files = verify_bundle(model) if bundled else verify_manifest(model)
+        copy = verify_prepacked(export_dir)
+    if bundled:
+        typer.echo(f"ok: {model} matches BUNDLE.json ({len(files)} files, {sum(files.values()):,} bytes); its model "
+                   "folder matches its manifest and loads in onnxruntime")
+    else:
+        typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes, "
+                   f"manifest.json itself not counted) and loads in onnxruntime")
     if copy:
         typer.echo(copy)
 

@@ -51,9 +51,14 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
-    # the bundle itself, to any command that takes an export: says where its export is (generate told
-    # the user to export into the bundle, bench that the tokenizer was missing)
-    for command in (["verify", str(out)], ["generate", "--model", str(out), "--prompt", "a"],
+    assert "~/gx/bin/gemma-export verify .\n" in readme  # the whole folder: BUNDLE.json, then the model
+    checked = runner.invoke(app, ["verify", str(out)])
+    assert checked.exit_code == 0, checked.output
+    assert checked.stdout.startswith(f"ok: {out} matches BUNDLE.json ({len(listed)} files, "
+                                     f"{sum(e['bytes'] for e in listed.values()):,} bytes); its model folder")
+    # the bundle itself, to any other command that takes an export: says where its export is (generate
+    # told the user to export into the bundle, bench that the tokenizer was missing)
+    for command in (["generate", "--model", str(out), "--prompt", "a"],
                     ["bench", "--model", str(out)], ["quality", "--model", str(out)], ["prepack", "--model", str(out)],
                     ["parity", "--model", str(out), "--golden", str(out / "README.md")]):
         pointed = runner.invoke(app, command)
@@ -202,3 +207,38 @@ def test_pip_keeps_its_temporary_folders_in_the_wheel_build_scratch_folder(tmp_p
         bundle.build_wheel(tmp_path)
     assert seen["tmp"].startswith(bundle.tempfile.gettempdir()) and "gemma-export-wheel-" in seen["tmp"]
     assert not bundle.Path(seen["tmp"]).exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda out: (out / "README.md").write_text("edited\n"), "README.md: 7 bytes, BUNDLE.json says"),
+    (lambda out: (out / "README.md").write_bytes((out / "README.md").read_bytes()[:-1] + b"?"),
+     "README.md: sha256 differs from BUNDLE.json"),
+    (lambda out: next(out.glob("*.whl")).unlink(), ".whl: listed in BUNDLE.json but missing"),
+    (lambda out: (out / "notes.txt").write_text("mine"), ": files not in BUNDLE.json: notes.txt"),
+    (lambda out: (out / "model" / "extra.bin").write_text("x"), ": files not in BUNDLE.json: model/extra.bin"),
+    (lambda out: (out / "BUNDLE.json").write_text('{"files": {"../outside": {"bytes": 1, "sha256": "x"}}}'),
+     "lists '../outside', which is not a path inside the folder"),
+    (lambda out: (out / "BUNDLE.json").write_text("{oops"), "BUNDLE.json: unreadable"),
+])
+def test_verify_of_a_bundle_names_what_differs_from_bundle_json(tiny_int8_export, wheel, tmp_path, damage, message):
+    out = tmp_path / "board"
+    assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out),
+                               "--wheel", str(wheel)]).exit_code == 0
+    damage(out)
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_verify_of_a_bundle_accepts_the_copy_prepack_adds_on_the_board(tiny_int8_export, wheel, tmp_path):
+    from gemma_export.prepack import prepack
+
+    out = tmp_path / "board"
+    assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out),
+                               "--wheel", str(wheel)]).exit_code == 0
+    prepack(out / "model")  # the README's second command
+    result = runner.invoke(app, ["verify", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "pre-packed" in result.stdout  # and the copy itself is checked
+    (out / "model" / "prepacked" / "stray.txt").write_text("x")  # inside the copy: prepack's own check names it
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 2
