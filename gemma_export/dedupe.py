@@ -39,11 +39,13 @@ class DedupeResult:
     max_abs_diff: float
 
 
-def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value) -> None:
-    """Replace ``MatMul(a, tableᵀ)`` by ``Reshape(Gemm(Reshape(a, [-1, H]), table, transB=1))``."""
+def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value, index: int) -> None:
+    """Replace ``MatMul(a, tableᵀ)`` by ``Reshape(Gemm(Reshape(a, [-1, H]), table, transB=1))``; the
+    new nodes and constants are named after the MatMul and ``index`` (unique per rewrite: MatMuls
+    may have no name)."""
     a = matmul.inputs[0]
     vocab, hidden = (int(d) for d in table.shape)
-    name = matmul.name or "matmul"
+    name = f"{matmul.name or 'matmul'}/{index}"
 
     def const(values, suffix):
         tensor = ir.tensor(np.asarray(values, dtype=np.int64), name=f"{name}/dedupe_{suffix}")
@@ -88,8 +90,17 @@ def _compare(original: Path, rewritten: Path, vocab: int) -> float:
 
     a, b = create_session(original), create_session(rewritten)
     feeds = _random_feeds(a, vocab)
-    return max(float(np.abs(x.astype(np.float64) - y).max()) if x.size else 0.0
-               for x, y in zip(a.run(None, feeds), b.run(None, feeds)))
+    return max((_max_difference(x, y) for x, y in zip(a.run(None, feeds), b.run(None, feeds))), default=0.0)
+
+
+def _max_difference(x: np.ndarray, y: np.ndarray) -> float:
+    """max |x - y|, where NaN in both places counts as equal and NaN in one as infinitely far."""
+    if not x.size:
+        return 0.0
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    both = np.isnan(x) & np.isnan(y)
+    difference = np.where(both, 0.0, np.abs(x - y))
+    return float(np.nan_to_num(difference, nan=np.inf).max())
 
 
 def _refuse_near_duplicates(report) -> None:
@@ -181,7 +192,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
                     if use.node.op_type != "MatMul" or use.idx != 1:
                         raise FormatError(f"{in_path}: '{name}' (a transposed copy of '{keep_name}') feeds "
                                           f"{use.node.op_type}; only MatMul can be rewritten")
-                    _gemm_for_matmul(graph, use.node, keep)
+                    _gemm_for_matmul(graph, use.node, keep, rewritten)
                     rewritten += 1
             else:
                 raise FormatError(f"{in_path}: '{name}' holds the bytes of '{keep_name}' in another shape; not rewritten")
@@ -195,15 +206,19 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
             if t.op_type != "Transpose" or len(value.shape) != 2 or value.const_value.nbytes < MIN_DUPLICATE_BYTES:
                 continue
             users = list(t.outputs[0].uses())
-            if users and all(u.node.op_type == "MatMul" and u.idx == 1 for u in users):
+            # a transposed table that is also a graph output stays: the graph must still give it
+            if users and all(u.node.op_type == "MatMul" and u.idx == 1 for u in users) and not t.outputs[0].is_graph_output():
                 for u in users:
-                    _gemm_for_matmul(graph, u.node, value)
+                    _gemm_for_matmul(graph, u.node, value, rewritten)
                     rewritten += 1
                 graph.remove(t, safe=True)
 
     if not removed and not rewritten:
         raise FormatError(f"{in_path}: no duplicated table and no Transpose-shared table found; nothing to do")
-    vocab = max((t.shape[0] for t in report.tensors if len(t.shape) == 2), default=2)
+    # random ids must be rows of every table a Gather reads (not of a transposed copy's longer axis)
+    gathered = [v.shape[0] for v in graph.initializers.values()
+                if len(v.shape) == 2 and any(u.node.op_type.startswith("Gather") and u.idx == 0 for u in v.uses())]
+    vocab = int(min(gathered, default=2))
     with staged_folder(out_dir, "deduplicated model") as staging:
         out_path = staging / in_path.name
         ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=ALIGNMENT_BYTES)

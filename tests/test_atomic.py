@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -241,3 +242,31 @@ def test_a_source_that_fails_while_the_export_is_written_is_named_as_the_source(
     assert result.exit_code == 2
     assert "writing the export failed (No space left on device: the disk is full" in result.stderr
     assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("change", ["deleted", "truncated to its header"])
+def test_a_source_changed_after_it_was_opened_is_named_and_nothing_is_written(tiny_dir, tmp_path, change):
+    """Tensors are read while the output is written: a safetensors file deleted or cut short by then
+    is the source's error, named with the file and tensor (safetensors itself names neither)."""
+    import shutil
+
+    from gemma_export.errors import FormatError
+    from gemma_export.sources import open_source
+
+    source = tmp_path / "source"
+    shutil.copytree(tiny_dir, source)
+    out = tmp_path / "model"
+    assert _export(tiny_dir, out).exit_code == 0
+    before = _tree(out)
+    checkpoint = open_source(source)  # header read and checked
+    weights = source / "model.safetensors"
+    if change == "deleted":
+        weights.unlink()
+    else:
+        with open(weights, "r+b") as f:
+            f.truncate(1000)
+    with pytest.raises(FormatError, match=rf"^{re.escape(str(weights))}: cannot read tensor '[\w.]+' \(.+\); the file "
+                                          "changed or went away after it was opened: export again$"):
+        exporter.export(source, out, "fp32", checkpoint=checkpoint)
+    assert _tree(out) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left

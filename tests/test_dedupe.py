@@ -129,3 +129,54 @@ def test_torch_onnx_export_of_tiny_gemma(tmp_path):
     a = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     b = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert np.abs(a - b).max() <= 1e-4
+
+
+def _graph(nodes, tables, outputs=("logits",)):
+    return helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+                             [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+                             [numpy_helper.from_array(t, n) for n, t in tables.items()])
+
+
+def _dedupe(tmp_path, graph):
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    return src, CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+
+
+def test_unnamed_matmuls_sharing_one_transposed_copy_are_each_rewritten(tmp_path):
+    # helper-found: the rewrites of two MatMuls without names gave their constants one name (a traceback)
+    table = np.random.default_rng(1).standard_normal((V, H)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("MatMul", ["x", "L"], ["a"]),
+             helper.make_node("MatMul", ["x", "L"], ["b"]), helper.make_node("Add", ["a", "b"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.T.copy()}))
+    assert result.exit_code == 0, result.output
+    assert "rewrote 2 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout
+    assert _optimized_tables(tmp_path / "out" / "model.onnx", tmp_path, V * H) == 1
+
+
+def test_a_transposed_table_that_is_a_graph_output_is_left_alone(tmp_path):
+    table = np.random.default_rng(2).standard_normal((V, H)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("Transpose", ["E"], ["Et"]),
+             helper.make_node("MatMul", ["x", "Et"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table}, outputs=("logits", "Et")))
+    assert result.exit_code == 2 and "nothing to do" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_wide_table_is_checked_with_ids_of_its_own_rows(tmp_path):
+    # the random ids came from the longest first axis of any table (the transposed copy's 40,000):
+    # outside the 4-row table the Gather reads, so onnxruntime refused the original model too
+    table = np.random.default_rng(3).standard_normal((4, 40_000)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("MatMul", ["x", "L"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.T.copy()}))
+    assert result.exit_code == 0, result.output
+    assert "max |diff| 0" in result.stdout
+
+
+def test_an_exact_transposed_copy_holding_nan_is_merged_not_called_close(tmp_path):
+    table = np.random.default_rng(4).standard_normal((V, H)).astype(np.float32)
+    table[0, 0] = np.nan
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("MatMul", ["x", "L"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.T.copy()}))
+    assert result.exit_code == 0, result.output
+    assert "rewrote 1 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import ml_dtypes
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
@@ -61,18 +61,29 @@ def _shard_files(folder: Path) -> list[Path]:
     raise FormatError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
-def _reader(path: Path, key: str):
-    def read():
+def _read(path: Path, key: str, get):
+    """``get(opened file)`` for tensor ``key`` of ``path``, opened now (tensors are read lazily, while
+    the export writes). A file deleted, truncated or rewritten since it was opened and checked is
+    named as the source's problem (safetensors reports it without the file name, or as its own error).
+
+    Raises:
+        FormatError: naming the file and the tensor.
+    """
+    try:
         with safe_open(str(path), framework="numpy") as f:
-            return f.get_tensor(key)
-    return read
+            return get(f)
+    except (OSError, SafetensorError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise FormatError(f"{path}: cannot read tensor '{key}' ({reason}); the file changed or went away after it "
+                          "was opened: export again") from None
+
+
+def _reader(path: Path, key: str):
+    return lambda: _read(path, key, lambda f: f.get_tensor(key))
 
 
 def _row_reader(path: Path, key: str):
-    def read_rows(start: int, stop: int):
-        with safe_open(str(path), framework="numpy") as f:
-            return f.get_slice(key)[start:stop]
-    return read_rows
+    return lambda start, stop: _read(path, key, lambda f: f.get_slice(key)[start:stop])
 
 
 def read_hf_folder(folder: Path) -> Checkpoint:
