@@ -166,7 +166,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
-    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer, positions_needed
+    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer, manifest_figure, positions_needed
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
@@ -205,13 +205,18 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
 
+    needed = positions_needed(lengths[-1], new_tokens + 1)  # the prefill's token, then new_tokens steps
+    limit = manifest_figure(model_dir, "max_position_embeddings")
+    if limit and needed > limit:  # before the (slow) session; the session checks the graph's own figure
+        raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
+                               f"need {needed} positions; the model's max_position_embeddings is {limit}")
     release_free_heap()
     before = snapshot()
     t0 = time.perf_counter()
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked, huge_pages=huge_pages)
     create_s = time.perf_counter() - t0
     say(f"session created in {create_s:.1f} s" + (f" from the {decoder.prepacked_note}" if decoder.prepacked_path else ""))
-    decoder.check_length(positions_needed(lengths[-1], new_tokens + 1))  # the prefill's token, then new_tokens steps
+    decoder.check_length(needed)
 
     prefill_ms: dict[int, float] = {}
     by_prompt: dict[int, float] = {}

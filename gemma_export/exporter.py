@@ -215,7 +215,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if not isinstance(files, dict):
         raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
                                 f"found {'nothing' if files is None else type(files).__name__}")
-    from .runtime import check_manifest_against_graph, check_manifest_fields, sliding_layers_from
+    from .runtime import check_manifest_against_graph, check_manifest_fields, graph_vocab_and_layers, sliding_layers_from
 
     try:
         check_manifest_fields(manifest, manifest_path)
@@ -256,14 +256,14 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
     try:
         model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data
-        logits = next((o for o in model.graph.output if o.name == "logits"), None)
-        dims = logits.type.tensor_type.shape.dim if logits is not None else []
-        vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
-        layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+        vocab, layers = graph_vocab_and_layers(model)
         stored = graph_dtype(model)
         if "dtype" not in manifest:
             raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
                                     f"{MODEL_FILE} stores")
+        if not isinstance(manifest.get("config"), dict):  # the runtime's checks (positions, windows) read it
+            raise VerificationError(f"{manifest_path}: no field 'config' (an object); every export records its "
+                                    "model config there")
         check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored)
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \

@@ -543,6 +543,33 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
 
 
+def graph_vocab_and_layers(model) -> tuple[int | None, int]:
+    """The vocabulary (the ``logits`` output's last dimension, None when symbolic) and the number of
+    layers (``past_key_values.{i}.key`` inputs) of an export's ``onnx.ModelProto``."""
+    logits = next((o for o in model.graph.output if o.name == "logits"), None)
+    dims = logits.type.tensor_type.shape.dim if logits is not None else []
+    vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
+    return vocab, layers
+
+
+def check_manifest_matches_graph(model_dir: str | Path) -> None:
+    """:func:`check_manifest_fields` and :func:`check_manifest_against_graph` for an export folder,
+    reading only its graph (not the weights, no session): a quick way to tell a hand-edited manifest
+    from bad inputs before anything slow runs.
+
+    Raises:
+        FormatError: an unreadable manifest or graph, or a field that contradicts the graph.
+    """
+    from .onnx_files import read_graph
+
+    path = Path(model_dir) / MANIFEST_FILE
+    manifest = read_manifest(model_dir)
+    check_manifest_fields(manifest, path)
+    model = read_graph(Path(model_dir) / MODEL_FILE)
+    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model))
+
+
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
 
 

@@ -279,3 +279,29 @@ def test_parity_feeds_a_golden_prompt_in_the_steps_generate_used(tiny_int8_expor
     checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
     assert checked.exit_code == 0, checked.output
     assert used == [3, None, 512]
+
+
+def test_bench_checks_the_positions_before_creating_the_session(tiny_int8_export, text_file, tmp_path, monkeypatch):
+    """The longest prompt, its first token and new_tokens steps: prompt + new_tokens positions (the
+    last token is never fed back), checked against the manifest before the session is created."""
+    import shutil
+
+    from gemma_export import runtime
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 16
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    fits = run_bench(model, prompt_tokens=[8], new_tokens=8, text=text_file)  # 8 + 8 = 16 positions
+    assert fits.new_tokens == 8
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("the session was created before the length check")
+
+    monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
+    result = runner.invoke(app, ["bench", "--model", str(model), "--prompt-tokens", "8", "--new-tokens", "9",
+                                 "--text", str(text_file)])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {model}: the longest prompt (8 tokens) and 9 decode steps need 17 positions; "
+                             "the model's max_position_embeddings is 16\n")

@@ -411,6 +411,8 @@ CASES = {
         export_copy(_manifest_field("config", "max_position_embeddings", "64"),
                     lambda f: ["quality", "--model", f, "--reference", f]),
         FormatError, ("field 'config.max_position_embeddings'", 'found "64"')),
+    "manifest without config (verify)": Case(export_copy(_manifest_field(None, "config", DELETE), _verify),
+                                             VerificationError, ("no field 'config' (an object)",)),
     "manifest garbage": Case(export_copy(_write("manifest.json", b"{oops"), _verify), VerificationError, ("unreadable manifest",)),
     "manifest not UTF-8 (generate)": Case(export_copy(_write("manifest.json", b"\xff{}"), _generate), FormatError,
                                           ("manifest.json: unreadable manifest: expected UTF-8 text, found byte 0xff at offset 0",)),

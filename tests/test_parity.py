@@ -458,3 +458,22 @@ def test_a_prompt_given_twice_in_a_golden_file_is_checked_twice(tiny_int8_export
     assert "golden entry #1: match" in result.stdout and "verdict: FAIL" in result.stdout
     report = json.loads((tmp_path / "r.json").read_text())
     assert sorted(p["golden"]["entry"] for p in report["prompts"]) == [0, 1]
+
+
+@pytest.mark.parametrize("extra", [[], ["--against", "transformers", "--new-tokens", "2"]])
+def test_a_manifest_whose_vocabulary_contradicts_the_graph_is_named_not_the_inputs(tiny_int8_export, tmp_path, extra):
+    # the early id check used the manifest's vocab_size: a wrong one blamed the (default) prompts,
+    # which a golden-only run does not even run
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["vocab_size"] = 10
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt_ids": [2, 50], "expected_ids": [6]}]))
+    result = _parity("--model", model, "--golden", golden, *extra)
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: {model / 'manifest.json'}: field 'config.vocab_size' is 10, but the graph has 96")
