@@ -124,3 +124,16 @@ def text_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text("the quick brown fox jumps over the lazy dog; many hands make light work. " * 14)
     return path
+
+
+def export_with_config(export: Path, dest: Path, **config) -> Path:
+    """A copy of ``export`` at ``dest`` whose manifest's ``config`` has the given fields changed (the
+    graph is untouched): how a hand-edited manifest is made in the tests."""
+    import json
+    import shutil
+
+    shutil.copytree(export, dest)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["config"].update(config)
+    (dest / "manifest.json").write_text(json.dumps(manifest))
+    return dest

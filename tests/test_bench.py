@@ -284,15 +284,10 @@ def test_parity_feeds_a_golden_prompt_in_the_steps_generate_used(tiny_int8_expor
 def test_bench_checks_the_positions_before_creating_the_session(tiny_int8_export, text_file, tmp_path, monkeypatch):
     """The longest prompt, its first token and new_tokens steps: prompt + new_tokens positions (the
     last token is never fed back), checked against the manifest before the session is created."""
-    import shutil
-
+    from conftest import export_with_config
     from gemma_export import runtime
 
-    model = tmp_path / "model"
-    shutil.copytree(tiny_int8_export, model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["config"]["max_position_embeddings"] = 16
-    (model / "manifest.json").write_text(json.dumps(manifest))
+    model = export_with_config(tiny_int8_export, tmp_path / "model", max_position_embeddings=16)
     fits = run_bench(model, prompt_tokens=[8], new_tokens=8, text=text_file)  # 8 + 8 = 16 positions
     assert fits.new_tokens == 8
 

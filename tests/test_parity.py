@@ -12,7 +12,7 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_tiny_model, reference_logits
+from conftest import export_with_config, make_tiny_model, reference_logits
 from gemma_export.cli import app
 from gemma_export.errors import FormatError, GemmaExportError
 from gemma_export.exporter import export
@@ -282,13 +282,7 @@ def test_a_run_that_compares_nothing_fails(reference, tiny_int8_export, tmp_path
 
 def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_int8_export, tmp_path):
     # golden alone: the length check counts the expected ids, not --new-tokens' default of 16
-    import shutil
-
-    model = tmp_path / "short"
-    shutil.copytree(tiny_int8_export, model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["config"]["max_position_embeddings"] = 8
-    (model / "manifest.json").write_text(json.dumps(manifest))
+    model = export_with_config(tiny_int8_export, tmp_path / "short", max_position_embeddings=8)
     golden = tmp_path / "golden.json"
     golden.write_text(json.dumps([{"prompt_ids": [2, 7, 8], "expected_ids": [5, 6, 7, 8, 9, 10, 11]}]))
     result = _parity("--model", model, "--golden", golden)
@@ -464,13 +458,7 @@ def test_a_prompt_given_twice_in_a_golden_file_is_checked_twice(tiny_int8_export
 def test_a_manifest_whose_vocabulary_contradicts_the_graph_is_named_not_the_inputs(tiny_int8_export, tmp_path, extra):
     # the early id check used the manifest's vocab_size: a wrong one blamed the (default) prompts,
     # which a golden-only run does not even run
-    import shutil
-
-    model = tmp_path / "model"
-    shutil.copytree(tiny_int8_export, model)
-    manifest = json.loads((model / "manifest.json").read_text())
-    manifest["config"]["vocab_size"] = 10
-    (model / "manifest.json").write_text(json.dumps(manifest))
+    model = export_with_config(tiny_int8_export, tmp_path / "model", vocab_size=10)
     golden = tmp_path / "golden.json"
     golden.write_text(json.dumps([{"prompt_ids": [2, 50], "expected_ids": [6]}]))
     result = _parity("--model", model, "--golden", golden, *extra)
