@@ -31,7 +31,8 @@ from .onnx_files import BUNDLE_MANIFEST
 BOARDS = {
     "sl2610": {
         "title": "Synaptics Astra SL2610 (2 x Cortex-A55, aarch64 Linux, ~1.9 GB usable RAM)",
-        "python": "Python 3.12",
+        "python": "3.12",
+        "platforms": ("manylinux_2_28_aarch64", "manylinux2014_aarch64"),  # what pip may take for its glibc
     },
 }
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
@@ -93,7 +94,8 @@ def _readme(board: str, wheel: str, model_manifest: dict) -> str:
     from .bench import BOARDS as MEASURED
 
     spec = BOARDS[board]
-    python, threads = spec["python"], MEASURED[board]["threads"]
+    python, threads = f"Python {spec['python']}", MEASURED[board]["threads"]
+    platforms = " ".join(f"--platform {tag}" for tag in spec["platforms"])
     headroom_mb = MEASURED[board]["headroom_bytes"] // 1_000_000
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
@@ -107,6 +109,13 @@ Install (once, with the board's {python}; the toolkit's dependencies, onnxruntim
 from PyPI as aarch64 wheels, which need glibc 2.28 or newer: `ldd --version` shows the board's):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
+
+No network on the board? On a machine with one (any OS or CPU), from this folder, download the
+same wheels for the board's Python: `pip download --only-binary=:all: {platforms}
+--python-version {spec['python']} --implementation cp -d wheels ./{wheel}` (about 70 MB); copy the
+`wheels` folder to the board as `~/wheels` (not into this folder, whose files `verify` checks), then
+install from it instead: `python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links
+~/wheels ./{wheel}`.
 
 From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, pre-pack the
 weights for this board's CPU, then generate and benchmark with the board's {threads} threads:

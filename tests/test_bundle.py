@@ -47,6 +47,13 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     readme = (out / "README.md").read_text()
     assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
     assert "Python 3.12" in readme and "glibc 2.28 or newer" in readme
+    # the offline route, as prose: tools/aarch64/try_bundle.sh runs every indented line on a board
+    # whose Python (3.13 under emulation) the 3.12 wheels do not fit
+    flat = " ".join(readme.split())
+    assert (f"pip download --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 "
+            f"--python-version 3.12 --implementation cp -d wheels ./{wheel.name}") in flat
+    assert f"~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}" in flat
+    assert not [line for line in readme.splitlines() if line.startswith("    ") and "wheels" in line]
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
