@@ -490,19 +490,20 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
 def format_report(report: QualityReport) -> str:
     """Human-readable lines for a :class:`QualityReport`."""
     m = report.metrics
-    past = (f"{m.top1_agreement_past_window:.2%}" if m.top1_agreement_past_window is not None
-            else f"n/a (text <= {m.sliding_window} tokens)")
+    past = (f"{m.top1_agreement_past_window:.2%} past the sliding window of {m.sliding_window}"
+            if m.top1_agreement_past_window is not None else f"the text ends within the sliding window of {m.sliding_window}")
+    first = (f"first at position {m.first_disagreement} (counting from 0)" if m.first_disagreement is not None
+             else "none")
     return "\n".join([
         f"model        {report.model}",
         f"reference    {report.reference}",
         f"text         {m.tokens} tokens of {report.text_source}",
-        f"top-1        {m.top1_agreement:.2%} agreement (past the sliding window of {m.sliding_window}: {past}); first differing position "
-        f"{m.first_disagreement if m.first_disagreement is not None else '-'} (positions count from 0)",
-        f"misses       {m.disagreements} position(s)"
-        + (f", where the reference's top word led the export's pick by at most {m.disagreement_margin_max:.3f} logits"
-           if m.disagreements else "")
-        + f"; the export moves the lead of the reference's top word over its second by {m.top2_gap_change_median:.4f} "
-        "logits (median over positions)",
+        f"top-1        {m.top1_agreement:.2%} of positions pick the reference's top word ({past})",
+        f"misses       {m.disagreements} position(s), {first}"
+        + (f"; at each, the reference preferred its word to the export's by at most {m.disagreement_margin_max:.3f} "
+           "logits (close calls)" if m.disagreements else ""),
+        f"top-2 margin the export changes the reference's top-1 minus top-2 logit by {m.top2_gap_change_median:.4f} "
+        "(median over positions)",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
         f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
         f"max |dlogit| {m.max_abs_logit_diff:.4g}",

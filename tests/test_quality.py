@@ -104,14 +104,18 @@ def test_quality_against_transformers_equals_an_independent_computation(tiny_int
     assert figures["sliding_window"] == 6
     assert figures["top1_agreement_past_window"] == pytest.approx(expected.top1_agreement_past_window)
     assert 0 < figures["kl_mean"] < 0.05  # int8 of the tiny model: close, not identical
-    assert "KL" in result.stdout and f"past the sliding window of 6: {expected.top1_agreement_past_window:.2%}" in result.stdout
+    assert "KL" in result.stdout and f"({expected.top1_agreement_past_window:.2%} past the sliding window of 6)" in result.stdout
+    misses = round((1 - expected.top1_agreement) * 250)
+    assert f"misses       {misses} position(s), first at position {expected.first_disagreement} (counting from 0); " \
+           f"at each, the reference preferred its word to the export's by at most" in result.stdout
 
 
 def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
     result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", str(tiny_int8_export),
                                  "--text", str(text_file), "--tokens", "40"])
     assert result.exit_code == 0, result.output
-    assert "top-1        100.00% agreement" in result.stdout
+    assert "top-1        100.00% of positions pick the reference's top word" in result.stdout
+    assert "misses       0 position(s), none\n" in result.stdout
     assert re.search(r"max \|dlogit\| 0(\s|$)", result.stdout), result.stdout  # exactly 0, not 0.5 or 0.001
 
 
