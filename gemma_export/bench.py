@@ -35,6 +35,8 @@ from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
 
 WARMUP_STEPS = 4
+#: fewer timed decode steps than this per prompt are named in the report: a median of a handful is noisy
+FEW_TIMED_STEPS = 16
 
 #: Boards we know: intra-op threads and usable memory (bytes), and the headroom bench insists on.
 #: intra-op threads without --threads or --board: the board's two cores
@@ -311,7 +313,9 @@ def format_result(r: BenchResult) -> str:
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
         f"({r.tokens_per_s:.1f} tokens/s)" + (" over the steps after every prompt: " + ", ".join(
             f"{ms:.1f} after {n}" for n, ms in r.decode_ms_median_by_prompt.items())
-            if len(r.decode_ms_median_by_prompt) > 1 else ""),
+            if len(r.decode_ms_median_by_prompt) > 1 else "")
+        + (f"; only {timed} timed step{'' if timed == 1 else 's'} per prompt (--new-tokens 32 or more for steadier "
+           "figures)" if (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS else ""),
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",
