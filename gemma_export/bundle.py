@@ -213,15 +213,6 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     return BundleResult(out_dir, sizes)
 
 
-def is_bundle(folder: str | Path) -> bool:
-    """Whether ``folder`` is a board folder written by :func:`bundle` (``BUNDLE.json`` at its top,
-    the export in ``model/``)."""
-    from .onnx_files import MANIFEST_FILE
-
-    folder = Path(folder)
-    return (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file()
-
-
 def verify_bundle(folder: str | Path) -> dict[str, int]:
     """Re-check a board folder against its ``BUNDLE.json``: every listed file present with its size
     and sha256 and nothing unlisted, except the pre-packed copy ``gemma-export prepack`` adds to
@@ -238,7 +229,8 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     from .errors import VerificationError
     from .exporter import verify_manifest
     from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
-    from .staging import file_sha256
+    from .runtime import is_bundle
+    from .staging import check_listed_file
 
     folder = Path(folder)
     listing_path = folder / BUNDLE_MANIFEST
@@ -260,15 +252,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{listing_path}: files[{name!r}] needs an integer 'bytes' and a string 'sha256'")
         expected[Path(name).as_posix()] = (entry["bytes"], entry["sha256"])
     for name, (size, digest) in expected.items():
-        path = folder / name
-        if path.is_symlink() or (path.exists() and not path.is_file()):
-            raise VerificationError(f"{path}: not a regular file; {BUNDLE_MANIFEST} lists a file")
-        if not path.is_file():
-            raise VerificationError(f"{path}: listed in {BUNDLE_MANIFEST} but missing")
-        if path.stat().st_size != size:
-            raise VerificationError(f"{path}: {path.stat().st_size:,} bytes, {BUNDLE_MANIFEST} says {size:,}")
-        if file_sha256(path) != digest:
-            raise VerificationError(f"{path}: sha256 differs from {BUNDLE_MANIFEST}")
+        check_listed_file(folder / name, size, digest, BUNDLE_MANIFEST, "a board folder")
 
     def derived(rel: Path) -> bool:  # what prepack adds to model/ on the board (verify_manifest checks it)
         return len(rel.parts) >= 2 and rel.parts[0] == "model" and (

@@ -402,9 +402,10 @@ def verify(
       gemma-export verify gemma-3-270m-onnx-int8
       gemma-export verify board-int8              # a bundle: BUNDLE.json, then model/
     """
-    from .bundle import is_bundle, verify_bundle
+    from .bundle import verify_bundle
     from .exporter import verify_manifest
     from .prepack import busy
+    from .runtime import is_bundle
     from .prepack import verify as verify_prepacked
 
     if model_arg is not None and model_opt is not None and model_arg != model_opt:

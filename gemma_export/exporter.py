@@ -31,7 +31,7 @@ from .runtime import create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
-from .staging import check_free_space, check_replaceable, file_sha256, folder_state, staged_folder
+from .staging import check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, staged_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
 
@@ -231,18 +231,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         path = folder / name
         if Path(name).name != name:
             raise VerificationError(f"{manifest_path}: lists {name!r}, which is not a file name in the folder")
-        if path.is_symlink():
-            raise VerificationError(f"{path}: is a link; an export folder holds regular files only")
-        if path.is_dir():
-            raise VerificationError(f"{path}: is a folder; the manifest lists it as a file")
-        if path.exists() and not path.is_file():
-            raise VerificationError(f"{path}: not a regular file (a FIFO, socket or device); the manifest lists a file")
-        if not path.is_file():
-            raise VerificationError(f"{path}: listed in the manifest but missing")
-        if path.stat().st_size != size:
-            raise VerificationError(f"{path}: {path.stat().st_size} bytes, manifest says {size}")
-        if file_sha256(path) != digest:
-            raise VerificationError(f"{path}: sha256 differs from the manifest")
+        check_listed_file(path, size, digest, "the manifest", "an export folder")
     stale = prepack_leftovers(folder)
     if stale:
         raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; run gemma-export prepack "

@@ -128,6 +128,13 @@ def _genai_decoder_config(model_dir: Path) -> dict:
 
 
 
+def is_bundle(folder: str | Path) -> bool:
+    """Whether ``folder`` is a board folder written by ``gemma-export bundle`` (``BUNDLE.json`` at its
+    top, the export in ``model/``)."""
+    folder = Path(folder)
+    return (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file()
+
+
 def require_folder(folder: Path, holding: str) -> None:
     """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
 
@@ -140,7 +147,7 @@ def require_folder(folder: Path, holding: str) -> None:
         raise SourceNotFoundError(f"{folder}: no such export folder")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
-    if (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file():
+    if is_bundle(folder):
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
 
 

@@ -190,6 +190,29 @@ def check_creatable(out_dir: Path, what: str) -> None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder in {existing}: {reason}")
 
 
+def check_listed_file(path: Path, size: int, digest: str, listing: str, folder_kind: str) -> None:
+    """``path`` is a regular file of ``size`` bytes with sha256 ``digest``, as ``listing`` (e.g.
+    "the manifest", "BUNDLE.json") records it; ``folder_kind`` names the folder in the link message.
+
+    Raises:
+        VerificationError: naming the file and the first way it differs.
+    """
+    from .errors import VerificationError
+
+    if path.is_symlink():
+        raise VerificationError(f"{path}: is a link; {folder_kind} holds regular files only")
+    if path.is_dir():
+        raise VerificationError(f"{path}: is a folder; {listing} lists it as a file")
+    if path.exists() and not path.is_file():
+        raise VerificationError(f"{path}: not a regular file (a FIFO, socket or device); {listing} lists a file")
+    if not path.is_file():
+        raise VerificationError(f"{path}: listed in {listing} but missing")
+    if path.stat().st_size != size:
+        raise VerificationError(f"{path}: {path.stat().st_size} bytes, {listing} says {size}")
+    if file_sha256(path) != digest:
+        raise VerificationError(f"{path}: sha256 differs from {listing}")
+
+
 def file_sha256(path: Path) -> str:
     """Hex sha256 of a file's bytes, read 1 MiB at a time."""
     digest = hashlib.sha256()
