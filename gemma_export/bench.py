@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .boards import BOARDS, board as find_board
 from .errors import BudgetExceeded, GemmaExportError
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
@@ -38,10 +39,8 @@ WARMUP_STEPS = 4
 #: fewer timed decode steps than this per prompt are named in the report: a median of a handful is noisy
 FEW_TIMED_STEPS = 16
 
-#: Boards we know: intra-op threads and usable memory (bytes), and the headroom bench insists on.
-#: intra-op threads without --threads or --board: the board's two cores
-DEFAULT_THREADS = 2
-BOARDS = {"sl2610": {"threads": 2, "memory_bytes": 1_900_000_000, "headroom_bytes": 300_000_000}}
+#: intra-op threads without --threads or --board: the SL2610's two cores
+DEFAULT_THREADS = BOARDS["sl2610"].threads
 
 
 def real_text(path: str | Path | None = None) -> tuple[str, str]:
@@ -150,7 +149,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         threads: intra-op threads (None: the ``board``'s, else 2; given, it wins over the board's).
         prompt_tokens: prompt lengths in tokens, each > 0.
         new_tokens: decode steps after each prompt, > ``WARMUP_STEPS``.
-        board: a key of ``BOARDS``: sets threads and checks the memory budget.
+        board: a key of ``boards.BOARDS``: sets threads and checks the memory budget.
         text: a text file for prompts (default: ``real_text()``).
         reference, reference_weights: the board team's reference export (``.mlir`` + archive),
             compiled with IREE for this CPU after the export's figures are taken, and timed the way
@@ -194,13 +193,9 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         else:
             find_archive(Path(reference))
         _iree()
-    spec = None
-    if board is not None:
-        if board not in BOARDS:
-            raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
-        spec = BOARDS[board]
+    spec = find_board(board) if board is not None else None
     if threads is None:
-        threads = spec["threads"] if spec is not None else DEFAULT_THREADS
+        threads = spec.threads if spec is not None else DEFAULT_THREADS
     body, source = real_text(text)
     ids = load_tokenizer(model_dir).encode(body).ids
     if len(ids) < lengths[-1]:
@@ -247,7 +242,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
-        text_source=source, board=board, board_memory_bytes=spec["memory_bytes"] if spec else None,
+        text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
         huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures, new_tokens=new_tokens,
@@ -289,11 +284,11 @@ def check_board_budget(result: BenchResult) -> None:
     if result.board is None:
         return
     spec = BOARDS[result.board]
-    if result.peak_rss_bytes > spec["memory_bytes"] - spec["headroom_bytes"]:
+    if result.peak_rss_bytes > spec.memory_bytes - spec.headroom_bytes:
         raise BudgetExceeded(
             f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
-            f"{(spec['memory_bytes'] - result.peak_rss_bytes) / 1e6:,.0f} MB of the {result.board}'s "
-            f"{spec['memory_bytes'] / 1e9:.1f} GB; at least {spec['headroom_bytes'] / 1e6:.0f} MB must stay free")
+            f"{(spec.memory_bytes - result.peak_rss_bytes) / 1e6:,.0f} MB of the {result.board}'s "
+            f"{spec.memory_bytes / 1e9:.1f} GB; at least {spec.headroom_bytes / 1e6:.0f} MB must stay free")
 
 
 def format_result(r: BenchResult) -> str:

@@ -23,18 +23,10 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
+from .boards import BOARDS, board as find_board
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
 from .onnx_files import BUNDLE_MANIFEST
 
-#: Boards a bundle can target: what its README tells the board team (threads and the memory
-#: budget come from ``bench.BOARDS``, which ``bench --board`` applies).
-BOARDS = {
-    "sl2610": {
-        "title": "Synaptics Astra SL2610 (2 x Cortex-A55, aarch64 Linux, ~1.9 GB usable RAM)",
-        "python": "3.12",
-        "platforms": ("manylinux_2_28_aarch64", "manylinux2014_aarch64"),  # what pip may take for its glibc
-    },
-}
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
 
@@ -91,15 +83,13 @@ def build_wheel(dest: Path) -> Path:
 
 
 def _readme(board: str, wheel: str, model_manifest: dict) -> str:
-    from .bench import BOARDS as MEASURED
-
     spec = BOARDS[board]
-    python, threads = f"Python {spec['python']}", MEASURED[board]["threads"]
-    platforms = " ".join(f"--platform {tag}" for tag in spec["platforms"])
-    headroom_mb = MEASURED[board]["headroom_bytes"] // 1_000_000
+    python, threads = f"Python {spec.python}", spec.threads
+    platforms = " ".join(f"--platform {tag}" for tag in spec.platforms)
+    headroom_mb = spec.headroom_bytes // 1_000_000
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
-    return f"""# gemma-export bundle for the {spec['title']}
+    return f"""# gemma-export bundle for the {spec.title}
 
 Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype};
 exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
@@ -112,7 +102,7 @@ from PyPI as aarch64 wheels, which need glibc 2.28 or newer: `ldd --version` sho
 
 No network on the board? On a machine with one (any OS or CPU), from this folder, download the
 same wheels for the board's Python: `pip download --only-binary=:all: {platforms}
---python-version {spec['python']} --implementation cp -d wheels ./{wheel}` (about 70 MB); copy the
+--python-version {spec.python} --implementation cp -d wheels ./{wheel}` (about 70 MB); copy the
 `wheels` folder to the board as `~/wheels` (not into this folder, whose files `verify` checks), then
 install from it instead: `python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links
 ~/wheels ./{wheel}`.
@@ -160,7 +150,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     Args:
         model_dir: an export folder with its ``manifest.json`` (verified first).
         out_dir: the bundle folder; must not exist or be empty or a previous bundle.
-        board: a key of ``BOARDS``.
+        board: a key of ``boards.BOARDS``.
         wheel: a prebuilt gemma_export wheel; default: built from the source tree with pip.
 
     Raises:
@@ -172,8 +162,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
-    if board not in BOARDS:
-        raise GemmaExportError(f"--board: unknown board {board!r}; known: {', '.join(BOARDS)}")
+    find_board(board)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     files = verify_manifest(model_dir)
     out = out_dir.resolve()

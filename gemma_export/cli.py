@@ -26,8 +26,14 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
+from .boards import BOARDS
 from .config import DTYPES, QUANTIZED_DTYPES
 from .errors import GemmaExportError, os_error_line
+
+#: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
+BENCH_BOARD_HELP = "; ".join(
+    f"{name}: {b.threads} threads and a {b.memory_bytes / 1e9:.1f} GB budget that must keep "
+    f"{b.headroom_bytes / 1e6:.0f} MB free" for name, b in BOARDS.items()) + "."
 
 
 def _path(value: str | Path) -> Path:
@@ -480,7 +486,7 @@ def bench(
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="onnxruntime intra-op threads (default 2, the board's cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
-    board: Optional[str] = typer.Option(None, "--board", help="sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free."),
+    board: Optional[str] = typer.Option(None, "--board", help=BENCH_BOARD_HELP),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Text file for prompts (default: the Python license, else numpy's)."),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     plot: Optional[Path] = typer.Option(None, "--plot", parser=_path, metavar="<path>", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
@@ -598,7 +604,7 @@ def parity(
 def bundle(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first)."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced)."),
-    board: str = typer.Option("sl2610", "--board", help="Target board (sl2610)."),
+    board: str = typer.Option("sl2610", "--board", help=f"Target board ({', '.join(BOARDS)})."),
     wheel: Optional[Path] = typer.Option(None, "--wheel", parser=_path, metavar="<path>", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:

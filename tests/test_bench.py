@@ -83,8 +83,10 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
 
 
 def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_file, monkeypatch):
-    monkeypatch.setitem(bench_module.BOARDS, "tinyboard", {"threads": 1, "memory_bytes": 100_000_000,
-                                                           "headroom_bytes": 50_000_000})
+    from gemma_export import boards
+
+    monkeypatch.setitem(boards.BOARDS, "tinyboard", boards.Board(
+        title="tiny", threads=1, memory_bytes=100_000_000, headroom_bytes=50_000_000, python="3.12", platforms=()))
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
                                  "--board", "tinyboard", "--text", str(text_file)])
     assert result.exit_code == 1  # a verdict, as parity's FAIL; 2 stays for bad input

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gemma_export.cli import app
+from gemma_export.errors import GemmaExportError
 
 runner = CliRunner()
 
@@ -164,20 +165,33 @@ def test_building_the_wheel_leaves_the_checkout_as_it_was(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == before
 
 
-def test_every_bundle_board_is_one_bench_knows():
-    """The bundle README's threads and memory headroom are those `bench --board` applies."""
-    from gemma_export import bench, bundle
+def test_the_bundle_readme_carries_the_board_figures_bench_applies():
+    """The bundle README's threads, memory headroom and Python are the board's, from the one table
+    that `bench --board` reads too."""
+    from gemma_export import bench, boards, bundle
 
-    assert set(bundle.BOARDS) == set(bench.BOARDS) == {"sl2610"}
-    for board, spec in bench.BOARDS.items():
-        text = bundle._readme(board, "gemma_export.whl", {"config": {}, "dtype": "int8"})
-        assert f"--threads {spec['threads']} " in text
-        assert f"less than {spec['headroom_bytes'] // 1_000_000} MB" in text
-    # the SL2610's own figures (issue #8 and the board team's notes): 2 cores, 1.9 GB, 300 MB kept free
-    spec = bench.BOARDS["sl2610"]
-    assert (spec["threads"], spec["memory_bytes"], spec["headroom_bytes"]) == (2, 1_900_000_000, 300_000_000)
+    assert bench.BOARDS is boards.BOARDS and bundle.BOARDS is boards.BOARDS and set(boards.BOARDS) == {"sl2610"}
+    # the SL2610's own figures (issue #8 and the board team's notes): 2 cores, 1.9 GB, 300 MB kept free, Python 3.12
+    spec = boards.board("sl2610")
+    assert (spec.threads, spec.memory_bytes, spec.headroom_bytes, spec.python) == (2, 1_900_000_000, 300_000_000, "3.12")
     text = bundle._readme("sl2610", "gemma_export.whl", {"config": {}, "dtype": "int8"})
-    assert "--threads 2 " in text and "less than 300 MB" in text
+    assert "--threads 2 " in text and "less than 300 MB" in text and "--python-version 3.12 " in text
+    assert "--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64" in text
+
+
+def test_the_board_figures_reach_bench_help_and_the_bundle_readme(monkeypatch):
+    """A board added to the table is known to bench, bundle and their help, with its own figures."""
+    from gemma_export import boards, bundle
+
+    tiny = boards.Board(title="Tiny board", threads=3, memory_bytes=700_000_000, headroom_bytes=123_000_000,
+                        python="3.11", platforms=("manylinux_2_17_armv7l",))
+    monkeypatch.setitem(boards.BOARDS, "tiny", tiny)
+    assert boards.board("tiny") is tiny
+    text = bundle._readme("tiny", "gemma_export.whl", {"config": {}, "dtype": "int8"})
+    assert "for the Tiny board" in text and "--threads 3 " in text and "less than 123 MB" in text
+    assert "--python-version 3.11 " in text and "--platform manylinux_2_17_armv7l\n" in text
+    with pytest.raises(GemmaExportError, match="--board: unknown board 'pi5'; known: sl2610, tiny"):
+        boards.board("pi5")
 
 
 def test_a_bundle_that_will_not_fit_is_refused_before_copying(tiny_int8_export, wheel, tmp_path, monkeypatch):
