@@ -261,8 +261,8 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     assert result.exit_code == 2 and "genai_config.json: not a regular file (a FIFO" in result.stderr
 
 
-def test_python_api_from_readme(tiny_dir, tmp_path):
-    # the README's snippet: `from gemma_export import export, generate` gives the functions
+def test_python_api_from_readme(tiny_dir, tiny_int8_export, tmp_path):
+    # the README's snippet: `from gemma_export import export, generate` gives the functions, and they work
     import importlib
 
     import gemma_export
@@ -276,6 +276,15 @@ def test_python_api_from_readme(tiny_dir, tmp_path):
     assert again is export
     result = export(tiny_dir, tmp_path / "api", "fp32")
     assert result.table_initializers == 1 and (result.out_dir / "model.onnx").is_file()
+    # generate(...).text is the continuation: the greedy ids of the export, decoded by its tokenizer
+    from gemma_export.runtime import OnnxDecoder, load_tokenizer
+
+    generated = generate(tiny_int8_export, "ab", max_new_tokens=3)
+    tokenizer = load_tokenizer(tiny_int8_export)
+    prompt_ids = tokenizer.encode("ab").ids
+    expected, _, _ = OnnxDecoder(tiny_int8_export).greedy(prompt_ids, 3)
+    assert list(generated.prompt_ids) == prompt_ids and list(generated.new_ids) == list(expected)
+    assert len(generated.new_ids) == 3 and generated.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_ctrl_c_in_a_command_that_writes_nothing_says_only_interrupted(tmp_path, monkeypatch):

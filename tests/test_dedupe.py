@@ -143,6 +143,15 @@ def _dedupe(tmp_path, graph):
     return src, CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
 
 
+def _same_outputs(src, out, rows):
+    """The input and the rewritten model give the same outputs (NaN where NaN), run here with
+    onnxruntime on ids of the table's own ``rows``: not only dedupe's own report."""
+    feeds = {"input_ids": np.random.default_rng(5).integers(0, rows, (2, 3))}
+    a = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"]).run(None, feeds)
+    b = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, feeds)
+    assert len(a) == len(b) and all(np.array_equal(x, y, equal_nan=True) for x, y in zip(a, b))
+
+
 def test_unnamed_matmuls_sharing_one_transposed_copy_are_each_rewritten(tmp_path):
     # helper-found: the rewrites of two MatMuls without names gave their constants one name (a traceback)
     table = np.random.default_rng(1).standard_normal((V, H)).astype(np.float32)
@@ -152,6 +161,7 @@ def test_unnamed_matmuls_sharing_one_transposed_copy_are_each_rewritten(tmp_path
     assert result.exit_code == 0, result.output
     assert "rewrote 2 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout
     assert _optimized_tables(tmp_path / "out" / "model.onnx", tmp_path, V * H) == 1
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)
 
 
 def test_a_transposed_table_that_is_a_graph_output_is_left_alone(tmp_path):
@@ -171,6 +181,7 @@ def test_a_wide_table_is_checked_with_ids_of_its_own_rows(tmp_path):
     src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.T.copy()}))
     assert result.exit_code == 0, result.output
     assert "max |diff| 0" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", 4)
 
 
 def test_an_exact_transposed_copy_holding_nan_is_merged_not_called_close(tmp_path):
@@ -180,3 +191,4 @@ def test_an_exact_transposed_copy_holding_nan_is_merged_not_called_close(tmp_pat
     src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.T.copy()}))
     assert result.exit_code == 0, result.output
     assert "rewrote 1 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,6 +225,22 @@ def test_export_calibrates_by_default_and_records_it(tiny_int8_export):
     assert "pydoc_data" in record["text"]
 
 
+def test_a_default_export_stores_gptq_codes_not_round_to_nearest(tiny_int8_export, tmp_path):
+    """What the manifest records is what was done: the same source and options with --no-calibrate
+    give other codes, and re-running the default gives the same bytes."""
+    from gemma_export.exporter import export
+
+    source = Path(json.loads((tiny_int8_export / "manifest.json").read_text())["source"]["path"])
+    plain = export(source, tmp_path / "rtn", "int8", block_size=16, calibrate=False).out_dir
+    again = export(source, tmp_path / "again", "int8", block_size=16).out_dir
+    data = (tiny_int8_export / "model.onnx.data").read_bytes()
+    assert (again / "model.onnx.data").read_bytes() == data
+    rtn = (plain / "model.onnx.data").read_bytes()
+    assert len(rtn) == len(data)
+    differing = np.count_nonzero(np.frombuffer(rtn, np.uint8) != np.frombuffer(data, np.uint8))
+    assert differing > 0.05 * len(data), differing  # GPTQ moves many codes, not a few bytes
+
+
 def test_calibrated_codes_are_closer_to_fp32_than_round_to_nearest(tiny_with_tokenizer, tiny_model, text_file, tmp_path):
     from conftest import reference_logits
     from gemma_export.exporter import export
@@ -273,7 +290,9 @@ def test_calibrated_int8_and_int4_track_transformers(tiny_with_tokenizer, tiny_m
 
     ids = np.random.default_rng(3).integers(3, 96, (1, 12))
     expected = reference_logits(tiny_model, ids)[0, -1]
-    for dtype, tolerance in (("int8", 0.05), ("int4", 0.6)):
+    # measured: int8 0.019, int4 0.23 of the largest logit; a scale off by a factor (int4 at 0.5 x:
+    # 0.58) or a zero point off by one (int8: 0.04) must fail
+    for dtype, tolerance in (("int8", 0.03), ("int4", 0.35)):
         out = export(tiny_with_tokenizer, tmp_path / dtype, dtype, block_size=16, table_block_size=16,
                      calibration_text=text_file).out_dir
         decoder = OnnxDecoder(out)
@@ -427,7 +446,7 @@ def test_act_order_puts_each_code_back_in_its_column():
     assert np.array_equal(ordered, BlockInt8Weights.quantize(w, 32).data.reshape(40, k))
 
 
-def test_act_order_rounds_the_strongest_inputs_first_and_is_no_worse():
+def test_act_order_rounds_the_strongest_inputs_first_and_is_within_2_percent():
     rng = np.random.default_rng(5)
     k = 128
     x = _correlated(rng, 1024, k)
@@ -445,4 +464,5 @@ def test_act_order_rounds_the_strongest_inputs_first_and_is_no_worse():
         errors[act_order] = _output_error(w, w_hat.reshape(64, k), x)
     rtn = _output_error(w, BlockInt8Weights.quantize(w, 32).dequantize(), x)
     assert errors[True] < 0.8 * rtn and errors[False] < 0.8 * rtn
+    # act order may lose a little on a given matrix (it wins on the real model, docs/quality.md): 2% at most
     assert errors[True] <= 1.02 * errors[False], errors

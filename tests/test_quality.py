@@ -85,7 +85,7 @@ from gemma_export.cli import app  # noqa: E402
 runner = CliRunner()
 
 
-def test_quality_against_transformers_equals_an_independent_computation(tiny_int8_export, tiny_model, text_file, tmp_path):
+def test_quality_command_reports_what_compare_logits_computes(tiny_int8_export, tiny_model, text_file, tmp_path):
     from conftest import reference_logits
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
 
@@ -103,7 +103,9 @@ def test_quality_against_transformers_equals_an_independent_computation(tiny_int
     # the split follows the model's own sliding_window (6 in the tiny config), not Gemma 3 270M's 512
     assert figures["sliding_window"] == 6
     assert figures["top1_agreement_past_window"] == pytest.approx(expected.top1_agreement_past_window)
-    assert 0 < figures["kl_mean"] < 0.05  # int8 of the tiny model: close, not identical
+    # int8 of the tiny model: close, not identical (0.00052 measured; a table zero point off by one
+    # gives 0.0049, a different model far more)
+    assert 0 < figures["kl_mean"] < 0.002
     assert "KL" in result.stdout and f"({expected.top1_agreement_past_window:.2%} past the sliding window of 6)" in result.stdout
     misses = round((1 - expected.top1_agreement) * 250)
     assert f"misses       {misses} position(s), first at position {expected.first_disagreement} (counting from 0); " \
