@@ -7,6 +7,7 @@ Cortex-A55 cores, about 1.9 GB of RAM usable by the model process, Python 3.12, 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from .errors import GemmaExportError
 
@@ -31,6 +32,16 @@ class Board:
     python: str
     platforms: tuple[str, ...]
 
+    @property
+    def wheel_requirements(self) -> str:
+        """What the newest platform tag asks of the board, e.g. ``"aarch64 wheels, which need glibc
+        2.28 or newer"`` for ``manylinux_2_28_aarch64``."""
+        match = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", self.platforms[0]) if self.platforms else None
+        if match is None:
+            return "wheels for the board's platform"
+        major, minor, arch = match.groups()
+        return f"{arch} wheels, which need glibc {major}.{minor} or newer"
+
 
 BOARDS = {
     "sl2610": Board(
@@ -39,6 +50,9 @@ BOARDS = {
         platforms=("manylinux_2_28_aarch64", "manylinux2014_aarch64"),  # what pip may take for its glibc
     ),
 }
+
+#: the board bench's default threads and bundle's default target come from
+DEFAULT_BOARD = "sl2610"
 
 
 def board(name: str) -> Board:

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
-from .boards import BOARDS, board as find_board
+from .boards import DEFAULT_BOARD, Board, board as find_board
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
 from .onnx_files import BUNDLE_MANIFEST
 
@@ -82,8 +82,7 @@ def build_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
-def _readme(board: str, wheel: str, model_manifest: dict) -> str:
-    spec = BOARDS[board]
+def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     python, threads = f"Python {spec.python}", spec.threads
     platforms = " ".join(f"--platform {tag}" for tag in spec.platforms)
     headroom_mb = spec.headroom_bytes // 1_000_000
@@ -96,7 +95,7 @@ exported by gemma-export {__version__}. Every file of this folder is listed with
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
 Install (once, with the board's {python}; the toolkit's dependencies, onnxruntime included, come
-from PyPI as aarch64 wheels, which need glibc 2.28 or newer: `ldd --version` shows the board's):
+from PyPI as {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
@@ -144,7 +143,7 @@ def _check_wheel(wheel: Path) -> None:
         raise FormatError(f"{wheel}: a zip archive without gemma_export/__init__.py; not a gemma_export wheel")
 
 
-def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wheel: str | Path | None = None) -> BundleResult:
+def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 
     Args:
@@ -162,7 +161,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
-    find_board(board)
+    spec = find_board(board)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     files = verify_manifest(model_dir)
     out = out_dir.resolve()
@@ -191,7 +190,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = "sl2610", wh
             shutil.copyfile(wheel, staging / wheel.name)
             wheel_name = wheel.name
         model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
-        (staging / "README.md").write_text(_readme(board, wheel_name, model_manifest))
+        (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
         verify_manifest(staging / "model")  # the copies, not only the originals
         manifest = {"board": board, "gemma_export_version": __version__,

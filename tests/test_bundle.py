@@ -166,30 +166,37 @@ def test_building_the_wheel_leaves_the_checkout_as_it_was(tmp_path):
 
 
 def test_the_bundle_readme_carries_the_board_figures_bench_applies():
-    """The bundle README's threads, memory headroom and Python are the board's, from the one table
-    that `bench --board` reads too."""
+    """The bundle README's threads, memory headroom, Python and wheel platform are the board's, from
+    the one table that `bench --board` and both commands' help read too."""
     from gemma_export import bench, boards, bundle
 
-    assert bench.BOARDS is boards.BOARDS and bundle.BOARDS is boards.BOARDS and set(boards.BOARDS) == {"sl2610"}
+    assert bench.BOARDS is boards.BOARDS and set(boards.BOARDS) == {"sl2610"} == {boards.DEFAULT_BOARD}
     # the SL2610's own figures (issue #8 and the board team's notes): 2 cores, 1.9 GB, 300 MB kept free, Python 3.12
     spec = boards.board("sl2610")
     assert (spec.threads, spec.memory_bytes, spec.headroom_bytes, spec.python) == (2, 1_900_000_000, 300_000_000, "3.12")
-    text = bundle._readme("sl2610", "gemma_export.whl", {"config": {}, "dtype": "int8"})
+    text = bundle._readme("sl2610", spec, "gemma_export.whl", {"config": {}, "dtype": "int8"})
     assert "--threads 2 " in text and "less than 300 MB" in text and "--python-version 3.12 " in text
     assert "--platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64" in text
+    assert "aarch64 wheels, which need glibc 2.28 or newer" in text
+    help_text = " ".join(runner.invoke(app, ["bench", "--help"]).output.split())
+    assert "sl2610: 2 threads and a 1.9 GB budget that must keep 300 MB free" in help_text
+    assert "(default 2, the sl2610's cores;" in help_text
+    assert "Target board (sl2610)" in " ".join(runner.invoke(app, ["bundle", "--help"]).output.split())
 
 
-def test_the_board_figures_reach_bench_help_and_the_bundle_readme(monkeypatch):
-    """A board added to the table is known to bench, bundle and their help, with its own figures."""
+def test_another_board_gets_its_own_figures_in_the_bundle_readme(monkeypatch):
+    """A board added to the table is known to `boards.board` and its README carries its own
+    figures (the commands' help is built at import, from the table as shipped)."""
     from gemma_export import boards, bundle
 
     tiny = boards.Board(title="Tiny board", threads=3, memory_bytes=700_000_000, headroom_bytes=123_000_000,
                         python="3.11", platforms=("manylinux_2_17_armv7l",))
     monkeypatch.setitem(boards.BOARDS, "tiny", tiny)
     assert boards.board("tiny") is tiny
-    text = bundle._readme("tiny", "gemma_export.whl", {"config": {}, "dtype": "int8"})
+    text = bundle._readme("tiny", tiny, "gemma_export.whl", {"config": {}, "dtype": "int8"})
     assert "for the Tiny board" in text and "--threads 3 " in text and "less than 123 MB" in text
     assert "--python-version 3.11 " in text and "--platform manylinux_2_17_armv7l\n" in text
+    assert "armv7l wheels, which need glibc 2.17 or newer" in text and "aarch64" not in text
     with pytest.raises(GemmaExportError, match="--board: unknown board 'pi5'; known: sl2610, tiny"):
         boards.board("pi5")
 

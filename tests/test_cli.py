@@ -276,7 +276,8 @@ def test_python_api_from_readme(tiny_dir, tiny_int8_export, tmp_path):
     assert again is export
     result = export(tiny_dir, tmp_path / "api", "fp32")
     assert result.table_initializers == 1 and (result.out_dir / "model.onnx").is_file()
-    # generate(...).text is the continuation: the greedy ids of the export, decoded by its tokenizer
+    # generate(...) wires prompt, greedy ids and tokenizer together (greedy itself is checked against
+    # transformers in test_export_tiny.py): the ids of OnnxDecoder.greedy, decoded
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
 
     generated = generate(tiny_int8_export, "ab", max_new_tokens=3)

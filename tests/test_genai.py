@@ -29,4 +29,5 @@ def test_genai_greedy_equals_ours(tiny_dir, tmp_path, dtype):
     prompt = [2, 17, 33, 52, 9, 71, 40, 12]
     ours, _, _ = OnnxDecoder(out).greedy(prompt, 16, stop_ids=[])
     theirs = _genai_greedy(out, prompt, len(prompt) + 16)
-    assert len(ours) == 16 and theirs == ours  # no stop ids: all 16 tokens on both sides
+    # ours runs without stop ids; genai stops at eos, which this model does not emit in these 16 steps
+    assert len(ours) == 16 and theirs == ours
