@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .boards import BOARDS, DEFAULT_BOARD, board as find_board
+from .boards import BOARDS, DEFAULT_THREADS, board as find_board
 from .errors import BudgetExceeded, GemmaExportError
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
@@ -38,9 +38,6 @@ from .runtime import DEFAULT_PREFILL_CHUNK
 WARMUP_STEPS = 4
 #: fewer timed decode steps than this per prompt are named in the report: a median of a handful is noisy
 FEW_TIMED_STEPS = 16
-
-#: intra-op threads without --threads or --board: the SL2610's two cores
-DEFAULT_THREADS = BOARDS[DEFAULT_BOARD].threads
 
 
 def real_text(path: str | Path | None = None) -> tuple[str, str]:
@@ -146,7 +143,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
 
     Args:
         model_dir: an export folder (``model.onnx``, ``model.onnx.data``, ``tokenizer.json``).
-        threads: intra-op threads (None: the ``board``'s, else :data:`DEFAULT_THREADS`; given, it wins over the board's).
+        threads: intra-op threads (None: the ``board``'s, else ``boards.DEFAULT_THREADS``; given, it wins over the board's).
         prompt_tokens: prompt lengths in tokens, each > 0.
         new_tokens: decode steps after each prompt, > ``WARMUP_STEPS``.
         board: a key of ``boards.BOARDS``: sets threads and checks the memory budget.

@@ -53,6 +53,8 @@ BOARDS = {
 
 #: the board bench's default threads and bundle's default target come from
 DEFAULT_BOARD = "sl2610"
+#: intra-op threads without --threads or --board: the default board's cores
+DEFAULT_THREADS = BOARDS[DEFAULT_BOARD].threads
 
 
 def board(name: str) -> Board:

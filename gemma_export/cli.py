@@ -26,7 +26,7 @@ try:  # typer >= 0.29 carries its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException, UsageError
 
-from .boards import BOARDS, DEFAULT_BOARD
+from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES
 from .errors import GemmaExportError, os_error_line
 
@@ -483,7 +483,7 @@ def dedupe(
 @app.command(short_help="Time and measure an export with onnxruntime.")
 def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=f"onnxruntime intra-op threads (default {BOARDS[DEFAULT_BOARD].threads}, the {DEFAULT_BOARD}'s cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=f"onnxruntime intra-op threads (default {DEFAULT_THREADS}, the {DEFAULT_BOARD}'s cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help=BENCH_BOARD_HELP),

@@ -127,7 +127,6 @@ def _genai_decoder_config(model_dir: Path) -> dict:
         return {}
 
 
-
 def is_bundle(folder: str | Path) -> bool:
     """Whether ``folder`` is a board folder written by ``gemma-export bundle`` (``BUNDLE.json`` at its
     top, the export in ``model/``)."""
