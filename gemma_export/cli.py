@@ -494,7 +494,7 @@ def bench(
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
-    huge_pages: bool = typer.Option(True, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (Linux >= 6.1; 0.89 x the decode time on x86-64). --no-huge-pages measures without."),
+    huge_pages: bool = typer.Option(True, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (Linux >= 6.1; 0.79-0.89 x the decode time on x86-64). --no-huge-pages measures without."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode

@@ -45,6 +45,8 @@ class ExportResult:
     Attributes:
         out_dir: the final folder.
         files: file name → size in bytes.
+        dtype: the weights' precision, ``fp32``, ``bf16``, ``int8`` or ``int4``.
+        tied: whether the source ties the LM head to the embedding table (``tie_word_embeddings``).
         table_initializers: initializers holding a ``[vocab, hidden]``-sized table (1 when tied).
         elapsed_s: wall time of the export, seconds.
         peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.
@@ -409,7 +411,8 @@ def export(
     """Export a Gemma 3 checkpoint to an ONNX folder.
 
     Args:
-        source: a transformers folder, a ``.gguf`` file, or None for the bundled real Gemma 3 270M.
+        source: a transformers folder, a ``.gguf`` file, a reference export's ``.mlir`` (its archive
+            beside it; ``sources/mlir.py``), or None for the bundled real Gemma 3 270M.
         out_dir: destination folder; default ``./{name}-onnx-{dtype}``.
         dtype: ``fp32``, ``bf16``, ``int8`` or ``int4`` (block-wise weights, see ``weights.py``).
         block_size: int8/int4 block size of the layer projections (default 32, or the largest power
@@ -442,7 +445,8 @@ def export(
 
     Raises:
         SourceNotFoundError, FormatError, ConfigError, NumericError: bad source.
-        OutputError: the destination is inside the source or is a foreign non-empty folder.
+        OutputError: the destination is inside the source or is a foreign non-empty folder, or its
+            file system lacks the free space the export needs (``staging.check_free_space``).
         VerificationError: the written model failed the ONNX checker or onnxruntime load.
     """
     import onnx_ir as ir

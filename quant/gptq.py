@@ -167,12 +167,18 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
 
 def rotate_hessian(hessian: np.ndarray, size: int) -> np.ndarray:
     """``Hd H Hd`` for the block-diagonal Hadamard ``Hd`` of :mod:`quant.hadamard`: the Hessian of the
-    rotated inputs ``Hd x`` that a rotated weight ``W Hd`` consumes. float64 ``[K, K]``."""
+    rotated inputs ``Hd x`` that a rotated weight ``W Hd`` consumes. float64 ``[K, K]``.
+
+    Raises:
+        ValueError: ``size`` is not a power of two, or ``K`` is not a multiple of it.
+    """
     from .hadamard import hadamard_matrix
 
     h = np.asarray(hessian, np.float64)
     k = h.shape[0]
     blocks = hadamard_matrix(size).astype(np.float64)
+    if k % size:
+        raise ValueError(f"Hessian of {k} inputs is not a multiple of the Hadamard size {size}")
     left = (h.reshape(k // size, size, k).transpose(1, 0, 2).reshape(size, -1))
     left = (blocks @ left).reshape(size, k // size, k).transpose(1, 0, 2).reshape(k, k)      # Hd H
     return (left.reshape(k, k // size, size) @ blocks).reshape(k, k)                        # (Hd H) Hd

@@ -37,11 +37,13 @@ def rotate_blocks(x: np.ndarray, n: int) -> np.ndarray:
     that consumes rotated activations ``H x``. Applying it twice is the identity.
 
     Raises:
-        ValueError: ``K`` is not a multiple of ``n``.
+        ValueError: ``n`` is not a power of two (:func:`hadamard_matrix`), or ``K`` is not a multiple
+            of ``n``.
     """
+    h = hadamard_matrix(n)
     x = np.asarray(x, dtype=np.float32)
     k = x.shape[-1]
     if k % n:
         raise ValueError(f"last axis {k} is not a multiple of the Hadamard size {n}")
     blocks = x.reshape(*x.shape[:-1], k // n, n)
-    return (blocks @ hadamard_matrix(n)).reshape(x.shape)
+    return (blocks @ h).reshape(x.shape)

@@ -149,6 +149,10 @@ def test_rotate_hessian_is_hd_h_hd():
     h = x.T @ x
     hd = np.kron(np.eye(2), hadamard_matrix(64).astype(np.float64))
     assert np.allclose(rotate_hessian(h, 64), hd @ h @ hd)
+    with pytest.raises(ValueError, match="multiple of the Hadamard size 64"):
+        rotate_hessian(h[:96, :96], 64)
+    with pytest.raises(ValueError, match="power of two"):
+        rotate_hessian(h, 48)
 
 
 @pytest.mark.parametrize("hessian, message", [

@@ -91,6 +91,9 @@ def test_hadamard_is_orthogonal_symmetric_and_self_inverse():
         hadamard_matrix(48)
     with pytest.raises(ValueError, match="multiple of the Hadamard size 64"):
         rotate_blocks(np.ones((2, 96), np.float32), 64)
+    for size in (0, 48):  # a clear ValueError, not a ZeroDivisionError or a reshape error
+        with pytest.raises(ValueError, match="power of two"):
+            rotate_blocks(np.ones((2, 96), np.float32), size)
 
 
 def test_hadamard_spreads_an_outlier_so_int8_error_drops():

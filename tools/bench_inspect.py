@@ -2,7 +2,7 @@
 
 Writes (once, into --workdir) a safetensors archive with Gemma 3 270M's table shape
 (262,144 x 640): float32 (671 MB), a flat 1-D bf16 copy made by truncation as the reference
-archives do (336 MB), and an int8 copy with per-row float32 scales (168 MB): 1.17 GB in all. Then
+archives do (336 MB), and an int8 copy with per-row float32 scales (168 MB): 1.18 GB in all. Then
 runs `gemma-export inspect` on it in a fresh process and reports that process's peak resident
 memory (VmHWM), its final Rss and Anonymous (/proc/self/smaps_rollup), the wall time, and whether
 both copies were found. The duplicate search streams the file in chunks, so the peak should stay far
@@ -71,7 +71,7 @@ def write_archive(path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-inspect"),
-                        help="where the 1.17 GB archive is written once and kept (default /tmp/gx-inspect)")
+                        help="where the 1.18 GB archive is written once and kept (default /tmp/gx-inspect)")
     parser.add_argument("--runs", type=int_range(1, 100), default=3, help="inspect runs; medians are reported (default 3)")
     args = parser.parse_args()
     from gemma_export.errors import GemmaExportError

@@ -5,7 +5,7 @@ memory-bandwidth floor measured on this machine.
 Usage:
     pip install llama-cpp-python==0.3.36   # optional; builds llama.cpp from source (~15 min on 2 cores)
     # where gcc 12 stops on AMX intrinsics (CPUs that report AMX), build without them:
-    #   CMAKE_ARGS="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+    #   CMAKE_ARGS="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \\
     #   -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" pip install llama-cpp-python==0.3.36
     python tools/bench_side_by_side.py --models int8=DIR fp32=DIR [--threads 2] [--contexts 16,128,512] \\
         [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png] [--prepacked both] [--cold]
