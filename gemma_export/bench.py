@@ -165,6 +165,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
     from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer, manifest_figure, positions_needed
+    from .text_files import first_tokens
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
@@ -194,7 +195,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
     body, source = real_text(text)
-    ids = load_tokenizer(model_dir).encode(body).ids
+    # a prefix: a huge --text is not tokenized whole
+    ids = first_tokens(load_tokenizer(model_dir), body, max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0))
     if len(ids) < lengths[-1]:
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
@@ -247,17 +249,22 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     return result
 
 
+#: prompt tokens before the reference export's timed re-decode loop (fewer when its fixed length is short)
+REFERENCE_PROMPT_TOKENS = 16
+
+
 def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
                    say: Callable[[str], None]) -> dict:
     """Time the reference export's re-decode loop (one whole-graph call per new token) after a
-    prompt of ``ids[:min(16, S - 4)]``; times in ms, ``export_vs_reference`` = ``export_decode_ms`` / its median."""
+    prompt of ``ids[:min(REFERENCE_PROMPT_TOKENS, S - 4)]`` (16); times in ms, ``export_vs_reference`` =
+    ``export_decode_ms`` / its median."""
     from .reference_iree import load_reference
 
     say(f"reference: compiling {mlir} with IREE for this CPU")
     t0 = time.perf_counter()
     model = load_reference(mlir, archive)
     load_s = time.perf_counter() - t0
-    prompt = min(16, model.sequence_length - 4)
+    prompt = min(REFERENCE_PROMPT_TOKENS, model.sequence_length - 4)
     if prompt < 1:
         raise GemmaExportError(f"{mlir}: fixed length {model.sequence_length} leaves no room to time a re-decode loop")
     context = list(ids[:prompt])
@@ -271,7 +278,7 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
     per_token = statistics.median(steps)
     say(f"reference: {per_token:.1f} ms/token (re-decode of {model.sequence_length} positions)")
     return {"mlir": str(mlir), "compile_and_load_s": load_s, "sequence_length": model.sequence_length,
-            "prompt_tokens": prompt, "new_tokens": len(steps), "ms_per_token_median": per_token,
+            "prompt_tokens": len(context) - len(steps), "new_tokens": len(steps), "ms_per_token_median": per_token,
             "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token}
 
 
@@ -347,8 +354,10 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
     files (``staging.entry_refused``), a plot that is not ``.png``, no matplotlib for ``--plot``, or
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
-    input folder such as the export's own ``manifest.json``), or a file inside any export or bundle
-    folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying).
+    input folder such as the export's own ``manifest.json``), a file inside any export or bundle
+    folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying), or an
+    existing file that is not a previous report (JSON for ``--json``, PNG for ``--plot``; e.g. the
+    export's source weights named by mistake).
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
@@ -370,6 +379,9 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                 what = ("overwrite the input" if target == source else
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
+        if target.is_file() and not _replaceable_report(target, option):
+            raise OutputError(f"{option} {path}: exists and is not a {'JSON' if option == '--json' else 'PNG'} file "
+                              "(a previous report); refusing to overwrite it; write it elsewhere")
         enclosing = enclosing_output(target)
         if enclosing is not None:
             raise OutputError(f"{option} {path}: would write into {enclosing}, an output of gemma-export whose manifest "
@@ -386,6 +398,30 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
         if Path(plot).suffix.lower() != ".png":
             raise OutputError(f"--plot {plot}: expected a .png file name")
         _pyplot()
+
+
+#: an existing --json file larger than this is not read to see whether it is a report: it is refused
+REPORT_LIMIT_BYTES = 64 << 20
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _replaceable_report(path: Path, option: str) -> bool:
+    """Whether an existing regular file may be overwritten by ``option``: an empty file, or a previous
+    report (JSON text for ``--json``, a PNG image for ``--plot``). Anything else, e.g. the export's
+    source weights named by mistake, is kept."""
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            return True
+        with open(path, "rb") as f:
+            if option == "--plot":
+                return f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
+            if size > REPORT_LIMIT_BYTES:
+                return False
+            json.loads(f.read().decode("utf-8"))
+        return True
+    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON
+        return False
 
 
 def _pyplot():

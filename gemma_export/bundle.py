@@ -153,7 +153,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         wheel: a prebuilt gemma_export wheel; default: built from the source tree with pip.
 
     Raises:
-        GemmaExportError: unknown board; the export fails verification (``VerificationError``);
+        GemmaExportError: unknown board; the export fails verification (``VerificationError``) or
+            has no ``tokenizer.json`` (``FormatError``: the board's commands need it);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
     from .exporter import verify_manifest
@@ -164,6 +165,10 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     spec = find_board(board)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     files = verify_manifest(model_dir)
+    if "tokenizer.json" not in files:  # the README's generate and bench lines need it
+        raise FormatError(f"{model_dir}: no tokenizer.json, so the board could not run the bundle's README "
+                          "(generate, bench); export from a source with a tokenizer (a GGUF or a transformers "
+                          "folder), not a reference .mlir")
     out = out_dir.resolve()
     if out == model_dir.resolve() or model_dir.resolve() in out.parents:
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")

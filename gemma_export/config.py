@@ -395,8 +395,10 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
     f = _Fields(meta, where, "gemma3.")
     num_layers = f.int("block_count")
     head_dim = f.int("attention.key_length")
-    if f.int("attention.value_length", head_dim) != head_dim:
-        raise ConfigError(f"{where}: attention.value_length differs from key_length {head_dim}")
+    value_length = f.int("attention.value_length", head_dim)
+    if value_length != head_dim:
+        raise ConfigError(f"{where}: attention.value_length is {value_length}, expected key_length {head_dim} "
+                          "(Gemma 3 attends with one head_dim)")
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):  # as the transformers path: default and linear only
         raise ConfigError(f"{where}: gemma3.rope.scaling.type is {scaling_type!r}, expected 'none' or 'linear'")

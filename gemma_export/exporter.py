@@ -217,7 +217,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if not isinstance(files, dict):
         raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
                                 f"found {'nothing' if files is None else type(files).__name__}")
-    from .runtime import check_manifest_against_graph, check_manifest_fields, graph_vocab_and_layers, sliding_layers_from
+    from .runtime import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_vocab_and_layers,
+                          sliding_layers_from)
 
     try:
         check_manifest_fields(manifest, manifest_path)
@@ -255,7 +256,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         if not isinstance(manifest.get("config"), dict):  # the runtime's checks (positions, windows) read it
             raise VerificationError(f"{manifest_path}: no field 'config' (an object); every export records its "
                                     "model config there")
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored)
+        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model))
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
             any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Sequence
@@ -20,8 +21,8 @@ import numpy as np
 
 from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import (FormatError, GemmaExportError, ResourceError, SourceNotFoundError, check_utf8_path, is_whole_number,
-                     shown)
+from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_utf8_path,
+                     is_whole_number, shown)
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
 from .text_files import not_unicode_at
 
@@ -359,7 +360,8 @@ class OnnxDecoder:
 
         Raises:
             GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
-                ``max_position_embeddings`` (FormatError: an id outside the vocabulary).
+                ``max_position_embeddings`` (FormatError: an id outside the vocabulary; NumericError:
+                the export computes NaN or +Inf logits, :func:`picked_token`).
         """
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
@@ -381,7 +383,7 @@ class OnnxDecoder:
                 end = position + part.shape[1]
                 logits = cache.step(part, np.ones((1, end), np.int64), np.arange(position, end, dtype=np.int64)[None])
                 position = end
-            token = int(np.argmax(logits[0, -1]))
+            token = picked_token(logits[0, -1], len(new_ids))
             timings.append((time.perf_counter() - start) * 1e3)
             new_ids.append(token)
             ids = np.asarray([[token]], dtype=np.int64)
@@ -408,7 +410,8 @@ class OnnxDecoder:
         cache = KVCache(self, batch, capacity, max_step=longest)
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
-            tokens = cache.step(ids, mask, positions)[:, -1].argmax(-1)
+            last = cache.step(ids, mask, positions)[:, -1]
+            tokens = np.asarray([picked_token(row, len(out[0])) for row in last], np.int64)
             for row, token in enumerate(tokens):
                 out[row].append(int(token))
             ids = tokens[:, None].astype(np.int64)
@@ -493,6 +496,10 @@ def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Pat
 
 
 #: manifest fields the runtime reads: (where, name) → (what is expected, test)
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
     ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
@@ -501,6 +508,12 @@ _MANIFEST_FIELDS = {
     ("config", "num_hidden_layers"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),
     ("config", "sliding_window"): ("a positive integer (positions)", lambda v: is_whole_number(v) and v > 0),
     ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: is_whole_number(v) and v >= 0),
+    ("config", "pad_token_id"): ("a token id (integer >= 0) or null", lambda v: v is None or (is_whole_number(v) and v >= 0)),
+    **{("config", name): ("a positive integer", lambda v: is_whole_number(v) and v > 0)
+       for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
+    ("config", "rms_norm_eps"): ("a positive finite number", lambda v: _positive_number(v)),
+    **{(None, name): ("true or false", lambda v: isinstance(v, bool))
+       for name in ("all_logits", "debug_outputs", "tie_word_embeddings")},
     ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
                                  lambda v: (is_whole_number(v) and v >= 0)
                                  or (isinstance(v, list) and v != [] and all(is_whole_number(i) and i >= 0 for i in v))),
@@ -529,11 +542,13 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
 
 
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
-                                 dtype: str | None = None) -> None:
+                                 dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None)) -> None:
     """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
     ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
-    and ``dtype`` the weights the graph stores (``onnx_files.graph_dtype``; ``parity`` picks its
-    thresholds by it).
+    ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
+    :func:`graph_kv_dims`; None: not checked), ``config.bos_token_id`` and ``config.pad_token_id``
+    lie inside the vocabulary, and ``dtype`` is the weights the graph stores
+    (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it).
     Call :func:`check_manifest_fields` first.
     Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
     and small test configs keep Gemma's default ids.)
@@ -542,9 +557,14 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
         FormatError: naming the first field that contradicts the graph.
     """
     config = manifest.get("config", {})  # an object: check_manifest_fields comes first
-    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers)):
+    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers),
+                          ("num_key_value_heads", kv_dims[0]), ("head_dim", kv_dims[1])):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
+    for field in ("bos_token_id", "pad_token_id"):
+        if isinstance(vocab_size, int) and is_whole_number(config.get(field)) and config[field] >= vocab_size:
+            raise FormatError(f"{path}: field 'config.{field}' is {config[field]:,}, outside the graph's vocabulary "
+                              f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
 
@@ -557,6 +577,16 @@ def graph_vocab_and_layers(model) -> tuple[int | None, int]:
     vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
     layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
     return vocab, layers
+
+
+def graph_kv_dims(model) -> tuple[int | None, int | None]:
+    """``(num_key_value_heads, head_dim)`` from the ``past_key_values.0.key`` input of an export's
+    ``onnx.ModelProto`` (layout ``[batch, kv_heads, past, head_dim]``); None where absent or symbolic."""
+    key = next((i for i in model.graph.input if i.name == "past_key_values.0.key"), None)
+    dims = list(key.type.tensor_type.shape.dim) if key is not None else []
+    if len(dims) != 4:
+        return None, None
+    return tuple(d.dim_value if d.HasField("dim_value") else None for d in (dims[1], dims[3]))
 
 
 def check_manifest_matches_graph(model_dir: str | Path) -> None:
@@ -573,7 +603,7 @@ def check_manifest_matches_graph(model_dir: str | Path) -> None:
     manifest = read_manifest(model_dir)
     check_manifest_fields(manifest, path)
     model = read_graph(Path(model_dir) / MODEL_FILE)
-    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model))
+    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model))
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
@@ -611,6 +641,22 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
+
+
+def picked_token(logits: np.ndarray, step: int) -> int:
+    """The argmax of one position's logits (``[vocab]``, ties → lowest id), refusing a broken export:
+    a NaN anywhere makes the NaN the argmax, and so does +Inf, so checking the picked value alone
+    (one element, not the 262,144) catches both.
+
+    Raises:
+        NumericError: ``"logits: step N picked token T whose logit is nan; the export does not compute
+            finite logits"``.
+    """
+    token = int(np.argmax(logits))
+    if not np.isfinite(logits[token]):
+        raise NumericError(f"logits: step {step} picked token {token} whose logit is {logits[token]}; "
+                           "the export does not compute finite logits")
+    return token
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "") -> None:

@@ -27,7 +27,9 @@ def require_file(path: str | Path, what: str) -> Path:
 
 
 def read_text_file(path: str | Path, what: str) -> str:
-    """The whole of a UTF-8 text file; ``what`` names it in errors (e.g. ``"golden file"``).
+    """The whole of a UTF-8 text file, without a leading byte-order mark (editors on Windows write
+    one; it would otherwise become part of the first prompt); ``what`` names it in errors (e.g.
+    ``"golden file"``).
 
     Raises:
         SourceNotFoundError: as :func:`require_file`, or an OS error while reading (its reason).
@@ -35,7 +37,7 @@ def read_text_file(path: str | Path, what: str) -> str:
     """
     p = require_file(path, what)
     try:
-        return p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
                           f"{exc.start}") from None

@@ -43,6 +43,24 @@ def read_tokenizer_json(path: Path, content: bytes | None = None) -> Tokenizer:
         raise FormatError(f"{path}: not a readable tokenizer ({str(exc)[:120]})") from None
 
 
+def check_tokenizer_vocab(tokenizer: Tokenizer, vocab_size: int, path: Path) -> None:
+    """Refuse a tokenizer whose own vocabulary (its model's pieces; added tokens are not counted)
+    holds an id the model's table has no row for.
+
+    Raises:
+        ConfigError: ``"{path}: token id N ('piece') is outside the model's vocab_size V; ..."``.
+    """
+    from .errors import ConfigError
+
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    if not vocab:
+        return
+    piece, top = max(vocab.items(), key=lambda item: item[1])
+    if top >= vocab_size:
+        raise ConfigError(f"{path}: token id {top:,} ({piece!r}) is outside the model's vocab_size {vocab_size:,} "
+                          f"(ids 0 to {vocab_size - 1:,}); the tokenizer does not belong to these weights")
+
+
 def _merges(pieces: Sequence[str]) -> list[tuple[str, str]]:
     rank = {piece: index for index, piece in enumerate(pieces)}
     found: list[tuple[int, int, int, str, str]] = []

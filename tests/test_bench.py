@@ -41,6 +41,36 @@ def test_bench_reports_every_prompt_and_step(tiny_int8_export, text_file):
     assert r.text_source == str(text_file)
 
 
+def test_bench_tokenizes_only_the_prefix_its_prompts_need(tiny_int8_export, tmp_path, monkeypatch):
+    """A huge --text is not tokenized whole (a 300 MB file ran the machine out of memory): bench
+    encodes a prefix, and its prompts are the whole text's first tokens."""
+    from gemma_export.runtime import load_tokenizer
+
+    sentence = "the quick brown fox jumps over the lazy dog; many hands make light work. "
+    big = tmp_path / "big.txt"
+    big.write_text(sentence * 40_000)  # ~3 MB
+    encoded: list[int] = []
+
+    class Recording:
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def encode(self, text):
+            encoded.append(len(text))
+            return self.tokenizer.encode(text)
+
+    monkeypatch.setattr("gemma_export.runtime.load_tokenizer", lambda folder: Recording(load_tokenizer(folder)))
+    prompts: list[list[int]] = []
+    from gemma_export.runtime import OnnxDecoder
+
+    real_greedy = OnnxDecoder.greedy
+    monkeypatch.setattr(OnnxDecoder, "greedy", lambda self, ids, *a, **k: (prompts.append(list(ids)), real_greedy(self, ids, *a, **k))[1])
+    run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=WARMUP_STEPS + 1, text=big)
+    assert encoded and max(encoded) <= 8192, encoded  # a prefix, not the 3 MB
+    whole = load_tokenizer(tiny_int8_export).encode(sentence * 40).ids
+    assert prompts == [whole[:4], whole[:8]]
+
+
 def test_threads_come_from_the_option_then_the_board_then_the_default(tiny_int8_export, text_file, monkeypatch):
     """--threads given wins over --board's (it ran the board's 2 silently); without it the board's,
     without both the default 2. Checked on the sessions bench creates."""
@@ -177,6 +207,30 @@ def test_bench_json_dash_goes_to_stdout_and_a_file_as_folder_is_named(tiny_int8_
     (tmp_path / "afile").write_text("x")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--json", "afile/b.json"])
     assert result.exit_code == 2 and f"--json afile/b.json: {tmp_path / 'afile'} is a file, not a folder" in result.output
+
+
+def test_json_and_plot_overwrite_a_previous_report_but_no_other_file(tiny_int8_export, tmp_path):
+    """--json named the export's source weights by mistake: refused, the file kept; an earlier
+    report (JSON) or an empty file is replaced."""
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    before = weights.read_bytes()
+    generate = ["generate", "--model", str(tiny_int8_export), "--prompt", "the", "--max-new-tokens", "2"]
+    result = runner.invoke(app, generate + ["--json", str(weights)])
+    assert result.exit_code == 2, result.output
+    assert f"--json {weights}: exists and is not a JSON file (a previous report); refusing to overwrite it" in result.output
+    assert weights.read_bytes() == before
+    report = tmp_path / "golden.json"
+    for old in ('{"old": 1}', ""):
+        report.write_text(old)
+        result = runner.invoke(app, generate + ["--json", str(report)])
+        assert result.exit_code == 0, result.output
+        assert len(json.loads(report.read_text())["expected_ids"]) == 2
+    picture = tmp_path / "notes.png"
+    picture.write_text("my notes")
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--plot", str(picture)])
+    assert result.exit_code == 2 and "exists and is not a PNG file" in result.output
+    assert picture.read_text() == "my notes"
 
 
 @pytest.mark.parametrize("option, expected", [([], [4, 4, 1]), (["--prefill-chunk", "0"], [9]),

@@ -168,6 +168,21 @@ def test_bad_gguf_metadata_is_named(tmp_path, key, value, words):
         open_source(path)
 
 
+def test_a_value_length_other_than_the_key_length_is_named_with_both():
+    from gemma_export.config import config_from_gguf_metadata
+    from gemma_export.errors import ConfigError
+
+    meta = {"general.architecture": "gemma3", "gemma3.context_length": 64, "gemma3.embedding_length": 32,
+            "gemma3.block_count": 1, "gemma3.feed_forward_length": 64, "gemma3.attention.head_count": 2,
+            "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 16,
+            "gemma3.attention.value_length": 8, "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+            "gemma3.attention.sliding_window": 8}
+    with pytest.raises(ConfigError, match=r"^m.gguf: attention.value_length is 8, expected key_length 16 "):
+        config_from_gguf_metadata(meta, 16, True, "m.gguf")
+    meta["gemma3.attention.value_length"] = 16
+    assert config_from_gguf_metadata(meta, 16, True, "m.gguf").head_dim == 16
+
+
 @pytest.mark.parametrize("token_types, special, words", [
     ([1] * 96, {"unknown": 96}, "tokenizer.ggml.unknown_token_id is 96, expected an id below the 96 tokens"),
     ([1] * 96, {"unknown": 1000}, "tokenizer.ggml.unknown_token_id is 1000, expected an id below the 96 tokens"),
@@ -208,6 +223,8 @@ UP = "blk.0.ffn_up.weight"
      None, "tokenizer.ggml.add_bos_token is 'false', expected a bool"),
     ("rope scaling not supported", None, lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), None,
      "gemma3.rope.scaling.type is 'yarn', expected 'none' or 'linear'"),
+    ("llama tokenizer without tokens", None, lambda w: w.add_tokenizer_model("llama"), None,
+     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty"),
 ])
 def test_hostile_gguf_is_refused_by_name_when_opened(tiny_gguf, tmp_path, case, tokenizer, extra, rename, words):
     """Files gguf-py would open (or open wrongly) that must not become a model: each is named at open."""

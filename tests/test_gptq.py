@@ -330,7 +330,8 @@ def test_a_short_calibration_text_is_refused_or_recorded(tiny_with_tokenizer, tm
 
 def test_a_tokenizer_of_another_vocabulary_is_named_when_calibrating(tiny_with_tokenizer, text_file, tmp_path):
     """A tokenizer.json whose ids pass the weights' vocab_size: named with its largest id and the
-    vocab_size (it said only "calibration token ids must lie in [0, 96)")."""
+    vocab_size (it said only "calibration token ids must lie in [0, 96)"), when the source is opened,
+    for every dtype, before any text is tokenized."""
     import json
     import shutil
 
@@ -342,10 +343,13 @@ def test_a_tokenizer_of_another_vocabulary_is_named_when_calibrating(tiny_with_t
     tokenizer = json.loads((src / "tokenizer.json").read_text())
     tokenizer["model"]["vocab"].update({t: i + 200 for t, i in tokenizer["model"]["vocab"].items() if i >= 4})
     (src / "tokenizer.json").write_text(json.dumps(tokenizer))
-    with pytest.raises(ConfigError, match=r"src: its tokenizer.json gives token id 2\d\d on .* outside the model's "
-                                          r"vocab_size 96; the tokenizer does not belong to these weights"):
-        export(src, tmp_path / "out", "int8", block_size=16, table_block_size=16, calibration_text=text_file)
-    assert not (tmp_path / "out").exists()
+    for dtype in ("int8", "fp32"):
+        with pytest.raises(ConfigError, match=r"src/tokenizer.json: token id 2\d\d \('.+'\) is outside the model's "
+                                              r"vocab_size 96 \(ids 0 to 95\); the tokenizer does not belong to these "
+                                              r"weights"):
+            export(src, tmp_path / "out", dtype, **({"block_size": 16, "table_block_size": 16,
+                                                     "calibration_text": text_file} if dtype == "int8" else {}))
+        assert not (tmp_path / "out").exists()
 
 
 def test_calibrate_needs_a_tokenizer_and_a_quantized_dtype(tiny_dir, tmp_path):

@@ -192,6 +192,39 @@ def export_copy(edit: Callable[[Path], None], command: Callable[[Path], list]):
     return make
 
 
+def _nan_table(folder: Path) -> None:
+    """The table's int8 block scales set to NaN in the data file: the export's logits are NaN."""
+    import onnx
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    scales = next(t for t in model.graph.initializer if "embed_tokens" in t.name and "scale" in t.name)
+    place = {e.key: e.value for e in scales.external_data}
+    with open(folder / "model.onnx.data", "r+b") as f:
+        f.seek(int(place["offset"]))
+        f.write(np.full(int(place["length"]) // 4, np.nan, np.float32).tobytes())
+
+
+def _no_tokenizer(folder: Path) -> None:
+    """The export as a tokenizer-less source (a reference .mlir) leaves it: no tokenizer files listed."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink(missing_ok=True)
+        manifest["files"].pop(name, None)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _char_tokenizer_bytes(extra: dict[str, int]) -> bytes:
+    """The tiny models' character tokenizer with ``extra`` pieces added to its vocabulary."""
+    import tempfile
+
+    from conftest import write_char_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = json.loads((write_char_tokenizer(Path(tmp)) / "tokenizer.json").read_text())
+    data["model"]["vocab"].update(extra)
+    return json.dumps(data).encode()
+
+
 def _generate(folder: Path) -> list:
     return ["generate", "--model", folder, "--prompt", "hello", "--max-new-tokens", 2]
 
@@ -317,6 +350,15 @@ CASES = {
     "integer weight": Case(hf(edit_tensors=_set("model.norm.weight", np.zeros(64, np.int32))), FormatError,
                            ("model.norm.weight", "dtype I32")),
     # tokenizer.json beside the weights: copied into the export, used to calibrate
+    "tokenizer_config not json": Case(hf_file("tokenizer_config.json", b"{oops"), FormatError,
+                                      ("src/tokenizer_config.json: not JSON",)),
+    "special_tokens_map not utf-8": Case(hf_file("special_tokens_map.json", b"\xff\xfe", dtype="int8"), FormatError,
+                                         ("src/special_tokens_map.json: expected UTF-8 JSON, found byte 0xff",)),
+    "tokenizer_config a list": Case(hf_file("tokenizer_config.json", b"[1]"), FormatError,
+                                    ("src/tokenizer_config.json: expected a JSON object, found list",)),
+    "tokenizer ids beyond the vocabulary": Case(hf_file("tokenizer.json", _char_tokenizer_bytes(extra={"z": 500})), ConfigError,
+                                                ("src/tokenizer.json: token id 500 ('z') is outside the model's vocab_size",
+                                                 "does not belong to these weights")),
     "tokenizer not json": Case(hf_file("tokenizer.json", b"{oops"), FormatError,
                                ("src/tokenizer.json: not a readable tokenizer",)),
     "tokenizer not utf-8": Case(hf_file("tokenizer.json", b"\xff\xfe{}", dtype="int8"), FormatError,
@@ -397,6 +439,21 @@ CASES = {
     "manifest sliding window a string (generate)": Case(export_copy(_manifest_field("config", "sliding_window", "6"), _generate),
                                                         FormatError, ("field 'config.sliding_window' must be a positive "
                                                                       "integer", 'found "6"')),
+    "manifest rms_norm_eps a string (verify)": Case(export_copy(_manifest_field("config", "rms_norm_eps", "abc"), _verify),
+                                                    VerificationError, ("field 'config.rms_norm_eps' must be a positive "
+                                                                        "finite number", 'found "abc"')),
+    "manifest head_dim 0 (verify)": Case(export_copy(_manifest_field("config", "head_dim", 0), _verify),
+                                         VerificationError, ("field 'config.head_dim' must be a positive integer", "found 0")),
+    "manifest head_dim not the graph's (verify)": Case(export_copy(_manifest_field("config", "head_dim", 48), _verify),
+                                                       VerificationError, ("field 'config.head_dim' is 48, but the graph has 16",)),
+    "manifest kv heads not the graph's (generate)": Case(export_copy(_manifest_field("config", "num_key_value_heads", 3),
+                                                                     lambda f: ["verify", f]),
+                                                         VerificationError, ("config.num_key_value_heads' is 3, but the graph has",)),
+    "manifest bos outside the vocabulary (verify)": Case(export_copy(_manifest_field("config", "bos_token_id", 500), _verify),
+                                                         VerificationError, ("field 'config.bos_token_id' is 500, outside the "
+                                                                             "graph's vocabulary (ids 0 to 95)",)),
+    "manifest all_logits a string (verify)": Case(export_copy(_manifest_field(None, "all_logits", "yes"), _verify),
+                                                  VerificationError, ("field 'all_logits' must be true or false", 'found "yes"')),
     "manifest sliding window negative (verify)": Case(export_copy(_manifest_field("config", "sliding_window", -3), _verify),
                                                       VerificationError, ("field 'config.sliding_window'", "found -3")),
     "cache beyond memory, no max positions (generate)": Case(
@@ -561,6 +618,14 @@ CASES = {
                               GemmaExportError, ("--prompt-tokens", "'16,x'")),
     "generate prefill chunk -1": Case(export_copy(lambda f: None, lambda f: _generate(f) + ["--prefill-chunk", -1]),
                                       GemmaExportError, ("--prefill-chunk", ">= 1", "0 on the command line", "found -1")),
+    "generate NaN logits": Case(export_copy(_nan_table, _generate), NumericError,
+                                ("logits: step 0 picked token", "nan", "the export does not compute finite logits")),
+    "bench NaN logits": Case(export_copy(_nan_table, lambda f: ["bench", "--model", f, "--prompt-tokens", "4",
+                                                                "--new-tokens", "6"]),
+                             NumericError, ("logits: step 0", "finite logits")),
+    "bundle without a tokenizer": Case(export_copy(_no_tokenizer, lambda f: ["bundle", "--model", f, "--out", f.parent / "board",
+                                                                             "--wheel", f.parent / "gemma_export-0.1.0-py3-none-any.whl"]),
+                                       FormatError, ("model: no tokenizer.json", "the board could not run")),
     "bench prefill chunk -4": Case(export_copy(lambda f: None, lambda f: ["bench", "--model", f, "--prefill-chunk", -4]),
                                    GemmaExportError, ("--prefill-chunk", "found -4")),
 }

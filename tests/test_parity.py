@@ -413,6 +413,18 @@ def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("content", ["\ufeffhello\nworld\n", '\ufeff["hello", "world"]'])
+def test_a_byte_order_mark_does_not_become_part_of_the_first_prompt(tiny_int8_export, tmp_path, content):
+    from gemma_export.parity import read_prompts
+    from gemma_export.runtime import load_tokenizer
+
+    prompts = tmp_path / ("prompts.json" if "[" in content else "prompts.txt")
+    prompts.write_text(content, encoding="utf-8")
+    tokenizer = load_tokenizer(tiny_int8_export)
+    assert read_prompts(prompts, tokenizer) == [("hello", tokenizer.encode("hello").ids),
+                                                ("world", tokenizer.encode("world").ids)]
+
+
 def test_parity_json_may_not_overwrite_the_golden_file(tiny_int8_export, tmp_path):
     golden = tmp_path / "golden.json"
     golden.write_text("[5, 6]")

@@ -59,6 +59,16 @@ def test_near_tie_figures_name_the_closest_call_the_export_overturned():
     assert m.top2_gap_change_median == pytest.approx(0.6, rel=1e-6)
 
 
+@pytest.mark.parametrize("lead, label", [(0.4, "(close calls)"), (1.0, "(not all close calls)")])
+def test_misses_are_called_close_only_when_every_lead_lost_was_small(lead, label):
+    from gemma_export.quality import QualityReport, format_report
+
+    reference = np.array([[5.0, 5.0 - lead, 0.0], [3.0, 0.0, 2.9], [1.0, 0.0, 0.5]], np.float32)
+    model = np.array([[4.0, 4.5, 0.0], [3.0, 0.0, 2.0], [1.0, 0.0, 0.5]], np.float32)
+    text = format_report(QualityReport("m", "r", "t", compare_logits(reference, model, [0, 1, 2])))
+    assert f"by at most {lead:.3f} logits {label}" in text
+
+
 def test_top1_past_the_window_counts_rows_from_the_window_on():
     reference = np.zeros((10, 3), np.float32)
     reference[:, 0] = 1.0
@@ -119,6 +129,26 @@ def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
     assert "top-1        100.00% of positions pick the reference's top word" in result.stdout
     assert "misses       0 position(s), none\n" in result.stdout
     assert re.search(r"max \|dlogit\| 0(\s|$)", result.stdout), result.stdout  # exactly 0, not 0.5 or 0.001
+
+
+def test_a_reference_of_another_source_or_tokenizer_is_noted(tiny_int8_export, text_file, tmp_path):
+    """Figures against an export of other weights are allowed (a GGUF against a transformers folder
+    of the same model) but said; an export against itself gets no note."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_int8_export, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    ours = manifest["source"]["sha256"]
+    manifest["source"]["sha256"] = "0" * 64
+    manifest["files"]["tokenizer.json"]["sha256"] = "1" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    command = ["quality", "--model", str(tiny_int8_export), "--text", str(text_file), "--tokens", "20", "--reference"]
+    result = runner.invoke(app, command + [str(other)])
+    assert result.exit_code == 0, result.output
+    assert (f"note: --reference {other} was exported from another source than {tiny_int8_export} (sha256 000000000000… "
+            f"against {ours[:12]}…)") in result.stderr
+    assert f"note: --reference {other} has another tokenizer.json than {tiny_int8_export}" in result.stderr
+    result = runner.invoke(app, command + [str(tiny_int8_export)])
+    assert result.exit_code == 0 and "note:" not in result.output
 
 
 def test_a_long_quality_run_says_where_it_is(tiny_int8_export, text_file, monkeypatch):

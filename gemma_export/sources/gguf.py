@@ -174,6 +174,9 @@ def read_gguf(path: Path) -> Checkpoint:
     resolve_lm_head(config, tensors, str(path))
 
     has_tokenizer = fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
+    if fields.get("tokenizer.ggml.model") == "llama" and not len(fields.get("tokenizer.ggml.tokens", ())):
+        raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty; "
+                          "expected one piece per row of the table")
     tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []
     token_types = fields.get("tokenizer.ggml.token_type", np.zeros(0, np.int32)) if has_tokenizer else []
     if has_tokenizer:

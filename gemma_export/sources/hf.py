@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint import LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
-from ..tokenizer import read_tokenizer_json
+from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
 
 # safe_open(framework="numpy") returns bf16 tensors (Gemma's published dtype) as numpy's bfloat16,
@@ -24,6 +24,20 @@ from .safetensors_header import read_header
 BFLOAT16 = ml_dtypes.bfloat16
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+#: tokenizer files copied as they are that must be JSON objects (tokenizer.json is parsed in full)
+JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def _check_json_object(path: Path, content: bytes) -> None:
+    """Raises FormatError naming ``path`` when ``content`` is not a UTF-8 JSON object."""
+    try:
+        value = json.loads(content.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise FormatError(f"{path}: expected UTF-8 JSON, found byte 0x{content[exc.start]:02x} at offset {exc.start}") from None
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise FormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 
@@ -127,9 +141,13 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     validate_tensors(config, tensors, str(folder))
     resolve_lm_head(config, tensors, str(folder))
     tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+    for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
+        if name in tokenizer_files:
+            _check_json_object(folder / name, tokenizer_files[name])
     parsed = None
     if "tokenizer.json" in tokenizer_files:  # copied beside the export and used to calibrate: refuse it now
         parsed = read_tokenizer_json(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
+        check_tokenizer_vocab(parsed, config.vocab_size, folder / "tokenizer.json")
     return Checkpoint(
         config=config,
         tensors=tensors,
