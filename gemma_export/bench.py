@@ -40,8 +40,9 @@ WARMUP_STEPS = 4
 FEW_TIMED_STEPS = 16
 
 
-def real_text(path: str | Path | None = None) -> tuple[str, str]:
-    """Real English written by others, for prompts: ``(text, where it came from)``.
+def real_text(path: str | Path | None = None, max_bytes: int | None = None) -> tuple[str, str]:
+    """Real English written by others, for prompts: ``(text, where it came from)``. ``max_bytes``:
+    read no more of a given file (``text_files.read_text_file``).
 
     Default: the Python license shipped with the interpreter (``LICENSE.txt`` in the standard
     library), else the license file of the installed numpy (Debian's Python omits the former).
@@ -56,7 +57,7 @@ def real_text(path: str | Path | None = None) -> tuple[str, str]:
     from .text_files import read_text_file
 
     if path is not None:
-        return read_text_file(path, "text file"), str(path)
+        return read_text_file(path, "text file", max_bytes), str(path)
     candidate = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
     if candidate.is_file():
         return candidate.read_text(encoding="utf-8"), str(candidate)
@@ -194,9 +195,10 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     spec = find_board(board) if board is not None else None
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
-    body, source = real_text(text)
-    # a prefix: a huge --text is not tokenized whole
-    ids = first_tokens(load_tokenizer(model_dir), body, max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0))
+    # a prefix: a huge --text is neither read nor tokenized whole
+    needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
+    body, source = real_text(text, max(TEXT_BYTES_READ, 64 * needed_ids))
+    ids = first_tokens(load_tokenizer(model_dir), body, needed_ids)
     if len(ids) < lengths[-1]:
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
@@ -248,6 +250,9 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         decode_ms_median_by_prompt=by_prompt)
     return result
 
+
+#: bytes of a --text read at least (64 per prompt token beyond that): real text has ~4 per token
+TEXT_BYTES_READ = 1 << 20
 
 #: prompt tokens before the reference export's timed re-decode loop (fewer when its fixed length is short)
 REFERENCE_PROMPT_TOKENS = 16
@@ -356,8 +361,8 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
     input folder such as the export's own ``manifest.json``), a file inside any export or bundle
     folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying), or an
-    existing file that is not a previous report (JSON for ``--json``, PNG for ``--plot``; e.g. the
-    export's source weights named by mistake).
+    existing file that an earlier run did not write (:func:`_kept_file`: e.g. the export's source
+    weights or a model's ``config.json`` named by mistake).
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
@@ -379,9 +384,11 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                 what = ("overwrite the input" if target == source else
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
-        if target.is_file() and not _replaceable_report(target, option):
-            raise OutputError(f"{option} {path}: exists and is not a {'JSON' if option == '--json' else 'PNG'} file "
-                              "(a previous report); refusing to overwrite it; write it elsewhere")
+        # /dev and /proc paths are written in place (write_json), even when they lead to a file
+        in_place = Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
+        kept = None if in_place or not target.is_file() else _kept_file(target, option)
+        if kept is not None:
+            raise OutputError(f"{option} {path}: exists and {kept}; refusing to overwrite it; write it elsewhere")
         enclosing = enclosing_output(target)
         if enclosing is not None:
             raise OutputError(f"{option} {path}: would write into {enclosing}, an output of gemma-export whose manifest "
@@ -400,28 +407,39 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
         _pyplot()
 
 
-#: an existing --json file larger than this is not read to see whether it is a report: it is refused
+#: an existing --json file larger than this is not read to see whether it may be replaced: it is kept
 REPORT_LIMIT_BYTES = 64 << 20
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: JSON files of model folders (transformers, onnxruntime-genai, this toolkit): never a report
+MODEL_JSON_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                              "special_tokens_map.json", "genai_config.json", "manifest.json", "BUNDLE.json",
+                              "model.safetensors.index.json", "preprocessor_config.json", "added_tokens.json"})
 
 
-def _replaceable_report(path: Path, option: str) -> bool:
-    """Whether an existing regular file may be overwritten by ``option``: an empty file, or a previous
-    report (JSON text for ``--json``, a PNG image for ``--plot``). Anything else, e.g. the export's
-    source weights named by mistake, is kept."""
+def _kept_file(path: Path, option: str) -> str | None:
+    """Why an existing regular file must not be overwritten by ``option`` (``"is not ..."``), or None
+    when it may be: an empty file, or what an earlier run wrote (JSON text under
+    ``REPORT_LIMIT_BYTES`` that is not one of a model folder's own files, ``MODEL_JSON_FILES``, for
+    ``--json``; a PNG image for ``--plot``). So the export's source weights, a model's
+    ``config.json`` or someone's notes, named by mistake, are kept."""
+    report = "a JSON report" if option == "--json" else "a PNG image"
     try:
         size = path.stat().st_size
         if size == 0:
-            return True
+            return None
+        if option == "--json" and path.name in MODEL_JSON_FILES:
+            return f"is a model folder's {path.name}, not {report}"
+        if option == "--json" and size > REPORT_LIMIT_BYTES:
+            return f"is {size:,} bytes, larger than a report ({REPORT_LIMIT_BYTES >> 20} MiB at most)"
         with open(path, "rb") as f:
             if option == "--plot":
-                return f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
-            if size > REPORT_LIMIT_BYTES:
-                return False
+                return None if f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else f"is not {report}"
             json.loads(f.read().decode("utf-8"))
-        return True
-    except (OSError, ValueError, RecursionError):  # unreadable, not UTF-8, not JSON
-        return False
+        return None
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    except (ValueError, RecursionError):  # not UTF-8, not JSON
+        return f"is not {report}"
 
 
 def _pyplot():
@@ -459,7 +477,8 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
 def write_json(data: dict, path: str | Path | None) -> None:
     """Write ``data`` as indented JSON to ``path`` (None or :func:`to_stdout`: stdout), whole or not at all: a
     temporary file beside it is renamed over it (over the file a symbolic link names, so the link
-    stays). Devices, FIFOs and anything under ``/dev`` or ``/proc`` are written in place.
+    stays). Devices, FIFOs and anything under ``/dev`` or ``/proc`` are written in place, appended
+    to (``--json /dev/stderr 2>>log`` keeps the log's earlier lines).
 
     Raises:
         OutputError: the file cannot be written (full disk, permissions), naming it.
@@ -474,9 +493,10 @@ def write_json(data: dict, path: str | Path | None) -> None:
     absolute = Path(os.path.abspath(path))
     if absolute.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file()):
         # a device, a FIFO or a descriptor (/dev/full, /dev/stderr, /proc/self/fd/2, even when it leads to
-        # a regular file): written in place, never replaced by a regular file
+        # a regular file): written in place, never replaced by a regular file, and appended to (opening
+        # it for writing would truncate a log that stderr leads to, e.g. `2>>log`)
         try:
-            with open(path, "w", encoding="utf-8") as f:
+            with open(path, "a", encoding="utf-8") as f:
                 f.write(text)
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None

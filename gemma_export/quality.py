@@ -491,7 +491,8 @@ def other_model_notes(model_dir: Path, reference_dir: Path) -> list[str]:
         source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
         files = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
         tokenizer = files.get("tokenizer.json") if isinstance(files.get("tokenizer.json"), dict) else {}
-        return source.get("sha256"), tokenizer.get("sha256")
+        digests = source.get("sha256"), tokenizer.get("sha256")
+        return tuple(d if isinstance(d, str) else None for d in digests)
 
     (ours, our_tok), (theirs, their_tok) = recorded(model_dir), recorded(reference_dir)
     notes = []

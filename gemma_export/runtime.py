@@ -285,7 +285,8 @@ class OnnxDecoder:
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
         manifest = self.model_dir / MANIFEST_FILE
         check_manifest_fields(self.manifest, manifest)
-        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype)
+        check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype,
+                                     (self.num_key_value_heads, self.head_dim))
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
         #: layers whose caches may drop the rows outside their window, and that window (positions):
         #: read from the graph (its metadata and its optional ``sliding_cache_start`` input)
@@ -411,7 +412,7 @@ class OnnxDecoder:
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
             last = cache.step(ids, mask, positions)[:, -1]
-            tokens = np.asarray([picked_token(row, len(out[0])) for row in last], np.int64)
+            tokens = np.asarray([picked_token(row, len(out[0]), f"prompt #{n}") for n, row in enumerate(last)], np.int64)
             for row, token in enumerate(tokens):
                 out[row].append(int(token))
             ids = tokens[:, None].astype(np.int64)
@@ -495,11 +496,11 @@ def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Pat
     return layers, window
 
 
-#: manifest fields the runtime reads: (where, name) → (what is expected, test)
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+#: manifest fields the runtime reads or records: (where, name) → (what is expected, test)
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
     ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
@@ -643,19 +644,19 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
 
 
-def picked_token(logits: np.ndarray, step: int) -> int:
+def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
     """The argmax of one position's logits (``[vocab]``, ties → lowest id), refusing a broken export:
     a NaN anywhere makes the NaN the argmax, and so does +Inf, so checking the picked value alone
     (one element, not the 262,144) catches both.
 
     Raises:
         NumericError: ``"logits: step N picked token T whose logit is nan; the export does not compute
-            finite logits"``.
+            finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``).
     """
     token = int(np.argmax(logits))
     if not np.isfinite(logits[token]):
-        raise NumericError(f"logits: step {step} picked token {token} whose logit is {logits[token]}; "
-                           "the export does not compute finite logits")
+        raise NumericError(f"logits: {where + ', ' if where else ''}step {step} picked token {token} whose logit is "
+                           f"{logits[token]}; the export does not compute finite logits")
     return token
 
 

@@ -26,10 +26,11 @@ def require_file(path: str | Path, what: str) -> Path:
     return p
 
 
-def read_text_file(path: str | Path, what: str) -> str:
-    """The whole of a UTF-8 text file, without a leading byte-order mark (editors on Windows write
-    one; it would otherwise become part of the first prompt); ``what`` names it in errors (e.g.
-    ``"golden file"``).
+def read_text_file(path: str | Path, what: str, max_bytes: int | None = None) -> str:
+    """A UTF-8 text file, without a leading byte-order mark (editors on Windows write one; it would
+    otherwise become part of the first prompt); ``what`` names it in errors (e.g. ``"golden file"``).
+    ``max_bytes``: read only that many bytes of a longer file (a character cut at the end is dropped),
+    for callers that use only the text's first tokens; None: the whole file.
 
     Raises:
         SourceNotFoundError: as :func:`require_file`, or an OS error while reading (its reason).
@@ -37,7 +38,18 @@ def read_text_file(path: str | Path, what: str) -> str:
     """
     p = require_file(path, what)
     try:
-        return p.read_text(encoding="utf-8").removeprefix("\ufeff")
+        if max_bytes is None:
+            return p.read_text(encoding="utf-8").removeprefix("\ufeff")
+        with open(p, "rb") as f:
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:  # a prefix: a multi-byte character cut at its end is dropped
+            data = data[:max_bytes]
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                if exc.reason == "unexpected end of data":
+                    data = data[:exc.start]
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
                           f"{exc.start}") from None

@@ -71,6 +71,20 @@ def test_bench_tokenizes_only_the_prefix_its_prompts_need(tiny_int8_export, tmp_
     assert prompts == [whole[:4], whole[:8]]
 
 
+def test_a_text_prefix_drops_a_character_cut_at_its_end(tmp_path):
+    from gemma_export.errors import FormatError
+    from gemma_export.text_files import read_text_file
+
+    path = tmp_path / "t.txt"
+    path.write_text("\ufeff" + "é" * 10, encoding="utf-8")  # BOM (3 bytes), then 2 bytes per character
+    assert read_text_file(path, "text file", 8) == "éé"  # 3 + 2 + 2, and the 8th byte starts a cut 'é'
+    assert read_text_file(path, "text file", 9) == "ééé"
+    assert read_text_file(path, "text file", 10 ** 6) == read_text_file(path, "text file") == "é" * 10
+    path.write_bytes(b"ab\xffcdef")  # not UTF-8 inside the prefix: still named
+    with pytest.raises(FormatError, match="expected UTF-8 text, found byte 0xff at offset 2"):
+        read_text_file(path, "text file", 4)
+
+
 def test_threads_come_from_the_option_then_the_board_then_the_default(tiny_int8_export, text_file, monkeypatch):
     """--threads given wins over --board's (it ran the board's 2 silently); without it the board's,
     without both the default 2. Checked on the sessions bench creates."""
@@ -218,8 +232,13 @@ def test_json_and_plot_overwrite_a_previous_report_but_no_other_file(tiny_int8_e
     generate = ["generate", "--model", str(tiny_int8_export), "--prompt", "the", "--max-new-tokens", "2"]
     result = runner.invoke(app, generate + ["--json", str(weights)])
     assert result.exit_code == 2, result.output
-    assert f"--json {weights}: exists and is not a JSON file (a previous report); refusing to overwrite it" in result.output
+    assert f"--json {weights}: exists and is not a JSON report; refusing to overwrite it" in result.output
     assert weights.read_bytes() == before
+    config = tmp_path / "config.json"  # JSON, but a model folder's own file
+    config.write_text('{"model_type": "gemma3_text"}')
+    result = runner.invoke(app, generate + ["--json", str(config)])
+    assert result.exit_code == 2 and "exists and is a model folder's config.json, not a JSON report" in result.output
+    assert config.read_text() == '{"model_type": "gemma3_text"}'
     report = tmp_path / "golden.json"
     for old in ('{"old": 1}', ""):
         report.write_text(old)
@@ -229,8 +248,24 @@ def test_json_and_plot_overwrite_a_previous_report_but_no_other_file(tiny_int8_e
     picture = tmp_path / "notes.png"
     picture.write_text("my notes")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--plot", str(picture)])
-    assert result.exit_code == 2 and "exists and is not a PNG file" in result.output
+    assert result.exit_code == 2 and "exists and is not a PNG image" in result.output
     assert picture.read_text() == "my notes"
+
+
+def test_json_to_a_descriptor_is_written_in_place_even_when_it_leads_to_a_file(tmp_path):
+    """`--json /dev/stderr 2>>log`: /dev and /proc paths are streams, checked as such, not as the file
+    they lead to (a log with earlier lines in it)."""
+    import subprocess
+    import sys
+
+    log = tmp_path / "err.log"
+    log.write_text("earlier lines\n")
+    code = ("from gemma_export.bench import check_outputs, write_json; check_outputs('/dev/stderr', None); "
+            "write_json({'x': 1}, '/dev/stderr')")
+    with open(log, "a") as err:
+        subprocess.run([sys.executable, "-c", code], stderr=err, check=True)
+    text = log.read_text()
+    assert text.startswith("earlier lines\n") and json.loads(text.split("\n", 1)[1]) == {"x": 1}
 
 
 @pytest.mark.parametrize("option, expected", [([], [4, 4, 1]), (["--prefill-chunk", "0"], [9]),

@@ -351,7 +351,7 @@ CASES = {
                            ("model.norm.weight", "dtype I32")),
     # tokenizer.json beside the weights: copied into the export, used to calibrate
     "tokenizer_config not json": Case(hf_file("tokenizer_config.json", b"{oops"), FormatError,
-                                      ("src/tokenizer_config.json: not JSON",)),
+                                      ("src/tokenizer_config.json: expected a JSON object, found text that is not JSON",)),
     "special_tokens_map not utf-8": Case(hf_file("special_tokens_map.json", b"\xff\xfe", dtype="int8"), FormatError,
                                          ("src/special_tokens_map.json: expected UTF-8 JSON, found byte 0xff",)),
     "tokenizer_config a list": Case(hf_file("tokenizer_config.json", b"[1]"), FormatError,
@@ -446,9 +446,10 @@ CASES = {
                                          VerificationError, ("field 'config.head_dim' must be a positive integer", "found 0")),
     "manifest head_dim not the graph's (verify)": Case(export_copy(_manifest_field("config", "head_dim", 48), _verify),
                                                        VerificationError, ("field 'config.head_dim' is 48, but the graph has 16",)),
-    "manifest kv heads not the graph's (generate)": Case(export_copy(_manifest_field("config", "num_key_value_heads", 3),
-                                                                     lambda f: ["verify", f]),
-                                                         VerificationError, ("config.num_key_value_heads' is 3, but the graph has",)),
+    "manifest kv heads not the graph's (verify)": Case(export_copy(_manifest_field("config", "num_key_value_heads", 3), _verify),
+                                                       VerificationError, ("config.num_key_value_heads' is 3, but the graph has 2",)),
+    "manifest head_dim not the graph's (generate)": Case(export_copy(_manifest_field("config", "head_dim", 48), _generate),
+                                                         FormatError, ("field 'config.head_dim' is 48, but the graph has 16",)),
     "manifest bos outside the vocabulary (verify)": Case(export_copy(_manifest_field("config", "bos_token_id", 500), _verify),
                                                          VerificationError, ("field 'config.bos_token_id' is 500, outside the "
                                                                              "graph's vocabulary (ids 0 to 95)",)),

@@ -151,6 +151,18 @@ def test_a_reference_of_another_source_or_tokenizer_is_noted(tiny_int8_export, t
     assert result.exit_code == 0 and "note:" not in result.output
 
 
+def test_reference_notes_skip_what_a_hand_edited_manifest_garbles(tmp_path):
+    from gemma_export.quality import other_model_notes
+
+    for name, digest in (("a", 12345), ("b", 67890)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"source": {"sha256": digest}, "files": []}))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text("{oops")
+    assert other_model_notes(tmp_path / "a", tmp_path / "b") == []
+    assert other_model_notes(tmp_path / "a", tmp_path / "c") == []
+
+
 def test_a_long_quality_run_says_where_it_is(tiny_int8_export, text_file, monkeypatch):
     """Every 15 s of scoring gives a 'N of T positions' line (here the clock jumps 20 s per look)."""
     from gemma_export import quality

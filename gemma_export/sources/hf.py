@@ -35,7 +35,7 @@ def _check_json_object(path: Path, content: bytes) -> None:
     except UnicodeDecodeError as exc:
         raise FormatError(f"{path}: expected UTF-8 JSON, found byte 0x{content[exc.start]:02x} at offset {exc.start}") from None
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{path}: not JSON ({exc})") from None
+        raise FormatError(f"{path}: expected a JSON object, found text that is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
