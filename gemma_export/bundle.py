@@ -127,20 +127,37 @@ fails with a message (exit status 1) if peak memory leaves less than {headroom_m
 
 
 def _check_wheel(wheel: Path) -> None:
-    """A wheel is a zip archive; this one must hold the toolkit (``gemma_export/__init__.py``).
+    """A wheel is a zip archive; this one must hold the toolkit (``gemma_export/__init__.py``), every
+    member must decompress to its recorded CRC, and its ``*.dist-info/METADATA`` must name the version
+    in the file name (``gemma_export-VERSION-...whl``), which the bundle's README installs.
 
     Raises:
-        FormatError: not a zip archive, or one without the package.
+        FormatError: not a zip archive, one without the package or its metadata, a damaged member,
+            or a version that differs from the file name's.
     """
     import zipfile
 
     try:
         with zipfile.ZipFile(wheel) as archive:
             names = set(archive.namelist())
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise FormatError(f"{wheel}: not a wheel (a zip archive): {exc}") from None
+            damaged = archive.testzip()  # reads every member: a wheel pip would refuse on the board
+            metadata = next((n for n in names if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
+            text = archive.read(metadata).decode("utf-8", "replace") if metadata else ""
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:  # zlib.error is not an OSError
+        raise FormatError(f"{wheel}: not a readable wheel (a zip archive): {exc}") from None
+    except Exception as exc:  # zlib.error from a member that does not decompress
+        raise FormatError(f"{wheel}: a damaged wheel: {type(exc).__name__}: {exc}") from None
+    if damaged is not None:
+        raise FormatError(f"{wheel}: a damaged wheel: member {damaged} does not match its recorded CRC")
     if "gemma_export/__init__.py" not in names:
         raise FormatError(f"{wheel}: a zip archive without gemma_export/__init__.py; not a gemma_export wheel")
+    if metadata is None:
+        raise FormatError(f"{wheel}: no *.dist-info/METADATA; not a wheel pip can install")
+    version = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Version:")), None)
+    named = wheel.name.split("-")[1] if wheel.name.count("-") >= 2 else None
+    if version != named:
+        raise FormatError(f"{wheel}: its METADATA says version {version!r}, its file name {named!r}; pip refuses "
+                          "such a wheel")
 
 
 def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None) -> BundleResult:
@@ -216,8 +233,9 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         path relative to ``folder`` → size in bytes of the verified files (``BUNDLE.json`` not counted).
 
     Raises:
-        SourceNotFoundError: not a board folder.
-        VerificationError: naming the first file that differs and how.
+        SourceNotFoundError: not a board folder (no ``BUNDLE.json``).
+        VerificationError: naming the first file that differs and how (a deleted ``model/`` as its
+            first missing file).
     """
     from .errors import VerificationError
     from .exporter import verify_manifest
@@ -227,13 +245,18 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
 
     folder = Path(folder)
     listing_path = folder / BUNDLE_MANIFEST
-    if not is_bundle(folder):
+    if not is_bundle(folder) and not listing_path.is_file():
         raise SourceNotFoundError(f"{folder}: not a board folder of gemma-export bundle ({BUNDLE_MANIFEST} and "
                                   "model/manifest.json expected)")
+    if listing_path.is_symlink():
+        raise VerificationError(f"{listing_path}: is a link; a board folder's listing is a file of its own")
     try:
-        files = json.loads(listing_path.read_text(encoding="utf-8")).get("files")
-    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError) as exc:
+        listing = json.loads(listing_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise VerificationError(f"{listing_path}: unreadable: {exc}") from None
+    if not isinstance(listing, dict):
+        raise VerificationError(f"{listing_path}: expected a JSON object, found {type(listing).__name__}")
+    files = listing.get("files")
     if not isinstance(files, dict) or not files:
         raise VerificationError(f"{listing_path}: field 'files' must be an object of path -> bytes and sha256")
     expected = {}
@@ -251,7 +274,9 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         return len(rel.parts) >= 2 and rel.parts[0] == "model" and (
             rel.parts[1] == PREPACKED_DIR or rel.parts[1].startswith(LEFTOVER_PREFIXES))
 
-    extra = sorted(rel.as_posix() for rel in (p.relative_to(folder) for p in folder.rglob("*") if not p.is_dir())
+    # a link to a folder is listed too (rglob does not enter it, and is_dir() follows it)
+    extra = sorted(rel.as_posix() for rel in (p.relative_to(folder) for p in folder.rglob("*")
+                                              if p.is_symlink() or not p.is_dir())
                    if rel.as_posix() not in expected and rel.as_posix() != BUNDLE_MANIFEST and not derived(rel))
     if extra:
         raise VerificationError(f"{folder}: files not in {BUNDLE_MANIFEST}: {', '.join(extra[:5])}"

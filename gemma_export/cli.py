@@ -409,6 +409,7 @@ def verify(
       gemma-export verify board-int8              # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
+    from .onnx_files import BUNDLE_MANIFEST
     from .exporter import verify_manifest
     from .prepack import busy
     from .runtime import is_bundle
@@ -420,7 +421,8 @@ def verify(
     if model is None:
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
     with _reported(debug, writes=False):
-        bundled = is_bundle(model)
+        # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
+        bundled = is_bundle(model) or (Path(model) / BUNDLE_MANIFEST).is_file()
         export_dir = model / "model" if bundled else model
         if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "

@@ -66,8 +66,10 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
 
     Raises:
         FormatError: naming the initializer and its location when the location is absolute, has a
-            folder part (``..`` included), is missing, is a link or not a regular file, or when
-            ``offset + length`` runs past the file's end.
+            folder part (``..`` included), is missing, is a link or not a regular file, when
+            ``length`` differs from what the dims and data type need, or when ``offset + length``
+            runs past the file's end. An absent ``length`` (optional in ONNX) is added to ``model``
+            from the dims and data type, so readers of the entries see it.
     """
     import onnx
 
@@ -91,10 +93,40 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
         except ValueError:
             raise FormatError(f"{model_path}: initializer '{t.name}' has a non-integer offset/length "
                               f"({info.get('offset')!r}, {info.get('length')!r})") from None
+        expected = tensor_bytes(t)
+        if "length" not in info and expected is not None:  # optional in ONNX: the dims and dtype give it
+            length = expected
+            entry = t.external_data.add()
+            entry.key, entry.value = "length", str(expected)
+        elif expected is not None and length != expected:
+            raise FormatError(f"{model_path}: initializer '{t.name}' declares {length:,} bytes of external data; "
+                              f"its shape {list(t.dims)} and data type need {expected:,}")
         if offset < 0 or length < 0 or offset + length > size:
             raise FormatError(f"{path}: initializer '{t.name}' data [{offset}, {offset + length}) lies outside "
                               f"the file's {size} bytes")
     return sizes
+
+
+def tensor_bytes(tensor) -> int | None:
+    """Bytes of an ``onnx.TensorProto``'s data from its dims and data type (4-bit types packed two per
+    byte); None for strings and unknown types."""
+    import math
+
+    import onnx
+    from onnx import helper
+
+    count = math.prod(int(d) for d in tensor.dims)
+    packed = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4}
+    if hasattr(onnx.TensorProto, "FLOAT4E2M1"):
+        packed.add(onnx.TensorProto.FLOAT4E2M1)
+    if tensor.data_type in packed:
+        return (count + 1) // 2
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    try:
+        return count * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def graph_dtype(model) -> str:

@@ -143,6 +143,9 @@ class PrepackStatus:
         if self.path is not None:
             return f"pre-packed copy {self.folder} (made on this machine)"
         if self.problem:
+            if owned_problem(self.folder):  # not a copy prepack wrote: prepack will not replace it either
+                return (f"{self.problem}; not used (it is not a copy gemma-export wrote: move {self.folder} away, "
+                        f"then `gemma-export prepack --model {self.folder.parent}` makes a new one)")
             return f"{self.problem}; not used (`gemma-export prepack --model {self.folder.parent}` makes a new one)"
         return ""
 

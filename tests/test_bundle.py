@@ -8,6 +8,7 @@ import json
 import shutil
 import re
 import zipfile
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -102,14 +103,39 @@ def test_bad_arguments(tiny_int8_export, tmp_path, args, message):
     assert not out.exists()
 
 
+def _renamed_wheel(wheel: Path, fake: Path) -> None:
+    """The real wheel's members under another file name (its METADATA keeps the real version)."""
+    fake.write_bytes(wheel.read_bytes())
+
+
+def _package_only(wheel: Path, fake: Path) -> None:
+    with zipfile.ZipFile(fake, "w") as archive:
+        archive.writestr("gemma_export/__init__.py", "")
+
+
+def _damaged_member(wheel: Path, fake: Path) -> None:
+    """The real wheel with bytes of a compressed member's data flipped (the CRC no longer matches)."""
+    with zipfile.ZipFile(wheel) as archive:
+        info = archive.getinfo("gemma_export/cli.py")
+    raw = bytearray(wheel.read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 200
+    raw[start:start + 16] = bytes(16)
+    fake.write_bytes(bytes(raw))
+
+
 @pytest.mark.parametrize("content, message", [
-    (b"not a zip", "not a wheel (a zip archive)"),
+    (b"not a zip", "not a readable wheel (a zip archive)"),
     (None, "a zip archive without gemma_export/__init__.py; not a gemma_export wheel"),
+    (_package_only, "no *.dist-info/METADATA; not a wheel pip can install"),
+    (_damaged_member, "a damaged wheel"),
 ])
-def test_a_wheel_that_is_not_the_toolkit_is_refused(tiny_int8_export, tmp_path, content, message):
-    """Only the name was checked: a 9-byte text file called gemma_export-0.1.0-py3-none-any.whl was bundled."""
+def test_a_wheel_that_is_not_the_toolkit_is_refused(tiny_int8_export, wheel, tmp_path, content, message):
+    """Only the name was checked: a 9-byte text file called gemma_export-0.1.0-py3-none-any.whl was bundled;
+    then only the member names: a wheel whose members do not decompress, or without metadata, was bundled."""
     fake = tmp_path / "gemma_export-0.1.0-py3-none-any.whl"
-    if content is None:
+    if callable(content):
+        content(wheel, fake)
+    elif content is None:
         with zipfile.ZipFile(fake, "w") as archive:
             archive.writestr("other/__init__.py", "")
     else:
@@ -117,6 +143,17 @@ def test_a_wheel_that_is_not_the_toolkit_is_refused(tiny_int8_export, tmp_path, 
     out = tmp_path / "board"
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
     assert result.exit_code == 2 and f"{fake}: {message}" in result.output, result.output
+    assert not out.exists()
+
+
+def test_a_wheel_whose_name_and_metadata_disagree_is_refused(tiny_int8_export, wheel, tmp_path):
+    fake = tmp_path / "gemma_export-9.9.9-py3-none-any.whl"
+    _renamed_wheel(wheel, fake)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    version = wheel.name.split("-")[1]
+    assert result.exit_code == 2, result.output
+    assert f"{fake}: its METADATA says version '{version}', its file name '9.9.9'; pip refuses such a wheel" in result.output
     assert not out.exists()
 
 
@@ -247,6 +284,11 @@ def test_pip_keeps_its_temporary_folders_in_the_wheel_build_scratch_folder(tmp_p
     (lambda out: (out / "BUNDLE.json").write_text('{"files": {"../outside": {"bytes": 1, "sha256": "x"}}}'),
      "lists '../outside', which is not a path inside the folder"),
     (lambda out: (out / "BUNDLE.json").write_text("{oops"), "BUNDLE.json: unreadable"),
+    (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found list"),
+    (lambda out: shutil.rmtree(out / "model"), "board/model/genai_config.json: listed in BUNDLE.json but missing"),
+    (lambda out: (out / "extra_dir").symlink_to(out.parent), ": files not in BUNDLE.json: extra_dir"),
+    (lambda out: (shutil.move(out / "BUNDLE.json", out.parent / "listing.json"),
+                  (out / "BUNDLE.json").symlink_to(out.parent / "listing.json")), "BUNDLE.json: is a link"),
 ])
 def test_verify_of_a_bundle_names_what_differs_from_bundle_json(tiny_int8_export, wheel, tmp_path, damage, message):
     out = tmp_path / "board"

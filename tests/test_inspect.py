@@ -44,7 +44,9 @@ def test_transposed_copy_is_found_and_near_copy_is_not(tmp_path):
     assert _groups(inspect_path(path)) == [("transposed", ("embed", "head_t"))]
 
 
-def test_onnx_initializer_stored_twice(tmp_path):
+def _table_stored_twice(path) -> np.ndarray:
+    """An ONNX model at ``path`` (data in ``m.onnx.data``) whose Gather and Gemm read two identical
+    copies of one [1024, 64] table; returns the table."""
     table = rng.standard_normal((1024, 64)).astype(np.float32)
     nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]),
              helper.make_node("Gemm", ["x", "head"], ["y"], transB=1)]
@@ -53,13 +55,44 @@ def test_onnx_initializer_stored_twice(tmp_path):
                      helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 64])],
         [helper.make_tensor_value_info("e", TensorProto.FLOAT, None), helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(table, "embed"), numpy_helper.from_array(table.copy(), "head")])
-    path = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    return table
+
+
+def test_onnx_initializer_stored_twice(tmp_path):
+    path = tmp_path / "m.onnx"
+    _table_stored_twice(path)
     report = inspect_path(path)
     assert _groups(report) == [("identical bytes", ("embed", "head"))]
     assert report.consumers == {"embed": ["Gather"], "head": ["Gemm"]}
     result = CliRunner().invoke(app, ["inspect", str(path)])
     assert "identical bytes: embed, head — one table stored 2 times (50.0% each)" in result.stdout
+
+
+def test_external_data_without_length_is_sized_from_its_dims_and_a_wrong_length_is_named(tmp_path):
+    """``length`` is optional in ONNX (onnxruntime loads such a model): inspect and dedupe read the
+    size from the dims; a ``length`` the dims contradict is refused by name."""
+    from gemma_export.dedupe import dedupe
+    from gemma_export.errors import FormatError
+
+    path = tmp_path / "m.onnx"
+    table = _table_stored_twice(path)
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        kept = [(e.key, e.value) for e in t.external_data if e.key != "length"]
+        del t.external_data[:]
+        for key, value in kept:
+            t.external_data.add(key=key, value=value)
+    onnx.save(model, str(path))
+    report = inspect_path(path)
+    assert report.total_bytes == 2 * table.nbytes
+    assert _groups(report) == [("identical bytes", ("embed", "head"))]
+    assert dedupe(path, tmp_path / "out").removed == ["head"]
+    model.graph.initializer[0].external_data.add(key="length", value="100")
+    onnx.save(model, str(path))
+    with pytest.raises(FormatError, match=r"m.onnx: initializer 'embed' declares 100 bytes of external data; its shape "
+                                          r"\[1024, 64\] and data type need 262,144"):
+        inspect_path(path)
 
 
 def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):

@@ -325,6 +325,9 @@ def test_a_prepacked_json_we_did_not_write_is_not_ours(export_copy):
         assert result.exit_code != 0 and "not a copy gemma-export wrote" in result.output
         assert "has a prepacked.json that cannot be read (not UTF-8 JSON)" in result.output, result.output
     assert (folder / "model.onnx").read_text() == "mine too"
+    # what the runtime says about it gives the step prepack needs first, not a command it refuses
+    reason = prepack_module.status(export_copy).reason
+    assert f"it is not a copy gemma-export wrote: move {folder} away, then `gemma-export prepack --model" in reason
 
 
 def test_a_re_export_keeps_user_files_in_prepacked(tiny_dir, tmp_path):

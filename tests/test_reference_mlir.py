@@ -161,6 +161,11 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
     # digits of other scripts: a superscript (int() refuses it) and full-width ones (int() reads 64)
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "6\u00b2xbf16")), "not a static size > 0"),
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "\uff16\uff14xbf16")), "not a static size > 0"),
+    # element counts past int64 (a traceback) or wrapping around it (64 elements) are refused
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "64x99999999999999999999xbf16")),
+     "tensor<64x99999999999999999999xbf16> has 6.4e"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "64x288230376151711745xbf16")),
+     "tensor<64x288230376151711745xbf16> has 1.84e"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)

@@ -175,6 +175,22 @@ def test_a_plot_without_matplotlib_is_refused_before_the_run(tmp_path, monkeypat
         _args.plot_file(str(tmp_path / "p.png"))
 
 
+def test_a_missing_optional_module_is_one_line_not_a_traceback(capsys):
+    import _args
+
+    def main():  # the module stands for llama_cpp, onnxruntime_genai or jax
+        import importlib
+
+        importlib.import_module("gemma_export_absent_comparison_tool")
+
+    with pytest.raises(SystemExit) as stop:
+        _args.run(main)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: this script needs the Python module 'gemma_export_absent_comparison_tool'")
+    assert len(err.splitlines()) == 1
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip):
     """try_bundle.sh hands run.sh every indented README line (bench left out with --skip-bench)."""

@@ -174,8 +174,8 @@ def unique_names(parser: argparse.ArgumentParser, option: str, items: list[tuple
 
 
 def run(main: Callable[[], int | None]) -> None:
-    """Run a script's ``main`` and exit with its status; the toolkit's errors and file-system errors
-    become one ``error:`` line (status 2), Ctrl-C status 130."""
+    """Run a script's ``main`` and exit with its status; the toolkit's errors, file-system errors and a
+    missing optional module become one ``error:`` line (status 2), Ctrl-C status 130."""
     from gemma_export.errors import GemmaExportError, os_error_line
 
     try:
@@ -185,6 +185,11 @@ def run(main: Callable[[], int | None]) -> None:
         sys.exit(2)
     except OSError as exc:
         print(f"error: {os_error_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+    except ImportError as exc:  # an optional comparison tool (llama-cpp-python, onnxruntime-genai, jax) missing
+        missing = getattr(exc, "name", None) or str(exc)
+        print(f"error: this script needs the Python module {missing!r}, which cannot be imported here ({exc}); "
+              f"see the script's --help for how to install it", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

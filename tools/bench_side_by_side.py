@@ -176,6 +176,10 @@ def main() -> None:
 
     cold = drop_page_cache if args.cold else (lambda: None)
     cold()  # fails early, before any timing, when not permitted
+    if args.reference:  # IREE missing: say so now, not after the other systems have run
+        from gemma_export.reference_iree import _iree
+
+        _iree()
     contexts = args.contexts
     models = unique_names(parser, "--models", args.models)
     ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))

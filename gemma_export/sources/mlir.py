@@ -24,6 +24,7 @@ intermediate size; the rest follows Gemma 3 (global layers ``i % 6 == 5``, windo
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -64,7 +65,7 @@ class MlirGlobal:
 
     @property
     def count(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,10 @@ class MlirModule:
     functions: tuple[MlirFunction, ...]
 
 
+#: the most elements one declared tensor may have (2**40: far above any Gemma table, far below int64)
+MAX_ELEMENTS = 1 << 40
+
+
 def _tensor_type(text: str, where: str) -> tuple[tuple[int, ...], str]:
     parts = text.strip().split("x")
     element = parts[-1]
@@ -94,6 +99,9 @@ def _tensor_type(text: str, where: str) -> tuple[tuple[int, ...], str]:
         if not (p.isascii() and p.isdigit()) or int(p) == 0:  # int() also reads other scripts' digits
             raise FormatError(f"{where}: dimension {p!r} in tensor<{text}> is not a static size > 0")
         dims.append(int(p))
+    if math.prod(dims) > MAX_ELEMENTS:  # Python integers: no int64 wrap-around before this check
+        raise FormatError(f"{where}: tensor<{text[:80]}> has {math.prod(dims):.3g} elements, more than the "
+                          f"{MAX_ELEMENTS:.3g} any archive of this model can hold")
     return tuple(dims), element
 
 
