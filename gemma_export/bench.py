@@ -385,8 +385,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
         # /dev and /proc paths are written in place (write_json), even when they lead to a file
-        in_place = Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
-        kept = None if in_place or not target.is_file() else _kept_file(target, option)
+        kept = None if _under_dev_or_proc(path) or not target.is_file() else _kept_file(target, option)
         if kept is not None:
             raise OutputError(f"{option} {path}: exists and {kept}; refusing to overwrite it; write it elsewhere")
         enclosing = enclosing_output(target)
@@ -414,6 +413,12 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MODEL_JSON_FILES = frozenset({"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                               "special_tokens_map.json", "genai_config.json", "manifest.json", "BUNDLE.json",
                               "model.safetensors.index.json", "preprocessor_config.json", "added_tokens.json"})
+
+
+def _under_dev_or_proc(path: str | Path) -> bool:
+    """Whether ``path`` (made absolute, links not followed) lies under ``/dev`` or ``/proc``: a device or
+    a descriptor such as ``/dev/stderr``, written in place even when it leads to a regular file."""
+    return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
 
 
 def _kept_file(path: Path, option: str) -> str | None:
@@ -490,8 +495,7 @@ def write_json(data: dict, path: str | Path | None) -> None:
         sys.stdout.write(text)
         return
     path = Path(path)
-    absolute = Path(os.path.abspath(path))
-    if absolute.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file()):
+    if _under_dev_or_proc(path) or (path.exists() and not path.is_file()):
         # a device, a FIFO or a descriptor (/dev/full, /dev/stderr, /proc/self/fd/2, even when it leads to
         # a regular file): written in place, never replaced by a regular file, and appended to (opening
         # it for writing would truncate a log that stderr leads to, e.g. `2>>log`)

@@ -412,7 +412,6 @@ def verify(
     from .onnx_files import BUNDLE_MANIFEST
     from .exporter import verify_manifest
     from .prepack import busy
-    from .runtime import is_bundle
     from .prepack import verify as verify_prepacked
 
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
@@ -422,7 +421,7 @@ def verify(
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
     with _reported(debug, writes=False):
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
-        bundled = is_bundle(model) or (Path(model) / BUNDLE_MANIFEST).is_file()
+        bundled = (Path(model) / BUNDLE_MANIFEST).is_file()
         export_dir = model / "model" if bundled else model
         if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "

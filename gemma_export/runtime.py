@@ -512,7 +512,7 @@ _MANIFEST_FIELDS = {
     ("config", "pad_token_id"): ("a token id (integer >= 0) or null", lambda v: v is None or (is_whole_number(v) and v >= 0)),
     **{("config", name): ("a positive integer", lambda v: is_whole_number(v) and v > 0)
        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
-    ("config", "rms_norm_eps"): ("a positive finite number", lambda v: _positive_number(v)),
+    ("config", "rms_norm_eps"): ("a positive finite number", _positive_number),
     **{(None, name): ("true or false", lambda v: isinstance(v, bool))
        for name in ("all_logits", "debug_outputs", "tie_word_embeddings")},
     ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
