@@ -321,15 +321,17 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         FormatError: onnxruntime cannot load the export.
         OutputError: ``prepacked`` holds something else; no permission or too little space; writing
             failed (nothing is kept; an older copy stays).
+        GemmaExportError: ``threads`` outside 1 … 4 × this machine's CPUs (before any progress line).
     """
     import shutil
 
     from .exporter import verify_manifest
-    from .runtime import _CANNOT_LOAD, OnnxDecoder, create_session
+    from .runtime import _CANNOT_LOAD, OnnxDecoder, check_threads, create_session
 
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
     start = time.perf_counter()
+    check_threads(threads)  # before the manifest check prints its progress line
     _export_folder(model_dir)
     with _folder_lock(model_dir):
         out = _may_replace(model_dir, "writing the pre-packed copy",

@@ -144,6 +144,14 @@ def test_remove_and_bad_folders(export_copy, tmp_path):
     assert list(empty.iterdir()) == []
 
 
+def test_too_many_threads_is_the_only_line(export_copy):
+    result = _run("prepack", "--model", export_copy, "--threads", 100_000)
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # no progress line before it
+    assert result.stderr.startswith("error: --threads 100000: expected 1 to")
+    assert not (export_copy / "prepacked").exists()
+
+
 def test_bench_reports_which_graph_it_loaded(export_copy, text_file):
     prepack_module.prepack(export_copy)
     on = _run("bench", "--model", export_copy, "--prompt-tokens", "8", "--new-tokens", 6, "--text", text_file)
