@@ -100,11 +100,18 @@ from PyPI as {spec.wheel_requirements}: `ldd --version` shows the board's glibc)
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
 No network on the board? On a machine with one (any OS or CPU), from this folder, download the
-same wheels for the board's Python: `pip download --only-binary=:all: {platforms}
---python-version {spec.python} --implementation cp -d wheels ./{wheel}` (about 70 MB); copy the
-`wheels` folder to the board as `~/wheels` (not into this folder, whose files `verify` checks), then
-install from it instead: `python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links
-~/wheels ./{wheel}`.
+same wheels for the board's Python (about 70 MB):
+
+```sh
+pip download --only-binary=:all: {platforms} --python-version {spec.python} --implementation cp -d wheels ./{wheel}
+```
+
+Copy the `wheels` folder to the board as `~/wheels` (not into this folder, whose files `verify`
+checks), then install from it instead:
+
+```sh
+python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
+```
 
 From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, pre-pack the
 weights for this board's CPU, then generate and benchmark with the board's {threads} threads:

@@ -22,9 +22,9 @@ import typer
 from typer.core import TyperGroup
 
 try:  # typer >= 0.29 carries its own copy of click
-    from typer._click.exceptions import ClickException, UsageError
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 except ImportError:  # older typer runs on click itself
-    from click.exceptions import ClickException, UsageError
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES
@@ -75,6 +75,9 @@ class _Group(TyperGroup):
     def make_context(self, *args, **kwargs):
         try:
             return super().make_context(*args, **kwargs)
+        except NoArgsIsHelpError as exc:  # bare `gemma-export`: the usage, as --help shows it
+            typer.echo(exc.ctx.get_help())
+            raise typer.Exit(0) from None
         except UsageError as exc:
             raise _OneLineUsageError(exc) from None
 
@@ -95,7 +98,7 @@ class _Group(TyperGroup):
 app = typer.Typer(
     cls=_Group,
     add_completion=False,
-    no_args_is_help=False,
+    no_args_is_help=True,  # bare `gemma-export` shows the usage; any option (e.g. --dtype int8) exports
     help=__doc__,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
@@ -330,10 +333,16 @@ def generate(
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
 
-    Example: gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+    \b
+    Example:
+      gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
 
-    With --json, the ids as a golden file: run it on one machine, then
-    `gemma-export parity --model DIR --golden golden.json` on another checks the same greedy tokens.
+    With --json, the ids as a golden file: write it on one machine, and another checks that it
+    gives the same greedy tokens:
+
+    \b
+      gemma-export generate --model DIR --prompt "..." --json golden.json
+      gemma-export parity --model DIR --golden golden.json
     """
     from .bench import check_outputs, to_stdout, write_json
     from .runtime import generate as run
@@ -352,7 +361,7 @@ def generate(
     # the first new token comes from the prefill: with one new token there is no decode step to time
     timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"
     typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
-               f"{timing}{'; pre-packed copy' if result.prepacked else ''}]", err=True)
+               f"{timing}; {'pre-packed copy' if result.prepacked else 'export graph, weights packed on the heap'}]", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked:
@@ -376,7 +385,9 @@ def prepack(
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 
-    Example: gemma-export prepack --model gemma-3-270m-onnx-int8
+    \b
+    Example:
+      gemma-export prepack --model gemma-3-270m-onnx-int8
     """
     from .prepack import PREPACKED_DIR
     from .prepack import prepack as run
@@ -404,6 +415,7 @@ def verify(
     against the checksums its prepacked.json records. A board folder written by `bundle` is checked
     against its BUNDLE.json (every file, the wheel and README included), then its model folder.
 
+    \b
     Examples:
       gemma-export verify gemma-3-270m-onnx-int8
       gemma-export verify board-int8              # a bundle: BUNDLE.json, then model/
@@ -448,7 +460,9 @@ def inspect(
     """Show what an archive carries: tensor count, sizes by dtype, the largest tensors, and tensors
     stored twice (identical bytes or transposed), with the bytes they waste.
 
-    Example: gemma-export inspect gemma-3-270m-onnx-int8/model.onnx --top 5
+    \b
+    Example:
+      gemma-export inspect gemma-3-270m-onnx-int8/model.onnx --top 5
     """
     import json
 
@@ -469,7 +483,9 @@ def dedupe(
     or a Transpose that onnxruntime would fold into a copy), and check with onnxruntime that the
     outputs are unchanged.
 
-    Example: gemma-export dedupe exported/model.onnx --out deduped/
+    \b
+    Example:
+      gemma-export dedupe exported/model.onnx --out deduped/
     """
     from .dedupe import dedupe as run
 
@@ -501,7 +517,9 @@ def bench(
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
     ms/token (median, p90), tokens/s, Anonymous and Rss memory growth, peak memory, archive size.
 
-    Example: gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
+    \b
+    Example:
+      gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
     """
     from .bench import check_board_budget, check_outputs, format_result, run_bench, to_stdout, write_json, write_plot
 
@@ -542,7 +560,10 @@ def quality(
     (~3,400 tokens) the 270M peaks near 3.8 GB against transformers (up to ~4.2 GB with --reference
     fp32, while it exports that reference), and takes minutes.
 
-    Example: gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
+    \b
+    Examples:
+      gemma-export quality --model gemma-3-270m-onnx-int8 --reference fp32   # an fp32 export made on the fly
+      gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json  # needs the test extra
     """
     from .bench import check_outputs, to_stdout, write_json
     from .quality import format_report, run_quality
@@ -613,7 +634,9 @@ def bundle(
     wheel, a README with the install line and the generate/bench commands, and BUNDLE.json
     (sha256 of every file).
 
-    Example: gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 --out sl2610-int8
+    \b
+    Example:
+      gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 --out sl2610-int8
     """
     from .bundle import bundle as run
 

@@ -307,7 +307,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
         before(out)
     if any(out.iterdir()) and not is_unchanged_output(out, manifest_name, **unchanged):
         raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
-                          f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder")
+                          f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder, or move this one away first")
 
 
 def folder_state(folder: Path) -> tuple | None:

@@ -49,13 +49,16 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     readme = (out / "README.md").read_text()
     assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
     assert "Python 3.12" in readme and "glibc 2.28 or newer" in readme
-    # the offline route, as prose: tools/aarch64/try_bundle.sh runs every indented line on a board
-    # whose Python (3.13 under emulation) the 3.12 wheels do not fit
-    flat = " ".join(readme.split())
+    # the offline route, each command whole on one line of a fenced block (to copy), never indented:
+    # tools/aarch64/try_bundle.sh runs every indented line on a board whose Python (3.13 under
+    # emulation) the 3.12 wheels do not fit
+    lines = readme.splitlines()
     assert (f"pip download --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 "
-            f"--python-version 3.12 --implementation cp -d wheels ./{wheel.name}") in flat
-    assert f"~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}" in flat
-    assert not [line for line in readme.splitlines() if line.startswith("    ") and "wheels" in line]
+            f"--python-version 3.12 --implementation cp -d wheels ./{wheel.name}") in lines
+    assert f"python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}" in lines
+    assert lines[lines.index(f"python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels "
+                             f"./{wheel.name}") - 1] == "```sh"
+    assert not [line for line in lines if line.startswith("    ") and "wheels" in line]
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
@@ -232,7 +235,7 @@ def test_another_board_gets_its_own_figures_in_the_bundle_readme(monkeypatch):
     assert boards.board("tiny") is tiny
     text = bundle._readme("tiny", tiny, "gemma_export.whl", {"config": {}, "dtype": "int8"})
     assert "for the Tiny board" in text and "--threads 3 " in text and "less than 123 MB" in text
-    assert "--python-version 3.11 " in text and "--platform manylinux_2_17_armv7l\n" in text
+    assert "--python-version 3.11 " in text and "--platform manylinux_2_17_armv7l --python-version" in text
     assert "armv7l wheels, which need glibc 2.17 or newer" in text and "aarch64" not in text
     with pytest.raises(GemmaExportError, match="--board: unknown board 'pi5'; known: sl2610, tiny"):
         boards.board("pi5")

@@ -203,6 +203,11 @@ def test_same_input_gives_byte_identical_files(tiny_dir, tmp_path):
 def test_generate_refuses_missing_model(tmp_path):
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 2 and "no exported model here" in result.stderr
+    assert f"run `gemma-export --out {tmp_path}` first" in result.stderr  # an empty folder can take an export
+    (tmp_path / "notes.txt").write_text("x")
+    result = _run("generate", "--model", tmp_path, "--prompt", "hi")
+    assert result.exit_code == 2 and "give the folder an export wrote" in result.stderr
+    assert "--out " + str(tmp_path) not in result.stderr  # that export would be refused: the folder is not empty
     result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
 
@@ -555,7 +560,8 @@ def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
     assert result.exit_code == 0 and "1 new; prefill" in result.stderr and "no decode step" in result.stderr
     assert "nan" not in result.stderr
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
-    assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token", result.stderr), result.stderr
+    assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token; export graph, weights packed on the "
+                     r"heap\]", result.stderr), result.stderr  # which graph ran: this export has no pre-packed copy
 
 
 def test_an_export_whose_data_file_was_swapped_is_refused_before_running(tiny_int8_export, tiny_dir, tmp_path):
@@ -638,3 +644,12 @@ def test_generate_json_names_the_file_it_wrote_and_bench_gives_one_memory_line_p
     assert "; only 1 timed step per prompt (--new-tokens 32 or more for steadier figures)" in one.stdout
     many = _run("bench", "--model", tiny_int8_export, "--prompt-tokens", "4", "--new-tokens", "20")
     assert many.exit_code == 0 and "timed step" not in many.stdout  # 16 timed steps: no note
+
+
+def test_bare_command_shows_the_usage_and_exports_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("Usage: ") and "gemma-export --format onnx --dtype int8" in result.stdout
+    assert "error" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no export started
