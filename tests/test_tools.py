@@ -311,3 +311,18 @@ def test_parity_dump_refuses_a_hand_edited_ids_file(tiny_int8_export, tmp_path, 
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().startswith(f"error: {ids}: {message}"), proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["ids.json"]
+
+
+def test_a_llama_build_that_crashes_is_one_error_line_before_any_timing(monkeypatch, tmp_path):
+    import bench_side_by_side
+
+    monkeypatch.setattr(bench_side_by_side, "LLAMA_PROBE",
+                        "import os, signal, sys; os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(SystemExit, match=r"^error: llama.cpp \(llama-cpp-python\) died of SIGSEGV evaluating two "
+                                         r"tokens of .*m.gguf; on a CPU that reports AMX, rebuild it"):
+        bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")
+    monkeypatch.setattr(bench_side_by_side, "LLAMA_PROBE", "raise SystemExit('no such model')")
+    with pytest.raises(SystemExit, match=r"failed \(no such model\)"):
+        bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")
+    monkeypatch.setattr(bench_side_by_side, "LLAMA_PROBE", "pass")
+    bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")  # a build that runs: nothing said

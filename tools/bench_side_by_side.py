@@ -4,9 +4,12 @@ memory-bandwidth floor measured on this machine.
 
 Usage:
     pip install llama-cpp-python==0.3.36   # optional; builds llama.cpp from source (~15 min on 2 cores)
-    # where gcc 12 stops on AMX intrinsics (CPUs that report AMX), build without them:
+    # on CPUs that report AMX, build without it: gcc 12 stops on its intrinsics on some machines, and on
+    # others the default build compiles but its first evaluation dies of a general protection fault
+    # (this whole script then ends with a segmentation fault):
     #   CMAKE_ARGS="-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \\
-    #   -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" pip install llama-cpp-python==0.3.36
+    #   -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'" \\
+    #   pip install --force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36
     python tools/bench_side_by_side.py --models int8=DIR fp32=DIR [--threads 2] [--contexts 16,128,512] \\
         [--new-tokens 64] [--prefill 512] [--reference REF.mlir] [--plot docs/decode.png] [--prepacked both] [--cold]
 
@@ -152,6 +155,32 @@ def q8_0_gguf(source: Path) -> Path:
     return target
 
 
+#: what the llama.cpp probe runs in its own process: load a GGUF and evaluate two tokens
+LLAMA_PROBE = ("import sys; from llama_cpp import Llama; "
+               "Llama(model_path=sys.argv[1], n_threads=1, n_ctx=16, verbose=False).eval([2, 2])")
+
+
+def check_llama_runs(gguf: Path) -> None:
+    """Evaluate two tokens with llama.cpp in a child process first, so that a build that crashes (the
+    default build on some AMX machines dies of a general protection fault) is one error line, not a
+    segmentation fault of this script after the exports' timings.
+
+    Raises:
+        SystemExit: the child died of a signal or failed.
+    """
+    import signal
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", LLAMA_PROBE, str(gguf)], capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    how = (f"died of {signal.Signals(-done.returncode).name}" if done.returncode < 0 else
+           f"failed ({(done.stderr.strip().splitlines() or ['no message'])[-1][:200]})")
+    raise SystemExit(f"error: llama.cpp (llama-cpp-python) {how} evaluating two tokens of {gguf}; on a CPU that "
+                     "reports AMX, rebuild it without AMX as this script's --help shows, or uninstall it to skip "
+                     "the llama.cpp rows")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
@@ -188,6 +217,7 @@ def main() -> None:
         from gemma_export.sources import bundled_gguf_path
 
         q4 = bundled_gguf_path()
+        check_llama_runs(q4)
         q8 = q8_0_gguf(q4)
         cold()
         rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
