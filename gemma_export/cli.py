@@ -22,9 +22,17 @@ import typer
 from typer.core import TyperGroup
 
 try:  # typer >= 0.29 carries its own copy of click
-    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from typer._click.exceptions import ClickException, UsageError
 except ImportError:  # older typer runs on click itself
-    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+    from click.exceptions import ClickException, UsageError
+try:  # click >= 8.2 raises it for a bare command; older click prints the usage and exits 0 itself
+    from typer._click.exceptions import NoArgsIsHelpError
+except ImportError:
+    try:
+        from click.exceptions import NoArgsIsHelpError
+    except ImportError:
+        class NoArgsIsHelpError(UsageError):  # never raised by such a click
+            pass
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES
@@ -562,8 +570,10 @@ def quality(
 
     \b
     Examples:
-      gemma-export quality --model gemma-3-270m-onnx-int8 --reference fp32   # an fp32 export made on the fly
-      gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json  # needs the test extra
+      gemma-export quality --model gemma-3-270m-onnx-int8 --reference fp32
+      gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
+
+    (fp32: an fp32 export of the same source, made on the fly; transformers needs the test extra.)
     """
     from .bench import check_outputs, to_stdout, write_json
     from .quality import format_report, run_quality

@@ -189,7 +189,10 @@ def check_export_folder(model_dir: str | Path) -> Path:
     path = model_dir / MODEL_FILE
     require_folder(model_dir, MODEL_FILE)
     if not path.is_file():
-        empty = not any(model_dir.iterdir())  # an export may be written into an empty folder, not a full one
+        try:  # an export may be written into an empty folder, not a full one
+            empty = not any(model_dir.iterdir())
+        except OSError:  # a folder that cannot be listed: the plain hint
+            empty = True
         hint = (f"run `gemma-export --out {model_dir}` first" if empty else
                 "give the folder an export wrote, e.g. ./gemma-3-270m-onnx-int8, or export into a new folder "
                 "with `gemma-export --out DIR`")

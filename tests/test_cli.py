@@ -208,6 +208,24 @@ def test_generate_refuses_missing_model(tmp_path):
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 2 and "give the folder an export wrote" in result.stderr
     assert "--out " + str(tmp_path) not in result.stderr  # that export would be refused: the folder is not empty
+
+
+def test_a_folder_that_cannot_be_listed_still_gets_the_no_export_error(tmp_path, monkeypatch):
+    from pathlib import Path as RealPath
+
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.runtime import check_export_folder
+
+    listing = RealPath.iterdir
+
+    def unreadable(self):
+        if self == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(RealPath, "iterdir", unreadable)
+    with pytest.raises(SourceNotFoundError, match="no exported model here"):
+        check_export_folder(tmp_path)
     result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
 
@@ -647,6 +665,12 @@ def test_generate_json_names_the_file_it_wrote_and_bench_gives_one_memory_line_p
 
 
 def test_bare_command_shows_the_usage_and_exports_nothing(tmp_path, monkeypatch):
+    from gemma_export import exporter
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("a bare gemma-export started an export")
+
+    monkeypatch.setattr(exporter, "export", no_export)  # should the usage ever be lost, no real export runs
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, [])
     assert result.exit_code == 0, result.output

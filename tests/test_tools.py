@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -326,3 +327,7 @@ def test_a_llama_build_that_crashes_is_one_error_line_before_any_timing(monkeypa
         bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")
     monkeypatch.setattr(bench_side_by_side, "LLAMA_PROBE", "pass")
     bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")  # a build that runs: nothing said
+    # not installed at all: ImportError, which main() turns into skipped llama.cpp rows, not an error
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(ImportError):
+        bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")

@@ -166,10 +166,14 @@ def check_llama_runs(gguf: Path) -> None:
     segmentation fault of this script after the exports' timings.
 
     Raises:
+        ImportError: llama-cpp-python is not installed (the llama.cpp rows are then skipped).
         SystemExit: the child died of a signal or failed.
     """
+    import importlib
     import signal
     import subprocess
+
+    importlib.import_module("llama_cpp")  # not installed: ImportError here, and the caller skips the llama.cpp rows
 
     done = subprocess.run([sys.executable, "-c", LLAMA_PROBE, str(gguf)], capture_output=True, text=True)
     if done.returncode == 0:
