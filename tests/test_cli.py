@@ -208,26 +208,24 @@ def test_generate_refuses_missing_model(tmp_path):
     result = _run("generate", "--model", tmp_path, "--prompt", "hi")
     assert result.exit_code == 2 and "give the folder an export wrote" in result.stderr
     assert "--out " + str(tmp_path) not in result.stderr  # that export would be refused: the folder is not empty
+    result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
+    assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
 
 
 def test_a_folder_that_cannot_be_listed_still_gets_the_no_export_error(tmp_path, monkeypatch):
-    from pathlib import Path as RealPath
-
     from gemma_export.errors import SourceNotFoundError
     from gemma_export.runtime import check_export_folder
 
-    listing = RealPath.iterdir
+    listing = Path.iterdir
 
     def unreadable(self):
         if self == tmp_path:
             raise PermissionError(13, "Permission denied", str(self))
         return listing(self)
 
-    monkeypatch.setattr(RealPath, "iterdir", unreadable)
+    monkeypatch.setattr(Path, "iterdir", unreadable)
     with pytest.raises(SourceNotFoundError, match="no exported model here"):
         check_export_folder(tmp_path)
-    result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
-    assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
 
 
 def test_generate_checks_the_tokenizer_before_creating_the_session(tiny_int8_export, tmp_path, monkeypatch):
