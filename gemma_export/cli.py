@@ -2,11 +2,14 @@
 then run, verify, measure and bundle it for the board.
 
 \b
-    gemma-export --format onnx --dtype int8                  # bundled Gemma 3 270M -> ./gemma-3-270m-onnx-int8
-    gemma-export --source ./my-gemma --dtype bf16 --out out/  # a transformers folder or a .gguf
-    gemma-export --dtype int4 --table-dtype int8              # 4-bit layers, int8 table
-    gemma-export --dtype int8 --no-calibrate                  # round to nearest, no calibration pass
-    gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+    # the bundled Gemma 3 270M -> ./gemma-3-270m-onnx-int8, then text from it
+    gemma-export --format onnx --dtype int8
+    gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The sky is"
+    # a transformers folder or a .gguf; 4-bit layers with an int8 table
+    gemma-export --source ./my-gemma --dtype bf16 --out out/
+    gemma-export --dtype int4 --table-dtype int8
+    # round to nearest: no calibration pass
+    gemma-export --dtype int8 --no-calibrate
 """
 
 from __future__ import annotations
@@ -343,7 +346,8 @@ def generate(
 
     \b
     Example:
-      gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+      gemma-export generate --model gemma-3-270m-onnx-int8 \\
+          --prompt "The capital of France is"
 
     With --json, the ids as a golden file: write it on one machine, and another checks that it
     gives the same greedy tokens:
@@ -426,7 +430,7 @@ def verify(
     \b
     Examples:
       gemma-export verify gemma-3-270m-onnx-int8
-      gemma-export verify board-int8              # a bundle: BUNDLE.json, then model/
+      gemma-export verify board-int8     # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
     from .onnx_files import BUNDLE_MANIFEST
@@ -527,7 +531,8 @@ def bench(
 
     \b
     Example:
-      gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 --json bench.json
+      gemma-export bench --model gemma-3-270m-onnx-int8 --board sl2610 \\
+          --json bench.json
     """
     from .bench import check_board_budget, check_outputs, format_result, run_bench, to_stdout, write_json, write_plot
 
@@ -571,7 +576,8 @@ def quality(
     \b
     Examples:
       gemma-export quality --model gemma-3-270m-onnx-int8 --reference fp32
-      gemma-export quality --model gemma-3-270m-onnx-int8 --reference transformers --json q.json
+      gemma-export quality --model gemma-3-270m-onnx-int8 \\
+          --reference transformers --json q.json
 
     (fp32: an fp32 export of the same source, made on the fly; transformers needs the test extra.)
     """
@@ -613,8 +619,10 @@ def parity(
     \b
     Examples:
       gemma-export parity --model gemma-3-270m-onnx-int8 --against transformers
-      gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir --reference-weights gemma.safetensors
-      gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json --json parity.json
+      gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
+          --reference-weights gemma.safetensors
+      gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json \\
+          --json parity.json
     """
     from .bench import check_outputs, to_stdout, write_json
     from .parity import format_report, run_parity
@@ -646,7 +654,8 @@ def bundle(
 
     \b
     Example:
-      gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 --out sl2610-int8
+      gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 \\
+          --out sl2610-int8
     """
     from .bundle import bundle as run
 

@@ -675,3 +675,14 @@ def test_bare_command_shows_the_usage_and_exports_nothing(tmp_path, monkeypatch)
     assert result.stdout.startswith("Usage: ") and "gemma-export --format onnx --dtype int8" in result.stdout
     assert "error" not in result.stderr
     assert list(tmp_path.iterdir()) == []  # no export started
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["parity"], ["quality"], ["bench"], ["inspect"],
+                                     ["verify"], ["bundle"], ["prepack"], ["dedupe"]])
+def test_help_fits_an_80_column_terminal(command):
+    # examples sit in click's no-rewrap blocks, so only their own length keeps them on one screen line
+    result = runner.invoke(app, [*command, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "gemma-export" in result.output
+    long_lines = [line for line in result.output.splitlines() if len(line) > 80]
+    assert long_lines == []
