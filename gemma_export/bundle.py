@@ -4,7 +4,7 @@ Layout of ``BOARD_DIR`` (and nothing else)::
 
     model/                         the export, re-verified against its manifest.json
     gemma_export-<ver>-py3-none-any.whl   this toolkit, pure Python (its dependencies come from PyPI)
-    README.md                      install line for the board's Python, generate/bench/verify commands
+    README.md                      install line for the board's Python; verify, prepack, generate, bench commands
     BUNDLE.json                    sha256 and size of every file above
 
 The bundle is written into a staging folder beside ``BOARD_DIR`` and moved into place only when

@@ -649,7 +649,7 @@ def bundle(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Write the folder the board team copies to the board: the verified model, this toolkit's
-    wheel, a README with the install line and the generate/bench commands, and BUNDLE.json
+    wheel, a README with the install line and the verify/prepack/generate/bench commands, and BUNDLE.json
     (sha256 of every file).
 
     \b

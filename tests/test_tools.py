@@ -132,6 +132,13 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
     ("quality_anchor.py", ["--models", "x={model}", "--gguf", "/nonexistent.gguf"], "/nonexistent.gguf: no such file"),
     ("bench_export.py", ["--dtypes", "bogus"], "expected comma-separated dtypes from fp32, bf16, int8, int4, found 'bogus'"),
     ("bench_export.py", ["--workdir", "{tmp}/a-file"], "a-file: is a file, expected a folder"),
+    # what `gemma-export bench` would refuse only after the export: the short prompt's length, too few
+    # steps to time after the warm-up, more threads than the runtime accepts
+    ("bench_export.py", ["--prompt-tokens", "16"], "argument --prompt-tokens: expected 17 to 8,192, found 16"),
+    ("bench_export.py", ["--new-tokens", "4"], "argument --new-tokens: expected 5 to 4,096, found 4"),
+    ("bench_export.py", ["--threads", str(4 * (os.cpu_count() or 1) + 1)],
+     f"argument --threads: expected 1 to {4 * (os.cpu_count() or 1)}, found"),
+    ("bench_side_by_side.py", ["--models", "x={model}", "--threads", "0"], "argument --threads: expected 1 to"),
     ("bench_inspect.py", ["--runs", "0"], "argument --runs: expected 1 to 100, found 0"),
     ("make_reference_export.py", ["--out", ""], "argument --out: empty path"),
     ("genai_anchor.py", ["--python", "/nonexistent/python", "--out", "{tmp}/g"], "/nonexistent/python: no such file"),

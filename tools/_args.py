@@ -131,6 +131,14 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
     return _number(int, "an integer", lo, hi)
 
 
+def thread_count(value: str) -> int:
+    """A ``--threads`` value: 1 to 4 × this machine's CPUs, the limit the toolkit's runtime applies
+    (``gemma_export.runtime.check_threads``), checked here before any export or measurement starts."""
+    import os
+
+    return int_range(1, 4 * (os.cpu_count() or 1))(value)
+
+
 def float_range(lo: float, hi: float) -> Callable[[str], float]:
     """A number from ``lo`` to ``hi``."""
     return _number(float, "a number", lo, hi)

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _args import int_range, our_export, run  # noqa: E402
+from _args import int_range, our_export, run, thread_count  # noqa: E402
 from bench_side_by_side import real_text_ids  # noqa: E402  (the same real text as the side-by-side tables)
 from gemma_export.onnx_files import graph_dtype
 
@@ -106,7 +106,7 @@ def round_ms(decoder, ids: list[int], prompt_tokens: int, new_tokens: int) -> fl
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=our_export, required=True, help="an int8 or int4 export folder of gemma-export")
-    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--prompt-tokens", type=int_range(1, MAX_PROMPT_TOKENS), default=128,
                         help="real-text prompt prefilled before the timed steps (default 128)")
     parser.add_argument("--new-tokens", type=int_range(1, 4096), default=48,

@@ -24,9 +24,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import int_range, new_dir, run  # noqa: E402
+from _args import int_range, new_dir, run, thread_count  # noqa: E402
 
+from gemma_export.bench import WARMUP_STEPS  # noqa: E402
 from gemma_export.config import DTYPES  # noqa: E402
+
+#: the short prompt every dtype is measured with (tokens), before --prompt-tokens
+SHORT_PROMPT = 16
 
 
 def _dtypes(value: str) -> list[str]:
@@ -67,10 +71,11 @@ def main() -> None:
                         help="comma-separated: fp32, bf16, int8, int4 (default fp32,bf16,int8)")
     parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-bench"),
                         help="where the exports and bench.json go (default /tmp/gx-bench)")
-    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
-    parser.add_argument("--prompt-tokens", type=int_range(1, 8192), default=512,
-                        help="the long prompt, after the 16-token one (default 512)")
-    parser.add_argument("--new-tokens", type=int_range(1, 4096), default=128, help="decode steps per prompt (default 128)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--prompt-tokens", type=int_range(SHORT_PROMPT + 1, 8192), default=512,
+                        help=f"the long prompt, after the {SHORT_PROMPT}-token one (default 512)")
+    parser.add_argument("--new-tokens", type=int_range(WARMUP_STEPS + 1, 4096), default=128,
+                        help=f"decode steps per prompt, the first {WARMUP_STEPS} untimed (default 128)")
     args = parser.parse_args()
     from gemma_export.errors import GemmaExportError
 
@@ -89,7 +94,7 @@ def main() -> None:
         archive = (out / "model.onnx").stat().st_size + (out / "model.onnx.data").stat().st_size
         figures = args.workdir / dtype / "bench.json"
         _run([sys.executable, "-m", "gemma_export.cli", "bench", "--model", str(out), "--threads", str(args.threads),
-              "--prompt-tokens", f"16,{args.prompt_tokens}", "--new-tokens", str(args.new_tokens), "--json", str(figures)])
+              "--prompt-tokens", f"{SHORT_PROMPT},{args.prompt_tokens}", "--new-tokens", str(args.new_tokens), "--json", str(figures)])
         measured = json.loads(figures.read_text())
         measured["optimized_table_initializers"] = _optimized_tables(out)
         rows.append({"dtype": dtype, "archive_bytes": archive, "export_s": export_s,

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import genai_folder, int_list, int_range, named, our_export, run, unique_names  # noqa: E402
+from _args import genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
 
 
 def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
@@ -61,7 +61,7 @@ def main() -> None:
                         help="decode is timed after prompts of these lengths (default 16,128)")
     parser.add_argument("--steps", type=int_range(4, 4096), default=64,
                         help="decode steps per measurement; the first 3 are dropped (default 64)")
-    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads of both (default 2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads of both (default 2)")
     parser.add_argument("--cold", action="store_true",
                         help="drop the page cache before each measurement (needs root): every file read from disk")
     args = parser.parse_args()

@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import (int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
-                   unique_names)
+                   thread_count, unique_names)
 
 
 def real_text_ids(tokenizer_dir: Path, count: int) -> list[int]:
@@ -189,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
                         help="our exports to time, each with a label")
-    parser.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads of every system (default 2)")
+    parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads of every system (default 2)")
     parser.add_argument("--contexts", type=int_list(1, 8192), default=[16, 128, 512],
                         help="decode is timed after prompts of these lengths (default 16,128,512)")
     parser.add_argument("--new-tokens", type=int_range(4, 4096), default=64,

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _args import existing_dir, existing_file, float_range, int_range, new_file, run  # noqa: E402
+from _args import existing_dir, existing_file, float_range, int_range, new_file, run, thread_count  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder")
     p.add_argument("--ids", required=True, type=existing_file, help="the file `prepare` wrote")
     p.add_argument("--out", required=True, type=npz_file, help="the dump to write (a .npz file name)")
-    p.add_argument("--threads", type=int_range(1, 256), default=2, help="intra-op threads (default 2)")
+    p.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
     p.add_argument("--optimization", choices=("all", "basic"), default="all",
                    help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
     p.set_defaults(run=dump)

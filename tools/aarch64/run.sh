@@ -119,7 +119,7 @@ build_rootfs() {
       [ -e "$ROOTFS/debootstrap" ] || die "$ROOTFS exists, is not empty and is not a half-built root filesystem; remove it or set GX_AARCH64_ROOTFS"
       grep -q " $ROOTFS/" /proc/mounts && die "$ROOTFS has mounts inside (an interrupted run?); unmount them first"
     fi
-    say "building an arm64 Debian $SUITE root filesystem in $ROOTFS (once; ~10 min)"
+    say "building an arm64 Debian $SUITE root filesystem in $ROOTFS (once; 15-25 min)"
     rm -rf "$ROOTFS"
     mkdir -p "$(dirname "$ROOTFS")"
     debootstrap --arch=arm64 --variant=minbase --include=python3,python3-venv,ca-certificates \
