@@ -10,7 +10,9 @@ the next), which is also what :meth:`OnnxDecoder.forward` does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import time
@@ -644,11 +646,27 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         options.optimized_model_filepath = str(optimized_model_path)
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
+    # onnxruntime's Python wrapper prints an "EP Error ... Falling back" banner to stdout when the
+    # first attempt fails, then retries on the same CPU provider: the one error line below says it
+    banner = io.StringIO()
     try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        with contextlib.redirect_stdout(banner):
+            session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except UnicodeDecodeError as exc:  # onnxruntime's own message quotes bytes of the file that are not UTF-8
+        text = bytes(exc.object).decode("utf-8", "replace").strip()
+        first = text.splitlines()[0] if text else type(exc).__name__
+        raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
+    for arg in (*session.get_inputs(), *session.get_outputs()):
+        try:
+            arg.name  # noqa: B018  (decoded here, so a name that is not UTF-8 fails now, not in a caller)
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{path}: {_CANNOT_LOAD}a graph input or output name is not UTF-8 text "
+                              f"(byte {exc.object[exc.start:exc.start + 1]!r} at {exc.start} of "
+                              f"{exc.object!r:.60})") from None
+    return session
 
 
 def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:

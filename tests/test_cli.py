@@ -686,3 +686,35 @@ def test_help_fits_an_80_column_terminal(command):
     assert "gemma-export" in result.output
     long_lines = [line for line in result.output.splitlines() if len(line) > 80]
     assert long_lines == []
+
+
+@pytest.mark.parametrize("damage, message", [
+    # a graph input renamed in bytes that are not UTF-8 (every use alike, so the graph holds
+    # together): onnxruntime loads it, and decoding the input's name fails
+    ("graph input", "a graph input or output name is not UTF-8 text (byte b'\\xb8' at 0 of b'\\xb8nput_ids')"),
+    # one node reads a name nobody writes, in bytes that are not UTF-8: onnxruntime's error quotes
+    # them, its Python wrapper cannot decode its own message, prints an "EP Error ... Falling back"
+    # banner to stdout and retries
+    ("node input", "is not a graph input, initializer, or output of a previous node"),
+])
+def test_a_graph_onnxruntime_refuses_gives_one_line_and_nothing_on_stdout(tiny_int8_export, tmp_path, damage, message):
+    import onnx
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, model)
+    data = (model / "model.onnx").read_bytes()
+    if damage == "graph input":
+        assert b"input_ids" in data
+        data = data.replace(b"input_ids", b"\xb8nput_ids")
+    else:  # the last use of a name one node writes and the next reads: a later node's input
+        graph = onnx.load(model / "model.onnx", load_external_data=False).graph
+        name = next(o for node in graph.node for o in node.output
+                    if len(o) > 3 and data.count(o.encode()) == 2).encode()
+        at = data.rindex(name)
+        data = data[:at] + b"\xb8" + data[at + 1:]
+    (model / "model.onnx").write_bytes(data)
+    result = runner.invoke(app, ["generate", "--model", str(model), "--prompt", "hi"])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "onnxruntime cannot load the model" in result.stderr and message in result.stderr
