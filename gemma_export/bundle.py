@@ -13,13 +13,16 @@ complete, so a failure leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from . import __version__
@@ -48,6 +51,43 @@ def _project_root() -> Path | None:
     return root if (root / "pyproject.toml").is_file() and (root / "gemma_export").is_dir() else None
 
 
+def _pip_wheel_command(tree: Path, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(tree)]
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies, which write nothing, do not count);
+    read from ``/proc/*/stat`` (Linux)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _run_in_own_group(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run ``command`` (output captured) in a process group of its own. If this process is
+    interrupted meanwhile (Ctrl-C, or SIGTERM raised as an exception by the CLI), the whole group is
+    killed (pip and the build backend it started, which a kill of pip alone leaves running) and
+    gone before the exception goes on, so nothing still writes into the folder being removed."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while _group_running(proc.pid) and time.monotonic() < deadline:  # killed orphans take a moment
+            time.sleep(0.02)
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 def build_wheel(dest: Path) -> Path:
     """Build this toolkit's wheel into ``dest`` with pip (no dependencies bundled).
 
@@ -61,7 +101,7 @@ def build_wheel(dest: Path) -> Path:
                                   "package; pass --wheel PATH to a gemma_export wheel")
     # built from a copy of what the wheel holds, so setuptools' build/ and *.egg-info folders land in
     # the temporary copy instead of the user's checkout
-    with tempfile.TemporaryDirectory(prefix="gemma-export-wheel-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="gemma-export-wheel-", ignore_cleanup_errors=True) as scratch:
         tree = Path(scratch) / "src"
         tree.mkdir()
         for name in WHEEL_SOURCES:
@@ -73,8 +113,10 @@ def build_wheel(dest: Path) -> Path:
         # (Ctrl-C kills pip mid-build) leaves none of them in the system's temporary folder
         pip_tmp = Path(scratch) / "tmp"
         pip_tmp.mkdir()
-        proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(tree)],
-                              capture_output=True, text=True, env={**os.environ, "TMPDIR": str(pip_tmp)})
+        try:
+            proc = _run_in_own_group(_pip_wheel_command(tree, dest), {**os.environ, "TMPDIR": str(pip_tmp)})
+        finally:  # interrupted or not: the scratch folder goes, even if a straggler wrote into it late
+            shutil.rmtree(scratch, ignore_errors=True)
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -263,17 +263,59 @@ def test_pip_keeps_its_temporary_folders_in_the_wheel_build_scratch_folder(tmp_p
 
     seen = {}
 
-    def interrupted_pip(command, **kwargs):
-        tmp = kwargs["env"]["TMPDIR"]
+    def interrupted_pip(command, env):
+        tmp = env["TMPDIR"]
         (bundle.Path(tmp) / "pip-build-env-x").mkdir()  # what a killed pip leaves
         seen["tmp"] = tmp
         return subprocess.CompletedProcess(command, 1, "", "ERROR: interrupted")
 
-    monkeypatch.setattr(bundle.subprocess, "run", interrupted_pip)
+    monkeypatch.setattr(bundle, "_run_in_own_group", interrupted_pip)
     with pytest.raises(GemmaExportError, match="ERROR: interrupted"):
         bundle.build_wheel(tmp_path)
     assert seen["tmp"].startswith(bundle.tempfile.gettempdir()) and "gemma-export-wheel-" in seen["tmp"]
     assert not bundle.Path(seen["tmp"]).exists()
+
+
+def test_an_interrupted_wheel_build_stops_pip_and_its_children_and_leaves_no_scratch_folder(tmp_path, monkeypatch):
+    # a "pip" whose child keeps writing into the scratch folder, as pip's build backend does: an
+    # interrupt (Ctrl-C; SIGTERM arrives as an exception too) must stop both before the folder is
+    # removed, and reach the caller as itself, not as the removal's "Directory not empty"
+    import signal
+    import sys
+    import time
+
+    from gemma_export import bundle
+
+    pids = tmp_path / "pids"
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import os, itertools, pathlib, time\\n"
+              "tmp = pathlib.Path(os.environ[\"TMPDIR\"])\\n"
+              "for i in itertools.count(): (tmp / f\"f{i}\").write_text(\"x\"); time.sleep(0.001)'])\n"
+              f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+              "time.sleep(60)\n")
+    monkeypatch.setattr(bundle, "_pip_wheel_command", lambda tree, dest: [sys.executable, "-c", script])
+    scratch = []
+    real_mkdtemp = bundle.tempfile.mkdtemp
+    monkeypatch.setattr(bundle.tempfile, "mkdtemp",
+                        lambda *a, **k: scratch.append(real_mkdtemp(*a, **k)) or scratch[-1])
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(KeyboardInterrupt):
+            bundle.build_wheel(tmp_path / "dest")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert len(scratch) == 1 and not bundle.Path(scratch[0]).exists()
+    time.sleep(0.2)  # a straggler would have written again by now
+    assert not bundle.Path(scratch[0]).exists()
+    for pid in map(int, pids.read_text().split()):  # both gone (or zombies, which write nothing)
+        status = bundle.Path(f"/proc/{pid}/status")
+        assert not status.exists() or "State:\tZ" in status.read_text()
 
 
 @pytest.mark.parametrize("damage, message", [
