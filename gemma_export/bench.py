@@ -373,6 +373,12 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or (option == "--json" and to_stdout(path)):
             continue
+        if _under_dev_or_proc(path) and Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
+            # a device or a descriptor that is a pipe (/dev/stderr piped on, /dev/fd/63 of a shell's
+            # >(...)): written in place, as write_json does; its "folder" (/proc/PID/fd) is no folder
+            if not os.access(path, os.W_OK):
+                raise OutputError(f"{option} {path}: not writable")
+            continue
         target = Path(path).resolve()
         if target.is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")

@@ -268,6 +268,18 @@ def test_json_to_a_descriptor_is_written_in_place_even_when_it_leads_to_a_file(t
     assert text.startswith("earlier lines\n") and json.loads(text.split("\n", 1)[1]) == {"x": 1}
 
 
+def test_json_to_a_descriptor_that_is_a_pipe_is_written_in_place():
+    """`--json /dev/stderr 2>&1 | ...` and a shell's `--json >(...)`: the descriptor is a pipe, whose
+    resolved path (/proc/PID/fd/pipe:[N]) is no file in a folder; it is written, not refused."""
+    import subprocess
+    import sys
+
+    code = ("from gemma_export.bench import check_outputs, write_json; check_outputs('/dev/stderr', None); "
+            "check_outputs('/dev/fd/2', None); write_json({'x': 2}, '/dev/stderr')")
+    proc = subprocess.run([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    assert proc.returncode == 0 and json.loads(proc.stderr) == {"x": 2}, proc.stderr
+
+
 @pytest.mark.parametrize("option, expected", [([], [4, 4, 1]), (["--prefill-chunk", "0"], [9]),
                                                (["--prefill-chunk", "5"], [5, 4])])
 def test_generate_and_bench_feed_prompts_in_default_steps(tiny_int8_export, text_file, monkeypatch, option, expected):
