@@ -31,7 +31,7 @@ import numpy as np
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
 from .config import SLIDING
-from .errors import ConfigError, GemmaExportError, SourceNotFoundError
+from .errors import ConfigError, GemmaExportError, NumericError, SourceNotFoundError
 from .text_files import read_text_file
 
 #: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license,
@@ -143,13 +143,46 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
 
     Raises:
         GemmaExportError: a token id outside the vocabulary.
+        NumericError: a projection's input is not finite (float32 overflow), or ``record`` raised
+            NumericError (e.g. its statistics overflow); the message names that input and the
+            weight of largest magnitude read before it, the likely culprit.
     """
+    # overflow shows as inf/nan in a projection's input, which record() below turns into one error
+    # naming it (numpy's RuntimeWarnings would only add lines without the tensor's name)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _forward(checkpoint, token_ids, record, progress)
+
+
+def _forward(checkpoint: Checkpoint, token_ids: Sequence[int],
+             record: Callable[[str, np.ndarray], None] | None,
+             progress: Callable[[int, int], None] | None) -> np.ndarray:
     c = checkpoint.config
     ids = np.asarray(token_ids, np.int64)
     if ids.size == 0 or ids.min() < 0 or ids.max() >= c.vocab_size:
         raise GemmaExportError(f"calibration token ids must lie in [0, {c.vocab_size}), found "
                                f"{'none' if ids.size == 0 else f'{ids.min()}..{ids.max()}'}")
-    record = record or (lambda _name, _x: None)
+    user_record = record or (lambda _name, _x: None)
+    largest = ["", 0.0, ()]  # the weight of largest magnitude read so far: name, value, index
+
+    def load(name: str) -> np.ndarray:
+        array = checkpoint.tensors[name].load()
+        if array.size:
+            at = np.unravel_index(int(np.argmax(np.abs(array))), array.shape)
+            if abs(float(array[at])) > abs(largest[1]):
+                largest[:] = [name, float(array[at]), tuple(int(i) for i in at)]
+        return array
+
+    def record(name: str, x: np.ndarray) -> None:
+        culprit = (f"the largest weight read before it is {largest[0]}[{', '.join(map(str, largest[2]))}] = "
+                   f"{largest[1]:.3g}; the source's weights are out of range")
+        if not np.isfinite(x).all():
+            raise NumericError(f"calibration: the input of {name} is not finite (float32 overflow) on the "
+                               f"calibration text; {culprit}")
+        try:
+            user_record(name, x)
+        except NumericError as exc:
+            raise NumericError(f"{exc}; {culprit}") from None
+
     t = len(ids)
     table = checkpoint.tensors[EMBED].rows()
     x = np.stack([table[int(i):int(i) + 1][0] for i in ids]).astype(np.float32) * np.float32(c.embed_scale)
@@ -165,7 +198,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
     eps = c.rms_norm_eps
     for layer in range(c.num_hidden_layers):
         p = f"model.layers.{layer}."
-        w = lambda name: checkpoint.tensors[p + name].load()  # noqa: E731
+        w = lambda name: load(p + name)  # noqa: E731
         layer_type = c.layer_types[layer]
         inv_freq = c.rope_parameters[layer_type].inv_freq(d, np.float64)
 
@@ -203,7 +236,7 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
         x = x + _rms_norm(inner @ w("mlp.down_proj.weight").T, w("post_feedforward_layernorm.weight"), eps)
         if progress:
             progress(layer + 1, c.num_hidden_layers)
-    final = _rms_norm(x, checkpoint.tensors[FINAL_NORM].load(), eps)
+    final = _rms_norm(x, load(FINAL_NORM), eps)
     record(LM_HEAD if not checkpoint.tied else EMBED, final)
     return final
 
@@ -214,6 +247,7 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
 
     Raises:
         GemmaExportError: fewer than 2 tokens, or a token id outside the vocabulary.
+        NumericError: a weight's input or its statistics overflow float32 (:func:`forward`).
     """
     if len(token_ids) < 2:
         raise GemmaExportError(f"calibration needs at least 2 tokens, found {len(token_ids)}")
@@ -225,6 +259,10 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
     def record(name: str, x: np.ndarray) -> None:
         as_gram = t > 2 * x.shape[1]  # K × K float32 takes less than T × K float16
         if last[0] is not x:
+            reach = float(np.abs(x).max())
+            if t * reach ** 2 >= float(np.finfo(np.float32).max):  # sums of squares over the tokens
+                raise NumericError(f"calibration: the statistics (sums of squares) of {name}'s input would "
+                                   f"overflow float32: its values reach {reach:.3g}")
             if as_gram:
                 kept = gram(x).astype(np.float32)
             else:  # float16 halves the memory (the statistics need ~3 digits); float32 beyond its range

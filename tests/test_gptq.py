@@ -474,3 +474,34 @@ def test_act_order_rounds_the_strongest_inputs_first_and_is_within_2_percent():
     assert errors[True] < 0.8 * rtn and errors[False] < 0.8 * rtn
     # act order may lose a little on a given matrix (it wins on the real model, docs/quality.md): 2% at most
     assert errors[True] <= 1.02 * errors[False], errors
+
+
+@pytest.mark.parametrize("weight, value, dtype, message", [
+    # finite but huge: the activations after it overflow float32 further on (in another tensor's
+    # input); the error names the input where it shows and the weight that caused it
+    ("model.layers.1.mlp.gate_proj.weight", 1e30, "int8",
+     "statistics (sums of squares) of model.layers.1.mlp.down_proj.weight's input would overflow float32"),
+    ("model.layers.1.self_attn.o_proj.weight", 3.4e38, "int4",
+     "the input of model.layers.1.mlp.gate_proj.weight is not finite (float32 overflow)"),
+])
+def test_a_huge_weight_is_named_when_calibration_overflows(tiny_with_tokenizer, tmp_path, weight, value, dtype, message):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_with_tokenizer, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors[weight][3, 5] = value
+    save_file(tensors, src / "model.safetensors")
+    before = (src / "model.safetensors").read_bytes()
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(src), "--dtype", dtype, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert message in line and f"the largest weight read before it is {weight}[3, 5] = {value:.3g}" in line, line
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"][1:]
+    assert (src / "model.safetensors").read_bytes() == before
