@@ -269,16 +269,28 @@ def test_mlir_iree_rejects_is_named_by_file_and_line(reference, tmp_path):
     assert f"{broken}:{body + 1}:" in message and "<stdin>" not in message, message
 
 
-def test_a_run_that_compares_nothing_fails(reference, tiny_int8_export, tmp_path):
-    # every prompt too long for the reference's fixed length: skipped, so no check ran; not a PASS
+@pytest.mark.parametrize("long_only", [True, False])
+def test_a_prompt_too_long_for_the_reference_is_bad_input(reference, tiny_int8_export, tmp_path, long_only):
+    # the reference runs a fixed SEQ tokens and must leave room to generate: a longer prompt is not
+    # compared, so it is refused before any comparison (exit 2, no report), alone or beside one that
+    # fits (which once let the run PASS with the long one silently skipped)
     _, mlir = reference
     prompts = tmp_path / "long.json"
-    prompts.write_text(json.dumps([[2] + [5] * (SEQ + 4)]))
+    prompts.write_text(json.dumps(([] if long_only else [[2, 5, 6]]) + [[2] + [5] * (SEQ - 1)]))
     result = _parity("--model", tiny_int8_export, "--reference", mlir, "--prompts", prompts, "--json", tmp_path / "r.json")
-    assert result.exit_code == 1, result.output
-    assert "verdict: FAIL (nothing was compared: every prompt was skipped)" in result.output
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert report["passed"] is False and report["checks"] == []
+    assert result.exit_code == 2, result.output
+    n = 0 if long_only else 1
+    assert (f"long.json: prompt #{n} has {SEQ} tokens; {mlir} runs a fixed {SEQ} tokens, so a prompt may have at "
+            f"most {SEQ - 1}") in result.output
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_report_with_no_checks_fails():
+    # a run that compared nothing is not a PASS, whatever led to it
+    from gemma_export.parity import ParityReport, format_report
+
+    report = ParityReport("m", "int8", [], [])
+    assert report.passed is False and "verdict: FAIL (nothing was compared)" in format_report(report)
 
 
 def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_int8_export, tmp_path):
