@@ -168,6 +168,9 @@ def status(model_dir: str | Path) -> PrepackStatus:
             return unusable(f"{folder / PREPACKED_MANIFEST}: field '{field}' missing or not an object")
     here, key = machine_key(), record["machine"]
     for field in ("onnxruntime", "machine", "system", "cpu_flags_sha256"):
+        if not isinstance(key.get(field), str):  # a damaged record, not a copy made elsewhere
+            return unusable(f"{folder / PREPACKED_MANIFEST}: field 'machine.{field}' must be a string, found "
+                            f"{json.dumps(key.get(field))[:40]}")
         if key.get(field) != here[field]:
             what = "CPU features" if field == "cpu_flags_sha256" else field
             return unusable(f"{folder}: made for {what} {key.get(field)!r}, this machine has {here[field]!r}")
@@ -179,8 +182,9 @@ def status(model_dir: str | Path) -> PrepackStatus:
         return unusable(f"{folder / PREPACKED_MANIFEST}: 'files' does not record {MODEL_FILE} and {DATA_FILE}")
     for name, entry in files.items():
         path = folder / str(name)
-        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and type(entry.get("mtime_ns")) is int):
-            return unusable(f"{folder / PREPACKED_MANIFEST}: files[{name!r}] needs integer 'bytes' and 'mtime_ns'")
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+                and type(entry.get("mtime_ns")) is int):
+            return unusable(f"{folder / PREPACKED_MANIFEST}: files[{name!r}] needs integer 'bytes' (>= 0) and 'mtime_ns'")
         if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
             return unusable(f"{path}: recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
         stat = path.stat()
@@ -417,6 +421,10 @@ def verify(model_dir: str | Path) -> str:
             raise VerificationError(f"{path}: recorded in {PREPACKED_MANIFEST} but missing; {fix}")
         if file_sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from {PREPACKED_MANIFEST}; {fix}")
+        recorded = record["files"][name].get("bytes") if isinstance(record["files"][name], dict) else None
+        if type(recorded) is int and recorded != path.stat().st_size:  # the checksum matches: the record is wrong
+            raise VerificationError(f"{folder / PREPACKED_MANIFEST}: records {recorded:,} bytes for {name}, whose "
+                                    f"sha256 it matches at {path.stat().st_size:,} bytes: a damaged record; {fix}")
     if found.path is None and PREPACKED_MANIFEST in found.problem.split(": ", 1)[0]:
         raise VerificationError(f"{found.problem}; {fix}")  # a record the runtime cannot read
     if found.path is None:

@@ -175,6 +175,27 @@ def test_verify_checks_the_copy_against_its_checksums(export_copy):
     assert "Traceback" not in bad.output
 
 
+@pytest.mark.parametrize("edit, message", [
+    # the checksums still match: what is damaged is the record, which verify refuses (exit 2) rather
+    # than calling the copy "intact, but" made elsewhere or changed since
+    (lambda r: r["files"]["model.onnx.data"].update(bytes=-1), "records -1 bytes for model.onnx.data, whose sha256"),
+    (lambda r: r["files"]["model.onnx.data"].update(bytes=r["files"]["model.onnx.data"]["bytes"] + 1),
+     "bytes for model.onnx.data, whose sha256 it matches at"),
+    (lambda r: r["machine"].update(onnxruntime=1), "field 'machine.onnxruntime' must be a string, found 1"),
+    (lambda r: r["machine"].update(cpu_flags_sha256=None), "field 'machine.cpu_flags_sha256' must be a string, found null"),
+])
+def test_verify_refuses_a_damaged_record_of_an_intact_copy(export_copy, edit, message):
+    prepack_module.prepack(export_copy)
+    manifest = export_copy / "prepacked" / "prepacked.json"
+    record = json.loads(manifest.read_text())
+    edit(record)
+    manifest.write_text(json.dumps(record))
+    result = _run("verify", export_copy)
+    assert result.exit_code == 2 and message in result.output and "intact, but" not in result.output, result.output
+    assert "Traceback" not in result.output
+    assert OnnxDecoder(export_copy).prepacked_path is None  # and the runtime does not use it
+
+
 @pytest.mark.parametrize("record", ['{"machine": "x86_64", "source": {}}', "[1, 2]", "not json", '{"machine": {}}',
                                     '{"machine": {}, "source": {}, "files": [1]}'])
 def test_a_malformed_record_is_ignored_not_a_crash(export_copy, record):
