@@ -453,6 +453,9 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                 say(f"reference: fp32 export written in {time.monotonic() - started:.0f} s")
             else:
                 say(f"reference: the export in {reference}")
+                if Path(reference).resolve() == model_dir.resolve():
+                    say("note: --reference is the export being measured: 100% and KL 0 say only that its runs "
+                        "repeat exactly; compare with fp32, transformers or another export to measure quality")
                 ref_dir = reference
                 for line in other_model_notes(model_dir, Path(reference)):
                     say(line)
@@ -513,8 +516,10 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
     """
     limit = decoder.max_position_embeddings
     if limit and len(ids) > limit:
+        advice = (f"pass --tokens {limit} or fewer" if limit >= 2 else
+                  "a model of fewer than 2 positions cannot be measured (at least 2 tokens are needed)")
         raise GemmaExportError(f"{role}{decoder.model_dir}: {source} has more than {limit} tokens, its "
-                               f"max_position_embeddings; pass --tokens {limit} or fewer")
+                               f"max_position_embeddings; {advice}")
     decoder.check_ids(ids, source)
 
 

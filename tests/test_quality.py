@@ -129,11 +129,14 @@ def test_quality_against_itself_is_perfect(tiny_int8_export, text_file):
     assert "top-1        100.00% of positions pick the reference's top word" in result.stdout
     assert "misses       0 position(s), none\n" in result.stdout
     assert re.search(r"max \|dlogit\| 0(\s|$)", result.stdout), result.stdout  # exactly 0, not 0.5 or 0.001
+    # said, so that nobody takes it for a quality figure
+    assert "note: --reference is the export being measured: 100% and KL 0 say only that its runs repeat" in result.stderr
 
 
 def test_a_reference_of_another_source_or_tokenizer_is_noted(tiny_int8_export, text_file, tmp_path):
     """Figures against an export of other weights are allowed (a GGUF against a transformers folder
-    of the same model) but said; an export against itself gets no note."""
+    of the same model) but said; an export against itself gets no note about its source or
+    tokenizer (only the one that it is itself)."""
     other = tmp_path / "other"
     shutil.copytree(tiny_int8_export, other)
     manifest = json.loads((other / "manifest.json").read_text())
@@ -148,7 +151,10 @@ def test_a_reference_of_another_source_or_tokenizer_is_noted(tiny_int8_export, t
             f"against {ours[:12]}…)") in result.stderr
     assert f"note: --reference {other} has another tokenizer.json than {tiny_int8_export}" in result.stderr
     result = runner.invoke(app, command + [str(tiny_int8_export)])
-    assert result.exit_code == 0 and "note:" not in result.output
+    assert result.exit_code == 0 and "another source" not in result.output and "another tokenizer" not in result.output
+    assert [line for line in result.output.splitlines() if line.startswith("note:")] == [
+        "note: --reference is the export being measured: 100% and KL 0 say only that its runs repeat exactly; "
+        "compare with fp32, transformers or another export to measure quality"]
 
 
 def test_reference_notes_skip_what_a_hand_edited_manifest_garbles(tmp_path):
@@ -499,3 +505,17 @@ def test_a_reference_transformers_cannot_represent_is_refused_not_rounded(tiny_d
         transformers_model(odd)
     whole = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, query_pre_attn_scalar=16.0))
     assert transformers_model(whole).config.query_pre_attn_scalar == 16
+
+
+def test_a_model_of_one_position_is_refused_without_impossible_advice(tiny_int8_export, text_file, tmp_path):
+    # --tokens must be at least 2, so "pass --tokens 1 or fewer" would send the user in a circle
+    model = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["max_position_embeddings"] = 1
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    result = runner.invoke(app, ["quality", "--model", str(model), "--reference", str(model), "--text", str(text_file)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert "has more than 1 tokens, its max_position_embeddings; a model of fewer than 2 positions cannot be measured" in line
+    assert "--tokens 1" not in line
