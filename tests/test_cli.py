@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from typer.testing import CliRunner
 
@@ -191,6 +192,26 @@ def test_export_summary_and_manifest(tiny_dir, tmp_path):
         data = (out / name).read_bytes()
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "genai_config.json"}
+
+
+@pytest.mark.parametrize("flag, recorded", [
+    (["--asymmetric"], {"symmetric": False}),
+    (["--table-dtype", "int8"], {"table_dtype": "int8"}),
+    (["--scale-method", "rtn"], {"scale_method": "rtn"}),
+])
+def test_int4_options_reach_the_export(tiny_dir, tmp_path, flag, recorded):
+    """Each int4 option given on the command line is the one the export used: the manifest records
+    it, and the other two keep their defaults (symmetric, an int4 table, the mse clipping search)."""
+    out = tmp_path / "out"
+    result = _run("--source", tiny_dir, "--out", out, "--dtype", "int4", "--block-size", 16, "--no-calibrate", *flag)
+    assert result.exit_code == 0, result.output
+    quantization = json.loads((out / "manifest.json").read_text())["quantization"]
+    expected = {"symmetric": True, "table_dtype": "int4", "scale_method": "mse", **recorded}
+    assert {key: quantization[key] for key in expected} == expected
+    assert quantization["calibration"] is None  # --no-calibrate: the codes are rounded, not GPTQ's
+    # asymmetric: one 4-bit zero point per block is stored beside each weight's scales (none otherwise)
+    names = {t.name for t in onnx.load(str(out / "model.onnx"), load_external_data=False).graph.initializer}
+    assert ("model.layers.0.self_attn.o_proj.weight_zero_points" in names) == (not expected["symmetric"])
 
 
 def test_same_input_gives_byte_identical_files(tiny_dir, tmp_path):

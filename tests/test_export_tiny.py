@@ -93,7 +93,8 @@ def test_default_export_returns_last_position_only(tiny_model, tiny_dir, tmp_pat
 
 # max |logit - transformers| measured: bf16 0.039, int8 0.16, int4 1.2-1.9; the bf16 and int8 limits
 # are ~1.5 x that (an int8 table zero point off by one gives 0.34); the int8 graph's exact check is
-# test_int8_graph_reads_exactly_the_stored_weights, the int4 one test_int4_graph_reads_exactly_...
+# test_int8_graph_reads_exactly_the_stored_weights, the int4 ones test_int4_graph_reads_exactly_...
+# (the stored-weights one covers the int8 table and the Hadamard rotation: int4's limits here cannot)
 @pytest.mark.parametrize("dtype, options, max_abs, min_top1", [
     ("bf16", {}, 0.06, 0.95),
     ("int8", {}, 0.25, 0.9),
@@ -528,6 +529,52 @@ def test_a_different_stored_head_is_exported_untied_and_the_manifest_says_so(tin
     assert manifest["tie_word_embeddings"] is False and manifest["config"]["tie_word_embeddings"] is False
 
 
+def test_bf16_export_stores_weights_rounded_to_nearest_even(tiny_dir, tmp_path):
+    """The stored bf16 bits are float32 rounded to nearest, ties to even — not truncated (the board's
+    reference archives truncate; 1 in 2 random values differs) — computed here with integer
+    arithmetic on the float32 bits: add 0x7FFF plus the kept part's lowest bit, drop the low 16.
+    Exact ties are planted in the table: 0.125 * (1 + 2**-8) lies halfway between 0.125 (even
+    mantissa, 0x3E00) and the next bf16 value up; 0.125 * (1 + 3 * 2**-8) halfway between an odd
+    mantissa (0x3E01) and 0.125 * (1 + 2**-6) (even, 0x3E02)."""
+    from conftest import broken_copy
+
+    ties = np.array([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), -(1 + 3 * 2**-8)], np.float32) * np.float32(0.125)
+
+    def plant(tensors):
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].copy()
+        tensors["model.embed_tokens.weight"][5, :4] = ties
+
+    src = broken_copy(tiny_dir, tmp_path / "src", edit_tensors=plant)
+    source = load_file(str(src / "model.safetensors"))
+    out = export(src, tmp_path / "bf16", "bf16").out_dir
+
+    def nearest_even(x: np.ndarray) -> np.ndarray:
+        bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+    layer = "model.layers.2."
+    expected = {  # the table as it is; projections as MatMul's [in, out], q/k/v and gate/up stacked
+        "model.embed_tokens.weight": source["model.embed_tokens.weight"],
+        layer + "self_attn.qkv_proj.weight": np.concatenate(
+            [source[layer + f"self_attn.{p}_proj.weight"] for p in "qkv"]).T,
+        layer + "self_attn.o_proj.weight": source[layer + "self_attn.o_proj.weight"].T,
+        layer + "mlp.gate_up_proj.weight": np.concatenate(
+            [source[layer + f"mlp.{p}_proj.weight"] for p in ("gate", "up")]).T,
+        layer + "mlp.down_proj.weight": source[layer + "mlp.down_proj.weight"].T,
+    }
+    model = onnx.load(str(out / "model.onnx"))
+    stored = {t.name: t for t in model.graph.initializer if t.name in expected}
+    assert set(stored) == set(expected)
+    for name, values in expected.items():
+        assert stored[name].data_type == onnx.TensorProto.BFLOAT16, name
+        bits = onnx.numpy_helper.to_array(stored[name]).view(np.uint16)
+        assert bits.shape == values.shape and np.array_equal(bits, nearest_even(values)), name
+        truncated = (np.ascontiguousarray(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        assert (bits != truncated).mean() > 0.3, name  # the check tells rounding from truncation
+    table = onnx.numpy_helper.to_array(stored["model.embed_tokens.weight"]).view(np.uint16)
+    assert table[5, :4].tolist() == [0x3E00, 0x3E02, 0xBE00, 0xBE02]
+
+
 def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
     """3.4e38 is a finite float32 but rounds to +Inf in bf16: the export names the tensor and writes
     nothing (it wrote a graph whose logits were NaN, and verify passed it)."""
@@ -569,31 +616,44 @@ def test_an_export_that_will_not_fit_is_refused_before_the_slow_work(tiny_dir, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fits"]
 
 
-def _stored_int8_weights(out_dir: Path) -> dict[str, np.ndarray]:
-    """The float weights an int8 export stores, read back from its files independently of the
-    exporter: every 8-bit ``MatMulNBits`` weight (data, scales, zero point 128) dequantized, the
-    manifest's Hadamard rotation undone (H is symmetric and orthogonal: ``(W H) H = W``), the
-    stacked q/k/v and gate/up split, under transformers' names (``...q_proj.weight`` ``[out, in]``)."""
+def _stored_quantized_weights(out_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, tuple[int, bool]]]:
+    """The float weights an int8 or int4 export stores, read back from its files independently of
+    the exporter: every ``MatMulNBits`` weight (data, scales, zero points) dequantized — 4-bit codes
+    two per byte, the even index in the low nibble (MatMulNBits' layout); a missing zero-point input
+    means onnxruntime's default 2 ** (bits - 1) (128 for 8 bits, 8 for 4 bits) — the manifest's
+    Hadamard rotation undone (H is symmetric and orthogonal: ``(W H) H = W``), the stacked q/k/v and
+    gate/up split, under transformers' names (``...q_proj.weight`` ``[out, in]``).
+
+    Returns the weights and, per weight, ``(bits, whether a zero-point input is stored)``."""
     from onnx import numpy_helper
 
     from quant import hadamard_matrix
-    from quant.int8 import ZERO_POINT
 
     model = onnx.load(str(out_dir / "model.onnx"))
     manifest = json.loads((out_dir / "manifest.json").read_text())
     n = manifest["quantization"]["hadamard_size"]
     config = manifest["config"]
     initializers = {t.name: t for t in model.graph.initializer}
-    weights = {}
+
+    def nibbles(packed: np.ndarray) -> np.ndarray:  # uint8 [..., M] -> [..., 2M], low nibble first
+        return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+
+    weights, layout = {}, {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs["bits"] == 8 and len(node.input) == 3  # symmetric int8: no zero-point input
-        k, rows, block = attrs["K"], attrs["N"], attrs["block_size"]
-        codes = numpy_helper.to_array(initializers[node.input[1]]).reshape(rows, k // block, block).astype(np.float64)
+        bits, k, rows, block = attrs["bits"], attrs["K"], attrs["N"], attrs["block_size"]
+        assert bits in (4, 8) and len(node.input) in (3, 4)
+        codes = numpy_helper.to_array(initializers[node.input[1]]).reshape(rows, k // block, block * bits // 8)
+        if bits == 4:
+            codes = nibbles(codes)
         scales = numpy_helper.to_array(initializers[node.input[2]]).reshape(rows, k // block, 1)
-        w = ((codes - ZERO_POINT) * scales).reshape(rows, k)
+        if len(node.input) == 4:  # 4-bit zero points, one per block, packed like the codes
+            zero_point = nibbles(numpy_helper.to_array(initializers[node.input[3]]))[:, : k // block, None]
+        else:
+            zero_point = 2 ** (bits - 1)
+        w = ((codes.astype(np.float64) - zero_point) * scales).reshape(rows, k)
         if n:
             w = (w.reshape(rows, k // n, n) @ hadamard_matrix(n).astype(np.float64)).reshape(rows, k)
         name = node.input[1]
@@ -601,26 +661,31 @@ def _stored_int8_weights(out_dir: Path) -> dict[str, np.ndarray]:
         if name.endswith("qkv_proj.weight"):
             prefix = name[: -len("qkv_proj.weight")]
             q, kk = heads * head_dim, kv * head_dim
-            weights.update({prefix + "q_proj.weight": w[:q], prefix + "k_proj.weight": w[q:q + kk],
-                            prefix + "v_proj.weight": w[q + kk:]})
+            parts = {prefix + "q_proj.weight": w[:q], prefix + "k_proj.weight": w[q:q + kk],
+                     prefix + "v_proj.weight": w[q + kk:]}
         elif name.endswith("gate_up_proj.weight"):
             prefix = name[: -len("gate_up_proj.weight")]
-            weights.update({prefix + "gate_proj.weight": w[: rows // 2], prefix + "up_proj.weight": w[rows // 2:]})
+            parts = {prefix + "gate_proj.weight": w[: rows // 2], prefix + "up_proj.weight": w[rows // 2:]}
         else:
-            weights[name] = w
+            parts = {name: w}
+        weights.update(parts)
+        layout.update({part: (bits, len(node.input) == 4) for part in parts})
+    return weights, layout
+
+
+def _stored_int8_weights(out_dir: Path) -> dict[str, np.ndarray]:
+    """:func:`_stored_quantized_weights` of an int8 export: every weight 8-bit and symmetric (zero point 128)."""
+    weights, layout = _stored_quantized_weights(out_dir)
+    assert set(layout.values()) == {(8, False)}  # symmetric int8: no zero-point input
     return weights
 
 
-def test_int8_graph_reads_exactly_the_stored_weights(tiny_model, tiny_int8_export):
-    """The int8 graph (GPTQ codes, Hadamard rotation folded into the weights, stacked q/k/v and
-    gate/up, the table read by the lookup and the head) computes transformers' model with the
-    weights its files hold, up to MatMulNBits' int8 activations (a wrong weight, rotation, split or
-    zero point gives 0.4-2.7; measured here 0.089)."""
+def _logits_with_stored_weights(tiny_model, stored: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
+    """transformers' logits of ``tiny_model`` with the given weights in place of its own."""
     import copy
 
     import torch
 
-    stored = _stored_int8_weights(tiny_int8_export)
     model = copy.deepcopy(tiny_model)
     params = dict(model.named_parameters())
     assert set(stored) == {name for name in params if name.endswith("proj.weight")} | {"model.embed_tokens.weight"}
@@ -628,15 +693,126 @@ def test_int8_graph_reads_exactly_the_stored_weights(tiny_model, tiny_int8_expor
         for name, w in stored.items():
             assert params[name].shape == w.shape, name
             params[name].copy_(torch.from_numpy(w.astype(np.float32)))
+    return reference_logits(model, ids)
+
+
+def test_int8_graph_reads_exactly_the_stored_weights(tiny_model, tiny_int8_export):
+    """The int8 graph (GPTQ codes, Hadamard rotation folded into the weights, stacked q/k/v and
+    gate/up, the table read by the lookup and the head) computes transformers' model with the
+    weights its files hold, up to MatMulNBits' int8 activations (a wrong weight, rotation, split or
+    zero point gives 0.4-2.7; measured here 0.089)."""
+    stored = _stored_int8_weights(tiny_int8_export)
     ids = _ids(seed=11)
     decoder = OnnxDecoder(tiny_int8_export)
     logits = np.concatenate([decoder.teacher_forced_logits(list(row))[None] for row in ids])
-    err = np.abs(logits - reference_logits(model, ids))
+    err = np.abs(logits - _logits_with_stored_weights(tiny_model, stored, ids))
     quant_err = np.abs(logits - reference_logits(tiny_model, ids))
     print(f"vs stored weights: mean {err.mean():.4f} max {err.max():.4f}; vs float weights: mean {quant_err.mean():.4f}")
     # measured: max 0.089, mean 0.015 (the int8 activations); a wrong weight, rotation or split is far above
     assert err.max() <= 0.15 and err.mean() <= 0.025
     assert quant_err.mean() > err.mean()  # the stored weights explain the logits better than the float ones
+
+
+@pytest.mark.parametrize("options, layouts", [
+    ({"table_dtype": "int8"}, {(4, False), (8, False)}),
+    ({}, {(4, False)}),
+    ({"symmetric": False}, {(4, True)}),
+], ids=["int8-table", "int4-table", "asymmetric"])
+def test_int4_graph_reads_exactly_the_stored_weights(tiny_model, tiny_dir, tmp_path, options, layouts):
+    """int4 exports with the default Hadamard 64 folded into the weights (and an int8 table, or 4-bit
+    zero points): the graph — the lookup that unpacks and dequantizes the gathered rows itself, and
+    MatMulNBits elsewhere — computes transformers' model with the weights its files hold, up to
+    MatMulNBits' int8 activations. The 4-bit error itself (~1-2 logits) would hide a lookup that
+    reads its rows wrongly; against the stored weights the bound is tight (measured max 0.07-0.11,
+    mean 0.014): the int8 table's lookup with zero point 127 instead of 128 gives max 0.33, mean 0.05."""
+    result = export(tiny_dir, tmp_path / "int4", "int4", block_size=16, calibrate=False, **options)
+    manifest = json.loads((result.out_dir / "manifest.json").read_text())
+    assert manifest["quantization"]["hadamard_size"] == 64
+    stored, layout = _stored_quantized_weights(result.out_dir)
+    assert set(layout.values()) == layouts
+    # the table (lookup and head) is the int8 one when asked for; every projection stays 4-bit
+    table_bits = 8 if options.get("table_dtype") == "int8" else 4
+    assert layout["model.embed_tokens.weight"][0] == table_bits
+    ids = _ids(seed=12)
+    decoder = OnnxDecoder(result.out_dir)
+    logits = np.concatenate([decoder.teacher_forced_logits(list(row))[None] for row in ids])
+    err = np.abs(logits - _logits_with_stored_weights(tiny_model, stored, ids))
+    quant_err = np.abs(logits - reference_logits(tiny_model, ids))
+    print(f"vs stored weights: mean {err.mean():.4f} max {err.max():.4f}; vs float weights: mean {quant_err.mean():.4f}")
+    assert err.max() <= 0.15 and err.mean() <= 0.025
+    assert quant_err.mean() > 5 * err.mean()  # the 4-bit error is far larger: the check is not the loose one
+
+
+def _initializer_arrays(out_dir: Path, names) -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    model = onnx.load(str(out_dir / "model.onnx"))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer if t.name in names}
+
+
+def test_int4_scale_method_rtn_stores_round_to_nearest_codes(tiny_dir, tmp_path):
+    """scale_method="rtn" takes effect: the stored codes and scales of a layer projection and of the
+    int4 table are exactly quant/int4.py's round-to-nearest of the source weight with the Hadamard
+    rotation folded in (``W H``, as the exporter folds it; no calibration, so no GPTQ codes), each
+    block's scale magnitude is its largest |w| / 8 (c = 1), and an mse export stores other ones."""
+    from quant import BlockInt4Weights, rotate_blocks
+
+    source = load_file(str(tiny_dir / "model.safetensors"))
+    names = {"model.layers.0.self_attn.o_proj.weight": 16, "model.layers.1.mlp.down_proj.weight": 16,
+             "model.embed_tokens.weight": 32}  # name -> block size (the int4 table's default is 32)
+    wanted = {n + suffix for n in names for suffix in ("", "_scales")}
+    stored = {}
+    for method in ("rtn", "mse"):
+        out = export(tiny_dir, tmp_path / method, "int4", block_size=16, calibrate=False, scale_method=method).out_dir
+        quantization = json.loads((out / "manifest.json").read_text())["quantization"]
+        assert (quantization["scale_method"], quantization["calibration"]) == (method, None)
+        assert quantization["hadamard_size"] == 64  # the default rotation, folded into every weight
+        stored[method] = _initializer_arrays(out, wanted)
+    for name, block in names.items():
+        rotated = rotate_blocks(source[name], 64)  # W H
+        expected = BlockInt4Weights.quantize(rotated, block, method="rtn")
+        rtn_codes, rtn_scales = stored["rtn"][name], stored["rtn"][name + "_scales"]
+        assert rtn_codes.shape == expected.data.shape and np.array_equal(rtn_codes, expected.data), name
+        assert np.array_equal(rtn_scales, expected.scales), name
+        # round to nearest, derived here: the symmetric scale is the block's largest magnitude over 8
+        largest = np.abs(rotated.reshape(len(rotated), -1, block)).max(axis=2)
+        assert np.array_equal(np.abs(rtn_scales), largest / np.float32(8)), name
+        # the clipping search keeps c = 1 for some blocks but clips many: other scales, other codes
+        mse_scales = np.abs(stored["mse"][name + "_scales"])
+        assert (mse_scales <= largest / 8 * (1 + 1e-6)).all() and (mse_scales < largest / 8 * 0.99).mean() > 0.2, name
+        assert not np.array_equal(stored["mse"][name], rtn_codes), name
+
+
+@pytest.mark.parametrize("table_dtype, bits, block", [("int8", 8, 64), (None, 4, 32)])
+def test_int4_table_dtype_sets_the_tables_codes(tiny_dir, tmp_path, table_dtype, bits, block):
+    """table_dtype="int8" takes effect: the one table initializer holds one uint8 code per weight
+    (``[vocab, hidden / B, B]``, B = 64: the int8 table's default 128 capped by hidden 64), the LM
+    head's MatMulNBits reads it with bits=8 while every projection stays 4-bit, and its codes are
+    the symmetric int8 round-to-nearest of the rotated table (scale max|w| / 127, stored q + 128),
+    derived here. The default int4 table packs two codes per byte at block 32."""
+    out = export(tiny_dir, tmp_path / "int4", "int4", block_size=16, calibrate=False, table_dtype=table_dtype).out_dir
+    quantization = json.loads((out / "manifest.json").read_text())["quantization"]
+    assert (quantization["table_dtype"], quantization["table_block_size"]) == (f"int{bits}", block)
+    model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+    (table,) = [t for t in model.graph.initializer if t.name == "model.embed_tokens.weight"]
+    assert table.data_type == onnx.TensorProto.UINT8 and list(table.dims) == [96, 64 // block, block * bits // 8]
+    matmuls = {n.input[1]: {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+               for n in model.graph.node if n.op_type == "MatMulNBits"}
+    head = matmuls.pop("model.embed_tokens.weight")
+    assert (head["bits"], head["block_size"], head["N"], head["K"]) == (bits, block, 96, 64)
+    assert {m["bits"] for m in matmuls.values()} == {4} and len(matmuls) == 16  # 4 per layer
+    lookups = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == "model.embed_tokens.weight"]
+    assert len(lookups) == 1  # the lookup reads the same codes
+    if bits == 8:
+        from quant import rotate_blocks
+
+        blocks = rotate_blocks(load_file(str(tiny_dir / "model.safetensors"))["model.embed_tokens.weight"], 64)
+        blocks = blocks.reshape(96, 64 // block, block)
+        scales = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+        codes = (np.clip(np.rint(blocks / scales), -127, 127) + 128).astype(np.uint8)
+        arrays = _initializer_arrays(out, {"model.embed_tokens.weight", "model.embed_tokens.weight_scales"})
+        assert np.array_equal(arrays["model.embed_tokens.weight_scales"], scales[..., 0])
+        assert np.array_equal(arrays["model.embed_tokens.weight"], codes)
 
 
 def test_greedy_equals_transformers_argmax_decoding(tiny_model, fp32_all):

@@ -189,6 +189,49 @@ def test_divergence_names_the_broken_layer(debug_export, prompts_file, tmp_path,
     assert "verdict: FAIL" in result.stdout
 
 
+@pytest.fixture(scope="module")
+def int8_debug_export(tiny_dir, tmp_path_factory):
+    # no tokenizer in tiny_dir: round-to-nearest codes (no GPTQ), as an export without --calibrate
+    return export(tiny_dir, tmp_path_factory.mktemp("dbg8") / "int8", "int8", block_size=16, debug_outputs=True).out_dir
+
+
+def test_a_damaged_int8_export_fails_the_int8_limits(int8_debug_export, prompts_file, tmp_path):
+    """The quantized verdict can fail: an int8 export with one layer damaged fails the int8 top-1 and
+    KL limits (>= 0.9, <= 0.02: docs/quality.md's figures with margin), while the intact one passes
+    them. Negating a quarter of layer 1's down_proj scales flips ~20% of the tokens and gives a KL
+    of ~0.14 here; the intact export agrees on every token with a KL of ~3e-4, so neither side is
+    near a limit."""
+    import shutil
+
+    intact = _parity("--model", int8_debug_export, "--against", "transformers", "--prompts", prompts_file,
+                     "--json", tmp_path / "ok.json")
+    assert intact.exit_code == 0, intact.output
+    report = json.loads((tmp_path / "ok.json").read_text())
+    assert report["dtype"] == "int8" and report["passed"]
+    assert [(c["threshold"], c["passed"]) for c in report["checks"]] == [(">= 0.9", True), ("<= 0.02", True)]
+    assert all(p["divergence"]["first"] is None for p in report["prompts"])  # int8 noise is below 0.2 everywhere
+    broken = tmp_path / "broken"
+    shutil.copytree(int8_debug_export, broken)
+    _break(broken, "model.layers.1.mlp.down_proj.weight_scales")  # the codes stay; a quarter of the rows flip sign
+    result = _parity("--model", broken, "--against", "transformers", "--prompts", prompts_file,
+                     "--json", tmp_path / "bad.json")
+    assert result.exit_code == 1, result.output
+    report = json.loads((tmp_path / "bad.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    top1 = checks["top-1 agreement with transformers"]
+    kl = checks["mean KL(transformers || export), nats/token"]
+    assert (top1["threshold"], top1["passed"]) == (">= 0.9", False) and top1["measured"] < 0.9
+    assert (kl["threshold"], kl["passed"]) == ("<= 0.02", False) and kl["measured"] > 0.02
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("top-1 agreement with transformers") and line.endswith(">= 0.9  FAIL") for line in lines)
+    assert any(line.startswith("mean KL(transformers || export)") and line.endswith("<= 0.02  FAIL") for line in lines)
+    assert "verdict: FAIL" in result.stdout
+    # the divergence report names the damaged sub-block under the int8 tolerance
+    for prompt in report["prompts"]:
+        first = prompt["divergence"]["first"]
+        assert (first["layer"], first["block"]) == (1, "mlp") and prompt["divergence"]["tolerance"] == 0.2
+
+
 def test_golden_files(tiny_int8_export, tmp_path):
     decoder = OnnxDecoder(tiny_int8_export)
     prompt = [2, 7, 8, 9]
