@@ -181,16 +181,14 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     if reference is None and reference_weights is not None:
         raise GemmaExportError("--reference-weights applies to --reference, which is not given")
-    if reference is not None:  # its files and IREE before the (long) measurement, not after it
-        from .reference_iree import _iree
-        from .sources.mlir import find_archive
+    if reference is not None:  # its files, their contents and IREE before the (long) measurement, not after it
+        from .reference_iree import _iree, check_reference
         from .text_files import require_file
 
         require_file(reference, "reference MLIR file (--reference)")
         if reference_weights is not None:
             require_file(reference_weights, "reference archive (--reference-weights)")
-        else:
-            find_archive(Path(reference))
+        check_reference(reference, reference_weights)
         _iree()
     spec = find_board(board) if board is not None else None
     if threads is None:
@@ -215,6 +213,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     create_s = time.perf_counter() - t0
     say(f"session created in {create_s:.1f} s" + (f" from the {decoder.prepacked_note}" if decoder.prepacked_path else ""))
     decoder.check_length(needed)
+    decoder.check_ids(ids[:lengths[-1]], source)  # every prompt's ids, before the first is timed
 
     prefill_ms: dict[int, float] = {}
     by_prompt: dict[int, float] = {}

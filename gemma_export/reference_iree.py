@@ -195,6 +195,31 @@ class ReferenceModel:
         return new
 
 
+def check_reference(mlir_path: str | Path, archive_path: str | Path | None = None):
+    """Read a reference export without compiling it: its MLIR, its archive against the MLIR's
+    globals, and its re-decode function. Cheap next to :func:`load_reference`'s compilation, so a
+    command can refuse bad reference input before slow work of its own.
+
+    Returns:
+        ``(module, archive, function)``: the parsed MLIR, the bound archive, the function
+        ``tensor<1xSxi32> -> tensor<Sxi32>``.
+
+    Raises:
+        SourceNotFoundError, FormatError: missing files, an archive that contradicts the MLIR, no
+            re-decode function.
+    """
+    mlir_path = Path(mlir_path)
+    module = parse_mlir(mlir_path)  # the files first: a missing file is named before a missing IREE
+    archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    candidates = [f for f in module.functions
+                  if len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
+                  and len(f.results) == 1 and f.results[0] == f"{f.arguments[0].split('x')[1]}xi32"]
+    if not candidates:
+        raise FormatError(f"{mlir_path}: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> "
+                          f"(found {', '.join('@' + f.name for f in module.functions) or 'no functions'})")
+    return module, archive, candidates[0]
+
+
 def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,
                    cache_dir: Path | None = None) -> ReferenceModel:
     """Validate a reference export, compile it with IREE for this CPU and bind its archive.
@@ -210,16 +235,8 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
             or failing.
     """
     mlir_path = Path(mlir_path)
-    module = parse_mlir(mlir_path)  # the files first: a missing file is named before a missing IREE
-    archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    module, archive, function = check_reference(mlir_path, archive_path)
     _, runtime = _iree()
-    candidates = [f for f in module.functions
-                  if len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
-                  and len(f.results) == 1 and f.results[0] == f"{f.arguments[0].split('x')[1]}xi32"]
-    if not candidates:
-        raise FormatError(f"{mlir_path}: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> "
-                          f"(found {', '.join('@' + f.name for f in module.functions) or 'no functions'})")
-    function = candidates[0]
     length = int(function.arguments[0].split("x")[1])
     vocab = module.globals[0].shape[0]
     text = mlir_path.read_text(encoding="utf-8", errors="replace")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -403,3 +404,37 @@ def test_bench_checks_the_positions_before_creating_the_session(tiny_int8_export
     assert result.exit_code == 2
     assert result.stderr == (f"error: {model}: the longest prompt (8 tokens) and 9 decode steps need 17 positions; "
                              "the model's max_position_embeddings is 16\n")
+
+
+def test_bench_refuses_a_bad_reference_and_out_of_vocabulary_prompts_before_timing(tiny_int8_export, tiny_model,
+                                                                                    text_file, tmp_path):
+    """What would fail only after minutes of measuring is refused before the first prompt is timed:
+    a reference whose function is not the re-decode signature (found when it was compiled, after the
+    bench), and a tokenizer that gives ids beyond the graph's vocabulary in a later prompt only."""
+    from jax_reference import write_jax_reference
+
+    mlir = write_jax_reference(tiny_model, tmp_path / "ref", "bf16")
+    text = mlir.read_text()
+    assert "-> tensor<" in text
+    wrong = tmp_path / "ref" / "wrong.mlir"
+    wrong.write_text(text.replace("xi32>) -> tensor<", "xi32>) -> tensor<1x", 1))
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "6", "--new-tokens", "6",
+                                 "--text", str(text_file), "--reference", str(wrong),
+                                 "--reference-weights", str(mlir.with_suffix(".safetensors"))])
+    assert result.exit_code == 2, result.output
+    assert "no re-decode function tensor<1xSxi32> -> tensor<Sxi32>" in result.stderr
+    assert "prompt 6 tokens" not in result.output  # nothing was timed
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, model)
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    late = text_file.read_text()[12]  # a character of the second prompt only (the first has 6 tokens)
+    assert late not in text_file.read_text()[:5]
+    vocab[late] = 500  # beyond the graph's 96 rows
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = runner.invoke(app, ["bench", "--model", str(model), "--prompt-tokens", "6,20", "--new-tokens", "6",
+                                 "--text", str(text_file)])
+    assert result.exit_code == 2, result.output
+    assert "500" in result.stderr and "does not match its graph" in result.stderr
+    assert "prompt 6 tokens" not in result.output
