@@ -162,16 +162,26 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
     verify`` compares every byte of every file.
 
     Raises:
-        FormatError: naming the first file whose size differs from the manifest's.
+        FormatError: naming the first file whose size differs from the manifest's, or a ``files``
+            field that is not an object of ``{"bytes": integer, ...}`` entries for the data files
+            (a damaged manifest would otherwise pass this check unseen).
         OSError: a listed file cannot be opened for reading (permissions, I/O error).
     """
-    files = manifest.get("files")
-    if not isinstance(files, dict):
+    if "files" not in manifest:  # folders of other exporters carry no manifest
         return
+    files = manifest["files"]
+    where = model_dir / MANIFEST_FILE
+    if not isinstance(files, dict):
+        raise FormatError(f"{where}: field 'files' must be an object (file name -> bytes, sha256), found {shown(files)}")
     for name, entry in files.items():
         path = model_dir / name
-        if not (name.startswith(f"{MODEL_FILE}.") and isinstance(entry, dict) and is_whole_number(entry.get("bytes"))
-                and path.is_file()):
+        if not name.startswith(f"{MODEL_FILE}."):
+            continue
+        if not (isinstance(entry, dict) and is_whole_number(entry.get("bytes")) and entry["bytes"] >= 0):
+            bytes_field = entry.get("bytes") if isinstance(entry, dict) else entry
+            raise FormatError(f"{where}: files[{name!r}] must record its size as 'bytes' (an integer >= 0), found "
+                              f"{shown(bytes_field)}")
+        if not path.is_file():
             continue
         size = path.stat().st_size
         if size != entry["bytes"]:

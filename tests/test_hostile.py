@@ -506,6 +506,12 @@ CASES = {
                                            VerificationError, ("model.onnx.data: has 2 hard links", "cp, not ln")),
     "manifest files a string (verify)": Case(export_copy(_manifest_field(None, "files", "abc"), _verify), VerificationError,
                                              ("field 'files' must be an object", "found str")),
+    # the runtime's cheap size check of the data file reads 'files': a damaged one is named, not skipped
+    "manifest files a list (generate)": Case(export_copy(_manifest_field(None, "files", []), _generate), FormatError,
+                                             ("field 'files' must be an object", "found []")),
+    "manifest data size a string (generate)": Case(export_copy(_manifest_field("files", "model.onnx.data", {"bytes": "12"}),
+                                                               _generate), FormatError,
+                                                   ("files['model.onnx.data'] must record its size as 'bytes'", 'found "12"')),
     "manifest eos a string (generate)": Case(export_copy(_manifest_field("config", "eos_token_id", "x"), _generate),
                                              FormatError, ("field 'config.eos_token_id' must be a token id", 'found "x"')),
     "manifest max positions a string (generate)": Case(export_copy(_manifest_field("config", "max_position_embeddings", "abc"),
