@@ -485,13 +485,17 @@ def test_a_tokenizer_that_does_not_match_the_graph_is_named_not_a_traceback(tiny
     vocab.update({token: i + 100 for token, i in vocab.items() if i >= 4})  # letters etc. beyond the vocabulary
     (model / "tokenizer.json").write_text(json.dumps(tokenizer))
     first_id = {"generate": vocab["h"], "bench": None}
-    for args in (["generate", "--model", model, "--prompt", "hello"],
-                 ["bench", "--model", model, "--prompt-tokens", "8", "--new-tokens", "8"]):
+    from gemma_export.bench import real_text
+
+    # generate names the prompt; bench the text its prompts come from (all of them checked before timing)
+    for args, what in ((["generate", "--model", model, "--prompt", "hello"], "prompt"),
+                       (["bench", "--model", model, "--prompt-tokens", "8", "--new-tokens", "8"], real_text(None)[1])):
         result = _run(*args)
         assert result.exit_code == 2, result.stderr
         last = result.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"error: {re.escape(str(model))}: prompt: token id (\d+) is outside the export's "
-                            r"vocabulary \(0 to 95\); the tokenizer beside the export does not match its graph", last), last
+        assert re.fullmatch(rf"error: {re.escape(str(model))}: {re.escape(str(what))}: token id (\d+) is outside the "
+                            r"export's vocabulary \(0 to 95\); the tokenizer beside the export does not match its graph",
+                            last), last
         if first_id[args[0]] is not None:  # <bos> (2) is kept; the first letter is the first id out of range (111)
             assert f"token id {first_id[args[0]]} is" in last
 
