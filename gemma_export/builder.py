@@ -59,7 +59,19 @@ def rms_norm(g: GraphBuilder, x: ir.Value, ref: TensorRef, eps: float) -> ir.Val
     ``(1 + w)`` is folded into the stored gain at export (transformers ``Gemma3RMSNorm`` computes
     ``1.0 + weight`` at run time; the sum is exact in float32 for the weights seen in practice).
     Written as Pow/ReduceMean/Add/Sqrt/Div/Mul so that onnxruntime fuses it into
-    SimplifiedLayerNormalization.
+    SimplifiedLayerNormalization. RMSNorm: Zhang & Sennrich 2019 (arXiv:1910.07467).
+
+    Args:
+        x: float32 ``[..., n]``.
+        ref: the norm's weight ``w``, ``[n]``; read now (not lazily) to store ``1 + w`` as a float32
+            initializer under ``ref.name``.
+        eps: added to the mean square.
+
+    Returns:
+        float32, the shape of ``x``.
+
+    Raises:
+        FormatError, NumericError: ``ref`` cannot be read, or holds NaN or Inf (:meth:`TensorRef.load`).
     """
     gain = g.initializer(ir.tensor((ref.load() + np.float32(1.0)).astype(np.float32), name=ref.name))
     mean_square = g.op("ReduceMean", g.op("Pow", x, g.const_f32(2.0)), g.const_i64([-1]), keepdims=1)
@@ -73,7 +85,18 @@ def rotary_embedding(g: GraphBuilder, position_ids: ir.Value, config: GemmaConfi
     ``inv_freq = 1 / theta ** (arange(0, head_dim, 2) / head_dim)`` (divided by ``factor`` for linear
     scaling), ``angle = position_ids * inv_freq`` (transformers ``Gemma3RotaryEmbedding``; its
     ``emb = concat(freqs, freqs)`` is the rotate-half layout :func:`apply_rotary` applies).
-    Computed from the positions at run time: no position-table constant.
+    Computed from the positions at run time: no position-table constant. RoPE: Su et al. 2021,
+    "RoFormer" (arXiv:2104.09864).
+
+    Args:
+        position_ids: int64 ``[batch, seq]`` (cast to float32, exact below 2**24).
+        layer_type: ``sliding_attention`` or ``full_attention``, selecting the base and factor.
+
+    Returns:
+        ``(cos, sin)``, float32 ``[batch · seq, head_dim / 2]`` each.
+
+    Raises:
+        KeyError: ``layer_type`` has no entry in ``config.rope_parameters`` (a validated config has both).
     """
     inv_freq = config.rope_parameters[layer_type].inv_freq(config.head_dim)
     positions = g.op("Reshape", g.op("Cast", position_ids, to=F32), g.const_i64([-1, 1]))  # [B·S, 1]
@@ -92,7 +115,9 @@ def apply_rotary(g: GraphBuilder, x: ir.Value, cos: ir.Value, sin: ir.Value, ind
     """``x * cos + rotate_half(x) * sin`` with ``rotate_half([a, b]) = [-b, a]`` over each head's
     ``head_dim`` values of ``x`` ``[batch, seq, heads · head_dim]``: one onnxruntime
     ``RotaryEmbedding`` (com.microsoft, ``interleaved`` 0; the head size is read from ``cos``), reading
-    the cos/sin row ``index[b, s]`` for token ``(b, s)``."""
+    the cos/sin row ``index[b, s]`` for token ``(b, s)`` (operator spec: onnxruntime
+    docs/ContribOperators.md, ``com.microsoft.RotaryEmbedding``, whose ``position_ids`` input here
+    carries :func:`rope_index`). Returns float32, the shape of ``x``."""
     return g.op("RotaryEmbedding", x, index, cos, sin, domain=MS_DOMAIN, interleaved=0)
 
 
@@ -149,6 +174,10 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     ``[B, num_key_value_heads, past, head_dim]`` (BNSH). Returns ``(output [B, S, hidden],
     present_key, present_value)``, the presents ``[B, num_key_value_heads, past + S, head_dim]`` (or the
     shared buffer's capacity when the runtime binds one buffer as past and present).
+
+    Raises:
+        FormatError, NumericError: the q/k norm weights cannot be read, or hold NaN or Inf
+            (:func:`rms_norm` reads them now; the projections are read when the model is saved).
     """
     c = ckpt.config
     p = f"model.layers.{layer}.self_attn."
@@ -179,7 +208,9 @@ def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.
     """GeGLU: ``down_proj(gelu_tanh(gate_proj(x)) * up_proj(x))`` (transformers ``Gemma3MLP``), float32
     ``x [B, S, hidden]`` → ``[B, S, hidden]`` through ``[B, S, intermediate_size]``. ONNX ``Gelu``
     (opset 20) with ``approximate="tanh"`` is ``0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))``, the
-    formula of transformers' ``gelu_pytorch_tanh`` (``hidden_activation`` of Gemma 3)."""
+    formula of transformers' ``gelu_pytorch_tanh`` (``hidden_activation`` of Gemma 3) and of the
+    GELU paper's approximation (Hendrycks & Gimpel 2016, arXiv:1606.08415). GeGLU: Shazeer 2020
+    (arXiv:2002.05202)."""
     p = f"model.layers.{layer}.mlp."
     gate, up = fmt.linears(g, x, [_weight(ckpt, p + "gate_proj.weight"), _weight(ckpt, p + "up_proj.weight")],
                            p + "gate_up_proj.weight")
@@ -194,7 +225,10 @@ def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: i
     ``x``: float32 ``[B, S, hidden]``; caches as :func:`self_attention`.
     Returns ``(hidden [B, S, hidden], present_key, present_value, sub_blocks)``; ``sub_blocks`` maps ``attention``
     and ``mlp`` to what each adds to the residual stream (the outputs of ``post_attention_layernorm``
-    and ``post_feedforward_layernorm``, as transformers' modules of those names return them)."""
+    and ``post_feedforward_layernorm``, as transformers' modules of those names return them).
+
+    Raises:
+        FormatError, NumericError: a norm weight of the layer cannot be read, or holds NaN or Inf."""
     p = f"model.layers.{layer}."
     eps = ckpt.config.rms_norm_eps
     attn, present_key, present_value = self_attention(
@@ -212,6 +246,7 @@ DEBUG_BLOCKS = ("attention", "mlp")
 
 
 def debug_output_name(layer: int, block: str) -> str:
+    """The graph output name ``debug.layers.{layer}.{block}`` (``block``: one of :data:`DEBUG_BLOCKS`)."""
     return f"debug.layers.{layer}.{block}"
 
 
@@ -227,6 +262,15 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
             residual stream (``debug.layers.{i}.attention|mlp``, float32 ``[batch, sequence_length,
             hidden]``), so ``gemma-export parity`` can name the first sub-block that departs from
             the reference.
+
+    Returns:
+        The model (I/O as in the module docstring); its large initializers are lazy, read and
+        converted by ``onnx_ir`` when the model is saved, which is when a weight that cannot be
+        stored raises :class:`~gemma_export.errors.NumericError`.
+
+    Raises:
+        FormatError, NumericError: a norm weight (read now, :func:`rms_norm`) cannot be read or
+            holds NaN or Inf.
     """
     c = ckpt.config
     g = GraphBuilder()

@@ -53,6 +53,10 @@ def default_calibration_text() -> tuple[str, str]:
     CPython): real English by other authors, and a different text from the quality benchmark's
     Python license.
 
+    Returns:
+        ``(text, source)``: the topics joined by blank lines in key order, and a description of
+        where the text comes from, for the manifest.
+
     Raises:
         SourceNotFoundError: this Python was built without ``pydoc_data``.
     """
@@ -66,8 +70,17 @@ def default_calibration_text() -> tuple[str, str]:
 def calibration_text(path: str | Path | None) -> tuple[str, str]:
     """``(text, source)`` from a UTF-8 file, or the default text when ``path`` is None.
 
+    Args:
+        path: a UTF-8 text file (a leading byte-order mark is dropped), or None for
+            :func:`default_calibration_text`.
+
+    Returns:
+        ``(text, source)``: the whole text and the path as given (or the default's description).
+
     Raises:
-        SourceNotFoundError: no such file, or unreadable; FormatError: not UTF-8; ConfigError: empty.
+        SourceNotFoundError: no such file, or unreadable (or, default text, no ``pydoc_data``).
+        FormatError: not UTF-8.
+        ConfigError: empty or whitespace only.
     """
     if path is None:
         return default_calibration_text()
@@ -116,12 +129,21 @@ class Calibration:
 
     def statistics(self, name: str) -> np.ndarray | None:
         """What is kept for weight ``name`` (its inputs or their ``Xᵀ X``; the same object for
-        weights that read the same input); None when not collected."""
+        weights that read the same input); None when not collected.
+
+        Args:
+            name: a transformers weight name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
+
+        Returns:
+            float16 or float32 ``[T, K]`` (from :attr:`inputs`), float32 ``[K, K]`` (from
+            :attr:`hessians`), or None; ``K`` the weight's in_features.
+        """
         x = self.inputs.get(name)
         return self.hessians.get(name) if x is None else x
 
     def hessian(self, name: str) -> np.ndarray | None:
-        """``Xᵀ X`` (float64 ``[K, K]``) of the inputs of weight ``name``; None when not collected."""
+        """``Xᵀ X`` (float64 ``[K, K]``, a new array) of the inputs of weight ``name``; None when not
+        collected. ``name`` as in :meth:`statistics`."""
         if name in self.hessians:
             return self.hessians[name].astype(np.float64)
         x = self.inputs.get(name)
@@ -129,7 +151,9 @@ class Calibration:
 
 
 def gram(x: np.ndarray) -> np.ndarray:
-    """``Xᵀ X`` in float64 of ``x`` ``[T, K]`` (any float dtype): float64 ``[K, K]``."""
+    """``Xᵀ X`` in float64 of ``x`` ``[T, K]`` (any float dtype): float64 ``[K, K]``, GPTQ's Hessian
+    up to a constant factor (Frantar et al. 2022 use ``2 X Xᵀ`` with X as ``[K, T]``; the factor
+    cancels in :func:`quant.gptq.gptq_codes`)."""
     x64 = x.astype(np.float64)
     return x64.T @ x64
 
@@ -141,11 +165,31 @@ def forward(checkpoint: Checkpoint, token_ids: Sequence[int],
     hidden state ``[T, hidden]`` (the LM head's input) and calls ``record(weight_name, input)``
     for each projection input.
 
+    The math is transformers' ``Gemma3ForCausalLM`` with eager attention (``modeling_gemma3.py``):
+    ``Gemma3RMSNorm`` (RMSNorm, Zhang & Sennrich 2019, with the gain ``1 + w``) in float32,
+    rotate-half RoPE (Su et al. 2021, arXiv:2104.09864; transformers' ``apply_rotary_pos_emb``) with
+    angles in float64, the tanh approximation of GELU (Hendrycks & Gimpel 2016, arXiv:1606.08415;
+    transformers' ``gelu_pytorch_tanh``), and softmax attention in blocks of 256 queries. There is
+    no attention soft-capping, as in the exported graph.
+
+    Args:
+        checkpoint: the model; its weights are read one layer at a time.
+        token_ids: ``T`` ids, each in ``[0, vocab_size)``.
+        record: called as ``record(weight_name, x)`` with ``x`` float32 ``[T, in_features]``, the
+            same array for the weights that read one input (q/k/v, gate/up), and finally for the
+            table (``lm_head.weight`` when untied) with the final hidden state.
+        progress: called as ``progress(layers_done, num_hidden_layers)`` after each layer.
+
+    Returns:
+        float32 ``[T, hidden_size]``.
+
     Raises:
-        GemmaExportError: a token id outside the vocabulary.
+        GemmaExportError: no token ids, or a token id outside the vocabulary.
+        FormatError: a weight read with another shape than its source declares (:meth:`TensorRef.load`).
         NumericError: a projection's input is not finite (float32 overflow), or ``record`` raised
             NumericError (e.g. its statistics overflow); the message names that input and the
-            weight of largest magnitude read before it, the likely culprit.
+            weight of largest magnitude read before it, the likely culprit; or a weight holds NaN
+            or Inf (:meth:`TensorRef.load`).
     """
     # overflow shows as inf/nan in a projection's input, which record() below turns into one error
     # naming it (numpy's RuntimeWarnings would only add lines without the tensor's name)
@@ -245,9 +289,21 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
             progress: Callable[[int, int], None] | None = None) -> Calibration:
     """Run :func:`forward` over ``token_ids`` and keep every weight's input (see the module doc).
 
+    Args:
+        checkpoint: the fp32 source.
+        token_ids: ``T`` ids (``T ≥ 2``); the callers limit ``T`` to ``MAX_CALIBRATION_TOKENS``.
+        source: where the text came from, stored as :attr:`Calibration.source`.
+        progress: as in :func:`forward`.
+
+    Returns:
+        A :class:`Calibration`: per weight, float16 ``[T, K]`` inputs (float32 where a value
+        reaches 6e4) when ``T ≤ 2 K``, else float32 ``Xᵀ X`` ``[K, K]``.
+
     Raises:
         GemmaExportError: fewer than 2 tokens, or a token id outside the vocabulary.
-        NumericError: a weight's input or its statistics overflow float32 (:func:`forward`).
+        NumericError: a weight's input or its statistics overflow float32 (:func:`forward`), or a
+            weight holds NaN or Inf.
+        FormatError: as :func:`forward`.
     """
     if len(token_ids) < 2:
         raise GemmaExportError(f"calibration needs at least 2 tokens, found {len(token_ids)}")

@@ -59,7 +59,13 @@ class RopeParameters:
     factor: float = 1.0
 
     def inv_freq(self, head_dim: int, dtype=np.float32) -> np.ndarray:
-        """``[head_dim / 2]`` in ``dtype`` (float32 for the graph's constant; computed in that precision)."""
+        """``[head_dim / 2]`` in ``dtype`` (float32 for the graph's constant; computed in that precision),
+        radians per position; formula and source in the class docstring.
+
+        Args:
+            head_dim: the rotated size per head (Gemma 3 rotates all of it).
+            dtype: a numpy float type (``np.float32``, ``np.float64``).
+        """
         exponent = np.arange(0, head_dim, 2, dtype=dtype) / dtype(head_dim)
         return ((dtype(1.0) / np.power(dtype(self.rope_theta), exponent)) / dtype(self.factor)).astype(dtype)
 
@@ -107,12 +113,14 @@ class GemmaConfig:
 
     @property
     def embed_scale(self) -> float:
-        """``sqrt(hidden_size)``, the factor Gemma multiplies token embeddings by (25.2982 for 640)."""
+        """``sqrt(hidden_size)``, the factor Gemma multiplies token embeddings by (25.2982 for 640;
+        transformers ``Gemma3TextScaledWordEmbedding``'s ``embed_scale``)."""
         return math.sqrt(self.hidden_size)
 
     @property
     def attention_scale(self) -> float:
-        """``query_pre_attn_scalar ** -0.5`` (1/16 for the 270M)."""
+        """``query_pre_attn_scalar ** -0.5`` (1/16 for the 270M), the scores' factor
+        (transformers ``Gemma3Attention.scaling``)."""
         return self.query_pre_attn_scalar**-0.5
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,6 +134,12 @@ class GemmaConfig:
     # ---- validation -----------------------------------------------------------------------------
     def validate(self, where: str) -> "GemmaConfig":
         """Check that the fields agree with each other.
+
+        Args:
+            where: the source file, named in messages.
+
+        Returns:
+            ``self``, so a constructor call can end with ``.validate(where)``.
 
         Raises:
             ConfigError: naming ``where`` (the file) and the contradicting fields.

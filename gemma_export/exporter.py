@@ -66,6 +66,7 @@ class ExportResult:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every file in :attr:`files`, the manifest included."""
         return sum(self.files.values())
 
 
@@ -88,6 +89,16 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
     largest power of two ≤ ``default`` dividing every in_features in ``dims`` (default:
     hidden_size, heads × head_dim, intermediate_size). MatMulNBits needs a power of two ≥ 16.
 
+    Args:
+        checkpoint: the model whose config gives the default ``dims``.
+        requested: the user's size (weights per scale, or features per Hadamard block), or None.
+        dims: the in_features the size must divide.
+        default: the largest size tried when ``requested`` is None.
+        option: the command-line option, named in messages.
+
+    Returns:
+        The block size, a power of two between 16 and ``max(default, requested)``.
+
     Raises:
         ConfigError: the requested size is invalid, or no valid size divides the dimensions.
     """
@@ -107,7 +118,12 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
 
 
 def genai_config(checkpoint: Checkpoint) -> dict:
-    """``genai_config.json`` so that onnxruntime-genai can run the folder (model type ``gemma3_text``)."""
+    """``genai_config.json`` so that onnxruntime-genai can run the folder (model type ``gemma3_text``).
+
+    Returns:
+        The JSON object as a dict: the config's token ids, sizes and context length (positions),
+        the decoder's I/O names, and greedy search settings (``max_length`` at most 4,096 tokens).
+    """
     c = checkpoint.config
     return {
         "model": {
@@ -151,7 +167,12 @@ def genai_config(checkpoint: Checkpoint) -> dict:
 def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
     """Initializers in an ONNX file that hold a whole ``vocab × hidden`` table in any layout: first
     dimension ``vocab`` and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
-    two per uint8). Read without loading external data."""
+    two per uint8). Read without loading external data.
+
+    Raises:
+        Whatever ``onnx.load`` raises on an unreadable file (OSError, protobuf's DecodeError),
+        unwrapped: callers pass a model this toolkit just wrote.
+    """
     import onnx
 
     model = onnx.load(str(model_path), load_external_data=False)
@@ -160,7 +181,13 @@ def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int
 
 def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> bool:
     """True for an initializer of ``dims`` that can hold a whole ``[vocab, hidden]`` table (see
-    :func:`count_table_initializers`)."""
+    :func:`count_table_initializers`).
+
+    Args:
+        dims: the initializer's shape.
+        data_type: its ``onnx.TensorProto`` data type (``UINT8`` may hold packed 4-bit codes).
+        vocab_size, hidden_size: the table's shape.
+    """
     import onnx
 
     n = math.prod(dims)
@@ -171,8 +198,12 @@ def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> 
 def verify_folder(folder: Path) -> None:
     """Check an export folder: the ONNX checker on the path, then an onnxruntime session load.
 
+    Args:
+        folder: a folder holding ``model.onnx`` (and its external data).
+
     Raises:
-        VerificationError: naming the file and the failure.
+        VerificationError: naming the file and the failure (a file with several hard links named as
+            such: the checker refuses them).
     """
     import onnx
 
@@ -201,8 +232,12 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         file name → size in bytes of the verified files.
 
     Raises:
-        SourceNotFoundError: no manifest in the folder.
-        VerificationError: naming the first file that differs and how.
+        SourceNotFoundError: no such folder (or a file, or a bundle folder), or no manifest in it.
+        GemmaExportError: the folder's path is not valid UTF-8.
+        VerificationError: naming the first file that differs and how; an unreadable or malformed
+            manifest, graph or sliding-window metadata; files the manifest does not list (a
+            ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``.
+        OSError: a listed file cannot be read while hashing it (permissions, I/O error).
     """
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
@@ -447,9 +482,17 @@ def export(
         files, ``genai_config.json`` and ``manifest.json`` (sha256 and size of every other file).
 
     Raises:
-        SourceNotFoundError, FormatError, ConfigError, NumericError: bad source.
+        SourceNotFoundError, FormatError, ConfigError, NumericError: bad source, or (FormatError,
+            SourceNotFoundError) an unreadable calibration text.
+        ConfigError: options that contradict each other or their ranges, before any file is read;
+            a block size that divides no dimension of the model (:func:`block_size_for`); a source
+            without tokenizer with a calibration option, a tokenizer whose ids exceed the vocabulary,
+            or a calibration text of fewer than ``MIN_CALIBRATION_TOKENS`` tokens.
+        NumericError: a weight that cannot be stored or quantized (NaN/Inf, bf16 overflow), raised
+            while the weights are written; calibration activations that overflow float32.
         OutputError: the destination is inside the source or is a foreign non-empty folder, or its
-            file system lacks the free space the export needs (``staging.check_free_space``).
+            file system lacks the free space the export needs (``staging.check_free_space``), or it
+            changed during the export, or writing failed (``staging.staged_folder``).
         VerificationError: the written model failed the ONNX checker or onnxruntime load.
     """
     import onnx_ir as ir

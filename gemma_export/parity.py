@@ -61,7 +61,18 @@ THRESHOLDS = {
 
 @dataclasses.dataclass
 class PromptParity:
-    """Figures for one prompt; a section is None when that comparison was not asked for."""
+    """Figures for one prompt; a section is None when that comparison was not asked for.
+
+    Attributes:
+        prompt: the prompt's text, or None when given as ids.
+        prompt_ids: its token ids (with ``<bos>`` when tokenized).
+        transformers: ``positions``, ``max_abs_logit_diff`` (logits), ``cosine`` (mean over rows),
+            ``top1_agreement`` (a share), ``kl_mean`` (nats/token), ``first_top1_difference``.
+        reference: see ``_against_reference``: agreement by position, near-tie mismatches (positions),
+            greedy ids of both, and ``max_abs_logit_diff`` when the reference returns logits.
+        golden: ``entry``, ``expected_ids``, ``export_ids``, ``match``, ``first_mismatch``.
+        divergence: :func:`first_divergence`'s result.
+    """
 
     prompt: str | None
     prompt_ids: list[int]
@@ -98,6 +109,7 @@ class ParityReport:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict, ``passed`` included (``--json``)."""
         return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
                 "checks": [dataclasses.asdict(c) for c in self.checks],
                 "prompts": [dataclasses.asdict(p) for p in self.prompts]}
@@ -109,8 +121,17 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     list of strings and/or id lists; None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the
     export's tokenizer (``<bos>`` prepended).
 
+    Args:
+        path: the prompts file, or None.
+        tokenizer: the export's ``tokenizers.Tokenizer``, or None (then only id lists are accepted).
+
+    Returns:
+        ``(text or None, ids)`` per prompt, in file order; never empty.
+
     Raises:
-        SourceNotFoundError: no such file. FormatError: unreadable JSON, or entries of another kind.
+        SourceNotFoundError: no such file, or unreadable.
+        FormatError: not UTF-8, unreadable JSON, entries of another kind (a text prompt without a
+            tokenizer, a lone surrogate, an empty or negative id list), or no prompts.
     """
     if path is None:
         items: list = list(DEFAULT_PROMPTS)
@@ -164,6 +185,15 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
 
     ``prompts_file``: the ``--prompts`` file that ``prompts`` came from, when only the golden check
     uses it; only a bare list of ids takes its prompt from there, and that is one prompt.
+
+    Args:
+        path: the golden file.
+        prompts: :func:`read_prompts`' result; a bare list of ids uses its first prompt.
+        tokenizer: the export's tokenizer, or None.
+
+    Returns:
+        ``(prompt_ids, expected_ids, prefill_chunk)`` per entry; ``prefill_chunk`` in tokens, None
+        for the whole prompt in one step.
 
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
@@ -238,7 +268,12 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 def sub_block_outputs(model, token_ids: Sequence[int]) -> dict[str, np.ndarray]:
     """What each layer's attention and MLP add to the residual stream in transformers: the
     outputs of ``post_attention_layernorm`` and ``post_feedforward_layernorm`` (forward hooks),
-    keyed like the export's ``debug.layers.{i}.attention|mlp`` outputs, float32 ``[1, T, hidden]``."""
+    keyed like the export's ``debug.layers.{i}.attention|mlp`` outputs, float32 ``[1, T, hidden]``.
+
+    Args:
+        model: a :func:`~gemma_export.quality.transformers_model`.
+        token_ids: the ``T`` ids (not checked against the vocabulary: torch raises its own error).
+    """
     import torch
 
     from .builder import debug_output_name
@@ -262,7 +297,20 @@ def sub_block_outputs(model, token_ids: Sequence[int]) -> dict[str, np.ndarray]:
 def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: dict[str, np.ndarray],
                      num_layers: int, tolerance: float) -> dict:
     """The first ``(layer, block)`` in forward order whose relative error ``max|Δ| / max|reference|``
-    exceeds ``tolerance``, with every sub-block's error."""
+    exceeds ``tolerance``, with every sub-block's error.
+
+    Args:
+        export_outputs, reference_outputs: ``debug.layers.{i}.attention|mlp`` → float ``[1, T, hidden]``
+            (:meth:`~gemma_export.runtime.OnnxDecoder.prefill_outputs`, :func:`sub_block_outputs`).
+        num_layers: layers to compare, from 0.
+        tolerance: the relative error (a ratio, no unit) beyond which a sub-block departs.
+
+    Returns:
+        ``{"tolerance", "first": {"layer", "block", "relative_error"} or None, "sub_blocks": [...]}``.
+
+    Raises:
+        KeyError: an output of a compared layer is missing from either dict.
+    """
     from .builder import DEBUG_BLOCKS, debug_output_name
 
     errors = []
@@ -298,11 +346,20 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
             (the graph used is reported through ``progress``).
 
+    Returns:
+        A :class:`ParityReport`; a failed check is a verdict in it, not an exception.
+
     Raises:
         GemmaExportError: nothing to compare, unusable inputs, an option that no comparison asked for
             uses (``reference_weights``/``reference_logits`` without ``reference``, ``new_tokens``
             without ``against_transformers``, ``prompts`` with a golden file alone), a missing
-            optional dependency.
+            optional dependency; ``new_tokens`` < 1; a sequence beyond ``max_position_embeddings``;
+            a prompt as long as the reference's fixed length.
+        SourceNotFoundError, FormatError: an unusable export folder, prompts or golden file (see
+            :func:`read_prompts`, :func:`read_golden`); an id outside the vocabulary; a manifest that
+            contradicts its graph; a reference of another vocabulary size.
+        NumericError: the export computes NaN or +Inf logits.
+        ResourceError: a KV cache would not fit in available memory.
     """
     from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
@@ -470,7 +527,8 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
 
 
 def format_report(report: ParityReport) -> str:
-    """The table ``gemma-export parity`` prints."""
+    """The table ``gemma-export parity`` prints (KL in nats/token, logit differences in logits),
+    joined by newlines, ending with the ``verdict:`` line."""
     lines = [f"parity of {report.model} ({report.dtype})"]
     for n, p in enumerate(report.prompts, start=1):
         label = repr(p.prompt) if p.prompt is not None else f"ids {p.prompt_ids[:8]}{'...' if len(p.prompt_ids) > 8 else ''}"

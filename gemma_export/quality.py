@@ -37,7 +37,14 @@ from .text_files import first_tokens
 
 @dataclasses.dataclass(frozen=True)
 class QualityMetrics:
-    """Teacher-forced comparison of a model against a reference on ``tokens`` positions."""
+    """Teacher-forced comparison of a model against a reference on ``tokens`` positions.
+
+    Shares are fractions in [0, 1]; logit figures are in logits (natural-log units of the softmax);
+    KL is in nats per token: ``mean_i sum_v p_v (log p_v - log q_v)`` (Kullback & Leibler 1951),
+    ``p``/``q`` the softmax of the reference's/model's row ``i``. Perplexity is ``exp`` of the mean
+    negative log-likelihood of the next token over the ``tokens - 1`` rows that have one, as in
+    transformers' guide "Perplexity of fixed-length models" (NaN when ``tokens`` is 1).
+    """
 
     tokens: int
     top1_agreement: float
@@ -53,6 +60,7 @@ class QualityMetrics:
     top2_gap_change_median: float = 0.0  # logits; median over rows of |(q_a - q_b) - (r_a - r_b)|
 
     def to_dict(self) -> dict:
+        """The fields as a JSON-ready dict (``--json``)."""
         return dataclasses.asdict(self)
 
 
@@ -98,6 +106,9 @@ class LogitComparison:
         token_ids: the teacher-forced ids (length T); row ``i`` predicts ``token_ids[i + 1]``.
         sliding_window: the model's ``sliding_window`` (positions): top-1 agreement is also reported
             over the rows from there on, where the local layers no longer see the whole text.
+
+    The per-row state is float64 / bool ``[T]`` (a few bytes per token); the formulas are those of
+    the module docstring and :class:`QualityMetrics`.
     """
 
     def __init__(self, token_ids: Sequence[int], sliding_window: int = GEMMA3_270M_SLIDING_WINDOW):
@@ -111,6 +122,11 @@ class LogitComparison:
 
     def add(self, start: int, reference: np.ndarray, logits: np.ndarray) -> None:
         """Add rows ``start … start + len - 1`` of both matrices (float32 ``[rows, V]``, same shape).
+
+        Args:
+            start: index of the first row; must be the number of rows added so far.
+            reference: the reference's logits ``[rows, V]`` (any float dtype, used as float32).
+            logits: the model's logits, same shape.
 
         Raises:
             GemmaExportError: the shapes differ, or the rows are not the next ones expected.
@@ -150,6 +166,9 @@ class LogitComparison:
     def result(self) -> QualityMetrics:
         """The metrics over all rows.
 
+        Returns:
+            A :class:`QualityMetrics` with ``tokens`` = T.
+
         Raises:
             GemmaExportError: not every row was added.
         """
@@ -175,8 +194,17 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
     """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T);
     ``sliding_window`` as in :class:`LogitComparison`.
 
+    Args:
+        reference, logits: float32 ``[T, V]``, row ``i`` predicting ``token_ids[i + 1]``.
+        token_ids: the ``T`` ids.
+        chunk: rows compared at a time.
+
+    Returns:
+        A :class:`QualityMetrics` (formulas and units there).
+
     Raises:
         GemmaExportError: shapes differ or do not match ``token_ids``.
+        NumericError: a row of either matrix holds NaN or Inf.
     """
     if reference.shape != logits.shape or reference.ndim != 2 or reference.shape[0] != len(token_ids):
         raise GemmaExportError(f"logits: expected two [T, V] matrices with T = {len(token_ids)} tokens, found "
@@ -217,10 +245,16 @@ def transformers_model(source):
     Args:
         source: a :class:`~gemma_export.checkpoint.Checkpoint` (``open_source(...)``).
 
+    Returns:
+        A ``transformers.Gemma3ForCausalLM`` in eval mode, float32, its ``lm_head`` tied to the table
+        when the source is tied.
+
     Raises:
         GemmaExportError: torch or transformers is not installed (they are test extras), the model
             does not take the weights, or ``query_pre_attn_scalar`` is not a whole number (transformers'
             config field is an int).
+        FormatError, NumericError: a source tensor cannot be read, or holds NaN or Inf
+            (:meth:`~gemma_export.checkpoint.TensorRef.load`).
     """
     try:
         import torch
@@ -256,7 +290,13 @@ def transformers_model(source):
 
 def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndarray:
     """Logits of :func:`transformers_model` (``model``, or one built from ``source``) for every
-    position of ``token_ids``: float32 ``[T, V]``."""
+    position of ``token_ids``: float32 ``[T, V]`` (the whole matrix at once: 1 MiB per token for
+    Gemma's 262,144-word vocabulary).
+
+    Raises:
+        As :func:`transformers_model` when ``model`` is None; torch's own errors for ids outside
+        the vocabulary (not checked here).
+    """
     model = model if model is not None else transformers_model(source)  # raises a clear error without torch
     import torch
 
@@ -269,6 +309,11 @@ def transformers_logit_chunks(model, token_ids: Sequence[int], chunk: int = CHUN
     stack over all of ``token_ids`` (its hidden states are ``[T, hidden_size]``), then the LM head and
     the final logit soft-capping (as ``Gemma3ForCausalLM.forward``) per chunk of rows, so the
     ``[T, V]`` matrix is never built.
+
+    Args:
+        model: a :func:`transformers_model`.
+        token_ids: the ``T`` ids (not checked against the vocabulary: torch raises its own error).
+        chunk: rows per yielded array.
 
     Yields:
         ``(start, rows)``: float32 ``[≤ chunk, V]`` for positions ``start …``.
@@ -295,6 +340,7 @@ class QualityReport:
     metrics: QualityMetrics
 
     def to_dict(self) -> dict:
+        """The report as a JSON-ready dict: the three names and the metrics' fields, flat."""
         return {"model": self.model, "reference": self.reference, "text_source": self.text_source,
                 **self.metrics.to_dict()}
 
@@ -395,9 +441,18 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
             (the graph used is reported through ``progress``).
 
+    Returns:
+        A :class:`QualityReport` (metrics' units in :class:`QualityMetrics`).
+
     Raises:
         GemmaExportError: unusable folder, source or text; torch/transformers missing for
-            ``transformers``.
+            ``transformers``; fewer than 2 tokens; a reference export of another vocabulary size.
+        SourceNotFoundError: (``transformers``, ``fp32``) the export's source is gone or changed
+            since the export (:func:`manifest_checkpoint`).
+        FormatError: a text id outside either model's vocabulary, or a folder :class:`OnnxDecoder`
+            refuses.
+        NumericError: either side computes NaN or Inf logits.
+        ResourceError: a KV cache would not fit in available memory.
     """
     import tempfile
 
@@ -530,7 +585,8 @@ CLOSE_CALL_LOGITS = 0.5
 
 
 def format_report(report: QualityReport) -> str:
-    """Human-readable lines for a :class:`QualityReport`."""
+    """Human-readable lines for a :class:`QualityReport` (shares as percentages, KL in nats/token,
+    logit differences in logits), joined by newlines without a trailing one."""
     m = report.metrics
     past = (f"{m.top1_agreement_past_window:.2%} past the sliding window of {m.sliding_window}"
             if m.top1_agreement_past_window is not None else f"the text ends within the sliding window of {m.sliding_window}")

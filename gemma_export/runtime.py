@@ -103,7 +103,8 @@ CHUNK_ROWS = 128
 
 def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
     """Cache positions a greedy run of ``new_tokens`` after ``prompt_tokens`` occupies: every prompt
-    token and every new token but the last, which is returned and never fed back."""
+    token and every new token but the last, which is returned and never fed back (both counts in
+    tokens; ``new_tokens`` ≤ 0 counts as 0)."""
     return prompt_tokens + max(new_tokens - 1, 0)
 
 
@@ -140,7 +141,12 @@ def is_bundle(folder: str | Path) -> bool:
 def require_folder(folder: Path, holding: str) -> None:
     """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
 
+    Args:
+        folder: the path given by the user.
+        holding: the file the folder should hold, named in the message (e.g. ``model.onnx``).
+
     Raises:
+        GemmaExportError: the path is not valid UTF-8 (:func:`~gemma_export.errors.check_utf8_path`).
         SourceNotFoundError: no such folder, something else by that name, or a bundle folder
             (naming the export inside it).
     """
@@ -160,6 +166,10 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
     would run without a word. The graph and the tokenizer have checks of their own (against each
     other and the manifest); a missing file is left to the step that reads it; ``gemma-export
     verify`` compares every byte of every file.
+
+    Args:
+        manifest: the parsed ``manifest.json`` (:func:`read_manifest`); without ``files`` nothing is checked.
+        model_dir: the export folder; sizes are compared in bytes.
 
     Raises:
         FormatError: naming the first file whose size differs from the manifest's, or a ``files``
@@ -195,7 +205,9 @@ def check_export_folder(model_dir: str | Path) -> Path:
     """The path of ``model_dir``'s ``model.onnx``, after checking that the folder exists and holds one.
 
     Raises:
-        SourceNotFoundError: no such folder, a file instead of a folder, or no ``model.onnx`` in it.
+        SourceNotFoundError: no such folder, a file instead of a folder, a bundle folder, or no
+            ``model.onnx`` in it.
+        GemmaExportError: the path is not valid UTF-8.
     """
     model_dir = Path(model_dir)
     path = model_dir / MODEL_FILE
@@ -236,10 +248,17 @@ class OnnxDecoder:
         huge_page_bytes: bytes moved onto huge pages after session creation (0: none).
 
     Raises:
-        SourceNotFoundError: no ``model.onnx`` in the folder.
-        GemmaExportError: ``prepacked=True`` and the copy cannot be used here.
+        SourceNotFoundError: no such folder, or no ``model.onnx`` in it (:func:`check_export_folder`).
+        GemmaExportError: ``prepacked=True`` and the copy cannot be used here; ``threads`` out of
+            range (:func:`check_threads`).
         FormatError: onnxruntime cannot load the model, or (``prepacked`` True or a path) the copy;
-            with the default, a copy that fails to load is skipped with a note instead.
+            with the default, a copy that fails to load is skipped with a note instead. Also: an
+            unreadable graph or manifest, a data file whose size differs from the manifest's
+            (:func:`check_listed_files`), inputs that are not the decoder contract, a symbolic
+            ``head_dim`` no ``genai_config.json`` gives, a manifest field that is malformed or
+            contradicts the graph (:func:`check_manifest_fields`, :func:`check_manifest_against_graph`),
+            or sliding-window metadata that is malformed or disagrees with the manifest.
+        OSError: a data file listed in the manifest cannot be opened (:func:`check_listed_files`).
     """
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
@@ -317,7 +336,8 @@ class OnnxDecoder:
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
-        """Zero-length ``past_key_values.*`` for a prefill step."""
+        """Zero-length ``past_key_values.*`` for a prefill step: float32
+        ``[batch_size, num_key_value_heads, 0, head_dim]`` for each layer's key and value."""
         shape = (batch_size, self.num_key_value_heads, 0, self.head_dim)
         return {f"past_key_values.{i}.{kind}": np.zeros(shape, np.float32)
                 for i in range(self.num_hidden_layers) for kind in ("key", "value")}
@@ -325,7 +345,19 @@ class OnnxDecoder:
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One step. Shapes: ``input_ids``/``position_ids`` int64 ``[B, S]``, ``attention_mask`` int64
-        ``[B, past + S]``. Returns ``(logits float32 [B, 1 or S, vocab], next past)``."""
+        ``[B, past + S]``, ``past`` float32 ``[B, kv_heads, past, head_dim]`` per
+        ``past_key_values.{i}.key|value`` (:meth:`empty_cache` for the first step).
+
+        Returns:
+            ``(logits, next past)``: logits float32 ``[B, 1, vocab]`` (``[B, S, vocab]`` for an
+            ``all_logits`` export or a graph of another exporter that returns every position), and
+            the ``present.*`` outputs renamed ``past_key_values.*``,
+            float32 ``[B, kv_heads, past + S, head_dim]``.
+
+        Raises:
+            onnxruntime's own exceptions (e.g. ``InvalidArgument``, ``Fail``), unwrapped: wrong
+            shapes or dtypes, or an id outside the vocabulary (no check here; see :meth:`check_ids`).
+        """
         outputs = self.session.run(None, self._feeds(input_ids, attention_mask, position_ids, past))
         names = [o.name for o in self.session.get_outputs()]
         present = {name.replace("present.", "past_key_values.", 1): value
@@ -342,8 +374,16 @@ class OnnxDecoder:
         """Run one prefill step on ``token_ids`` (batch 1, empty cache) and return the named graph
         outputs (e.g. the ``debug.layers.*`` outputs of a ``--debug-outputs`` export).
 
+        Args:
+            token_ids: ``T`` ids, positions 0…T−1 (not checked against the vocabulary).
+            names: graph output names.
+
+        Returns:
+            name → the output's array (``debug.layers.*``: float32 ``[1, T, hidden_size]``).
+
         Raises:
             FormatError: a name is not an output of the graph.
+            GemmaExportError: ``T`` exceeds ``max_position_embeddings``.
         """
         declared = {o.name for o in self.session.get_outputs()}
         missing = [n for n in names if n not in declared]
@@ -357,12 +397,21 @@ class OnnxDecoder:
 
     def check_ids(self, ids: Sequence[int], what: str) -> None:
         """Raises FormatError naming the folder and ``what`` (e.g. ``prompt``) when an id lies outside
-        the graph's vocabulary (onnxruntime's Gather would fail with an index error mid-run instead)."""
+        the graph's vocabulary (onnxruntime's Gather would fail with an index error mid-run instead).
+
+        Raises:
+            FormatError: the first id not in ``0 … vocab_size - 1`` (:func:`check_token_ids`).
+        """
         check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
                         "; the tokenizer beside the export does not match its graph")
 
     def check_length(self, total_tokens: int) -> None:
-        """Raises GemmaExportError when a sequence would exceed ``max_position_embeddings``."""
+        """Raises GemmaExportError when a sequence of ``total_tokens`` tokens (positions) would exceed
+        ``max_position_embeddings`` (no check when the manifest does not give it).
+
+        Raises:
+            GemmaExportError: ``total_tokens`` > ``max_position_embeddings``.
+        """
         if self.max_position_embeddings and total_tokens > self.max_position_embeddings:
             raise GemmaExportError(
                 f"{self.model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed back) exceeds the model's "
@@ -370,7 +419,18 @@ class OnnxDecoder:
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
                prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
-        """Greedy decoding of one prompt (argmax, ties → lowest id). Returns ``(new_ids, prefill_ms, decode_ms)``.
+        """Greedy decoding of one prompt (argmax, ties → lowest id).
+
+        Args:
+            prompt_ids: the prompt's ids (with ``<bos>``), at least one.
+            max_new_tokens: tokens to generate at most; 0 returns ``([], 0.0, [])``.
+            stop_ids: ids after which decoding stops (included in ``new_ids``); None: the manifest's
+                ``eos_token_id`` (or Gemma's defaults); ``()``: never stop early.
+
+        Returns:
+            ``(new_ids, prefill_ms, decode_ms)``: ``list[int]``; the wall time in milliseconds of the
+            prompt step(s) plus the first token's pick; a ``list[float]`` of milliseconds, one per
+            later step.
 
         ``prefill_chunk``: run the prompt through the cache in steps of at most this many tokens
         (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The logits are the same up to float
@@ -380,8 +440,10 @@ class OnnxDecoder:
 
         Raises:
             GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
-                ``max_position_embeddings`` (FormatError: an id outside the vocabulary; NumericError:
-                the export computes NaN or +Inf logits, :func:`picked_token`).
+                ``max_position_embeddings``.
+            FormatError: an id outside the vocabulary.
+            NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
+            ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
@@ -414,7 +476,21 @@ class OnnxDecoder:
     def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts at once, left-padded with ``attention_mask`` 0 and
         ``position_ids`` counted over real tokens only; each row gives the tokens it would alone.
-        Rows keep decoding after their own stop token; callers cut each row at its first stop id."""
+        Rows keep decoding after their own stop token; callers cut each row at its first stop id.
+
+        Args:
+            prompts: one id list per row (with ``<bos>``); the ids are not checked against the
+                vocabulary (callers do it: :meth:`check_ids`).
+            max_new_tokens: tokens generated per row, exactly (no stop id).
+
+        Returns:
+            ``max_new_tokens`` ids per prompt, in order; ``[]`` for no prompts.
+
+        Raises:
+            GemmaExportError: the longest prompt plus the new tokens exceed ``max_position_embeddings``.
+            NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
+            ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
+        """
         batch = len(prompts)
         if batch == 0:
             return []
@@ -445,6 +521,10 @@ class OnnxDecoder:
         Row ``i`` predicts token ``i + 1``. Exercises the decode path with caches longer than the
         sliding window. A 3,400-token text over Gemma's 262,144-word vocabulary is 3.6 GB: for long
         texts, :meth:`teacher_forced_chunks` gives the same rows a chunk at a time.
+
+        Raises:
+            GemmaExportError, ResourceError: as :meth:`teacher_forced_chunks` (the ids are not
+                checked against the vocabulary: see :meth:`check_ids`).
         """
         if not len(token_ids):
             return np.empty((0, self.vocab_size), np.float32)
@@ -460,6 +540,7 @@ class OnnxDecoder:
 
         Raises:
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings`` (before any step).
+            ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         self.check_length(len(token_ids))
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
@@ -489,7 +570,23 @@ def _sliding_layers(session, path: Path, num_hidden_layers: int,
 def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Path, num_hidden_layers: int,
                         config: dict | None = None) -> tuple[tuple[int, ...], int | None]:
     """:func:`_sliding_layers` from a graph's metadata map and whether it takes ``sliding_cache_start``
-    (``verify`` reads both from the ONNX file without a session). Raises as :func:`_sliding_layers`."""
+    (``verify`` reads both from the ONNX file without a session).
+
+    Args:
+        meta: the model's metadata (``SLIDING_LAYERS_KEY``: comma-separated layer indices,
+            ``SLIDING_WINDOW_KEY``: the window in positions).
+        takes_start: whether the graph has the ``sliding_cache_start`` input.
+        path: the graph's path, for messages.
+        num_hidden_layers: layers of the graph; every index must lie below it.
+        config: the manifest's ``config`` object, or None.
+
+    Returns:
+        ``(sliding layer indices, sliding_window in positions)``, or ``((), None)`` when
+        ``takes_start`` is False.
+
+    Raises:
+        FormatError: the metadata naming them is missing, malformed, or disagrees with the manifest.
+    """
     if not takes_start:
         return (), None
     found = f"found {meta.get(SLIDING_LAYERS_KEY)!r:.60} / {meta.get(SLIDING_WINDOW_KEY)!r:.20}"
@@ -590,8 +687,9 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
 
 
 def graph_vocab_and_layers(model) -> tuple[int | None, int]:
-    """The vocabulary (the ``logits`` output's last dimension, None when symbolic) and the number of
-    layers (``past_key_values.{i}.key`` inputs) of an export's ``onnx.ModelProto``."""
+    """The vocabulary (the ``logits`` output's last dimension, None when symbolic or absent) and the
+    number of layers (``past_key_values.{i}.key`` inputs) of an export's ``onnx.ModelProto``. Never
+    raises on a graph of another shape: the figures are then None / 0."""
     logits = next((o for o in model.graph.output if o.name == "logits"), None)
     dims = logits.type.tensor_type.shape.dim if logits is not None else []
     vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
@@ -640,8 +738,13 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         optimization: onnxruntime's graph optimization level, ``all`` (default) or ``basic`` (no
             fusions: the same arithmetic in another float32 order, for control runs).
 
+    Returns:
+        An ``onnxruntime.InferenceSession`` on ``CPUExecutionProvider``.
+
     Raises:
         FormatError: onnxruntime cannot load (or write) the model; its first message line.
+        GemmaExportError: ``threads`` out of range (:func:`check_threads`).
+        KeyError: ``optimization`` is neither ``all`` nor ``basic``.
     """
     import onnxruntime as ort
 
@@ -684,6 +787,14 @@ def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
     a NaN anywhere makes the NaN the argmax, and so does +Inf, so checking the picked value alone
     (one element, not the 262,144) catches both.
 
+    Args:
+        logits: float ``[vocab]``.
+        step: the generation step, for the message (0: the prompt's).
+        where: which sequence, for the message.
+
+    Returns:
+        The token id, an ``int`` in ``0 … vocab - 1``.
+
     Raises:
         NumericError: ``"logits: step N picked token T whose logit is nan; the export does not compute
             finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``).
@@ -697,7 +808,11 @@ def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "") -> None:
     """Raises FormatError ``"{where}: token id X is outside the export's vocabulary (0 to V-1){hint}"``
-    for the first id of ``ids`` not in ``0 … vocab_size - 1``."""
+    for the first id of ``ids`` not in ``0 … vocab_size - 1``.
+
+    Raises:
+        FormatError: as above.
+    """
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         raise FormatError(f"{where}: token id {bad} is outside the export's vocabulary (0 to {vocab_size - 1}){hint}")
@@ -721,7 +836,11 @@ def check_threads(threads: int | None) -> None:
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
-    """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step)."""
+    """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step).
+
+    Raises:
+        GemmaExportError: ``prefill_chunk`` < 1.
+    """
     if prefill_chunk is not None and prefill_chunk < 1:
         raise GemmaExportError(f"--prefill-chunk must be >= 1 token (0 on the command line: the whole prompt "
                                f"at once), found {prefill_chunk}")
@@ -826,8 +945,14 @@ class KVCache:
         ``attention_mask`` one step longer than the last: past + sequence); returns logits float32
         ``[B, 1 or S, vocab]`` (an array the caller owns).
 
+        Args:
+            input_ids: int64 ``[B, S]``.
+            attention_mask: int64 ``[B, past + S]`` (1: a real token, 0: left padding).
+            position_ids: int64 ``[B, S]``.
+
         Raises:
             GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``.
+            onnxruntime's own exceptions, unwrapped (e.g. an id outside the vocabulary).
         """
         total, seq = attention_mask.shape[1], input_ids.shape[1]
         if total > self.capacity:
@@ -863,8 +988,15 @@ class KVCache:
 def load_tokenizer(model_dir: str | Path):
     """The ``tokenizers.Tokenizer`` stored beside an export.
 
+    Args:
+        model_dir: an export folder.
+
+    Returns:
+        A ``tokenizers.Tokenizer``.
+
     Raises:
-        SourceNotFoundError: no such folder.
+        SourceNotFoundError: no such folder (or a file, or a bundle folder).
+        GemmaExportError: the path is not valid UTF-8.
         FormatError: the folder has no readable ``tokenizer.json``.
     """
     from .tokenizer import read_tokenizer_json
@@ -885,10 +1017,23 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     ``prefill_chunk`` as in :meth:`OnnxDecoder.greedy`; ``prepacked``: the folder's pre-packed copy,
     as in :class:`OnnxDecoder`.
 
+    Args:
+        model_dir: an export folder.
+        prompt: the text.
+        max_new_tokens: tokens to generate at most (≥ 1); decoding stops after an eos id.
+        threads: onnxruntime intra-op threads (None: its default).
+
+    Returns:
+        A :class:`GenerationResult` (times in milliseconds).
+
     Raises:
-        SourceNotFoundError, FormatError: the folder is not an export with a tokenizer.
-        GemmaExportError: the prompt is not UTF-8 text; prompt + new tokens exceed
-            ``max_position_embeddings``.
+        SourceNotFoundError, FormatError: the folder is not an export with a tokenizer, or
+            :class:`OnnxDecoder` refuses it; FormatError also when the tokenizer gives no ids or an
+            id outside the graph's vocabulary.
+        GemmaExportError: ``max_new_tokens`` < 1; the prompt is not UTF-8 text; prompt + new tokens
+            exceed ``max_position_embeddings``; ``threads`` or ``prefill_chunk`` out of range.
+        NumericError: the export computes NaN or +Inf logits.
+        ResourceError: the KV cache would not fit in available memory.
     """
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")

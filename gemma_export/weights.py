@@ -111,7 +111,14 @@ class _Stacked:
 
 @dataclasses.dataclass
 class Table:
-    """The tied (or untied) ``[vocab, hidden]`` table as graph values, created once."""
+    """The tied (or untied) ``[vocab, hidden]`` table as graph values, created once.
+
+    Attributes:
+        ref: the source tensor (``model.embed_tokens.weight`` or ``lm_head.weight``), ``[vocab, hidden]``.
+        values: the format's initializers by role: ``"float"`` (fp32/bf16: float32 ``[vocab, hidden]``,
+            after the bf16 Cast), or ``"data"``, ``"scales"`` and, for asymmetric int4,
+            ``"zero_points"`` (with the ints ``"bits"`` and ``"block_size"``) for int8/int4.
+    """
 
     ref: TensorRef
     values: dict[str, ir.Value]
@@ -137,11 +144,23 @@ class WeightFormat:
                      hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
                      method: str = "mse", calibration: Calibration | None = None) -> "WeightFormat":
         """The format for ``--dtype`` with the export's options (None: the format's default); a
-        float format takes none and ignores them (the CLI refuses them before this)."""
+        float format takes none and ignores them (the CLI refuses them before this).
+
+        The arguments are :func:`weight_format`'s (block sizes in weights per scale,
+        ``hadamard_size`` in features, 0: no rotation).
+
+        Raises:
+            ValueError: (int4) ``table_dtype`` not ``int4``/``int8``, or ``method`` not ``mse``/``rtn``.
+        """
         return cls()
 
     def linear(self, g: GraphBuilder, x: ir.Value, ref: TensorRef) -> ir.Value:
-        """``x @ W.T`` for ``W = ref`` of shape ``[out, in]``; ``x`` float32 ``[..., in]`` → ``[..., out]``."""
+        """``x @ W.T`` for ``W = ref`` of shape ``[out, in]``; ``x`` float32 ``[..., in]`` → ``[..., out]``.
+
+        Only adds nodes and lazy initializers: the weight is read and converted when the model is
+        saved, and a weight that cannot be stored (NaN/Inf, bf16 overflow) raises
+        :class:`~gemma_export.errors.NumericError` then, naming the source tensor.
+        """
         raise NotImplementedError
 
     def linears(self, g: GraphBuilder, x: ir.Value, refs: list[TensorRef], name: str) -> list[ir.Value]:
@@ -159,7 +178,7 @@ class WeightFormat:
         raise NotImplementedError
 
     def table(self, g: GraphBuilder, ref: TensorRef) -> Table:
-        """Create the ``[vocab, hidden]`` table's initializers (once per table)."""
+        """Create the ``[vocab, hidden]`` table's initializers (once per table); lazy, as :meth:`linear`."""
         raise NotImplementedError
 
     def embedding(self, g: GraphBuilder, table: Table, input_ids: ir.Value) -> ir.Value:
@@ -181,6 +200,9 @@ def _gemm_lm_head(g: GraphBuilder, table_value: ir.Value, hidden: ir.Value, voca
 
 
 class Float32Format(WeightFormat):
+    """``fp32``: float32 initializers, ``MatMul`` on ``[in, out]`` (transposed) weights, the table
+    ``[vocab, hidden]`` read by ``Gather`` and ``Gemm(transB=1)``."""
+
     name = "fp32"
     bits = 32
 
@@ -190,26 +212,36 @@ class Float32Format(WeightFormat):
         return g.initializer(_lazy(name, ir.DataType.FLOAT, shape, make))
 
     def linear(self, g, x, ref):
+        """``MatMul(x, W.T)`` with ``W.T`` float32 ``[in, out]`` stored transposed."""
         out_features, in_features = ref.shape
         w = self._weight(g, ref.name, (in_features, out_features), lambda: np.ascontiguousarray(ref.load().T), (ref,))
         return g.op("MatMul", x, w)
 
     def stacked_linear(self, g, x, refs, name):
+        """``MatMul`` with the weights concatenated along ``out`` and transposed: float32 ``[in, sum of out]``."""
         w = self._weight(g, name, (refs[0].shape[1], sum(r.shape[0] for r in refs)),
                          lambda: np.ascontiguousarray(np.concatenate([r.load() for r in refs]).T), refs)
         return g.op("MatMul", x, w)
 
     def table(self, g, ref):
+        """One float32 ``[vocab, hidden]`` value, under ``values["float"]``."""
         return Table(ref, {"float": self._weight(g, ref.name, ref.shape, ref.load, (ref,))})
 
     def embedding(self, g, table, input_ids):
+        """``Gather(table, input_ids, axis=0)``: int64 ``[batch, seq]`` → float32 ``[batch, seq, hidden]``."""
         return g.op("Gather", table.values["float"], input_ids, axis=0)
 
     def lm_head(self, g, table, hidden):
+        """``Gemm(hidden, table, transB=1)`` on ``[batch · seq, hidden]``, reshaped to float32
+        ``[batch, seq, vocab]``: the table is read in place, with no Transpose."""
         return _gemm_lm_head(g, table.values["float"], hidden, *table.ref.shape)
 
 
 class BF16Format(Float32Format):
+    """``bf16``: as :class:`Float32Format`, every initializer stored as bfloat16 (round to nearest
+    even, :func:`quant.bf16.float32_to_bfloat16_bits`) and read through one ``Cast`` to float32.
+    A value above bfloat16's range raises :class:`~gemma_export.errors.NumericError` when saved."""
+
     name = "bf16"
     bits = 16
 
@@ -256,6 +288,7 @@ class Int8Format(WeightFormat):
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
                      symmetric=True, method="mse", calibration=None):
+        """An :class:`Int8Format`; ``table_dtype``, ``symmetric`` and ``method`` are ignored (int4 only)."""
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size, calibration)
 
@@ -350,15 +383,22 @@ class Int8Format(WeightFormat):
                     K=k, N=n, bits=values["bits"], block_size=values["block_size"], accuracy_level=4)
 
     def linear(self, g, x, ref):
+        """``MatMulNBits`` (``accuracy_level`` 4) on the rotated ``x``: data uint8
+        ``[out, in / B, B · bits / 8]``, scales float32 ``[out, in / B]``, ``B`` = ``block_size``.
+        A weight that cannot be quantized raises :class:`~gemma_export.errors.NumericError` when saved."""
         n, k = ref.shape
         return self._matmul_nbits(g, self._rotate(g, x, k), self._initializers(g, ref, self.block_size, self.bits), n, k)
 
     def stacked_linear(self, g, x, refs, name):
+        """One ``MatMulNBits`` over the weights' codes and scales concatenated along ``out``."""
         n, k = sum(r.shape[0] for r in refs), refs[0].shape[1]
         values = self._initializers(g, tuple(refs), self.block_size, self.bits, name)
         return self._matmul_nbits(g, self._rotate(g, x, k), values, n, k)
 
     def table(self, g, ref):
+        """The table's data uint8 ``[vocab, hidden / B, B · bits / 8]``, scales float32 ``[vocab, hidden / B]``
+        (and, asymmetric int4, zero points uint8 ``[vocab, ceil((hidden / B) / 2)]``), ``B`` =
+        ``table_block_size``, bits = ``table_bits``; stored rotated (``T H``)."""
         return Table(ref, self._initializers(g, ref, self.table_block_size, self.table_bits))
 
     @staticmethod
@@ -370,6 +410,9 @@ class Int8Format(WeightFormat):
         return g.op("Reshape", pairs, g.const_i64([0, 0, 0, -1]))  # [B, S, X, M, 2] → [B, S, X, 2M]
 
     def embedding(self, g, table, input_ids):
+        """``Gather`` of the selected rows of the table's codes, scales (and zero points), then
+        ``(code - zero_point) · scale`` and the inverse rotation: int64 ``[batch, seq]`` → float32
+        ``[batch, seq, hidden]``."""
         # Plain Gathers on the very initializers MatMulNBits reads (data, scales, zero points),
         # then (q - zero_point) * scale for the selected rows only: no second copy of anything.
         _, hidden = table.ref.shape
@@ -395,6 +438,8 @@ class Int8Format(WeightFormat):
         return self._rotate(g, rows, hidden)  # stored rows are T H; (T H) H = T
 
     def lm_head(self, g, table, hidden):
+        """``MatMulNBits`` on the table's initializers: float32 ``[batch, seq, hidden]`` →
+        ``[batch, seq, vocab]``."""
         n, k = table.ref.shape
         return self._matmul_nbits(g, self._rotate(g, hidden, k), table.values, n, k)
 
@@ -411,6 +456,9 @@ class Int4Format(Int8Format):
         symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
         method: ``"mse"`` (clipping search) or ``"rtn"`` (round to nearest).
         calibration: activation statistics; set, every weight's codes are GPTQ's.
+
+    Raises:
+        ValueError: ``table_dtype`` or ``method`` is not one of those above.
     """
 
     name = "int4"
@@ -422,6 +470,11 @@ class Int4Format(Int8Format):
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
                      symmetric=True, method="mse", calibration=None):
+        """An :class:`Int4Format` (``table_dtype`` None: ``int4``).
+
+        Raises:
+            ValueError: as :class:`Int4Format`.
+        """
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size,
                    table_dtype or "int4", symmetric, method, calibration)
@@ -454,8 +507,20 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
     (``quant/gptq.py``) on those activation statistics. fp32 and bf16 take no option: every
     argument but ``dtype`` is ignored for them (the CLI refuses such options before this).
 
+    Args:
+        dtype: the format's name.
+        block_size: weights per scale in the layers (None: the format's default, 32).
+        table_block_size: weights per scale in the table (None: see :class:`Int8Format` / :class:`Int4Format`).
+        hadamard_size: features per Hadamard block (None: :data:`DEFAULT_HADAMARD_SIZE`, 64; 0: no rotation).
+        calibration: GPTQ statistics (None: round-to-nearest / clipping-search codes).
+
+    Block sizes are not checked here (:func:`gemma_export.exporter.block_size_for` does it); one
+    that does not divide a weight's in_features raises :class:`~gemma_export.errors.NumericError`
+    when the model is saved.
+
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).
+        ValueError: (int4) ``table_dtype`` or ``method`` not one of those above.
     """
     return WEIGHT_FORMATS[dtype].from_options(block_size, table_block_size, hadamard_size, table_dtype, symmetric,
                                               method, calibration)

@@ -30,7 +30,15 @@ def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
 
 def truncate_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """float32 → bfloat16 by dropping the low 16 bits (round toward zero), as the board team's
-    reference archives store bf16 (their export's description). uint16 array, same shape."""
+    reference archives store bf16 (their export's description).
+
+    Args:
+        x: array of any shape, converted to float32 first.
+
+    Returns:
+        uint16 array of the same shape (the high 16 bits of each float32; a NaN whose payload lies
+        only in the low bits becomes ±Inf).
+    """
     return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
@@ -48,6 +56,12 @@ class BF16Weights:
     @classmethod
     def quantize(cls, w: np.ndarray) -> "BF16Weights":
         """Round a float32 array to bfloat16 (:func:`float32_to_bfloat16_bits`).
+
+        Args:
+            w: array of any shape, converted to float32 first.
+
+        Returns:
+            A :class:`BF16Weights` whose ``bits`` are uint16, same shape as ``w``.
 
         Raises:
             ValueError: a finite value rounds to ±Inf (|w| above bfloat16's largest finite value,

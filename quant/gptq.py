@@ -41,7 +41,18 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     """Upper Cholesky factor ``U`` of ``(H + λ I)⁻¹``, float32 ``[K, K]`` (``U`` with ``Uᵀ U = (H + λI)⁻¹``).
 
     A channel no calibration token used (zero diagonal) gets a unit diagonal, so its weights are
-    rounded to nearest and receive no error from the others.
+    rounded to nearest and receive no error from the others. Damping and the Cholesky factor of the
+    inverse follow the reference implementation of GPTQ (Frantar et al. 2022, arXiv:2210.17323,
+    ``gptq.py``'s ``fasterquant``), ``λ`` taken after the dead channels' diagonal is set to 1 as
+    there; unlike there, a dead channel's weights are kept (the reference zeroes them).
+
+    Args:
+        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs, any float dtype (computed in
+            float64, factored in float32 first, float64 if that fails).
+        damp: ``λ`` as a share of the mean of ``diag H``.
+
+    Returns:
+        float32 ``[K, K]``, upper triangular, positive diagonal.
 
     Raises:
         ValueError: ``hessian`` is not square, not finite, or not positive semi-definite enough to
@@ -75,7 +86,15 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
 
 class Hessian:
     """``Xᵀ X`` of one input ``[K, K]`` with its GPTQ factor (:func:`inverse_cholesky`) computed on
-    first use, so weights that read the same input (q/k/v, gate/up) share one factorisation."""
+    first use, so weights that read the same input (q/k/v, gate/up) share one factorisation.
+
+    Args:
+        matrix: ``[K, K]``, stored as float64 (:attr:`matrix`).
+        damp: ``λ`` as a share of the mean diagonal (:func:`inverse_cholesky`).
+
+    Errors of the factorisation (ValueError, see :func:`inverse_cholesky`) are raised on first use
+    of :attr:`ordered` or :attr:`factor`, not here.
+    """
 
     def __init__(self, matrix: np.ndarray, damp: float = DEFAULT_DAMP):
         self.matrix = np.asarray(matrix, np.float64)
@@ -87,7 +106,12 @@ class Hessian:
     def ordered(self) -> tuple[np.ndarray, np.ndarray]:
         """``(order, factor)``: the columns by decreasing ``diag H`` (GPTQ's "act order": the inputs
         with the most energy are rounded first, while the most columns remain to take their error)
-        and the :func:`inverse_cholesky` factor of ``H`` permuted that way; computed once."""
+        and the :func:`inverse_cholesky` factor of ``H`` permuted that way; computed once.
+        ``order`` is int64 ``[K]``, ``factor`` float32 ``[K, K]``.
+
+        Raises:
+            ValueError: as :func:`inverse_cholesky`.
+        """
         if self._ordered is None:
             order = np.argsort(-np.diagonal(self.matrix), kind="stable")
             self._ordered = (order, inverse_cholesky(self.matrix[np.ix_(order, order)], self.damp))
@@ -95,26 +119,45 @@ class Hessian:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The matrix's shape, ``(K, K)`` (so a :class:`Hessian` is checked like an array)."""
         return self.matrix.shape
 
     @property
     def factor(self) -> np.ndarray:
+        """:func:`inverse_cholesky` of the matrix in column order, float32 ``[K, K]``; computed once.
+
+        Raises:
+            ValueError: as :func:`inverse_cholesky`.
+        """
         if self._factor is None:
             self._factor = inverse_cholesky(self.matrix, self.damp)
         return self._factor
 
     def rotated(self, size: int) -> "Hessian":
-        """The Hessian of the Hadamard-rotated inputs (:func:`rotate_hessian`)."""
+        """The Hessian of the Hadamard-rotated inputs (:func:`rotate_hessian`), same ``damp``.
+
+        Args:
+            size: the Hadamard block size (a power of two dividing K).
+
+        Raises:
+            ValueError: as :func:`rotate_hessian`.
+        """
         return Hessian(rotate_hessian(self.matrix, size), self.damp)
 
 
 def as_hessian(hessian: "np.ndarray | Hessian", damp: float = DEFAULT_DAMP) -> Hessian:
+    """``hessian`` itself when it is a :class:`Hessian` (its own ``damp`` kept), else a new one
+    wrapping the ``[K, K]`` array with ``damp``."""
     return hessian if isinstance(hessian, Hessian) else Hessian(hessian, damp)
 
 
 def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_points: np.ndarray, block_size: int,
                qmin: int, qmax: int, damp: float = DEFAULT_DAMP, act_order: bool = True) -> np.ndarray:
     """GPTQ codes for ``w`` with fixed per-block ``scales`` and ``zero_points``.
+
+    The update rule is Algorithm 1 of Frantar et al. 2022 (arXiv:2210.17323) with lazy batch updates
+    of 32 columns and, with ``act_order``, the reference implementation's act order with static
+    groups (the formulas are in the module docstring). Rows are processed 4,096 at a time.
 
     Args:
         w: float ``[N, K]`` (an array or any row-sliceable object: read chunk by chunk).
@@ -129,7 +172,8 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
         uint8 codes ``[N, K]``; ``(code − zero_point) · scale`` per block dequantizes them.
 
     Raises:
-        ValueError: shapes disagree, or see :func:`inverse_cholesky`; NaN/Inf in ``w``.
+        ValueError: shapes disagree (including ``block_size`` not dividing K, or ≤ 0), or see
+            :func:`inverse_cholesky`; NaN/Inf in ``w``.
     """
     n, k = w.shape
     nb = k // block_size if block_size > 0 else 0
@@ -168,6 +212,10 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
 def rotate_hessian(hessian: np.ndarray, size: int) -> np.ndarray:
     """``Hd H Hd`` for the block-diagonal Hadamard ``Hd`` of :mod:`quant.hadamard`: the Hessian of the
     rotated inputs ``Hd x`` that a rotated weight ``W Hd`` consumes. float64 ``[K, K]``.
+
+    Args:
+        hessian: ``[K, K]``, any float dtype (computed in float64).
+        size: the Hadamard block size ``n`` (:func:`quant.hadamard.hadamard_matrix`).
 
     Raises:
         ValueError: ``size`` is not a power of two, or ``K`` is not a multiple of it.

@@ -18,6 +18,15 @@ import numpy as np
 def hadamard_matrix(n: int) -> np.ndarray:
     """The ``n × n`` Sylvester–Hadamard matrix divided by ``sqrt(n)``, float32.
 
+    Sylvester's construction (J. J. Sylvester 1867): ``H_1 = [1]``, ``H_2m = [[H_m, H_m], [H_m, -H_m]]``,
+    built in float64 and then scaled, so the result is symmetric and orthogonal.
+
+    Args:
+        n: the size, a power of two ≥ 1.
+
+    Returns:
+        float32 ``[n, n]`` with entries ``±1 / sqrt(n)``.
+
     Raises:
         ValueError: ``n`` is not a power of two.
     """

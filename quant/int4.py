@@ -45,7 +45,17 @@ _ROWS_PER_CHUNK = 4096
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """uint8 codes in [0, 15], last axis even → uint8 with half the last axis (even index low)."""
+    """Pack two 4-bit codes per byte in ``MatMulNBits``' order: the even index in the low nibble
+    (onnxruntime's contrib operator spec, docs/ContribOperators.md, ``com.microsoft.MatMulNBits``).
+
+    Args:
+        codes: uint8 ``[..., M]``, ``M`` even, every value in [0, 15] (neither is checked: a value
+            above 15 spills into its neighbour's nibble; an odd ``M`` makes numpy raise ValueError,
+            or for ``M`` 1 or 3 return wrong codes).
+
+    Returns:
+        uint8 ``[..., M // 2]``: ``codes[..., 2i] | codes[..., 2i + 1] << 4``.
+    """
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
 
 
@@ -140,7 +150,14 @@ class BlockInt4Weights:
                  channel_weights: np.ndarray | None = None, hessian=None) -> "BlockInt4Weights":
         """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
 
+        The formulas (symmetric, asymmetric, the clipping search) are in the module docstring: the
+        symmetric scale is ggml ``Q4_0``'s (llama.cpp ``ggml-quants.c``), the search that of
+        llama.cpp's ``make_qx_quants``; the layout is ``MatMulNBits``' (onnxruntime
+        docs/ContribOperators.md).
+
         Args:
+            w: float ``[N, K]`` (PyTorch ``[out_features, in_features]``, or the ``[vocab, hidden]``
+                table), any float dtype; read as float32 4,096 rows at a time.
             block_size: even, divides K.
             symmetric: fixed zero point 8 (True) or a stored 4-bit zero point per block.
             method: ``"rtn"`` (clipping ratio 1) or ``"mse"`` (least weighted squared error over
@@ -150,9 +167,16 @@ class BlockInt4Weights:
             hessian: ``[K, K]``, ``Xᵀ X`` of calibration inputs (or a :class:`quant.gptq.Hessian`): the scales (and zero points) are
                 chosen as above, then the codes by :func:`quant.gptq.gptq_codes`.
 
+        Returns:
+            A :class:`BlockInt4Weights`: ``data`` uint8 ``[N, K // block_size, block_size // 2]``,
+            ``scales`` float32 ``[N, K // block_size]``, ``zero_points`` uint8
+            ``[N, ceil((K // block_size) / 2)]`` (None when ``symmetric``).
+
         Raises:
             ValueError: ``w`` not 2-D, K not a multiple of ``block_size``, odd ``block_size``,
-                unknown ``method``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named).
+                unknown ``method``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named); with
+                ``hessian``: a shape other than ``[K, K]``, or a matrix :func:`quant.gptq.inverse_cholesky`
+                cannot factor.
         """
         if len(w.shape) != 2:
             raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")

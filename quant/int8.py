@@ -54,9 +54,24 @@ class BlockInt8Weights:
         the codes come from
         :func:`quant.gptq.gptq_codes` with the round-to-nearest scales.
 
+        The formulas are in the module docstring (the reference archives' per-row symmetric scheme,
+        per block); the layout and the zero point 128 are ``MatMulNBits``' with ``bits=8``
+        (onnxruntime docs/ContribOperators.md, ``com.microsoft.MatMulNBits``).
+
+        Args:
+            w: float ``[N, K]``, any float dtype; read as float32 8,192 rows at a time.
+            block_size: elements per scale along K; > 0 and dividing K.
+            hessian: None (round to nearest), or float ``[K, K]`` / :class:`quant.gptq.Hessian` (GPTQ codes,
+                codes limited to [1, 255], i.e. q in [-127, 127]).
+
+        Returns:
+            A :class:`BlockInt8Weights`: ``data`` uint8 ``[N, K // block_size, block_size]``, ``scales``
+            float32 ``[N, K // block_size]``.
+
         Raises:
             ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, ``w`` holds
-                NaN or Inf (callers name the tensor), or an unusable ``hessian``.
+                NaN or Inf (callers name the tensor), or an unusable ``hessian`` (not ``[K, K]``, not
+                finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """
         if len(w.shape) != 2:
             raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")

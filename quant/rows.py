@@ -8,6 +8,14 @@ import numpy as np
 def float_rows(w, start: int, count: int) -> np.ndarray:
     """``w[start:start + count]`` as float32 (``w``: an array or any row-sliceable object).
 
+    Args:
+        w: ``[N, K]``; the message's index assumes 2-D rows.
+        start: first row.
+        count: rows wanted; fewer come back at the end of ``w``.
+
+    Returns:
+        float32 ``[min(count, N - start), K]``.
+
     Raises:
         ValueError: a NaN or Inf, naming its value and ``(row, column)`` index in ``w``.
     """
