@@ -312,7 +312,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         parts = Path(name).parts
         if Path(name).is_absolute() or ".." in parts or not parts:
             raise VerificationError(f"{listing_path}: lists {name!r}, which is not a path inside the folder")
-        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)):
             raise VerificationError(f"{listing_path}: files[{name!r}] needs an integer 'bytes' and a string 'sha256'")
         expected[Path(name).as_posix()] = (entry["bytes"], entry["sha256"])
     for name, (size, digest) in expected.items():

@@ -263,7 +263,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(str(exc)) from None
     expected = {}
     for name, entry in files.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)):
             raise VerificationError(f"{manifest_path}: unreadable manifest: files[{name!r}] needs an integer 'bytes' "
                                     f"and a string 'sha256', found {str(entry)[:60]}")
         expected[str(name)] = (entry["bytes"], entry["sha256"])

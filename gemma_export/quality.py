@@ -115,6 +115,8 @@ class LogitComparison:
         self.ids = np.asarray(token_ids, dtype=np.int64)
         self.sliding_window = sliding_window
         n = len(self.ids)
+        if n < 2:  # no row predicts a next token: perplexity would be the mean of nothing (NaN)
+            raise GemmaExportError(f"logits: comparing needs at least 2 tokens (a row predicts the next), found {n}")
         self.agree, self.kl = np.zeros(n, bool), np.zeros(n)
         self.margin, self.gap_change = np.zeros(n), np.zeros(n)
         self.nll, self.ref_nll = np.zeros(max(n - 1, 0)), np.zeros(max(n - 1, 0))

@@ -36,10 +36,12 @@ def truncate_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
         x: array of any shape, converted to float32 first.
 
     Returns:
-        uint16 array of the same shape (the high 16 bits of each float32; a NaN whose payload lies
-        only in the low bits becomes ±Inf).
+        uint16 array of the same shape: the high 16 bits of each float32, except that a NaN stays a
+        NaN (one whose payload lies only in the low bits would become ±Inf; it gets the quiet bit).
     """
-    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = np.ascontiguousarray(x, np.float32)
+    bits = (x.view(np.uint32) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), bits | np.uint16(0x0040), bits)
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:

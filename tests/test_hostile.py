@@ -476,6 +476,9 @@ CASES = {
                                           ("manifest.json: unreadable manifest: expected UTF-8 text, found byte 0xff at offset 0",)),
     "manifest files of the wrong kind": Case(export_copy(_write("manifest.json", b'{"files": {"model.onnx": "abc"}}'), _verify),
                                              VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
+    # JSON true is an int to Python: not a size
+    "manifest size true (verify)": Case(export_copy(_manifest_field("files", "model.onnx", {"bytes": True, "sha256": "0" * 64}),
+                                                    _verify), VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
     "manifest a list (verify)": Case(export_copy(_write("manifest.json", b"[1, 2]"), _verify), VerificationError,
                                      ("expected a JSON object, found list",)),
     "prompt not UTF-8": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab\udcffc"]),

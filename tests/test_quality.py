@@ -519,3 +519,11 @@ def test_a_model_of_one_position_is_refused_without_impossible_advice(tiny_int8_
     line = result.stderr.strip().splitlines()[-1]
     assert "has more than 1 tokens, its max_position_embeddings; a model of fewer than 2 positions cannot be measured" in line
     assert "--tokens 1" not in line
+
+
+def test_comparing_one_token_is_refused_not_a_nan_perplexity():
+    # one row predicts no next token: the perplexity would be the mean of nothing
+    from gemma_export.errors import GemmaExportError
+
+    with pytest.raises(GemmaExportError, match="comparing needs at least 2 tokens"):
+        compare_logits(np.zeros((1, 5), np.float32), np.zeros((1, 5), np.float32), [3])

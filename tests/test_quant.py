@@ -243,3 +243,16 @@ def test_int4_rejects_non_finite_with_index(bad, message):
 def test_int4_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BlockInt4Weights.quantize(np.ones((2, 64), np.float32), **kwargs)
+
+
+def test_truncation_to_bfloat16_keeps_every_nan_a_nan():
+    # dropping the low 16 bits of a NaN whose payload lies only there leaves the exponent of an Inf:
+    # such a NaN must stay NaN (quiet), the other values truncate (1 + 2**-9 -> 1, -2.75 exact)
+    from quant.bf16 import truncate_to_bfloat16_bits
+
+    x = np.array([0x7F800001, 0xFF800001, 0x7FC00000, 0x3F800000 | 0x4000, 0xC0300000, 0x7F800000],
+                 np.uint32).view(np.float32)
+    bits = truncate_to_bfloat16_bits(x)
+    back = bits.astype(np.uint32) << 16
+    assert np.isnan(back[:3].view(np.float32)).all()
+    assert bits[3:].tolist() == [0x3F80, 0xC030, 0x7F80]  # 1.0, -2.75, +Inf stays +Inf
