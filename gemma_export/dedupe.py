@@ -22,8 +22,8 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
-from .onnx_files import ALIGNMENT_BYTES
-from .staging import check_outside_outputs, staged_folder
+from .onnx_files import ALIGNMENT_BYTES, MANIFEST_FILE
+from .staging import check_replaceable, staged_folder
 from .text_files import require_file
 
 
@@ -144,17 +144,22 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     Raises:
         FormatError: not an ONNX model, nothing to deduplicate, or two large tensors are close but
             not identical (merging them would change the model).
-        OutputError: ``out_dir`` is the input's folder, not an empty folder, or inside an export or
-            bundle folder of this toolkit.
+        OutputError: ``out_dir`` is the input's folder, not an empty folder, inside an export or
+            bundle folder of this toolkit, a symbolic link, a mount point or the current folder
+            (:func:`~gemma_export.staging.check_replaceable`: the finished output replaces the
+            folder by a rename, which none of those three survives).
         VerificationError: outputs on random inputs changed.
     """
     in_path = Path(in_path)
     out_dir = Path(out_dir)
     if out_dir.resolve() == in_path.resolve().parent:
         raise OutputError(f"{out_dir}: choose a folder other than the input's")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise OutputError(f"{out_dir}: exists and is not an empty folder")
-    check_outside_outputs(out_dir, "deduplicated model")
+
+    def must_be_empty(out: Path) -> None:
+        if any(out.iterdir()):
+            raise OutputError(f"{out_dir}: exists and is not an empty folder")
+
+    check_replaceable(out_dir, "deduplicated model", MANIFEST_FILE, before=must_be_empty)
     require_file(in_path, "model file (.onnx)")
     if in_path.suffix != ".onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")

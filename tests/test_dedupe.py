@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 
 import numpy as np
 import onnx
@@ -192,3 +193,25 @@ def test_an_exact_transposed_copy_holding_nan_is_merged_not_called_close(tmp_pat
     assert result.exit_code == 0, result.output
     assert "rewrote 1 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout
     _same_outputs(src, tmp_path / "out" / "model.onnx", V)
+
+
+@pytest.mark.parametrize("out, message", [
+    # the finished output replaces --out by a rename: of a link that would replace the link itself
+    # (it did, silently), and the current folder cannot be renamed away (it failed after the work)
+    ("link", "link: is a symbolic link (to target); give the folder itself"),
+    ("dangling", "dangling: is a symbolic link (to nowhere); give the folder itself"),
+    (".", ".: is the current folder, which the deduplicated model cannot replace"),
+])
+def test_dedupe_refuses_an_output_it_cannot_replace_before_the_work(tmp_path, monkeypatch, out, message):
+    (tmp_path / "in").mkdir()
+    src = _save(_lm(lambda t: t.copy()), tmp_path / "in" / "model.onnx")
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    (tmp_path / "dangling").symlink_to("nowhere")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here" if out == "." else tmp_path)
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", out])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [f"error: {message}" + result.stderr.strip().split(message, 1)[1]]
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
+    assert os.listdir(tmp_path / "target") == [] and os.listdir(tmp_path / "here") == []
