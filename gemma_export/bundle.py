@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import shutil
@@ -49,6 +50,22 @@ class BundleResult:
 def _project_root() -> Path | None:
     root = Path(__file__).resolve().parent.parent
     return root if (root / "pyproject.toml").is_file() and (root / "gemma_export").is_dir() else None
+
+
+#: room the free-space check keeps for a wheel built here (bytes; the wheel is ~0.2 MB)
+WHEEL_BYTES_ESTIMATE = 10**6
+
+
+def _copy_into(source: Path, target: Path) -> None:
+    """``shutil.copyfile`` into the bundle; a write that fails for want of room (full disk, size
+    limit, read-only file system) is reported under ``target``: ``copyfile`` names the source,
+    which would blame an input for the destination's disk."""
+    try:
+        shutil.copyfile(source, target)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
+            raise OSError(exc.errno, exc.strerror, str(target)) from None
+        raise
 
 
 def _pip_wheel_command(tree: Path, dest: Path) -> list[str]:
@@ -103,12 +120,18 @@ def build_wheel(dest: Path) -> Path:
     # the temporary copy instead of the user's checkout
     with tempfile.TemporaryDirectory(prefix="gemma-export-wheel-", ignore_cleanup_errors=True) as scratch:
         tree = Path(scratch) / "src"
-        tree.mkdir()
-        for name in WHEEL_SOURCES:
-            if (root / name).is_dir():
-                shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(root / name, tree / name)
+        try:
+            tree.mkdir()
+            for name in WHEEL_SOURCES:
+                if (root / name).is_dir():
+                    shutil.copytree(root / name, tree / name, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(root / name, tree / name)
+        except (OSError, shutil.Error) as exc:  # copytree gathers its failures in a list: name the first
+            first = exc.args[0][0][2] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else exc
+            reason = getattr(first, "strerror", None) or str(first).split(": ", 1)[0]
+            raise GemmaExportError(f"bundle: cannot copy the toolkit's sources into {scratch} to build its wheel "
+                                   f"({reason}); free space in the temporary folder or point TMPDIR elsewhere") from None
         # pip's own temporary folders go into the scratch folder too, so an interrupted build
         # (Ctrl-C kills pip mid-build) leaves none of them in the system's temporary folder
         pip_tmp = Path(scratch) / "tmp"
@@ -246,19 +269,21 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
             raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file, found the name '{wheel.name}'")
         _check_wheel(wheel)
-    # the model's files, its manifest and a wheel of ~0.1 MB
-    check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + 10**5, "bundle")
+    # the model's files, its manifest, the wheel (one built here is ~0.2 MB) and the README and listing
+    wheel_bytes = wheel.stat().st_size if wheel is not None else WHEEL_BYTES_ESTIMATE
+    check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + wheel_bytes + 10**5,
+                     "bundle")
     with staged_folder(out, "bundle") as staging:
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:
-            shutil.copyfile(model_dir / name, staging / "model" / name)
+            _copy_into(model_dir / name, staging / "model" / name)
         if wheel is None:
             with tempfile.TemporaryDirectory() as tmp:
                 built = build_wheel(Path(tmp))
-                shutil.copyfile(built, staging / built.name)
+                _copy_into(built, staging / built.name)
                 wheel_name = built.name
         else:
-            shutil.copyfile(wheel, staging / wheel.name)
+            _copy_into(wheel, staging / wheel.name)
             wheel_name = wheel.name
         model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))

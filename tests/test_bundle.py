@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import re
 import zipfile
@@ -356,3 +357,66 @@ def test_verify_of_a_bundle_accepts_the_copy_prepack_adds_on_the_board(tiny_int8
     assert "pre-packed" in result.stdout  # and the copy itself is checked
     (out / "model" / "prepacked" / "stray.txt").write_text("x")  # inside the copy: prepack's own check names it
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 2
+
+
+def test_a_full_disk_while_copying_is_the_bundle_folder_s_failure_not_an_input_s(tiny_int8_export, wheel, tmp_path,
+                                                                                  monkeypatch):
+    # shutil.copyfile names the source when the destination's disk is full: the message blamed the
+    # wheel (or model.onnx.data); it is the bundle folder that could not be written
+    import errno
+    import shutil as shutil_module
+
+    from gemma_export import bundle
+
+    real = shutil_module.copyfile
+
+    def full_disk(src, dst, *args, **kwargs):
+        if str(src).endswith(".whl"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(src))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(bundle.shutil, "copyfile", full_disk)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out}: writing the bundle failed (No space left on device: the disk is full"), line
+    assert str(wheel) not in line and not out.exists() and os.listdir(tmp_path) == []
+
+
+def test_a_full_temporary_folder_for_the_wheel_build_is_one_line(tmp_path, monkeypatch):
+    # copytree reports every failed file in one list: the message was that list, thousands of characters
+    import shutil as shutil_module
+
+    from gemma_export import bundle
+    from gemma_export.errors import GemmaExportError
+
+    def full(src, dst, *args, **kwargs):
+        raise shutil_module.Error([(str(src) + "/a.py", str(dst) + "/a.py", "[Errno 28] No space left on device: 'x'")] * 50)
+
+    monkeypatch.setattr(bundle.shutil, "copytree", full)
+    with pytest.raises(GemmaExportError) as caught:
+        bundle.build_wheel(tmp_path)
+    message = str(caught.value)
+    assert "cannot copy the toolkit's sources into" in message and "([Errno 28] No space left on device)" in message
+    assert "point TMPDIR elsewhere" in message and len(message) < 300 and "\n" not in message
+
+
+def test_the_free_space_check_counts_the_wheel_s_real_size(tiny_int8_export, wheel, tmp_path, monkeypatch):
+    # it kept 100 kB for a wheel of ~200 kB: a disk with room for the check filled during the copy
+    from gemma_export import staging
+    from gemma_export.errors import OutputError
+
+    asked = []
+
+    def record(out_dir, need_bytes, what):
+        asked.append(need_bytes)
+        raise OutputError("stop here")
+
+    monkeypatch.setattr(staging, "check_free_space", record)
+    model_bytes = sum(p.stat().st_size for p in tiny_int8_export.iterdir() if p.is_file())
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(tmp_path / "b"),
+                                 "--wheel", str(wheel)])
+    assert result.exit_code == 2 and "stop here" in result.output
+    assert wheel.stat().st_size > 10**5  # the old allowance was too small for it
+    assert asked and asked[0] >= model_bytes + wheel.stat().st_size
