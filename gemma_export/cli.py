@@ -137,8 +137,11 @@ def _fail(exc: GemmaExportError, debug: bool) -> None:
     if debug:
         raise exc
     message = str(exc)
-    if len(message) > MAX_ERROR_CHARS:  # a value pasted into the message must not flood the terminal
-        message = f"{message[:MAX_ERROR_CHARS]}... ({len(message) - MAX_ERROR_CHARS:,} more characters)"
+    if len(message) > MAX_ERROR_CHARS:  # a value pasted into the message must not flood the terminal;
+        # the middle goes, so that a long path at the start does not push the reason (the end) out
+        head, tail = MAX_ERROR_CHARS * 3 // 5, MAX_ERROR_CHARS * 2 // 5
+        message = (f"{message[:head]}... ({len(message) - head - tail:,} characters left out) ..."
+                   f"{message[-tail:]}")
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(exc.exit_code)
 

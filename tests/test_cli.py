@@ -743,3 +743,17 @@ def test_a_graph_onnxruntime_refuses_gives_one_line_and_nothing_on_stdout(tiny_i
     assert result.stdout == ""
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "onnxruntime cannot load the model" in result.stderr and message in result.stderr
+
+
+def test_a_long_error_line_keeps_its_start_and_its_reason(tmp_path):
+    # an --out path of 5,000 characters: the line is cut in the middle, not at the end, where the
+    # reason ("File name too long") is
+    from gemma_export.cli import MAX_ERROR_CHARS
+
+    out = tmp_path.joinpath(*["c" * 200] * 25)
+    result = runner.invoke(app, ["--source", str(tmp_path / "nowhere"), "--out", str(out)])
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith(f"error: {str(out)[:100]}")
+    assert "characters left out) ..." in line and len(line) < MAX_ERROR_CHARS + 100
+    assert line.endswith(": File name too long"), line
