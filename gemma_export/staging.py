@@ -60,6 +60,24 @@ def held_folder(folder: Path) -> Iterator[None]:
 STALE_AFTER_SECONDS = 60
 
 
+#: bytes of an output's name kept in the hidden folders beside it (``.NAME.staging-XXXXXXXX``): a
+#: file name has at most 255 bytes, and the suffix takes 18 of them with the two dots
+_HIDDEN_NAME_BYTES = 255 - 18
+
+
+def hidden_prefix(out_dir: Path) -> str:
+    """``".NAME."``, the start of the hidden folders (staging, the old folder being replaced) kept
+    beside ``out_dir``. A name longer than 237 bytes, which is legal itself, is shortened to 228
+    bytes plus ``~`` and 8 hex digits of its sha256 (unique to it), so that those folders' names
+    stay within the 255 bytes a file name may have."""
+    name = out_dir.name
+    raw = os.fsencode(name)
+    if len(raw) <= _HIDDEN_NAME_BYTES:
+        return f".{name}."
+    short = os.fsdecode(raw[:_HIDDEN_NAME_BYTES - 9].decode("utf-8", "ignore").encode())
+    return f".{short}~{hashlib.sha256(raw).hexdigest()[:8]}."
+
+
 def remove_stale(out_dir: Path) -> list[Path]:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
@@ -74,7 +92,7 @@ def remove_stale(out_dir: Path) -> list[Path]:
         return removed
     now = time.time()
     for path in sorted(out_dir.parent.iterdir()):
-        if not (path.name.startswith((f".{out_dir.name}.staging-", f".{out_dir.name}.old-")) and path.is_dir()
+        if not (path.name.startswith((f"{hidden_prefix(out_dir)}staging-", f"{hidden_prefix(out_dir)}old-")) and path.is_dir()
                 and not path.is_symlink()):
             continue
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
@@ -107,7 +125,7 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
         if not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(staging, out_dir)
             return
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        old = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}old-", dir=out_dir.parent))
         with held_folder(old):  # a killed process leaves it unheld, for remove_stale
             try:
                 os.replace(out_dir, old / out_dir.name)
@@ -354,7 +372,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[
     remove_stale(out_dir)  # what a killed earlier run left beside the destination
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+        staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
     before = folder_state(out_dir) if checked_state is AT_START else checked_state
@@ -392,7 +410,7 @@ def _names_an_input(exc: OSError, out_dir: Path) -> bool:
     if name == out or out in name.parents:
         return False
     beside = next((p for p in (name, *name.parents) if p.parent == out.parent), None)
-    return beside is None or not beside.name.startswith(f".{out.name}.")
+    return beside is None or not beside.name.startswith(hidden_prefix(out))
 
 
 def _describe(exc: OSError, folder: Path) -> str:

@@ -281,3 +281,22 @@ def test_a_source_changed_after_it_was_opened_is_named_and_nothing_is_written(ti
         exporter.export(source, out, "fp32", checkpoint=checkpoint)
     assert _tree(out) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+@pytest.mark.parametrize("length", [238, 255])
+def test_an_output_name_up_to_255_bytes_is_written_and_replaced(tiny_dir, tmp_path, length):
+    # its hidden staging and old folders beside it (".NAME.staging-XXXXXXXX") took 18 bytes more
+    # than the name and were refused as "File name too long" above 237 bytes; a legal name is usable
+    from gemma_export.exporter import export
+    from gemma_export.staging import hidden_prefix
+
+    out = tmp_path / ("é" * (length // 2) + "b" * (length % 2))  # two bytes a character in UTF-8
+    assert len(os.fsencode(out.name)) == length
+    first = export(tiny_dir, out, "fp32").out_dir
+    again = export(tiny_dir, out, "fp32").out_dir  # replaces the first: the old folder is renamed away
+    assert first == again == out and (out / "model.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    prefix = hidden_prefix(out)
+    assert len(os.fsencode(prefix + "staging-12345678")) <= 255
+    other = tmp_path / ("é" * 118 + "bbb")  # the same first 228 bytes, another name: another prefix
+    assert hidden_prefix(other) != prefix and hidden_prefix(other)[:100] == prefix[:100]
