@@ -136,7 +136,9 @@ class ScaleMethod(str, enum.Enum):
 def _fail(exc: GemmaExportError, debug: bool) -> None:
     if debug:
         raise exc
-    message = str(exc)
+    # control characters from a file (a NUL in a tensor's location, an escape sequence) are shown
+    # escaped: they would end the line early or drive the terminal
+    message = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(exc))
     if len(message) > MAX_ERROR_CHARS:  # a value pasted into the message must not flood the terminal;
         # the middle goes, so that a long path at the start does not push the reason (the end) out
         head, tail = MAX_ERROR_CHARS * 3 // 5, MAX_ERROR_CHARS * 2 // 5

@@ -347,7 +347,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         dtype = read_manifest(model_dir).get("dtype")  # verify_manifest has read it
         factor = SPACE_FACTOR_BF16 if dtype == "bf16" else SPACE_FACTOR
         need = int(factor * data.stat().st_size) if data.is_file() else 0
-        check_free_space(out, need, "pre-packed copy")
+        check_free_space(out, need, "pre-packed copy", largest_file_bytes=need)  # its data file is nearly all of it
         original = OnnxDecoder(model_dir, threads=threads, prepacked=False, huge_pages=False)  # one forward pass
         token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
         ids = np.asarray([token_ids], np.int64)

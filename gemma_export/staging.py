@@ -240,15 +240,24 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_free_space(out_dir: Path, need_bytes: int, what: str) -> None:
+def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_bytes: int | None = None) -> None:
     """Refuse, before the slow work, an output that will not fit: ``need_bytes`` (an estimate of the
     files :func:`staged_folder` writes beside ``out_dir``) against the free space of the nearest
     existing folder on ``out_dir``'s path. The old output is replaced only after the new one is
-    complete, so its space does not count.
+    complete, so its space does not count. With ``largest_file_bytes`` (bytes of its largest file),
+    also against this process's file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``).
 
     Raises:
-        OutputError: naming the folder, the bytes needed and free.
+        OutputError: naming the folder, the bytes needed and free, or the file-size limit.
     """
+    if largest_file_bytes is not None:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and largest_file_bytes > limit:
+            raise OutputError(f"{out_dir}: the {what} writes a file of about {largest_file_bytes:,} bytes, above this "
+                              f"process's file-size limit of {limit:,} bytes (ulimit -f); raise the limit "
+                              "(nothing was written)")
     existing = next((p for p in (out_dir, *out_dir.parents) if p.is_dir()), None)
     if existing is None:
         return

@@ -757,3 +757,17 @@ def test_a_long_error_line_keeps_its_start_and_its_reason(tmp_path):
     assert "\n" not in line and line.startswith(f"error: {str(out)[:100]}")
     assert "characters left out) ..." in line and len(line) < MAX_ERROR_CHARS + 100
     assert line.endswith(": File name too long"), line
+
+
+def test_control_characters_in_an_error_line_are_shown_escaped(capsys):
+    # e.g. a NUL in an external-data location read from a damaged .onnx: printed raw, it cut the
+    # line short in a terminal; an escape sequence would drive the terminal
+    import typer
+
+    from gemma_export.cli import _fail
+    from gemma_export.errors import FormatError
+
+    with pytest.raises(typer.Exit) as caught:
+        _fail(FormatError("m.onnx: location 'model.onnx.data\x00x\x1b[2J' é"), debug=False)
+    assert caught.value.exit_code == 2
+    assert capsys.readouterr().err == "error: m.onnx: location 'model.onnx.data\\x00x\\x1b[2J' é\n"

@@ -425,3 +425,21 @@ def test_bf16_copies_are_counted_at_float32(tiny_dir, tmp_path, monkeypatch):
     ids = list(range(3, 30))
     assert np.array_equal(OnnxDecoder(out).teacher_forced_logits(ids),
                           OnnxDecoder(out, prepacked=False).teacher_forced_logits(ids))
+
+
+def test_a_file_size_limit_below_the_copy_is_refused_before_the_work(export_copy):
+    # under `ulimit -f` onnxruntime failed writing with "FAIL ... ToGraphProtoWithExternalInitializers",
+    # which never named the limit
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, resource.RLIM_INFINITY))
+
+    proc = subprocess.run([sys.executable, "-m", "gemma_export.cli", "prepack", "--model", str(export_copy)],
+                          capture_output=True, text=True, preexec_fn=limit)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "above this process's file-size limit of 102,400 bytes (ulimit -f)" in line, line
+    assert not (export_copy / "prepacked").exists() and prepack_module.leftovers(export_copy) == []
