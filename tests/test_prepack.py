@@ -430,15 +430,14 @@ def test_bf16_copies_are_counted_at_float32(tiny_dir, tmp_path, monkeypatch):
 def test_a_file_size_limit_below_the_copy_is_refused_before_the_work(export_copy):
     # under `ulimit -f` onnxruntime failed writing with "FAIL ... ToGraphProtoWithExternalInitializers",
     # which never named the limit
-    import resource
     import subprocess
     import sys
 
-    def limit():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, resource.RLIM_INFINITY))
-
-    proc = subprocess.run([sys.executable, "-m", "gemma_export.cli", "prepack", "--model", str(export_copy)],
-                          capture_output=True, text=True, preexec_fn=limit)
+    # the limit is set in the child itself (a preexec_fn would fork this multithreaded process)
+    code = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, resource.RLIM_INFINITY)); "
+            "sys.argv = ['gemma-export', 'prepack', '--model', sys.argv[1]]; "
+            "runpy.run_module('gemma_export.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(export_copy)], capture_output=True, text=True)
     assert proc.returncode == 2, proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "above this process's file-size limit of 102,400 bytes (ulimit -f)" in line, line
