@@ -209,6 +209,10 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
         else:
             raw = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
             entries.append(TensorEntry(t.name, shape, name, len(raw), count, None, 0, dtype, inline=raw))
+    twice = sorted(n for n, k in collections.Counter(e.name for e in entries).items() if k > 1)
+    if twice:  # onnxruntime refuses such a graph; which of the two a node reads is undefined
+        raise FormatError(f"{path}: initializer name{'s' if len(twice) > 1 else ''} {', '.join(map(repr, twice[:5]))} "
+                          f"defined more than once; a graph names each initializer once")
     consumers: dict[str, list[str]] = {e.name: [] for e in entries}
     dequantize: list[tuple[str, str, str | None]] = []
     shapes = {e.name: e.shape for e in entries}
@@ -419,7 +423,11 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str
     with a scale tensor, a GGUF Q8_0 tensor, or ``dequantize_nodes``: ``(codes, scales, zero
     points or None)`` of a graph's ``DequantizeLinear`` nodes) whose dequantized values equal it.
     Only tensors ≥ 64 KiB are checked; hashing reads only tensors whose byte size matches another's."""
-    big = [e for e in entries if e.nbytes >= MIN_DUPLICATE_BYTES]
+    # initializers that point at the same bytes of one data file are stored once: not duplicates
+    stored: dict[tuple, TensorEntry] = {}
+    for e in entries:
+        stored.setdefault((e.path, e.offset, e.nbytes) if e.path is not None else (None, id(e), 0), e)
+    big = [e for e in stored.values() if e.nbytes >= MIN_DUPLICATE_BYTES]
     by_size: dict[tuple[int, str], list[TensorEntry]] = collections.defaultdict(list)
     for e in big:
         by_size[(e.nbytes, e.dtype)].append(e)

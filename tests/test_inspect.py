@@ -231,3 +231,50 @@ def test_an_initializer_of_unknown_data_type_is_named(tmp_path, command):
     assert result.exit_code == 2, result.output
     assert result.stderr.strip() == f"error: {path}: initializer 'w' has data_type 999, not an ONNX tensor type"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+
+
+def _two_initializer_model(tmp_path, second_name: str, share_offset: bool):
+    """A Gather model with a 256 x 128 float32 table and a second initializer of the same bytes,
+    written with external data; the second then renamed, and/or pointed at the first's bytes."""
+    from onnx.external_data_helper import convert_model_to_external_data
+
+    table = np.random.default_rng(0).standard_normal((256, 128)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["a"]), helper.make_node("Gather", ["copy", "ids"], ["b"])], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("a", "b")],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(table, "copy")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    convert_model_to_external_data(model, location="model.onnx.data", size_threshold=0)
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
+    first, second = model.graph.initializer
+    if share_offset:
+        del second.external_data[:]
+        second.external_data.extend(first.external_data)
+    second.name = second_name
+    model.graph.node[1].input[0] = second_name
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    return tmp_path / "model.onnx", table.nbytes
+
+
+def test_initializers_sharing_their_bytes_are_not_counted_as_duplicates(tmp_path):
+    # two names reading one stored copy: nothing is wasted on disk (it reported the whole table as
+    # wasted and dedupe claimed to save it), while a real second copy is still found
+    path, nbytes = _two_initializer_model(tmp_path, "copy", share_offset=True)
+    assert (tmp_path / "model.onnx.data").stat().st_size == 2 * nbytes  # the unused second copy stays in the file
+    assert _groups(inspect_path(path)) == []
+    (tmp_path / "real").mkdir()
+    real, _ = _two_initializer_model(tmp_path / "real", "copy", share_offset=False)
+    assert [g.wasted_bytes for g in inspect_path(real).duplicates] == [nbytes]
+
+
+def test_an_initializer_name_defined_twice_is_refused_by_inspect_and_dedupe(tmp_path):
+    # onnxruntime cannot load such a graph: it was reported as a duplicate, and dedupe found nothing to do
+    path, _ = _two_initializer_model(tmp_path, "table", share_offset=False)
+    for args in (["inspect", str(path)], ["dedupe", str(path), "--out", str(tmp_path / "out")]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip() == f"error: {path}: initializer name 'table' defined more than once; a graph " \
+                                        "names each initializer once"
+    assert not (tmp_path / "out").exists()
