@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,39 @@ def test_multimodal_prefix_and_sharded_index(tiny_model, tiny_dir, tmp_path):
     out = export(src, tmp_path / "out", "fp32", all_logits=True).out_dir
     ids = _ids(seed=9)
     assert np.abs(_prefill(OnnxDecoder(out), ids)[0] - reference_logits(tiny_model, ids)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("edit, message", [
+    # transformers loads by the index: a tensor it lists in the wrong shard, one it lists that no
+    # shard holds, or one a shard holds that it does not list was accepted (only the file list was read)
+    (lambda m: m.update({"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}),
+     "tensor 'model.embed_tokens.weight' is in model-00001-of-00002.safetensors, but the index maps it to "
+     "'model-00002-of-00002.safetensors'"),
+    (lambda m: m.update({"model.extra.weight": "model-00002-of-00002.safetensors"}),
+     "lists tensor 'model.extra.weight' in model-00002-of-00002.safetensors, which does not hold it"),
+    (lambda m: m.pop("model.embed_tokens.weight"), "tensor 'model.embed_tokens.weight' is in model-00001-of-00002.safetensors, but "
+                                           "the index does not list it"),
+])
+def test_a_sharded_index_that_disagrees_with_its_shards_is_refused(tiny_dir, tmp_path, edit, message):
+    from gemma_export.errors import FormatError
+
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    names = sorted(tensors)
+    assert "model.embed_tokens.weight" in names[: len(names) // 2]
+    src = tmp_path / "sharded"
+    src.mkdir()
+    shutil.copy(tiny_dir / "config.json", src / "config.json")
+    weight_map = {}
+    for shard, keys in (("model-00001-of-00002.safetensors", names[: len(names) // 2]),
+                        ("model-00002-of-00002.safetensors", names[len(names) // 2:])):
+        save_file({k: tensors[k] for k in keys}, str(src / shard))
+        weight_map.update({k: shard for k in keys})
+    edit(weight_map)
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FormatError) as caught:
+        export(src, tmp_path / "out", "fp32")
+    assert str(caught.value) == f"{src / 'model.safetensors.index.json'}: {message}"
+    assert not (tmp_path / "out").exists()
 
 
 def test_transformers_4x_config_form(tiny_model, tiny_dir, tmp_path):

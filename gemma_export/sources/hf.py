@@ -52,11 +52,17 @@ def _hf_name(key: str) -> str | None:
     return None
 
 
-def _shard_files(folder: Path) -> list[Path]:
+def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a transformers folder and, for a sharded one, its index's
+    ``weight_map`` (tensor name → shard file name; None for a single file).
+
+    Raises:
+        FormatError: an unreadable index, a shard that is not a file of the folder, or neither file.
+    """
     single = folder / "model.safetensors"
     index = folder / "model.safetensors.index.json"
     if single.is_file():
-        return [single]
+        return [single], None
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -71,7 +77,7 @@ def _shard_files(folder: Path) -> list[Path]:
             if Path(name).name != name or not shard.is_file():
                 raise FormatError(f"{index}: shard '{name}' is not a file in {folder}")
             files.append(shard)
-        return files
+        return files, weight_map
     raise FormatError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -112,13 +118,23 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     wanted = set(expected_shapes(config)) | {LM_HEAD}
     tensors: dict[str, TensorRef] = {}
     total_bytes = 0
-    shards = _shard_files(folder)
+    shards, weight_map = _shard_files(folder)
+    index = folder / "model.safetensors.index.json"
     for shard in shards:
         total_bytes += shard.stat().st_size
         read_header(shard)  # named errors for a corrupt header before the library reads it
         try:
             with safe_open(str(shard), framework="numpy") as f:
-                for key in f.keys():
+                keys = list(f.keys())
+                if weight_map is not None:  # the index and the shards must agree (transformers loads by the index)
+                    for key in keys:
+                        if weight_map.get(key) != shard.name:
+                            where = f"maps it to '{weight_map[key]}'" if key in weight_map else "does not list it"
+                            raise FormatError(f"{index}: tensor '{key}' is in {shard.name}, but the index {where}")
+                    listed = sorted(k for k, v in weight_map.items() if v == shard.name and k not in set(keys))
+                    if listed:
+                        raise FormatError(f"{index}: lists tensor '{listed[0]}' in {shard.name}, which does not hold it")
+                for key in keys:
                     name = _hf_name(key)
                     if name not in wanted:
                         if name and name.startswith("model.layers."):
