@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import os
 import shutil
@@ -54,18 +53,6 @@ def _project_root() -> Path | None:
 
 #: room the free-space check keeps for a wheel built here (bytes; the wheel is ~0.2 MB)
 WHEEL_BYTES_ESTIMATE = 10**6
-
-
-def _copy_into(source: Path, target: Path) -> None:
-    """``shutil.copyfile`` into the bundle; a write that fails for want of room (full disk, size
-    limit, read-only file system) is reported under ``target``: ``copyfile`` names the source,
-    which would blame an input for the destination's disk."""
-    try:
-        shutil.copyfile(source, target)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS):
-            raise OSError(exc.errno, exc.strerror, str(target)) from None
-        raise
 
 
 def _pip_wheel_command(tree: Path, dest: Path) -> list[str]:
@@ -118,7 +105,8 @@ def build_wheel(dest: Path) -> Path:
                                   "package; pass --wheel PATH to a gemma_export wheel")
     # built from a copy of what the wheel holds, so setuptools' build/ and *.egg-info folders land in
     # the temporary copy instead of the user's checkout
-    with tempfile.TemporaryDirectory(prefix="gemma-export-wheel-", ignore_cleanup_errors=True) as scratch:
+    scratch = tempfile.mkdtemp(prefix="gemma-export-wheel-")
+    try:  # whatever happens (an interrupt included), the scratch folder goes, once pip's group is gone
         tree = Path(scratch) / "src"
         try:
             tree.mkdir()
@@ -136,10 +124,9 @@ def build_wheel(dest: Path) -> Path:
         # (Ctrl-C kills pip mid-build) leaves none of them in the system's temporary folder
         pip_tmp = Path(scratch) / "tmp"
         pip_tmp.mkdir()
-        try:
-            proc = _run_in_own_group(_pip_wheel_command(tree, dest), {**os.environ, "TMPDIR": str(pip_tmp)})
-        finally:  # interrupted or not: the scratch folder goes, even if a straggler wrote into it late
-            shutil.rmtree(scratch, ignore_errors=True)
+        proc = _run_in_own_group(_pip_wheel_command(tree, dest), {**os.environ, "TMPDIR": str(pip_tmp)})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -276,14 +263,14 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     with staged_folder(out, "bundle") as staging:
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:
-            _copy_into(model_dir / name, staging / "model" / name)
+            shutil.copyfile(model_dir / name, staging / "model" / name)
         if wheel is None:
             with tempfile.TemporaryDirectory() as tmp:
                 built = build_wheel(Path(tmp))
-                _copy_into(built, staging / built.name)
+                shutil.copyfile(built, staging / built.name)
                 wheel_name = built.name
         else:
-            _copy_into(wheel, staging / wheel.name)
+            shutil.copyfile(wheel, staging / wheel.name)
             wheel_name = wheel.name
         model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))

@@ -216,16 +216,22 @@ def _forward(checkpoint: Checkpoint, token_ids: Sequence[int],
                 largest[:] = [name, float(array[at]), tuple(int(i) for i in at)]
         return array
 
+    checked: list = [None]  # the last input found finite: q/k/v and gate/up share one
+
+    def culprit() -> str:
+        return (f"the largest weight read before it is {largest[0]}[{', '.join(map(str, largest[2]))}] = "
+                f"{largest[1]:.3g}; the source's weights are out of range")
+
     def record(name: str, x: np.ndarray) -> None:
-        culprit = (f"the largest weight read before it is {largest[0]}[{', '.join(map(str, largest[2]))}] = "
-                   f"{largest[1]:.3g}; the source's weights are out of range")
-        if not np.isfinite(x).all():
-            raise NumericError(f"calibration: the input of {name} is not finite (float32 overflow) on the "
-                               f"calibration text; {culprit}")
+        if checked[0] is not x:
+            if not np.isfinite(x).all():
+                raise NumericError(f"calibration: the input of {name} is not finite (float32 overflow) on the "
+                                   f"calibration text; {culprit()}")
+            checked[0] = x
         try:
             user_record(name, x)
         except NumericError as exc:
-            raise NumericError(f"{exc}; {culprit}") from None
+            raise NumericError(f"{exc}; {culprit()}") from None
 
     t = len(ids)
     table = checkpoint.tensors[EMBED].rows()
@@ -322,7 +328,7 @@ def collect(checkpoint: Checkpoint, token_ids: Sequence[int], source: str = "",
             if as_gram:
                 kept = gram(x).astype(np.float32)
             else:  # float16 halves the memory (the statistics need ~3 digits); float32 beyond its range
-                kept = x.astype(np.float16) if np.abs(x).max() < 6e4 else np.ascontiguousarray(x, np.float32)
+                kept = x.astype(np.float16) if reach < 6e4 else np.ascontiguousarray(x, np.float32)
             last[:] = [x, kept]
         (hessians if as_gram else inputs)[name] = last[1]
 

@@ -91,8 +91,9 @@ def remove_stale(out_dir: Path) -> list[Path]:
     if not out_dir.parent.is_dir():
         return removed
     now = time.time()
+    prefix = hidden_prefix(out_dir)
     for path in sorted(out_dir.parent.iterdir()):
-        if not (path.name.startswith((f"{hidden_prefix(out_dir)}staging-", f"{hidden_prefix(out_dir)}old-")) and path.is_dir()
+        if not (path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir()
                 and not path.is_symlink()):
             continue
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
@@ -411,7 +412,10 @@ def _names_an_input(exc: OSError, out_dir: Path) -> bool:
     """Whether ``exc`` names a file outside the output: neither ``out_dir`` nor the hidden
     ``.NAME.*`` folders beside it (staging, the old folder being replaced). That is a source tensor
     read lazily while the output is written: an input's error, not a failed write. Errors without a
-    file name (a short write) count as writes."""
+    file name (a short write), and those only a write gives (:data:`_NO_ROOM`, a read-only file
+    system) whatever file they name (``shutil.copyfile`` names its source), count as writes."""
+    if exc.errno in (*_NO_ROOM, errno.EROFS):
+        return False
     if not exc.filename or not isinstance(exc.filename, (str, bytes, os.PathLike)):
         return False
     name = Path(os.path.abspath(os.fsdecode(exc.filename)))
@@ -422,6 +426,10 @@ def _names_an_input(exc: OSError, out_dir: Path) -> bool:
     return beside is None or not beside.name.startswith(hidden_prefix(out))
 
 
+#: errno values of a write that found no room: a full disk, a file-size limit, a disk quota
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
 def _describe(exc: OSError, folder: Path) -> str:
     """The reason of a failed write; for a full disk or a size limit, with the free space left on that
     file system (other reasons, e.g. a folder that refuses changes, say nothing of space)."""
@@ -429,7 +437,7 @@ def _describe(exc: OSError, folder: Path) -> str:
     # ENOSPC / EFBIG / EDQUOT from the OS, or a short write reported without an errno (numpy's
     # tofile: "8192 requested and 6144 written")
     short = isinstance(exc, BlockingIOError) or (exc.errno is None and "written" in reason)
-    if short or exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+    if short or exc.errno in _NO_ROOM:
         reason += ": the disk is full or a file-size limit was reached"
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
         with contextlib.suppress(OSError, TypeError):
