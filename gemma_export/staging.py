@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -305,6 +306,37 @@ def check_outside_outputs(out_dir: Path, what: str) -> None:
                           f"list every file in it; write the {what} elsewhere")
 
 
+#: the kernel's table of this process's mounts (proc(5)): field 5 of each line is a mount point
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def is_mount_point(folder: Path) -> bool:
+    """Whether ``folder`` (resolved) is a mount point, which no rename can replace (EBUSY).
+
+    ``os.path.ismount`` compares device numbers with the parent's, so it misses a bind mount of a
+    folder of the same file system; the kernel's mount table (:data:`MOUNTINFO`, mount points
+    escaped as octal ``\\ooo``) lists those too. Where that table cannot be read (not Linux), the
+    device test alone decides.
+    """
+    if os.path.ismount(folder):
+        return True
+    try:
+        lines = MOUNTINFO.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+    except OSError:
+        return False
+    target = os.fsencode(folder)
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4 and _unescape_mount_point(fields[4]) == target:
+            return True
+    return False
+
+
+def _unescape_mount_point(field: str) -> bytes:
+    """A mount point as mountinfo writes it (space, tab, newline and backslash as ``\\ooo``) as bytes."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
+
+
 def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
@@ -329,7 +361,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
         return
     if not out.is_dir():
         raise OutputError(f"{out_dir}: exists and is not a folder")
-    if os.path.ismount(out):
+    if is_mount_point(out):
         raise OutputError(f"{out_dir}: is a mount point, which the {what} cannot replace; choose a folder inside it")
     if before is not None:
         before(out)

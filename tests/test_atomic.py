@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gemma_export import exporter
+from gemma_export import exporter, staging
 from gemma_export.cli import app
 from gemma_export.staging import STALE_AFTER_SECONDS
 
@@ -52,6 +52,53 @@ def small_disk(tmp_path):
         pytest.skip(f"mounting a tmpfs needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
     yield mount
     subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.fixture
+def bind_mounted(tmp_path):
+    """A folder of tmp_path's own file system bind-mounted on itself: same device as its parent, so
+    ``os.path.ismount`` calls it an ordinary folder, yet no rename can replace it."""
+    folder = tmp_path / "bound here"
+    folder.mkdir()
+    done = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True)
+    if done.returncode != 0:
+        if _can_mount():
+            pytest.fail(f"cannot bind-mount with CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
+        pytest.skip(f"a bind mount needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=False)
+
+
+@pytest.mark.parametrize("command", ["export", "dedupe"])
+def test_a_bind_mount_as_the_output_is_refused_before_any_work(tiny_dir, bind_mounted, monkeypatch, command):
+    assert not os.path.ismount(bind_mounted)  # the case the device test alone misses
+    read = []
+    monkeypatch.setattr(exporter, "open_source", lambda *a, **k: read.append(a) or pytest.fail("source read"))
+    if command == "export":
+        result = _export(tiny_dir, bind_mounted)
+    else:
+        # the destination is checked before the model is read: this model does not exist
+        result = CliRunner().invoke(app, ["dedupe", str(bind_mounted.parent / "absent.onnx"), "--out", str(bind_mounted)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {bind_mounted}: is a mount point, which the "), line
+    assert list(bind_mounted.iterdir()) == [] and not read
+
+
+def test_mount_points_are_read_from_the_kernels_table_with_its_escapes(tmp_path, monkeypatch):
+    listed = tmp_path / "a b\\c"
+    plain = tmp_path / "plain"
+    for folder in (listed, plain):
+        folder.mkdir()
+    escaped = str(listed).replace("\\", "\\134").replace(" ", "\\040")
+    table = tmp_path / "mountinfo"
+    table.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n45 22 8:1 /x {escaped} rw,relatime - ext4 /dev/sda1 rw\n")
+    monkeypatch.setattr(staging, "MOUNTINFO", table)
+    assert staging.is_mount_point(listed)
+    assert not staging.is_mount_point(plain)
+    assert staging.is_mount_point(Path("/"))  # the device test still decides where the table is silent
+    monkeypatch.setattr(staging, "MOUNTINFO", tmp_path / "missing")
+    assert not staging.is_mount_point(listed)
 
 
 def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_disk, monkeypatch):
