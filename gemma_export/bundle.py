@@ -301,7 +301,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     from .errors import VerificationError
     from .exporter import verify_manifest
     from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
-    from .staging import check_listed_file
+    from .staging import check_listed_file, listed_files
 
     folder = Path(folder)
     listing_path = folder / BUNDLE_MANIFEST
@@ -316,17 +316,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{listing_path}: unreadable: {exc}") from None
     if not isinstance(listing, dict):
         raise VerificationError(f"{listing_path}: expected a JSON object, found {type(listing).__name__}")
-    files = listing.get("files")
-    if not isinstance(files, dict) or not files:
-        raise VerificationError(f"{listing_path}: field 'files' must be an object of path -> bytes and sha256")
-    expected = {}
-    for name, entry in files.items():
-        parts = Path(name).parts
-        if Path(name).is_absolute() or ".." in parts or not parts:
-            raise VerificationError(f"{listing_path}: lists {name!r}, which is not a path inside the folder")
-        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)):
-            raise VerificationError(f"{listing_path}: files[{name!r}] needs an integer 'bytes' and a string 'sha256'")
-        expected[Path(name).as_posix()] = (entry["bytes"], entry["sha256"])
+    expected = listed_files(listing.get("files"), listing_path, nested=True)
     for name, (size, digest) in expected.items():
         check_listed_file(folder / name, size, digest, BUNDLE_MANIFEST, "a board folder")
 

@@ -31,7 +31,8 @@ from .runtime import create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens
-from .staging import check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, staged_folder
+from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
+                      staged_folder)
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
 
@@ -250,10 +251,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         manifest = read_manifest(folder)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        raise VerificationError(f"{manifest_path}: field 'files' must be an object of file name -> bytes and sha256, "
-                                f"found {'nothing' if files is None else type(files).__name__}")
+    expected = listed_files(manifest.get("files"), manifest_path, nested=False)
     from .runtime import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_vocab_and_layers,
                           sliding_layers_from)
 
@@ -261,17 +259,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         check_manifest_fields(manifest, manifest_path)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
-    expected = {}
-    for name, entry in files.items():
-        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)):
-            raise VerificationError(f"{manifest_path}: unreadable manifest: files[{name!r}] needs an integer 'bytes' "
-                                    f"and a string 'sha256', found {str(entry)[:60]}")
-        expected[str(name)] = (entry["bytes"], entry["sha256"])
     for name, (size, digest) in expected.items():
-        path = folder / name
-        if Path(name).name != name:
-            raise VerificationError(f"{manifest_path}: lists {name!r}, which is not a file name in the folder")
-        check_listed_file(path, size, digest, "the manifest", "an export folder")
+        check_listed_file(folder / name, size, digest, "the manifest", "an export folder")
     stale = prepack_leftovers(folder)
     if stale:
         raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; run gemma-export prepack "

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import OutputError, check_utf8_path
+from .errors import OutputError, check_utf8_path, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
@@ -231,6 +231,40 @@ def check_listed_file(path: Path, size: int, digest: str, listing: str, folder_k
         raise VerificationError(f"{path}: {path.stat().st_size} bytes, {listing} says {size}")
     if file_sha256(path) != digest:
         raise VerificationError(f"{path}: sha256 differs from {listing}")
+
+
+def listed_files(files, listing: Path, nested: bool) -> dict[str, tuple[int, str]]:
+    """The ``files`` field of an export's manifest or a board folder's ``BUNDLE.json``
+    (``{name: {"bytes": int, "sha256": hex}}``) as ``{name: (bytes, sha256)}``, every entry checked.
+
+    Args:
+        files: the field's parsed JSON value (anything: it comes from a file).
+        listing: the file it was read from, for the messages.
+        nested: whether names may be relative paths below the folder (a board folder's
+            ``model/...``); otherwise each must be a plain file name.
+
+    Raises:
+        VerificationError: the field is not a non-empty object; a name that is not a file name
+            (nested: an absolute path or one with ``..``); an entry without an integer ``bytes``
+            (>= 0; JSON ``true`` is not one) and a string ``sha256``.
+    """
+    from .errors import VerificationError
+
+    if not isinstance(files, dict) or not files:
+        raise VerificationError(f"{listing}: field 'files' must be an object of file name -> bytes and sha256, "
+                                f"found {'nothing' if files is None else shown(files)}")
+    expected = {}
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if not parts or (Path(name).is_absolute() or ".." in parts if nested else Path(name).name != name):
+            raise VerificationError(f"{listing}: lists {name!r}, which is not a "
+                                    f"{'path inside' if nested else 'file name in'} the folder")
+        if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
+                and isinstance(entry.get("sha256"), str)):
+            raise VerificationError(f"{listing}: files[{name!r}] needs an integer 'bytes' (>= 0) and a string "
+                                    f"'sha256', found {shown(entry)}")
+        expected[Path(name).as_posix() if nested else name] = (entry["bytes"], entry["sha256"])
+    return expected
 
 
 def file_sha256(path: Path) -> str:

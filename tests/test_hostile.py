@@ -479,6 +479,10 @@ CASES = {
     # JSON true is an int to Python: not a size
     "manifest size true (verify)": Case(export_copy(_manifest_field("files", "model.onnx", {"bytes": True, "sha256": "0" * 64}),
                                                     _verify), VerificationError, ("files['model.onnx'] needs an integer 'bytes'",)),
+    "manifest size negative (verify)": Case(export_copy(_manifest_field("files", "model.onnx", {"bytes": -1, "sha256": "0" * 64}),
+                                                        _verify), VerificationError, ("files['model.onnx'] needs an integer 'bytes' (>= 0)",)),
+    "manifest lists a path (verify)": Case(export_copy(_manifest_field("files", "sub/model.onnx", {"bytes": 1, "sha256": "0" * 64}),
+                                                       _verify), VerificationError, ("lists 'sub/model.onnx', which is not a file name in the folder",)),
     "manifest a list (verify)": Case(export_copy(_write("manifest.json", b"[1, 2]"), _verify), VerificationError,
                                      ("expected a JSON object, found list",)),
     "prompt not UTF-8": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab\udcffc"]),
@@ -508,7 +512,7 @@ CASES = {
     "data file hard-linked (verify)": Case(export_copy(lambda f: os.link(f / "model.onnx.data", f.parent / "backup.data"), _verify),
                                            VerificationError, ("model.onnx.data: has 2 hard links", "cp, not ln")),
     "manifest files a string (verify)": Case(export_copy(_manifest_field(None, "files", "abc"), _verify), VerificationError,
-                                             ("field 'files' must be an object", "found str")),
+                                             ("field 'files' must be an object", 'found "abc"')),
     # the runtime's cheap size check of the data file reads 'files': a damaged one is named, not skipped
     "manifest files a list (generate)": Case(export_copy(_manifest_field(None, "files", []), _generate), FormatError,
                                              ("field 'files' must be an object", "found []")),
