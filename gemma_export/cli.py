@@ -397,8 +397,8 @@ def prepack(
     Writes MODEL/prepacked/: onnxruntime's optimized graph with the weights already in its kernels'
     packed layout. generate, bench, quality and parity then map the packed weights from disk instead
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
-    reclaim) drops by about the archive's size (int8 after a short prompt: about 1.18 x -> 0.13-0.15 x
-    the archive; after a 512-token prompt and 128 steps: 1.44 x -> 0.38 x; 2026-12-03). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    reclaim) drops by about the archive's size (int8 after a short prompt: about 1.17 x -> 0.10 x
+    the archive; after a 512-token prompt and 128 steps: 1.45 x -> 0.40 x; 2026-12-04). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 

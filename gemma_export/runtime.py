@@ -26,6 +26,7 @@ from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_STAR
 from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_utf8_path,
                      is_whole_number, shown)
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
+from .memory import release_free_heap
 from .text_files import not_unicode_at
 
 
@@ -307,6 +308,7 @@ class OnnxDecoder:
                 self.huge_page_bytes = collapse_to_huge_pages()
         else:
             path = self.prepacked_path
+        release_free_heap()  # what loading freed (graph, tokenizer, onnxruntime's transient buffers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
         unknown = [n for n in inputs if n not in ("input_ids", "attention_mask", "position_ids")
