@@ -419,6 +419,31 @@ def test_attention_softcap_in_the_config_is_ignored_like_transformers(tiny_dir, 
     assert np.abs(logits[0] - ref[0]).max() <= 1e-4 and np.abs(logits[1, 5:] - ref[1, 5:]).max() <= 1e-4
 
 
+# The default tiny model sets four config values where a wrong formula cannot show: rms_norm_eps
+# 1e-6 (eps outside the square root changes logits by < 1e-5), query_pre_attn_scalar == head_dim
+# (16: scaling by head_dim ** -0.5 instead is the same), no final_logit_softcapping (the cap is
+# never built) and no linear RoPE scaling (factor 1: multiplying by it is dividing by it). Each case
+# here moves one of them away from its neutral value, so each of those formulas meets transformers.
+@pytest.mark.parametrize("overrides", [
+    {"rms_norm_eps": 0.1},
+    {"query_pre_attn_scalar": 64},
+    {"final_logit_softcapping": 2.0},
+    {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
+], ids=["rms_norm_eps", "query_pre_attn_scalar", "final_logit_softcapping", "linear_rope_factor"])
+def test_config_values_the_default_tiny_model_leaves_neutral_match_transformers(tmp_path, overrides):
+    model = make_tiny_model(seed=3, **overrides)
+    save_tiny(model, tmp_path / "src")
+    out = export(tmp_path / "src", tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = _ids(seed=13)
+    logits, _ = _prefill(OnnxDecoder(out), ids)
+    ref = reference_logits(model, ids)
+    assert np.abs(logits - ref).max() <= 1e-4
+    # the override matters: the same weights with the default value give other logits
+    default = make_tiny_model(seed=3)
+    assert np.abs(reference_logits(default, ids) - ref).max() > 1e-2
+
+
 def test_prompt_longer_than_max_positions_is_refused(fp32_all):
     from gemma_export.errors import GemmaExportError
 

@@ -133,6 +133,22 @@ def test_codes_stay_in_range_and_a_dead_channel_is_rounded_to_nearest():
     assert codes.min() >= 0 and codes.max() == 15
 
 
+def test_damping_is_taken_after_a_dead_channels_diagonal_is_set_to_one():
+    # GPTQ's reference: H[dead, dead] = 1, then lambda = 1% of the mean diagonal, this 1 included.
+    # With small activations (diagonal ~0.2) the 1 moves lambda by ~60%: the factor shows it.
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((16, 8)) * 0.1
+    x[:, 3] = 0.0
+    h = x.T @ x
+    fixed = h.copy()
+    fixed[3, 3] = 1.0
+    damped = fixed + np.eye(8) * 0.01 * np.mean(np.diagonal(fixed))
+    expected = np.linalg.cholesky(np.linalg.inv(damped)).T
+    u = inverse_cholesky(h)
+    assert np.allclose(u, expected, rtol=1e-4, atol=1e-5)
+    assert u[3, 3] == pytest.approx(1 / np.sqrt(damped[3, 3]), rel=1e-5)
+
+
 def test_row_chunks_give_the_same_codes(monkeypatch):
     rng = np.random.default_rng(4)
     x = _correlated(rng, 512, 64)
@@ -197,6 +213,24 @@ def test_calibration_forward_matches_transformers(tiny_dir, tiny_model):
     assert cal.hessian(names[3]).shape == (c.num_attention_heads * c.head_dim,) * 2
     assert cal.hessian(names[6]).shape == (c.intermediate_size,) * 2
     assert cal.hessian("nothing") is None
+
+
+def test_calibration_forward_matches_transformers_away_from_the_neutral_config(tmp_path):
+    """The tiny model's rms_norm_eps (1e-6) and query_pre_attn_scalar (== head_dim) hide an eps
+    outside the square root or a 1/sqrt(head_dim) score scale; here both are moved."""
+    import torch
+
+    from conftest import make_tiny_model, save_tiny
+    from gemma_export.calibration import collect
+    from gemma_export.sources import open_source
+
+    model = make_tiny_model(seed=3, rms_norm_eps=0.1, query_pre_attn_scalar=64)
+    ids = list(np.random.default_rng(0).integers(3, 96, 20))
+    cal = collect(open_source(save_tiny(model, tmp_path / "src")), ids, "test")
+    with torch.no_grad():
+        final = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    got = cal.inputs["model.embed_tokens.weight"].astype(np.float32)
+    assert np.abs(got - final).max() < 2e-2 * np.abs(final).max()   # stored as float16
 
 
 def test_calibration_rejects_ids_outside_the_vocabulary(tiny_dir):

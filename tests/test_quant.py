@@ -28,6 +28,16 @@ def test_int8_matches_reference_rule_per_row():
     assert (q.data[0, 0].astype(int) - 128).tolist() == [64, -127, 32, 64]
 
 
+def test_int8_rounds_exact_halves_to_even_on_both_sides_of_zero():
+    # max 127 makes the scale exactly 1.0, so w / scale is w: exact halves of either sign. Half to
+    # even gives these codes; half up (floor(x + 0.5)) would give 0, -1, 3, 1, -126 for the halves,
+    # half away from zero -1, -2, 3, -3, 1, -127.
+    w = np.array([[127.0, -0.5, -1.5, 2.5, -2.5, 0.5, 1.5, -126.5]], dtype=np.float32)
+    q = BlockInt8Weights.quantize(w, 8)
+    assert q.scales[0, 0] == np.float32(1.0)
+    assert (q.data[0, 0].astype(int) - 128).tolist() == [127, 0, -2, 2, -2, 0, 2, -126]
+
+
 def test_int8_zero_block_and_outlier():
     w = np.zeros((3, 32), np.float32)
     w[1, 5] = 3e38  # near float32 max: must not overflow the scale
@@ -213,6 +223,23 @@ def test_int4_channel_weights_steer_the_error():
     weighted = BlockInt4Weights.quantize(w, 32, channel_weights=h)
     first = lambda q: ((q.dequantize() - w)[:, :8] ** 2).sum()  # noqa: E731
     assert first(weighted) < first(plain)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_mse_search_keeps_ratio_one_where_every_ratio_ties(symmetric):
+    # a block whose channel weights are all zero (inputs no calibration token used) has error 0 under
+    # every clipping ratio: the tie keeps the first candidate, c = 1 (round to nearest), not the last
+    rng = np.random.default_rng(6)
+    w = (rng.standard_t(3, size=(32, 64)) * 0.02).astype(np.float32)
+    h = np.ones(64, np.float32)
+    h[:32] = 0.0
+    searched = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse", channel_weights=h)
+    rtn = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="rtn")
+    # (asymmetric: a float64 ratio against rtn's float 1.0 may move the scale by one float32 ulp)
+    assert np.allclose(searched.scales[:, 0], rtn.scales[:, 0], rtol=1e-6, atol=0)
+    assert np.array_equal(searched.unpacked_zero_points()[:, 0], rtn.unpacked_zero_points()[:, 0])
+    assert np.array_equal(unpack_nibbles(searched.data)[:, 0], unpack_nibbles(rtn.data)[:, 0])
+    assert not np.array_equal(searched.scales[:, 1], rtn.scales[:, 1])  # the weighted block still searches
 
 
 def test_int4_zero_and_constant_blocks_and_outliers():
