@@ -224,7 +224,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
 
     Args:
         model_dir: an export folder with its ``manifest.json`` (verified first).
-        out_dir: the bundle folder; must not exist or be empty or a previous bundle.
+        out_dir: the bundle folder; must not exist or be empty or a previous bundle (unchanged, or
+            with the pre-packed copy ``gemma-export prepack`` made in its ``model/``).
         board: a key of ``boards.BOARDS``.
         wheel: a prebuilt gemma_export wheel; default: built from the source tree with pip.
 
@@ -235,6 +236,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     """
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
+    from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
@@ -250,7 +252,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
-    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST)
+    # the pre-packed copy the bundle's README has the board make goes with the bundle it was made from
+    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST, derived=((f"model/{PREPACKED_DIR}", PREPACKED_MANIFEST),))
     if wheel is not None:
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

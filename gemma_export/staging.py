@@ -148,7 +148,8 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
     """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
     key/value pairs and a ``files`` map of paths relative to ``folder``) and nothing but the files it
     lists, the folders holding them, ``derived`` sub-folders (``(name, marker file)`` pairs: a
-    folder ``name`` holding ``marker``, which the toolkit wrote from the listed files), and hidden
+    folder ``name``, a relative path such as ``model/prepacked``, holding ``marker``, which the
+    toolkit wrote from the listed files), and hidden
     folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
     sub-folder leaves), each listed file with the size and sha256 recorded for it: only such a folder
     may be replaced by a new output."""
@@ -168,7 +169,7 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
              and not p.is_symlink()} if folder.is_dir() else set()
     for path in folder.rglob("*"):
         relative = str(path.relative_to(folder))
-        if relative.split("/", 1)[0] in skip:
+        if any(relative == name or relative.startswith(name + "/") for name in skip):
             continue
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return False

@@ -424,3 +424,22 @@ def test_the_free_space_check_counts_the_wheel_s_real_size(tiny_int8_export, whe
     assert result.exit_code == 2 and "stop here" in result.output
     assert wheel.stat().st_size > 10**5  # the old allowance was too small for it
     assert asked and asked[0] >= model_bytes + wheel.stat().st_size
+
+
+def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(tiny_int8_export, wheel, tmp_path):
+    from gemma_export.prepack import prepack
+
+    out = tmp_path / "board"
+    bundle_args = ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)]
+    assert runner.invoke(app, bundle_args).exit_code == 0
+    prepack(out / "model")  # the bundle README's step on the board
+    assert (out / "model" / "prepacked" / "prepacked.json").is_file()
+    result = runner.invoke(app, bundle_args)
+    assert result.exit_code == 0, result.output
+    assert not (out / "model" / "prepacked").exists()  # the copy goes with the bundle it was made from
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    # anything else added to model/ still makes the folder foreign
+    (out / "model" / "notes.txt").write_text("mine")
+    result = runner.invoke(app, bundle_args)
+    assert result.exit_code == 2 and "is not an unchanged bundle of gemma-export" in result.stderr, result.output
+    assert (out / "model" / "notes.txt").read_text() == "mine"
