@@ -182,14 +182,9 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     if reference is None and reference_weights is not None:
         raise GemmaExportError("--reference-weights applies to --reference, which is not given")
     if reference is not None:  # its files, their contents and IREE before the (long) measurement, not after it
-        from .reference_iree import _iree, check_reference
-        from .text_files import require_file
+        from .reference_iree import check_reference_options
 
-        require_file(reference, "reference MLIR file (--reference)")
-        if reference_weights is not None:
-            require_file(reference_weights, "reference archive (--reference-weights)")
-        check_reference(reference, reference_weights)
-        _iree()
+        check_reference_options(reference, reference_weights)
     spec = find_board(board) if board is not None else None
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
@@ -293,10 +288,19 @@ def check_board_budget(result: BenchResult) -> None:
         return
     spec = BOARDS[result.board]
     if result.peak_rss_bytes > spec.memory_bytes - spec.headroom_bytes:
+        board = f"the {result.board}'s"
         raise BudgetExceeded(
-            f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB leaves "
-            f"{(spec.memory_bytes - result.peak_rss_bytes) / 1e6:,.0f} MB of the {result.board}'s "
-            f"{spec.memory_bytes / 1e9:.1f} GB; at least {spec.headroom_bytes / 1e6:.0f} MB must stay free")
+            f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB "
+            f"{_room(spec.memory_bytes, result.peak_rss_bytes, board)}; at least {spec.headroom_bytes / 1e6:.0f} MB "
+            "must stay free")
+
+
+def _room(memory_bytes: int, peak_bytes: int, whose: str) -> str:
+    """"leaves N MB of <whose> X GB", or "exceeds <whose> X GB by N MB" when the peak is larger."""
+    left = memory_bytes - peak_bytes
+    if left >= 0:
+        return f"leaves {left / 1e6:,.0f} MB of {whose} {memory_bytes / 1e9:.1f} GB"
+    return f"exceeds {whose} {memory_bytes / 1e9:.1f} GB by {-left / 1e6:,.0f} MB"
 
 
 def format_result(r: BenchResult) -> str:
@@ -334,8 +338,7 @@ def format_result(r: BenchResult) -> str:
                      f"{ref['sequence_length']} positions, {ref['new_tokens']} tokens after {ref['prompt_tokens']}); "
                      f"export {ref['export_decode_ms_median']:.1f} ms/token = {ref['export_vs_reference']:.3f}x the reference")
     if r.board:
-        lines.append(f"board {r.board}: {(r.board_memory_bytes - r.peak_rss_bytes) / 1e6:,.0f} MB of "
-                     f"{r.board_memory_bytes / 1e9:.1f} GB left at peak")
+        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}")
     return "\n".join(lines)
 
 

@@ -504,7 +504,7 @@ def export(
     early = out_dir is not None and (source is None or not _related(Path(out_dir), Path(source)))
     if early:
         _check_replaceable(Path(out_dir))
-    if status is not None and checkpoint is None:
+    if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
     ckpt = checkpoint or open_source(source)
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)

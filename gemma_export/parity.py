@@ -355,7 +355,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             without ``against_transformers``, ``prompts`` with a golden file alone), a missing
             optional dependency; ``new_tokens`` < 1; a sequence beyond ``max_position_embeddings``;
             a prompt as long as the reference's fixed length.
-        SourceNotFoundError, FormatError: an unusable export folder, prompts or golden file (see
+        SourceNotFoundError, FormatError: a reference whose files are missing or contradict each
+            other (checked before the session, ``reference_iree.check_reference_options``); an unusable export folder, prompts or golden file (see
             :func:`read_prompts`, :func:`read_golden`); an id outside the vocabulary; a manifest that
             contradicts its graph; a reference of another vocabulary size.
         NumericError: the export computes NaN or +Inf logits.
@@ -378,6 +379,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
     if against_transformers:
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
+    if reference:  # its files, their contents and IREE before the session and the other comparisons
+        from .reference_iree import check_reference_options
+
+        check_reference_options(reference, reference_weights)
     model_dir = Path(model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named

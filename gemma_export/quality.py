@@ -29,7 +29,7 @@ import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import GemmaExportError, NumericError, is_whole_number
+from .errors import GemmaExportError, NumericError, SourceNotFoundError, is_whole_number
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -465,6 +465,9 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     if reference == "transformers":
         require_transformers("; or use --reference fp32 (an fp32 export of the same source, no extra needed)")
     elif reference != "fp32":  # a folder: named before the text is read and tokenized
+        if not Path(reference).exists():  # a mistyped keyword reads as a missing folder
+            raise SourceNotFoundError(f"{reference}: no such export folder; --reference takes transformers, fp32 or "
+                                      "an export folder")
         check_export_folder(Path(reference))
     model_dir = Path(model_dir)
     body, source = real_text(text)

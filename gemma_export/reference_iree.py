@@ -220,6 +220,23 @@ def check_reference(mlir_path: str | Path, archive_path: str | Path | None = Non
     return module, archive, candidates[0]
 
 
+def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> None:
+    """What ``--reference`` and ``--reference-weights`` name, checked before a command's slow work:
+    both files exist, :func:`check_reference` reads them, and IREE is installed.
+
+    Raises:
+        SourceNotFoundError, FormatError: as :func:`check_reference`, naming the option's file.
+        GemmaExportError: IREE (the ``iree`` extra) is not installed.
+    """
+    from .text_files import require_file
+
+    require_file(reference, "reference MLIR file (--reference)")
+    if reference_weights is not None:
+        require_file(reference_weights, "reference archive (--reference-weights)")
+    check_reference(reference, reference_weights)
+    _iree()
+
+
 def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,
                    cache_dir: Path | None = None) -> ReferenceModel:
     """Validate a reference export, compile it with IREE for this CPU and bind its archive.

@@ -122,7 +122,7 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     figures = json.loads(out.read_text())
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
-    assert "1,200 MB of 1.9 GB left at peak" in result.stdout
+    assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB" in result.stdout
     assert figures["new_tokens"] == 6
     assert "after the 5-token prompt and its 6 decode steps: Anonymous" in result.stdout  # what the growth covers
 
@@ -132,10 +132,18 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
 
     monkeypatch.setitem(boards.BOARDS, "tinyboard", boards.Board(
         title="tiny", threads=1, memory_bytes=100_000_000, headroom_bytes=50_000_000, python="3.12", platforms=()))
+    monkeypatch.setattr(bench_module, "peak_rss_bytes", lambda: 108_000_000)  # beyond the whole budget
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
                                  "--board", "tinyboard", "--text", str(text_file)])
     assert result.exit_code == 1  # a verdict, as parity's FAIL; 2 stays for bad input
-    assert "peak resident memory" in result.output and "at least 50 MB must stay free" in result.output
+    assert "board tinyboard: peak exceeds its 0.1 GB by 8 MB" in result.stdout  # not "-8 MB left"
+    assert ("peak resident memory 108 MB exceeds the tinyboard's 0.1 GB by 8 MB; at least 50 MB must stay free"
+            in result.output), result.output
+    monkeypatch.setattr(bench_module, "peak_rss_bytes", lambda: 70_000_000)  # inside it, but not 50 MB under
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
+                                 "--board", "tinyboard", "--text", str(text_file)])
+    assert result.exit_code == 1
+    assert "peak resident memory 70 MB leaves 30 MB of the tinyboard's 0.1 GB; at least 50 MB must stay free" in result.output
     assert "decode           median" in result.output  # the figures are shown before the verdict
 
 

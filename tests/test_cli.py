@@ -115,6 +115,7 @@ def test_missing_source_path(tmp_path):
     result = _run("--source", tmp_path / "nope", "--out", tmp_path / "out")
     assert result.exit_code == 2
     assert "nope: no such file or folder" in result.stderr
+    assert "reading" not in result.output  # no progress line for a source that is not there
 
 
 def test_output_inside_source_is_refused(tiny_dir, tmp_path):

@@ -284,7 +284,7 @@ def test_reference_paths_that_are_folders_are_named(reference, tiny_int8_export,
     # a folder given as the archive, or lying beside the .mlir under the archive's name: one line, exit 2
     _, mlir = reference
     result = _parity("--model", tiny_int8_export, "--reference", mlir, "--reference-weights", tmp_path)
-    assert result.exit_code == 2 and f"{tmp_path}: is a folder; expected a reference archive (safetensors)" in result.output
+    assert result.exit_code == 2 and f"{tmp_path}: is a folder; expected a reference archive (--reference-weights)" in result.output
     assert "Traceback" not in result.output
     result = _parity("--model", tiny_int8_export, "--reference", mlir.parent)
     assert result.exit_code == 2 and f"{mlir.parent}: is a folder; expected a reference MLIR file" in result.output
@@ -533,3 +533,22 @@ def test_a_manifest_whose_vocabulary_contradicts_the_graph_is_named_not_the_inpu
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == (
         f"error: {model / 'manifest.json'}: field 'config.vocab_size' is 10, but the graph has 96")
+
+
+@pytest.mark.parametrize("files, message", [
+    (lambda d: [d / "absent.mlir"], "absent.mlir: no such reference MLIR file (--reference)"),
+    (lambda d: [d], "is a folder; expected a reference MLIR file (--reference)"),
+    (lambda d: [d / "gemma.mlir", "--reference-weights", d / "absent.safetensors"],
+     "absent.safetensors: no such reference archive (--reference-weights)"),
+    (lambda d: [d / "gemma.mlir"], "gemma.mlir: no util.global bound to a #flow.parameter.named parameter; not a reference export"),
+])
+def test_a_bad_reference_is_named_before_the_model_is_loaded(tiny_int8_export, tmp_path, monkeypatch, files, message):
+    """No 'compiling …' line and no session for reference files that are missing or unreadable."""
+    import gemma_export.runtime as runtime
+
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", lambda *a, **k: pytest.fail("the model was loaded first"))
+    (tmp_path / "gemma.mlir").write_text("module {\n}\n")
+    args = files(tmp_path)
+    result = _parity("--model", tiny_int8_export, "--reference", *args)
+    assert result.exit_code == 2, result.output
+    assert result.output.strip().splitlines() == [result.output.strip()] and message in result.output, result.output

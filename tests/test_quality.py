@@ -199,6 +199,8 @@ def test_the_fp32_reference_export_says_where_it_is(tiny_int8_export, text_file,
 @pytest.mark.parametrize("args, message", [
     (["--tokens", "1"], "--tokens: expected at least 2, found 1"),
     (["--reference", "/nonexistent/export"], "/nonexistent/export: no such export folder"),
+    # a mistyped keyword is a missing folder too: the message names the keywords
+    (["--reference", "fp23"], "fp23: no such export folder; --reference takes transformers, fp32 or an export folder"),
     (["--text", "/nonexistent/text.txt"], "/nonexistent/text.txt: no such text file"),
 ])
 def test_quality_bad_arguments(tiny_int8_export, args, message):
