@@ -885,3 +885,74 @@ def test_greedy_equals_transformers_argmax_decoding(tiny_model, fp32_all):
         assert np.sort(logits)[-1] - np.sort(logits)[-2] > 1e-3  # no near-tie for float order to decide
         sequence.append(int(logits.argmax()))
     assert list(ours) == sequence[len(prompt):]
+
+
+def test_greedy_without_stop_ids_runs_past_the_manifests_eos(fp32_all, tmp_path):
+    """``stop_ids=()`` (parity's comparisons, golden files) never stops early, even on the manifest's
+    ``eos_token_id``; ``None`` stops on it, and includes it."""
+    from conftest import export_with_config
+
+    prompt = [2, 17, 33, 52]
+    free, _, _ = OnnxDecoder(fp32_all).greedy(prompt, 8, stop_ids=())
+    eos = free[1]  # a token greedy produces early: made the export's eos below
+    decoder = OnnxDecoder(export_with_config(fp32_all, tmp_path / "eos", eos_token_id=[eos]))
+    assert decoder.eos_token_id == (eos,)
+    assert decoder.greedy(prompt, 8, stop_ids=())[0] == free and len(free) == 8
+    stopped = decoder.greedy(prompt, 8)[0]
+    assert stopped == free[:free.index(eos) + 1] and len(stopped) <= 2
+
+
+def test_batched_greedy_counts_positions_over_real_tokens_only(fp32_all, monkeypatch):
+    """Left padding takes no positions: a row's first real token is position 0 (padding sits at 0
+    too, masked), and decode steps continue from each row's own last position."""
+    from gemma_export.runtime import KVCache
+
+    seen = []
+    step = KVCache.step
+
+    def spy(self, input_ids, attention_mask, position_ids):
+        seen.append((np.array(position_ids).tolist(), np.array(attention_mask).tolist()))
+        return step(self, input_ids, attention_mask, position_ids)
+
+    monkeypatch.setattr(KVCache, "step", spy)
+    OnnxDecoder(fp32_all).greedy_batch([[2, 5, 6, 7], [2, 9]], 3)
+    assert seen[0] == ([[0, 1, 2, 3], [0, 0, 0, 1]], [[1, 1, 1, 1], [0, 0, 1, 1]])
+    assert [positions for positions, _ in seen[1:]] == [[[4], [2]], [[5], [3]]]
+    assert seen[2][1] == [[1] * 6, [0, 0, 1, 1, 1, 1]]
+
+
+def test_multimodal_untied_head_under_the_language_model_prefix(tmp_path):
+    """Older multimodal checkpoints store the head as ``language_model.lm_head.weight``: it is the
+    head (an untied config needs it), not a tensor to skip."""
+    model = make_tiny_model(seed=7, tie_word_embeddings=False)
+    tensors = load_file(str(save_tiny(model, tmp_path / "untied") / "model.safetensors"))
+    renamed = {("language_model." + k if k == "lm_head.weight" else k.replace("model.", "language_model.model.", 1)): v
+               for k, v in tensors.items()}
+    assert "language_model.lm_head.weight" in renamed
+    src = tmp_path / "mm"
+    src.mkdir()
+    save_file(renamed, str(src / "model.safetensors"))
+    config = json.loads((tmp_path / "untied" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": config,
+                                                 "tie_word_embeddings": False}))
+    result = export(src, tmp_path / "out", "fp32", all_logits=True)
+    assert not result.tied and result.table_initializers == 2
+    ids = _ids(seed=8)
+    assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(model, ids)).max() <= 1e-4
+
+
+def test_a_sharded_index_naming_a_shard_outside_the_folder_is_refused(tiny_dir, tmp_path):
+    """A shard name in the index is a file name of the folder: a path into a subfolder (or out of
+    the folder) is refused even when that file exists."""
+    from gemma_export.errors import FormatError
+
+    src = tmp_path / "sharded"
+    (src / "sub").mkdir(parents=True)
+    shutil.copy(tiny_dir / "config.json", src / "config.json")
+    shutil.copy(tiny_dir / "model.safetensors", src / "sub" / "model-00001-of-00001.safetensors")
+    names = load_file(str(tiny_dir / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "sub/model-00001-of-00001.safetensors" for k in names}}))
+    with pytest.raises(FormatError, match=r"shard 'sub/model-00001-of-00001.safetensors' is not a file in"):
+        export(src, tmp_path / "out", "fp32")
+    assert not (tmp_path / "out").exists()

@@ -278,3 +278,46 @@ def test_an_initializer_name_defined_twice_is_refused_by_inspect_and_dedupe(tmp_
         assert result.stderr.strip() == f"error: {path}: initializer name 'table' defined more than once; a graph " \
                                         "names each initializer once"
     assert not (tmp_path / "out").exists()
+
+
+def test_only_a_table_read_by_a_lookup_and_a_matmul_is_called_shared(tiny_dir, tmp_path):
+    out = export(tiny_dir, tmp_path / "e", "int8", block_size=16).out_dir
+    printed = CliRunner().invoke(app, ["inspect", str(out), "--top", "1000"]).stdout
+    assert "  model.embed_tokens.weight: Gather, MatMulNBits (shared by a lookup and a matmul)" in printed
+    path = tmp_path / "m.onnx"
+    _table_stored_twice(path)  # one copy read by the Gather, the other by the Gemm: neither is shared
+    printed = CliRunner().invoke(app, ["inspect", str(path)]).stdout
+    assert "  embed: Gather\n" in printed + "\n" and "  head: Gemm\n" in printed + "\n"
+    assert "shared by" not in printed
+
+
+def test_an_int8_copy_using_less_than_half_its_range_is_not_the_same_table(tmp_path):
+    """Codes that use at most a third of the int8 range (a scale 3 x too coarse) quantize the table
+    to fewer bits: not a second copy of it, though every value rounds to its code."""
+    table = rng.standard_normal((512, 128)).astype(np.float32)
+    q, scale = _int8_rows(table)
+    coarse_scale = 3 * scale
+    coarse = np.rint(table / coarse_scale[:, None]).astype(np.int8)  # codes up to 42 of 127
+    path = tmp_path / "coarse.safetensors"
+    save_file({"t0": table, "t1": coarse, "t1_scale": coarse_scale, "t2": q, "t2_scale": scale}, str(path))
+    assert _groups(inspect_path(path)) == [("same values after dequantization", ("t0", "t2", "t2_scale"))]
+
+
+def test_dequantize_linear_without_an_axis_scales_columns(tmp_path):
+    """ONNX's DequantizeLinear defaults to axis 1: a [512, 256] code matrix with 256 scales is
+    dequantized per column, not in runs of 512 consecutive values, so a table that equals the codes
+    times run-wise scales is not its copy."""
+    q = rng.integers(-127, 128, (512, 256)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.02, 256).astype(np.float32)
+    runs = (q.reshape(-1).astype(np.float32) * np.repeat(scale, 512)).reshape(512, 256)  # not the node's output
+    nodes = [helper.make_node("DequantizeLinear", ["head_q", "head_scale"], ["head"]),
+             helper.make_node("Gemm", ["x", "head"], ["y"], transB=1),
+             helper.make_node("Identity", ["runs"], ["z"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 256])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "z")],
+        [numpy_helper.from_array(q, "head_q"), numpy_helper.from_array(scale, "head_scale"),
+         numpy_helper.from_array(runs, "runs")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert _groups(inspect_path(path)) == []

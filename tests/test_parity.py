@@ -552,3 +552,77 @@ def test_a_bad_reference_is_named_before_the_model_is_loaded(tiny_int8_export, t
     result = _parity("--model", tiny_int8_export, "--reference", *args)
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines() == [result.output.strip()] and message in result.output, result.output
+
+
+def test_pooled_figures_weigh_each_prompt_by_its_positions(tiny_int8_export, prompts_file, tmp_path):
+    """The verdict's top-1 and KL are means over every position of every prompt: a prompt weighs by
+    its positions (its ids and the new tokens fed back; the last new token is never fed), not once."""
+    result = _parity("--model", tiny_int8_export, "--against", "transformers", "--prompts", prompts_file,
+                     "--new-tokens", 4, "--json", tmp_path / "r.json")
+    assert result.exit_code in (0, 1), result.output
+    report = json.loads((tmp_path / "r.json").read_text())
+    figures = [p["transformers"] for p in report["prompts"]]
+    assert [f["positions"] for f in figures] == [len(ids) + 4 - 1 for ids in PROMPTS]
+    assert len({f["kl_mean"] for f in figures}) == len(PROMPTS)  # unequal: an unweighted mean would differ
+    total = sum(f["positions"] for f in figures)
+    measured = {c["name"]: c["measured"] for c in report["checks"]}
+    assert measured["mean KL(transformers || export), nats/token"] == pytest.approx(
+        sum(f["kl_mean"] * f["positions"] for f in figures) / total, rel=1e-9)
+    assert measured["top-1 agreement with transformers"] == pytest.approx(
+        sum(f["top1_agreement"] * f["positions"] for f in figures) / total, rel=1e-9)
+
+
+def test_first_divergence_measures_the_error_relative_to_the_reference():
+    from gemma_export.parity import first_divergence
+
+    theirs = {f"debug.layers.{i}.{block}": np.full((1, 2, 4), 10.0, np.float32)
+              for i in range(2) for block in ("attention", "mlp")}
+    ours = {name: values.copy() for name, values in theirs.items()}
+    ours["debug.layers.0.mlp"][0, 0, 0] = 10.5  # 0.5 / 10
+    ours["debug.layers.1.attention"][0, 1, 2] = 1000.0  # 990 / 10 (the reference's scale, not the export's 1000)
+    result = first_divergence(ours, theirs, 2, 0.1)
+    assert [(e["layer"], e["block"]) for e in result["sub_blocks"]] == [(0, "attention"), (0, "mlp"), (1, "attention"),
+                                                                        (1, "mlp")]
+    assert [e["relative_error"] for e in result["sub_blocks"]] == pytest.approx([0.0, 0.05, 99.0, 0.0])
+    assert result["first"] == {"layer": 1, "block": "attention", "relative_error": pytest.approx(99.0)}
+    assert result["tolerance"] == 0.1
+    assert first_divergence(ours, theirs, 2, 0.01)["first"]["layer"] == 0  # the earlier one, once it counts
+
+
+def test_the_reference_comparison_names_the_first_of_several_mismatches(tiny_int8_export):
+    from gemma_export.parity import _against_reference
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    ids, length = [2, 10, 20], 8
+    ours = decoder.teacher_forced_logits(ids + [0] * (length - len(ids))).argmax(-1)
+    theirs = ours.copy()
+    theirs[[2, 6]] = (theirs[[2, 6]] + 1) % 96  # the reference picks another token at positions 2 and 6
+    greedy, _, _ = decoder.greedy(ids, length - len(ids), stop_ids=())
+
+    class Reference:  # the board's fixed-length graph, returning one token per position
+        sequence_length, vocab_size, returns_logits = length, 96, False
+
+        def run(self, token_ids):
+            assert list(token_ids) == ids
+            return theirs
+
+        def greedy(self, token_ids, max_new_tokens):
+            return greedy[:max_new_tokens]
+
+    r = _against_reference(decoder, Reference(), ids)
+    assert r["positions"] == length and r["agreement"] == 0.75
+    assert r["agreement_by_position"] == [i not in (2, 6) for i in range(length)]
+    assert r["first_mismatch"] == 2
+    assert r["greedy_match"] and r["export_greedy_ids"] == greedy
+
+
+def test_the_reference_greedy_loop_stops_at_its_fixed_length_and_at_a_stop_id(reference):
+    _, mlir = reference
+    model = load_reference(mlir)
+    ids = PROMPTS[0]
+    full = model.greedy(ids, 100)
+    assert len(full) == SEQ - len(ids)  # no room past the fixed length, whatever is asked
+    assert full[0] == int(model.run(ids)[len(ids) - 1])  # each new token: the graph's pick at the last position
+    stop = full[2]
+    assert model.greedy(ids, 100, stop_ids=[stop]) == full[:full.index(stop) + 1]
+    assert model.greedy(ids, 3) == full[:3]

@@ -442,3 +442,19 @@ def test_a_file_size_limit_below_the_copy_is_refused_before_the_work(export_copy
     line = proc.stderr.strip().splitlines()[-1]
     assert "above this process's file-size limit of 102,400 bytes (ulimit -f)" in line, line
     assert not (export_copy / "prepacked").exists() and prepack_module.leftovers(export_copy) == []
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "model.onnx.data"])
+def test_a_copy_file_touched_after_its_record_is_not_used(export_copy, name):
+    """Same size, same bytes, another modification time: the copy can no longer vouch for the file
+    (status reads no checksums), so it is not used; verify, which reads them, still finds it intact."""
+    prepack_module.prepack(export_copy)
+    path = export_copy / "prepacked" / name
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    found = prepack_module.status(export_copy)
+    assert found.path is None
+    assert found.problem == f"{path}: modified since prepacked.json was written (its time differs)"
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "modified since prepacked.json was written" in decoder.prepacked_note
+    assert "intact, but" in prepack_module.verify(export_copy)

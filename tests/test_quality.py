@@ -529,3 +529,28 @@ def test_comparing_one_token_is_refused_not_a_nan_perplexity():
 
     with pytest.raises(GemmaExportError, match="comparing needs at least 2 tokens"):
         compare_logits(np.zeros((1, 5), np.float32), np.zeros((1, 5), np.float32), [3])
+
+
+def test_first_disagreement_is_the_earliest_of_several_misses():
+    # rows 1 and 3 flip (the model prefers word 1 where the reference prefers word 0); rows 0, 2 agree
+    reference = np.tile(np.array([2.0, 0.0, 0.0], np.float32), (4, 1))
+    model = reference.copy()
+    model[[1, 3]] = [0.0, 2.0, 0.0]
+    m = compare_logits(reference, model, [0, 0, 0, 0], chunk=2)  # the misses fall in different chunks
+    assert m.disagreements == 2 and m.first_disagreement == 1
+    assert m.top1_agreement == pytest.approx(0.5)
+
+
+def test_perplexity_of_a_row_recomputed_in_float64_uses_the_models_logits():
+    """A row the float64 fallback recomputes (the export ~120 above the reference on a word) gets the
+    model's log-sum-exp for its perplexity: where reference and model differ on word 0 too, the
+    reference's value would give the row a likelihood above 1."""
+    reference = np.zeros((3, 4), np.float32)
+    logits = reference.copy()
+    logits[1] = [5.0, 0.0, 120.0, 0.0]  # row 1 predicts ids[2] = 2, on which the model puts ~all its mass
+    m = compare_logits(reference, logits, [0, 1, 2])
+    lq = logits[1].astype(np.float64) - np.log(np.exp(logits[1].astype(np.float64) - 120.0).sum()) - 120.0
+    nll = [math.log(4.0), -lq[2]]  # row 0: uniform over 4 words; row 1: -log q(word 2) ~ e^-115
+    assert m.perplexity == pytest.approx(math.exp(sum(nll) / 2), rel=1e-9)
+    assert m.perplexity >= 2.0 - 1e-9  # sqrt(4 * 1): no row predicts its word with probability above 1
+    assert m.reference_perplexity == pytest.approx(4.0, rel=1e-6)

@@ -264,3 +264,39 @@ def test_a_compile_cache_that_cannot_be_written_leaves_no_partial_file(tmp_path,
     monkeypatch.undo()
     assert reference_iree.compile_reference(text, cache_dir=tmp_path / "cache") == vmfb
     assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".vmfb"]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_row_ranges_read_from_the_archive_equal_the_whole_tensors_rows(ref_model, tmp_path, dtype):
+    """Row ranges (how the exporter reads a 262,144-row table a chunk at a time) start at their own
+    row of the flat archive and take that row's int8 scales, wherever the range starts."""
+    def untie(lines, archive):  # a head that differs from the table: read through its own row reader
+        last = [k for k in archive if not k.endswith("_scale")][-1]
+        archive[last] = archive[last].copy()
+        archive[last][5] ^= 0x0100 if dtype == "bf16" else 1
+    ckpt = open_source(write_reference(ref_model, tmp_path / "ref", dtype, edit=untie))
+    matrices = {name: ref for name, ref in ckpt.tensors.items() if len(ref.shape) == 2}
+    assert "lm_head.weight" in matrices and "model.embed_tokens.weight" in matrices
+    for name, ref in matrices.items():
+        whole, rows = ref.load(), ref.shape[0]
+        for start, stop in ((0, 1), (5, 9), (rows - 3, rows)):
+            assert np.array_equal(ref.row_reader(start, stop), whole[start:stop]), (name, start, stop)
+        assert np.array_equal(ref.rows()[7:rows], whole[7:])
+
+
+def test_int8_scales_must_be_one_per_row_not_per_column(ref_model, tmp_path):
+    """k_proj is [32, 64]: 64 scales (one per column) are refused by name, not broadcast or applied
+    to the wrong axis."""
+    found = {}
+
+    def edit(lines, archive):
+        i = next(i for i, line in enumerate(lines) if line.endswith("tensor<32x64xi8>"))
+        name = found["name"] = lines[i].split("@")[1].split(" ")[0]
+        j = next(j for j, line in enumerate(lines) if f"@{name}_scale = " in line)
+        lines[j] = lines[j].replace("tensor<32xf32>", "tensor<64xf32>")
+        archive[f"{name}_scale"] = np.concatenate([archive[f"{name}_scale"]] * 2)
+    mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
+    name = found["name"]
+    with pytest.raises(FormatError, match=rf"@{name}_scale is tensor<64xf32>; expected per-row f32 scales "
+                                          rf"tensor<32xf32> of an i8 @{name}$"):
+        open_source(mlir)
