@@ -300,3 +300,25 @@ def test_int8_scales_must_be_one_per_row_not_per_column(ref_model, tmp_path):
     with pytest.raises(FormatError, match=rf"@{name}_scale is tensor<64xf32>; expected per-row f32 scales "
                                           rf"tensor<32xf32> of an i8 @{name}$"):
         open_source(mlir)
+
+
+def test_a_baked_mask_as_wide_as_hidden_before_the_projections_is_not_taken_for_q(tmp_path):
+    """Head counts come from the first two [*, hidden] globals whose rows are whole heads: a [S, S]
+    mask with S = hidden ahead of q_proj (a re-decode length equal to hidden) is skipped, not read
+    as q (which made k look like the KV projection and failed the mapping)."""
+    from gemma_export.sources.mlir import MlirGlobal, MlirModule, map_globals
+
+    vocab, hidden, heads, kv, d, inter = 96, 40, 2, 1, 16, 64
+    shapes = [(vocab, hidden), (hidden, hidden),  # the table, then a baked mask [S, S] with S = hidden
+              (hidden,), (heads * d, hidden), (d,), (kv * d, hidden), (d,), (kv * d, hidden), (hidden, heads * d),
+              (hidden,), (hidden,), (inter, hidden), (inter, hidden), (hidden, inter), (hidden,),
+              (hidden,), (vocab, hidden)]  # final norm, the table again
+    module = MlirModule(tmp_path / "gemma.mlir", tuple(
+        MlirGlobal(f"t{n}", "model", f"t{n}", shape, "bf16", n + 1) for n, shape in enumerate(shapes)), ())
+    mapped = map_globals(module)
+    c = mapped.config
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (heads, kv, d, inter)
+    assert [g.name for g in mapped.skipped] == ["t1"]
+    assert mapped.weights["model.layers.0.self_attn.q_proj.weight"].name == "t3"
+    assert mapped.weights["model.layers.0.self_attn.k_proj.weight"].name == "t5"
+    assert mapped.duplicate_table.name == "t16"

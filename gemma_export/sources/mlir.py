@@ -262,10 +262,12 @@ def map_globals(module: MlirModule) -> GlobalMap:
                           f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
     vocab, hidden = order[0].shape
     # head_dim: the first 1-D global that is not hidden-sized (q_norm); heads and KV heads: rows of
-    # the first two [*, hidden] projections (q, k); intermediate size: columns of the first
-    # [hidden, *] global whose columns are neither hidden nor heads x head_dim (down_proj).
-    two_d = [g for g in order[1:] if len(g.shape) == 2 and g.shape[1] == hidden and g.shape[0] != vocab]
+    # the first two [*, hidden] projections (q, k), whose rows are whole heads (a baked [S, S] mask
+    # with S = hidden is not, unless hidden is a multiple of head_dim); intermediate size: columns of
+    # the first [hidden, *] global whose columns are neither hidden nor heads x head_dim (down_proj).
     d = next((g.shape[0] for g in order[1:] if len(g.shape) == 1 and g.shape[0] != hidden), None)
+    two_d = [g for g in order[1:] if len(g.shape) == 2 and g.shape[1] == hidden and g.shape[0] != vocab
+             and d and g.shape[0] % d == 0]
     if d is None or len(two_d) < 2:
         raise FormatError(f"{where}: cannot find per-head norms and projections among {len(order)} globals")
     heads, kv = two_d[0].shape[0] // d, two_d[1].shape[0] // d
