@@ -772,3 +772,18 @@ def test_control_characters_in_an_error_line_are_shown_escaped(capsys):
         _fail(FormatError("m.onnx: location 'model.onnx.data\x00x\x1b[2J' é"), debug=False)
     assert caught.value.exit_code == 2
     assert capsys.readouterr().err == "error: m.onnx: location 'model.onnx.data\\x00x\\x1b[2J' é\n"
+
+
+def test_calibration_tokens_bounds_are_inclusive():
+    from gemma_export.calibration import MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS
+    from gemma_export.errors import ConfigError
+    from gemma_export.exporter import _check_options
+
+    def check(tokens):
+        _check_options("int8", None, None, None, None, True, None, None, None, tokens)
+
+    check(MIN_CALIBRATION_TOKENS)
+    check(MAX_CALIBRATION_TOKENS)
+    for tokens in (MIN_CALIBRATION_TOKENS - 1, MAX_CALIBRATION_TOKENS + 1):
+        with pytest.raises(ConfigError, match=f"--calibration-tokens {tokens}: expected"):
+            check(tokens)

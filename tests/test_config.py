@@ -87,3 +87,72 @@ def test_the_dtype_names_are_the_weight_formats_and_their_facts():
     assert (int4_int8.block_size, int4_int8.table_block_size, int4_int8.table_bits) == (32, 128, 8)
     with pytest.raises(ValueError, match="table_dtype 'int2': expected int4 or int8"):
         Int4Format(table_dtype="int2")
+
+
+def test_v4_local_base_and_gemma3_defaults_are_read():
+    """rope_local_base_freq sets the sliding layers' base; an omitted head_dim is transformers' 256
+    (not hidden_size / heads, 160 for the 270M)."""
+    c = config_from_hf_dict({**V4, "rope_local_base_freq": 20000.0}, "c")
+    assert c.rope_parameters[SLIDING].rope_theta == 20000.0 and c.rope_parameters[FULL].rope_theta == 1e6
+    bare = {k: v for k, v in V4.items() if k not in ("head_dim", "rope_theta", "rope_local_base_freq")}
+    c = config_from_hf_dict(bare, "c")
+    assert c.head_dim == 256 and c.query_pre_attn_scalar == 256
+    assert c.rope_parameters[FULL].rope_theta == 1e6 and c.rope_parameters[SLIDING].rope_theta == 1e4
+
+
+def test_a_factor_applies_only_to_linear_rope():
+    """transformers' default RoPE ignores a factor; only rope_type linear divides by it."""
+    c = config_from_hf_dict({**V4, "rope_scaling": {"rope_type": "default", "factor": 8.0}}, "c")
+    assert c.rope_parameters[FULL].factor == 1.0
+    text = {k: v for k, v in V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    text["rope_parameters"] = {FULL: {"rope_type": "default", "factor": 4.0}, SLIDING: {"rope_type": "linear", "factor": 2.0}}
+    c = config_from_hf_dict(text, "c")
+    assert (c.rope_parameters[FULL].factor, c.rope_parameters[SLIDING].factor) == (1.0, 2.0)
+
+
+def test_v5_entries_without_a_base_take_their_layer_types_default():
+    text = {k: v for k, v in V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+    text["rope_parameters"] = {FULL: {"rope_type": "default"}, SLIDING: {"rope_type": "default"}}
+    c = config_from_hf_dict(text, "c")
+    assert c.rope_parameters[FULL].rope_theta == 1e6 and c.rope_parameters[SLIDING].rope_theta == 1e4
+
+
+@pytest.mark.parametrize("field", ["eos_token_id", "bos_token_id", "pad_token_id"])
+def test_a_token_id_equal_to_vocab_size_is_refused(field):
+    with pytest.raises(ConfigError, match=f"{field} 262144 is not below vocab_size 262144"):
+        config_from_hf_dict({**V4, field: 262144}, "c")
+    assert config_from_hf_dict({**V4, field: 262143}, "c").vocab_size == 262144
+
+
+GGUF_META = {"general.architecture": "gemma3", "gemma3.context_length": 64, "gemma3.embedding_length": 32,
+             "gemma3.block_count": 1, "gemma3.feed_forward_length": 64, "gemma3.attention.head_count": 2,
+             "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 16,
+             "gemma3.attention.layer_norm_rms_epsilon": 1e-6, "gemma3.attention.sliding_window": 8}
+
+
+@pytest.mark.parametrize("key", ["gemma3.attention.head_count_kv", "gemma3.context_length",
+                                 "gemma3.attention.head_count", "gemma3.attention.sliding_window"])
+def test_gguf_metadata_without_a_required_key_is_refused(key):
+    from gemma_export.config import config_from_gguf_metadata
+
+    meta = {k: v for k, v in GGUF_META.items() if k != key}
+    with pytest.raises(ConfigError, match=f"missing required field '{key}'"):
+        config_from_gguf_metadata(meta, 16, True, "m.gguf")
+
+
+def test_gguf_rope_factor_applies_only_with_linear_scaling():
+    from gemma_export.config import config_from_gguf_metadata
+
+    c = config_from_gguf_metadata({**GGUF_META, "gemma3.rope.scaling.factor": 8.0}, 16, True, "m.gguf")
+    assert c.rope_parameters[FULL].rope_type == "default" and c.rope_parameters[FULL].factor == 1.0
+    c = config_from_gguf_metadata({**GGUF_META, "gemma3.rope.scaling.factor": 8.0, "gemma3.rope.scaling.type": "linear"},
+                                  16, True, "m.gguf")
+    assert c.rope_parameters[FULL].rope_type == "linear" and c.rope_parameters[FULL].factor == 8.0
+    assert c.rope_parameters[SLIDING].factor == 1.0
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window) == (2, 1, 16, 8)
+
+
+@pytest.mark.parametrize("head_dim", [255, 17])
+def test_an_odd_head_dim_is_refused(head_dim):
+    with pytest.raises(ConfigError, match=f"head_dim must be even for rotate-half RoPE, found {head_dim}"):
+        config_from_hf_dict({**V4, "head_dim": head_dim}, "c")

@@ -956,3 +956,55 @@ def test_a_sharded_index_naming_a_shard_outside_the_folder_is_refused(tiny_dir, 
     with pytest.raises(FormatError, match=r"shard 'sub/model-00001-of-00001.safetensors' is not a file in"):
         export(src, tmp_path / "out", "fp32")
     assert not (tmp_path / "out").exists()
+
+
+def test_matmulnbits_attributes_match_their_initializers(tiny_int8_export):
+    """Every MatMulNBits reads its weights with accuracy_level 4 (int8 activations per block, the
+    only level fast enough for the head), and bits, block_size, K and N that describe its data."""
+    model = onnx.load(str(tiny_int8_export / "model.onnx"), load_external_data=False)
+    shapes = {t.name: tuple(t.dims) for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nodes) == 4 * 4 + 1  # q/k/v, o, gate/up, down per layer, and the head
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        n, blocks, block_bytes = shapes[node.input[1]]
+        assert attrs["accuracy_level"] == 4 and attrs["bits"] == 8 and attrs["block_size"] == block_bytes, node.name
+        assert (attrs["N"], attrs["K"]) == (n, blocks * attrs["block_size"]), node.name
+        assert shapes[node.input[2]] == (n, blocks)
+
+
+def test_hadamard_zero_exports_without_a_rotation(tiny_model, tiny_dir, tmp_path, tiny_int8_export):
+    """--hadamard 0 stores unrotated weights and adds no rotation to the graph (the default rotates)."""
+    def rotations(folder):
+        model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+        names = [t.name for t in model.graph.initializer] + [o for n in model.graph.node for o in n.output]
+        return [name for name in names if "hadamard" in name]
+
+    assert rotations(tiny_int8_export)
+    result = export(tiny_dir, tmp_path / "int8", "int8", block_size=16, hadamard_size=0, calibrate=False, all_logits=True)
+    assert json.loads((result.out_dir / "manifest.json").read_text())["quantization"]["hadamard_size"] == 0
+    assert rotations(result.out_dir) == []
+    ids = _ids(seed=5)
+    assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(tiny_model, ids)).max() <= 0.25
+
+
+def test_asymmetric_int4_with_an_odd_number_of_blocks(tmp_path):
+    """hidden 96 with block 32 gives 3 blocks per row: the zero points take ceil(3 / 2) = 2 bytes per row."""
+    model = make_tiny_model(seed=3, hidden_size=96)
+    src = save_tiny(model, tmp_path / "h96")
+    result = export(src, tmp_path / "int4", "int4", block_size=32, symmetric=False, calibrate=False, all_logits=True)
+    shapes = {t.name: tuple(t.dims) for t in onnx.load(str(result.out_dir / "model.onnx"), load_external_data=False).graph.initializer}
+    assert shapes["model.layers.0.self_attn.qkv_proj.weight_zero_points"] == (64 + 32 + 32, 2)
+    assert shapes["model.embed_tokens.weight_zero_points"] == (96, 2)
+    ids = _ids(seed=6)
+    logits = _prefill(OnnxDecoder(result.out_dir), ids)[0]
+    ref = reference_logits(model, ids)
+    assert np.abs(logits - ref).max() <= 2.5 and (logits.argmax(-1) == ref.argmax(-1)).mean() >= 0.6
+
+
+def test_only_uint8_initializers_count_as_packed_4bit_tables():
+    assert is_table_shaped((96, 64), onnx.TensorProto.FLOAT, 96, 64)
+    assert is_table_shaped((96, 2, 16), onnx.TensorProto.UINT8, 96, 64)    # two 4-bit codes per byte
+    assert not is_table_shaped((96, 32), onnx.TensorProto.FLOAT, 96, 64)   # half a float table
+    assert not is_table_shaped((96, 32), onnx.TensorProto.BFLOAT16, 96, 64)
+    assert not is_table_shaped((48, 64), onnx.TensorProto.FLOAT, 96, 64)

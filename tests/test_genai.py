@@ -31,3 +31,23 @@ def test_genai_greedy_equals_ours(tiny_dir, tmp_path, dtype):
     theirs = _genai_greedy(out, prompt, len(prompt) + 16)
     # ours runs without stop ids; genai stops at eos, which this model does not emit in these 16 steps
     assert len(ours) == 16 and theirs == ours
+
+
+def test_genai_config_fields_follow_the_config():
+    """head_size is head_dim (256 for the 270M, not hidden / heads = 160); max_length is the context
+    capped at 4,096; every stop id is listed."""
+    from types import SimpleNamespace
+
+    from gemma_export.config import config_from_hf_dict
+    from gemma_export.exporter import genai_config
+    from test_config import V4
+
+    c = config_from_hf_dict(V4, "c")
+    model = genai_config(SimpleNamespace(config=c))
+    decoder = model["model"]["decoder"]
+    assert (decoder["head_size"], decoder["hidden_size"]) == (256, 640)
+    assert (decoder["num_attention_heads"], decoder["num_key_value_heads"], decoder["num_hidden_layers"]) == (4, 1, 18)
+    assert model["model"]["eos_token_id"] == [1, 106] and model["model"]["context_length"] == 32768
+    assert model["search"]["max_length"] == 4096
+    short = genai_config(SimpleNamespace(config=config_from_hf_dict({**V4, "max_position_embeddings": 1024}, "c")))
+    assert short["search"]["max_length"] == 1024

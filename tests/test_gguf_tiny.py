@@ -282,3 +282,16 @@ def test_a_tokenizer_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path):
     check_tokenizer_vocab(tok, len(_PIECES), tmp_path / "tokenizer.json")  # ids 0 … 11 of 12 rows
     with pytest.raises(ConfigError, match=r"token id 11 \('x'\) is outside the model's vocab_size 11 \(ids 0 to 10\)"):
         check_tokenizer_vocab(tok, len(_PIECES) - 1, tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.bias", "blk.0.attn_q", "blk.00.attn_q.weight", "blk.0.attn_qkv.weight"])
+def test_a_block_tensor_name_other_than_a_known_weight_is_refused(name):
+    from pathlib import Path
+
+    from gemma_export.errors import FormatError
+    from gemma_export.sources.gguf import _hf_name
+
+    with pytest.raises(FormatError, match=f"m.gguf: unexpected tensor '{name}'"):
+        _hf_name(name, Path("m.gguf"))
+    assert _hf_name("blk.12.attn_q.weight", Path("m.gguf")) == ("model.layers.12.self_attn.q_proj.weight", False)
+    assert _hf_name("blk.3.post_ffw_norm.weight", Path("m.gguf")) == ("model.layers.3.post_feedforward_layernorm.weight", True)
