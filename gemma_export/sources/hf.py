@@ -131,7 +131,8 @@ def read_hf_folder(folder: Path) -> Checkpoint:
                         if weight_map.get(key) != shard.name:
                             where = f"maps it to '{weight_map[key]}'" if key in weight_map else "does not list it"
                             raise FormatError(f"{index}: tensor '{key}' is in {shard.name}, but the index {where}")
-                    listed = sorted(k for k, v in weight_map.items() if v == shard.name and k not in set(keys))
+                    held = set(keys)
+                    listed = sorted(k for k, v in weight_map.items() if v == shard.name and k not in held)
                     if listed:
                         raise FormatError(f"{index}: lists tensor '{listed[0]}' in {shard.name}, which does not hold it")
                 for key in keys:
