@@ -2,7 +2,9 @@
 
 What is measured, in one process and in this order:
 
-1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it;
+1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it,
+   after importing onnx and onnxruntime (their own ~20 MB, reported apart: a cost of the process,
+   not of the model);
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
@@ -101,6 +103,9 @@ class BenchResult:
     new_tokens: int | None = None  # decode steps after each prompt (the first WARMUP_STEPS untimed)
     #: prompt length → median ms/token of the steps after that prompt (decode_ms_median pools them all)
     decode_ms_median_by_prompt: dict[int, float] = dataclasses.field(default_factory=dict)
+    #: what importing onnx and onnxruntime added before the growth's baseline (0: imported earlier)
+    anon_libraries_bytes: int = 0
+    rss_libraries_bytes: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -165,7 +170,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
-    from .runtime import OnnxDecoder, check_prefill_chunk, load_tokenizer, manifest_figure, positions_needed
+    from .runtime import (OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, manifest_figure,
+                          positions_needed)
     from .text_files import first_tokens
 
     say = progress or (lambda _msg: None)
@@ -202,7 +208,11 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
                                f"need {needed} positions; the model's max_position_embeddings is {limit}")
     release_free_heap()
+    start = snapshot()
+    import_runtime_libraries()  # a fixed cost of the process, reported apart from the model's growth
+    release_free_heap()
     before = snapshot()
+    libraries = before - start
     t0 = time.perf_counter()
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked, huge_pages=huge_pages)
     create_s = time.perf_counter() - t0
@@ -237,6 +247,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
+        anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
@@ -329,6 +340,9 @@ def format_result(r: BenchResult) -> str:
         *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous "
            f"{r.anon_growth_bytes / 1e6:,.0f} MB ({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB "
            f"({r.rss_growth_bytes / a:.2f}x)"] if len(r.prefill_ms) > 1 else []),  # one prompt: the line above
+        "libraries        " + (f"importing onnx and onnxruntime took Anonymous {r.anon_libraries_bytes / 1e6:,.0f} MB, "
+                               f"Rss {r.rss_libraries_bytes / 1e6:,.0f} MB, before the baseline of the growth above"
+                               if r.rss_libraries_bytes >= 1_000_000 else "onnx and onnxruntime were imported before this run"),
         f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
         f"prompts          real text from {r.text_source}",
     ]

@@ -532,7 +532,8 @@ def bench(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
-    ms/token (median, p90), tokens/s, Anonymous and Rss memory growth, peak memory, archive size.
+    ms/token (median, p90), tokens/s, Anonymous and Rss memory growth (from after importing onnx and
+    onnxruntime, whose ~20 MB are shown on their own line), peak memory, archive size.
 
     \b
     Example:

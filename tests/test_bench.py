@@ -446,3 +446,28 @@ def test_bench_refuses_a_bad_reference_and_out_of_vocabulary_prompts_before_timi
     assert result.exit_code == 2, result.output
     assert "500" in result.stderr and "does not match its graph" in result.stderr
     assert "prompt 6 tokens" not in result.output
+
+
+def test_the_growth_counts_the_session_not_the_import_of_onnx_and_onnxruntime(tiny_int8_export, text_file):
+    # In a fresh process the first run imports onnx and onnxruntime (~20 MB of Anonymous memory on
+    # x86-64); that is reported apart, and the growth of that run is no larger than a second run's,
+    # which finds them imported.
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\n"
+        "from gemma_export.bench import format_result, run_bench\n"
+        "assert 'onnxruntime' not in sys.modules and 'onnx' not in sys.modules\n"
+        f"runs = [run_bench({str(tiny_int8_export)!r}, threads=1, prompt_tokens=(4,), new_tokens=6, text={str(text_file)!r})"
+        " for _ in range(2)]\n"
+        "print(json.dumps([[r.anon_growth_short_bytes, r.anon_libraries_bytes, r.rss_libraries_bytes] for r in runs]))\n"
+        "print(json.dumps([format_result(r).splitlines()[-3] for r in runs]))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    (first, first_libs, first_rss), (second, second_libs, second_rss) = json.loads(out[0])
+    assert first_libs > 5e6 and first_rss > first_libs  # the libraries' own memory, measured
+    assert abs(second_libs) < 1e6 and abs(second_rss) < 1e6  # nothing left to import
+    assert first < second + 5e6, (first, second)  # not the ~20 MB of the imports on top of the session
+    lines = json.loads(out[1])
+    assert lines[0].startswith(f"libraries        importing onnx and onnxruntime took Anonymous {first_libs / 1e6:,.0f} MB")
+    assert lines[1] == "libraries        onnx and onnxruntime were imported before this run"
