@@ -176,8 +176,9 @@ weights for this board's CPU, then generate and benchmark with the board's {thre
 `prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
-the process's Anonymous memory (which the kernel cannot reclaim) at about 0.15 × the model after a
-short prompt and 0.4 × after a 512-token one (on x86-64), instead of above its size. Peak resident memory rises by 90–180 MB of clean file pages, which the kernel
+the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.05 × the
+model after a short prompt and 0.15 × after a 512-token one (on x86-64; `bench` shows the ~20 MB of
+importing onnx and onnxruntime apart), instead of above its size. Peak resident memory rises by 90–180 MB of clean file pages, which the kernel
 can reclaim under pressure. Skip it if the disk is short; everything works without it (the
 weights are then moved onto transparent huge pages after loading, when the board's kernel is
 Linux 6.1 or newer; `bench` prints how many MiB). `bench`

@@ -317,8 +317,8 @@ THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (defa
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
                       "once). fp32 logits agree to 1e-4 either way; int8 ones move by up to ~0.7 (8-bit activations), "
                       "which can flip a near-tied token; "
-                      "a longer step keeps more activation memory after long prompts (a 3,072-token prompt in one "
-                      "step: 946 MB more Anonymous memory, in steps of 512: 477 MB).")
+                      "a longer step needs more activation memory while the prompt runs (a 3,072-token prompt in "
+                      "one step: a 1,210 MB peak, in steps of 512: 738 MB); the first decode step gives it back.")
 
 
 def _prefill_chunk(value: int | None) -> int | None:

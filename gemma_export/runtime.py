@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -32,9 +33,9 @@ from .text_files import not_unicode_at
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
 #: onnxruntime's CPU ``GroupQueryAttention`` holds a step's attention scores, heads × step × context
-#: float32, and its arena keeps the largest step's buffers for the rest of the session: a 3,072-token
-#: prompt in one step left 946 MB more Anonymous memory, in steps of 512 tokens 477 MB
-#: (``docs/benchmarks.md``, int8, 2026-12-03). fp32 logits are the same to float rounding (≤ 4e-5); int8 ones
+#: float32, so the step sets the peak: a 3,072-token prompt in one step peaked at 1,210 MB, in steps
+#: of 512 tokens at 738 MB (``docs/benchmarks.md``, int8, 2026-12-04; :class:`KVCache` gives the
+#: arena's prompt buffers back at the first decode step). fp32 logits are the same to float rounding (≤ 4e-5); int8 ones
 #: move by up to ~0.7 with the step (activations rounded to 8 bits). llama.cpp's default batch is 512 tokens too.
 DEFAULT_PREFILL_CHUNK = 512
 
@@ -42,6 +43,10 @@ DEFAULT_PREFILL_CHUNK = 512
 #: the window (:class:`KVCache`): one drop per this many decode steps. Each step reads window + up
 #: to this many rows instead of the whole past; each drop moves window - 1 rows.
 SLIDING_ROOM = 64
+
+#: onnxruntime run option (``RunOptions.add_run_config_entry``): at the end of the run, the CPU
+#: arena gives the regions no live tensor uses back to the allocator (:class:`KVCache` after a prompt)
+ARENA_SHRINKAGE = ("memory.enable_memory_arena_shrinkage", "cpu:0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -863,7 +868,11 @@ class KVCache:
     step instead of the whole past, and their memory stops growing with the context (Gemma 3 270M at
     32,768 positions: 3 full layers × 64 MB, 15 sliding × 1.2 MB, against 18 × 64 MB). The logits
     are those of the whole cache: a dropped row is masked out by the window on every later step.
-    Other graphs get the numpy round trip of :meth:`OnnxDecoder.forward`.
+    The first one-token step after a longer one (a prompt, or its last chunk) runs with
+    :data:`ARENA_SHRINKAGE` and then trims the heap, so the prompt's activation buffers, which
+    onnxruntime's arena would otherwise keep for the session, go back to the kernel (55 MB after a
+    512-token prompt of the real int8 export; 2026-12-04). Other graphs get the numpy round trip of
+    :meth:`OnnxDecoder.forward`.
 
     Args:
         decoder: the loaded export.
@@ -884,6 +893,8 @@ class KVCache:
             raise GemmaExportError(f"KV cache capacity must be >= 1 token, found {capacity}")
         self.decoder, self.capacity = decoder, capacity
         self.shared = decoder.shares_kv_buffer
+        #: the last step had more than one token (a prompt, or a chunk of one)
+        self._after_prompt = False
         if not self.shared:
             self._past = decoder.empty_cache(batch_size)
             return
@@ -982,9 +993,26 @@ class KVCache:
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         b.bind_output("logits")  # unallocated again: its shape changes between prefill and decode
-        self.decoder.session.run_with_iobinding(b)
+        release = seq == 1 and self._after_prompt
+        self._after_prompt = seq > 1
+        if release:  # the first decode step after a prompt: the prompt's activation memory goes back
+            from .memory import release_free_heap
+
+            self.decoder.session.run_with_iobinding(b, _arena_shrinkage())
+            release_free_heap()
+        else:
+            self.decoder.session.run_with_iobinding(b)
         # OrtValue.numpy() is a view of onnxruntime's output memory, reused by the next run: copy.
         return np.array(b.get_outputs()[0].numpy(), copy=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _arena_shrinkage():
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.add_run_config_entry(*ARENA_SHRINKAGE)
+    return options
 
 
 #: what :class:`OnnxDecoder` imports on first use: onnx (graph and file checks) and onnxruntime

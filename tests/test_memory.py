@@ -87,10 +87,13 @@ def test_collapse_leaves_partly_used_huge_pages_alone():
     for offset in range(0, size, 64 * 1024):  # one small page in sixteen touched
         region[offset] = 1
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    before = _anon_huge_pages_of(address, "Rss")
+    before, huge_before = _anon_huge_pages_of(address, "Rss"), _anon_huge_pages_of(address)
+    # mostly small pages: a few may come as huge pages at the first touch, depending on what the
+    # process mapped before (2 of 16 seen when more test modules were imported first)
+    assert before <= size // 4
     memory.collapse_to_huge_pages()
-    assert _anon_huge_pages_of(address, "Rss") == before <= size // 8  # nothing filled in
-    assert _anon_huge_pages_of(address) == 0
+    assert _anon_huge_pages_of(address, "Rss") == before  # nothing filled in
+    assert _anon_huge_pages_of(address) == huge_before  # no partly used huge page collapsed
 
 
 def test_collapse_is_a_no_op_without_the_huge_page_switch(tmp_path, monkeypatch):
@@ -158,3 +161,36 @@ def test_decoder_gives_heap_freed_while_loading_back_to_the_kernel(tiny_int8_exp
     assert proc.returncode == 0, proc.stderr
     held_kb, after_kb = map(int, proc.stdout.split())
     assert held_kb - after_kb > 150_000, (held_kb, after_kb)  # the freed 200 MB went back, less what loading kept
+
+
+def test_the_first_decode_step_after_a_prompt_gives_the_prompts_activation_memory_back(tiny_int8_export, tmp_path):
+    # A prompt in one step of 2,048 tokens makes onnxruntime's arena hold the step's activations
+    # (attention scores alone: 4 heads x 2,048^2 float32 = 64 MB); once decoding, none of it is in
+    # use. The first decode step after the prompt shrinks the arena and trims the heap, in a fresh
+    # process; a step of the same prompt without that release keeps it.
+    import subprocess
+    import sys
+
+    from conftest import export_with_config
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    long = export_with_config(tiny_int8_export, tmp_path / "long", max_position_embeddings=4096)
+    code = (
+        "import sys\n"
+        "from gemma_export import runtime\n"
+        "from gemma_export.memory import release_free_heap, snapshot\n"
+        "decoder = runtime.OnnxDecoder(sys.argv[1], threads=1, prepacked=False, huge_pages=False)\n"
+        "if sys.argv[2] == 'kept':\n"
+        "    runtime._arena_shrinkage = lambda: None\n"  # run_with_iobinding(b, None): the default options
+        "release_free_heap(); before = snapshot().anonymous_bytes\n"
+        "ids, _, steps = decoder.greedy([1] + [5 + i % 80 for i in range(2047)], 3, stop_ids=[], prefill_chunk=None)\n"
+        "assert len(ids) == 3 and len(steps) == 2, (ids, steps)\n"
+        "print((snapshot().anonymous_bytes - before) // 1024)\n")
+    grown = {}
+    for mode in ("released", "kept"):
+        proc = subprocess.run([sys.executable, "-c", code, str(long), mode], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        grown[mode] = int(proc.stdout)
+    assert grown["kept"] > 60_000, grown  # the prompt's activations, held
+    assert grown["released"] < grown["kept"] - 50_000, grown  # given back after the prompt
