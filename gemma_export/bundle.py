@@ -140,6 +140,9 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     headroom_mb = spec.headroom_bytes // 1_000_000
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
+    quantized = dtype in ("int8", "int4")  # float weights: no pre-packed copy (it would be 2-4 x the model)
+    prepack_line = "    ~/gx/bin/gemma-export prepack --model model\n" if quantized else ""
+    memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype)
     return f"""# gemma-export bundle for the {spec.title}
 
 Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype};
@@ -165,25 +168,35 @@ checks), then install from it instead:
 python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
 ```
 
-From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, pre-pack the
-weights for this board's CPU, then generate and benchmark with the board's {threads} threads:
+From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, {'pre-pack the weights for this board' + chr(39) + 's CPU, ' if quantized else ''}then
+generate and benchmark with the board's {threads} threads:
 
     ~/gx/bin/gemma-export verify .
-    ~/gx/bin/gemma-export prepack --model model
-    ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
+{prepack_line}    ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
     ~/gx/bin/gemma-export bench --model model --board {board} --json ~/bench.json
 
-`prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
+{memory} `bench` fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the
+board's memory free.
+"""
+
+
+#: the bundle README's memory paragraph for int8 / int4 weights
+QUANTIZED_MEMORY = """`prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
 the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.05 × the
 model after a short prompt and 0.15 × after a 512-token one (on x86-64; `bench` shows the ~20 MB of
-importing onnx and onnxruntime apart), instead of above its size. Peak resident memory rises by 90–180 MB of clean file pages, which the kernel
-can reclaim under pressure. Skip it if the disk is short; everything works without it (the
-weights are then moved onto transparent huge pages after loading, when the board's kernel is
-Linux 6.1 or newer; `bench` prints how many MiB). `bench`
-fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the board's memory free.
-"""
+importing onnx and onnxruntime apart), instead of above its size. Peak resident memory rises by
+90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
+short; everything works without it (the weights are then moved onto transparent huge pages after
+loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MiB)."""
+
+#: the bundle README's memory paragraph for fp32 / bf16 weights
+FLOAT_MEMORY = """The weights are {dtype}: onnxruntime computes with them in float32, about 1.1 GB for the 270M model,
+so this folder has no `prepack` step (a pre-packed copy of float weights is 2–4 × the model on disk
+and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` peaked at 1.92 GB
+(2026-12-04), over the 1.9 GB budget: the int8 or int4 export is the one for the board; use this
+one to compare."""
 
 
 def _check_wheel(wheel: Path) -> None:

@@ -217,6 +217,23 @@ def _refuse_export_options(ctx: typer.Context) -> None:
         raise typer.Exit(2)
 
 
+def _show_version(value: bool) -> None:
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    typer.echo(f"gemma-export {__version__} (onnx {installed('onnx')}, onnxruntime {installed('onnxruntime')})")
+    raise typer.Exit()
+
+
 @app.callback(invoke_without_command=True)
 def main(
     ctx: typer.Context,
@@ -236,6 +253,8 @@ def main(
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                 help="Show the version of gemma-export and of its onnx and onnxruntime, and exit."),
 ) -> None:
     """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table (the examples
     are in the module docstring, which ``--help`` shows)."""
@@ -336,7 +355,7 @@ PREPACKED_HELP = ("Load the folder's pre-packed copy (written by `gemma-export p
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat or function-calling turn can be written out."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out; FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
@@ -344,7 +363,7 @@ def generate(
     json_out: Optional[Path] = typer.Option(
         None, "--json", parser=_path, metavar="<path>",
         help="Also write the prompt's and the new tokens' ids as a golden entry for `parity --golden` "
-             "(prompt, prompt_ids, expected_ids, text, prefill_chunk) to this file ('-' = stdout)."),
+             "(prompt, prompt_ids, expected_ids, text, prefill_chunk, dtype) to this file ('-' = stdout)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the text.
@@ -369,11 +388,14 @@ def generate(
         chunk = _prefill_chunk(prefill_chunk)
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
                      prepacked=prepacked)
+        for piece in result.unknown_tokens:  # before the text: it explains what the model was given
+            typer.echo(f"note: {piece} is not a token of {model / 'tokenizer.json'}; it was read as plain text "
+                       "(FunctionGemma's function-calling tokens exist in its own tokenizer only)", err=True)
         # the text first, so a --json that cannot be written (full disk) does not lose the run
         typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
-                        "text": result.text, "prefill_chunk": chunk or 0}, json_out)
+                        "text": result.text, "prefill_chunk": chunk or 0, "dtype": result.dtype}, json_out)
     decode = sorted(result.decode_ms)
     # the first new token comes from the prefill: with one new token there is no decode step to time
     timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"

@@ -532,7 +532,8 @@ def format_report(report: Report, top: int = 10) -> str:
     else:
         lines.append("duplicates: none")
     if report.consumers:
-        lines.append(f"consumers of the largest {top} initializers:")
+        shown_count = min(top, len(report.tensors))
+        lines.append(f"consumers of the largest {shown_count} initializer{'' if shown_count == 1 else 's'}:")
         for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:
             if t.name in report.consumers:
                 ops = report.consumers[t.name]

@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
-from .runtime import DEFAULT_PREFILL_CHUNK, check_manifest_matches_graph, manifest_figure, positions_needed
+from .runtime import (DEFAULT_PREFILL_CHUNK, check_manifest_matches_graph, encode_prompt, manifest_figure,
+                      positions_needed)
 from .text_files import not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
@@ -156,7 +157,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
             if not_unicode_at(item) is not None:
                 raise FormatError(f"{path}: prompt #{n} is not valid Unicode text (a lone surrogate such as "
                                   f"\\ud800); found {item!r:.60}")
-            prompts.append((item, tokenizer.encode(item).ids))
+            prompts.append((item, encode_prompt(tokenizer, item)))
         elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
@@ -167,12 +168,26 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
 
 
 #: keys of a golden entry (``generate --json`` writes them all; ``text`` is informative)
-GOLDEN_KEYS = ("prompt", "prompt_ids", "expected_ids", "text", "prefill_chunk")
+GOLDEN_KEYS = ("prompt", "prompt_ids", "expected_ids", "text", "prefill_chunk", "dtype")
+#: the ``dtype`` a golden entry may name: the weights of the export that wrote it
+GOLDEN_DTYPES = ("fp32", "bf16", "int8", "int4")
+
+
+class GoldenEntry(NamedTuple):
+    """One golden entry (:func:`read_golden`): ids (Python ints), the prompt's step in tokens (None:
+    the whole prompt in one step), and, when the file gives them, the prompt's text and the dtype of
+    the export that wrote it."""
+
+    prompt_ids: list[int]
+    expected_ids: list[int]
+    prefill_chunk: int | None
+    prompt: str | None = None
+    dtype: str | None = None
 
 
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer,
-                prompts_file: str | Path | None = None) -> list[tuple[list[int], list[int], int | None]]:
-    """``(prompt_ids, expected_ids, prefill_chunk)`` entries from a golden file.
+                prompts_file: str | Path | None = None) -> list[GoldenEntry]:
+    """The entries of a golden file.
 
     Accepted JSON: the board team's bare list of expected greedy ids (the generated tokens only,
     for the first prompt), an object ``{"prompt" | "prompt_ids": ..., "expected_ids": [...]}``, or a
@@ -181,7 +196,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     --json``: the prompt's step in tokens, 0 = one step; default ``runtime.DEFAULT_PREFILL_CHUNK``)
     is how the prompt is fed again: an int8 export's logits move by up to ~0.7 with the step (its
     activations are rounded to 8 bits, which magnifies float-order differences), enough to flip a
-    near-tied greedy token.
+    near-tied greedy token. An optional ``dtype`` (also written by ``generate --json``) names the
+    export that wrote the entry, so that a mismatch on an export of another dtype says so.
 
     ``prompts_file``: the ``--prompts`` file that ``prompts`` came from, when only the golden check
     uses it; only a bare list of ids takes its prompt from there, and that is one prompt.
@@ -192,8 +208,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         tokenizer: the export's tokenizer, or None.
 
     Returns:
-        ``(prompt_ids, expected_ids, prefill_chunk)`` per entry; ``prefill_chunk`` in tokens, None
-        for the whole prompt in one step.
+        One :class:`GoldenEntry` per entry, prompts tokenized by :func:`~gemma_export.runtime.encode_prompt`.
 
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
@@ -220,7 +235,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         if prompts_file is not None and len(prompts) > 1:
             raise GemmaExportError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
                                    f"{prompts_file} gives {len(prompts)}")
-        return [(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK)]
+        return [GoldenEntry(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK, prompts[0][0])]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
         raise FormatError(f"{path}: expected a list of token ids, an object or a list of objects; found {shown(data)}")
@@ -238,19 +253,24 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         if "prompt_ids" in entry:
             prompt_ids = ids(entry["prompt_ids"], f"entry #{n} 'prompt_ids'")
             if "prompt" in entry and tokenizer is not None and isinstance(entry["prompt"], str):
-                encoded = tokenizer.encode(entry["prompt"]).ids
+                encoded = encode_prompt(tokenizer, entry["prompt"])
                 if encoded != prompt_ids:  # both given: they must be the same prompt
                     raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {shown(encoded)}, "
                                       f"not to its 'prompt_ids' {shown(prompt_ids)}")
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
-            prompt_ids = tokenizer.encode(entry["prompt"]).ids
+            prompt_ids = encode_prompt(tokenizer, entry["prompt"])
         else:
             raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
         chunk = entry.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
         if not is_whole_number(chunk) or chunk < 0:
             raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "
                               f"prompt in one step), found {shown(chunk)}")
-        pairs.append((prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'"), chunk or None))
+        dtype = entry.get("dtype")
+        if dtype is not None and dtype not in GOLDEN_DTYPES:
+            raise FormatError(f"{path}: entry #{n} 'dtype' must be one of {', '.join(GOLDEN_DTYPES)}, found {shown(dtype)}")
+        prompt = entry["prompt"] if isinstance(entry.get("prompt"), str) else None
+        pairs.append(GoldenEntry(prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'"), chunk or None,
+                                 prompt, dtype))
     return pairs
 
 
@@ -395,16 +415,17 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     def check_inputs(vocab: int | None, limit: int | None) -> None:
         """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
         if vocab:
-            run = [g for g, _, _ in golden_pairs]  # golden only: the prompts a golden entry runs (a bare list's)
+            run = [g.prompt_ids for g in golden_pairs]  # golden only: the prompts a golden entry runs (a bare list's)
             for n, (_, ids) in enumerate(prompt_list):
                 if against_transformers or reference or ids in run:
                     check_token_ids(ids, vocab, f"{prompts or 'the default prompts'}: prompt #{n}")
-            for n, (prompt_ids, expected, _) in enumerate(golden_pairs):
-                check_token_ids(prompt_ids + expected, vocab, f"{golden}: entry #{n}")
+            for n, g in enumerate(golden_pairs):
+                check_token_ids(g.prompt_ids + g.expected_ids, vocab, f"{golden}: entry #{n}")
         generated = new_tokens if against_transformers else 0  # the reference runs its own fixed length
         checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", positions_needed(len(ids), generated))
                    for n, (_, ids) in enumerate(prompt_list) if against_transformers or reference]
-        checked += [(f"{golden}: entry #{n}", positions_needed(len(p), len(e))) for n, (p, e, _) in enumerate(golden_pairs)]
+        checked += [(f"{golden}: entry #{n}", positions_needed(len(g.prompt_ids), len(g.expected_ids)))
+                    for n, g in enumerate(golden_pairs)]
         for what, total in checked:
             if limit and total > limit:
                 raise GemmaExportError(f"{what}: {total} tokens (the prompt and the new tokens fed back) exceed the model's "
@@ -451,7 +472,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     pooled_kl: list[float] = []
     pooled_ref: list[np.ndarray] = []
     if hf_model is None and ref_model is None:
-        prompt_list = [p for p in prompt_list if any(p[1] == g for g, _, _ in golden_pairs)]  # golden only
+        prompt_list = [p for p in prompt_list if any(p[1] == g.prompt_ids for g in golden_pairs)]  # golden only
     for text, ids in prompt_list:
         say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
         entry = PromptParity(text, ids)
@@ -481,15 +502,17 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                 agree[entry.reference["near_tie_mismatches"]] = True  # a tie either way is not a departure
                 pooled_ref.append(agree)
         results.append(entry)
-    for n, (prompt_ids, expected, chunk) in enumerate(golden_pairs):
-        got, _, _ = decoder.greedy(prompt_ids, len(expected), stop_ids=(), prefill_chunk=chunk)
+    for n, g in enumerate(golden_pairs):
+        expected = g.expected_ids
+        say(f"golden entry {n + 1}/{len(golden_pairs)}: {len(g.prompt_ids)} prompt tokens, {len(expected)} expected")
+        got, _, _ = decoder.greedy(g.prompt_ids, len(expected), stop_ids=(), prefill_chunk=g.prefill_chunk)
         # a prompt given twice (or also in --prompts) gets each golden entry checked, none overwritten
-        entry = next((r for r in results if r.prompt_ids == prompt_ids and r.golden is None), None)
+        entry = next((r for r in results if r.prompt_ids == g.prompt_ids and r.golden is None), None)
         if entry is None:
-            entry = PromptParity(None, prompt_ids)
+            entry = PromptParity(g.prompt, g.prompt_ids)
             results.append(entry)
         entry.golden = {"entry": n, "expected_ids": expected, "export_ids": got, "match": got == expected,
-                        "first_mismatch": _first_difference(got, expected)}
+                        "first_mismatch": _first_difference(got, expected), "dtype": g.dtype}
 
     checks = []
     if pooled_agree:
@@ -560,8 +583,10 @@ def format_report(report: ParityReport) -> str:
         if p.golden:
             g = p.golden
             first = f"first mismatch at generated token {g['first_mismatch']} (from 0)"
+            other = g.get("dtype") not in (None, report.dtype)  # written by an export of another dtype
             lines.append(f"  golden entry #{g['entry']}: {'match' if g['match'] else first} "
-                         f"(expected {g['expected_ids']}, export {g['export_ids']})")
+                         f"(expected {g['expected_ids']}, export {g['export_ids']})"
+                         + (f"; written by a {g['dtype']} export, this one is {report.dtype}" if other else ""))
     lines.append("")
     lines.append(f"{'check':<52} {'measured':>14} {'threshold':>10}  result")
     for c in report.checks:

@@ -16,6 +16,7 @@ import functools
 import io
 import json
 import math
+import re
 import time
 from pathlib import Path
 from typing import Sequence
@@ -70,6 +71,42 @@ class GenerationResult:
     decode_ms: list[float]
     prepacked: bool = False
     prepacked_note: str = ""
+    #: the graph's weights (fp32, bf16, int8, int4)
+    dtype: str = ""
+    #: control-token-like text of the prompt that this tokenizer reads as plain text (:func:`unknown_control_tokens`)
+    unknown_tokens: list[str] = dataclasses.field(default_factory=list)
+
+
+#: text that looks like a Gemma / FunctionGemma control token: <start_of_turn>, <end_function_call>, <escape>
+CONTROL_TOKEN_TEXT = re.compile(r"<(?:start|end)_[a-z_]+>|<escape>")
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids as ``generate`` and ``parity`` feed them: ``<bos>`` (what the
+    tokenizer's post-processor prepends) once, also when the text already starts with it, as a chat
+    template's output does (transformers would then give two).
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (the export's ``tokenizer.json``).
+        text: the prompt.
+
+    Returns:
+        The ids (Python ints).
+    """
+    ids = tokenizer.encode(text).ids
+    own = tokenizer.encode(text, add_special_tokens=False).ids
+    if own and len(ids) == len(own) + 1 and ids[1:] == own and ids[0] == own[0]:
+        return own  # the text's own leading <bos>, not a second one
+    return ids
+
+
+def unknown_control_tokens(tokenizer, text: str) -> list[str]:
+    """Pieces of ``text`` that look like control tokens (:data:`CONTROL_TOKEN_TEXT`) but are not
+    tokens of ``tokenizer``, which reads them as plain text: FunctionGemma's function-calling tokens
+    (``<start_function_declaration>`` …) with another Gemma 3 tokenizer, or a misspelt one. In order
+    of first appearance, each once."""
+    found = dict.fromkeys(m.group(0) for m in CONTROL_TOKEN_TEXT.finditer(text))
+    return [piece for piece in found if tokenizer.token_to_id(piece) is None]
 
 
 
@@ -1064,7 +1101,7 @@ def load_tokenizer(model_dir: str | Path):
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None) -> GenerationResult:
-    """Tokenize ``prompt`` (``<bos>`` prepended), greedy-decode with onnxruntime, decode the new tokens.
+    """Tokenize ``prompt`` (``<bos>`` prepended unless it starts with it, :func:`encode_prompt`), greedy-decode with onnxruntime, decode the new tokens.
     ``prefill_chunk`` as in :meth:`OnnxDecoder.greedy`; ``prepacked``: the folder's pre-packed copy,
     as in :class:`OnnxDecoder`.
 
@@ -1093,7 +1130,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")
     check_export_folder(model_dir)
     tokenizer = load_tokenizer(model_dir)  # before the (slow, memory-heavy) session
-    prompt_ids = tokenizer.encode(prompt).ids
+    prompt_ids = encode_prompt(tokenizer, prompt)
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
@@ -1101,4 +1138,5 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
-                            decoder.prepacked_path is not None, decoder.prepacked_note)
+                            decoder.prepacked_path is not None, decoder.prepacked_note, decoder.dtype,
+                            unknown_control_tokens(tokenizer, prompt))

@@ -328,6 +328,7 @@ def test_generate_writes_a_golden_entry_that_parity_checks(tiny_int8_export, tmp
     entry = json.loads(golden.read_text())
     prompt_ids = load_tokenizer(tiny_int8_export).encode("the fox").ids
     assert entry["prompt_ids"] == prompt_ids and entry["prompt"] == "the fox" and entry["prefill_chunk"] == 512
+    assert entry["dtype"] == "int8"
     assert entry["expected_ids"] == OnnxDecoder(tiny_int8_export).greedy(prompt_ids, 6)[0]
     assert result.stdout.startswith("the fox" + entry["text"])
     checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
@@ -471,3 +472,35 @@ def test_the_growth_counts_the_session_not_the_import_of_onnx_and_onnxruntime(ti
     lines = json.loads(out[1])
     assert lines[0].startswith(f"libraries        importing onnx and onnxruntime took Anonymous {first_libs / 1e6:,.0f} MB")
     assert lines[1] == "libraries        onnx and onnxruntime were imported before this run"
+
+
+def test_a_prompt_that_starts_with_bos_gets_one_and_control_token_text_the_tokenizer_lacks_is_named(tmp_path):
+    # what the tokenizer's post-processor prepends is not doubled when the text starts with it (a
+    # chat template's output does); <start_...>/<end_...>/<escape> text that is no token of this
+    # tokenizer (FunctionGemma's function-calling tokens under Gemma 3's) is named, each once
+    from tokenizers import AddedToken
+
+    from conftest import write_char_tokenizer
+    from gemma_export.runtime import encode_prompt, load_tokenizer, unknown_control_tokens
+
+    tokenizer = load_tokenizer(write_char_tokenizer(tmp_path))
+    tokenizer.add_special_tokens([AddedToken("<bos>", special=True), AddedToken("<start_of_turn>", special=True)])
+    assert tokenizer.encode("<bos>ab").ids[:2] == [2, 2]  # the premise: two of them without encode_prompt
+    assert encode_prompt(tokenizer, "<bos>ab") == encode_prompt(tokenizer, "ab") == tokenizer.encode("ab").ids
+    assert encode_prompt(tokenizer, "a<bos>b") == tokenizer.encode("a<bos>b").ids  # only a leading one
+    assert encode_prompt(tokenizer, "<bos><bos>ab")[:2] == [2, 2]  # the text's own two are kept
+    text = "<start_of_turn>a<start_function_call>b<escape><start_function_call><end_of_turn>"
+    assert unknown_control_tokens(tokenizer, text) == ["<start_function_call>", "<escape>", "<end_of_turn>"]
+    assert unknown_control_tokens(tokenizer, "<b>plain <tags> and <start_of_turn>") == []
+
+
+def test_generate_names_control_token_text_read_as_plain_text(tiny_int8_export):
+    result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt",
+                                      "the <start_function_call>fox", "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
+    assert notes == [f"note: <start_function_call> is not a token of {tiny_int8_export / 'tokenizer.json'}; it was "
+                     "read as plain text (FunctionGemma's function-calling tokens exist in its own tokenizer only)"]
+    plain = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
+                                     "--max-new-tokens", "2"])
+    assert plain.exit_code == 0 and "note: " not in plain.stderr

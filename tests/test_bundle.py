@@ -443,3 +443,21 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     result = runner.invoke(app, bundle_args)
     assert result.exit_code == 2 and "is not an unchanged bundle of gemma-export" in result.stderr, result.output
     assert (out / "model" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("dtype, prepacked", [("int8", True), ("int4", True), ("bf16", False), ("fp32", False)])
+def test_the_board_readme_pre_packs_quantized_weights_only(dtype, prepacked):
+    # a pre-packed copy of float weights is 2-4 x the model and raises the peak: no prepack step,
+    # and the README says why and which export is the board's
+    from gemma_export.boards import board
+    from gemma_export.bundle import _readme
+
+    text = _readme("sl2610", board("sl2610"), "gemma_export-0.1.0-py3-none-any.whl",
+                   {"dtype": dtype, "config": {"num_hidden_layers": 18, "vocab_size": 262144}})
+    commands = [line.strip() for line in text.splitlines() if line.startswith("    ~/gx/bin/gemma-export ")]
+    assert commands[0] == "~/gx/bin/gemma-export verify ."
+    assert ("~/gx/bin/gemma-export prepack --model model" in commands) == prepacked
+    assert ("pre-pack the weights" in text) == prepacked
+    assert (f"The weights are {dtype}: onnxruntime computes with them in float32" in text) == (not prepacked)
+    assert commands[-1] == "~/gx/bin/gemma-export bench --model model --board sl2610 --json ~/bench.json"
+    assert "less than 300 MB of the\nboard's memory free" in text

@@ -787,3 +787,14 @@ def test_calibration_tokens_bounds_are_inclusive():
     for tokens in (MIN_CALIBRATION_TOKENS - 1, MAX_CALIBRATION_TOKENS + 1):
         with pytest.raises(ConfigError, match=f"--calibration-tokens {tokens}: expected"):
             check(tokens)
+
+
+def test_version_names_the_toolkit_and_its_onnx_libraries():
+    from importlib.metadata import version
+
+    import gemma_export
+
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (f"gemma-export {gemma_export.__version__} (onnx {version('onnx')}, "
+                             f"onnxruntime {version('onnxruntime')})\n")

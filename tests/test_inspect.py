@@ -67,6 +67,7 @@ def test_onnx_initializer_stored_twice(tmp_path):
     assert report.consumers == {"embed": ["Gather"], "head": ["Gemm"]}
     result = CliRunner().invoke(app, ["inspect", str(path)])
     assert "identical bytes: embed, head — one table stored 2 times (50.0% each)" in result.stdout
+    assert "consumers of the largest 2 initializers:" in result.stdout  # both, not "the largest 10"
 
 
 def test_external_data_without_length_is_sized_from_its_dims_and_a_wrong_length_is_named(tmp_path):

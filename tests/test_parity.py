@@ -626,3 +626,35 @@ def test_the_reference_greedy_loop_stops_at_its_fixed_length_and_at_a_stop_id(re
     stop = full[2]
     assert model.greedy(ids, 100, stop_ids=[stop]) == full[:full.index(stop) + 1]
     assert model.greedy(ids, 3) == full[:3]
+
+
+def test_a_golden_entry_keeps_its_prompt_text_and_names_the_dtype_that_wrote_it(tiny_int8_export, tmp_path):
+    # a golden entry whose prompt no --prompts line gives (a chat turn, say) is reported with its
+    # text and its own progress line; a mismatch on an export of another dtype says which wrote it
+    decoder = OnnxDecoder(tiny_int8_export)
+    fox = load_tokenizer(tiny_int8_export).encode("the fox").ids
+    expected, _, _ = decoder.greedy(fox, 3, stop_ids=())
+    wrong = [(expected[0] + 1) % 96] + expected[1:]
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "dtype": "int8"},
+                                  {"prompt": "the fox", "expected_ids": wrong, "dtype": "fp32"},
+                                  {"prompt": "the fox", "expected_ids": wrong}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1, result.output
+    assert "golden entry 1/3: 8 prompt tokens, 3 expected" in result.stderr
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("prompt ")] == ["prompt 1: 'the fox' (8 tokens)",
+                                                                     "prompt 2: 'the fox' (8 tokens)",
+                                                                     "prompt 3: 'the fox' (8 tokens)"]
+    golden_lines = [line for line in lines if line.startswith("  golden entry #")]
+    assert golden_lines[0].startswith("  golden entry #0: match") and "written by" not in golden_lines[0]
+    assert golden_lines[1].endswith("; written by a fp32 export, this one is int8"), golden_lines
+    assert "first mismatch at generated token 0" in golden_lines[2] and "written by" not in golden_lines[2]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [p["prompt"] for p in report["prompts"]] == ["the fox"] * 3
+    assert [p["golden"]["dtype"] for p in report["prompts"]] == ["int8", "fp32", None]
+
+    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "dtype": "int3"}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden)
+    assert result.exit_code == 2
+    assert "entry #0 'dtype' must be one of fp32, bf16, int8, int4, found \"int3\"" in result.output
