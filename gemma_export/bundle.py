@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
@@ -233,7 +234,8 @@ def _check_wheel(wheel: Path) -> None:
                           "such a wheel")
 
 
-def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None) -> BundleResult:
+def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None,
+           progress: Callable[[str], None] | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 
     Args:
@@ -242,6 +244,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
             with the pre-packed copy ``gemma-export prepack`` made in its ``model/``).
         board: a key of ``boards.BOARDS``.
         wheel: a prebuilt gemma_export wheel; default: built from the source tree with pip.
+        progress: called with a line as each step starts (copying, building the wheel) and for each
+            folder a killed earlier bundle left beside ``out_dir`` that is removed.
 
     Raises:
         GemmaExportError: unknown board; the export fails verification (``VerificationError``) or
@@ -277,11 +281,14 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     wheel_bytes = wheel.stat().st_size if wheel is not None else WHEEL_BYTES_ESTIMATE
     check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + wheel_bytes + 10**5,
                      "bundle")
-    with staged_folder(out, "bundle") as staging:
+    say = progress or (lambda _msg: None)
+    with staged_folder(out, "bundle", notify=say) as staging:
+        say(f"copying {len(files)} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:
             shutil.copyfile(model_dir / name, staging / "model" / name)
         if wheel is None:
+            say("building the gemma_export wheel (pip wheel) ...")
             with tempfile.TemporaryDirectory() as tmp:
                 built = build_wheel(Path(tmp))
                 shutil.copyfile(built, staging / built.name)
@@ -292,6 +299,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
+        say("checking the copies against the model's manifest ...")
         verify_manifest(staging / "model")  # the copies, not only the originals
         manifest = {"board": board, "gemma_export_version": __version__,
                     "files": {rel: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for rel, p in listing.items()}}

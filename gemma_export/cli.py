@@ -688,7 +688,7 @@ def bundle(
     from .bundle import bundle as run
 
     with _reported(debug):
-        result = run(model, out, board=board, wheel=wheel)
+        result = run(model, out, board=board, wheel=wheel, progress=lambda msg: typer.echo(msg, err=True))
     _list_files(result.files, 40)
     typer.echo(f"wrote {result.out_dir} ({result.total_bytes / 2**20:,.1f} MiB); on the board, follow {result.out_dir}/README.md")
 

@@ -58,7 +58,7 @@ def held_folder(folder: Path) -> Iterator[None]:
 
 
 #: a leftover folder younger than this is never judged stale (see :func:`remove_stale`)
-STALE_AFTER_SECONDS = 60
+STALE_AFTER_SECONDS = 10
 
 
 #: bytes of an output's name kept in the hidden folders beside it (``.NAME.staging-XXXXXXXX``): a
@@ -430,12 +430,15 @@ AT_START = object()
 
 
 @contextlib.contextmanager
-def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[Path]:
+def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
+                  notify: Callable[[str], None] | None = None) -> Iterator[Path]:
     """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
     staging folder (made ``0755``) replaces ``out_dir``, unless ``out_dir`` changed since
     ``checked_state`` (its :func:`folder_state` when the caller checked it could be replaced;
     :data:`AT_START`: when this block began): a file a user added, another process's output. Then nothing is
-    replaced, since the folder no longer holds what was checked.
+    replaced, since the folder no longer holds what was checked. ``notify`` is told, one line each,
+    of the folders a killed earlier writer left beside ``out_dir`` that this call removes
+    (:func:`remove_stale`).
 
     Raises:
         OutputError: the folder cannot be created, it changed meanwhile, or writing failed with an
@@ -446,7 +449,9 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START) -> Iterator[
     """
     check_creatable(out_dir, what)
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    remove_stale(out_dir)  # what a killed earlier run left beside the destination
+    for path in remove_stale(out_dir):  # what a killed earlier run left beside the destination
+        if notify is not None:
+            notify(f"removed {path}, left by an interrupted gemma-export")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))

@@ -209,8 +209,10 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
         assert staging.is_dir()
         old = time.time() - 2 * STALE_AFTER_SECONDS
         os.utime(staging, (old, old))  # as when the user comes back later
-        exporter.export(tiny_dir, out, "fp32")
+        said = []
+        exporter.export(tiny_dir, out, "fp32", status=said.append)
         assert sorted(os.listdir(tmp_path)) == ["out", "written"]  # the killed run's staging folder is gone
+        assert f"removed {staging}, left by an interrupted gemma-export" in said  # and the user is told
         return
     assert proc.returncode == 128 + signum, stderr  # the shell's status for that signal: 130 or 143
     assert "error: interrupted; nothing was written" in stderr and "Traceback" not in stderr

@@ -461,3 +461,27 @@ def test_the_board_readme_pre_packs_quantized_weights_only(dtype, prepacked):
     assert (f"The weights are {dtype}: onnxruntime computes with them in float32" in text) == (not prepacked)
     assert commands[-1] == "~/gx/bin/gemma-export bench --model model --board sl2610 --json ~/bench.json"
     assert "less than 300 MB of the\nboard's memory free" in text
+
+
+def test_bundle_says_what_it_does_and_which_leftover_it_removes(tiny_int8_export, wheel, tmp_path):
+    # a bundle killed earlier (SIGKILL: no cleanup) left its staging folder beside the output; the
+    # next bundle removes it and says so, and each step gets a progress line on stderr
+    import os
+    import time
+
+    from gemma_export.staging import STALE_AFTER_SECONDS
+
+    out = tmp_path / "board"
+    dead = tmp_path / ".board.staging-dead"
+    (dead / "model").mkdir(parents=True)
+    (dead / "model" / "model.onnx.data").write_bytes(b"x" * 100)
+    old = time.time() - 2 * STALE_AFTER_SECONDS
+    os.utime(dead, (old, old))
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 0, result.output
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"removed {dead}, left by an interrupted gemma-export"
+    assert lines[1].startswith(f"copying {len(json.loads((tiny_int8_export / 'manifest.json').read_text())['files'])} "
+                               "model files (")
+    assert lines[2] == "checking the copies against the model's manifest ..."
+    assert not dead.exists() and sorted(os.listdir(tmp_path)) == ["board"]
