@@ -419,8 +419,9 @@ def prepack(
     Writes MODEL/prepacked/: onnxruntime's optimized graph with the weights already in its kernels'
     packed layout. generate, bench, quality and parity then map the packed weights from disk instead
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
-    reclaim) drops by about the archive's size (int8 after a short prompt: about 1.17 x -> 0.10 x
-    the archive; after a 512-token prompt and 128 steps: 1.45 x -> 0.40 x; 2026-12-04). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    reclaim) drops by about the archive's size (int8, the growth as bench counts it, after a short
+    prompt: about 1.11 x -> 0.04 x the archive; after 16-, 128- and 512-token prompts and 128 steps
+    each: 1.20 x -> 0.14 x; 2026-12-04). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 
