@@ -658,3 +658,23 @@ def test_a_golden_entry_keeps_its_prompt_text_and_names_the_dtype_that_wrote_it(
     result = _parity("--model", tiny_int8_export, "--golden", golden)
     assert result.exit_code == 2
     assert "entry #0 'dtype' must be one of fp32, bf16, int8, int4, found \"int3\"" in result.output
+
+
+def test_a_golden_prompt_that_starts_with_bos_is_read_with_one_and_an_older_file_with_two_still_agrees(tmp_path):
+    from tokenizers import AddedToken
+
+    from conftest import write_char_tokenizer
+    from gemma_export.parity import read_golden
+
+    tokenizer = load_tokenizer(write_char_tokenizer(tmp_path))
+    tokenizer.add_special_tokens([AddedToken("<bos>", special=True)])
+    one, two = tokenizer.encode("ab").ids, tokenizer.encode("<bos>ab").ids
+    assert two == [2] + one  # transformers' way: the text's <bos> after the prepended one
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt": "<bos>ab", "expected_ids": [5]},
+                                  {"prompt": "<bos>ab", "prompt_ids": two, "expected_ids": [5]},
+                                  {"prompt": "<bos>ab", "prompt_ids": one, "expected_ids": [5]}]))
+    assert [g.prompt_ids for g in read_golden(golden, [], tokenizer)] == [one, two, one]
+    golden.write_text(json.dumps([{"prompt": "<bos>ab", "prompt_ids": [2] + two, "expected_ids": [5]}]))
+    with pytest.raises(FormatError, match="entry #0 'prompt' tokenizes to"):
+        read_golden(golden, [], tokenizer)
