@@ -349,3 +349,81 @@ def test_an_output_name_up_to_255_bytes_is_written_and_replaced(tiny_dir, tmp_pa
     assert len(os.fsencode(prefix + "staging-12345678")) <= 255
     other = tmp_path / ("é" * 118 + "bbb")  # the same first 228 bytes, another name: another prefix
     assert hidden_prefix(other) != prefix and hidden_prefix(other)[:100] == prefix[:100]
+
+
+def test_hidden_prefix_keeps_a_name_of_237_bytes_whole_and_shortens_one_byte_more():
+    # 237 bytes + the two dots + "staging-XXXXXXXX" (16) make exactly 255: no hash needed yet
+    from gemma_export.staging import hidden_prefix
+
+    fits = Path("a" * 237)
+    assert hidden_prefix(fits) == f".{fits.name}."
+    longer = Path("a" * 238)
+    shortened = hidden_prefix(longer)
+    assert shortened == "." + "a" * 228 + "~" + hashlib.sha256(b"a" * 238).hexdigest()[:8] + "."
+    assert len(os.fsencode(shortened + "staging-12345678")) <= 255
+
+
+def test_an_output_is_replaceable_only_while_every_file_holds_what_its_manifest_records(tmp_path):
+    # a file rewritten in place with the same size, or a file beside a derived folder that merely
+    # starts with its name, makes the folder someone's work: not an unchanged output
+    import json
+
+    from gemma_export.staging import is_unchanged_output
+
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "a.txt").write_text("hello")
+    files = {"model/a.txt": {"bytes": 5, "sha256": hashlib.sha256(b"hello").hexdigest()}}
+    (out / "LIST.json").write_text(json.dumps({"files": files}))
+    derived = (("model/prepacked", "prepacked.json"),)
+    (out / "model" / "prepacked").mkdir()
+    (out / "model" / "prepacked" / "prepacked.json").write_text("{}")
+    (out / "model" / "prepacked" / "weights.bin").write_text("anything")
+    assert is_unchanged_output(out, "LIST.json", derived=derived)
+    (out / "model" / "prepacked.bak").write_text("mine")  # not inside model/prepacked/
+    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+    (out / "model" / "prepacked.bak").unlink()
+    (out / "model" / "a.txt").write_text("jello")  # same size, other bytes
+    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+    (out / "model" / "a.txt").write_text("hello!")  # another size
+    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+
+
+def test_an_output_folder_any_depth_below_another_output_is_refused(tmp_path):
+    # not only the folder right above: every folder above is looked at, up to the root
+    from gemma_export.staging import OutputError, check_outside_outputs, enclosing_output
+
+    board = tmp_path / "board"
+    board.mkdir()
+    (board / "BUNDLE.json").write_text('{"files": {}}')
+    (tmp_path / "manifest.json").write_text('{"name": "a web app"}')  # someone else's manifest: no files map
+    assert enclosing_output(board / "a" / "b" / "c") == board.resolve()
+    assert enclosing_output(tmp_path / "elsewhere" / "x") is None
+    with pytest.raises(OutputError, match=r"c: is inside .*board, an output of gemma-export"):
+        check_outside_outputs(board / "a" / "b" / "c", "export")
+
+
+def test_a_failed_second_rename_puts_the_old_output_back(tmp_path):
+    from gemma_export.staging import move_into_place
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("old")
+    with pytest.raises(FileNotFoundError):
+        move_into_place(tmp_path / "missing-staging", out)  # the rename of staging onto out fails
+    assert (out / "a.txt").read_text() == "old"
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # and the hidden old-copy folder is gone
+
+
+def test_a_read_only_file_system_is_the_output_s_failure_whatever_file_it_names(tmp_path):
+    # EROFS (like ENOSPC) only comes from writing: even naming a file outside the output (shutil.copyfile
+    # names its source) it is the output that failed; other errors naming such a file are an input's
+    import errno
+
+    from gemma_export.staging import _names_an_input
+
+    out, source = tmp_path / "out", tmp_path / "src" / "model.safetensors"
+    assert not _names_an_input(OSError(errno.EROFS, "Read-only file system", str(source)), out)
+    assert not _names_an_input(OSError(errno.ENOSPC, "No space left on device", str(source)), out)
+    assert _names_an_input(OSError(errno.EIO, "Input/output error", str(source)), out)
+    assert not _names_an_input(OSError(errno.EIO, "Input/output error", str(out / "model.onnx")), out)

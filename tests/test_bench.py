@@ -86,6 +86,20 @@ def test_a_text_prefix_drops_a_character_cut_at_its_end(tmp_path):
         read_text_file(path, "text file", 4)
 
 
+def test_a_file_that_itself_ends_inside_a_character_is_refused_even_at_exactly_max_bytes(tmp_path):
+    # only a character cut by max_bytes is dropped; a file of exactly max_bytes whose own last
+    # character is incomplete is not UTF-8, as without max_bytes
+    from gemma_export.errors import FormatError
+    from gemma_export.text_files import read_text_file
+
+    path = tmp_path / "t.txt"
+    path.write_bytes(b"ab\xc3")  # 'a', 'b', and the first byte of a two-byte character
+    for max_bytes in (None, 3, 10):
+        with pytest.raises(FormatError, match="expected UTF-8 text, found byte 0xc3 at offset 2"):
+            read_text_file(path, "text file", max_bytes)
+    assert read_text_file(path, "text file", 2) == "ab"  # a prefix that stops before it is fine
+
+
 def test_threads_come_from_the_option_then_the_board_then_the_default(tiny_int8_export, text_file, monkeypatch):
     """--threads given wins over --board's (it ran the board's 2 silently); without it the board's,
     without both the default 2. Checked on the sessions bench creates."""

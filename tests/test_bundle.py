@@ -106,6 +106,39 @@ def test_bad_arguments(tiny_int8_export, tmp_path, args, message):
     assert not out.exists()
 
 
+def test_a_bundle_over_the_folder_its_model_lies_in_is_refused(tiny_int8_export, wheel, tmp_path):
+    # re-bundling a board folder's own model/ into that board folder would replace the model's folder
+    board = tmp_path / "board"
+    assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(board),
+                               "--wheel", str(wheel)]).exit_code == 0
+    before = sorted(str(p.relative_to(board)) for p in board.rglob("*"))
+    result = runner.invoke(app, ["bundle", "--model", str(board / "model"), "--out", str(board), "--wheel", str(wheel)])
+    assert result.exit_code == 2 and "lies inside it, and the bundle would replace it" in result.output
+    assert sorted(str(p.relative_to(board)) for p in board.rglob("*")) == before
+
+
+def test_an_export_without_a_tokenizer_is_refused_before_any_work(tiny_dir, wheel, tmp_path):
+    # the README's generate and bench lines need model/tokenizer.json
+    from gemma_export.exporter import export
+
+    model = export(tiny_dir, tmp_path / "model", "fp32").out_dir  # a transformers folder without tokenizer
+    assert not (model / "tokenizer.json").exists()
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(model), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 2 and "no tokenizer.json, so the board could not run the bundle's README" in result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("platforms", [(), ("macosx_11_0_arm64",)])
+def test_a_board_without_a_manylinux_tag_gets_a_plain_wheel_line(platforms):
+    from gemma_export import boards
+
+    spec = boards.Board(title="Other board", threads=1, memory_bytes=10**9, headroom_bytes=10**8, python="3.12",
+                        platforms=platforms)
+    assert spec.wheel_requirements == "wheels for the board's platform"
+
+
+
 def _renamed_wheel(wheel: Path, fake: Path) -> None:
     """The real wheel's members under another file name (its METADATA keeps the real version)."""
     fake.write_bytes(wheel.read_bytes())
@@ -126,11 +159,25 @@ def _damaged_member(wheel: Path, fake: Path) -> None:
     fake.write_bytes(bytes(raw))
 
 
+
+def _stored_member_changed(wheel: Path, fake: Path) -> None:
+    """The real wheel's members stored uncompressed, one byte of a member's data changed: it reads
+    back without error, only its CRC tells."""
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(fake, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info.filename))
+    with zipfile.ZipFile(fake) as archive:
+        info = archive.getinfo("gemma_export/cli.py")
+    raw = bytearray(fake.read_bytes())
+    raw[info.header_offset + 30 + len(info.filename.encode()) + len(info.extra) + 100] ^= 0x01
+    fake.write_bytes(bytes(raw))
+
 @pytest.mark.parametrize("content, message", [
     (b"not a zip", "not a readable wheel (a zip archive)"),
     (None, "a zip archive without gemma_export/__init__.py; not a gemma_export wheel"),
     (_package_only, "no *.dist-info/METADATA; not a wheel pip can install"),
     (_damaged_member, "a damaged wheel"),
+    (_stored_member_changed, "a damaged wheel: member gemma_export/cli.py does not match its recorded CRC"),
 ])
 def test_a_wheel_that_is_not_the_toolkit_is_refused(tiny_int8_export, wheel, tmp_path, content, message):
     """Only the name was checked: a 9-byte text file called gemma_export-0.1.0-py3-none-any.whl was bundled;
@@ -336,6 +383,10 @@ def test_an_interrupted_wheel_build_stops_pip_and_its_children_and_leaves_no_scr
     (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found list"),
     (lambda out: shutil.rmtree(out / "model"), "board/model/genai_config.json: listed in BUNDLE.json but missing"),
     (lambda out: (out / "extra_dir").symlink_to(out.parent), ": files not in BUNDLE.json: extra_dir"),
+    # what a killed `prepack` on the board leaves in model/ is prepack's to name, not an unlisted file
+    (lambda out: ((out / "model" / ".prepacked.staging-x1").mkdir(),
+                  (out / "model" / ".prepacked.staging-x1" / "model.onnx.data").write_bytes(b"partial")),
+     ".prepacked.staging-x1: left by an interrupted gemma-export prepack"),
     (lambda out: (shutil.move(out / "BUNDLE.json", out.parent / "listing.json"),
                   (out / "BUNDLE.json").symlink_to(out.parent / "listing.json")), "BUNDLE.json: is a link"),
 ])

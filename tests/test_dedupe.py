@@ -185,6 +185,17 @@ def test_a_wide_table_is_checked_with_ids_of_its_own_rows(tmp_path):
     _same_outputs(src, tmp_path / "out" / "model.onnx", 4)
 
 
+def test_a_small_weight_read_through_a_transpose_is_left_alone(tmp_path):
+    # below inspect's MIN_DUPLICATE_BYTES (64 KiB) a Transpose is no duplicated table worth a
+    # rewrite: a 96 x 64 float32 weight (24 KiB) stays as it is, and there is nothing to do
+    table = np.random.default_rng(6).standard_normal((96, 64)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("Transpose", ["E"], ["Et"]),
+             helper.make_node("MatMul", ["x", "Et"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table}))
+    assert result.exit_code == 2 and "nothing to do" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_exact_transposed_copy_holding_nan_is_merged_not_called_close(tmp_path):
     table = np.random.default_rng(4).standard_normal((V, H)).astype(np.float32)
     table[0, 0] = np.nan
@@ -215,3 +226,55 @@ def test_dedupe_refuses_an_output_it_cannot_replace_before_the_work(tmp_path, mo
     assert result.stderr.strip().splitlines() == [f"error: {message}" + result.stderr.strip().split(message, 1)[1]]
     assert (tmp_path / "link").is_symlink() and (tmp_path / "dangling").is_symlink()
     assert os.listdir(tmp_path / "target") == [] and os.listdir(tmp_path / "here") == []
+
+
+def test_outputs_compare_nan_as_equal_only_where_both_are_nan():
+    # the check after a rewrite: a NaN the original did not give (or lost one) is infinitely far
+    from gemma_export.dedupe import _max_difference
+
+    a = np.array([[1.0, np.nan, 3.0]], np.float32)
+    assert _max_difference(a, a.copy()) == 0.0
+    assert _max_difference(a, np.array([[1.5, np.nan, 3.0]], np.float32)) == 0.5
+    assert _max_difference(a, np.array([[1.0, 2.0, 3.0]], np.float32)) == np.inf
+    assert _max_difference(np.array([[1.0, 2.0, 3.0]], np.float32), a) == np.inf
+    assert _max_difference(np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)) == 0.0
+
+
+def test_a_copy_a_tenth_of_the_limit_away_is_still_refused_as_close(tmp_path):
+    # "close": every value within 1% of the table's range; 0.5% is close, not a different table
+    graph = _lm(lambda t: (t + np.float32(0.005) * np.abs(t).max()).astype(np.float32))
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "close but not identical" in result.stderr
+
+
+def test_random_ids_fit_the_smallest_gathered_table(tmp_path):
+    # two tables read by Gather (the vocabulary and an 8-row one): the check's random ids must be
+    # valid rows of both, or onnxruntime refuses to run the original model
+    table = np.random.default_rng(7).standard_normal((V, H)).astype(np.float32)
+    small = np.random.default_rng(8).standard_normal((8, H)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["a"]), helper.make_node("Gather", ["P", "input_ids"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["x"]), helper.make_node("MatMul", ["x", "L"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "P": small, "L": table.T.copy()}))
+    assert result.exit_code == 0, result.output
+    assert "rewrote 1 MatMul(s)" in result.stdout and "max |diff| 0" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", 8)
+
+
+def test_with_no_gather_the_first_of_two_identical_tables_is_kept(tmp_path):
+    # neither copy feeds a Gather: every consumer reads the first one, the second is removed
+    from gemma_export.dedupe import dedupe
+
+    table = np.random.default_rng(9).standard_normal((H, V)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "A"], ["a"]), helper.make_node("MatMul", ["x", "B"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["logits"])]
+    graph = helper.make_graph(nodes, "lm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, H])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(table, "A"), numpy_helper.from_array(table.copy(), "B")])
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = dedupe(src, tmp_path / "out")
+    assert result.removed == ["B"] and result.max_abs_diff == 0.0
+    kept = [t.name for t in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.initializer]
+    assert kept == ["A"]

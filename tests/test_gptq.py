@@ -181,6 +181,13 @@ def test_bad_hessians_are_named(hessian, message):
         inverse_cholesky(hessian)
 
 
+@pytest.mark.parametrize("damp", [0.0, -0.01, float("nan")])
+def test_a_damping_that_is_not_positive_is_refused(damp):
+    # λ = damp · mean(diag H) must be > 0: with 0 a rank-deficient H would not be invertible
+    with pytest.raises(ValueError, match="damp must be > 0"):
+        inverse_cholesky(np.eye(4), damp=damp)
+
+
 def test_mismatched_shapes_are_refused():
     w = np.ones((4, 64), np.float32)
     with pytest.raises(ValueError, match="disagree"):
@@ -240,6 +247,50 @@ def test_calibration_rejects_ids_outside_the_vocabulary(tiny_dir):
 
     with pytest.raises(GemmaExportError, match=r"\[0, 96\)"):
         collect(open_source(tiny_dir), [3, 96], "test")
+    with pytest.raises(GemmaExportError, match="calibration needs at least 2 tokens, found 1"):
+        collect(open_source(tiny_dir), [3], "test")
+
+
+def test_an_untied_head_gets_the_final_hidden_state_under_its_own_name(tmp_path):
+    """Untied, the LM head is its own weight (lm_head.weight): the final normed hidden state is its
+    input, and the embedding table (read by Gather only) gets no statistics."""
+    import torch
+
+    from conftest import make_tiny_model, save_tiny
+    from gemma_export.calibration import collect
+    from gemma_export.sources import open_source
+
+    model = make_tiny_model(seed=4, tie_word_embeddings=False)
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 96, 20)]
+    cal = collect(open_source(save_tiny(model, tmp_path / "src")), ids, "test")
+    assert "lm_head.weight" in cal.inputs and "model.embed_tokens.weight" not in cal.inputs
+    with torch.no_grad():
+        final = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0].numpy()
+    got = cal.inputs["lm_head.weight"].astype(np.float32)
+    assert np.abs(got - final).max() < 2e-2 * np.abs(final).max()   # stored as float16
+
+
+
+def test_inputs_beyond_float16s_range_are_kept_in_float32(tiny_dir, tmp_path):
+    """Activations are kept as float16 only below its largest value (65,504): an input reaching
+    ~67,000 (layer 0's q/k/v, from a large input_layernorm gain) is kept exactly, in float32."""
+    from conftest import broken_copy
+    from gemma_export.calibration import collect
+    from gemma_export.sources import open_source
+
+    ids = [int(i) for i in np.random.default_rng(0).integers(3, 96, 20)]
+    gain = "model.layers.0.input_layernorm.weight"
+
+    def edit(tensors):
+        x = tensors["model.embed_tokens.weight"][ids].astype(np.float64) * np.sqrt(64)  # embed_scale
+        normed = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+        tensors[gain] = np.full(64, 67_000.0 / np.abs(normed).max() - 1.0, np.float32)
+
+    cal = collect(open_source(broken_copy(tiny_dir, tmp_path / "src", edit_tensors=edit)), ids, "test")
+    q = cal.inputs["model.layers.0.self_attn.q_proj.weight"]
+    assert q.dtype == np.float32 and np.isfinite(q).all()
+    assert 65_504 < np.abs(q).max() == pytest.approx(67_000, rel=1e-3)
+    assert cal.inputs["model.layers.0.mlp.gate_proj.weight"].dtype == np.float16  # the others stay small
 
 
 @pytest.fixture(scope="module")
@@ -539,3 +590,17 @@ def test_a_huge_weight_is_named_when_calibration_overflows(tiny_with_tokenizer, 
     assert message in line and f"the largest weight read before it is {weight}[3, 5] = {value:.3g}" in line, line
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"][1:]
     assert (src / "model.safetensors").read_bytes() == before
+
+
+
+def test_at_exactly_t_equal_2k_the_activations_are_kept(tiny_dir):
+    # the boundary of the rule "Xᵀ X when T > 2 K": at T = 2 K the [T, K] float16 activations take no
+    # more memory than the float32 [K, K] matrix, and are kept as activations
+    from gemma_export.calibration import collect
+    from gemma_export.sources import open_source
+
+    checkpoint = open_source(tiny_dir)
+    ids = [int(i) for i in np.random.default_rng(3).integers(3, 96, 2 * checkpoint.config.hidden_size)]
+    cal = collect(checkpoint, ids, "test")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert q in cal.inputs and q not in cal.hessians and cal.inputs[q].shape == (len(ids), 64)

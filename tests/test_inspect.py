@@ -96,6 +96,39 @@ def test_external_data_without_length_is_sized_from_its_dims_and_a_wrong_length_
         inspect_path(path)
 
 
+
+def _external(tmp_path, data_type, dims, data_bytes: int, **entries):
+    """A model whose one initializer ``w`` keeps its data in ``w.bin`` (``data_bytes`` long) with
+    the given external-data ``entries`` (offset, length)."""
+    (tmp_path / "w.bin").write_bytes(b"\0" * data_bytes)
+    t = TensorProto(name="w", data_type=data_type, dims=dims, data_location=TensorProto.EXTERNAL)
+    t.external_data.add(key="location", value="w.bin")
+    for key, value in entries.items():
+        t.external_data.add(key=key, value=str(value))
+    return helper.make_model(helper.make_graph([], "g", [], [], initializer=[t]))
+
+
+def test_external_data_sizes_pack_4_bit_types_two_per_byte_and_name_a_negative_offset(tmp_path):
+    from gemma_export.errors import FormatError
+    from gemma_export.onnx_files import check_external_data, tensor_bytes
+
+    # 3 int4 values take 2 bytes (the last half empty), 6 uint4 values 3
+    assert tensor_bytes(_external(tmp_path, TensorProto.INT4, [3], 2).graph.initializer[0]) == 2
+    assert tensor_bytes(_external(tmp_path, TensorProto.UINT4, [2, 3], 3).graph.initializer[0]) == 3
+    assert tensor_bytes(_external(tmp_path, TensorProto.FLOAT16, [5], 10).graph.initializer[0]) == 10
+    assert tensor_bytes(TensorProto(name="s", data_type=TensorProto.STRING, dims=[2])) is None
+    assert check_external_data(_external(tmp_path, TensorProto.INT4, [3], 2, offset=0, length=2), tmp_path / "m.onnx") == {"w.bin": 2}
+    with pytest.raises(FormatError, match="declares 1 bytes of external data; its shape \\[3\\] and data type need 2"):
+        check_external_data(_external(tmp_path, TensorProto.INT4, [3], 2, length=1), tmp_path / "m.onnx")
+    # a negative offset is outside the file, however short the data
+    with pytest.raises(FormatError, match=r"initializer 'w' data \[-4, 12\) lies outside the file's 20 bytes"):
+        check_external_data(_external(tmp_path, TensorProto.FLOAT, [4], 20, offset=-4, length=16), tmp_path / "m.onnx")
+    # an absent length is added to the model from the dims, for later readers of the entries
+    model = _external(tmp_path, TensorProto.FLOAT, [4], 20, offset=4)
+    assert check_external_data(model, tmp_path / "m.onnx") == {"w.bin": 20}
+    assert {e.key: e.value for e in model.graph.initializer[0].external_data}["length"] == "16"
+
+
 def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     out = export(tiny_dir, tmp_path / "e", "int8", block_size=16).out_dir
     result = CliRunner().invoke(app, ["inspect", str(out / "model.onnx"), "--json", "--top", "1000"])

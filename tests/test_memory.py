@@ -31,6 +31,26 @@ def test_anonymous_huge_ranges_keeps_whole_aligned_huge_pages_of_private_writabl
     ]  # 1 MiB mapping: no whole huge page; read-only, shared, file-backed and the stack: left out
 
 
+
+def test_anonymous_huge_ranges_leaves_out_shared_and_file_backed_mappings_without_a_path():
+    # the private flag and the inode are checked themselves, not only through the path: a shared
+    # anonymous mapping and one of a file with no path shown (inode 77) hold no private heap
+    maps = (
+        "7f0000000000-7f0000400000 rw-s 00000000 00:00 0 \n"
+        "7f0000400000-7f0000800000 rw-p 00000000 fd:01 77 \n"
+        "7f0000800000-7f0000c00000 rw-p 00000000 00:00 0 \n"
+    )
+    assert memory.anonymous_huge_ranges(maps, 2 * MIB) == [(0x7f0000800000, 0x7f0000c00000)]
+
+
+def test_kb_fields_are_read_in_bytes_of_1024(tmp_path):
+    # /proc's "kB" are KiB: 1,000 of them are 1,024,000 bytes; lines without a kB unit are skipped
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t    1000 kB\nRss:  7 kB\nThreads:\t4\nHugePages_Total:       0\n")
+    assert memory._kb_fields(str(status)) == {"VmHWM": 1_024_000, "Rss": 7168}
+    assert memory._kb_fields(str(tmp_path / "missing")) == {}
+
+
 def _kernel_collapses() -> str | None:
     """Why this machine cannot collapse (None when it can): Linux >= 6.1 with THP not 'never'."""
     if platform.system() != "Linux" or not memory.HPAGE_PMD_SIZE_FILE.exists():

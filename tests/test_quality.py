@@ -370,6 +370,23 @@ def test_tokens_limits_how_much_of_a_long_text_is_tokenized(tiny_int8_export):
     assert first_tokens(tokenizer, "short text", 5) == real_encode("short text").ids[:5]
 
 
+def test_first_tokens_never_keeps_a_token_cut_at_the_prefix_end():
+    """A word cut by the prefix tokenizes differently from the whole word: tokens that close to the
+    cut are not taken from the prefix, whose first 4,096 characters end inside the 373rd word."""
+    import re
+    import types
+
+    from gemma_export.text_files import first_tokens
+
+    class Words:  # one token per word, its id the word's length
+        def encode(self, text):
+            spans = [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
+            return types.SimpleNamespace(ids=[end - start for start, end in spans], offsets=spans)
+
+    text = "abcdefghij " * 1000  # 11 characters a word: character 4,096 falls inside word 373
+    assert first_tokens(Words(), text, 373) == Words().encode(text).ids[:373] == [10] * 373
+
+
 def test_a_same_size_model_at_the_source_path_is_refused_by_its_contents(tiny_dir, tmp_path):
     """Two fine-tunes of one architecture have the same size: the manifest's source sha256 tells them
     apart; the unchanged source is still accepted."""

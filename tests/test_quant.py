@@ -61,6 +61,19 @@ def test_int8_rejects_nan_with_index():
 def test_int8_rejects_bad_block_size():
     with pytest.raises(ValueError, match="multiple of block_size"):
         BlockInt8Weights.quantize(np.ones((2, 48), np.float32), 32)
+    for size in (0, -16):  # a clear ValueError, not a ZeroDivisionError or numpy's negative dimensions
+        with pytest.raises(ValueError, match=f"in_features 48 is not a multiple of block_size {size}"):
+            BlockInt8Weights.quantize(np.ones((2, 48), np.float32), size)
+
+
+def test_int8_codes_stay_symmetric_when_the_scale_of_a_subnormal_block_rounds_down():
+    # max|w| = 190 * 2**-149 (subnormal): max / 127 rounds to the smallest subnormal, so w / scale
+    # reaches ±190 and must clip to ±127 (stored 1 .. 255: code 0 would be an asymmetric -128)
+    tiny = np.float32(2.0 ** -149)
+    w = np.array([[-190 * tiny, 190 * tiny, 0.0, -tiny]], np.float32)
+    q = BlockInt8Weights.quantize(w, 4)
+    assert q.scales[0, 0] == tiny
+    assert (q.data[0, 0].astype(int) - 128).tolist() == [-127, 127, 0, -1]
 
 
 def test_bf16_round_to_nearest_even_and_nan():
@@ -266,6 +279,8 @@ def test_int4_rejects_non_finite_with_index(bad, message):
     ({"block_size": 24}, "not a multiple of the \\(even\\) block_size 24"),
     ({"block_size": 32, "method": "gptq"}, "method must be 'rtn' or 'mse'"),
     ({"block_size": 32, "channel_weights": np.ones(3)}, "channel_weights must be 64 finite values"),
+    ({"block_size": 32, "channel_weights": np.r_[np.ones(63), -1.0]}, "channel_weights must be 64 finite values >= 0"),
+    ({"block_size": 32, "channel_weights": np.r_[np.ones(63), np.nan]}, "channel_weights must be 64 finite values >= 0"),
 ])
 def test_int4_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -282,4 +297,45 @@ def test_truncation_to_bfloat16_keeps_every_nan_a_nan():
     bits = truncate_to_bfloat16_bits(x)
     back = bits.astype(np.uint32) << 16
     assert np.isnan(back[:3].view(np.float32)).all()
+    # the NaNs are quiet ones with their sign: the quiet bit (0x0040) set, not any other payload bit
+    assert bits[:3].tolist() == [0x7FC0, 0xFFC0, 0x7FC0]
     assert bits[3:].tolist() == [0x3F80, 0xC030, 0x7F80]  # 1.0, -2.75, +Inf stays +Inf
+
+
+def test_a_non_finite_value_is_named_by_its_index_in_the_whole_weight_not_the_chunk():
+    # quantizers read row chunks (float_rows(w, start, count)); the message must give the row in w,
+    # not the row within the chunk
+    from quant.rows import float_rows
+
+    w = np.ones((10, 4), np.float32)
+    w[7, 2] = -np.inf
+    assert np.array_equal(float_rows(w, 2, 3), w[2:5])
+    assert float_rows(w, 8, 5).shape == (2, 4)  # fewer rows at the end
+    with pytest.raises(ValueError, match=r"holds -inf at index \(7, 2\)"):
+        float_rows(w, 5, 4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-sym", "int4-asym"])
+def test_row_chunks_of_the_quantizers_give_what_one_pass_gives(monkeypatch, scheme):
+    # the quantizers read a tall weight a chunk of rows at a time; the chunk size must not matter,
+    # a short last chunk included (10 rows in chunks of 3: 3, 3, 3, 1)
+    from quant import int4, int8
+
+    w = np.random.default_rng(7).standard_normal((10, 64)).astype(np.float32)
+
+    def quantize(v):
+        if scheme == "int8":
+            return BlockInt8Weights.quantize(v, 32)
+        return BlockInt4Weights.quantize(v, 32, symmetric=scheme == "int4-sym")
+
+    whole = quantize(w)
+    quantize(w[::-1] * 3)  # another weight of the same shape first: a row left unwritten cannot match by chance
+    monkeypatch.setattr(int8, "_ROWS_PER_CHUNK", 3)
+    monkeypatch.setattr(int4, "_ROWS_PER_CHUNK", 3)
+    chunked = quantize(w)
+    assert np.array_equal(chunked.data, whole.data) and np.array_equal(chunked.scales, whole.scales)
+    if scheme == "int4-asym":
+        assert np.array_equal(chunked.zero_points, whole.zero_points)
+    # and each row is its own: row r dequantizes close to w[r] (within a step of its blocks' scales)
+    step = np.repeat(np.abs(chunked.scales), 32, axis=1)
+    assert (np.abs(chunked.dequantize() - w) <= step + 1e-6).all()
