@@ -71,7 +71,8 @@ class PromptParity:
             ``top1_agreement`` (a share), ``kl_mean`` (nats/token), ``first_top1_difference``.
         reference: see ``_against_reference``: agreement by position, near-tie mismatches (positions),
             greedy ids of both, and ``max_abs_logit_diff`` when the reference returns logits.
-        golden: ``entry``, ``expected_ids``, ``export_ids``, ``match``, ``first_mismatch``.
+        golden: ``entry``, ``expected_ids``, ``export_ids``, ``match``, ``first_mismatch``, ``dtype`` (of
+            the export that wrote the entry, when the golden file says; else None).
         divergence: :func:`first_divergence`'s result.
     """
 

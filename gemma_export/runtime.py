@@ -1033,8 +1033,6 @@ class KVCache:
         release = seq == 1 and self._after_prompt
         self._after_prompt = seq > 1
         if release:  # the first decode step after a prompt: the prompt's activation memory goes back
-            from .memory import release_free_heap
-
             self.decoder.session.run_with_iobinding(b, _arena_shrinkage())
             release_free_heap()
         else:
