@@ -77,7 +77,11 @@ def _run_in_own_group(command: list[str], env: dict[str, str]) -> subprocess.Com
     """Run ``command`` (output captured) in a process group of its own. If this process is
     interrupted meanwhile (Ctrl-C, or SIGTERM raised as an exception by the CLI), the whole group is
     killed (pip and the build backend it started, which a kill of pip alone leaves running) and
-    gone before the exception goes on, so nothing still writes into the folder being removed."""
+    gone before the exception goes on, so nothing still writes into the folder being removed. On
+    Linux the command also dies with this process (``PR_SET_PDEATHSIG``), e.g. when it is SIGKILLed
+    and no handler runs."""
+    if sys.platform == "linux":  # set in the child by a launcher that then execs the command (no preexec_fn,
+        command = [sys.executable, "-c", _DIE_WITH_PARENT, *command]  # which is unsafe in a threaded process)
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -93,8 +97,17 @@ def _run_in_own_group(command: list[str], env: dict[str, str]) -> subprocess.Com
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
-def build_wheel(dest: Path) -> Path:
-    """Build this toolkit's wheel into ``dest`` with pip (no dependencies bundled).
+#: the launcher :func:`_run_in_own_group` runs a command through on Linux: SIGKILL when its parent
+#: dies (``prctl(PR_SET_PDEATHSIG)``, kept across exec), then the command itself
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys\n"
+                    "ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+                    "if os.getppid() == 1: sys.exit(1)\n"  # the parent died before the prctl took effect
+                    "os.execvp(sys.argv[1], sys.argv[1:])\n")
+
+
+def build_wheel(dest: Path, scratch_dir: Path | None = None) -> Path:
+    """Build this toolkit's wheel into ``dest`` with pip (no dependencies bundled), from a copy of
+    its sources in a scratch folder made in ``scratch_dir`` (default: the system's temporary folder).
 
     Raises:
         SourceNotFoundError: the toolkit is not installed from a source tree (pass a wheel instead).
@@ -106,7 +119,7 @@ def build_wheel(dest: Path) -> Path:
                                   "package; pass --wheel PATH to a gemma_export wheel")
     # built from a copy of what the wheel holds, so setuptools' build/ and *.egg-info folders land in
     # the temporary copy instead of the user's checkout
-    scratch = tempfile.mkdtemp(prefix="gemma-export-wheel-")
+    scratch = tempfile.mkdtemp(prefix="gemma-export-wheel-", dir=scratch_dir)
     try:  # whatever happens (an interrupt included), the scratch folder goes, once pip's group is gone
         tree = Path(scratch) / "src"
         try:
@@ -283,16 +296,19 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
                      "bundle")
     say = progress or (lambda _msg: None)
     with staged_folder(out, "bundle", notify=say) as staging:
-        say(f"copying {len(files)} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")
+        say(f"copying {len(files) + 1} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")  # + the manifest
         (staging / "model").mkdir()
         for name in [*files, MANIFEST_FILE]:
             shutil.copyfile(model_dir / name, staging / "model" / name)
         if wheel is None:
             say("building the gemma_export wheel (pip wheel) ...")
-            with tempfile.TemporaryDirectory() as tmp:
-                built = build_wheel(Path(tmp))
-                shutil.copyfile(built, staging / built.name)
-                wheel_name = built.name
+            # inside the staging folder: what a killed bundle leaves there goes with it (remove_stale)
+            build = staging / ".wheel-build"
+            build.mkdir()
+            built = build_wheel(build, scratch_dir=build)
+            shutil.copyfile(built, staging / built.name)
+            wheel_name = built.name
+            shutil.rmtree(build)
         else:
             shutil.copyfile(wheel, staging / wheel.name)
             wheel_name = wheel.name

@@ -381,7 +381,7 @@ def generate(
       gemma-export parity --model DIR --golden golden.json
     """
     from .bench import check_outputs, to_stdout, write_json
-    from .runtime import generate as run
+    from .runtime import FUNCTION_GEMMA_TOKENS, generate as run
 
     with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model,))
@@ -389,8 +389,10 @@ def generate(
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
                      prepacked=prepacked)
         for piece in result.unknown_tokens:  # before the text: it explains what the model was given
-            typer.echo(f"note: {piece} is not a token of {model / 'tokenizer.json'}; it was read as plain text "
-                       "(FunctionGemma's function-calling tokens exist in its own tokenizer only)", err=True)
+            why = (" (FunctionGemma's function-calling tokens exist in its own tokenizer only)"
+                   if piece in FUNCTION_GEMMA_TOKENS else "")
+            typer.echo(f"note: {piece} is not a token of {model / 'tokenizer.json'}; it was read as plain text{why}",
+                       err=True)
         # the text first, so a --json that cannot be written (full disk) does not lose the run
         typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)

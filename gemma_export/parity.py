@@ -474,10 +474,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     pooled_agree: list[np.ndarray] = []
     pooled_kl: list[float] = []
     pooled_ref: list[np.ndarray] = []
-    if hf_model is None and ref_model is None:
-        prompt_list = [p for p in prompt_list if any(p[1] == g.prompt_ids for g in golden_pairs)]  # golden only
+    if hf_model is None and ref_model is None:  # golden only: its entries carry their own prompts
+        prompt_list = []
     for text, ids in prompt_list:
-        say(f"prompt {len(results) + 1}/{len(prompt_list)}: {len(ids)} tokens")
+        say(f"prompt {len(results) + 1}/{len(prompt_list)}: {_count(len(ids), 'token')}")
         entry = PromptParity(text, ids)
         if hf_model is not None:
             from .quality import transformers_logits
@@ -507,7 +507,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         results.append(entry)
     for n, g in enumerate(golden_pairs):
         expected = g.expected_ids
-        say(f"golden entry {n + 1}/{len(golden_pairs)}: {len(g.prompt_ids)} prompt tokens, {len(expected)} expected")
+        say(f"golden entry #{n} ({n + 1} of {len(golden_pairs)}): {_count(len(g.prompt_ids), 'prompt token')}, "
+            f"{len(expected)} expected")
         got, _, _ = decoder.greedy(g.prompt_ids, len(expected), stop_ids=(), prefill_chunk=g.prefill_chunk)
         # a prompt given twice (or also in --prompts) gets each golden entry checked, none overwritten
         entry = next((r for r in results if r.prompt_ids == g.prompt_ids and r.golden is None), None)
@@ -557,13 +558,17 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
     return result
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def format_report(report: ParityReport) -> str:
     """The table ``gemma-export parity`` prints (KL in nats/token, logit differences in logits),
     joined by newlines, ending with the ``verdict:`` line."""
     lines = [f"parity of {report.model} ({report.dtype})"]
     for n, p in enumerate(report.prompts, start=1):
         label = repr(p.prompt) if p.prompt is not None else f"ids {p.prompt_ids[:8]}{'...' if len(p.prompt_ids) > 8 else ''}"
-        lines.append(f"prompt {n}: {label} ({len(p.prompt_ids)} tokens)")
+        lines.append(f"prompt {n}: {label} ({_count(len(p.prompt_ids), 'token')})")
         if p.transformers:
             t = p.transformers
             first = "none" if t["first_top1_difference"] is None else str(t["first_top1_difference"])
@@ -586,7 +591,8 @@ def format_report(report: ParityReport) -> str:
         if p.golden:
             g = p.golden
             first = f"first mismatch at generated token {g['first_mismatch']} (from 0)"
-            other = g.get("dtype") not in (None, report.dtype)  # written by an export of another dtype
+            # a failing entry written by an export of another dtype: the likely reason
+            other = not g["match"] and g.get("dtype") not in (None, report.dtype)
             lines.append(f"  golden entry #{g['entry']}: {'match' if g['match'] else first} "
                          f"(expected {g['expected_ids']}, export {g['export_ids']})"
                          + (f"; written by a {g['dtype']} export, this one is {report.dtype}" if other else ""))

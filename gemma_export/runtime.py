@@ -79,6 +79,9 @@ class GenerationResult:
 
 #: text that looks like a Gemma / FunctionGemma control token: <start_of_turn>, <end_function_call>, <escape>
 CONTROL_TOKEN_TEXT = re.compile(r"<(?:start|end)_[a-z_]+>|<escape>")
+#: FunctionGemma's function-calling tokens (its chat template), which Gemma 3's tokenizer lacks
+FUNCTION_GEMMA_TOKENS = frozenset(f"<{edge}_function_{kind}>" for edge in ("start", "end")
+                                  for kind in ("declaration", "call", "response")) | {"<escape>"}
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -79,6 +79,16 @@ def hidden_prefix(out_dir: Path) -> str:
     return f".{short}~{hashlib.sha256(raw).hexdigest()[:8]}."
 
 
+def leftovers(out_dir: Path) -> list[Path]:
+    """The staging and old-copy folders beside ``out_dir`` (``.{name}.staging-*``, ``.{name}.old-*``),
+    sorted; :func:`remove_stale` removes those no writer holds any more."""
+    if not out_dir.parent.is_dir():
+        return []
+    prefix = hidden_prefix(out_dir)
+    return [path for path in sorted(out_dir.parent.iterdir())
+            if path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir() and not path.is_symlink()]
+
+
 def remove_stale(out_dir: Path) -> list[Path]:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
@@ -89,14 +99,8 @@ def remove_stale(out_dir: Path) -> list[Path]:
     except ImportError:
         return []
     removed = []
-    if not out_dir.parent.is_dir():
-        return removed
     now = time.time()
-    prefix = hidden_prefix(out_dir)
-    for path in sorted(out_dir.parent.iterdir()):
-        if not (path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir()
-                and not path.is_symlink()):
-            continue
+    for path in leftovers(out_dir):
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
             if now - path.stat().st_mtime < STALE_AFTER_SECONDS:
                 continue
@@ -449,9 +453,13 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     """
     check_creatable(out_dir, what)
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    for path in remove_stale(out_dir):  # what a killed earlier run left beside the destination
-        if notify is not None:
+    removed = remove_stale(out_dir)  # what a killed earlier run left beside the destination
+    if notify is not None:
+        for path in removed:
             notify(f"removed {path}, left by an interrupted gemma-export")
+        for path in leftovers(out_dir):  # too young to judge, or a live writer's
+            notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a later "
+                   "run removes it once it is neither")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))

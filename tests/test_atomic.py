@@ -205,8 +205,11 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
             proc.kill()
     if signum == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL and staging.is_dir() and not out.exists()
-        exporter.export(tiny_dir, out, "fp32")  # too soon: a folder this young may be a live writer's
+        said = []
+        exporter.export(tiny_dir, out, "fp32", status=said.append)  # too soon: it may be a live writer's
         assert staging.is_dir()
+        assert f"kept {staging}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a later " \
+               "run removes it once it is neither" in said
         old = time.time() - 2 * STALE_AFTER_SECONDS
         os.utime(staging, (old, old))  # as when the user comes back later
         said = []

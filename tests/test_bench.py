@@ -510,11 +510,13 @@ def test_a_prompt_that_starts_with_bos_gets_one_and_control_token_text_the_token
 
 def test_generate_names_control_token_text_read_as_plain_text(tiny_int8_export):
     result = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt",
-                                      "the <start_function_call>fox", "--max-new-tokens", "2"])
+                                      "the <start_function_call>fox<start_foo>", "--max-new-tokens", "2"])
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stderr.splitlines() if line.startswith("note: ")]
-    assert notes == [f"note: <start_function_call> is not a token of {tiny_int8_export / 'tokenizer.json'}; it was "
-                     "read as plain text (FunctionGemma's function-calling tokens exist in its own tokenizer only)"]
+    tokenizer = tiny_int8_export / "tokenizer.json"
+    assert notes == [f"note: <start_function_call> is not a token of {tokenizer}; it was read as plain text "
+                     "(FunctionGemma's function-calling tokens exist in its own tokenizer only)",
+                     f"note: <start_foo> is not a token of {tokenizer}; it was read as plain text"]  # not FunctionGemma's
     plain = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
                                      "--max-new-tokens", "2"])
     assert plain.exit_code == 0 and "note: " not in plain.stderr

@@ -532,7 +532,60 @@ def test_bundle_says_what_it_does_and_which_leftover_it_removes(tiny_int8_export
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
     assert lines[0] == f"removed {dead}, left by an interrupted gemma-export"
-    assert lines[1].startswith(f"copying {len(json.loads((tiny_int8_export / 'manifest.json').read_text())['files'])} "
-                               "model files (")
+    listed = len(json.loads((tiny_int8_export / 'manifest.json').read_text())['files'])
+    assert lines[1].startswith(f"copying {listed + 1} model files (")  # and the manifest
+    assert len(list((out / "model").iterdir())) == listed + 1
     assert lines[2] == "checking the copies against the model's manifest ..."
     assert not dead.exists() and sorted(os.listdir(tmp_path)) == ["board"]
+
+
+def test_the_wheel_is_built_in_the_given_scratch_folder_and_pip_dies_with_a_killed_bundle(tmp_path, monkeypatch):
+    # bundle builds its wheel inside its staging folder, so a SIGKILLed bundle leaves nothing in the
+    # system's temporary folder (the next bundle removes the staging folder), and pip, which a
+    # SIGKILL of its parent would leave running, dies with it
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from gemma_export import bundle as bundle_module
+
+    seen = {}
+
+    def fake_pip(command, env):
+        seen["tmpdir"] = env["TMPDIR"]
+        return subprocess.CompletedProcess(command, 1, "", "pip: no\n")
+
+    monkeypatch.setattr(bundle_module, "_run_in_own_group", fake_pip)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with pytest.raises(GemmaExportError, match="building the gemma_export wheel .* failed: pip: no"):
+        bundle_module.build_wheel(tmp_path / "dest", scratch_dir=scratch)
+    assert Path(seen["tmpdir"]).is_relative_to(scratch) and list(scratch.iterdir()) == []
+
+    pid_file = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", "import os, sys\n"
+                               "from gemma_export.bundle import _run_in_own_group\n"
+                               f"_run_in_own_group([sys.executable, '-c', {child!r}], dict(os.environ))\n"])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail("the command outlived its SIGKILLed parent")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

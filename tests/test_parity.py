@@ -636,23 +636,24 @@ def test_a_golden_entry_keeps_its_prompt_text_and_names_the_dtype_that_wrote_it(
     expected, _, _ = decoder.greedy(fox, 3, stop_ids=())
     wrong = [(expected[0] + 1) % 96] + expected[1:]
     golden = tmp_path / "golden.json"
-    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "dtype": "int8"},
+    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "dtype": "bf16"},
                                   {"prompt": "the fox", "expected_ids": wrong, "dtype": "fp32"},
                                   {"prompt": "the fox", "expected_ids": wrong}]))
     result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", tmp_path / "r.json")
     assert result.exit_code == 1, result.output
-    assert "golden entry 1/3: 8 prompt tokens, 3 expected" in result.stderr
+    assert "golden entry #0 (1 of 3): 8 prompt tokens, 3 expected" in result.stderr
     lines = result.stdout.splitlines()
     assert [line for line in lines if line.startswith("prompt ")] == ["prompt 1: 'the fox' (8 tokens)",
                                                                      "prompt 2: 'the fox' (8 tokens)",
                                                                      "prompt 3: 'the fox' (8 tokens)"]
     golden_lines = [line for line in lines if line.startswith("  golden entry #")]
+    # a match needs no reason, whichever export wrote it
     assert golden_lines[0].startswith("  golden entry #0: match") and "written by" not in golden_lines[0]
     assert golden_lines[1].endswith("; written by a fp32 export, this one is int8"), golden_lines
     assert "first mismatch at generated token 0" in golden_lines[2] and "written by" not in golden_lines[2]
     report = json.loads((tmp_path / "r.json").read_text())
     assert [p["prompt"] for p in report["prompts"]] == ["the fox"] * 3
-    assert [p["golden"]["dtype"] for p in report["prompts"]] == ["int8", "fp32", None]
+    assert [p["golden"]["dtype"] for p in report["prompts"]] == ["bf16", "fp32", None]
 
     golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "dtype": "int3"}]))
     result = _parity("--model", tiny_int8_export, "--golden", golden)
@@ -678,3 +679,19 @@ def test_a_golden_prompt_that_starts_with_bos_is_read_with_one_and_an_older_file
     golden.write_text(json.dumps([{"prompt": "<bos>ab", "prompt_ids": [2] + two, "expected_ids": [5]}]))
     with pytest.raises(FormatError, match="entry #0 'prompt' tokenizes to"):
         read_golden(golden, [], tokenizer)
+
+
+def test_golden_entries_alone_are_reported_in_the_files_order(tiny_int8_export, tmp_path):
+    # an entry whose prompt is also a built-in prompt is not run or listed ahead of the others
+    from gemma_export.parity import DEFAULT_PROMPTS
+
+    tokenizer = load_tokenizer(tiny_int8_export)
+    builtin = DEFAULT_PROMPTS[0]  # upper-case letters are <unk> to the tiny tokenizer: the same ids either way
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": [5]}, {"prompt": builtin, "expected_ids": [5]}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", tmp_path / "r.json")
+    assert "prompt 1/" not in result.stderr  # golden entries only: no other prompt runs
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [p["golden"]["entry"] for p in report["prompts"]] == [0, 1]
+    assert [p["prompt"] for p in report["prompts"]] == ["the fox", builtin]
+    assert report["prompts"][1]["prompt_ids"] == tokenizer.encode(builtin).ids
