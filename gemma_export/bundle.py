@@ -28,6 +28,7 @@ from typing import Callable
 
 from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
+from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
 from .onnx_files import BUNDLE_MANIFEST
 
@@ -154,7 +155,8 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     headroom_mb = spec.headroom_bytes // 1_000_000
     config = model_manifest.get("config", {})
     dtype = model_manifest.get("dtype", "?")
-    quantized = dtype in ("int8", "int4")  # float weights: no pre-packed copy (it would be 2-4 x the model)
+    quantized = dtype in QUANTIZED_DTYPES  # float weights: no pre-packed copy (it would be 2-4 x the model)
+    prepack_step = "pre-pack the weights for this board's CPU, " if quantized else ""
     prepack_line = "    ~/gx/bin/gemma-export prepack --model model\n" if quantized else ""
     memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype)
     return f"""# gemma-export bundle for the {spec.title}
@@ -182,7 +184,7 @@ checks), then install from it instead:
 python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
 ```
 
-From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, {'pre-pack the weights for this board' + chr(39) + 's CPU, ' if quantized else ''}then
+From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, {prepack_step}then
 generate and benchmark with the board's {threads} threads:
 
     ~/gx/bin/gemma-export verify .

@@ -27,6 +27,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from .config import DTYPES
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
 from .runtime import (DEFAULT_PREFILL_CHUNK, check_manifest_matches_graph, encode_prompt, manifest_figure,
                       positions_needed)
@@ -170,8 +171,6 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
 
 #: keys of a golden entry (``generate --json`` writes them all; ``text`` is informative)
 GOLDEN_KEYS = ("prompt", "prompt_ids", "expected_ids", "text", "prefill_chunk", "dtype")
-#: the ``dtype`` a golden entry may name: the weights of the export that wrote it
-GOLDEN_DTYPES = ("fp32", "bf16", "int8", "int4")
 
 
 class GoldenEntry(NamedTuple):
@@ -269,8 +268,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "
                               f"prompt in one step), found {shown(chunk)}")
         dtype = entry.get("dtype")
-        if dtype is not None and dtype not in GOLDEN_DTYPES:
-            raise FormatError(f"{path}: entry #{n} 'dtype' must be one of {', '.join(GOLDEN_DTYPES)}, found {shown(dtype)}")
+        if dtype is not None and dtype not in DTYPES:  # the weights of the export that wrote it
+            raise FormatError(f"{path}: entry #{n} 'dtype' must be one of {', '.join(DTYPES)}, found {shown(dtype)}")
         prompt = entry["prompt"] if isinstance(entry.get("prompt"), str) else None
         pairs.append(GoldenEntry(prompt_ids, ids(entry["expected_ids"], f"entry #{n} 'expected_ids'"), chunk or None,
                                  prompt, dtype))

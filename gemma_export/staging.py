@@ -442,7 +442,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     :data:`AT_START`: when this block began): a file a user added, another process's output. Then nothing is
     replaced, since the folder no longer holds what was checked. ``notify`` is told, one line each,
     of the folders a killed earlier writer left beside ``out_dir`` that this call removes
-    (:func:`remove_stale`).
+    (:func:`remove_stale`), and of those it keeps (too young to judge, or a running writer's).
 
     Raises:
         OutputError: the folder cannot be created, it changed meanwhile, or writing failed with an
