@@ -3,8 +3,8 @@
 What is measured, in one process and in this order:
 
 1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it,
-   after importing onnx and onnxruntime (their own ~20 MB, reported apart: a cost of the process,
-   not of the model);
+   after loading the tokenizer (Gemma's holds ~100 MB) and importing onnx and onnxruntime (their own
+   ~20 MB): both reported apart, costs of the process, not of the model;
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
@@ -106,6 +106,9 @@ class BenchResult:
     #: what importing onnx and onnxruntime added before the growth's baseline (0: imported earlier)
     anon_libraries_bytes: int = 0
     rss_libraries_bytes: int = 0
+    #: what the loaded tokenizer holds (``tokenizer.json`` parsed), also before the growth's baseline
+    anon_tokenizer_bytes: int = 0
+    rss_tokenizer_bytes: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -197,7 +200,11 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     # a prefix: a huge --text is neither read nor tokenized whole
     needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
     body, source = real_text(text, max(TEXT_BYTES_READ, 64 * needed_ids))
-    ids = first_tokens(load_tokenizer(model_dir), body, needed_ids)
+    release_free_heap()
+    start = snapshot()
+    tokenizer = load_tokenizer(model_dir)  # kept for the run, as `generate` keeps it
+    tokenizer_memory = snapshot() - start
+    ids = first_tokens(tokenizer, body, needed_ids)
     if len(ids) < lengths[-1]:
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
@@ -248,6 +255,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
         anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
+        anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         prefill_chunk=prefill_chunk,
         prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
@@ -343,6 +351,8 @@ def format_result(r: BenchResult) -> str:
         "libraries        " + (f"importing onnx and onnxruntime took Anonymous {r.anon_libraries_bytes / 1e6:,.0f} MB, "
                                f"Rss {r.rss_libraries_bytes / 1e6:,.0f} MB, before the baseline of the growth above"
                                if r.rss_libraries_bytes >= 1_000_000 else "onnx and onnxruntime were imported before this run"),
+        f"tokenizer        the loaded tokenizer holds Anonymous {r.anon_tokenizer_bytes / 1e6:,.0f} MB, "
+        f"Rss {r.rss_tokenizer_bytes / 1e6:,.0f} MB, also before that baseline",
         f"peak resident    {r.peak_rss_bytes / 1e6:,.0f} MB (whole process)",
         f"prompts          real text from {r.text_source}",
     ]

@@ -318,3 +318,37 @@ def test_first_tokens_of_a_prefix_equal_the_whole_texts(int8_dir):
         whole = tokenizer.encode(text).ids
         for count in (2, 600, 3000, 20000):
             assert first_tokens(tokenizer, text, count) == whole[:count]
+
+
+def test_loading_the_real_tokenizer_gives_its_parse_memory_back(int8_dir):
+    """Parsing Gemma's tokenizer.json (262,144 pieces, 514,906 merges) takes ~300 MB of heap for a
+    tokenizer of ~100 MB; load_tokenizer returns the rest to the kernel (fresh process, glibc), and
+    bench reports what the tokenizer holds on a line of its own."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    code = (
+        "import sys\n"
+        "from gemma_export.memory import peak_rss_bytes, release_free_heap, snapshot\n"
+        "from gemma_export.runtime import load_tokenizer\n"
+        "release_free_heap(); before, peak = snapshot().anonymous_bytes, peak_rss_bytes()\n"
+        "tokenizer = load_tokenizer(sys.argv[1])\n"
+        "print((snapshot().anonymous_bytes - before) // 2**20, (peak_rss_bytes() - peak) // 2**20,"
+        " len(tokenizer.get_vocab()))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(int8_dir)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    held_mib, parse_mib, vocab = map(int, proc.stdout.split())
+    assert vocab >= VOCAB
+    assert parse_mib > 200, parse_mib  # the parse itself
+    assert 50 < held_mib < 160, held_mib  # the tokenizer alone (without the trim: ~350 MiB)
+
+    from gemma_export.bench import format_result, run_bench
+
+    result = run_bench(int8_dir, threads=2, prompt_tokens=(8,), new_tokens=6, prepacked=False)
+    assert 50e6 < result.anon_tokenizer_bytes < 170e6, result.anon_tokenizer_bytes
+    line = next(x for x in format_result(result).splitlines() if x.startswith("tokenizer "))
+    assert line == (f"tokenizer        the loaded tokenizer holds Anonymous {result.anon_tokenizer_bytes / 1e6:,.0f} MB, "
+                    f"Rss {result.rss_tokenizer_bytes / 1e6:,.0f} MB, also before that baseline")
