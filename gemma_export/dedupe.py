@@ -86,11 +86,37 @@ def _random_feeds(session, vocab: int) -> dict[str, np.ndarray]:
 
 
 def _compare(original: Path, rewritten: Path, vocab: int) -> float:
+    """Largest output difference between the two models on the same random inputs (ids below
+    ``vocab``), one session at a time.
+
+    Raises:
+        FormatError: onnxruntime cannot load or run the ``original`` (the input is at fault).
+        VerificationError: it cannot load or run the ``rewritten`` one.
+        MemoryError: unwrapped, whichever model needed it.
+    """
     from .runtime import create_session
 
-    a, b = create_session(original), create_session(rewritten)
-    feeds = _random_feeds(a, vocab)
-    return max((_max_difference(x, y) for x, y in zip(a.run(None, feeds), b.run(None, feeds))), default=0.0)
+    session = create_session(original)  # FormatError naming the input
+    feeds = _random_feeds(session, vocab)
+    try:
+        expected = session.run(None, feeds)
+    except MemoryError:
+        raise
+    except Exception as exc:  # onnxruntime's Fail / InvalidArgument / ... are bare Exceptions
+        raise FormatError(f"{original}: onnxruntime cannot run the model on random ids: {_first_line(exc)}") from None
+    del session
+    try:
+        got = create_session(rewritten).run(None, feeds)
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise VerificationError(f"{rewritten.name}: onnxruntime cannot run the rewritten model: {_first_line(exc)}") from None
+    return max((_max_difference(x, y) for x, y in zip(expected, got)), default=0.0)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _max_difference(x: np.ndarray, y: np.ndarray) -> float:
@@ -227,10 +253,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     with staged_folder(out_dir, "deduplicated model") as staging:
         out_path = staging / in_path.name
         ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=ALIGNMENT_BYTES)
-        try:
-            diff = _compare(in_path, out_path, vocab)
-        except Exception as exc:
-            raise VerificationError(f"{out_path.name}: onnxruntime cannot run the rewritten model: {exc}") from None
+        diff = _compare(in_path, out_path, vocab)
         if not diff <= 1e-4:
             raise VerificationError(f"{in_path}: outputs changed by {diff:g} after deduplication; nothing written")
     saved = sum(g.wasted_bytes for g in report.duplicates)

@@ -167,7 +167,8 @@ def genai_config(checkpoint: Checkpoint) -> dict:
 
 def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
     """Initializers in an ONNX file that hold a whole ``vocab × hidden`` table in any layout: first
-    dimension ``vocab`` and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
+    or last dimension ``vocab`` (a transposed ``[hidden, vocab]`` copy, as folding a ``Transpose``
+    makes, counts too) and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
     two per uint8). Read without loading external data.
 
     Raises:
@@ -193,7 +194,7 @@ def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> 
 
     n = math.prod(dims)
     packed = data_type == onnx.TensorProto.UINT8 and 2 * n == vocab_size * hidden_size
-    return len(dims) >= 1 and dims[0] == vocab_size and (n == vocab_size * hidden_size or packed)
+    return len(dims) >= 1 and vocab_size in (dims[0], dims[-1]) and (n == vocab_size * hidden_size or packed)
 
 
 def verify_folder(folder: Path) -> None:

@@ -278,3 +278,21 @@ def test_with_no_gather_the_first_of_two_identical_tables_is_kept(tmp_path):
     assert result.removed == ["B"] and result.max_abs_diff == 0.0
     kept = [t.name for t in onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph.initializer]
     assert kept == ["A"]
+
+
+def test_an_input_onnxruntime_cannot_run_is_named_not_the_rewritten_model(tmp_path):
+    # review-found: any failure while comparing was reported as the rewritten model's
+    table = np.random.default_rng(2).standard_normal((V, H)).astype(np.float32)
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]),
+             helper.make_node("Gemm", ["x", "L"], ["y"], transB=1),
+             helper.make_node("NoSuchOp", ["y"], ["logits"], domain="example.missing")]
+    graph = _graph(nodes, {"E": table, "L": table.copy()})
+    (tmp_path / "in").mkdir()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("example.missing", 1)])
+    src = tmp_path / "in" / "model.onnx"
+    onnx.save(model, str(src), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0
+    assert f"{src}: onnxruntime cannot load the model" in result.stderr, result.stderr
+    assert "rewritten" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

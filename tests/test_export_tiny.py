@@ -1008,3 +1008,17 @@ def test_only_uint8_initializers_count_as_packed_4bit_tables():
     assert not is_table_shaped((96, 32), onnx.TensorProto.FLOAT, 96, 64)   # half a float table
     assert not is_table_shaped((96, 32), onnx.TensorProto.BFLOAT16, 96, 64)
     assert not is_table_shaped((48, 64), onnx.TensorProto.FLOAT, 96, 64)
+
+
+def test_a_transposed_copy_of_the_table_counts_as_a_second_table(tmp_path):
+    # what onnxruntime writes when it folds a Transpose of the table into a [hidden, vocab] constant
+    table = np.zeros((96, 64), np.float32)
+    assert is_table_shaped((64, 96), onnx.TensorProto.FLOAT, 96, 64)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["table", "ids"], ["h"]), onnx.helper.make_node("MatMul", ["h", "table_t"], ["logits"])],
+        "g", [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 96])],
+        [onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(table.T.copy(), "table_t"),
+         onnx.numpy_helper.from_array(np.zeros((64, 64), np.float32), "square")])
+    onnx.save(onnx.helper.make_model(graph), tmp_path / "m.onnx")
+    assert count_table_initializers(tmp_path / "m.onnx", 96, 64) == 2
