@@ -340,8 +340,8 @@ def format_result(r: BenchResult) -> str:
         f"({r.tokens_per_s:.1f} tokens/s)" + (" over the steps after every prompt: " + ", ".join(
             f"{ms:.1f} after {n}" for n, ms in r.decode_ms_median_by_prompt.items())
             if len(r.decode_ms_median_by_prompt) > 1 else "")
-        + (f"; only {timed} timed step{'' if timed == 1 else 's'} per prompt (--new-tokens 32 or more for steadier "
-           "figures)" if (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS else ""),
+        + (f"; only {timed} timed step{'' if timed == 1 else 's'} per prompt (--new-tokens {WARMUP_STEPS + FEW_TIMED_STEPS} "
+           "or more for steadier figures)" if (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS else ""),
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",

@@ -84,7 +84,8 @@ class VerificationError(GemmaExportError):
 
 
 class ResourceError(GemmaExportError):
-    """A measured resource (memory, disk) exceeds the budget the user asked for."""
+    """A resource (memory, disk) does not suffice: a measured figure exceeds the budget the user asked
+    for, or what a step needs exceeds what the machine has (free disk, ``MemAvailable``)."""
 
 
 class BudgetExceeded(ResourceError):

@@ -48,8 +48,8 @@ class ExportResult:
         files: file name → size in bytes.
         dtype: the weights' precision, ``fp32``, ``bf16``, ``int8`` or ``int4``.
         tied: whether the export has one table for the lookup and the LM head: the source stores no
-            ``lm_head.weight`` of its own (``Checkpoint.tied``; a source that says
-            ``tie_word_embeddings`` but stores one gets two tables).
+            ``lm_head.weight`` of its own, or one equal to the embedding (``Checkpoint.tied``; a
+            source that says ``tie_word_embeddings`` but stores a different head gets two tables).
         table_initializers: initializers holding a ``[vocab, hidden]``-sized table (1 when tied).
         elapsed_s: wall time of the export, seconds.
         peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.

@@ -252,12 +252,20 @@ def read_block(entry: TensorEntry, rows: slice, cols: slice) -> np.ndarray:
     with open(entry.path, "rb") as f:
         if c0 == 0 and c1 == n_cols:
             f.seek(entry.offset + r0 * n_cols * item)
-            out[:] = np.frombuffer(f.read((r1 - r0) * n_cols * item), dtype=entry.item_dtype).reshape(out.shape)
+            out[:] = np.frombuffer(_read_exactly(f, (r1 - r0) * n_cols * item, entry), dtype=entry.item_dtype).reshape(out.shape)
         else:
             for i, r in enumerate(range(r0, r1)):
                 f.seek(entry.offset + (r * n_cols + c0) * item)
-                out[i] = np.frombuffer(f.read((c1 - c0) * item), dtype=entry.item_dtype)
+                out[i] = np.frombuffer(_read_exactly(f, (c1 - c0) * item, entry), dtype=entry.item_dtype)
     return out
+
+
+def _read_exactly(f, size: int, entry: TensorEntry) -> bytes:
+    """``size`` bytes from ``f``; FormatError naming the entry's file and tensor when it ends first."""
+    data = f.read(size)
+    if len(data) != size:
+        raise FormatError(f"{entry.path}: tensor '{entry.name}' ends past the end of the file")
+    return data
 
 
 def _equal_transposed(a: TensorEntry, b: TensorEntry, block_bytes: int = CHUNK_BYTES) -> bool:
@@ -330,10 +338,7 @@ def _read_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
         return np.frombuffer(entry.inline, entry.item_dtype, count=count, offset=start * item)
     with open(entry.path, "rb") as f:
         f.seek(entry.offset + start * item)
-        data = f.read(count * item)
-    if len(data) != count * item:
-        raise FormatError(f"{entry.path}: tensor '{entry.name}' ends past the end of the file")
-    return np.frombuffer(data, entry.item_dtype)
+        return np.frombuffer(_read_exactly(f, count * item, entry), entry.item_dtype)
 
 
 def _float_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:

@@ -43,7 +43,8 @@ class QualityMetrics:
     KL is in nats per token: ``mean_i sum_v p_v (log p_v - log q_v)`` (Kullback & Leibler 1951),
     ``p``/``q`` the softmax of the reference's/model's row ``i``. Perplexity is ``exp`` of the mean
     negative log-likelihood of the next token over the ``tokens - 1`` rows that have one, as in
-    transformers' guide "Perplexity of fixed-length models" (NaN when ``tokens`` is 1).
+    transformers' guide "Perplexity of fixed-length models" (``tokens`` ≥ 2: :class:`LogitComparison`
+    refuses fewer).
     """
 
     tokens: int
@@ -119,7 +120,7 @@ class LogitComparison:
             raise GemmaExportError(f"logits: comparing needs at least 2 tokens (a row predicts the next), found {n}")
         self.agree, self.kl = np.zeros(n, bool), np.zeros(n)
         self.margin, self.gap_change = np.zeros(n), np.zeros(n)
-        self.nll, self.ref_nll = np.zeros(max(n - 1, 0)), np.zeros(max(n - 1, 0))
+        self.nll, self.ref_nll = np.zeros(n - 1), np.zeros(n - 1)
         self.max_diff, self.rows_seen = 0.0, 0
 
     def add(self, start: int, reference: np.ndarray, logits: np.ndarray) -> None:

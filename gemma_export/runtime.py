@@ -940,7 +940,7 @@ class KVCache:
             return
         from .memory import available_bytes
 
-        self.window = decoder.sliding_window
+        self.sliding_window = decoder.sliding_window
         self._sliding = {f"past_key_values.{i}.{kind}" for i in decoder.sliding_layers for kind in ("key", "value")}
         #: cache position of the sliding buffers' first row
         self.sliding_start = 0
@@ -965,7 +965,7 @@ class KVCache:
 
     def _rows(self, step: int) -> int:
         # rows a sliding buffer needs to take a step of `step` tokens after dropping the out-of-window rows
-        return min(self.capacity, self.window - 1 + max(step, SLIDING_ROOM))
+        return min(self.capacity, self.sliding_window - 1 + max(step, SLIDING_ROOM))
 
     def _bind(self, name: str, rows: int) -> np.ndarray:
         import onnxruntime as ort
@@ -982,7 +982,7 @@ class KVCache:
         # The sliding buffers hold positions sliding_start … past − 1; keep the last window − 1 of them
         # (all a query of this or a later step can see), at the front of a buffer sized for this step.
         held = past - self.sliding_start
-        keep = min(held, self.window - 1)
+        keep = min(held, self.sliding_window - 1)
         rows = self._rows(seq)
         for name in self._sliding:
             old = self.arrays[name]
@@ -1021,7 +1021,7 @@ class KVCache:
             # drop when this step would not fit, or when more than SLIDING_ROOM rows beyond the window are
             # held (e.g. after a long prompt in one step, so decode does not read it all again)
             rows = self.arrays[next(iter(self._sliding))].shape[2]
-            if held + seq > rows or held > self.window - 1 + SLIDING_ROOM:
+            if held + seq > rows or held > self.sliding_window - 1 + SLIDING_ROOM:
                 self._drop_out_of_window_rows(past, seq)
             import onnxruntime as ort
 
@@ -1053,7 +1053,8 @@ def _arena_shrinkage():
     return options
 
 
-#: what :class:`OnnxDecoder` imports on first use: onnx (graph and file checks) and onnxruntime
+#: what :class:`OnnxDecoder` imports on first use: onnx (graph and file checks), onnxruntime, and
+#: this toolkit's prepack module (the pre-packed copy's checks)
 RUNTIME_LIBRARIES = ("onnx", "onnxruntime", "gemma_export.prepack")
 
 

@@ -96,7 +96,6 @@ def tokenizer_from_gguf(
     tokens: Sequence[str],
     token_types: Sequence[int],
     bos_token_id: int,
-    eos_token_id: int,
     unk_token_id: int,
     add_bos_token: bool = True,
 ) -> Tokenizer:
@@ -105,7 +104,8 @@ def tokenizer_from_gguf(
     Args:
         tokens: ``tokenizer.ggml.tokens``, one piece per id.
         token_types: ``tokenizer.ggml.token_type`` (3 = control, 4 = user defined).
-        bos_token_id, eos_token_id, unk_token_id: from ``tokenizer.ggml.*_token_id``.
+        bos_token_id, unk_token_id: from ``tokenizer.ggml.bos_token_id`` / ``unknown_token_id``
+            (the end-of-turn ids are the config's: no tokenizer behaviour depends on them).
         add_bos_token: prepend ``<bos>`` when encoding (``tokenizer.ggml.add_bos_token``).
     """
     pieces = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]

@@ -277,8 +277,9 @@ class Int8Format(WeightFormat):
     block of ``block_size`` inputs), every matmul input rotated by a ``hadamard_size`` block-diagonal
     Hadamard folded into the weights, codes by GPTQ when ``calibration`` is given.
 
-    ``table_block_size`` defaults to ``block_size`` here; :func:`gemma_export.exporter.export` passes
-    ``DEFAULT_INT8_TABLE_BLOCK_SIZE`` (128) when the model's hidden size allows it.
+    ``table_block_size`` defaults to :data:`DEFAULT_INT8_TABLE_BLOCK_SIZE` (128), as on the command
+    line; :func:`gemma_export.exporter.export` passes a smaller one when the model's hidden size does
+    not allow it.
     """
 
     name = "int8"
@@ -299,7 +300,8 @@ class Int8Format(WeightFormat):
         self._hessian_of: tuple = (None, None)  # (calibration input, its Hessian): q/k/v, gate/up share
         self.calibration = calibration
         self.block_size = block_size
-        self.table_block_size = table_block_size or block_size  # export() always passes both (exporter.block_size_for)
+        # the CLI's default (export() passes its own, fitted to the hidden size by exporter.block_size_for)
+        self.table_block_size = table_block_size or DEFAULT_TABLE_BLOCK_SIZE[self.table_bits]
         self.hadamard_size = hadamard_size
         self._rotated: dict[int, tuple[ir.Value, ir.Value]] = {}
         self._hadamard: ir.Value | None = None
@@ -449,8 +451,8 @@ class Int4Format(Int8Format):
 
     Args:
         block_size: weights per scale in the layers (default :data:`DEFAULT_INT4_BLOCK_SIZE`).
-        table_block_size: weights per scale in the table (default: ``block_size`` for an int4
-            table, :data:`DEFAULT_INT8_TABLE_BLOCK_SIZE` for an int8 one).
+        table_block_size: weights per scale in the table (default: :data:`DEFAULT_TABLE_BLOCK_SIZE`
+            of the table's bits: 32 for an int4 table, 128 for an int8 one).
         hadamard_size: width of the block-diagonal rotation folded into the weights (0: none).
         table_dtype: ``"int4"`` or ``"int8"``.
         symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
@@ -486,10 +488,8 @@ class Int4Format(Int8Format):
             raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
         if method not in ("mse", "rtn"):
             raise ValueError(f"method {method!r}: expected mse or rtn")
-        table_bits = self.TABLE_BITS[table_dtype]
-        super().__init__(block_size, table_block_size or (DEFAULT_TABLE_BLOCK_SIZE[table_bits] if table_bits == 8 else None),
-                         hadamard_size, calibration)
-        self.table_bits = table_bits
+        self.table_bits = self.TABLE_BITS[table_dtype]
+        super().__init__(block_size, table_block_size, hadamard_size, calibration)
         self.symmetric = symmetric
         self.method = method
 

@@ -683,7 +683,7 @@ def test_generate_json_names_the_file_it_wrote_and_bench_gives_one_memory_line_p
     assert one.exit_code == two.exit_code == 0, one.output + two.output
     assert "after all prompts" not in one.stdout and "after the 4-token prompt and its 5 decode steps" in one.stdout
     assert "after all prompts and their steps" in two.stdout
-    assert "; only 1 timed step per prompt (--new-tokens 32 or more for steadier figures)" in one.stdout
+    assert "; only 1 timed step per prompt (--new-tokens 20 or more for steadier figures)" in one.stdout
     many = _run("bench", "--model", tiny_int8_export, "--prompt-tokens", "4", "--new-tokens", "20")
     assert many.exit_code == 0 and "timed step" not in many.stdout  # 16 timed steps: no note
 

@@ -265,7 +265,7 @@ def test_the_rebuilt_tokenizer_merges_in_vocabulary_order_and_keeps_space_runs()
     its left part's); a run of n spaces is the piece of n visible spaces, not one."""
     from gemma_export.tokenizer import tokenizer_from_gguf
 
-    tok = tokenizer_from_gguf(_PIECES, _TYPES, bos_token_id=2, eos_token_id=1, unk_token_id=3)
+    tok = tokenizer_from_gguf(_PIECES, _TYPES, bos_token_id=2, unk_token_id=3)
     ids = {piece: n for n, piece in enumerate(_PIECES)}
     assert tok.encode("ab").ids == [2, ids["ab"]]
     assert tok.encode("abc").ids == [2, ids["a"], ids["bc"]]  # (b, c) ranks before (a, b)
@@ -278,7 +278,7 @@ def test_a_tokenizer_id_equal_to_the_vocabulary_size_is_outside_it(tmp_path):
     from gemma_export.errors import ConfigError
     from gemma_export.tokenizer import check_tokenizer_vocab, tokenizer_from_gguf
 
-    tok = tokenizer_from_gguf(_PIECES, _TYPES, bos_token_id=2, eos_token_id=1, unk_token_id=3)
+    tok = tokenizer_from_gguf(_PIECES, _TYPES, bos_token_id=2, unk_token_id=3)
     check_tokenizer_vocab(tok, len(_PIECES), tmp_path / "tokenizer.json")  # ids 0 … 11 of 12 rows
     with pytest.raises(ConfigError, match=r"token id 11 \('x'\) is outside the model's vocab_size 11 \(ids 0 to 10\)"):
         check_tokenizer_vocab(tok, len(_PIECES) - 1, tmp_path / "tokenizer.json")

@@ -355,3 +355,18 @@ def test_dequantize_linear_without_an_axis_scales_columns(tmp_path):
     path = tmp_path / "m.onnx"
     onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
     assert _groups(inspect_path(path)) == []
+
+
+@pytest.mark.parametrize("cols", [slice(None), slice(1, 3)], ids=["whole rows", "part of each row"])
+def test_a_block_read_past_the_end_of_a_cut_file_names_the_file_and_tensor(tmp_path, cols):
+    # review-found: a short read gave numpy's "cannot reshape" instead of the format error the other readers give
+    from gemma_export.errors import FormatError
+    from gemma_export.inspect import TensorEntry, read_block
+
+    path = tmp_path / "cut.bin"
+    path.write_bytes(np.arange(4, dtype=np.float32).tobytes())  # 4 of the 4 x 4 values
+    entry = TensorEntry(name="table", shape=(4, 4), dtype="F32", nbytes=64, elements=16, path=path, offset=0,
+                        item_dtype=np.dtype(np.float32))
+    assert read_block(entry, slice(0, 1), cols).tolist() == [[0.0, 1.0, 2.0, 3.0][cols]]
+    with pytest.raises(FormatError, match=f"^{path}: tensor 'table' ends past the end of the file$"):
+        read_block(entry, slice(0, 4), cols)

@@ -201,7 +201,7 @@ def read_gguf(path: Path) -> Checkpoint:
 
     def build_tokenizer() -> dict[str, bytes]:
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
-        tok = tokenizer_from_gguf(tokens, token_types, ids["bos"], ids["eos"], ids["unknown"], add_bos)
+        tok = tokenizer_from_gguf(tokens, token_types, ids["bos"], ids["unknown"], add_bos)
         cfg = tokenizer_config_json(tokens, ids["bos"], ids["eos"], ids["padding"], ids["unknown"], add_bos)
         return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": cfg.encode()}
 
