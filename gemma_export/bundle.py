@@ -200,8 +200,8 @@ board's memory free.
 QUANTIZED_MEMORY = """`prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
-the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.05 × the
-model after a short prompt and 0.15 × after a 512-token one (on x86-64; `bench` shows the ~20 MB of
+the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.04 × the
+model after a short prompt and 0.14–0.15 × after a 512-token one (on x86-64; `bench` shows the ~20 MB of
 importing onnx and onnxruntime apart), instead of above its size. Peak resident memory rises by
 90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
 short; everything works without it (the weights are then moved onto transparent huge pages after
@@ -297,6 +297,11 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + wheel_bytes + 10**5,
                      "bundle")
     say = progress or (lambda _msg: None)
+    old_copy = out_dir / "model" / PREPACKED_DIR
+    if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
+        copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())
+        say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 2**20:,.1f} MiB) goes with it; "
+            "run `gemma-export prepack --model model` on the board again")
     with staged_folder(out, "bundle", notify=say) as staging:
         say(f"copying {len(files) + 1} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")  # + the manifest
         (staging / "model").mkdir()

@@ -334,7 +334,7 @@ def _export_summary(result, archive: int) -> None:
 
 THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (default: onnxruntime's, one per core)."
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
-                      "once). fp32 logits agree to 1e-4 either way; int8 ones move by up to ~0.7 (8-bit activations), "
+                      "once). fp32 logits agree to 4e-5 either way; int8 ones move by up to ~0.7 (8-bit activations), "
                       "which can flip a near-tied token; "
                       "a longer step needs more activation memory while the prompt runs (a 3,072-token prompt in "
                       "one step: a 1,210 MB peak, in steps of 512: 738 MB); the first decode step gives it back.")
@@ -355,7 +355,7 @@ PREPACKED_HELP = ("Load the folder's pre-packed copy (written by `gemma-export p
 @app.command()
 def generate(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out; FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
+    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out (an instruction-tuned model such as FunctionGemma answers it; the bundled pre-trained Gemma 3 270M only continues text); FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
@@ -401,7 +401,7 @@ def generate(
     decode = sorted(result.decode_ms)
     # the first new token comes from the prefill: with one new token there is no decode step to time
     timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"
-    typer.echo(f"[{len(result.prompt_ids)} prompt tokens, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
+    typer.echo(f"[{len(result.prompt_ids)} prompt token{'' if len(result.prompt_ids) == 1 else 's'}, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
                f"{timing}; {'pre-packed copy' if result.prepacked else 'export graph, weights packed on the heap'}]", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)

@@ -313,10 +313,10 @@ class OnnxDecoder:
 
         self.model_dir = Path(model_dir)
         path = check_export_folder(self.model_dir)
+        self.manifest = read_manifest(self.model_dir)
+        check_listed_files(self.manifest, self.model_dir)  # first: "the folder changed after the export" says most
         #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says: checked below
         self.dtype = graph_dtype(load_graph(path))  # a readable graph whose external data are files of this folder
-        self.manifest = read_manifest(self.model_dir)
-        check_listed_files(self.manifest, self.model_dir)
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:

@@ -485,9 +485,13 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     assert runner.invoke(app, bundle_args).exit_code == 0
     prepack(out / "model")  # the bundle README's step on the board
     assert (out / "model" / "prepacked" / "prepacked.json").is_file()
+    copy_mib = sum(p.stat().st_size for p in (out / "model" / "prepacked").rglob("*") if p.is_file()) / 2**20
     result = runner.invoke(app, bundle_args)
     assert result.exit_code == 0, result.output
     assert not (out / "model" / "prepacked").exists()  # the copy goes with the bundle it was made from
+    # and the user is told so (helper-found: it went without a word)
+    assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mib:,.1f} MiB) goes with it; "
+            "run `gemma-export prepack --model model` on the board again") in result.stderr
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
     # anything else added to model/ still makes the folder foreign
     (out / "model" / "notes.txt").write_text("mine")

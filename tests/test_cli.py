@@ -601,6 +601,8 @@ def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 1)
     assert result.exit_code == 0 and "1 new; prefill" in result.stderr and "no decode step" in result.stderr
     assert "nan" not in result.stderr
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "", "--max-new-tokens", 1)
+    assert result.exit_code == 0 and "[1 prompt token, 1 new; prefill" in result.stderr, result.stderr  # <bos> alone
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
     assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token; export graph, weights packed on the "
                      r"heap\]", result.stderr), result.stderr  # which graph ran: this export has no pre-packed copy

@@ -426,7 +426,10 @@ CASES = {
     "data file is a link (generate)": Case(export_copy(_symlink_data, _generate), FormatError, ("model.onnx.data", "is a link")),
     "data file is a link (verify)": Case(export_copy(_symlink_data, _verify), VerificationError, ("model.onnx.data: is a link",)),
     "data file truncated": Case(export_copy(_truncate("model.onnx.data", 1000), _generate), FormatError,
-                                ("model.onnx.data", "lies outside the file's 1000 bytes")),
+                                ("model.onnx.data: 1,000 bytes, but", "manifest.json records", "the folder changed after the export")),
+    "data file truncated, no manifest": Case(export_copy(lambda f: (_truncate("model.onnx.data", 1000)(f),
+                                                                    (f / "manifest.json").unlink()), _generate),
+                                             FormatError, ("model.onnx.data", "lies outside the file's 1000 bytes")),
     "model file garbage": Case(export_copy(_write("model.onnx", b"\x08\x07garbage" * 10), _generate), FormatError,
                                ("model.onnx", "not a readable ONNX model")),
     "manifest dtype edited": Case(export_copy(lambda f: (f / "manifest.json").write_text(
