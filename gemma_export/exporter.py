@@ -30,7 +30,7 @@ from .prepack import owned_problem as prepack_owned_problem
 from .runtime import create_session, read_manifest, require_folder
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
-from .text_files import first_tokens
+from .text_files import first_tokens, non_regular
 from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
                       staged_folder)
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
@@ -244,8 +244,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     require_folder(folder, MANIFEST_FILE)
-    if manifest_path.is_dir():
-        raise VerificationError(f"{manifest_path}: is a folder; expected the export's manifest file")
+    if (what := non_regular(manifest_path)) is not None:
+        raise VerificationError(f"{manifest_path}: is {what}; expected the export's manifest file")
     if not manifest_path.is_file():
         raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
     try:

@@ -121,10 +121,12 @@ def read_manifest(model_dir: Path) -> dict:
         FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, not UTF-8
             JSON, or not a JSON object.
     """
+    from .text_files import non_regular
+
     manifest = Path(model_dir) / MANIFEST_FILE
     try:
-        if manifest.is_dir():
-            raise ValueError("it is a folder, not a file")
+        if (what := non_regular(manifest)) is not None:
+            raise ValueError(f"it is {what}")
         if not manifest.is_file():
             return {}
         text = manifest.read_bytes().decode("utf-8")
@@ -1089,13 +1091,14 @@ def load_tokenizer(model_dir: str | Path):
         GemmaExportError: the path is not valid UTF-8.
         FormatError: the folder has no readable ``tokenizer.json``.
     """
+    from .text_files import non_regular
     from .tokenizer import read_tokenizer_json
 
     model_dir = Path(model_dir)
     require_folder(model_dir, "tokenizer.json")
     path = model_dir / "tokenizer.json"
-    if path.is_dir():
-        raise FormatError(f"{path}: is a folder; expected the tokenizer file")
+    if (what := non_regular(path)) is not None:
+        raise FormatError(f"{path}: is {what}; expected the tokenizer file")
     if not path.is_file():
         raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
     return read_tokenizer_json(path)

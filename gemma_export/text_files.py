@@ -8,6 +8,20 @@ from pathlib import Path
 from .errors import FormatError, SourceNotFoundError
 
 
+def non_regular(path: Path) -> str | None:
+    """What ``path`` is when something other than a regular file (or a link to one) is there: ``"a
+    folder"``, ``"a broken link"`` or ``"not a regular file (a FIFO, socket or device)"``; None when
+    it is a regular file or nothing is there. A file a command reads only when present must not be
+    taken for absent when it is one of these."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "a folder"
+    if path.is_symlink() and not path.exists():
+        return "a broken link"
+    return "not a regular file (a FIFO, socket or device)" if path.exists() else None
+
+
 def require_file(path: str | Path, what: str) -> Path:
     """``path`` as a :class:`Path` when it is an existing regular file; ``what`` names it in errors
     (e.g. ``"MLIR file"``).

@@ -74,6 +74,19 @@ def hf_file(name: str, content: bytes, dtype="fp32"):
     return make
 
 
+def hf_special(name: str, kind: str, dtype="int8"):
+    """A copy of the tiny transformers folder whose ``name`` is replaced by a folder, a FIFO, a link to
+    a device or a broken link: there, but not a file to read (helper-found: taken for absent)."""
+    def make(work: Path, fx: Fixtures) -> list:
+        src = broken_copy(fx.tiny_dir, work / "src", None, None)
+        path = src / name
+        path.unlink(missing_ok=True)
+        {"folder": path.mkdir, "fifo": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/zero"),
+         "broken link": lambda: path.symlink_to(src / "nowhere")}[kind]()
+        return _export_args(src, work, dtype)
+    return make
+
+
 def _header(raw: bytes) -> tuple[dict, bytes]:
     n = struct.unpack("<Q", raw[:8])[0]
     return json.loads(raw[8:8 + n]), raw[8 + n:]
@@ -359,6 +372,15 @@ CASES = {
     "tokenizer ids beyond the vocabulary": Case(hf_file("tokenizer.json", _char_tokenizer_bytes(extra={"z": 500})), ConfigError,
                                                 ("src/tokenizer.json: token id 500 ('z') is outside the model's vocab_size",
                                                  "does not belong to these weights")),
+    **{f"tokenizer.json {kind}": Case(hf_special("tokenizer.json", kind), FormatError,
+                                      (f"src/tokenizer.json: is {what}; expected the tokenizer file or none",))
+       for kind, what in (("folder", "a folder"), ("fifo", "not a regular file (a FIFO, socket or device)"),
+                          ("device", "not a regular file (a FIFO, socket or device)"), ("broken link", "a broken link"))},
+    "tokenizer_config.json a folder": Case(hf_special("tokenizer_config.json", "folder"), FormatError,
+                                           ("src/tokenizer_config.json: is a folder; expected the tokenizer file or none",)),
+    "model.safetensors a fifo": Case(hf_special("model.safetensors", "fifo", dtype="fp32"), FormatError,
+                                     ("src/model.safetensors: is not a regular file (a FIFO, socket or device); expected "
+                                      "the weights",)),
     "tokenizer not json": Case(hf_file("tokenizer.json", b"{oops"), FormatError,
                                ("src/tokenizer.json: not a readable tokenizer",)),
     "tokenizer not utf-8": Case(hf_file("tokenizer.json", b"\xff\xfe{}", dtype="int8"), FormatError,
@@ -425,6 +447,13 @@ CASES = {
     "data at an absolute path": Case(export_copy(_relocate("/etc/passwd"), _generate), FormatError, ("'/etc/passwd'",)),
     "data file is a link (generate)": Case(export_copy(_symlink_data, _generate), FormatError, ("model.onnx.data", "is a link")),
     "data file is a link (verify)": Case(export_copy(_symlink_data, _verify), VerificationError, ("model.onnx.data: is a link",)),
+    "manifest a link to a device": Case(export_copy(lambda f: ((f / "manifest.json").unlink(),
+                                                             (f / "manifest.json").symlink_to("/dev/zero")), _verify),
+                                        VerificationError, ("manifest.json: is not a regular file", "expected the "
+                                                            "export's manifest file")),
+    "export tokenizer a link to a device": Case(export_copy(lambda f: ((f / "tokenizer.json").unlink(),
+                                                                     (f / "tokenizer.json").symlink_to("/dev/zero")), _generate),
+                                                FormatError, ("tokenizer.json: is not a regular file",)),
     "data file truncated": Case(export_copy(_truncate("model.onnx.data", 1000), _generate), FormatError,
                                 ("model.onnx.data: 1,000 bytes, but", "manifest.json records", "the folder changed after the export")),
     "data file truncated, no manifest": Case(export_copy(lambda f: (_truncate("model.onnx.data", 1000)(f),

@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint import LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
+from ..text_files import non_regular
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
 
@@ -78,6 +79,9 @@ def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
                 raise FormatError(f"{index}: shard '{name}' is not a file in {folder}")
             files.append(shard)
         return files, weight_map
+    for path in (single, index):
+        if (what := non_regular(path)) is not None:
+            raise FormatError(f"{path}: is {what}; expected the weights (or the index of their shards)")
     raise FormatError(f"{folder}: no model.safetensors or model.safetensors.index.json")
 
 
@@ -157,6 +161,9 @@ def read_hf_folder(folder: Path) -> Checkpoint:
             raise FormatError(f"{shard}: not a readable safetensors file: {exc}") from None
     validate_tensors(config, tensors, str(folder))
     resolve_lm_head(config, tensors, str(folder))
+    for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
+        if (what := non_regular(folder / name)) is not None:
+            raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file or none")
     tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
     for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
         if name in tokenizer_files:
