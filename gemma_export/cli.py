@@ -532,7 +532,7 @@ def dedupe(
     from .dedupe import dedupe as run
 
     with _reported(debug):
-        result = run(model, out)
+        result = run(model, out, progress=lambda msg: typer.echo(msg, err=True))
     typer.echo(f"wrote {result.out_path}")
     typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
                f"{result.saved_bytes:,} bytes; rewrote {result.rewritten_matmuls} MatMul(s) as Gemm(transB=1)")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx_ir as ir
@@ -164,8 +165,11 @@ def _largest_and_difference(a, b, transposed: bool) -> tuple[float, float]:
     return largest, difference
 
 
-def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
+def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], None] | None = None) -> DedupeResult:
     """Write a copy of ``in_path`` in ``out_dir`` with each duplicated table stored once.
+
+    ``progress`` is told, a line each, of leftovers of killed earlier runs beside ``out_dir`` and of
+    a replaced folder that could not be deleted (:func:`~gemma_export.staging.staged_folder`).
 
     Raises:
         FormatError: not an ONNX model, nothing to deduplicate, or two large tensors are close but
@@ -250,7 +254,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path) -> DedupeResult:
     gathered = [v.shape[0] for v in graph.initializers.values()
                 if len(v.shape) == 2 and any(u.node.op_type.startswith("Gather") and u.idx == 0 for u in v.uses())]
     vocab = int(min(gathered, default=2))
-    with staged_folder(out_dir, "deduplicated model") as staging:
+    with staged_folder(out_dir, "deduplicated model", notify=progress) as staging:
         out_path = staging / in_path.name
         ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=ALIGNMENT_BYTES)
         diff = _compare(in_path, out_path, vocab)

@@ -354,7 +354,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
         expected, _ = original.forward(*feeds, original.empty_cache(1))
         del original
-        with staged_folder(out, "pre-packed copy") as staging:
+        with staged_folder(out, "pre-packed copy", notify=say) as staging:
             say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
             try:
                 create_session(model_dir / MODEL_FILE, threads, staging / MODEL_FILE, SAVE_PREPACKED)

@@ -12,10 +12,11 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from .errors import OutputError, check_utf8_path, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
@@ -89,16 +90,25 @@ def leftovers(out_dir: Path) -> list[Path]:
             if path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir() and not path.is_symlink()]
 
 
-def remove_stale(out_dir: Path) -> list[Path]:
+class Stale(NamedTuple):
+    """What :func:`remove_stale` did with the leftovers beside an output."""
+
+    #: folders deleted
+    removed: list[Path]
+    #: folders it tried to delete but could not, each with the first error (e.g. a read-only file)
+    stuck: list[tuple[Path, str]]
+
+
+def remove_stale(out_dir: Path) -> Stale:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
     modified in the last :data:`STALE_AFTER_SECONDS` (a writer locks its folder just after creating
-    it). Returns what was removed."""
+    it). Returns what was removed and what could not be."""
     try:
         import fcntl
     except ImportError:
-        return []
-    removed = []
+        return Stale([], [])
+    result = Stale([], [])
     now = time.time()
     for path in leftovers(out_dir):
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
@@ -116,21 +126,46 @@ def remove_stale(out_dir: Path) -> list[Path]:
             os.close(fd)
             continue
         try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            problem = remove_tree(path)
+            if problem is None:
+                result.removed.append(path)
+            else:
+                result.stuck.append((path, problem))
         finally:
             os.close(fd)
-    return removed
+    return result
 
 
-def move_into_place(staging: Path, out_dir: Path) -> None:
+def remove_tree(path: Path) -> str | None:
+    """Delete the folder ``path`` with everything in it, as far as possible; None when it is gone,
+    else the first error met (``"Permission denied: '…/model.onnx.data'"``): what is left stays."""
+    errors: list[str] = []
+
+    def note(where: str, exc: BaseException) -> None:  # `where`: the full path (exc.filename may be a bare name)
+        errors.append(f"{exc.strerror}: '{where}'" if isinstance(exc, OSError) and exc.strerror else f"{exc}: '{where}'")
+
+    if sys.version_info >= (3, 12):  # onerror is deprecated there; 3.11 has no onexc
+        shutil.rmtree(path, onexc=lambda _function, where, exc: note(where, exc))
+    else:
+        shutil.rmtree(path, onerror=lambda _function, where, exc_info: note(where, exc_info[1]))
+    if not (path.exists() or path.is_symlink()):
+        return None
+    return errors[0] if errors else "not removed"
+
+
+def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
     """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder, then
     delete the old folder. If the second rename fails the old ``out_dir`` is put back; Ctrl-C cannot
-    stop it between the renames or during the deletion."""
+    stop it between the renames or during the deletion.
+
+    Returns:
+        None, or ``(folder, first error)`` when the old folder could not be deleted (e.g. a
+        read-only file in it): the new output is in place, and the old one waits in ``folder``.
+    """
     with interrupts_held():
         if not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(staging, out_dir)
-            return
+            return None
         old = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}old-", dir=out_dir.parent))
         with held_folder(old):  # a killed process leaves it unheld, for remove_stale
             try:
@@ -144,7 +179,8 @@ def move_into_place(staging: Path, out_dir: Path) -> None:
                 os.replace(old / out_dir.name, out_dir)
                 old.rmdir()
                 raise
-            shutil.rmtree(old, ignore_errors=True)  # inside: an interrupt here would leave it behind
+            problem = remove_tree(old)  # inside: an interrupt here would leave it behind
+        return None if problem is None else (old, problem)
 
 
 def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
@@ -453,13 +489,17 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     """
     check_creatable(out_dir, what)
     created = [p for p in reversed(out_dir.parents) if not p.exists()]
-    removed = remove_stale(out_dir)  # what a killed earlier run left beside the destination
+    stale = remove_stale(out_dir)  # what a killed earlier run left beside the destination
     if notify is not None:
-        for path in removed:
-            notify(f"removed {path}, left by an interrupted gemma-export")
+        for path in stale.removed:
+            notify(f"removed {path}, left by an earlier gemma-export")
+        for path, problem in stale.stuck:
+            notify(f"could not remove {path}, left by an earlier gemma-export ({problem}); remove it by hand")
+        stuck = {path for path, _ in stale.stuck}
         for path in leftovers(out_dir):  # too young to judge, or a live writer's
-            notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a later "
-                   "run removes it once it is neither")
+            if path not in stuck:
+                notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
+                       "later run removes it once it is neither")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))
@@ -476,7 +516,10 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                     f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
                     f"added, removed or rewritten, or another gemma-export writing to the same folder); the {what} "
                     f"was not moved in and {out_dir} is left as it is now: run again or choose another folder")
-            move_into_place(staging, out_dir)
+            left = move_into_place(staging, out_dir)
+            if left is not None and notify is not None:
+                notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
+                       f"left in {left[0]}: remove it by hand")
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         for folder in reversed(created):  # parents this call created, innermost first

@@ -215,7 +215,7 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
         said = []
         exporter.export(tiny_dir, out, "fp32", status=said.append)
         assert sorted(os.listdir(tmp_path)) == ["out", "written"]  # the killed run's staging folder is gone
-        assert f"removed {staging}, left by an interrupted gemma-export" in said  # and the user is told
+        assert f"removed {staging}, left by an earlier gemma-export" in said  # and the user is told
         return
     assert proc.returncode == 128 + signum, stderr  # the shell's status for that signal: 130 or 143
     assert "error: interrupted; nothing was written" in stderr and "Traceback" not in stderr
@@ -234,7 +234,7 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
             os.utime(folder, (old, old))
     (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
     with held_folder(live):
-        assert remove_stale(tmp_path / "out") == [dead]
+        assert remove_stale(tmp_path / "out") == ([dead], [])
     assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
 
 
@@ -430,3 +430,55 @@ def test_a_read_only_file_system_is_the_output_s_failure_whatever_file_it_names(
     assert not _names_an_input(OSError(errno.ENOSPC, "No space left on device", str(source)), out)
     assert _names_an_input(OSError(errno.EIO, "Input/output error", str(source)), out)
     assert not _names_an_input(OSError(errno.EIO, "Input/output error", str(out / "model.onnx")), out)
+
+
+def _undeletable(path: Path) -> bool:
+    """Make the file ``path`` impossible to delete (immutable as root, a read-only folder otherwise);
+    False when this machine does not allow it."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            return False
+    else:
+        path.parent.chmod(0o500)
+    try:
+        path.unlink()
+    except OSError:
+        return True
+    return False
+
+
+def _deletable(path: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    else:
+        path.parent.chmod(0o700)
+
+
+def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_removed(tmp_path):
+    # hostile-found: its folder stayed behind without a word, and the next runs said they had
+    # removed it ("left by an interrupted gemma-export") and then that they kept it
+    out, said = tmp_path / "out", []
+    for content in (b"first", b"second"):
+        with staging.staged_folder(out, "export", notify=said.append) as folder:
+            (folder / "sub").mkdir()
+            (folder / "sub" / "model.onnx.data").write_bytes(content)
+        if content == b"first" and not _undeletable(out / "sub" / "model.onnx.data"):
+            pytest.skip("no way to make a file undeletable here (chattr +i refused)")
+    try:
+        assert (out / "sub" / "model.onnx.data").read_bytes() == b"second"  # the new output is in place
+        (old,) = staging.leftovers(out)
+        stuck = old / "out" / "sub" / "model.onnx.data"
+        assert stuck.read_bytes() == b"first"
+        assert len(said) == 1 and re.fullmatch(
+            rf"the export is in place, but the folder it replaced could not be deleted \(.+: '{re.escape(str(stuck))}'\); "
+            rf"it is left in {re.escape(str(old))}: remove it by hand", said[0]), said
+        past = time.time() - 2 * STALE_AFTER_SECONDS
+        os.utime(old, (past, past))  # as when the next run comes later: stale, and still undeletable
+        said.clear()
+        with staging.staged_folder(out, "export", notify=said.append) as folder:
+            (folder / "model.onnx.data").write_bytes(b"third")
+        assert said[0].startswith(f"could not remove {old}, left by an earlier gemma-export (") and \
+            said[0].endswith(f": '{stuck}'); remove it by hand"), said
+        assert not any(line.startswith((f"removed {old}", f"kept {old}")) for line in said), said
+    finally:
+        _deletable(stuck if "stuck" in locals() else out / "sub" / "model.onnx.data")

@@ -535,7 +535,7 @@ def test_bundle_says_what_it_does_and_which_leftover_it_removes(tiny_int8_export
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
     assert result.exit_code == 0, result.output
     lines = result.stderr.splitlines()
-    assert lines[0] == f"removed {dead}, left by an interrupted gemma-export"
+    assert lines[0] == f"removed {dead}, left by an earlier gemma-export"
     listed = len(json.loads((tiny_int8_export / 'manifest.json').read_text())['files'])
     assert lines[1].startswith(f"copying {listed + 1} model files (")  # and the manifest
     assert len(list((out / "model").iterdir())) == listed + 1
