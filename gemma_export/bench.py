@@ -197,6 +197,11 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     spec = find_board(board) if board is not None else None
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
+    needed = positions_needed(lengths[-1], new_tokens + 1)  # the prefill's token, then new_tokens steps
+    limit = manifest_figure(model_dir, "max_position_embeddings")
+    if limit and needed > limit:  # before the text and the (slow) session; the session checks the graph's own figure
+        raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
+                               f"need {needed} positions; the model's max_position_embeddings is {limit}")
     # a prefix: a huge --text is neither read nor tokenized whole
     needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
     body, source = real_text(text, max(TEXT_BYTES_READ, 64 * needed_ids))
@@ -209,11 +214,6 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
 
-    needed = positions_needed(lengths[-1], new_tokens + 1)  # the prefill's token, then new_tokens steps
-    limit = manifest_figure(model_dir, "max_position_embeddings")
-    if limit and needed > limit:  # before the (slow) session; the session checks the graph's own figure
-        raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
-                               f"need {needed} positions; the model's max_position_embeddings is {limit}")
     release_free_heap()
     start = snapshot()
     import_runtime_libraries()  # a fixed cost of the process, reported apart from the model's growth

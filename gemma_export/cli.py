@@ -569,6 +569,8 @@ def bench(
 
     with _reported(debug):
         try:
+            if not prompt_tokens.isascii():  # int() also reads other scripts' digits
+                raise ValueError
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None

@@ -305,10 +305,13 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
             f"{where}: model_type is {model_type!r}, expected one of {', '.join(_TEXT_MODEL_TYPES)} (Gemma 3)"
         )
     cfg: Mapping[str, Any] = raw
-    if model_type == "gemma3":
-        cfg = raw.get("text_config") or {}
+    if model_type == "gemma3":  # the multimodal model: its language model's config is nested
+        cfg = raw.get("text_config")
+        if cfg is None:
+            raise ConfigError(f"{where}: model_type 'gemma3' (the multimodal model) needs 'text_config', the "
+                              "language model's fields; found none (a text-only config says 'gemma3_text')")
         if not isinstance(cfg, Mapping):
-            raise ConfigError(f"{where}: 'text_config' must be an object")
+            raise ConfigError(f"{where}: 'text_config' must be an object, found {type(cfg).__name__}")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in _SUPPORTED_ACTIVATIONS:
         raise ConfigError(
             f"{where}: hidden_activation is {cfg.get('hidden_activation')!r}, expected 'gelu_pytorch_tanh'"
@@ -385,7 +388,7 @@ def load_hf_config(path: Path) -> GemmaConfig:
     if not Path(path).is_file():
         raise ConfigError(f"{path}: missing; a transformers model folder needs its config.json")
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = json.loads(Path(path).read_text(encoding="utf-8").removeprefix("\ufeff"))  # a BOM, as other text files
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
     return config_from_hf_dict(raw, str(path))

@@ -589,12 +589,12 @@ def format_report(report: ParityReport) -> str:
                          f"({len(r['reference_greedy_ids'])} tokens){extra}")
         if p.golden:
             g = p.golden
-            first = f"first mismatch at generated token {g['first_mismatch']} (from 0)"
+            first = f"first mismatch at generated token {g['first_mismatch']} (counting from 0)"
             # a failing entry written by an export of another dtype: the likely reason
             other = not g["match"] and g.get("dtype") not in (None, report.dtype)
             lines.append(f"  golden entry #{g['entry']}: {'match' if g['match'] else first} "
                          f"(expected {g['expected_ids']}, export {g['export_ids']})"
-                         + (f"; written by a {g['dtype']} export, this one is {report.dtype}" if other else ""))
+                         + (f"; written with {g['dtype']} weights, this export has {report.dtype}" if other else ""))
     lines.append("")
     lines.append(f"{'check':<52} {'measured':>14} {'threshold':>10}  result")
     for c in report.checks:

@@ -164,11 +164,12 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
 @pytest.mark.parametrize("args, message", [
     (["--prompt-tokens", "4,x"], "--prompt-tokens: expected comma-separated integers, found '4,x'"),
     (["--prompt-tokens", "8,,9"], "--prompt-tokens: expected comma-separated integers, found '8,,9'"),
+    (["--prompt-tokens", "\u0663"], "--prompt-tokens: expected comma-separated integers, found '\u0663'"),  # an Arabic-Indic 3
     (["--prompt-tokens", "0"], "--prompt-tokens: expected positive lengths"),
     (["--prompt-tokens", "8,4,8"], "--prompt-tokens: each length once; 8 given more than once"),
     (["--new-tokens", "2"], f"--new-tokens: expected more than {WARMUP_STEPS}"),
     (["--board", "pi5"], "--board: unknown board 'pi5'; known: sl2610"),
-    (["--prompt-tokens", "4000"], "fewer than the longest prompt (4000)"),
+    (["--prompt-tokens", "4000"], "need 4128 positions; the model's max_position_embeddings is 256"),
     (["--json", "/nonexistent/dir/b.json"], "--json /nonexistent/dir/b.json: folder /nonexistent/dir does not exist"),
     (["--plot", "curve.txt"], "--plot curve.txt: expected a .png file name"),
     (["--json", "/proc/b.json"], "--json /proc/b.json: cannot write a file in /proc"),
@@ -427,6 +428,20 @@ def test_bench_checks_the_positions_before_creating_the_session(tiny_int8_export
     assert result.exit_code == 2
     assert result.stderr == (f"error: {model}: the longest prompt (8 tokens) and 9 decode steps need 17 positions; "
                              "the model's max_position_embeddings is 16\n")
+    # a length the model allows but the text does not have
+    (tmp_path / "few.txt").write_text("the fox")
+    result = runner.invoke(app, ["bench", "--model", str(model), "--prompt-tokens", "10", "--new-tokens", "6",
+                                 "--text", str(tmp_path / "few.txt")])
+    assert result.exit_code == 2 and result.stderr == (
+        f"error: {tmp_path / 'few.txt'}: 8 tokens (with <bos>), fewer than the longest prompt (10); give a longer "
+        "--text or shorter --prompt-tokens\n"), result.stderr
+    # hostile-found: a length no text could fit was answered "give a longer --text"; the model's limit comes first
+    short = tmp_path / "short.txt"
+    short.write_text("A few words of real text.")
+    result = runner.invoke(app, ["bench", "--model", str(model), "--prompt-tokens", "99999999", "--text", str(short)])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: {model}: the longest prompt (99999999 tokens) and 128 decode steps need "
+                             "100000127 positions; the model's max_position_embeddings is 16\n")
 
 
 def test_bench_refuses_a_bad_reference_and_out_of_vocabulary_prompts_before_timing(tiny_int8_export, tiny_model,

@@ -34,6 +34,16 @@ def test_v5_form_and_multimodal_nesting():
     c = config_from_hf_dict({"model_type": "gemma3", "text_config": {**text, "model_type": "gemma3_text"}}, "c")
     assert c.layer_types[-1] == FULL and c.layer_types.count(FULL) == 1
     assert c.rope_parameters[FULL].rope_theta == 5e5
+    # hostile-found: without text_config the fields at the top were said to be missing
+    with pytest.raises(ConfigError, match=r"^c: model_type 'gemma3' \(the multimodal model\) needs 'text_config'"):
+        config_from_hf_dict({**text, "model_type": "gemma3"}, "c")
+    for bad, found in (([], "list"), ({}, None)):
+        if found is None:  # an empty object: its fields are missing, and that is what is said
+            with pytest.raises(ConfigError, match="missing required field"):
+                config_from_hf_dict({"model_type": "gemma3", "text_config": bad}, "c")
+        else:
+            with pytest.raises(ConfigError, match=f"^c: 'text_config' must be an object, found {found}$"):
+                config_from_hf_dict({"model_type": "gemma3", "text_config": bad}, "c")
 
 
 @pytest.mark.parametrize("change, words", [
@@ -156,3 +166,14 @@ def test_gguf_rope_factor_applies_only_with_linear_scaling():
 def test_an_odd_head_dim_is_refused(head_dim):
     with pytest.raises(ConfigError, match=f"head_dim must be even for rotate-half RoPE, found {head_dim}"):
         config_from_hf_dict({**V4, "head_dim": head_dim}, "c")
+
+
+def test_a_config_json_with_a_byte_order_mark_is_read(tmp_path):
+    # hostile-found: refused with Python's "decode using utf-8-sig" while other text files strip the mark
+    import json
+
+    from gemma_export.config import load_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(V4).encode())
+    assert load_hf_config(path).hidden_size == V4["hidden_size"]

@@ -252,7 +252,7 @@ def test_golden_files(tiny_int8_export, tmp_path):
                                {"prompt": "the fox", "expected_ids": [not_greedy]}]))
     result = _parity("--model", tiny_int8_export, "--golden", bad, "--json", tmp_path / "r.json")
     assert result.exit_code == 1
-    assert "golden entry #0: first mismatch at generated token 3 (from 0)" in result.stdout and "verdict: FAIL" in result.stdout
+    assert "golden entry #0: first mismatch at generated token 3 (counting from 0)" in result.stdout and "verdict: FAIL" in result.stdout
     assert "golden entry #1 (1 token)" in result.stdout  # the check rows name the file's entries
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["prompts"][1]["prompt_ids"] == fox
@@ -649,7 +649,7 @@ def test_a_golden_entry_keeps_its_prompt_text_and_names_the_dtype_that_wrote_it(
     golden_lines = [line for line in lines if line.startswith("  golden entry #")]
     # a match needs no reason, whichever export wrote it
     assert golden_lines[0].startswith("  golden entry #0: match") and "written by" not in golden_lines[0]
-    assert golden_lines[1].endswith("; written by a fp32 export, this one is int8"), golden_lines
+    assert golden_lines[1].endswith("; written with fp32 weights, this export has int8"), golden_lines
     assert "first mismatch at generated token 0" in golden_lines[2] and "written by" not in golden_lines[2]
     report = json.loads((tmp_path / "r.json").read_text())
     assert [p["prompt"] for p in report["prompts"]] == ["the fox"] * 3
