@@ -7,6 +7,7 @@ clean pages mapped from model files, which the kernel can reclaim. Both matter o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 
@@ -52,14 +53,23 @@ def release_free_heap() -> None:
     Call it before a baseline ``snapshot()``: memory freed earlier (e.g. by tokenizer loading) would
     otherwise be reused silently and make later growth look smaller than it is.
     """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None. Looked up once: ``ctypes.util.find_library`` runs
+    ``ldconfig -p`` in a subprocess (several ms), and the first decode step after every prompt
+    trims."""
     import ctypes
     import ctypes.util
 
-    name = ctypes.util.find_library("c")
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
     except (OSError, AttributeError, TypeError):
-        pass
+        return None
 
 
 def peak_rss_bytes() -> int:

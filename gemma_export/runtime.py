@@ -1034,7 +1034,14 @@ class KVCache:
         b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        b.bind_output("logits")  # unallocated again: its shape changes between prefill and decode
+        logits = None
+        if seq == 1 and isinstance(self.decoder.vocab_size, int):  # [B, 1, vocab] for every export: a new array of ours
+            import onnxruntime as ort
+
+            logits = np.empty((input_ids.shape[0], 1, self.decoder.vocab_size), np.float32)
+            b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        else:  # a prompt's step: [B, 1 or S, vocab] (--all-logits), so onnxruntime allocates it
+            b.bind_output("logits")
         release = seq == 1 and self._after_prompt
         self._after_prompt = seq > 1
         if release:  # the first decode step after a prompt: the prompt's activation memory goes back
@@ -1042,6 +1049,8 @@ class KVCache:
             release_free_heap()
         else:
             self.decoder.session.run_with_iobinding(b)
+        if logits is not None:  # no copy and no get_outputs() (an OrtValue per bound output: 37 here)
+            return logits
         # OrtValue.numpy() is a view of onnxruntime's output memory, reused by the next run: copy.
         return np.array(b.get_outputs()[0].numpy(), copy=True)
 

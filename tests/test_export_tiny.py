@@ -271,6 +271,25 @@ def test_shared_kv_buffer_equals_the_numpy_round_trip(tiny_dir, tmp_path):
         cache.step(ids[:, :1], np.ones((2, 26), np.int64), np.full((2, 1), 25))
 
 
+def test_each_step_returns_logits_the_caller_owns(tiny_dir, tmp_path):
+    """A decode step's logits are written by onnxruntime into a new array of the caller's (no copy):
+    a later step must not change an earlier step's array, prompt steps included."""
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(export(tiny_dir, tmp_path / "int8", "int8", block_size=16).out_dir)
+    ids = _ids(batch=1, seq=12, seed=9)
+    cache = KVCache(decoder, 1, 12)
+    kept = [cache.step(ids[:, :8], np.ones((1, 8), np.int64), np.arange(8)[None])]
+    for position in range(8, 12):
+        kept.append(cache.step(ids[:, position:position + 1], np.ones((1, position + 1), np.int64), np.full((1, 1), position)))
+    copies = [k.copy() for k in kept]
+    cache.step(ids[:, 11:12], np.ones((1, 12), np.int64), np.full((1, 1), 11))  # the same position again
+    assert all(k.shape == (1, 1, decoder.vocab_size) and k.dtype == np.float32 for k in kept)
+    assert all(np.array_equal(k, c) for k, c in zip(kept, copies))
+    assert not any(np.shares_memory(a, b) for i, a in enumerate(kept) for b in kept[i + 1:])
+    assert len({k[0, 0].argmax() for k in kept}) > 1 or not np.array_equal(kept[1], kept[2])  # not one array reused
+
+
 @pytest.mark.parametrize("batch, steps", [(2, [1] * 200), (1, [37, 1, 1, 5, 80, *[1] * 77]), (2, [150, *[1] * 100])],
                          ids=["one-by-one", "mixed", "long-prompt"])
 def test_sliding_layers_drop_rows_outside_the_window(tiny_model, fp32_all, batch, steps):

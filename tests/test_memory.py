@@ -214,3 +214,20 @@ def test_the_first_decode_step_after_a_prompt_gives_the_prompts_activation_memor
         grown[mode] = int(proc.stdout)
     assert grown["kept"] > 60_000, grown  # the prompt's activations, held
     assert grown["released"] < grown["kept"] - 50_000, grown  # given back after the prompt
+
+
+def test_the_heap_trim_looks_libc_up_once(monkeypatch):
+    # ctypes.util.find_library runs `ldconfig -p` in a subprocess (several ms); the first decode step
+    # after every prompt trims the heap, so the lookup is made once per process
+    import ctypes.util
+
+    from gemma_export.memory import release_free_heap
+
+    release_free_heap()
+
+    def no_lookup(name):
+        raise AssertionError("find_library called again")
+
+    monkeypatch.setattr(ctypes.util, "find_library", no_lookup)
+    release_free_heap()
+    release_free_heap()
