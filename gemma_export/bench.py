@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib
 import io
 import json
 import os
@@ -205,6 +206,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     # a prefix: a huge --text is neither read nor tokenized whole
     needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
     body, source = real_text(text, max(TEXT_BYTES_READ, 64 * needed_ids))
+    importlib.import_module("tokenizers")  # the library's own ~4 MB of Rss are not the tokenizer's
     release_free_heap()
     start = snapshot()
     tokenizer = load_tokenizer(model_dir)  # kept for the run, as `generate` keeps it

@@ -385,6 +385,10 @@ def load_hf_config(path: Path) -> GemmaConfig:
     Raises:
         ConfigError: unreadable JSON or an invalid configuration (see :func:`config_from_hf_dict`).
     """
+    from .text_files import non_regular
+
+    if (what := non_regular(Path(path))) is not None:
+        raise ConfigError(f"{path}: is {what}; a transformers model folder needs its config.json file")
     if not Path(path).is_file():
         raise ConfigError(f"{path}: missing; a transformers model folder needs its config.json")
     try:

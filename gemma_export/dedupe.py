@@ -70,19 +70,37 @@ def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value, index: i
     result.outputs[0].type, result.outputs[0].shape = old.type, old.shape
 
 
+#: onnxruntime's input type names → the numpy dtype of the random values fed to them
+_FEED_DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+                "tensor(float16)": np.float16, "tensor(double)": np.float64}
+
+
 def _random_feeds(session, vocab: int) -> dict[str, np.ndarray]:
+    """Random inputs for every input of ``session``: integer ids below ``vocab`` for ``*ids``, ones
+    for masks, ``0 … n-1`` for positions, small integers for other integer inputs, normal values
+    for float ones; symbolic dimensions 1 (batch), 0 (past) or 7.
+
+    Raises:
+        FormatError: an input of a type no random value is made for (e.g. a string input).
+    """
     rng = np.random.default_rng(0)
     feeds = {}
     for i in session.get_inputs():
         shape = [d if isinstance(d, int) else (1 if "batch" in str(d).lower() else (0 if "past" in str(d).lower() else 7))
                  for d in i.shape]
-        if "int64" in i.type:
-            high = vocab if "ids" in i.name else 2
-            feeds[i.name] = (rng.integers(0, high, size=shape) if "mask" not in i.name else np.ones(shape)).astype(np.int64)
-            if "position" in i.name:
-                feeds[i.name] = np.broadcast_to(np.arange(shape[-1]), shape).astype(np.int64)
+        dtype = _FEED_DTYPES.get(i.type)
+        if dtype is None:
+            raise FormatError(f"input '{i.name}' is {i.type}; dedupe compares outputs on random integer or float inputs only")
+        if np.issubdtype(dtype, np.integer):
+            if "mask" in i.name:
+                values = np.ones(shape)
+            elif "position" in i.name:
+                values = np.broadcast_to(np.arange(shape[-1]), shape)
+            else:
+                values = rng.integers(0, vocab if "ids" in i.name else 2, size=shape)
         else:
-            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+            values = rng.standard_normal(shape)
+        feeds[i.name] = np.ascontiguousarray(values, dtype=dtype)
     return feeds
 
 
@@ -98,7 +116,10 @@ def _compare(original: Path, rewritten: Path, vocab: int) -> float:
     from .runtime import create_session
 
     session = create_session(original)  # FormatError naming the input
-    feeds = _random_feeds(session, vocab)
+    try:
+        feeds = _random_feeds(session, vocab)
+    except FormatError as exc:
+        raise FormatError(f"{original}: {exc}") from None
     try:
         expected = session.run(None, feeds)
     except MemoryError:
@@ -107,7 +128,12 @@ def _compare(original: Path, rewritten: Path, vocab: int) -> float:
         raise FormatError(f"{original}: onnxruntime cannot run the model on random ids: {_first_line(exc)}") from None
     del session
     try:
-        got = create_session(rewritten).run(None, feeds)
+        session = create_session(rewritten)
+    except FormatError as exc:  # its message names the staging folder, which is deleted next
+        raise VerificationError(f"{rewritten.name}: onnxruntime cannot load the rewritten model: "
+                                f"{str(exc).removeprefix(f'{rewritten}: ')}") from None
+    try:
+        got = session.run(None, feeds)
     except MemoryError:
         raise
     except Exception as exc:

@@ -264,8 +264,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         check_listed_file(folder / name, size, digest, "the manifest", "an export folder")
     stale = prepack_leftovers(folder)
     if stale:
-        raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; run gemma-export prepack "
-                                f"--model {folder} again, or with --remove, to clean it up")
+        raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
+                                f"delete it); run gemma-export prepack --model {folder} again, or with --remove, to "
+                                "clean it up")
     # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
     # (gemma_export/prepack.py); it is checked against them when loaded, not listed here.
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE

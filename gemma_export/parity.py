@@ -408,7 +408,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     model_dir = Path(model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
-    tokenizer = load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+    tokenizer_path = model_dir / "tokenizer.json"
+    tokenizer = load_tokenizer(model_dir) if tokenizer_path.exists() or tokenizer_path.is_symlink() else None
     # the prompt and golden files are read before the (slow) session, so their errors come first
     prompt_list = read_prompts(prompts, tokenizer)
     golden_only = not (against_transformers or reference)

@@ -232,11 +232,19 @@ def _export_folder(model_dir: Path) -> None:
 
 
 def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
-    import shutil
+    """Delete what earlier runs left (:func:`leftovers`), before anything else is changed.
+
+    Raises:
+        OutputError: one cannot be deleted (e.g. a read-only file in it): naming it and the first error.
+    """
+    from .staging import remove_tree
 
     for path in leftovers(model_dir):
-        say(f"removing {path} (left by an interrupted prepack)")
-        shutil.rmtree(path, ignore_errors=True)
+        say(f"removing {path} (left by an earlier prepack)")
+        problem = remove_tree(path)
+        if problem is not None:
+            raise OutputError(f"{path}: left by an earlier gemma-export prepack, and it cannot be removed ({problem}); "
+                              "remove it by hand (nothing else was changed)")
 
 
 @contextlib.contextmanager
@@ -404,7 +412,8 @@ def verify(model_dir: str | Path) -> str:
     fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
     stale = leftovers(model_dir)
     if stale:
-        raise VerificationError(f"{stale[0]}: left by an interrupted gemma-export prepack; {fix}")
+        raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
+                                f"delete it); {fix}")
     wrong, record = _ownership(folder)
     if wrong:
         raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")

@@ -799,7 +799,9 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
 
     check_threads(threads)
     options = ort.SessionOptions()
-    options.log_severity_level = 3
+    # fatal only: a failing kernel's error comes back as the exception the caller words in one line; at
+    # level 3 onnxruntime also printed it to stderr first, as a block of its own
+    options.log_severity_level = 4
     options.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                                         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
     if threads:

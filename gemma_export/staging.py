@@ -499,7 +499,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         for path in leftovers(out_dir):  # too young to judge, or a live writer's
             if path not in stuck:
                 notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
-                       "later run removes it once it is neither")
+                       "later run tries to remove it once it is neither")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))

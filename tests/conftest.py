@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -137,3 +139,26 @@ def export_with_config(export: Path, dest: Path, **config) -> Path:
     manifest["config"].update(config)
     (dest / "manifest.json").write_text(json.dumps(manifest))
     return dest
+
+
+def undeletable(path: Path) -> bool:
+    """Make the file ``path`` impossible to delete (immutable as root, a read-only folder otherwise);
+    False when this machine does not allow it."""
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            return False
+    else:
+        path.parent.chmod(0o500)
+    try:
+        path.unlink()
+    except OSError:
+        return True
+    return False
+
+
+def deletable(path: Path) -> None:
+    """Undo :func:`undeletable`."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    else:
+        path.parent.chmod(0o700)

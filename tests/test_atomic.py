@@ -20,6 +20,8 @@ from gemma_export import exporter, staging
 from gemma_export.cli import app
 from gemma_export.staging import STALE_AFTER_SECONDS
 
+from conftest import deletable, undeletable
+
 
 def _tree(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
@@ -209,7 +211,7 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
         exporter.export(tiny_dir, out, "fp32", status=said.append)  # too soon: it may be a live writer's
         assert staging.is_dir()
         assert f"kept {staging}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a later " \
-               "run removes it once it is neither" in said
+               "run tries to remove it once it is neither" in said
         old = time.time() - 2 * STALE_AFTER_SECONDS
         os.utime(staging, (old, old))  # as when the user comes back later
         said = []
@@ -432,28 +434,6 @@ def test_a_read_only_file_system_is_the_output_s_failure_whatever_file_it_names(
     assert not _names_an_input(OSError(errno.EIO, "Input/output error", str(out / "model.onnx")), out)
 
 
-def _undeletable(path: Path) -> bool:
-    """Make the file ``path`` impossible to delete (immutable as root, a read-only folder otherwise);
-    False when this machine does not allow it."""
-    if os.geteuid() == 0:
-        if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
-            return False
-    else:
-        path.parent.chmod(0o500)
-    try:
-        path.unlink()
-    except OSError:
-        return True
-    return False
-
-
-def _deletable(path: Path) -> None:
-    if os.geteuid() == 0:
-        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
-    else:
-        path.parent.chmod(0o700)
-
-
 def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_removed(tmp_path):
     # hostile-found: its folder stayed behind without a word, and the next runs said they had
     # removed it ("left by an interrupted gemma-export") and then that they kept it
@@ -462,7 +442,7 @@ def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_remov
         with staging.staged_folder(out, "export", notify=said.append) as folder:
             (folder / "sub").mkdir()
             (folder / "sub" / "model.onnx.data").write_bytes(content)
-        if content == b"first" and not _undeletable(out / "sub" / "model.onnx.data"):
+        if content == b"first" and not undeletable(out / "sub" / "model.onnx.data"):
             pytest.skip("no way to make a file undeletable here (chattr +i refused)")
     try:
         assert (out / "sub" / "model.onnx.data").read_bytes() == b"second"  # the new output is in place
@@ -481,4 +461,4 @@ def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_remov
             said[0].endswith(f": '{stuck}'); remove it by hand"), said
         assert not any(line.startswith((f"removed {old}", f"kept {old}")) for line in said), said
     finally:
-        _deletable(stuck if "stuck" in locals() else out / "sub" / "model.onnx.data")
+        deletable(stuck if "stuck" in locals() else out / "sub" / "model.onnx.data")

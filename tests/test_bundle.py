@@ -386,7 +386,7 @@ def test_an_interrupted_wheel_build_stops_pip_and_its_children_and_leaves_no_scr
     # what a killed `prepack` on the board leaves in model/ is prepack's to name, not an unlisted file
     (lambda out: ((out / "model" / ".prepacked.staging-x1").mkdir(),
                   (out / "model" / ".prepacked.staging-x1" / "model.onnx.data").write_bytes(b"partial")),
-     ".prepacked.staging-x1: left by an interrupted gemma-export prepack"),
+     ".prepacked.staging-x1: left by an earlier gemma-export prepack"),
     (lambda out: (shutil.move(out / "BUNDLE.json", out.parent / "listing.json"),
                   (out / "BUNDLE.json").symlink_to(out.parent / "listing.json")), "BUNDLE.json: is a link"),
 ])

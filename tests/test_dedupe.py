@@ -296,3 +296,41 @@ def test_an_input_onnxruntime_cannot_run_is_named_not_the_rewritten_model(tmp_pa
     assert f"{src}: onnxruntime cannot load the model" in result.stderr, result.stderr
     assert "rewritten" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_int32_ids_are_fed_as_int32_and_a_failing_run_is_one_line(tmp_path):
+    # probe-found: every input that was not int64 got float32 values (an int32 model was blamed), and
+    # onnxruntime printed its own error block before the one-line error
+    table = np.random.default_rng(3).standard_normal((V, H)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("Gemm", ["x", "L"], ["logits"], transB=1)],
+        "lm", [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["n"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "E"), numpy_helper.from_array(table.copy(), "L")])
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    ids = np.array([1, 7, V - 1], np.int32)
+    run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]  # noqa: E731
+    assert np.array_equal(run(src), run(tmp_path / "out" / "model.onnx"))
+
+    # a model that loads but cannot run on any input: Reshape to 5 values of 7 x V logits
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("Gemm", ["x", "L"], ["y"], transB=1),
+         helper.make_node("Reshape", ["y", "five"], ["logits"])],
+        "lm", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["n"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(table, "E"), numpy_helper.from_array(table.copy(), "L"),
+         numpy_helper.from_array(np.array([5], np.int64), "five")])
+    (tmp_path / "bad").mkdir()
+    src = _save(graph, tmp_path / "bad" / "model.onnx")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from gemma_export.cli import app; app()", "dedupe", str(src),
+                           "--out", str(tmp_path / "out2")], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"error: {src}: onnxruntime cannot run the model on random ids: "), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # onnxruntime's own log stays silent
+    assert not (tmp_path / "out2").exists()

@@ -378,6 +378,9 @@ CASES = {
                           ("device", "not a regular file (a FIFO, socket or device)"), ("broken link", "a broken link"))},
     "tokenizer_config.json a folder": Case(hf_special("tokenizer_config.json", "folder"), FormatError,
                                            ("src/tokenizer_config.json: is a folder; expected the tokenizer file or none",)),
+    "config.json a link to a device": Case(hf_special("config.json", "device", dtype="fp32"), ConfigError,
+                                           ("src/config.json: is not a regular file (a FIFO, socket or device); a "
+                                            "transformers model folder needs its config.json file",)),
     "model.safetensors a fifo": Case(hf_special("model.safetensors", "fifo", dtype="fp32"), FormatError,
                                      ("src/model.safetensors: is not a regular file (a FIFO, socket or device); expected "
                                       "the weights",)),
@@ -454,6 +457,10 @@ CASES = {
     "export tokenizer a link to a device": Case(export_copy(lambda f: ((f / "tokenizer.json").unlink(),
                                                                      (f / "tokenizer.json").symlink_to("/dev/zero")), _generate),
                                                 FormatError, ("tokenizer.json: is not a regular file",)),
+    "export tokenizer a broken link (parity)": Case(export_copy(lambda f: ((f / "tokenizer.json").unlink(),
+                                                                         (f / "tokenizer.json").symlink_to(f / "nope")),
+                                                               lambda f: ["parity", "--model", f, "--new-tokens", 2]),
+                                                   FormatError, ("tokenizer.json: is a broken link; expected the tokenizer file",)),
     "data file truncated": Case(export_copy(_truncate("model.onnx.data", 1000), _generate), FormatError,
                                 ("model.onnx.data: 1,000 bytes, but", "manifest.json records", "the folder changed after the export")),
     "data file truncated, no manifest": Case(export_copy(lambda f: (_truncate("model.onnx.data", 1000)(f),

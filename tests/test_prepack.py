@@ -291,7 +291,7 @@ def test_leftovers_of_a_killed_run_are_reported_and_cleaned(export_copy):
     stale.mkdir()
     (stale / "model.onnx.data").write_bytes(b"partial")
     bad = _run("verify", export_copy)
-    assert bad.exit_code != 0 and ".prepacked.staging-abc123: left by an interrupted gemma-export prepack" in bad.output
+    assert bad.exit_code != 0 and ".prepacked.staging-abc123: left by an earlier gemma-export prepack" in bad.output
     assert _run("prepack", "--model", export_copy).exit_code == 0
     assert not stale.exists() and _run("verify", export_copy).exit_code == 0
 
@@ -458,3 +458,40 @@ def test_a_copy_file_touched_after_its_record_is_not_used(export_copy, name):
     decoder = OnnxDecoder(export_copy)
     assert decoder.prepacked_path is None and "modified since prepacked.json was written" in decoder.prepacked_note
     assert "intact, but" in prepack_module.verify(export_copy)
+
+
+def test_an_old_copy_that_cannot_be_deleted_is_named_and_never_costs_the_working_copy(export_copy):
+    # probe-found: prepack's own cleanup ignored the failure, said "removing", and `--remove` then
+    # deleted the new copy while the old one stayed, and verify kept advising what could not work
+    import time
+
+    from conftest import deletable, undeletable
+    from gemma_export.staging import STALE_AFTER_SECONDS
+
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+    stuck = export_copy / "prepacked" / "model.onnx.data"
+    if not undeletable(stuck):
+        pytest.skip("no way to make a file undeletable here (chattr +i refused)")
+    try:
+        again = _run("prepack", "--model", export_copy)
+        assert again.exit_code == 0, again.output
+        (old,) = prepack_module.leftovers(export_copy)
+        assert "the pre-packed copy is in place, but the folder it replaced could not be deleted (" in again.stderr
+        assert f"it is left in {old}: remove it by hand" in again.stderr
+        verify = _run("verify", export_copy)
+        assert verify.exit_code == 2 and f"{old}: left by an earlier gemma-export prepack (interrupted, or unable to " \
+            "delete it)" in verify.stderr, verify.output
+        past = time.time() - 2 * STALE_AFTER_SECONDS
+        os.utime(old, (past, past))
+        listing = sorted(p.name for p in (export_copy / "prepacked").iterdir())
+        for args in (("prepack", "--model", export_copy), ("prepack", "--model", export_copy, "--remove")):
+            result = _run(*args)
+            assert result.exit_code == 2, result.output
+            error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+            assert error == [f"error: {old}: left by an earlier gemma-export prepack, and it cannot be removed "
+                             f"(Operation not permitted: '{old / 'prepacked' / 'model.onnx.data'}'); remove it by hand "
+                             "(nothing else was changed)"] or os.geteuid() != 0, result.stderr
+            assert sorted(p.name for p in (export_copy / "prepacked").iterdir()) == listing  # the working copy stays
+    finally:
+        for path in prepack_module.leftovers(export_copy):
+            deletable(path / "prepacked" / "model.onnx.data")
