@@ -4,7 +4,7 @@ What is measured, in one process and in this order:
 
 1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it,
    after loading the tokenizer (Gemma's holds ~100 MB) and importing onnx and onnxruntime (their own
-   ~20 MB): both reported apart, costs of the process, not of the model;
+   ~11 MB): both reported apart, costs of the process, not of the model;
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure

@@ -191,6 +191,10 @@ generate and benchmark with the board's {threads} threads:
 {prepack_line}    ~/gx/bin/gemma-export generate --model model --threads {threads} --prompt "The capital of France is"
     ~/gx/bin/gemma-export bench --model model --board {board} --json ~/bench.json
 
+A pre-trained model, such as the Gemma 3 270M bundled with the toolkit, continues the prompt; an
+instruction-tuned one, such as FunctionGemma, answers a turn written out with its control tokens
+(`<start_of_turn>user ... <end_of_turn>`, as `gemma-export generate --help` says).
+
 {memory} `bench` fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the
 board's memory free.
 """
@@ -200,9 +204,10 @@ board's memory free.
 QUANTIZED_MEMORY = """`prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
-the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.04 × the
-model after a short prompt and 0.14–0.15 × after a 512-token one (on x86-64; `bench` shows the ~20 MB of
-importing onnx and onnxruntime apart), instead of above its size. Peak resident memory rises by
+the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.02 × the
+model after a short prompt and 0.11–0.12 × after a 512-token one (on x86-64, 2026-12-05; `bench`
+shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, ~11 MB, hold on lines of
+their own), instead of above its size. Peak resident memory rises by
 90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
 short; everything works without it (the weights are then moved onto transparent huge pages after
 loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MiB)."""
@@ -300,8 +305,8 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     old_copy = out_dir / "model" / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
         copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())
-        say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 2**20:,.1f} MiB) goes with it; "
-            "run `gemma-export prepack --model model` on the board again")
+        say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 2**20:,.1f} MiB) is deleted with it (it "
+            "was made from the files being replaced); run `gemma-export prepack --model model` on the board again")
     with staged_folder(out, "bundle", notify=say) as staging:
         say(f"copying {len(files) + 1} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")  # + the manifest
         (staging / "model").mkdir()

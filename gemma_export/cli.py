@@ -422,8 +422,8 @@ def prepack(
     packed layout. generate, bench, quality and parity then map the packed weights from disk instead
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
     reclaim) drops by about the archive's size (int8, the growth as bench counts it, after a short
-    prompt: about 1.11 x -> 0.04 x the archive; after 16-, 128- and 512-token prompts and 128 steps
-    each: 1.20 x -> 0.14 x; 2026-12-04). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    prompt: about 1.08 x -> 0.02 x the archive; after 16-, 128- and 512-token prompts and 128 steps
+    each: 1.17 x -> 0.11 x; 2026-12-05). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 
@@ -557,8 +557,9 @@ def bench(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
-    ms/token (median, p90), tokens/s, Anonymous and Rss memory growth (from after importing onnx and
-    onnxruntime, whose ~20 MB are shown on their own line), peak memory, archive size.
+    ms/token (median, p90), tokens/s, Anonymous and Rss memory growth (from after loading the
+    tokenizer and importing onnx and onnxruntime, whose ~100 MB and ~11 MB are shown on lines of
+    their own), peak memory, archive size.
 
     \b
     Example:
@@ -676,7 +677,7 @@ def parity(
 @app.command(short_help="Write the folder the board team copies to the board.")
 def bundle(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first)."),
-    out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced)."),
+    out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced whole, with any pre-packed copy the board made in it)."),
     board: str = typer.Option(DEFAULT_BOARD, "--board", help=f"Target board ({', '.join(BOARDS)})."),
     wheel: Optional[Path] = typer.Option(None, "--wheel", parser=_path, metavar="<path>", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),

@@ -62,6 +62,9 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert "gemma-export generate --model model --threads 2" in readme
     assert "gemma-export bench --model model --board sl2610" in readme
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
+    # what generate prints depends on the model: the board team is told what to expect (helper-found)
+    assert "A pre-trained model, such as the Gemma 3 270M bundled with the toolkit, continues the prompt" in " ".join(lines)
+    assert "0.02 × the\nmodel after a short prompt and 0.11–0.12 ×" in readme  # the figures README.md gives
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
     assert "~/gx/bin/gemma-export verify .\n" in readme  # the whole folder: BUNDLE.json, then the model
     checked = runner.invoke(app, ["verify", str(out)])
@@ -490,8 +493,9 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     assert result.exit_code == 0, result.output
     assert not (out / "model" / "prepacked").exists()  # the copy goes with the bundle it was made from
     # and the user is told so (helper-found: it went without a word)
-    assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mib:,.1f} MiB) goes with it; "
-            "run `gemma-export prepack --model model` on the board again") in result.stderr
+    assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mib:,.1f} MiB) is deleted with "
+            "it (it was made from the files being replaced); run `gemma-export prepack --model model` on the board "
+            "again") in result.stderr
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
     # anything else added to model/ still makes the folder foreign
     (out / "model" / "notes.txt").write_text("mine")
