@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from .errors import FormatError, OutputError, VerificationError
+from .errors import FormatError, OutputError, VerificationError, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
 from .onnx_files import ALIGNMENT_BYTES, MANIFEST_FILE
 from .staging import check_replaceable, staged_folder
@@ -120,30 +120,27 @@ def _compare(original: Path, rewritten: Path, vocab: int) -> float:
         feeds = _random_feeds(session, vocab)
     except FormatError as exc:
         raise FormatError(f"{original}: {exc}") from None
-    try:
-        expected = session.run(None, feeds)
-    except MemoryError:
-        raise
-    except Exception as exc:  # onnxruntime's Fail / InvalidArgument / ... are bare Exceptions
-        raise FormatError(f"{original}: onnxruntime cannot run the model on random ids: {_first_line(exc)}") from None
+    expected = _outputs(session, feeds, lambda line: FormatError(
+        f"{original}: onnxruntime cannot run the model on random ids: {line}"))
     del session
     try:
         session = create_session(rewritten)
     except FormatError as exc:  # its message names the staging folder, which is deleted next
         raise VerificationError(f"{rewritten.name}: onnxruntime cannot load the rewritten model: "
                                 f"{str(exc).removeprefix(f'{rewritten}: ')}") from None
-    try:
-        got = session.run(None, feeds)
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise VerificationError(f"{rewritten.name}: onnxruntime cannot run the rewritten model: {_first_line(exc)}") from None
+    got = _outputs(session, feeds, lambda line: VerificationError(
+        f"{rewritten.name}: onnxruntime cannot run the rewritten model: {line}"))
     return max((_max_difference(x, y) for x, y in zip(expected, got)), default=0.0)
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+def _outputs(session, feeds: dict[str, np.ndarray], error: Callable[[str], Exception]) -> list:
+    """``session.run(None, feeds)``; a failure raises ``error(its first line)`` (MemoryError unwrapped)."""
+    try:
+        return session.run(None, feeds)
+    except MemoryError:
+        raise
+    except Exception as exc:  # onnxruntime's Fail / InvalidArgument / ... are bare Exceptions
+        raise error(first_line(exc)) from None
 
 
 def _max_difference(x: np.ndarray, y: np.ndarray) -> float:

@@ -43,6 +43,13 @@ def check_utf8_path(path, what: str) -> None:
                                "need; rename it") from None
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (onnxruntime's run a page long), or its type's name when
+    it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def os_error_line(exc: OSError) -> str:
     """One line for an ``OSError`` that reached the command line (an input that cannot be read:
     permissions, an I/O error): the file and the system's reason."""

@@ -26,7 +26,7 @@ import numpy as np
 from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_utf8_path,
-                     is_whole_number, shown)
+                     first_line, is_whole_number, shown)
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
 from .memory import release_free_heap
 from .text_files import not_unicode_at
@@ -821,8 +821,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         first = text.splitlines()[0] if text else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
+        raise FormatError(f"{path}: {_CANNOT_LOAD}{first_line(exc)}") from None
     for arg in (*session.get_inputs(), *session.get_outputs()):
         try:
             arg.name  # noqa: B018  (decoded here, so a name that is not UTF-8 fails now, not in a caller)
@@ -1018,6 +1017,8 @@ class KVCache:
         if not self.shared:
             logits, self._past = self.decoder.forward(input_ids, attention_mask, position_ids, self._past)
             return logits
+        import onnxruntime as ort
+
         b = self._binding
         if self._sliding:
             past = total - seq
@@ -1027,8 +1028,6 @@ class KVCache:
             rows = self.arrays[next(iter(self._sliding))].shape[2]
             if held + seq > rows or held > self.sliding_window - 1 + SLIDING_ROOM:
                 self._drop_out_of_window_rows(past, seq)
-            import onnxruntime as ort
-
             # an overridable initializer: IO binding takes it as an OrtValue only (bind_cpu_input
             # looks among the required inputs); the array backs the value until the next step
             self._start = np.asarray(self.sliding_start, np.int64)
@@ -1038,8 +1037,6 @@ class KVCache:
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         logits = None
         if seq == 1 and isinstance(self.decoder.vocab_size, int):  # [B, 1, vocab] for every export: a new array of ours
-            import onnxruntime as ort
-
             logits = np.empty((input_ids.shape[0], 1, self.decoder.vocab_size), np.float32)
             b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         else:  # a prompt's step: [B, 1 or S, vocab] (--all-logits), so onnxruntime allocates it

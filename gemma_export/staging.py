@@ -97,33 +97,36 @@ class Stale(NamedTuple):
     removed: list[Path]
     #: folders it tried to delete but could not, each with the first error (e.g. a read-only file)
     stuck: list[tuple[Path, str]]
+    #: folders it left alone: too young to judge, or held by a running writer
+    kept: list[Path]
 
 
 def remove_stale(out_dir: Path) -> Stale:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
     modified in the last :data:`STALE_AFTER_SECONDS` (a writer locks its folder just after creating
-    it). Returns what was removed and what could not be."""
+    it). Returns what was removed, what could not be, and what was left alone."""
     try:
         import fcntl
     except ImportError:
-        return Stale([], [])
-    result = Stale([], [])
+        return Stale([], [], leftovers(out_dir))
+    result = Stale([], [], [])
     now = time.time()
     for path in leftovers(out_dir):
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
             if now - path.stat().st_mtime < STALE_AFTER_SECONDS:
+                result.kept.append(path)
                 continue
-        except OSError:
-            continue
-        try:
             fd = os.open(path, os.O_RDONLY)
-        except OSError:
+        except OSError:  # gone meanwhile (another run removed it), or not ours to open
+            if path.is_dir():
+                result.kept.append(path)
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # a live writer holds it
             os.close(fd)
+            result.kept.append(path)
             continue
         try:
             problem = remove_tree(path)
@@ -495,11 +498,9 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
             notify(f"removed {path}, left by an earlier gemma-export")
         for path, problem in stale.stuck:
             notify(f"could not remove {path}, left by an earlier gemma-export ({problem}); remove it by hand")
-        stuck = {path for path, _ in stale.stuck}
-        for path in leftovers(out_dir):  # too young to judge, or a live writer's
-            if path not in stuck:
-                notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
-                       "later run tries to remove it once it is neither")
+        for path in stale.kept:
+            notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
+                   "later run tries to remove it once it is neither")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))

@@ -236,7 +236,7 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
             os.utime(folder, (old, old))
     (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
     with held_folder(live):
-        assert remove_stale(tmp_path / "out") == ([dead], [])
+        assert remove_stale(tmp_path / "out") == ([dead], [], [live, young])
     assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
 
 
