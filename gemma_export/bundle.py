@@ -275,6 +275,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
+    from .runtime import read_manifest
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
@@ -324,7 +325,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         else:
             shutil.copyfile(wheel, staging / wheel.name)
             wheel_name = wheel.name
-        model_manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
+        model_manifest = read_manifest(model_dir)  # verified above
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
         say("checking the copies against the model's manifest ...")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint import EMBED, LM_HEAD, Checkpoint, Tokenizer, TensorRef, resolve_lm_head, validate_tensors
-from ..config import BOS_TOKEN_ID, EOS_TOKEN_ID, PAD_TOKEN_ID, UNK_TOKEN_ID, config_from_gguf_metadata
+from ..config import UNK_TOKEN_ID, config_from_gguf_metadata
 from ..errors import FormatError
 from ..tokenizer import tokenizer_config_json, tokenizer_from_gguf
 from .gguf_header import PLAIN_GGML_TYPES, GGUFTensorInfo, read_gguf_header
@@ -183,8 +183,9 @@ def read_gguf(path: Path) -> Checkpoint:
         _check_tokenizer_fields(path, tokens, token_types, fields.get("tokenizer.ggml.add_bos_token", True),
                                 tensors[EMBED].shape[0])
         token_types = token_types.tolist()
-    defaults = {"bos": BOS_TOKEN_ID, "eos": EOS_TOKEN_ID, "unknown": UNK_TOKEN_ID, "padding": PAD_TOKEN_ID}
-    ids = {k: meta.get(f"tokenizer.ggml.{k}_token_id", v) for k, v in defaults.items()}
+    # bos, eos and padding as the config read them (checked there against the table's rows)
+    ids = {"bos": config.bos_token_id, "eos": config.eos_token_id[0], "padding": config.pad_token_id,
+           "unknown": meta.get("tokenizer.ggml.unknown_token_id", UNK_TOKEN_ID)}
     if has_tokenizer:  # checked here, before anything is written, not when the tokenizer is built
         if len(token_types) not in (0, len(tokens)):
             raise FormatError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries, "
