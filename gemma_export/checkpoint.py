@@ -14,6 +14,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from quant.rows import first_non_finite
+
 from .config import GemmaConfig
 from .errors import FormatError, NumericError
 
@@ -60,10 +62,8 @@ class TensorRef:
 
     def check_finite(self, values: np.ndarray, first_row: int = 0) -> None:
         """Raises NumericError naming the first NaN/Inf of ``values`` (rows from ``first_row`` on)."""
-        finite = np.isfinite(values)
-        if not finite.all():
-            index = np.unravel_index(int(np.argmin(finite)), values.shape)
-            where = (first_row + int(index[0]), *(int(i) for i in index[1:]))
+        if (index := first_non_finite(values)) is not None:
+            where = (first_row + index[0], *index[1:])
             raise NumericError(f"{self.origin}: tensor '{self.name}' holds {values[index]} at index "
                                f"{where}; weights must be finite")
 

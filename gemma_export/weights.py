@@ -24,6 +24,10 @@ CPU provider (the board team's notes on it, and docs/benchmarks.md):
   and run as one ``MatMulNBits`` (``MatMul`` for fp32/bf16) followed by ``Split``.
 * With a :class:`~gemma_export.calibration.Calibration`, int8 and int4 codes are chosen by GPTQ
   (``quant/gptq.py``) on the calibration inputs; scales and layout stay those of the plain scheme.
+  The tied table's codes are chosen for the LM head (its Hessian is that of the final norm's
+  output), which makes each row's own error, the one the lookup sees, larger than rounding to
+  nearest would: the head reads every row each token, the lookup one per token, and the trade
+  lowered the KL on real text (docs/quality.md, "GPTQ calibration").
 
 Tensors are :class:`onnx_ir.LazyTensor` s: each is read, converted and written one at a time when
 the model is saved, so the exporter never holds the whole model in memory.
@@ -43,6 +47,7 @@ import onnx_ir as ir
 from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matrix, rotate_blocks
 from quant import int4 as int4_scheme
 from quant.gptq import Hessian
+from quant.rows import first_non_finite
 from quant.int8 import ZERO_POINT
 
 from .calibration import Calibration
@@ -269,7 +274,15 @@ class _RotatedRows:
         self.rows, self.size, self.shape = rows, size, rows.shape
 
     def __getitem__(self, index: slice) -> np.ndarray:
-        return rotate_blocks(self.rows[index], self.size)
+        rows = self.rows[index]  # finite: the source's rows are checked when read
+        with np.errstate(over="ignore", invalid="ignore"):  # checked just below, and named
+            rotated = rotate_blocks(rows, self.size)
+        if (at := first_non_finite(rotated)) is not None:  # a sum of n values near float32's largest
+            r = at[0]
+            start = index.indices(self.shape[0])[0]
+            raise ValueError(f"row {start + r} overflows float32 in the {self.size}-wide Hadamard rotation "
+                             f"(largest |w| in the row: {np.abs(rows[r]).max():.6g}); export with --hadamard 0")
+        return rotated
 
 
 class Int8Format(WeightFormat):
@@ -280,6 +293,14 @@ class Int8Format(WeightFormat):
     ``table_block_size`` defaults to :data:`DEFAULT_INT8_TABLE_BLOCK_SIZE` (128), as on the command
     line; :func:`gemma_export.exporter.export` passes a smaller one when the model's hidden size does
     not allow it.
+
+    Args:
+        block_size: elements per scale along the input of every layer projection (default 32);
+            must divide the hidden and intermediate sizes (checked when the graph is built).
+        table_block_size: elements per scale along ``hidden_size`` in the table; None: 128.
+        hadamard_size: width of the block-diagonal Hadamard rotation (a power of two dividing every
+            matmul's input size; 0: none).
+        calibration: GPTQ's statistics (None: round to nearest).
     """
 
     name = "int8"
@@ -310,7 +331,7 @@ class Int8Format(WeightFormat):
     bits = 8
     table_bits = 8
     symmetric = True
-    method = "rtn"
+    method = "rtn"  # int8 scales are max|block| / 127: no clipping search (part of the memo key)
 
     def _hessian(self, name: str) -> Hessian | None:
         """The GPTQ Hessian of weight ``name``'s input, rotated as its weight is; one object (and one

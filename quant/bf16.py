@@ -39,14 +39,14 @@ def truncate_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
         uint16 array of the same shape: the high 16 bits of each float32, except that a NaN stays a
         NaN (one whose payload lies only in the low bits would become ±Inf; it gets the quiet bit).
     """
-    x = np.ascontiguousarray(x, np.float32)
+    x = np.array(x, np.float32)  # a copy: 0-d stays 0-d (ascontiguousarray would make it 1-d)
     bits = (x.view(np.uint32) >> 16).astype(np.uint16)
     return np.where(np.isnan(x), bits | np.uint16(0x0040), bits)
 
 
 def bfloat16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
     """uint16 bfloat16 bit patterns → float32, same shape (exact: every bf16 value is a float32)."""
-    return np.ascontiguousarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,9 +163,12 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
         w: float ``[N, K]`` (an array or any row-sliceable object: read chunk by chunk).
         hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale), or a
             :class:`Hessian` (whose own ``damp`` then applies and whose factor is reused).
-        scales: float32 ``[N, K / block_size]``, nonzero.
+        scales: float32 ``[N, K / block_size]``, nonzero and finite.
         zero_points: ``[N, K / block_size]``, the code that dequantizes to 0.
+        block_size: elements per scale along K; > 0, dividing K.
         qmin, qmax: the code range (e.g. 1..255 for symmetric int8 around 128, 0..15 for 4 bits).
+        damp: added to ``diag H`` as a fraction of its mean before factoring (the paper's λ; ignored
+            when ``hessian`` is a :class:`Hessian`, which carries its own).
         act_order: round the columns by decreasing ``diag H`` (True) or left to right.
 
     Returns:
@@ -173,13 +176,15 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
 
     Raises:
         ValueError: shapes disagree (including ``block_size`` not dividing K, or ≤ 0), or see
-            :func:`inverse_cholesky`; NaN/Inf in ``w``.
+            :func:`inverse_cholesky`; NaN/Inf in ``w``; a zero or non-finite scale.
     """
     n, k = w.shape
     nb = k // block_size if block_size > 0 else 0
     if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
         raise ValueError(f"GPTQ: weight {tuple(w.shape)}, block {block_size}, scales {scales.shape}, "
                          f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
+    if not (np.isfinite(scales).all() and (scales != 0).all()):
+        raise ValueError(f"GPTQ: scales must be finite and nonzero, found {scales[~(np.isfinite(scales) & (scales != 0))][0]}")
     h = as_hessian(hessian, damp)
     if act_order:
         order, u = h.ordered

@@ -1,4 +1,4 @@
-"""Block-diagonal Walsh–Hadamard rotations, to spread outliers before int8 quantization.
+"""Block-diagonal Walsh–Hadamard rotations, to spread outliers before int8 and int4 quantization.
 
 onnxruntime's fast int8 kernel (``MatMulNBits`` at ``accuracy_level`` 4) quantizes the
 *activations* to int8 per block too; one large channel in a block then costs precision on every

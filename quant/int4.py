@@ -24,7 +24,8 @@ Scale choice (``method``): ``"rtn"`` uses c = 1 (round to nearest, the anchors' 
 reconstruction error ``sum_i h_i (w_i - dequant(q)_i)^2`` (``h`` = per-input-channel weights such
 as the mean squared calibration activation, or ones) — the clipping search of AWQ-style
 quantizers and of ``llama.cpp``'s ``make_qx_quants``. With c = 1 the symmetric scale is ggml
-``Q4_0``'s (``max / -8``), rounded half to even instead of ggml's half away from zero.
+``Q4_0``'s (``max / -8``); the codes are rounded half to even, where ggml's
+``quantize_row_q4_0_ref`` rounds half up (``(int8_t)(w / scale + 8.5f)``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import as_hessian, gptq_codes
-from .rows import float_rows
+from .rows import block_count, row_chunks
 
 ZERO_POINT = 8
 #: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
@@ -49,14 +50,21 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
     (onnxruntime's contrib operator spec, docs/ContribOperators.md, ``com.microsoft.MatMulNBits``).
 
     Args:
-        codes: uint8 ``[..., M]``, ``M`` even, every value in [0, 15] (neither is checked: a value
-            above 15 spills into its neighbour's nibble; an odd ``M`` makes numpy raise ValueError,
-            or for ``M`` 1 or 3 return wrong codes).
+        codes: integers ``[..., M]``, ``M`` even, every value in [0, 15].
 
     Returns:
         uint8 ``[..., M // 2]``: ``codes[..., 2i] | codes[..., 2i + 1] << 4``.
+
+    Raises:
+        ValueError: an odd ``M``, or a code outside [0, 15] (it would spill into its neighbour's nibble).
     """
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    codes = np.asarray(codes)
+    if codes.ndim == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"expected an even number of 4-bit codes along the last axis, found shape {codes.shape}")
+    if codes.size and (codes.min() < 0 or codes.max() > 15):
+        raise ValueError(f"expected 4-bit codes in [0, 15], found values from {codes.min()} to {codes.max()}")
+    codes = codes.astype(np.uint8, copy=False)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -82,8 +90,9 @@ def _scales(extremes, symmetric: bool, ratio: float | np.ndarray):
         scale = (ratio * extremes / -8.0).astype(np.float32)
         scale[scale == 0] = 1.0  # an all-zero block quantizes to zeros
         return scale, np.full(scale.shape, float(ZERO_POINT))
-    lo = np.minimum(extremes[0], 0.0) * ratio
-    hi = np.maximum(extremes[1], 0.0) * ratio
+    # in float64: hi - lo of a float32 block can exceed float32's range (e.g. -3e38 and 3e38)
+    lo = np.minimum(extremes[0], 0.0).astype(np.float64) * ratio
+    hi = np.maximum(extremes[1], 0.0).astype(np.float64) * ratio
     scale = ((hi - lo) / 15.0).astype(np.float32)
     scale[scale == 0] = 1.0
     return scale, np.clip(np.rint(-lo / scale), 0, 15)
@@ -113,19 +122,22 @@ def _dequantize_codes(codes, scale, zp):
 def _search_scales(blocks: np.ndarray, symmetric: bool, ratios, h):
     """The clipping search: per block, the (scale, zero point) of ``ratios`` with the least
     :func:`_error`; ties keep the earlier ratio. The block extremes are found once, and only the
-    winning ratio's codes are formed (the error of each candidate comes from its levels)."""
+    winning ratio's codes are formed (the error of each candidate comes from its levels). A block
+    whose squared error overflows float32 (values near 1e19 and beyond) has an infinite error under
+    every ratio, and keeps the first."""
     extremes = _block_extremes(blocks, symmetric)
     best_scale, best_zp = _scales(extremes, symmetric, ratios[0])
     if len(ratios) == 1:
         return best_scale, best_zp
-    best_err = _error(blocks, _levels(blocks, best_scale, best_zp, symmetric), best_scale, h)
-    for ratio in ratios[1:]:
-        scale, zp = _scales(extremes, symmetric, ratio)
-        err = _error(blocks, _levels(blocks, scale, zp, symmetric), scale, h)
-        better = err < best_err
-        best_err = np.where(better, err, best_err)
-        best_scale = np.where(better, scale, best_scale)
-        best_zp = np.where(better, zp, best_zp)
+    with np.errstate(over="ignore"):
+        best_err = _error(blocks, _levels(blocks, best_scale, best_zp, symmetric), best_scale, h)
+        for ratio in ratios[1:]:
+            scale, zp = _scales(extremes, symmetric, ratio)
+            err = _error(blocks, _levels(blocks, scale, zp, symmetric), scale, h)
+            better = err < best_err
+            best_err = np.where(better, err, best_err)
+            best_scale = np.where(better, scale, best_scale)
+            best_zp = np.where(better, zp, best_zp)
     return best_scale, best_zp
 
 
@@ -178,14 +190,10 @@ class BlockInt4Weights:
                 ``hessian``: a shape other than ``[K, K]``, or a matrix :func:`quant.gptq.inverse_cholesky`
                 cannot factor.
         """
-        if len(w.shape) != 2:
-            raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")
+        nb = block_count(w.shape, block_size, even=True)
         if method not in ("rtn", "mse"):
             raise ValueError(f"method must be 'rtn' or 'mse', found {method!r}")
         n, k = w.shape
-        if block_size <= 0 or block_size % 2 or k % block_size:
-            raise ValueError(f"in_features {k} is not a multiple of the (even) block_size {block_size}")
-        nb = k // block_size
         h = None
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):
             channel_weights = np.maximum(np.diagonal(as_hessian(hessian).matrix), 0.0)
@@ -194,17 +202,17 @@ class BlockInt4Weights:
             if h.shape != (k,) or not np.isfinite(h).all() or (h < 0).any():
                 raise ValueError(f"channel_weights must be {k} finite values >= 0, found shape {h.shape}")
             h = h.reshape(nb, block_size)
-        data = np.empty((n, nb, block_size // 2), np.uint8)
+        # With a Hessian only the scales (and zero points) come from this pass; GPTQ writes the codes.
+        data = np.empty((n, nb, block_size // 2), np.uint8) if hessian is None else None
         scales = np.empty((n, nb), np.float32)
         zps = np.empty((n, nb), np.uint8)
-        ratios = CLIP_RATIOS if method == "mse" else (1.0,)
-        for start in range(0, n, _ROWS_PER_CHUNK):
-            rows = float_rows(w, start, _ROWS_PER_CHUNK)
+        ratios = CLIP_RATIOS if method == "mse" else CLIP_RATIOS[:1]
+        for start, rows in row_chunks(w, _ROWS_PER_CHUNK):
             blocks = rows.reshape(-1, nb, block_size)
             best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h)
-            best_codes = _codes(blocks, best_scale, best_zp, symmetric)
             end = start + len(blocks)
-            data[start:end] = pack_nibbles(best_codes)
+            if data is not None:
+                data[start:end] = pack_nibbles(_codes(blocks, best_scale, best_zp, symmetric))
             scales[start:end] = best_scale
             zps[start:end] = best_zp
         if hessian is not None:

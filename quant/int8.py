@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import gptq_codes
-from .rows import float_rows
+from .rows import block_count, row_chunks
 
 ZERO_POINT = 128
 QMAX = 127
@@ -73,18 +73,13 @@ class BlockInt8Weights:
                 NaN or Inf (callers name the tensor), or an unusable ``hessian`` (not ``[K, K]``, not
                 finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """
-        if len(w.shape) != 2:
-            raise ValueError(f"expected a 2-D weight, found shape {tuple(w.shape)}")
-        n, k = w.shape
-        if block_size <= 0 or k % block_size:
-            raise ValueError(f"in_features {k} is not a multiple of block_size {block_size}")
-        nb = k // block_size
+        nb = block_count(w.shape, block_size)
+        n = w.shape[0]
         # With a Hessian only the scales come from this pass; GPTQ writes the codes.
         data = np.empty((n, nb, block_size), dtype=np.uint8) if hessian is None else None
         scales = np.empty((n, nb), dtype=np.float32)
         # Row chunks keep the float temporaries small (the 262,144-row table would need ~2 GB at once).
-        for start in range(0, n, _ROWS_PER_CHUNK):
-            rows = float_rows(w, start, _ROWS_PER_CHUNK)
+        for start, rows in row_chunks(w, _ROWS_PER_CHUNK):
             blocks = rows.reshape(-1, nb, block_size)
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros

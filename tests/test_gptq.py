@@ -50,8 +50,7 @@ def test_gptq_cuts_the_output_error_on_correlated_inputs(scheme):
         sym = scheme == "int4-sym"
         rtn = BlockInt4Weights.quantize(w, 32, symmetric=sym, method="mse", channel_weights=np.diagonal(hessian))
         gq = BlockInt4Weights.quantize(w, 32, symmetric=sym, method="mse", hessian=hessian)
-        assert np.array_equal(rtn.scales, gq.scales)  # same scales, other codes
-    assert np.array_equal(rtn.scales, gq.scales)
+    assert np.array_equal(rtn.scales, gq.scales)  # same scales, other codes
     before, after = _output_error(w, rtn.dequantize(), x), _output_error(w, gq.dequantize(), x)
     assert after < 0.8 * before, (before, after)
 
@@ -77,11 +76,13 @@ def _gptq_by_the_paper(w, hessian, scales, zero_points, block_size, qmin, qmax, 
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gptq_codes_follow_the_papers_algorithm(act_order):
+@pytest.mark.parametrize("k, block", [(128, 32), (48, 16)])  # 48: not a multiple of the 32-column lazy batch
+def test_gptq_codes_follow_the_papers_algorithm(act_order, k, block):
     # the batched, chunked float32 implementation against the plain float64 one: the same codes
     # except where a value lies within float32 noise of a rounding boundary
+    assert gptq._LAZY == 32
     rng = np.random.default_rng(7)
-    k, n, block = 128, 40, 32
+    n = 40
     x = _correlated(rng, 512, k)
     hessian = x.T.astype(np.float64) @ x
     w = rng.standard_normal((n, k)).astype(np.float32)
@@ -206,15 +207,28 @@ def test_calibration_forward_matches_transformers(tiny_dir, tiny_model):
 
     ids = list(np.random.default_rng(0).integers(3, 96, 20))  # longer than the sliding window (6)
     cal = collect(open_source(tiny_dir), ids, "test")
-    with torch.no_grad():
-        out = tiny_model(torch.tensor([ids]), output_hidden_states=True)
-    final = out.hidden_states[-1][0].numpy()
-    got = cal.inputs["model.embed_tokens.weight"].astype(np.float32)
-    assert np.abs(got - final).max() < 2e-2 * np.abs(final).max()   # stored as float16
     c = tiny_model.config
     names = [f"model.layers.{i}.{n}.weight" for i in range(c.num_hidden_layers) for n in (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    seen = {}  # what transformers feeds each linear layer, by weight name
+    hooks = [module.register_forward_pre_hook(lambda m, args, name=f"{name}.weight": seen.__setitem__(name, args[0][0].numpy()))
+             for name, module in tiny_model.named_modules() if f"{name}.weight" in names]
+    try:
+        with torch.no_grad():
+            out = tiny_model(torch.tensor([ids]), output_hidden_states=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    final = out.hidden_states[-1][0].numpy()
+    got = cal.inputs["model.embed_tokens.weight"].astype(np.float32)
+    assert np.abs(got - final).max() < 2e-2 * np.abs(final).max()   # stored as float16
+    # every projection's recorded input, o_proj's (heads and tokens laid out) and down_proj's included
+    assert set(seen) == set(names)
+    for name in names:
+        expected, recorded = seen[name], cal.inputs[name].astype(np.float32)
+        assert recorded.shape == expected.shape, name
+        assert np.abs(recorded - expected).max() < 2e-2 * np.abs(expected).max(), name
     assert set(cal.inputs) == set(names) | {"model.embed_tokens.weight"}
     assert cal.inputs[names[0]] is cal.inputs[names[1]]                     # q/k/v share one array
     assert cal.hessian(names[3]).shape == (c.num_attention_heads * c.head_dim,) * 2
@@ -588,7 +602,7 @@ def test_a_huge_weight_is_named_when_calibration_overflows(tiny_with_tokenizer, 
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
     assert message in line and f"the largest weight read before it is {weight}[3, 5] = {value:.3g}" in line, line
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"][1:]
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     assert (src / "model.safetensors").read_bytes() == before
 
 
@@ -604,3 +618,32 @@ def test_at_exactly_t_equal_2k_the_activations_are_kept(tiny_dir):
     cal = collect(checkpoint, ids, "test")
     q = "model.layers.0.self_attn.q_proj.weight"
     assert q in cal.inputs and q not in cal.hessians and cal.inputs[q].shape == (len(ids), 64)
+
+
+def test_a_finite_weight_that_overflows_in_the_hadamard_rotation_is_named_as_such(tiny_dir, tmp_path):
+    # each value is finite, but a rotated block sums 64 of them / 8: 3e38 · 8 overflows float32. The
+    # error says so, with the row in the source's numbering, instead of "holds inf" at an index that
+    # only exists after the rotation
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][3, :] = 3e38
+    save_file(tensors, src / "model.safetensors")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(src), "--dtype", "int8", "--hadamard", "64", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"cannot quantize '{name}': row 3 overflows float32 in the 64-wide Hadamard rotation (largest |w| in the " \
+           "row: 3e+38); export with --hadamard 0" in line, line
+    assert not out.exists()
+    # without the rotation the same weight quantizes (int8 scales are max / 127)
+    result = CliRunner().invoke(app, ["--source", str(src), "--dtype", "int8", "--hadamard", "0", "--out", str(out)])
+    assert result.exit_code == 0, result.output

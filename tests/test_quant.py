@@ -1,6 +1,5 @@
 """quant/: round trips and edge cases (zero rows, outliers, NaN)."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -84,7 +83,8 @@ def test_bf16_round_to_nearest_even_and_nan():
     assert back[0] == 1.0
     assert back[1] == np.float32(1 + 4 * 2**-8)
     assert np.isnan(back[2]) and back[3] == -np.inf
-    assert back[4] == np.float32(x[4].astype(ml_dtypes.bfloat16))
+    # 3.0e38 is 0x7F61_B1E6: its low half is above 0x8000, so it rounds up to 0x7F62 (3.0040553e38)
+    assert bits[4] == 0x7F62 and back[4] == np.float32(3.0040553e38)
     # truncation would have given 1 + 2 * 2**-8 for x[1]: round-to-nearest differs
     assert (x.view(np.uint32)[1] >> 16) != bits[1]
 
@@ -96,8 +96,8 @@ def test_bf16_refuses_a_finite_value_that_would_round_to_inf():
     kept = np.array([np.inf, -np.inf, np.nan, 3.3e38], np.float32)  # already infinite or in range: stored as is
     out = BF16Weights.quantize(kept).dequantize()
     assert out[0] == np.inf and out[1] == -np.inf and np.isnan(out[2])
-    # 3.3e38 rounds to the nearest bfloat16 (ml_dtypes' round-half-even), not to inf
-    assert out[3] == np.float32(ml_dtypes.bfloat16(np.float32(3.3e38))) and abs(out[3] - 3.3e38) < 3.3e38 / 128
+    # 3.3e38 is 0x7F78_43B0: its low half is below 0x8000, so it rounds down to 0x7F78 (3.2964854e38), not to inf
+    assert out[3] == np.float32(3.2964854e38)
 
 
 def test_hadamard_is_orthogonal_symmetric_and_self_inverse():
@@ -248,11 +248,47 @@ def test_int4_mse_search_keeps_ratio_one_where_every_ratio_ties(symmetric):
     h[:32] = 0.0
     searched = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse", channel_weights=h)
     rtn = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="rtn")
-    # (asymmetric: a float64 ratio against rtn's float 1.0 may move the scale by one float32 ulp)
-    assert np.allclose(searched.scales[:, 0], rtn.scales[:, 0], rtol=1e-6, atol=0)
+    assert np.array_equal(searched.scales[:, 0], rtn.scales[:, 0])
     assert np.array_equal(searched.unpacked_zero_points()[:, 0], rtn.unpacked_zero_points()[:, 0])
     assert np.array_equal(unpack_nibbles(searched.data)[:, 0], unpack_nibbles(rtn.data)[:, 0])
     assert not np.array_equal(searched.scales[:, 1], rtn.scales[:, 1])  # the weighted block still searches
+
+
+def test_asymmetric_int4_of_a_block_spanning_float32s_range_keeps_finite_scales():
+    # hi - lo = 6e38 is beyond float32's largest value: the scale is formed in float64, as
+    # (3e38 + 3e38) / 15 = 4e37, and both extremes come back to within half a step
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0], w[0, 1] = -3e38, 3e38
+    for method in ("rtn", "mse"):
+        q = BlockInt4Weights.quantize(w, 32, symmetric=False, method=method)
+        out = q.dequantize()
+        assert np.isfinite(q.scales).all() and np.isfinite(out).all(), method
+        assert abs(out[0, 1] - 3e38) <= q.scales[0, 0] / 2 and abs(out[0, 0] + 3e38) <= q.scales[0, 0] / 2, method
+    assert q.scales[0, 0] == pytest.approx(4e37, rel=1e-6)
+
+
+@pytest.mark.parametrize("codes, message", [
+    (np.zeros((2, 3), np.uint8), r"even number of 4-bit codes .* found shape \(2, 3\)"),
+    (np.array([[0, 16]], np.uint8), r"4-bit codes in \[0, 15\], found values from 0 to 16"),
+    (np.array([[-1, 3]]), r"found values from -1 to 3"),
+])
+def test_nibble_packing_refuses_codes_it_cannot_pack(codes, message):
+    with pytest.raises(ValueError, match=message):
+        pack_nibbles(codes)
+
+
+@pytest.mark.parametrize("quantize", [lambda w: BlockInt8Weights.quantize(w, 4), lambda w: BlockInt4Weights.quantize(w, 4)])
+def test_block_quantizers_refuse_a_weight_that_is_not_2d(quantize):
+    with pytest.raises(ValueError, match=r"expected a 2-D weight, found shape \(2, 4, 4\)"):
+        quantize(np.ones((2, 4, 4), np.float32))
+
+
+def test_bfloat16_conversions_keep_a_0d_array_0d():
+    from quant.bf16 import truncate_to_bfloat16_bits
+
+    assert truncate_to_bfloat16_bits(np.float32(1.5)).shape == () and int(truncate_to_bfloat16_bits(np.float32(1.5))) == 0x3FC0
+    assert float32_to_bfloat16_bits(np.float32(-2.0)).shape == () and int(float32_to_bfloat16_bits(np.float32(-2.0))) == 0xC000
+    assert BF16Weights(np.uint16(0x3FC0)).dequantize().shape == ()
 
 
 def test_int4_zero_and_constant_blocks_and_outliers():
@@ -276,7 +312,8 @@ def test_int4_rejects_non_finite_with_index(bad, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"block_size": 24}, "not a multiple of the \\(even\\) block_size 24"),
+    ({"block_size": 24}, "in_features 64 is not a multiple of the even block_size 24"),
+    ({"block_size": 2 * 9 + 1}, "not a multiple of the even block_size 19"),
     ({"block_size": 32, "method": "gptq"}, "method must be 'rtn' or 'mse'"),
     ({"block_size": 32, "channel_weights": np.ones(3)}, "channel_weights must be 64 finite values"),
     ({"block_size": 32, "channel_weights": np.r_[np.ones(63), -1.0]}, "channel_weights must be 64 finite values >= 0"),

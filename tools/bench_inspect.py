@@ -58,11 +58,16 @@ def write_archive(path: Path) -> None:
     import ml_dtypes
     from safetensors.numpy import save_file
 
+    from quant import BlockInt8Weights
+    from quant.bf16 import truncate_to_bfloat16_bits
+    from quant.int8 import ZERO_POINT
+
     rng = np.random.default_rng(0)
     table = (rng.standard_normal((VOCAB, HIDDEN), dtype=np.float32) * 0.05)
-    bf16 = (table.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16).reshape(-1)
-    scale = (np.abs(table).max(axis=1) / 127).astype(np.float32)
-    q = np.clip(np.rint(table / scale[:, None]), -127, 127).astype(np.int8)
+    bf16 = truncate_to_bfloat16_bits(table).view(ml_dtypes.bfloat16).reshape(-1)  # the reference's bf16
+    rows = BlockInt8Weights.quantize(table, HIDDEN)  # one block per row: the reference's per-row int8
+    q = (rows.data.reshape(VOCAB, HIDDEN).astype(np.int16) - ZERO_POINT).astype(np.int8)
+    scale = rows.scales.reshape(-1)
     tmp = path.with_suffix(".partial")
     save_file({"t0": table, "t2044": bf16, "t2051": q, "t2051_scale": scale}, str(tmp))
     tmp.rename(path)
