@@ -268,7 +268,8 @@ def main(
     from .exporter import export
 
     bars: dict = {}  # one bar per stage, created when the stage starts (after the "reading" line)
-    plain = {"last": 0.0}  # without a terminal (a log, CI) tqdm is off: a plain line every 15 s instead
+    # without a terminal (a log, CI) tqdm is off: a plain line every 15 s instead, with the time since the start
+    plain = {"last": 0.0, "start": time.monotonic()}
 
     def progress(done: int, total: int, name: str) -> None:
         stage = "calibrating" if name.startswith("calibration") else "writing"
@@ -285,12 +286,13 @@ def main(
             bars[stage] = tqdm(total=total, unit="layer" if stage == "calibrating" else "tensor", desc=stage,
                                disable=None, file=sys.stderr)
         bar = bars[stage]
-        label = "" if stage == "calibrating" else name[-48:]  # layers are counted by the bar itself
+        # layers are counted by the bar itself; a weight's scales and zero points are named as the weight
+        label = "" if stage == "calibrating" else name.removesuffix("_scales").removesuffix("_zero_points")[-48:]
         bar.set_postfix_str(label, refresh=False)
         bar.update(done - bar.n)
         if bar.disable and (time.monotonic() - plain["last"] >= 15 or done == total):
             plain["last"] = time.monotonic()
-            typer.echo(f"{stage}: {done}/{total} {label or 'layers'}", err=True)
+            typer.echo(f"{stage}: {done}/{total} {label or 'layers'} ({plain['last'] - plain['start']:.0f} s)", err=True)
 
     def close_bars() -> None:
         for bar in bars.values():
@@ -423,7 +425,7 @@ def prepack(
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
     reclaim) drops by about the archive's size (int8, the growth as bench counts it, after a short
     prompt: about 1.08 x -> 0.02 x the archive; after 16-, 128- and 512-token prompts and 128 steps
-    each: 1.17 x -> 0.11 x; 2026-12-05). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    each: 1.17 x -> 0.11-0.12 x; 2026-12-05). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs about 2 x the archive on disk (4 x for bf16).
 
