@@ -383,14 +383,15 @@ def to_stdout(path: str | Path | None) -> bool:
 
 
 def check_outputs(json_out: str | Path | None, plot: str | Path | None,
-                  inputs: Sequence[str | Path | None] = ()) -> None:
+                  inputs: Sequence[str | Path | None] = (), report_key: str | None = None) -> None:
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
-    files (``staging.entry_refused``), a plot that is not ``.png``, no matplotlib for ``--plot``, or
+    files (``staging.entry_refused``), the same file for both outputs, a plot that is not ``.png``, no matplotlib for ``--plot``, or
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
     input folder such as the export's own ``manifest.json``), a file inside any export or bundle
     folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying), or an
     existing file that an earlier run did not write (:func:`_kept_file`: e.g. the export's source
-    weights or a model's ``config.json`` named by mistake).
+    weights, a model's ``config.json``, or with ``report_key`` a JSON file without that key at its
+    top level, such as a prompts list or someone's notes, named by mistake).
 
     Raises:
         OutputError, GemmaExportError: naming the option and the path.
@@ -398,6 +399,9 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     from .errors import OutputError
     from .staging import enclosing_output, entry_refused
 
+    if (json_out is not None and plot is not None and not to_stdout(json_out)
+            and Path(json_out).resolve() == Path(plot).resolve()):
+        raise OutputError(f"--json {json_out} and --plot {plot} name the same file; give each its own")
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or (option == "--json" and to_stdout(path)):
             continue
@@ -419,7 +423,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
         # /dev and /proc paths are written in place (write_json), even when they lead to a file
-        kept = None if _under_dev_or_proc(path) or not target.is_file() else _kept_file(target, option)
+        kept = None if _under_dev_or_proc(path) or not target.is_file() else _kept_file(target, option, report_key)
         if kept is not None:
             raise OutputError(f"{option} {path}: exists and {kept}; refusing to overwrite it; write it elsewhere")
         enclosing = enclosing_output(target)
@@ -455,12 +459,13 @@ def _under_dev_or_proc(path: str | Path) -> bool:
     return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
 
 
-def _kept_file(path: Path, option: str) -> str | None:
+def _kept_file(path: Path, option: str, report_key: str | None = None) -> str | None:
     """Why an existing regular file must not be overwritten by ``option`` (``"is not ..."``), or None
     when it may be: an empty file, or what an earlier run wrote (JSON text under
-    ``REPORT_LIMIT_BYTES`` that is not one of a model folder's own files, ``MODEL_JSON_FILES``, for
-    ``--json``; a PNG image for ``--plot``). So the export's source weights, a model's
-    ``config.json`` or someone's notes, named by mistake, are kept."""
+    ``REPORT_LIMIT_BYTES`` that is not one of a model folder's own files, ``MODEL_JSON_FILES``, and,
+    given ``report_key``, a JSON object with that key, for ``--json``; a PNG image for ``--plot``).
+    So the export's source weights, a model's ``config.json``, a prompts list or someone's notes,
+    named by mistake, are kept."""
     report = "a JSON report" if option == "--json" else "a PNG image"
     try:
         size = path.stat().st_size
@@ -473,7 +478,9 @@ def _kept_file(path: Path, option: str) -> str | None:
         with open(path, "rb") as f:
             if option == "--plot":
                 return None if f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE else f"is not {report}"
-            json.loads(f.read().decode("utf-8"))
+            value = json.loads(f.read().decode("utf-8"))
+        if report_key is not None and not (isinstance(value, dict) and report_key in value):
+            return f"is JSON but not an earlier report of this command (no top-level key {report_key!r})"
         return None
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"

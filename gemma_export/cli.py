@@ -5,9 +5,12 @@ then run, verify, measure and bundle it for the board.
     # the bundled Gemma 3 270M -> ./gemma-3-270m-onnx-int8, then text from it
     gemma-export --format onnx --dtype int8
     gemma-export generate --model gemma-3-270m-onnx-int8 --prompt "The sky is"
-    # a transformers folder or a .gguf; 4-bit layers with an int8 table
+    # a transformers folder or a .gguf
     gemma-export --source ./my-gemma --dtype bf16 --out out/
+    # 4-bit layers, int8 table -> ./gemma-3-270m-onnx-int4-table-int8
     gemma-export --dtype int4 --table-dtype int8
+    # the board team's reference export (archive beside it), own tokenizer
+    gemma-export --source ref/gemma.mlir --tokenizer tok/tokenizer.json
     # round to nearest: no calibration pass
     gemma-export --dtype int8 --no-calibrate
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +59,14 @@ def _path(value: str | Path) -> Path:
     if not value.strip():
         raise typer.BadParameter("empty path")
     return Path(value)
+
+
+def _file_path(value: str | Path) -> Path:
+    """Parse an output file option (``--json``, ``--plot``): as :func:`_path`, and a name ending in
+    ``/`` is refused (``Path`` would drop the slash and write a file where a folder was meant)."""
+    if isinstance(value, str) and value.endswith(("/", os.sep)) and value.strip():
+        raise typer.BadParameter(f"{value} names a folder (it ends in '/'); expected a file name")
+    return _path(value)
 
 
 def _quality_reference(value: str) -> str:
@@ -240,7 +252,7 @@ def main(
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source)."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
@@ -248,6 +260,7 @@ def main(
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
     scale_method: Optional[ScaleMethod] = typer.Option(None, "--scale-method", help="int4 only: how each block's scale is chosen: mse (clipping search, least squared error; the default) or rtn (the block's largest magnitude). The codes are then chosen by GPTQ unless --no-calibrate."),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds each weight to nearest (int4 scales still follow --scale-method)."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", parser=_path, metavar="<path>", help="A tokenizer.json, or a folder holding one (with its tokenizer_config.json and special_tokens_map.json), to put in the export instead of the source's: for a reference .mlir, which carries none, or to give FunctionGemma's own tokenizer. Checked against the model's vocabulary; it also tokenizes the calibration text."),
     calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", parser=_path, metavar="<path>", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 4,096; 16 to 16,384; more: better int8/int4 codes, slower export)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
@@ -305,7 +318,8 @@ def main(
                             symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None,
                             calibrate=calibrate, calibration_text=calibration_text,
                             calibration_tokens=calibration_tokens, all_logits=all_logits, debug_outputs=debug_outputs,
-                            progress=progress, status=lambda message: typer.echo(message, err=True))
+                            progress=progress, status=lambda message: typer.echo(message, err=True),
+                            tokenizer=tokenizer)
         finally:
             close_bars()  # before any error line
     try:
@@ -329,8 +343,9 @@ def _export_summary(result, archive: int) -> None:
     if "tokenizer.json" not in result.files:
         typer.echo("note: no tokenizer: the source carries none (a GGUF's is rebuilt only when its "
                    f"tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "
-                   "and `quality` need a Gemma tokenizer.json copied into "
-                   f"{result.out_dir}", err=True)
+                   "and `quality` need one: export again with --tokenizer TOKENIZER.json (the model's own; "
+                   "a file copied into the folder afterwards is not in its manifest, and `verify`, `bundle` "
+                   "and `prepack` refuse the folder)", err=True)
     typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
 
 
@@ -363,7 +378,7 @@ def generate(
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     json_out: Optional[Path] = typer.Option(
-        None, "--json", parser=_path, metavar="<path>",
+        None, "--json", parser=_file_path, metavar="<path>",
         help="Also write the prompt's and the new tokens' ids as a golden entry for `parity --golden` "
              "(prompt, prompt_ids, expected_ids, text, prefill_chunk, dtype) to this file ('-' = stdout)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -386,7 +401,7 @@ def generate(
     from .runtime import FUNCTION_GEMMA_TOKENS, generate as run
 
     with _reported(debug, writes=False):
-        check_outputs(json_out, None, inputs=(model,))
+        check_outputs(json_out, None, inputs=(model,), report_key="expected_ids")
         chunk = _prefill_chunk(prefill_chunk)
         result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
                      prepacked=prepacked)
@@ -549,8 +564,8 @@ def bench(
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help=BENCH_BOARD_HELP),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Text file for prompts (default: the Python license, else numpy's)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
-    plot: Optional[Path] = typer.Option(None, "--plot", parser=_path, metavar="<path>", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", parser=_file_path, metavar="<path>", help="Write decode ms/token against context length to this PNG (needs matplotlib)."),
     reference: Optional[Path] = typer.Option(None, "--reference", parser=_path, metavar="<path>", help="Also time the board team's reference export (.mlir) under IREE, one re-decode per token (needs the iree extra)."),
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
@@ -577,7 +592,7 @@ def bench(
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
-        check_outputs(json_out, plot, inputs=(model, text, reference, reference_weights))
+        check_outputs(json_out, plot, inputs=(model, text, reference, reference_weights), report_key="decode_ms_median")
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
                            text=text, reference=reference, reference_weights=reference_weights,
                            prefill_chunk=_prefill_chunk(prefill_chunk), progress=lambda msg: typer.echo(msg, err=True),
@@ -598,7 +613,7 @@ def quality(
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text (at least 2)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -621,7 +636,8 @@ def quality(
     from .quality import format_report, run_quality
 
     with _reported(debug, writes=False):
-        check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference))
+        check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference),
+                      report_key="kl_mean")
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
         typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
@@ -644,7 +660,7 @@ def parity(
     prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: Optional[int] = typer.Option(None, "--new-tokens", metavar="<int>", help="With --against transformers: greedy tokens generated after each prompt and compared (at least 1; default 16). A golden entry generates as many as it expects."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
-    json_out: Optional[Path] = typer.Option(None, "--json", parser=_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -664,7 +680,7 @@ def parity(
     from .parity import format_report, run_parity
 
     with _reported(debug, writes=False):
-        check_outputs(json_out, None, inputs=(model, reference, reference_weights, golden, prompts))
+        check_outputs(json_out, None, inputs=(model, reference, reference_weights, golden, prompts), report_key="checks")
         report = run_parity(model, against_transformers=against is not None or not (reference or golden),
                             reference=reference, reference_weights=reference_weights, reference_logits=reference_logits,
                             golden=golden, prompts=prompts, new_tokens=new_tokens, threads=threads,

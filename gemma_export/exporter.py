@@ -436,13 +436,15 @@ def export(
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
     status: Callable[[str], None] | None = None,
+    tokenizer: str | Path | None = None,
 ) -> ExportResult:
     """Export a Gemma 3 checkpoint to an ONNX folder.
 
     Args:
         source: a transformers folder, a ``.gguf`` file, a reference export's ``.mlir`` (its archive
             beside it; ``sources/mlir.py``), or None for the bundled real Gemma 3 270M.
-        out_dir: destination folder; default ``./{name}-onnx-{dtype}``.
+        out_dir: destination folder; default ``./{name}-onnx-{dtype}`` (``…-onnx-int4-table-int8`` for
+            int4 with ``table_dtype`` int8).
         dtype: ``fp32``, ``bf16``, ``int8`` or ``int4`` (block-wise weights, see ``weights.py``).
         block_size: int8/int4 block size of the layer projections (default 32, or the largest power
             of two that divides the dims).
@@ -467,6 +469,10 @@ def export(
         checkpoint: an already opened source (skips opening ``source``).
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
             right before the source is read.
+        tokenizer: a ``tokenizer.json``, or a folder holding one (its ``tokenizer_config.json`` and
+            ``special_tokens_map.json`` come along), to place in the export instead of the source's:
+            for a source without one (a reference ``.mlir``) or with another (FunctionGemma's own
+            tokenizer beside the bundled Gemma 3 weights). It also calibrates.
 
     Returns:
         An :class:`ExportResult`. The folder holds ``model.onnx``, ``model.onnx.data``, the tokenizer
@@ -500,6 +506,7 @@ def export(
     # once the source is known to calibrate (a tokenizer-less source never needs it)
     wants_text = quantized and (calibrate or calibration_text is not None)
     text = read_calibration_text(calibration_text) if wants_text else None
+    tokenizer_dir = _tokenizer_folder(tokenizer) if tokenizer is not None else None
     started = time.perf_counter()
     # refuse a foreign --out before the (slow) source is read, unless the source lies in or around it
     # (then _check_destination's message about the source says more)
@@ -509,7 +516,13 @@ def export(
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
     ckpt = checkpoint or open_source(source)
-    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, dtype)
+    if tokenizer_dir is not None:
+        from .sources.hf import read_tokenizer_folder
+
+        ckpt = dataclasses.replace(ckpt, tokenizer=read_tokenizer_folder(tokenizer_dir, ckpt.config.vocab_size))
+    # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
+    name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
+    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
@@ -590,6 +603,29 @@ def export(
 #: Below this many calibration tokens an export notes that GPTQ's statistics are thin: on the real
 #: 270M, 1,024 tokens already gave int8 a 13% higher KL than 4,096 (docs/quality.md).
 FEW_CALIBRATION_TOKENS = 1024
+
+
+def _tokenizer_folder(path: str | Path) -> Path:
+    """The folder of ``--tokenizer``: the path itself when it is a folder holding ``tokenizer.json``,
+    or the folder of a file named ``tokenizer.json``.
+
+    Raises:
+        SourceNotFoundError: nothing at ``path``, or a folder without ``tokenizer.json``.
+        FormatError: a file of another name, or one that is not a regular file.
+    """
+    path = Path(path)
+    if (what := non_regular(path)) is not None and not path.is_dir():
+        raise FormatError(f"{path}: is {what}; expected a tokenizer.json file or a folder holding one (--tokenizer)")
+    if not path.exists():
+        raise SourceNotFoundError(f"{path}: no such file or folder (--tokenizer)")
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            raise SourceNotFoundError(f"{path}: holds no tokenizer.json (--tokenizer)")
+        return path
+    if path.name != "tokenizer.json":
+        raise FormatError(f"{path}: expected a file named tokenizer.json (its side files are read beside it) or a "
+                          f"folder holding one, found '{path.name}' (--tokenizer)")
+    return path.parent
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,

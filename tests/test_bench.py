@@ -264,11 +264,20 @@ def test_json_and_plot_overwrite_a_previous_report_but_no_other_file(tiny_int8_e
     assert result.exit_code == 2 and "exists and is a model folder's config.json, not a JSON report" in result.output
     assert config.read_text() == '{"model_type": "gemma3_text"}'
     report = tmp_path / "golden.json"
-    for old in ('{"old": 1}', ""):
+    for old in ('{"expected_ids": [5], "old": 1}', ""):  # an earlier golden entry, or an empty file
         report.write_text(old)
         result = runner.invoke(app, generate + ["--json", str(report)])
         assert result.exit_code == 0, result.output
         assert len(json.loads(report.read_text())["expected_ids"]) == 2
+    # JSON, but another command's or someone's: a prompts list, a bench report given to generate
+    prompts = tmp_path / "prompts.json"
+    for other in ('["a prompt", [2, 5, 7]]', '{"decode_ms_median": 12.5}'):
+        prompts.write_text(other)
+        result = runner.invoke(app, generate + ["--json", str(prompts)])
+        assert result.exit_code == 2, result.output
+        assert (f"--json {prompts}: exists and is JSON but not an earlier report of this command (no top-level key "
+                "'expected_ids'); refusing to overwrite it") in result.output
+        assert prompts.read_text() == other
     picture = tmp_path / "notes.png"
     picture.write_text("my notes")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--plot", str(picture)])
@@ -538,3 +547,27 @@ def test_generate_names_control_token_text_read_as_plain_text(tiny_int8_export):
     plain = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
                                      "--max-new-tokens", "2"])
     assert plain.exit_code == 0 and "note: " not in plain.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["generate", "--model", "{model}", "--prompt", "the", "--json", "reports/"],
+    ["bench", "--model", "{model}", "--json", "reports/"],
+    ["bench", "--model", "{model}", "--plot", "plots/"],
+    ["parity", "--model", "{model}", "--json", "reports/"],
+    ["quality", "--model", "{model}", "--json", "reports/"],
+])
+def test_an_output_file_name_ending_in_a_slash_is_refused_not_written_as_a_file(tiny_int8_export, tmp_path, monkeypatch, args):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, [a.format(model=tiny_int8_export) for a in args])
+    assert result.exit_code == 2, result.output
+    assert "names a folder (it ends in '/'); expected a file name" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_json_and_plot_on_the_same_file_are_refused_before_measuring(tiny_int8_export, tmp_path):
+    same = tmp_path / "out.png"
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--json", str(same), "--plot",
+                                 str(tmp_path / "." / "out.png")])
+    assert result.exit_code == 2, result.output
+    assert f"--json {same} and --plot {tmp_path / '.' / 'out.png'} name the same file; give each its own" in result.output
+    assert list(tmp_path.iterdir()) == []

@@ -802,3 +802,59 @@ def test_version_names_the_toolkit_and_its_onnx_libraries():
     assert result.exit_code == 0, result.output
     assert result.stdout == (f"gemma-export {gemma_export.__version__} (onnx {version('onnx')}, "
                              f"onnxruntime {version('onnxruntime')})\n")
+
+
+def _tokenizer_folder(path: Path, vocab_size: int = 96) -> Path:
+    from conftest import write_char_tokenizer
+
+    path.mkdir()
+    return write_char_tokenizer(path, vocab_size)
+
+
+def test_a_tokenizer_given_replaces_the_sources_and_is_checked_against_the_vocabulary(tiny_dir, tmp_path):
+    # tiny_dir has no tokenizer: --tokenizer (a folder) brings one, and the int8 codes are calibrated with it
+    tok = _tokenizer_folder(tmp_path / "tok")
+    result = _run("--source", tiny_dir, "--tokenizer", tok, "--dtype", "int8", "--block-size", "16",
+                  "--table-block-size", "16", "--calibration-tokens", "32", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert "calibration: GPTQ on" in result.stdout and "note: no tokenizer" not in result.stderr
+    # a tokenizer whose ids pass the model's 96 rows is refused before anything is written
+    (tmp_path / "big").mkdir()
+    big = tmp_path / "big" / "tokenizer.json"
+    data = json.loads((tok / "tokenizer.json").read_text())
+    data["model"]["vocab"]["zz"] = 500
+    big.write_text(json.dumps(data))
+    result = _run("--source", tiny_dir, "--tokenizer", big, "--dtype", "fp32", "--out", tmp_path / "out2")
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert str(big) in line and "500" in line and "96" in line, line
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda t: t / "missing", "{path}: no such file or folder (--tokenizer)"),
+    (lambda t: (t / "empty").mkdir() or t / "empty", "{path}: holds no tokenizer.json (--tokenizer)"),
+    (lambda t: (t / "vocab.json").write_text("{}") and t / "vocab.json",
+     "{path}: expected a file named tokenizer.json (its side files are read beside it) or a folder holding one, "
+     "found 'vocab.json' (--tokenizer)"),
+])
+def test_a_tokenizer_path_that_is_not_one_is_named_before_the_source_is_read(tiny_dir, tmp_path, make, message):
+    path = make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = _run("--source", tiny_dir, "--tokenizer", path, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == "error: " + message.format(path=path), result.stderr
+    assert "reading" not in result.stderr  # refused before the source was opened
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_int4_with_an_int8_table_has_its_own_default_folder(tiny_dir, tmp_path, monkeypatch):
+    from gemma_export.exporter import export
+
+    monkeypatch.chdir(tmp_path)
+    plain = export(tiny_dir, None, "int4", block_size=16, table_block_size=16)
+    mixed = export(tiny_dir, None, "int4", block_size=16, table_block_size=16, table_dtype="int8")
+    assert plain.out_dir.name == f"{tiny_dir.name}-onnx-int4"
+    assert mixed.out_dir.name == plain.out_dir.name + "-table-int8"
+    assert (plain.out_dir / "manifest.json").is_file() and (mixed.out_dir / "manifest.json").is_file()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import make_tiny_model, reference_logits
+from conftest import make_tiny_model, reference_logits, write_char_tokenizer
 from jax_reference import save_flat_archive
 from gemma_export.cli import app
 from gemma_export.errors import FormatError
@@ -190,6 +190,29 @@ def test_manifest_records_the_reference(ref_model, tmp_path):
     out = export(mlir, tmp_path / "out", "int8", block_size=16).out_dir
     source = json.loads((out / "manifest.json").read_text())["source"]
     assert source["kind"] == "reference-mlir" and source["duplicate_table_collapsed"] is True
+
+
+def test_a_reference_export_with_a_tokenizer_given_makes_a_folder_that_verifies_and_generates(ref_model, tmp_path):
+    """A reference .mlir carries no tokenizer: --tokenizer puts the model's own in the export, listed in
+    its manifest (so verify and bundle accept the folder), and the int8 codes are calibrated with it."""
+    mlir = write_reference(ref_model, tmp_path / "ref", "bf16")
+    (tmp_path / "tok").mkdir()
+    tok = write_char_tokenizer(tmp_path / "tok")
+    (tok / "tokenizer_config.json").write_text('{"add_bos_token": true}')
+    runner = CliRunner()
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["--source", str(mlir), "--tokenizer", str(tok / "tokenizer.json"), "--dtype", "int8",
+                                 "--block-size", "16", "--table-block-size", "16", "--calibration-tokens", "64",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "note: no tokenizer" not in result.output and "calibration: GPTQ on" in result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest["files"])
+    assert manifest["quantization"]["calibration"]["tokens"] == 64
+    assert (out / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    result = runner.invoke(app, ["generate", "--model", str(out), "--prompt", "the fox", "--max-new-tokens", "3"])
+    assert result.exit_code == 0 and result.output.startswith("the fox"), result.output
 
 
 def test_inspect_reads_the_mlir_and_flags_the_table_stored_twice(tmp_path):

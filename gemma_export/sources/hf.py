@@ -161,23 +161,36 @@ def read_hf_folder(folder: Path) -> Checkpoint:
             raise FormatError(f"{shard}: not a readable safetensors file: {exc}") from None
     validate_tensors(config, tensors, str(folder))
     resolve_lm_head(config, tensors, str(folder))
-    for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
-        if (what := non_regular(folder / name)) is not None:
-            raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file or none")
-    tokenizer_files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
-    for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
-        if name in tokenizer_files:
-            _check_json_object(folder / name, tokenizer_files[name])
-    parsed = None
-    if "tokenizer.json" in tokenizer_files:  # copied beside the export and used to calibrate: refuse it now
-        parsed = read_tokenizer_json(folder / "tokenizer.json", tokenizer_files["tokenizer.json"])
-        check_tokenizer_vocab(parsed, config.vocab_size, folder / "tokenizer.json")
     return Checkpoint(
         config=config,
         tensors=tensors,
-        tokenizer=Tokenizer(lambda: tokenizer_files, parsed) if "tokenizer.json" in tokenizer_files else None,
+        tokenizer=read_tokenizer_folder(folder, config.vocab_size),
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
         files=(folder / "config.json", *shards),
     )
 
+
+
+def read_tokenizer_folder(folder: Path, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer files of a transformers folder (:data:`TOKENIZER_FILES`, those present), checked
+    as an export will use them: ``tokenizer.json`` parsed and its ids within ``vocab_size``, the
+    side files JSON objects. None when the folder has no ``tokenizer.json`` (nor any other of them).
+
+    Raises:
+        FormatError: a tokenizer file that is a folder, link to nothing, FIFO or device; an unreadable
+            or malformed one; a ``tokenizer.json`` whose ids exceed ``vocab_size``.
+    """
+    for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
+        if (what := non_regular(folder / name)) is not None:
+            raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file or none")
+    files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+    for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
+        if name in files:
+            _check_json_object(folder / name, files[name])
+    if "tokenizer.json" not in files:
+        return None
+    # copied beside the export and used to calibrate: refused now, not after the slow work
+    parsed = read_tokenizer_json(folder / "tokenizer.json", files["tokenizer.json"])
+    check_tokenizer_vocab(parsed, vocab_size, folder / "tokenizer.json")
+    return Tokenizer(lambda: files, parsed)
