@@ -4,7 +4,9 @@ What is measured, in one process and in this order:
 
 1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it,
    after loading the tokenizer (Gemma's holds ~100 MB) and importing onnx and onnxruntime (their own
-   ~11 MB): both reported apart, costs of the process, not of the model;
+   ~11 MB after the tokenizer, ~20 MB alone): both reported apart, costs of the process, not of the
+   model. "Session creation" also counts what comes with it: reading and checking the manifest and
+   the graph, and moving the packed weights onto huge pages (``--huge-pages``);
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
@@ -249,6 +251,9 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
     peak = peak_rss_bytes()
+    loaded = {"prepacked": str(decoder.prepacked_path) if decoder.prepacked_path else None,
+              "prepacked_note": decoder.prepacked_note, "huge_page_bytes": decoder.huge_page_bytes}
+    del decoder  # the session's memory goes before IREE compiles and runs the reference (a 1.9 GB board holds one)
     reference_figures = time_reference(reference, reference_weights, ids, by_prompt[lengths[0]], say) \
         if reference else None
     result = BenchResult(
@@ -260,8 +265,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         prefill_chunk=prefill_chunk,
-        prepacked=str(decoder.prepacked_path) if decoder.prepacked_path else None, prepacked_note=decoder.prepacked_note,
-        huge_page_bytes=decoder.huge_page_bytes, reference=reference_figures, new_tokens=new_tokens,
+        **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
     return result
 
@@ -343,7 +347,8 @@ def format_result(r: BenchResult) -> str:
             f"{ms:.1f} after {n}" for n, ms in r.decode_ms_median_by_prompt.items())
             if len(r.decode_ms_median_by_prompt) > 1 else "")
         + (f"; only {timed} timed step{'' if timed == 1 else 's'} per prompt (--new-tokens {WARMUP_STEPS + FEW_TIMED_STEPS} "
-           "or more for steadier figures)" if (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS else ""),
+           "or more for steadier figures)" if r.new_tokens is not None and (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS
+           else ""),
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",

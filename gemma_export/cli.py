@@ -415,9 +415,12 @@ def generate(
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text, "prefill_chunk": chunk or 0, "dtype": result.dtype}, json_out)
-    decode = sorted(result.decode_ms)
-    # the first new token comes from the prefill: with one new token there is no decode step to time
-    timing = f", decode median {decode[len(decode) // 2]:.1f} ms/token" if decode else ", no decode step"
+    import statistics
+
+    # the first new token comes from the prefill: with one new token there is no decode step to time;
+    # the first decode step also gives the prompt's memory back, so the median leaves it out, as bench does
+    decode = result.decode_ms[1:] if len(result.decode_ms) > 1 else result.decode_ms
+    timing = f", decode median {statistics.median(decode):.1f} ms/token" if decode else ", no decode step"
     typer.echo(f"[{len(result.prompt_ids)} prompt token{'' if len(result.prompt_ids) == 1 else 's'}, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
                f"{timing}; {'pre-packed copy' if result.prepacked else 'export graph, weights packed on the heap'}]", err=True)
     if json_out is not None and not to_stdout(json_out):
@@ -453,6 +456,9 @@ def prepack(
     from .prepack import remove as remove_copy
 
     with _reported(debug):
+        if remove and threads is not None:
+            raise typer.BadParameter("--threads does nothing with --remove (nothing runs); give one or the other",
+                                     param_hint="'--threads'")
         if remove:
             removed = remove_copy(model)
             typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
@@ -460,7 +466,7 @@ def prepack(
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
     _list_files(result.files, 20)
     typer.echo(f"wrote {result.out_dir} ({_mib(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
-               f"{result.checked_tokens} tokens identical to the export's")
+               f"{result.checked_tokens} token{'' if result.checked_tokens == 1 else 's'} identical to the export's")
 
 
 @app.command(short_help="Re-check an export folder against its manifest.")
@@ -511,7 +517,7 @@ def verify(
 
 @app.command(short_help="Show what an archive carries, and tables stored twice.")
 def inspect(
-    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx."),
+    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -587,7 +593,7 @@ def bench(
 
     with _reported(debug):
         try:
-            if not prompt_tokens.isascii():  # int() also reads other scripts' digits
+            if not prompt_tokens.isascii() or "_" in prompt_tokens:  # int() also reads other scripts' digits, and 1_6
                 raise ValueError
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:

@@ -473,12 +473,17 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str
 def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
     archive beside it; the type is read from the file). An export folder stands for its
-    ``model.onnx``.
+    ``model.onnx``, a bundle folder for its export's.
 
     Raises:
-        SourceNotFoundError: no such file, or a folder without ``model.onnx``.
+        SourceNotFoundError: no such file, or a folder without ``model.onnx`` (nor a bundle folder,
+            whose export's ``model/model.onnx`` is read).
         FormatError: the file is not one of the supported formats or is malformed.
     """
+    from .runtime import is_bundle
+
+    if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
+        path = Path(path) / "model"
     if Path(path).is_dir() and (Path(path) / MODEL_FILE).is_file():  # an export folder: its graph
         path = Path(path) / MODEL_FILE
     path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")

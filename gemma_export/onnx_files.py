@@ -19,6 +19,9 @@ DATA_FILE = "model.onnx.data"
 MANIFEST_FILE = "manifest.json"
 #: the file ``gemma-export bundle`` writes at the top of a board folder; the export is in ``model/``
 BUNDLE_MANIFEST = "BUNDLE.json"
+#: ``gemma-export prepack``'s machine-specific copy inside an export folder, and its record
+PREPACKED_DIR = "prepacked"
+PREPACKED_MANIFEST = "prepacked.json"
 #: External tensors larger than 1 MiB (onnx_ir's ``align_threshold``) start on 64 KiB boundaries so
 #: that onnxruntime can memory-map them on x86-64 and on aarch64 kernels with 64 KiB pages; smaller
 #: ones are packed without padding (aligning every tensor to 4 KiB instead left onnxruntime's memory

@@ -31,12 +31,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
-from .onnx_files import DATA_FILE, MODEL_FILE
+from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .runtime import read_manifest
 from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
-
-PREPACKED_DIR = "prepacked"
-PREPACKED_MANIFEST = "prepacked.json"
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
 #: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A

@@ -498,6 +498,10 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             if reference == "fp32":
                 from .exporter import export
 
+                if decoder.dtype == "fp32":
+                    say("note: the export is fp32 itself: the fp32 reference is the same model made again (100% and "
+                        "KL 0 expected); --reference transformers compares it with an independent implementation")
+
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="gemma-export-fp32-"))
                 say("reference: exporting the source at fp32 into a temporary folder")
                 source_checkpoint = manifest_checkpoint(model_dir)

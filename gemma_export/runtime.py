@@ -27,7 +27,8 @@ from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_STAR
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_utf8_path,
                      first_line, is_whole_number, shown)
-from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
+from .onnx_files import (BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype,
+                         load_graph)
 from .memory import release_free_heap
 from .text_files import not_unicode_at
 
@@ -58,8 +59,10 @@ class GenerationResult:
         prompt_ids: token ids of the prompt (with ``<bos>``).
         new_ids: generated ids (stops after an end-of-turn / eos id, which is included).
         text: the decoded new tokens.
-        prefill_ms: time of the prompt step, milliseconds.
-        decode_ms: time of each following step, milliseconds.
+        prefill_ms: time of the prompt's steps (all its chunks) and the pick of the first new token,
+            milliseconds.
+        decode_ms: time of each following step, milliseconds (the first also gives the prompt's
+            activation memory back: ``KVCache``).
         prepacked: whether the session loaded the folder's pre-packed copy.
         prepacked_note: why the copy was or was not used ("" when there is none).
     """
@@ -172,11 +175,19 @@ def manifest_figure(model_dir: Path, key: str) -> int | None:
     return value if is_whole_number(value) and value > 0 else None
 
 
-def _genai_decoder_config(model_dir: Path) -> dict:
+def _genai_model_config(model_dir: Path) -> dict:
+    """The ``model`` object of an onnxruntime-genai ``genai_config.json`` (``vocab_size``, ``decoder``);
+    ``{}`` when there is none or it is unreadable."""
     try:
-        return json.loads((model_dir / "genai_config.json").read_text())["model"]["decoder"]
+        config = json.loads((model_dir / "genai_config.json").read_text())["model"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _genai_decoder_config(model_dir: Path) -> dict:
+    decoder = _genai_model_config(model_dir).get("decoder")
+    return decoder if isinstance(decoder, dict) else {}
 
 
 def is_bundle(folder: str | Path) -> bool:
@@ -195,8 +206,8 @@ def require_folder(folder: Path, holding: str) -> None:
 
     Raises:
         GemmaExportError: the path is not valid UTF-8 (:func:`~gemma_export.errors.check_utf8_path`).
-        SourceNotFoundError: no such folder, something else by that name, or a bundle folder
-            (naming the export inside it).
+        SourceNotFoundError: no such folder, something else by that name, a bundle folder (naming
+            the export inside it), or an export's pre-packed copy (naming the export it belongs to).
     """
     check_utf8_path(folder, "export folder")
     if not folder.exists():
@@ -205,6 +216,9 @@ def require_folder(folder: Path, holding: str) -> None:
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
     if is_bundle(folder):
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
+    if folder.resolve().name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
+        raise SourceNotFoundError(f"{folder}: an export's pre-packed copy (gemma-export prepack), used through its "
+                                  f"export; give the export folder {folder.resolve().parent}")
 
 
 def check_listed_files(manifest: dict, model_dir: Path) -> None:
@@ -291,6 +305,16 @@ class OnnxDecoder:
             Linux ≥ 6.1, else nothing happens). Same logits; fewer TLB misses per decode step.
 
     Attributes:
+        session: the ``onnxruntime.InferenceSession``.
+        manifest: the folder's ``manifest.json`` (``{}`` for a folder of another tool).
+        dtype: the graph's weights: ``fp32``, ``bf16``, ``int8`` or ``int4``.
+        vocab_size, num_hidden_layers, num_key_value_heads, head_dim: read from the graph's inputs
+            and outputs (a symbolic one from the manifest or ``genai_config.json``).
+        max_position_embeddings: the manifest's, or None (no length check).
+        sliding_layers, sliding_window: the layers whose caches may drop rows outside the window,
+            and the window in positions (``()`` and None for graphs without ``sliding_cache_start``).
+        shares_kv_buffer: the graph reads and writes one KV buffer per layer (``KVCache``).
+        eos_token_id: the ids that stop generation (tuple).
         prepacked_path: the pre-packed ``model.onnx`` in use, or None.
         prepacked_note: why the folder's copy is or is not used ("" when there is none).
         huge_page_bytes: bytes moved onto huge pages after session creation (0: none).
@@ -370,6 +394,12 @@ class OnnxDecoder:
             if not isinstance(self.head_dim, int):
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
+        if not isinstance(self.vocab_size, int):  # symbolic: the manifest's or genai's config has it
+            self.vocab_size = (self.manifest.get("config", {}).get("vocab_size")
+                               or _genai_model_config(self.model_dir).get("vocab_size"))
+            if not is_whole_number(self.vocab_size) or self.vocab_size <= 0:
+                raise FormatError(f"{path}: the logits output has a symbolic vocabulary dimension and neither "
+                                  "manifest.json nor genai_config.json gives vocab_size")
         manifest = self.model_dir / MANIFEST_FILE
         check_manifest_fields(self.manifest, manifest)
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype,
@@ -536,6 +566,7 @@ class OnnxDecoder:
             ``max_new_tokens`` ids per prompt, in order; ``[]`` for no prompts.
 
         Raises:
+            ValueError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too).
             GemmaExportError: the longest prompt plus the new tokens exceed ``max_position_embeddings``.
             NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
@@ -543,6 +574,8 @@ class OnnxDecoder:
         batch = len(prompts)
         if batch == 0:
             return []
+        if empty := [row for row, prompt in enumerate(prompts) if len(prompt) == 0]:
+            raise ValueError(f"prompt #{empty[0]} of the batch has no tokens; each row needs at least one (its <bos>)")
         longest = max(len(p) for p in prompts)
         capacity = positions_needed(longest, max_new_tokens)
         self.check_length(capacity)
@@ -587,10 +620,13 @@ class OnnxDecoder:
             ``(start, rows)``: rows float32 ``[≤ chunk, vocab]`` for positions ``start …``; the array
             is reused for the next chunk, so a caller that keeps rows must copy them.
 
-        Raises:
-            GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings`` (before any step).
+        Raises (a generator: when iteration starts, before any step):
+            ValueError: ``chunk`` < 1.
+            GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings``.
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
+        if not is_whole_number(chunk) or chunk < 1:
+            raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
         self.check_length(len(token_ids))
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
@@ -938,23 +974,25 @@ class KVCache:
         self.shared = decoder.shares_kv_buffer
         #: the last step had more than one token (a prompt, or a chunk of one)
         self._after_prompt = False
-        if not self.shared:
-            self._past = decoder.empty_cache(batch_size)
-            return
         from .memory import available_bytes
 
         self.sliding_window = decoder.sliding_window
-        self._sliding = {f"past_key_values.{i}.{kind}" for i in decoder.sliding_layers for kind in ("key", "value")}
+        # other graphs' caches grow by concatenation and hold every position in every layer
+        sliding_layers = decoder.sliding_layers if self.shared else ()
+        self._sliding = {f"past_key_values.{i}.{kind}" for i in sliding_layers for kind in ("key", "value")}
         #: cache position of the sliding buffers' first row
         self.sliding_start = 0
         sliding_rows = self._rows(max_step) if self._sliding else 0
-        full_layers = decoder.num_hidden_layers - len(decoder.sliding_layers)
+        full_layers = decoder.num_hidden_layers - len(sliding_layers)
         row_bytes = batch_size * decoder.num_key_value_heads * decoder.head_dim * 4
-        need = 2 * row_bytes * (full_layers * capacity + len(decoder.sliding_layers) * sliding_rows)
+        need = 2 * row_bytes * (full_layers * capacity + len(sliding_layers) * sliding_rows)
         available = available_bytes()
         if available is not None and need > available:
             raise ResourceError(f"KV cache: {capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, more "
                                 f"than the {available / 1e9:,.1f} GB this machine has available; ask for fewer tokens")
+        if not self.shared:
+            self._past = decoder.empty_cache(batch_size)
+            return
 
         self._binding = decoder.session.io_binding()
         self._binding.bind_output("logits")  # first bound output: get_outputs()[0]
@@ -998,8 +1036,9 @@ class KVCache:
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
         """Run one step and append its keys/values. Shapes as :meth:`OnnxDecoder.forward` (each step's
-        ``attention_mask`` one step longer than the last: past + sequence); returns logits float32
-        ``[B, 1 or S, vocab]`` (an array the caller owns).
+        ``attention_mask`` longer than the last by the step's length: past + sequence); returns
+        logits float32 ``[B, 1 or S, vocab]`` (an array the caller owns). A step of several tokens
+        after a past needs ``B`` = 1 (onnxruntime's GroupQueryAttention refuses it otherwise).
 
         Args:
             input_ids: int64 ``[B, S]``.
@@ -1074,7 +1113,8 @@ def import_runtime_libraries() -> None:
     ``bench`` calls it before its memory baseline, so that the growth it reports is the session's
     and the model's, not the libraries' code and data: importing onnx and onnxruntime adds about
     20 MB of Anonymous memory once per process (11.4 + 8.6 MB on x86-64, measured 2026-12-04),
-    whatever the model. ``bench`` reports that figure on its own line.
+    whatever the model, and about 11 MB after the tokenizer's parse has left heap to reuse (as in
+    ``bench``, which loads it first; 2026-12-05). ``bench`` reports that figure on its own line.
 
     Raises:
         ImportError: a library is not installed.
@@ -1147,6 +1187,11 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
+    needed = positions_needed(len(prompt_ids), max_new_tokens)
+    limit = manifest_figure(model_dir, "max_position_embeddings")
+    if limit and needed > limit:  # before the (slow) session, as bench; the session checks the graph's own figure
+        raise GemmaExportError(f"{model_dir}: a sequence of {needed} tokens (the prompt and the new tokens fed back) "
+                               f"exceeds the model's max_position_embeddings {limit}")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)

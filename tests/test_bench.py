@@ -165,6 +165,7 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     (["--prompt-tokens", "4,x"], "--prompt-tokens: expected comma-separated integers, found '4,x'"),
     (["--prompt-tokens", "8,,9"], "--prompt-tokens: expected comma-separated integers, found '8,,9'"),
     (["--prompt-tokens", "\u0663"], "--prompt-tokens: expected comma-separated integers, found '\u0663'"),  # an Arabic-Indic 3
+    (["--prompt-tokens", "16_0"], "--prompt-tokens: expected comma-separated integers, found '16_0'"),  # int() reads 160
     (["--prompt-tokens", "0"], "--prompt-tokens: expected positive lengths"),
     (["--prompt-tokens", "8,4,8"], "--prompt-tokens: each length once; 8 given more than once"),
     (["--new-tokens", "2"], f"--new-tokens: expected more than {WARMUP_STEPS}"),

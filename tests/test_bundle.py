@@ -597,3 +597,14 @@ def test_the_wheel_is_built_in_the_given_scratch_folder_and_pip_dies_with_a_kill
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_inspect_of_a_bundle_folder_reads_its_export(tiny_int8_export, wheel, tmp_path):
+    out = tmp_path / "board"
+    assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)]).exit_code == 0
+    direct = runner.invoke(app, ["inspect", str(tiny_int8_export / "model.onnx"), "--json"])
+    via_bundle = runner.invoke(app, ["inspect", str(out), "--json"])
+    assert via_bundle.exit_code == 0, via_bundle.output
+    a, b = json.loads(direct.stdout), json.loads(via_bundle.stdout)
+    assert b["path"] == str(out / "model" / "model.onnx")
+    assert {k: v for k, v in a.items() if k != "path"} == {k: v for k, v in b.items() if k != "path"}

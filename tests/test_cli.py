@@ -858,3 +858,18 @@ def test_int4_with_an_int8_table_has_its_own_default_folder(tiny_dir, tmp_path, 
     assert plain.out_dir.name == f"{tiny_dir.name}-onnx-int4"
     assert mixed.out_dir.name == plain.out_dir.name + "-table-int8"
     assert (plain.out_dir / "manifest.json").is_file() and (mixed.out_dir / "manifest.json").is_file()
+
+
+def test_generate_reports_the_median_decode_step_after_the_first(tiny_int8_export, monkeypatch):
+    # the first decode step gives the prompt's memory back (slower); the median of the others is
+    # reported: 11.0 for [50, 10, 12, 11], where the upper middle of all four would say 12.0
+    from gemma_export import runtime
+
+    def fake(model, prompt, **kwargs):
+        return runtime.GenerationResult(prompt_ids=[2, 5], new_ids=[7, 8, 9, 10, 11], text="abcde", prefill_ms=3.0,
+                                        decode_ms=[50.0, 10.0, 12.0, 11.0], dtype="int8")
+
+    monkeypatch.setattr(runtime, "generate", fake)
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "x")
+    assert result.exit_code == 0, result.output
+    assert "[2 prompt tokens, 5 new; prefill 3 ms, decode median 11.0 ms/token;" in result.stderr, result.stderr

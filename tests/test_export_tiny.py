@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
+from gemma_export.errors import FormatError
 from gemma_export.exporter import is_table_shaped, count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
@@ -226,6 +227,27 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
     for prompt, row in zip(prompts, batched):
         alone, _, _ = decoder.greedy(prompt, 12, stop_ids=[])
         assert row == alone
+    with pytest.raises(ValueError, match=r"prompt #1 of the batch has no tokens"):
+        decoder.greedy_batch([[2, 5], []], 2)
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 1.5])
+def test_teacher_forced_chunks_refuse_a_chunk_below_one_row(fp32_all, chunk):
+    with pytest.raises(ValueError, match=f"chunk must be a whole number of rows >= 1, found {chunk}"):
+        next(OnnxDecoder(fp32_all).teacher_forced_chunks([2, 5, 6], chunk))
+
+
+@pytest.mark.parametrize("prompt_length", [1, 5, 6, 11])
+def test_greedy_after_a_prompt_of_one_token_or_a_chunk_plus_one_equals_the_reference(fp32_all, tiny_model, prompt_length):
+    """Prompts fed in steps of 5 (``prefill_chunk``): one token, one step exactly, a step plus one
+    token (the last step is one token long, as a decode step), two steps plus one. Each greedy token
+    must be the reference's argmax over the sequence so far."""
+    decoder = OnnxDecoder(fp32_all)
+    prompt = [2, 17, 33, 52, 9, 71, 40, 12, 5, 60, 8][:prompt_length]
+    new, _, _ = decoder.greedy(prompt, 4, stop_ids=[], prefill_chunk=5)
+    sequence = np.asarray([prompt + new], np.int64)
+    expected = reference_logits(tiny_model, sequence)[0, len(prompt) - 1:-1].argmax(-1)
+    assert new == expected.tolist()
 
 
 def _steps(decoder, cache_or_none, prompt_ids, mask, steps):
@@ -1041,3 +1063,63 @@ def test_a_transposed_copy_of_the_table_counts_as_a_second_table(tmp_path):
          onnx.numpy_helper.from_array(np.zeros((64, 64), np.float32), "square")])
     onnx.save(onnx.helper.make_model(graph), tmp_path / "m.onnx")
     assert count_table_initializers(tmp_path / "m.onnx", 96, 64) == 2
+
+
+def _with_symbolic_vocab(export_dir: Path, dest: Path) -> Path:
+    """A copy of ``export_dir`` whose ``logits`` output names its vocabulary dimension instead of
+    giving it, as other tools' graphs (onnxruntime-genai's) may."""
+    import shutil
+
+    shutil.copytree(export_dir, dest)
+    model = onnx.load(str(dest / "model.onnx"), load_external_data=False)
+    dim = next(o for o in model.graph.output if o.name == "logits").type.tensor_type.shape.dim[-1]
+    dim.ClearField("dim_value")
+    dim.dim_param = "vocab_size"
+    onnx.save(model, str(dest / "model.onnx"))
+    return dest
+
+
+def test_a_symbolic_vocabulary_dimension_is_read_from_the_config(tiny_dir, tmp_path):
+    # fp32: onnxruntime's shape inference does not see through the head's Gemm, so the name stays
+    fp32 = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
+    folder = _with_symbolic_vocab(fp32, tmp_path / "sym")
+    decoder, plain = OnnxDecoder(folder), OnnxDecoder(fp32)
+    assert decoder.session.get_outputs()[0].shape[-1] == "vocab_size" and decoder.vocab_size == 96
+    ids = [2, 5, 6, 7]
+    assert decoder.greedy(ids, 4)[0] == plain.greedy(ids, 4)[0]
+    assert np.array_equal(decoder.teacher_forced_logits(ids), plain.teacher_forced_logits(ids))
+    with pytest.raises(FormatError, match=r"token id 96 is outside the export's vocabulary \(0 to 95\)"):
+        decoder.greedy([2, 96], 1)  # the ids are checked against the figure read, not compared with a string
+    for name in ("manifest.json", "genai_config.json"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(FormatError, match="symbolic vocabulary dimension and neither manifest.json nor "
+                                          "genai_config.json gives vocab_size"):
+        OnnxDecoder(folder)
+
+
+def test_a_cache_of_another_graph_is_checked_against_available_memory_too(fp32_all, monkeypatch):
+    """Graphs without the shared KV buffer (other exporters') grow their cache by concatenation: a
+    length beyond the machine's memory is refused before the first step, as for our own."""
+    from gemma_export import memory
+    from gemma_export.errors import ResourceError
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(fp32_all)
+    decoder.shares_kv_buffer = False
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10**6)
+    # 4 layers x key and value x 2 heads x 16 dims x 4 bytes = 1,024 bytes per position
+    KVCache(decoder, 1, 900)  # 0.92 MB: fits
+    with pytest.raises(ResourceError, match=r"KV cache: 1,000 positions .* need 0\.0 GB"):
+        KVCache(decoder, 1, 1000)
+
+
+def test_generate_refuses_a_length_beyond_the_positions_before_loading_the_session(tiny_int8_export, monkeypatch):
+    from gemma_export import runtime
+    from gemma_export.errors import GemmaExportError
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("the session was loaded")
+
+    monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
+    with pytest.raises(GemmaExportError, match=r"a sequence of 303 tokens .* exceeds the model's max_position_embeddings 256"):
+        runtime.generate(tiny_int8_export, "the fox", max_new_tokens=296)  # 8 prompt ids + 296 - 1 fed back

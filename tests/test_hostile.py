@@ -341,7 +341,7 @@ CASES = {
     # safetensors in a transformers folder
     "st truncated data": Case(hf(edit_bytes=lambda b: b[:-100]), FormatError, ("model.safetensors", "lies outside")),
     "st header length past the end": Case(hf(edit_bytes=lambda b: struct.pack("<Q", 10**9) + b[8:]), FormatError,
-                                          ("header length 1000000000 exceeds the file",)),
+                                          ("not a safetensors file: its first 8 bytes give a header length of 1,000,000,000, beyond the file",)),
     "st header not json": Case(hf(edit_bytes=lambda b: b[:8] + b"\x00" + b[9:]), FormatError, ("header is not JSON",)),
     "st overlapping offsets": Case(hf(edit_bytes=forge_header(_overlap)), FormatError, ("overlaps",)),
     "st unknown dtype": Case(hf(edit_bytes=forge_header(_entry(UP, dtype="Q4X"))), FormatError,

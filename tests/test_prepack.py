@@ -495,3 +495,30 @@ def test_an_old_copy_that_cannot_be_deleted_is_named_and_never_costs_the_working
     finally:
         for path in prepack_module.leftovers(export_copy):
             deletable(path / "prepacked" / "model.onnx.data")
+
+
+@pytest.mark.parametrize("command", [
+    ["generate", "--model", "{copy}", "--prompt", "the"],
+    ["bench", "--model", "{copy}"],
+    ["quality", "--model", "{copy}"],
+    ["verify", "{copy}"],
+    ["prepack", "--model", "{copy}"],
+])
+def test_the_prepacked_folder_given_as_the_model_names_its_export(export_copy, command):
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+    copy = export_copy / "prepacked"
+    before = sorted(p.name for p in copy.iterdir())
+    result = _run(*[a.format(copy=copy) for a in command])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {copy}: an export's pre-packed copy (gemma-export prepack), used through "
+                                     f"its export; give the export folder {export_copy}"), result.stderr
+    assert sorted(p.name for p in copy.iterdir()) == before
+
+
+def test_threads_with_remove_are_refused_and_nothing_is_removed(export_copy):
+    assert _run("prepack", "--model", export_copy).exit_code == 0
+    result = _run("prepack", "--model", export_copy, "--remove", "--threads", "2")
+    assert result.exit_code == 2 and "--threads does nothing with --remove" in result.stderr, result.output
+    assert (export_copy / "prepacked" / "prepacked.json").is_file()
+    result = _run("prepack", "--model", export_copy, "--remove")
+    assert result.exit_code == 0 and not (export_copy / "prepacked").exists(), result.output

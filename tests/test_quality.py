@@ -571,3 +571,22 @@ def test_perplexity_of_a_row_recomputed_in_float64_uses_the_models_logits():
     assert m.perplexity == pytest.approx(math.exp(sum(nll) / 2), rel=1e-9)
     assert m.perplexity >= 2.0 - 1e-9  # sqrt(4 * 1): no row predicts its word with probability above 1
     assert m.reference_perplexity == pytest.approx(4.0, rel=1e-6)
+
+
+def test_an_fp32_export_measured_against_the_fp32_reference_gets_a_note(tiny_dir, text_file, tmp_path):
+    from conftest import write_char_tokenizer
+    from gemma_export.exporter import export
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    fp32 = export(src, tmp_path / "fp32", "fp32").out_dir
+    result = runner.invoke(app, ["quality", "--model", str(fp32), "--reference", "fp32", "--text", str(text_file),
+                                 "--tokens", "40"])
+    assert result.exit_code == 0, result.output
+    assert "note: the export is fp32 itself: the fp32 reference is the same model made again" in result.output
+    assert "top-1        100.00%" in result.output
+    int8 = export(src, tmp_path / "int8", "int8", block_size=16, calibrate=False).out_dir
+    result = runner.invoke(app, ["quality", "--model", str(int8), "--reference", "fp32", "--text", str(text_file),
+                                 "--tokens", "40"])
+    assert result.exit_code == 0 and "note: the export is fp32 itself" not in result.output, result.output

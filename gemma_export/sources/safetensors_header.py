@@ -64,7 +64,8 @@ def read_header(path: Path) -> list[HeaderEntry]:
             raise FormatError(f"{path}: {size} bytes, too short for a safetensors header (8-byte length)")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise FormatError(f"{path}: header length {header_len} exceeds the file ({size} bytes) or 100 MiB")
+            raise FormatError(f"{path}: not a safetensors file: its first 8 bytes give a header length of "
+                              f"{header_len:,}, beyond the file ({size:,} bytes) or 100 MiB")
         raw = f.read(header_len)
     try:
         header = json.loads(raw, object_pairs_hook=_no_duplicates)
