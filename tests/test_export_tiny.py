@@ -1123,3 +1123,35 @@ def test_generate_refuses_a_length_beyond_the_positions_before_loading_the_sessi
     monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
     with pytest.raises(GemmaExportError, match=r"a sequence of 303 tokens .* exceeds the model's max_position_embeddings 256"):
         runtime.generate(tiny_int8_export, "the fox", max_new_tokens=296)  # 8 prompt ids + 296 - 1 fed back
+
+
+@pytest.mark.parametrize("prompt_length, chunk", [(5, None), (11, 5)])
+def test_the_first_one_token_step_after_a_prompt_gives_the_arena_and_heap_back_once(tiny_int8_export, monkeypatch,
+                                                                                 prompt_length, chunk):
+    """The step after a prompt (or after its last chunk of several tokens) runs with the arena
+    shrinkage option and trims the heap; no other step does."""
+    from gemma_export import runtime
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    trims, shrinks = [], []
+    monkeypatch.setattr(runtime, "release_free_heap", lambda: trims.append(1))
+    session = decoder.session
+    run = session.run_with_iobinding
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(session, name)
+
+        def run_with_iobinding(self, binding, options=None):
+            shrinks.append(options is not None and
+                           options.get_run_config_entry(runtime.ARENA_SHRINKAGE[0]) == runtime.ARENA_SHRINKAGE[1])
+            return run(binding) if options is None else run(binding, options)
+
+    decoder.session = Recording()
+    prompt = [2, 17, 33, 52, 9, 71, 40, 12, 5, 60, 8][:prompt_length]
+    decoder.greedy(prompt, 5, stop_ids=[], prefill_chunk=chunk)
+    assert len(trims) == 1 and sum(shrinks) == 1, (trims, shrinks)
+    # the one shrinking step is the first with one token after a longer one
+    steps = ([min(chunk, prompt_length - s) for s in range(0, prompt_length, chunk)] if chunk else [prompt_length]) + [1] * 4
+    first_single = next(i for i, n in enumerate(steps) if n == 1 and i > 0 and steps[i - 1] > 1)
+    assert shrinks.index(True) == first_single, (steps, shrinks)
