@@ -576,7 +576,7 @@ def bench(
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
-    huge_pages: bool = typer.Option(True, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (Linux >= 6.1; 0.79-0.89 x the decode time on x86-64). --no-huge-pages measures without."),
+    huge_pages: Optional[bool] = typer.Option(None, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (the default; Linux >= 6.1; 0.79-0.89 x the decode time on x86-64). --no-huge-pages measures without.", show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
@@ -598,11 +598,14 @@ def bench(
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
             raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
+        if prepacked and huge_pages is not None:  # the copy's weights are mapped from disk, not packed on the heap
+            raise typer.BadParameter("applies to weights packed on the heap, and --prepacked maps them from disk; "
+                                     "give one or the other", param_hint="'--huge-pages' / '--no-huge-pages'")
         check_outputs(json_out, plot, inputs=(model, text, reference, reference_weights), report_key="decode_ms_median")
         result = run_bench(model, threads=threads, prompt_tokens=lengths, new_tokens=new_tokens, board=board,
                            text=text, reference=reference, reference_weights=reference_weights,
                            prefill_chunk=_prefill_chunk(prefill_chunk), progress=lambda msg: typer.echo(msg, err=True),
-                           prepacked=prepacked, huge_pages=huge_pages)
+                           prepacked=prepacked, huge_pages=huge_pages is not False)
         typer.echo(format_result(result), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:
             write_json(result.to_dict(), json_out)

@@ -572,3 +572,11 @@ def test_json_and_plot_on_the_same_file_are_refused_before_measuring(tiny_int8_e
     assert result.exit_code == 2, result.output
     assert f"--json {same} and --plot {tmp_path / '.' / 'out.png'} name the same file; give each its own" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag", ["--huge-pages", "--no-huge-pages"])
+def test_huge_pages_with_prepacked_are_refused_as_doing_nothing(tiny_int8_export, flag):
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prepacked", flag])
+    assert result.exit_code == 2, result.output
+    assert ("applies to weights packed on the heap, and --prepacked maps them from disk; give one or the other"
+            in result.output)
