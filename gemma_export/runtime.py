@@ -341,8 +341,14 @@ class OnnxDecoder:
         path = check_export_folder(self.model_dir)
         self.manifest = read_manifest(self.model_dir)
         check_listed_files(self.manifest, self.model_dir)  # first: "the folder changed after the export" says most
-        #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says: checked below
-        self.dtype = graph_dtype(load_graph(path))  # a readable graph whose external data are files of this folder
+        graph = load_graph(path)  # a readable graph whose external data are files of this folder
+        #: the weights the graph stores (fp32, bf16, int8, int4), whatever the manifest says
+        self.dtype = graph_dtype(graph)
+        # a hand-edited manifest is named before the (slow) session; the session's figures are checked again below
+        check_manifest_fields(self.manifest, self.model_dir / MANIFEST_FILE)
+        check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, *graph_vocab_and_layers(graph),
+                                     self.dtype, graph_kv_dims(graph))
+        del graph
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
         if optimized_model_path is not None or prepacked is False:

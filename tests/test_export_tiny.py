@@ -1155,3 +1155,18 @@ def test_the_first_one_token_step_after_a_prompt_gives_the_arena_and_heap_back_o
     steps = ([min(chunk, prompt_length - s) for s in range(0, prompt_length, chunk)] if chunk else [prompt_length]) + [1] * 4
     first_single = next(i for i, n in enumerate(steps) if n == 1 and i > 0 and steps[i - 1] > 1)
     assert shrinks.index(True) == first_single, (steps, shrinks)
+
+
+def test_a_manifest_that_contradicts_the_graph_is_named_before_the_session_is_created(tiny_int8_export, tmp_path,
+                                                                                     monkeypatch):
+    from conftest import export_with_config
+    from gemma_export import runtime
+
+    folder = export_with_config(tiny_int8_export, tmp_path / "edited", num_hidden_layers=17)
+
+    def no_session(*args, **kwargs):
+        raise AssertionError("the session was created")
+
+    monkeypatch.setattr(runtime, "create_session", no_session)
+    with pytest.raises(FormatError, match="field 'config.num_hidden_layers' is 17, but the graph has 4"):
+        OnnxDecoder(folder, prepacked=False)
