@@ -404,6 +404,12 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     from .errors import OutputError
     from .staging import enclosing_output, entry_refused
 
+    for option, path in (("--json", json_out), ("--plot", plot)):
+        try:
+            if path is not None:
+                Path(path).resolve()
+        except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
+            raise OutputError(f"{option} {path}: cannot be resolved ({exc}); give a file name that leads to a file") from None
     if (json_out is not None and plot is not None and not to_stdout(json_out)
             and Path(json_out).resolve() == Path(plot).resolve()):
         raise OutputError(f"--json {json_out} and --plot {plot} name the same file; give each its own")

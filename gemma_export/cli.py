@@ -64,8 +64,9 @@ def _path(value: str | Path) -> Path:
 def _file_path(value: str | Path) -> Path:
     """Parse an output file option (``--json``, ``--plot``): as :func:`_path`, and a name ending in
     ``/`` is refused (``Path`` would drop the slash and write a file where a folder was meant)."""
-    if isinstance(value, str) and value.endswith(("/", os.sep)) and value.strip():
-        raise typer.BadParameter(f"{value} names a folder (it ends in '/'); expected a file name")
+    last = value.replace(os.sep, "/").rstrip("/").rsplit("/", 1)[-1] if isinstance(value, str) else ""
+    if isinstance(value, str) and value.strip() and (value.endswith(("/", os.sep)) or last in (".", "..")):
+        raise typer.BadParameter(f"{value} names a folder (it ends in '/', '.' or '..'); expected a file name")
     return _path(value)
 
 
@@ -340,6 +341,8 @@ def _export_summary(result, archive: int) -> None:
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
     if result.calibration is not None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
+    elif result.dtype in QUANTIZED_DTYPES:
+        typer.echo("calibration: none; codes rounded to nearest")
     if "tokenizer.json" not in result.files:
         typer.echo("note: no tokenizer: the source carries none (a GGUF's is rebuilt only when its "
                    f"tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "
@@ -607,6 +610,9 @@ def bench(
                            prefill_chunk=_prefill_chunk(prefill_chunk), progress=lambda msg: typer.echo(msg, err=True),
                            prepacked=prepacked, huge_pages=huge_pages is not False)
         typer.echo(format_result(result), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
+        if huge_pages is not None and result.prepacked:
+            typer.echo(f"note: --{'' if huge_pages else 'no-'}huge-pages did nothing: the folder's pre-packed copy was "
+                       "used (its weights are mapped from disk); --no-prepacked measures the heap", err=True)
         if json_out is not None:
             write_json(result.to_dict(), json_out)
         if plot is not None:

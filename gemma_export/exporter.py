@@ -506,7 +506,12 @@ def export(
     # once the source is known to calibrate (a tokenizer-less source never needs it)
     wants_text = quantized and (calibrate or calibration_text is not None)
     text = read_calibration_text(calibration_text) if wants_text else None
-    tokenizer_dir = _tokenizer_folder(tokenizer) if tokenizer is not None else None
+    given_tokenizer = None
+    if tokenizer is not None:  # read and parsed before the (slow) source; checked against it once it is open
+        from .sources.hf import read_tokenizer_folder
+
+        tokenizer_dir = _tokenizer_folder(tokenizer)
+        given_tokenizer = read_tokenizer_folder(tokenizer_dir, None, "--tokenizer")
     started = time.perf_counter()
     # refuse a foreign --out before the (slow) source is read, unless the source lies in or around it
     # (then _check_destination's message about the source says more)
@@ -515,11 +520,14 @@ def export(
         _check_replaceable(Path(out_dir))
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
-    ckpt = checkpoint or open_source(source)
-    if tokenizer_dir is not None:
-        from .sources.hf import read_tokenizer_folder
-
-        ckpt = dataclasses.replace(ckpt, tokenizer=read_tokenizer_folder(tokenizer_dir, ckpt.config.vocab_size))
+    ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
+    if given_tokenizer is not None:
+        beyond = _check_given_tokenizer(given_tokenizer, tokenizer_dir / "tokenizer.json", ckpt.config)
+        if beyond and status is not None:
+            piece, token_id = beyond[0]
+            status(f"note: {len(beyond)} added token(s) of {tokenizer_dir / 'tokenizer.json'} lie beyond the model's "
+                   f"{ckpt.config.vocab_size:,} rows ({piece!r} = {token_id:,}); a prompt that uses one is refused")
+        ckpt = dataclasses.replace(ckpt, tokenizer=given_tokenizer)
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
     name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
@@ -584,7 +592,9 @@ def export(
             # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
             "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
             # sha256: quality and parity re-open the source by path and refuse other contents there
-            "source": {**ckpt.identity, "sha256": ckpt.content_sha256()},
+            "source": {**ckpt.identity, "sha256": ckpt.content_sha256(),
+                       # where the tokenizer came from when it is not the source's own (--tokenizer)
+                       **({"tokenizer": str(tokenizer_dir.resolve())} if given_tokenizer is not None else {})},
             # what the export is: a source that claims tie_word_embeddings but stores a different
             # lm_head (or a GGUF with its own output.weight) is exported with two tables
             "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},
@@ -619,13 +629,41 @@ def _tokenizer_folder(path: str | Path) -> Path:
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or folder (--tokenizer)")
     if path.is_dir():
-        if not (path / "tokenizer.json").exists():
+        if (what := non_regular(path / "tokenizer.json")) is not None:
+            raise FormatError(f"{path / 'tokenizer.json'}: is {what}; expected the tokenizer file (--tokenizer)")
+        if not (path / "tokenizer.json").is_file():
             raise SourceNotFoundError(f"{path}: holds no tokenizer.json (--tokenizer)")
         return path
     if path.name != "tokenizer.json":
         raise FormatError(f"{path}: expected a file named tokenizer.json (its side files are read beside it) or a "
                           f"folder holding one, found '{path.name}' (--tokenizer)")
     return path.parent
+
+
+def _check_given_tokenizer(tokenizer, path: Path, config) -> list[tuple[str, int]]:
+    """``--tokenizer``'s ids fit the model's vocabulary, and the token it puts before a prompt is
+    the model's ``bos_token_id``: a tokenizer of another model is refused before the export.
+
+    Returns:
+        ``(piece, id)`` of its added tokens beyond the vocabulary, by id: allowed (a tokenizer may
+        name more special tokens than a model has rows), but the caller says so.
+
+    Raises:
+        FormatError: naming ``path``, the id found and the one expected.
+    """
+    from .tokenizer import check_tokenizer_vocab
+
+    parsed = tokenizer.parsed(path.parent)
+    try:
+        check_tokenizer_vocab(parsed, config.vocab_size, path)
+    except FormatError as exc:
+        raise FormatError(f"{exc} (--tokenizer)") from None
+    first = parsed.encode("").ids[:1]
+    if first and first[0] != config.bos_token_id:
+        raise FormatError(f"{path}: puts {parsed.id_to_token(first[0])!r} (id {first[0]}) before a prompt, but the "
+                          f"model's bos_token_id is {config.bos_token_id}; expected the model's own tokenizer (--tokenizer)")
+    added = parsed.get_added_tokens_decoder()
+    return sorted(((token.content, i) for i, token in added.items() if i >= config.vocab_size), key=lambda item: item[1])
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
@@ -643,7 +681,8 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
     files = ckpt.tokenizer.files if ckpt.tokenizer is not None else {}
     if "tokenizer.json" not in files:
         raise ConfigError(f"{ckpt.path}: {option} needs a tokenizer (calibration tokenizes a text) and this source "
-                          f"has none; export without {option} (round-to-nearest codes)")
+                          f"has none; give the model's own with --tokenizer TOKENIZER.json, or export without "
+                          f"{option} (round-to-nearest codes)")
     # only a prefix of a long text is tokenized (encoding 10 MB of text took ~0.7 GB and 15 s)
     ids = first_tokens(ckpt.tokenizer.parsed(Path(ckpt.path)), body, tokens)
     if ids and max(ids) >= ckpt.config.vocab_size:

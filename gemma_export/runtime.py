@@ -346,8 +346,15 @@ class OnnxDecoder:
         self.dtype = graph_dtype(graph)
         # a hand-edited manifest is named before the (slow) session; the session's figures are checked again below
         check_manifest_fields(self.manifest, self.model_dir / MANIFEST_FILE)
-        check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, *graph_vocab_and_layers(graph),
-                                     self.dtype, graph_kv_dims(graph))
+        try:
+            vocab, layers = graph_vocab_and_layers(graph)
+            table_rows = graph_table_rows(graph)  # the vocabulary where the logits' dimension is symbolic
+            kv_dims = graph_kv_dims(graph)
+        except TypeError:  # protobuf gives a name that is not UTF-8 as bytes: create_session names it below
+            table_rows = None
+        else:
+            check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, vocab or table_rows, layers,
+                                         self.dtype, kv_dims)
         del graph
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
@@ -400,12 +407,16 @@ class OnnxDecoder:
             if not isinstance(self.head_dim, int):
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
         self.vocab_size = self.session.get_outputs()[0].shape[-1]
-        if not isinstance(self.vocab_size, int):  # symbolic: the manifest's or genai's config has it
-            self.vocab_size = (self.manifest.get("config", {}).get("vocab_size")
-                               or _genai_model_config(self.model_dir).get("vocab_size"))
+        if not isinstance(self.vocab_size, int):  # symbolic: the table's rows, else the manifest's or genai's config
+            configured = (self.manifest.get("config", {}).get("vocab_size")
+                          or _genai_model_config(self.model_dir).get("vocab_size"))
+            self.vocab_size = table_rows or configured
             if not is_whole_number(self.vocab_size) or self.vocab_size <= 0:
                 raise FormatError(f"{path}: the logits output has a symbolic vocabulary dimension and neither "
                                   "manifest.json nor genai_config.json gives vocab_size")
+            if table_rows and configured and configured != table_rows:
+                raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.vocab_size' is {configured}, "
+                                  f"but the graph's embedding table has {table_rows} rows")
         manifest = self.model_dir / MANIFEST_FILE
         check_manifest_fields(self.manifest, manifest)
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype,
@@ -788,6 +799,23 @@ def graph_vocab_and_layers(model) -> tuple[int | None, int]:
     return vocab, layers
 
 
+def graph_table_rows(model) -> int | None:
+    """Rows of the table the embedding lookup reads: the first dimension of the data of the
+    ``Gather`` that takes ``input_ids``, when that is an initializer (or a ``Cast`` of one, as in a
+    bf16 export); None for graphs laid out otherwise (onnxruntime-genai's gathers from a Transpose)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    produced_by = {out: node for node in model.graph.node for out in node.output}
+    for node in model.graph.node:
+        if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] != "input_ids":
+            continue
+        data = node.input[0]
+        if data not in initializers and data in produced_by and produced_by[data].op_type == "Cast":
+            data = produced_by[data].input[0]
+        if data in initializers and initializers[data].dims:
+            return int(initializers[data].dims[0])
+    return None
+
+
 def graph_kv_dims(model) -> tuple[int | None, int | None]:
     """``(num_key_value_heads, head_dim)`` from the ``past_key_values.0.key`` input of an export's
     ``onnx.ModelProto`` (layout ``[batch, kv_heads, past, head_dim]``); None where absent or symbolic."""
@@ -1154,7 +1182,8 @@ def load_tokenizer(model_dir: str | Path):
     if (what := non_regular(path)) is not None:
         raise FormatError(f"{path}: is {what}; expected the tokenizer file")
     if not path.is_file():
-        raise FormatError(f"{path}: missing; export from a source that carries a tokenizer")
+        raise FormatError(f"{path}: missing; export again with the model's tokenizer (--tokenizer TOKENIZER.json), "
+                          "or from a source that carries one")
     return read_tokenizer_json(path)
 
 

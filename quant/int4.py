@@ -56,9 +56,12 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
         uint8 ``[..., M // 2]``: ``codes[..., 2i] | codes[..., 2i + 1] << 4``.
 
     Raises:
-        ValueError: an odd ``M``, or a code outside [0, 15] (it would spill into its neighbour's nibble).
+        ValueError: codes that are not integers, an odd ``M``, or a code outside [0, 15] (it would
+            spill into its neighbour's nibble).
     """
     codes = np.asarray(codes)
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"expected integer 4-bit codes, found dtype {codes.dtype}")
     if codes.ndim == 0 or codes.shape[-1] % 2:
         raise ValueError(f"expected an even number of 4-bit codes along the last axis, found shape {codes.shape}")
     if codes.size and (codes.min() < 0 or codes.max() > 15):

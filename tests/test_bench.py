@@ -556,12 +556,14 @@ def test_generate_names_control_token_text_read_as_plain_text(tiny_int8_export):
     ["bench", "--model", "{model}", "--plot", "plots/"],
     ["parity", "--model", "{model}", "--json", "reports/"],
     ["quality", "--model", "{model}", "--json", "reports/"],
+    ["generate", "--model", "{model}", "--prompt", "the", "--json", "reports/."],
+    ["bench", "--model", "{model}", "--json", "reports/.."],
 ])
 def test_an_output_file_name_ending_in_a_slash_is_refused_not_written_as_a_file(tiny_int8_export, tmp_path, monkeypatch, args):
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, [a.format(model=tiny_int8_export) for a in args])
     assert result.exit_code == 2, result.output
-    assert "names a folder (it ends in '/'); expected a file name" in result.output
+    assert "names a folder (it ends in '/', '.' or '..'); expected a file name" in result.output
     assert list(tmp_path.iterdir()) == []
 
 
@@ -580,3 +582,31 @@ def test_huge_pages_with_prepacked_are_refused_as_doing_nothing(tiny_int8_export
     assert result.exit_code == 2, result.output
     assert ("applies to weights packed on the heap, and --prepacked maps them from disk; give one or the other"
             in result.output)
+
+
+def test_a_json_name_in_a_loop_of_links_is_refused_in_one_line(tiny_int8_export, tmp_path):
+    (tmp_path / "a.json").symlink_to(tmp_path / "b.json")
+    (tmp_path / "b.json").symlink_to(tmp_path / "a.json")
+    result = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the", "--json",
+                                 str(tmp_path / "a.json")])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: --json {tmp_path / 'a.json'}: cannot be resolved (")
+    assert result.output.strip().endswith("give a file name that leads to a file")
+
+
+def test_huge_pages_given_while_the_copy_is_used_by_default_gets_a_note(tiny_int8_export, text_file, tmp_path):
+    import shutil
+
+    from gemma_export.prepack import prepack
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    prepack(model)
+    result = runner.invoke(app, ["bench", "--model", str(model), "--text", str(text_file), "--prompt-tokens", "4",
+                                 "--new-tokens", "6", "--huge-pages"])
+    assert result.exit_code == 0, result.output
+    assert ("note: --huge-pages did nothing: the folder's pre-packed copy was used (its weights are mapped from disk); "
+            "--no-prepacked measures the heap") in result.output
+    result = runner.invoke(app, ["bench", "--model", str(model), "--text", str(text_file), "--prompt-tokens", "4",
+                                 "--new-tokens", "6"])
+    assert result.exit_code == 0 and "did nothing" not in result.output, result.output

@@ -265,7 +265,8 @@ def test_generate_checks_the_tokenizer_before_creating_the_session(tiny_int8_exp
     monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
     result = _run("generate", "--model", model, "--prompt", "hi")
     assert result.exit_code == 2, result.output
-    assert result.stderr == f"error: {model / 'tokenizer.json'}: missing; export from a source that carries a tokenizer\n"
+    assert result.stderr == (f"error: {model / 'tokenizer.json'}: missing; export again with the model's tokenizer "
+                             "(--tokenizer TOKENIZER.json), or from a source that carries one\n")
 
 
 def test_verify_names_a_missing_folder_and_a_file(tmp_path):
@@ -873,3 +874,71 @@ def test_generate_reports_the_median_decode_step_after_the_first(tiny_int8_expor
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "x")
     assert result.exit_code == 0, result.output
     assert "[2 prompt tokens, 5 new; prefill 3 ms, decode median 11.0 ms/token;" in result.stderr, result.stderr
+
+
+def test_a_tokenizer_of_another_model_is_refused_and_added_tokens_beyond_the_table_are_named(tiny_dir, tmp_path):
+    tok = _tokenizer_folder(tmp_path / "tok")
+    data = json.loads((tok / "tokenizer.json").read_text())
+    # another model's <bos>: the post-processor puts id 5 before every prompt; the model's bos_token_id is 2
+    other = tmp_path / "other"
+    other.mkdir()
+    swapped = json.loads(json.dumps(data))
+    swapped["post_processor"]["special_tokens"]["<bos>"]["ids"] = [5]
+    (other / "tokenizer.json").write_text(json.dumps(swapped))
+    result = _run("--source", tiny_dir, "--tokenizer", other, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().endswith(f"error: {other / 'tokenizer.json'}: puts 'b' (id 5) before a prompt, but the "
+                                          "model's bos_token_id is 2; expected the model's own tokenizer (--tokenizer)")
+    assert not (tmp_path / "out").exists()
+    # an added token beyond the model's 96 rows: exported, with a note; the manifest names the tokenizer's folder
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    vocab = data["model"]["vocab"]
+    vocab.update({f"<unused{i}>": i for i in range(len(vocab), 96)})  # the pieces fill the 96 rows
+    data["added_tokens"].append({"id": 96, "content": "<tool>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (extra / "tokenizer.json").write_text(json.dumps(data))
+    result = _run("--source", tiny_dir, "--tokenizer", extra, "--dtype", "int8", "--no-calibrate", "--block-size", "16",
+                  "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert (f"note: 1 added token(s) of {extra / 'tokenizer.json'} lie beyond the model's 96 rows ('<tool>' = 96); "
+            "a prompt that uses one is refused") in result.stderr
+    assert "calibration: none; codes rounded to nearest" in result.stdout
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["source"]["tokenizer"] == str(extra.resolve())
+
+
+def test_a_damaged_tokenizer_named_by_its_folder_is_refused_before_the_source_is_read(tiny_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
+    result = _run("--source", tiny_dir, "--tokenizer", broken, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {broken / 'tokenizer.json'}: is a broken link; expected the tokenizer "
+                                     "file (--tokenizer)")
+    side = _tokenizer_folder(tmp_path / "side")
+    (side / "tokenizer_config.json").write_text("[1, 2]")
+    result = _run("--source", tiny_dir, "--tokenizer", side, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "reading" not in result.stderr, result.output
+    assert result.stderr.strip().startswith(f"error: {side / 'tokenizer_config.json'}:") and \
+        result.stderr.strip().endswith("(--tokenizer)"), result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_sources_own_damaged_tokenizer_does_not_stop_an_export_given_another(tiny_dir, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    (src / "tokenizer.json").write_text("{not json")
+    result = _run("--source", src, "--dtype", "fp32", "--out", tmp_path / "plain")
+    assert result.exit_code == 2 and "tokenizer.json" in result.stderr  # alone, it is refused
+    tok = _tokenizer_folder(tmp_path / "tok")
+    result = _run("--source", src, "--tokenizer", tok, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+
+
+def test_calibrating_a_source_without_a_tokenizer_suggests_giving_one(tiny_dir, tmp_path):
+    result = _run("--source", tiny_dir, "--dtype", "int8", "--calibrate", "--block-size", "16", "--out", tmp_path / "out")
+    assert result.exit_code == 2, result.output
+    assert "needs a tokenizer (calibration tokenizes a text) and this source has none; give the model's own with " \
+           "--tokenizer TOKENIZER.json, or export without --calibrate" in result.stderr

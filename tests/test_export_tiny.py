@@ -1090,11 +1090,19 @@ def test_a_symbolic_vocabulary_dimension_is_read_from_the_config(tiny_dir, tmp_p
     assert np.array_equal(decoder.teacher_forced_logits(ids), plain.teacher_forced_logits(ids))
     with pytest.raises(FormatError, match=r"token id 96 is outside the export's vocabulary \(0 to 95\)"):
         decoder.greedy([2, 96], 1)  # the ids are checked against the figure read, not compared with a string
-    for name in ("manifest.json", "genai_config.json"):
-        (folder / name).unlink(missing_ok=True)
-    with pytest.raises(FormatError, match="symbolic vocabulary dimension and neither manifest.json nor "
-                                          "genai_config.json gives vocab_size"):
+    # the figure is the embedding table's rows: a config that says otherwise is named, not trusted
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["config"]["vocab_size"] = 100
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="field 'config.vocab_size' is 100, but the graph has 96"):
         OnnxDecoder(folder)
+    (folder / "manifest.json").unlink()
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"vocab_size": 50}}))
+    with pytest.raises(FormatError, match=r"genai_config.json: field 'model.vocab_size' is 50, but the graph's "
+                                          "embedding table has 96 rows"):
+        OnnxDecoder(folder)
+    (folder / "genai_config.json").unlink()
+    assert OnnxDecoder(folder).vocab_size == 96  # no config at all: the table's rows
 
 
 def test_a_cache_of_another_graph_is_checked_against_available_memory_too(fp32_all, monkeypatch):
@@ -1170,3 +1178,12 @@ def test_a_manifest_that_contradicts_the_graph_is_named_before_the_session_is_cr
     monkeypatch.setattr(runtime, "create_session", no_session)
     with pytest.raises(FormatError, match="field 'config.num_hidden_layers' is 17, but the graph has 4"):
         OnnxDecoder(folder, prepacked=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
+def test_the_table_rows_are_read_from_every_dtypes_lookup(tiny_dir, tmp_path, dtype):
+    from gemma_export.runtime import graph_table_rows
+
+    kwargs = {"block_size": 16, "table_block_size": 16} if dtype in ("int8", "int4") else {}
+    out = export(tiny_dir, tmp_path / dtype, dtype, **kwargs).out_dir
+    assert graph_table_rows(onnx.load(str(out / "model.onnx"), load_external_data=False)) == 96

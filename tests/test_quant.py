@@ -376,3 +376,8 @@ def test_row_chunks_of_the_quantizers_give_what_one_pass_gives(monkeypatch, sche
     # and each row is its own: row r dequantizes close to w[r] (within a step of its blocks' scales)
     step = np.repeat(np.abs(chunked.scales), 32, axis=1)
     assert (np.abs(chunked.dequantize() - w) <= step + 1e-6).all()
+
+
+def test_nibble_packing_refuses_codes_that_are_not_integers():
+    with pytest.raises(ValueError, match="expected integer 4-bit codes, found dtype float64"):
+        pack_nibbles(np.array([[1.5, 2.0]]))

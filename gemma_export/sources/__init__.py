@@ -33,12 +33,14 @@ def bundled_gguf_path() -> Path:
     return Path(assemble())
 
 
-def open_source(source: str | Path | None) -> Checkpoint:
+def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint:
     """Open a model source lazily.
 
     Args:
         source: a transformers folder (``config.json`` + safetensors), a ``.gguf`` file, a reference
             export's ``.mlir`` (its safetensors archive beside it), or None for the bundled real Gemma 3 270M.
+        tokenizer: False: a transformers folder's tokenizer files are not read (another one was
+            given, and a damaged file there must not stop the export).
 
     Raises:
         SourceNotFoundError: the path does not exist.
@@ -55,7 +57,7 @@ def open_source(source: str | Path | None) -> Checkpoint:
         if not (path / "config.json").exists() and (path / MODEL_FILE).is_file():
             raise SourceNotFoundError(f"{path}: an ONNX export (model.onnx, no config.json), not a source; give the "
                                       "transformers folder, .gguf or .mlir it was made from")
-        return read_hf_folder(path)
+        return read_hf_folder(path, tokenizer=tokenizer)
     if not path.is_file():  # a FIFO would block the read below; a device is no model
         raise SourceNotFoundError(f"{path}: not a regular file or a folder")
     with open(path, "rb") as f:

@@ -110,8 +110,9 @@ def _row_reader(path: Path, key: str):
     return lambda start, stop: _read(path, key, lambda f: f.get_slice(key)[start:stop])
 
 
-def read_hf_folder(folder: Path) -> Checkpoint:
-    """Open a transformers Gemma 3 folder lazily.
+def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
+    """Open a transformers Gemma 3 folder lazily; ``tokenizer`` False leaves its tokenizer files
+    unread (the export was given another one).
 
     Raises:
         ConfigError: invalid ``config.json``.
@@ -164,7 +165,7 @@ def read_hf_folder(folder: Path) -> Checkpoint:
     return Checkpoint(
         config=config,
         tensors=tensors,
-        tokenizer=read_tokenizer_folder(folder, config.vocab_size),
+        tokenizer=read_tokenizer_folder(folder, config.vocab_size) if tokenizer else None,
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
         files=(folder / "config.json", *shards),
@@ -172,25 +173,35 @@ def read_hf_folder(folder: Path) -> Checkpoint:
 
 
 
-def read_tokenizer_folder(folder: Path, vocab_size: int) -> Tokenizer | None:
+def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | None = None) -> Tokenizer | None:
     """The tokenizer files of a transformers folder (:data:`TOKENIZER_FILES`, those present), checked
-    as an export will use them: ``tokenizer.json`` parsed and its ids within ``vocab_size``, the
-    side files JSON objects. None when the folder has no ``tokenizer.json`` (nor any other of them).
+    as an export will use them: ``tokenizer.json`` parsed and (given ``vocab_size``) its ids within
+    it, the side files JSON objects. None when the folder has no ``tokenizer.json``.
+
+    Args:
+        folder: the source folder, or the folder of ``--tokenizer``.
+        vocab_size: the model's; None: checked later (:func:`~gemma_export.tokenizer.check_tokenizer_vocab`).
+        option: the option that named the folder (``--tokenizer``), added to every message.
 
     Raises:
         FormatError: a tokenizer file that is a folder, link to nothing, FIFO or device; an unreadable
             or malformed one; a ``tokenizer.json`` whose ids exceed ``vocab_size``.
     """
-    for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
-        if (what := non_regular(folder / name)) is not None:
-            raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file or none")
-    files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
-    for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
-        if name in files:
-            _check_json_object(folder / name, files[name])
-    if "tokenizer.json" not in files:
-        return None
-    # copied beside the export and used to calibrate: refused now, not after the slow work
-    parsed = read_tokenizer_json(folder / "tokenizer.json", files["tokenizer.json"])
-    check_tokenizer_vocab(parsed, vocab_size, folder / "tokenizer.json")
+    given = f" ({option})" if option else ""
+    try:
+        for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
+            if (what := non_regular(folder / name)) is not None:
+                raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file{'' if option else ' or none'}")
+        files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+        for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
+            if name in files:
+                _check_json_object(folder / name, files[name])
+        if "tokenizer.json" not in files:
+            return None
+        # copied beside the export and used to calibrate: refused now, not after the slow work
+        parsed = read_tokenizer_json(folder / "tokenizer.json", files["tokenizer.json"])
+        if vocab_size is not None:
+            check_tokenizer_vocab(parsed, vocab_size, folder / "tokenizer.json")
+    except FormatError as exc:
+        raise FormatError(f"{exc}{given}") from None
     return Tokenizer(lambda: files, parsed)
