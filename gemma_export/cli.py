@@ -339,6 +339,8 @@ def _export_summary(result, archive: int) -> None:
     typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
+    if result.tokenizer_from is not None:
+        typer.echo(f"tokenizer: from {result.tokenizer_from} (--tokenizer)")
     if result.calibration is not None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     elif result.dtype in QUANTIZED_DTYPES:

@@ -54,6 +54,8 @@ class ExportResult:
         elapsed_s: wall time of the export, seconds.
         peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.
         calibration: the manifest's record of the GPTQ calibration (method, text, tokens), or None.
+        tokenizer_from: the ``tokenizer.json`` given with ``tokenizer`` (its files are in the
+            export), or None when the tokenizer is the source's own (or there is none).
     """
 
     out_dir: Path
@@ -64,6 +66,7 @@ class ExportResult:
     elapsed_s: float
     peak_rss_bytes: int
     calibration: dict | None = None
+    tokenizer_from: Path | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -607,7 +610,8 @@ def export(
         status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
                "makes one for the new files")
     return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
-                        (quantization or {}).get("calibration"))
+                        (quantization or {}).get("calibration"),
+                        tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None)
 
 
 #: Below this many calibration tokens an export notes that GPTQ's statistics are thin: on the real

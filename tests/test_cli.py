@@ -820,6 +820,7 @@ def test_a_tokenizer_given_replaces_the_sources_and_is_checked_against_the_vocab
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
     assert "calibration: GPTQ on" in result.stdout and "note: no tokenizer" not in result.stderr
+    assert f"tokenizer: from {tok / 'tokenizer.json'} (--tokenizer)" in result.stdout
     # a tokenizer whose ids pass the model's 96 rows is refused before anything is written
     (tmp_path / "big").mkdir()
     big = tmp_path / "big" / "tokenizer.json"
