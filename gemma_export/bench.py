@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import importlib
 import io
 import json
@@ -405,11 +406,20 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     from .staging import enclosing_output, entry_refused
 
     for option, path in (("--json", json_out), ("--plot", plot)):
+        if path is None or (option == "--json" and to_stdout(path)):
+            continue
         try:
-            if path is not None:
-                Path(path).resolve()
+            Path(path).resolve()
         except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
             raise OutputError(f"{option} {path}: cannot be resolved ({exc}); give a file name that leads to a file") from None
+        folder = os.path.dirname(str(path)) or "."  # as the file will be opened: "loop/../x" is not resolved away
+        if not os.path.isdir(folder):
+            try:
+                os.stat(folder)
+            except OSError as exc:  # a missing folder is named further down
+                if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+                    raise OutputError(f"{option} {path}: its folder {folder} cannot be reached ({exc.strerror}); give a "
+                                      "file name that leads to a file") from None
     if (json_out is not None and plot is not None and not to_stdout(json_out)
             and Path(json_out).resolve() == Path(plot).resolve()):
         raise OutputError(f"--json {json_out} and --plot {plot} name the same file; give each its own")

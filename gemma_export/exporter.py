@@ -660,12 +660,14 @@ def _check_given_tokenizer(tokenizer, path: Path, config) -> list[tuple[str, int
     parsed = tokenizer.parsed(path.parent)
     try:
         check_tokenizer_vocab(parsed, config.vocab_size, path)
-    except FormatError as exc:
-        raise FormatError(f"{exc} (--tokenizer)") from None
-    first = parsed.encode("").ids[:1]
-    if first and first[0] != config.bos_token_id:
-        raise FormatError(f"{path}: puts {parsed.id_to_token(first[0])!r} (id {first[0]}) before a prompt, but the "
-                          f"model's bos_token_id is {config.bos_token_id}; expected the model's own tokenizer (--tokenizer)")
+    except (FormatError, ConfigError) as exc:
+        raise type(exc)(f"{exc} (--tokenizer)") from None
+    # a prompt must get exactly the model's <bos> in front, and nothing else (generate and calibration rely on it)
+    plain = parsed.encode("a", add_special_tokens=False).ids
+    got = parsed.encode("a").ids
+    if got != [config.bos_token_id, *plain]:
+        raise FormatError(f"{path}: turns the prompt 'a' into ids {got}; expected the model's <bos> (bos_token_id "
+                          f"{config.bos_token_id}) and then {plain}, as Gemma's own tokenizer does (--tokenizer)")
     added = parsed.get_added_tokens_decoder()
     return sorted(((token.content, i) for i, token in added.items() if i >= config.vocab_size), key=lambda item: item[1])
 

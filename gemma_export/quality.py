@@ -409,7 +409,7 @@ def manifest_checkpoint(model_dir: Path):
     if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
         raise FormatError(f"{manifest}: field 'source.sha256' must be 64 lowercase hex digits (or null), found "
                           f"{shown(digest)}")
-    checkpoint = open_source(path)
+    checkpoint = open_source(path, tokenizer="tokenizer" not in record)  # the export's own tokenizer is used
     where = f"{manifest}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "

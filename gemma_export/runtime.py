@@ -801,15 +801,16 @@ def graph_vocab_and_layers(model) -> tuple[int | None, int]:
 
 def graph_table_rows(model) -> int | None:
     """Rows of the table the embedding lookup reads: the first dimension of the data of the
-    ``Gather`` that takes ``input_ids``, when that is an initializer (or a ``Cast`` of one, as in a
-    bf16 export); None for graphs laid out otherwise (onnxruntime-genai's gathers from a Transpose)."""
+    ``Gather`` that takes ``input_ids``, when that is an initializer (or reached from one through
+    ``Cast`` or ``Identity`` nodes, as in a bf16 export); None for graphs laid out otherwise
+    (onnxruntime-genai's gathers from a Transpose)."""
     initializers = {t.name: t for t in model.graph.initializer}
     produced_by = {out: node for node in model.graph.node for out in node.output}
     for node in model.graph.node:
         if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] != "input_ids":
             continue
         data = node.input[0]
-        if data not in initializers and data in produced_by and produced_by[data].op_type == "Cast":
+        while data not in initializers and data in produced_by and produced_by[data].op_type in ("Cast", "Identity"):
             data = produced_by[data].input[0]
         if data in initializers and initializers[data].dims:
             return int(initializers[data].dims[0])

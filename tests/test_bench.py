@@ -610,3 +610,13 @@ def test_huge_pages_given_while_the_copy_is_used_by_default_gets_a_note(tiny_int
     result = runner.invoke(app, ["bench", "--model", str(model), "--text", str(text_file), "--prompt-tokens", "4",
                                  "--new-tokens", "6"])
     assert result.exit_code == 0 and "did nothing" not in result.output, result.output
+
+
+def test_a_json_name_whose_folder_passes_through_a_loop_of_links_is_refused_before_the_run(tiny_int8_export, tmp_path):
+    (tmp_path / "la").symlink_to(tmp_path / "lb")
+    (tmp_path / "lb").symlink_to(tmp_path / "la")
+    name = f"{tmp_path / 'la'}/../out.json"
+    result = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the", "--json", name])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith(f"error: --json {name}: its folder {tmp_path / 'la'}/.. cannot be reached (")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["la", "lb"]

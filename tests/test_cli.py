@@ -888,9 +888,21 @@ def test_a_tokenizer_of_another_model_is_refused_and_added_tokens_beyond_the_tab
     (other / "tokenizer.json").write_text(json.dumps(swapped))
     result = _run("--source", tiny_dir, "--tokenizer", other, "--dtype", "fp32", "--out", tmp_path / "out")
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip().endswith(f"error: {other / 'tokenizer.json'}: puts 'b' (id 5) before a prompt, but the "
-                                          "model's bos_token_id is 2; expected the model's own tokenizer (--tokenizer)")
+    assert result.stderr.strip().endswith(f"error: {other / 'tokenizer.json'}: turns the prompt 'a' into ids [5, 4]; "
+                                          "expected the model's <bos> (bos_token_id 2) and then [4], as Gemma's own "
+                                          "tokenizer does (--tokenizer)")
     assert not (tmp_path / "out").exists()
+    # no <bos> at all (no post-processor), or <bos> after the text: refused the same way
+    for name, post in (("none", None), ("after", {"type": "TemplateProcessing", "single": [
+            {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<bos>", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}], "special_tokens": data["post_processor"]["special_tokens"]})):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(json.dumps({**data, "post_processor": post}))
+        result = _run("--source", tiny_dir, "--tokenizer", folder, "--dtype", "fp32", "--out", tmp_path / "out")
+        assert result.exit_code == 2, result.output
+        assert f"turns the prompt 'a' into ids {[4] if post is None else [4, 2]}; expected the model's <bos>" in result.stderr
+        assert not (tmp_path / "out").exists()
     # an added token beyond the model's 96 rows: exported, with a note; the manifest names the tokenizer's folder
     extra = tmp_path / "extra"
     extra.mkdir()
@@ -943,3 +955,19 @@ def test_calibrating_a_source_without_a_tokenizer_suggests_giving_one(tiny_dir, 
     assert result.exit_code == 2, result.output
     assert "needs a tokenizer (calibration tokenizes a text) and this source has none; give the model's own with " \
            "--tokenizer TOKENIZER.json, or export without --calibrate" in result.stderr
+
+
+def test_quality_of_an_export_given_a_tokenizer_does_not_read_the_sources_own(tiny_dir, text_file, tmp_path):
+    # the source's tokenizer.json is damaged, which is why --tokenizer was given: the export and the
+    # transformers reference of quality both leave it unread
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    (src / "tokenizer.json").write_text("{not json")
+    tok = _tokenizer_folder(tmp_path / "tok")
+    assert _run("--source", src, "--tokenizer", tok, "--dtype", "int8", "--block-size", "16", "--no-calibrate",
+                "--out", tmp_path / "out").exit_code == 0
+    result = _run("quality", "--model", tmp_path / "out", "--reference", "transformers", "--text", text_file,
+                  "--tokens", "40")
+    assert result.exit_code == 0, result.output
+    assert "top-1" in result.output and "tokenizer.json" not in result.stderr
+

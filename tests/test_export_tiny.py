@@ -1103,6 +1103,14 @@ def test_a_symbolic_vocabulary_dimension_is_read_from_the_config(tiny_dir, tmp_p
         OnnxDecoder(folder)
     (folder / "genai_config.json").unlink()
     assert OnnxDecoder(folder).vocab_size == 96  # no config at all: the table's rows
+    # the lookup reading the table through an Identity: still the table's rows
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", [gather.input[0]], ["table_view"]))
+    gather.input[0] = "table_view"
+    from gemma_export.runtime import graph_table_rows
+
+    assert graph_table_rows(model) == 96
 
 
 def test_a_cache_of_another_graph_is_checked_against_available_memory_too(fp32_all, monkeypatch):

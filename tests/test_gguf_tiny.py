@@ -295,3 +295,24 @@ def test_a_block_tensor_name_other_than_a_known_weight_is_refused(name):
         _hf_name(name, Path("m.gguf"))
     assert _hf_name("blk.12.attn_q.weight", Path("m.gguf")) == ("model.layers.12.self_attn.q_proj.weight", False)
     assert _hf_name("blk.3.post_ffw_norm.weight", Path("m.gguf")) == ("model.layers.3.post_feedforward_layernorm.weight", True)
+
+
+def test_a_gguf_sources_own_tokenizer_is_not_read_when_another_is_given(tiny_gguf, tmp_path):
+    """--tokenizer replaces the GGUF's tokenizer, so a fault in the one replaced does not stop the export."""
+    from typer.testing import CliRunner
+
+    from conftest import write_char_tokenizer
+    from gemma_export.cli import app
+
+    model, _, _ = tiny_gguf
+    path = tmp_path / "dup.gguf"
+    write_tiny_gguf(model, path, tokenizer=(TOKENS[:95] + ["t7"], [1] * 96, {}))
+    runner = CliRunner()
+    result = runner.invoke(app, ["--source", str(path), "--dtype", "fp32", "--out", str(tmp_path / "plain")])
+    assert result.exit_code == 2 and "tokenizer.ggml.tokens holds 't7' more than once" in result.output
+    (tmp_path / "tok").mkdir()
+    tok = write_char_tokenizer(tmp_path / "tok")
+    result = runner.invoke(app, ["--source", str(path), "--tokenizer", str(tok), "--dtype", "fp32", "--out",
+                                 str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()

@@ -377,7 +377,7 @@ CASES = {
        for kind, what in (("folder", "a folder"), ("fifo", "not a regular file (a FIFO, socket or device)"),
                           ("device", "not a regular file (a FIFO, socket or device)"), ("broken link", "a broken link"))},
     "tokenizer_config.json a folder": Case(hf_special("tokenizer_config.json", "folder"), FormatError,
-                                           ("src/tokenizer_config.json: is a folder; expected the tokenizer file or none",)),
+                                           ("src/tokenizer_config.json: is a folder; expected a tokenizer side file or none",)),
     "config.json a link to a device": Case(hf_special("config.json", "device", dtype="fp32"), ConfigError,
                                            ("src/config.json: is not a regular file (a FIFO, socket or device); a "
                                             "transformers model folder needs its config.json file",)),

@@ -39,8 +39,8 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
     Args:
         source: a transformers folder (``config.json`` + safetensors), a ``.gguf`` file, a reference
             export's ``.mlir`` (its safetensors archive beside it), or None for the bundled real Gemma 3 270M.
-        tokenizer: False: a transformers folder's tokenizer files are not read (another one was
-            given, and a damaged file there must not stop the export).
+        tokenizer: False: the source's tokenizer (a transformers folder's files, a GGUF's metadata)
+            is not read (another one was given, and a damaged one there must not stop the export).
 
     Raises:
         SourceNotFoundError: the path does not exist.
@@ -63,7 +63,7 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix == ".gguf":
-        return read_gguf(path)
+        return read_gguf(path, tokenizer=tokenizer)
     if path.suffix == ".mlir":
         return read_reference(path)
     raise SourceNotFoundError(f"{path}: not a folder, a GGUF file or a .mlir reference export (first bytes {magic!r})")

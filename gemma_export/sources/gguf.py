@@ -134,8 +134,9 @@ def _check_tokenizer_fields(path: Path, tokens, token_types, add_bos, rows: int)
         raise FormatError(f"{path}: tokenizer.ggml.add_bos_token is {add_bos!r}, expected a bool")
 
 
-def read_gguf(path: Path) -> Checkpoint:
-    """Open a Gemma 3 GGUF lazily.
+def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
+    """Open a Gemma 3 GGUF lazily; ``tokenizer`` False leaves its tokenizer metadata unread and
+    unchecked (the export was given another tokenizer).
 
     Raises:
         FormatError: not a readable GGUF, a missing or misshapen tensor.
@@ -173,8 +174,8 @@ def read_gguf(path: Path) -> Checkpoint:
     validate_tensors(config, tensors, str(path))
     resolve_lm_head(config, tensors, str(path))
 
-    has_tokenizer = fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
-    if fields.get("tokenizer.ggml.model") == "llama" and not len(fields.get("tokenizer.ggml.tokens", ())):
+    has_tokenizer = tokenizer and fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
+    if tokenizer and fields.get("tokenizer.ggml.model") == "llama" and not len(fields.get("tokenizer.ggml.tokens", ())):
         raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty; "
                           "expected one piece per row of the table")
     tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []

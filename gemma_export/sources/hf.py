@@ -191,7 +191,8 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
     try:
         for name in TOKENIZER_FILES:  # one that is there but unreadable must not pass for absent (no tokenizer, no calibration)
             if (what := non_regular(folder / name)) is not None:
-                raise FormatError(f"{folder / name}: is {what}; expected the tokenizer file{'' if option else ' or none'}")
+                kind = "the tokenizer file" if name == "tokenizer.json" else "a tokenizer side file"
+                raise FormatError(f"{folder / name}: is {what}; expected {kind}{'' if option else ' or none'}")
         files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
         for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
             if name in files:
