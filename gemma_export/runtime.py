@@ -1229,6 +1229,11 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         raise GemmaExportError(f"{model_dir}: a sequence of {needed} tokens (the prompt and the new tokens fed back) "
                                f"exceeds the model's max_position_embeddings {limit}")
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
+    beyond = next((i for i in prompt_ids if i >= decoder.vocab_size), None)
+    if beyond is not None:  # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
+        raise FormatError(f"{model_dir}: prompt: token id {beyond} ({tokenizer.id_to_token(beyond)!r}) is outside the "
+                          f"export's vocabulary (0 to {decoder.vocab_size - 1}); the tokenizer beside the export does "
+                          "not match its graph")
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,

@@ -60,7 +60,7 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
             spill into its neighbour's nibble).
     """
     codes = np.asarray(codes)
-    if not np.issubdtype(codes.dtype, np.integer):
+    if codes.dtype.kind not in "iu":  # not np.integer: numpy counts timedelta64 among those
         raise ValueError(f"expected integer 4-bit codes, found dtype {codes.dtype}")
     if codes.ndim == 0 or codes.shape[-1] % 2:
         raise ValueError(f"expected an even number of 4-bit codes along the last axis, found shape {codes.shape}")

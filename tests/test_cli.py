@@ -497,11 +497,11 @@ def test_a_tokenizer_that_does_not_match_the_graph_is_named_not_a_traceback(tiny
         result = _run(*args)
         assert result.exit_code == 2, result.stderr
         last = result.stderr.strip().splitlines()[-1]
-        assert re.fullmatch(rf"error: {re.escape(str(model))}: {re.escape(str(what))}: token id (\d+) is outside the "
+        assert re.fullmatch(rf"error: {re.escape(str(model))}: {re.escape(str(what))}: token id (\d+)(?: \('\w+'\))? is outside the "
                             r"export's vocabulary \(0 to 95\); the tokenizer beside the export does not match its graph",
                             last), last
         if first_id[args[0]] is not None:  # <bos> (2) is kept; the first letter is the first id out of range (111)
-            assert f"token id {first_id[args[0]]} is" in last
+            assert f"token id {first_id[args[0]]} ('h') is" in last
 
 
 def test_ctrl_c_while_a_library_initialises_is_an_interrupt_not_a_traceback(tiny_int8_export, monkeypatch):
@@ -919,6 +919,12 @@ def test_a_tokenizer_of_another_model_is_refused_and_added_tokens_beyond_the_tab
     assert "calibration: none; codes rounded to nearest" in result.stdout
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["source"]["tokenizer"] == str(extra.resolve())
+    # as the note said: a prompt that uses it is refused, naming the piece
+    result = _run("generate", "--model", tmp_path / "out", "--prompt", "ab<tool>")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {tmp_path / 'out'}: prompt: token id 96 ('<tool>') is outside the "
+                                     "export's vocabulary (0 to 95); the tokenizer beside the export does not match its "
+                                     "graph"), result.stderr
 
 
 def test_a_damaged_tokenizer_named_by_its_folder_is_refused_before_the_source_is_read(tiny_dir, tmp_path):

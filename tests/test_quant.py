@@ -381,3 +381,8 @@ def test_row_chunks_of_the_quantizers_give_what_one_pass_gives(monkeypatch, sche
 def test_nibble_packing_refuses_codes_that_are_not_integers():
     with pytest.raises(ValueError, match="expected integer 4-bit codes, found dtype float64"):
         pack_nibbles(np.array([[1.5, 2.0]]))
+
+
+def test_nibble_packing_refuses_timedelta_codes():
+    with pytest.raises(ValueError, match="expected integer 4-bit codes, found dtype timedelta64"):
+        pack_nibbles(np.array([[1, 2]], "timedelta64[s]"))
