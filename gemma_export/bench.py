@@ -405,11 +405,12 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     from .errors import OutputError
     from .staging import enclosing_output, entry_refused
 
+    targets = {}  # option -> the resolved file it names
     for option, path in (("--json", json_out), ("--plot", plot)):
         if path is None or (option == "--json" and to_stdout(path)):
             continue
         try:
-            Path(path).resolve()
+            targets[option] = Path(path).resolve()
         except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
             raise OutputError(f"{option} {path}: cannot be resolved ({exc}); give a file name that leads to a file") from None
         folder = os.path.dirname(str(path)) or "."  # as the file will be opened: "loop/../x" is not resolved away
@@ -420,11 +421,10 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                 if exc.errno not in (errno.ENOENT, errno.ENOTDIR):
                     raise OutputError(f"{option} {path}: its folder {folder} cannot be reached ({exc.strerror}); give a "
                                       "file name that leads to a file") from None
-    if (json_out is not None and plot is not None and not to_stdout(json_out)
-            and Path(json_out).resolve() == Path(plot).resolve()):
+    if len(targets) == 2 and targets["--json"] == targets["--plot"]:
         raise OutputError(f"--json {json_out} and --plot {plot} name the same file; give each its own")
     for option, path in (("--json", json_out), ("--plot", plot)):
-        if path is None or (option == "--json" and to_stdout(path)):
+        if option not in targets:
             continue
         if _under_dev_or_proc(path) and Path(path).exists() and not Path(path).is_file() and not Path(path).is_dir():
             # a device or a descriptor that is a pipe (/dev/stderr piped on, /dev/fd/63 of a shell's
@@ -432,7 +432,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
             if not os.access(path, os.W_OK):
                 raise OutputError(f"{option} {path}: not writable")
             continue
-        target = Path(path).resolve()
+        target = targets[option]
         if target.is_dir():
             raise OutputError(f"{option} {path}: is a folder; expected a file name")
         for given in inputs:

@@ -417,8 +417,7 @@ class OnnxDecoder:
             if table_rows and configured and configured != table_rows:
                 raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.vocab_size' is {configured}, "
                                   f"but the graph's embedding table has {table_rows} rows")
-        manifest = self.model_dir / MANIFEST_FILE
-        check_manifest_fields(self.manifest, manifest)
+        manifest = self.model_dir / MANIFEST_FILE  # its fields were checked before the session
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype,
                                      (self.num_key_value_heads, self.head_dim))
         self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
