@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -324,6 +325,9 @@ def test_parity_dump_refuses_a_hand_edited_ids_file(tiny_int8_export, tmp_path, 
 def test_a_llama_build_that_crashes_is_one_error_line_before_any_timing(monkeypatch, tmp_path):
     import bench_side_by_side
 
+    # the probe runs in a child process; this process only imports llama_cpp first, so a stand-in
+    # module lets the test run where llama-cpp-python is not installed (CI's fresh machine)
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
     monkeypatch.setattr(bench_side_by_side, "LLAMA_PROBE",
                         "import os, signal, sys; os.kill(os.getpid(), signal.SIGSEGV)")
     with pytest.raises(SystemExit, match=r"^error: llama.cpp \(llama-cpp-python\) died of SIGSEGV evaluating two "
