@@ -338,7 +338,7 @@ def format_result(r: BenchResult) -> str:
         f"session creation {r.session_create_s:.2f} s",
         "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
                                "model.onnx, weights packed on the heap"
-                               + (f" ({r.huge_page_bytes / 1e6:,.0f} MB of the heap on huge pages)" if r.huge_page_bytes else "")
+                               + (f" ({r.huge_page_bytes / 1e6:,.0f} MB of the process's heap moved onto huge pages, the weights' and the rest's)" if r.huge_page_bytes else "")
                                + (f"; {r.prepacked_note}" if r.prepacked_note
                                                                            else "; `gemma-export prepack` maps them from disk")),
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk and n > r.prefill_chunk else "")

@@ -210,13 +210,13 @@ shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, ~11 M
 their own), instead of above its size. Peak resident memory rises by
 90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
 short; everything works without it (the weights are then moved onto transparent huge pages after
-loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MiB)."""
+loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MB)."""
 
 #: the bundle README's memory paragraph for fp32 / bf16 weights
 FLOAT_MEMORY = """The weights are {dtype}: onnxruntime computes with them in float32, about 1.1 GB for the 270M model,
 so this folder has no `prepack` step (a pre-packed copy of float weights is 2–4 × the model on disk
-and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` peaked at 1.92 GB
-(2026-12-04), over the 1.9 GB budget: the int8 or int4 export is the one for the board; use this
+and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` peaked at 1.92–2.02 GB
+(2026-12-04 and 2026-12-05, two machines), over the 1.9 GB budget: the int8 or int4 export is the one for the board; use this
 one to compare."""
 
 
@@ -286,6 +286,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         raise FormatError(f"{model_dir}: no tokenizer.json, so the board could not run the bundle's README "
                           "(generate, bench); export from a source with a tokenizer (a GGUF or a transformers "
                           "folder), not a reference .mlir")
+    model_manifest = read_manifest(model_dir)  # verified above
     out = out_dir.resolve()
     if out == model_dir.resolve() or model_dir.resolve() in out.parents:
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
@@ -303,6 +304,10 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + wheel_bytes + 10**5,
                      "bundle")
     say = progress or (lambda _msg: None)
+    if model_manifest.get("dtype") not in QUANTIZED_DTYPES:  # said here too, not only in the bundle's README
+        say(f"note: the weights are {model_manifest.get('dtype')}: onnxruntime holds them as float32 (4 bytes a "
+            f"weight; the 270M's bf16 export peaked at 1.92-2.02 GB, over the {board}'s "
+            f"{spec.memory_bytes / 1e9:.1f} GB); the int8 or int4 export is the one for the board")
     old_copy = out_dir / "model" / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
         copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())
@@ -325,7 +330,6 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
         else:
             shutil.copyfile(wheel, staging / wheel.name)
             wheel_name = wheel.name
-        model_manifest = read_manifest(model_dir)  # verified above
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
         say("checking the copies against the model's manifest ...")

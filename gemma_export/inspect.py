@@ -518,7 +518,11 @@ def _is_shared_table(ops: list[str]) -> bool:
 def format_report(report: Report, top: int = 10) -> str:
     """The human-readable report printed by ``gemma-export inspect``."""
     def gib(n: int) -> str:
-        return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+        if n >= 2**30:
+            return f"{n / 2**30:.2f} GiB"
+        if n >= 2**20:
+            return f"{n / 2**20:.1f} MiB"
+        return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:,} B"  # small tensors (ids, shapes) are not "0.0 MiB"
 
     lines = [
         f"{report.path} ({report.format})",

@@ -231,7 +231,7 @@ def test_bench_reports_the_heap_moved_onto_huge_pages(tiny_int8_export, text_fil
     assert result.exit_code == 0, result.output
     assert len(calls) == (1 if moved else 0)
     assert json.loads(out.read_text())["huge_page_bytes"] == moved
-    assert ("(5 MB of the heap on huge pages)" in result.stdout) == bool(moved)  # 5 MiB = 5.24 MB
+    assert ("(5 MB of the process's heap moved onto huge pages" in result.stdout) == bool(moved)  # 5 MiB = 5.24 MB
 
 
 def test_bench_json_dash_goes_to_stdout_and_a_file_as_folder_is_named(tiny_int8_export, text_file, tmp_path, monkeypatch):

@@ -145,6 +145,13 @@ def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     data_bytes = sum(t["bytes"] for t in data["largest"])
     assert f"tensor data {data_bytes:,} bytes" in printed
     assert data_bytes <= (out / "model.onnx.data").stat().st_size + (out / "model.onnx").stat().st_size
+    # each dtype's bytes in a unit that shows them: the tiny table's 6,144 bytes are KiB, not "0.0 MiB"
+    by_dtype = {}
+    for t in data["largest"]:
+        by_dtype[t["dtype"]] = by_dtype.get(t["dtype"], 0) + t["bytes"]
+    line = next(x for x in printed.splitlines() if x.startswith("bytes by dtype: "))
+    assert "0.0 MiB" not in line and f"UINT8 {by_dtype['UINT8'] / 1024:.1f} KiB" in line, line
+    assert all(f"{k} " in line for k in by_dtype), line
 
 
 def test_bad_files_get_one_line(tmp_path):
