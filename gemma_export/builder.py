@@ -15,9 +15,15 @@ I/O contract (onnxruntime-genai / Optimum convention), one graph for prefill (pa
   first row the sliding layers' ``past_key_values`` hold. A runtime may drop the rows of positions
   that no longer fall in the window from the sliding layers' caches (``runtime.KVCache`` does);
   those layers then read ``attention_mask[:, sliding_cache_start:]`` and
-  ``total_sequence_length − sliding_cache_start`` rows.
+  ``total_sequence_length − sliding_cache_start`` rows. Their caches' lengths are therefore named
+  apart: ``sliding_past_sequence_length`` and ``sliding_total_sequence_length`` (equal to the full
+  layers' lengths while ``sliding_cache_start`` is 0).
 * outputs: ``logits`` float32 ``[batch, 1, vocab]`` (last position; all positions with
-  ``all_logits``), ``present.{i}.key|value`` ``[batch, num_key_value_heads, total_sequence_length, head_dim]``.
+  ``all_logits``), ``present.{i}.key|value`` ``[batch, num_key_value_heads, total_sequence_length, head_dim]``
+  (``sliding_total_sequence_length`` for a sliding layer).
+* batch > 1 with a non-empty cache takes one new token per call: onnxruntime's
+  ``GroupQueryAttention`` refuses ``sequence_length`` > 1 with a past at batch > 1 (prefill a batch
+  in one call from an empty cache, then decode, as ``runtime.OnnxDecoder.greedy_batch`` does).
 """
 
 from __future__ import annotations
@@ -277,12 +283,17 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
     input_ids = g.input("input_ids", I64, ["batch_size", "sequence_length"])
     attention_mask = g.input("attention_mask", I64, ["batch_size", "total_sequence_length"])
     position_ids = g.input("position_ids", I64, ["batch_size", "sequence_length"])
-    cache_shape = ["batch_size", c.num_key_value_heads, "past_sequence_length", c.head_dim]
-    past = [(g.input(f"past_key_values.{i}.key", F32, cache_shape), g.input(f"past_key_values.{i}.value", F32, cache_shape))
+    def cache_shape(i: int, length: str) -> list:  # a sliding layer's cache may hold fewer rows (sliding_cache_start)
+        return ["batch_size", c.num_key_value_heads, ("sliding_" if c.layer_types[i] == SLIDING else "") + length, c.head_dim]
+
+    past = [(g.input(f"past_key_values.{i}.key", F32, cache_shape(i, "past_sequence_length")),
+             g.input(f"past_key_values.{i}.value", F32, cache_shape(i, "past_sequence_length")))
             for i in range(c.num_hidden_layers)]
 
-    # Embedding × sqrt(hidden) (transformers ``Gemma3TextScaledWordEmbedding``). One table serves the
-    # lookup and, when tied, the LM head.
+    # Embedding × sqrt(hidden) (transformers ``Gemma3TextScaledWordEmbedding``), the factor rounded to
+    # float32 (25.298222 for 640) as transformers does in float32 and the reference export does;
+    # transformers in bf16 would round it to the weights' dtype (25.25). One table serves the lookup
+    # and, when tied, the LM head.
     table = fmt.table(g, _weight(ckpt, EMBED))
     x = g.op("Mul", fmt.embedding(g, table, input_ids), g.const_f32(np.float32(c.embed_scale)))
 
@@ -322,10 +333,9 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
     logits = _softcap(g, fmt.lm_head(g, head, x), c.final_logit_softcapping)
 
     g.output(logits, "logits", F32, ["batch_size", 1 if not all_logits else "sequence_length", c.vocab_size])
-    total_shape = ["batch_size", c.num_key_value_heads, "total_sequence_length", c.head_dim]
     for i, (k, v) in enumerate(presents):
-        g.output(k, f"present.{i}.key", F32, total_shape)
-        g.output(v, f"present.{i}.value", F32, total_shape)
+        g.output(k, f"present.{i}.key", F32, cache_shape(i, "total_sequence_length"))
+        g.output(v, f"present.{i}.value", F32, cache_shape(i, "total_sequence_length"))
     if debug_outputs:
         for name, value in debug:
             g.output(g.op("Identity", value), name, F32, ["batch_size", "sequence_length", c.hidden_size])

@@ -403,7 +403,9 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
 
     GGUF carries no layer pattern, no local RoPE base and no ``query_pre_attn_scalar``: these follow
     llama.cpp's ``llama-model.cpp`` for ``LLM_ARCH_GEMMA3`` (global iff ``i % 6 == 5``, local base
-    10,000, attention scale ``key_length ** -0.5``). ``vocab_size`` is the number of rows of
+    10,000, attention scale ``key_length ** -0.5``, except for the 62-layer 27B model, whose scale is
+    ``(embedding_length / head_count) ** -0.5``: llama.cpp picks it by model size, as Google's
+    gemma_pytorch config does). ``vocab_size`` is the number of rows of
     ``token_embd`` (may be 262,153, not 262,144).
 
     Raises:
@@ -444,7 +446,9 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
         sliding_window=f.int("attention.sliding_window"),
         layer_types=gemma3_layer_types(num_layers),
         rope_parameters={FULL: full_rope, SLIDING: RopeParameters(DEFAULT_ROPE_THETA[SLIDING])},
-        query_pre_attn_scalar=float(head_dim),
+        # llama.cpp: f_attention_scale = 1/sqrt(n_embd / n_head) for LLM_TYPE_27B (62 layers), else 1/sqrt(head_dim)
+        query_pre_attn_scalar=(f.int("embedding_length") / f.int("attention.head_count") if num_layers == 62
+                               else float(head_dim)),
         max_position_embeddings=f.int("context_length"),
         tie_word_embeddings=tied,
         bos_token_id=tokens.token_ids("bos_token_id", BOS_TOKEN_ID, below=vocab_rows)[0],

@@ -32,11 +32,13 @@ class GraphBuilder:
 
     # ---- values ---------------------------------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: list[int | str]) -> ir.Value:
+        """A graph input; ``shape`` mixes fixed sizes and symbolic dimension names."""
         value = ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
         self.inputs.append(value)
         return value
 
     def output(self, value: ir.Value, name: str, dtype: ir.DataType, shape: list[int | str]) -> None:
+        """Declare ``value`` (a node's output) a graph output, renamed ``name``, with its type and shape."""
         value.name = name
         value.type = ir.TensorType(dtype)
         value.shape = ir.Shape(shape)
@@ -56,9 +58,11 @@ class GraphBuilder:
         return self.initializer(ir.tensor(np.asarray(array), name=name))
 
     def const_i64(self, values: list[int]) -> ir.Value:
+        """An int64 1-D constant (shapes, axes, slice bounds)."""
         return self.const(np.asarray(values, dtype=np.int64))
 
     def const_f32(self, value: float) -> ir.Value:
+        """A float32 scalar constant."""
         return self.const(np.asarray(value, dtype=np.float32))
 
     # ---- nodes ----------------------------------------------------------------------------------
@@ -70,6 +74,7 @@ class GraphBuilder:
         return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
 
     def model(self, name: str, doc_string: str) -> ir.Model:
+        """The :class:`onnx_ir.Model` of everything added so far (opset ``OPSET`` and ``com.microsoft`` 1)."""
         graph = ir.Graph(
             self.inputs, self.outputs, nodes=self.nodes, initializers=list(self.initializers.values()),
             opset_imports={"": OPSET, MS_DOMAIN: 1}, name=name,

@@ -441,7 +441,9 @@ class OnnxDecoder:
                 past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """One step. Shapes: ``input_ids``/``position_ids`` int64 ``[B, S]``, ``attention_mask`` int64
         ``[B, past + S]``, ``past`` float32 ``[B, kv_heads, past, head_dim]`` per
-        ``past_key_values.{i}.key|value`` (:meth:`empty_cache` for the first step).
+        ``past_key_values.{i}.key|value`` (:meth:`empty_cache` for the first step). With ``B`` > 1 and
+        ``past`` > 0, ``S`` must be 1: onnxruntime's ``GroupQueryAttention`` refuses more
+        (``InvalidArgument``; prefill a batch from an empty cache).
 
         Returns:
             ``(logits, next past)``: logits float32 ``[B, 1, vocab]`` (``[B, S, vocab]`` for an

@@ -7,8 +7,9 @@ CPU provider (the board team's notes on it, and docs/benchmarks.md):
 
 * ``fp32``: ``MatMul`` on ``[in, out]`` weights; the table ``[vocab, hidden]`` feeds ``Gather`` and
   ``Gemm(transB=1)`` directly, so no Transpose of it exists to be folded into a second copy.
-* ``bf16``: storage only (the CPU provider has no bf16 arithmetic): every initializer is bf16 on
-  disk and goes through one ``Cast`` to float32, which onnxruntime folds at session creation. The
+* ``bf16``: storage only (the CPU provider has no bf16 arithmetic): every weight matrix and the
+  table are bf16 on disk (the norms' ``1 + w`` stay float32, as for every dtype, :func:`~gemma_export.builder.rms_norm`),
+  each read through one ``Cast`` to float32, which onnxruntime folds at session creation. The
   table's single Cast feeds both consumers, so memory holds one float32 table.
 * ``int8``: symmetric block-wise int8 (``quant.BlockInt8Weights``) read by ``MatMulNBits`` (bits 8,
   ``accuracy_level`` 4 — the only level fast enough for the head) for projections and the head.
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from typing import Callable, ClassVar
 
 import ml_dtypes
@@ -52,14 +52,15 @@ from quant.int8 import ZERO_POINT
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
-from .errors import NumericError
+from .errors import ConfigError, NumericError
 from .graph import MS_DOMAIN, GraphBuilder
 
 #: Default int8 block sizes. MatMulNBits at accuracy_level 4 also quantizes its *activations* to
 #: int8 per block of this size, so small blocks matter for quality: on the real 270M, block 128
 #: everywhere gave 95.6% teacher-forced top-1 agreement with fp32, block 32 everywhere 97.3%
-#: (docs/benchmarks.md). The table keeps 128: its float32 scales exist in two shapes, and at 32 they
-#: would add 42 MB (15%) to a 268 MB model.
+#: (docs/benchmarks.md). The table keeps 128: its float32 scales (one array, read by the lookup and
+#: the head) take 5.2 MB at 128 and 21 MB at 32, and the 16 MB more would put the 270M's archive over
+#: issue #2's 290 MB (docs/quality.md, "How the int8 error splits").
 DEFAULT_INT8_BLOCK_SIZE = 32
 DEFAULT_INT8_TABLE_BLOCK_SIZE = 128
 #: int4: block 32 everywhere (the table too: 4-bit codes need small blocks, and the scales of a
@@ -82,7 +83,6 @@ class _Memo:
     sequential, so the entries are used back to back."""
 
     def __init__(self, size: int = 2):
-        self._lock = threading.Lock()
         self._size = size
         self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
 
@@ -90,21 +90,20 @@ class _Memo:
                  symmetric: bool = True, method: str = "mse",
                  hessian: Callable[[], Hessian | None] | None = None) -> BlockInt8Weights | BlockInt4Weights:
         key = (ref.name, block_size, hadamard_size, bits, symmetric, method)
-        with self._lock:
-            if key not in self._entries:
-                rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
-                h = hessian() if hessian is not None else None
-                try:
-                    if bits == 8:
-                        value = BlockInt8Weights.quantize(rows, block_size, hessian=h)
-                    else:
-                        value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h)
-                except ValueError as exc:
-                    raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
-                while len(self._entries) >= self._size:
-                    self._entries.pop(next(iter(self._entries)))
-                self._entries[key] = value
-            return self._entries[key]
+        if key not in self._entries:
+            rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
+            h = hessian() if hessian is not None else None
+            try:
+                if bits == 8:
+                    value = BlockInt8Weights.quantize(rows, block_size, hessian=h)
+                else:
+                    value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h)
+            except ValueError as exc:
+                raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
+            while len(self._entries) >= self._size:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = value
+        return self._entries[key]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +125,7 @@ class Table:
     """
 
     ref: TensorRef
-    values: dict[str, ir.Value]
+    values: dict[str, ir.Value | int]
 
 
 class WeightFormat:
@@ -243,8 +242,9 @@ class Float32Format(WeightFormat):
 
 
 class BF16Format(Float32Format):
-    """``bf16``: as :class:`Float32Format`, every initializer stored as bfloat16 (round to nearest
-    even, :func:`quant.bf16.float32_to_bfloat16_bits`) and read through one ``Cast`` to float32.
+    """``bf16``: as :class:`Float32Format`, every weight matrix and the table stored as bfloat16
+    (round to nearest even, :func:`quant.bf16.float32_to_bfloat16_bits`) and read through one
+    ``Cast`` to float32; the norms' ``1 + w`` stay float32 (:func:`~gemma_export.builder.rms_norm`).
     A value above bfloat16's range raises :class:`~gemma_export.errors.NumericError` when saved."""
 
     name = "bf16"
@@ -296,7 +296,8 @@ class Int8Format(WeightFormat):
 
     Args:
         block_size: elements per scale along the input of every layer projection (default 32);
-            must divide the hidden and intermediate sizes (checked when the graph is built).
+            must divide the hidden and intermediate sizes (a ConfigError when the graph is built;
+            :func:`gemma_export.exporter.export` checks the sizes before reading any weight).
         table_block_size: elements per scale along ``hidden_size`` in the table; None: 128.
         hadamard_size: width of the block-diagonal Hadamard rotation (a power of two dividing every
             matmul's input size; 0: none).
@@ -326,6 +327,7 @@ class Int8Format(WeightFormat):
         self.hadamard_size = hadamard_size
         self._rotated: dict[int, tuple[ir.Value, ir.Value]] = {}
         self._hadamard: ir.Value | None = None
+        self._rotation_graph: GraphBuilder | None = None  # the graph _rotated and _hadamard belong to
 
     #: bits of the projections and of the table (``Int4Format`` changes them)
     bits = 8
@@ -369,6 +371,9 @@ class Int8Format(WeightFormat):
         else:
             quantized = functools.partial(self._stacked, refs, block_size, bits)
             n, k = sum(r.shape[0] for r in refs), refs[0].shape[1]
+        if k % block_size:
+            raise ConfigError(f"{name}: in_features {k} is not a multiple of the block size {block_size} "
+                              "(--block-size, --table-block-size)")
         nb = k // block_size
         values = {
             "block_size": block_size,
@@ -388,8 +393,13 @@ class Int8Format(WeightFormat):
         Memoized per input value: q, k and v (gate and up) share one rotation."""
         if not self.hadamard_size:
             return x
+        if self._rotation_graph is not g:  # a second build_model with this format: its own constant and memo
+            self._rotation_graph, self._rotated, self._hadamard = g, {}, None
         if id(x) not in self._rotated:
             n = self.hadamard_size
+            if features % n:
+                raise ConfigError(f"a matmul input of {features} features is not a multiple of the Hadamard size "
+                                  f"{n} (--hadamard)")
             if self._hadamard is None:
                 self._hadamard = g.const(hadamard_matrix(n), name=f"hadamard_{n}")
             blocks = g.op("Reshape", x, g.const_i64([0, 0, features // n, n]))
@@ -426,7 +436,8 @@ class Int8Format(WeightFormat):
 
     @staticmethod
     def _unpack_nibbles(g, packed):
-        """uint8 ``[..., M]`` → uint8 ``[..., 2M]``, the low nibble first (MatMulNBits' order)."""
+        """uint8 ``[B, S, X, M]`` → uint8 ``[B, S, X, 2M]`` (rank 4: gathered rows of blocks), the low
+        nibble first (MatMulNBits' order)."""
         low = g.op("BitwiseAnd", packed, g.const(np.array(15, np.uint8)))
         high = g.op("BitShift", packed, g.const(np.array(4, np.uint8)), direction="RIGHT")
         pairs = g.op("Concat", g.op("Unsqueeze", low, g.const_i64([-1])), g.op("Unsqueeze", high, g.const_i64([-1])), axis=-1)

@@ -150,6 +150,21 @@ def test_gguf_metadata_without_a_required_key_is_refused(key):
         config_from_gguf_metadata(meta, 16, True, "m.gguf")
 
 
+def test_gguf_attention_scale_follows_llama_cpp_by_model_size():
+    # llama.cpp scales Gemma 3 27B (62 layers) by hidden / heads (5376 / 32 = 168, transformers'
+    # query_pre_attn_scalar for it) and every other size by head_dim
+    from gemma_export.config import config_from_gguf_metadata
+
+    c = config_from_gguf_metadata(GGUF_META, 16, True, "m.gguf")
+    assert c.query_pre_attn_scalar == GGUF_META["gemma3.attention.key_length"]
+    big = {**GGUF_META, "gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32,
+           "gemma3.attention.head_count_kv": 16, "gemma3.attention.key_length": 128, "gemma3.attention.value_length": 128,
+           "gemma3.feed_forward_length": 21504}
+    c = config_from_gguf_metadata(big, 16, True, "m.gguf")
+    assert c.query_pre_attn_scalar == 168.0 and c.head_dim == 128
+    assert config_from_gguf_metadata({**big, "gemma3.block_count": 48}, 16, True, "m.gguf").query_pre_attn_scalar == 128.0
+
+
 def test_gguf_rope_factor_applies_only_with_linear_scaling():
     from gemma_export.config import config_from_gguf_metadata
 

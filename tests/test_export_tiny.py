@@ -1195,3 +1195,50 @@ def test_the_table_rows_are_read_from_every_dtypes_lookup(tiny_dir, tmp_path, dt
     kwargs = {"block_size": 16, "table_block_size": 16} if dtype in ("int8", "int4") else {}
     out = export(tiny_dir, tmp_path / dtype, dtype, **kwargs).out_dir
     assert graph_table_rows(onnx.load(str(out / "model.onnx"), load_external_data=False)) == 96
+
+
+def test_the_sliding_layers_caches_have_their_own_length_names(fp32_all):
+    # a runtime may drop out-of-window rows from the sliding layers' caches (sliding_cache_start), so
+    # their lengths differ from the full layers': the graph must not declare them equal
+    model = onnx.load(fp32_all / "model.onnx", load_external_data=False)
+    sliding = {int(i) for p in model.metadata_props if p.key == "gemma_export.sliding_layers" for i in p.value.split(",")}
+    assert sliding and len(sliding) < len([i for i in model.graph.input if i.name.endswith(".key")])
+
+    def length(values, name):
+        value = next(v for v in values if v.name == name)
+        return value.type.tensor_type.shape.dim[2].dim_param
+
+    for i in range(len([v for v in model.graph.input if v.name.endswith(".key")])):
+        prefix = "sliding_" if i in sliding else ""
+        for kind in ("key", "value"):
+            assert length(model.graph.input, f"past_key_values.{i}.{kind}") == prefix + "past_sequence_length"
+            assert length(model.graph.output, f"present.{i}.{kind}") == prefix + "total_sequence_length"
+
+
+def test_one_weight_format_builds_two_complete_graphs(tiny_dir):
+    # the format memoizes its rotation per graph: a second build_model got no Hadamard constant of its own
+    import onnx_ir as ir
+
+    from gemma_export.builder import build_model
+    from gemma_export.sources import open_source
+    from gemma_export.weights import Int8Format
+
+    ckpt = open_source(tiny_dir)
+    fmt = Int8Format(block_size=16, table_block_size=16, hadamard_size=16)
+    for _ in range(2):
+        onnx.checker.check_model(ir.serde.serialize_model(build_model(ckpt, fmt)))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"block_size": 48}, r"in_features 64 is not a multiple of the block size 48 \(--block-size, --table-block-size\)"),
+    ({"hadamard_size": 48}, r"a matmul input of 64 features is not a multiple of the Hadamard size 48 \(--hadamard\)"),
+])
+def test_a_format_whose_sizes_do_not_divide_the_model_is_refused_when_built(tiny_dir, options, message):
+    from gemma_export.builder import build_model
+    from gemma_export.errors import ConfigError
+    from gemma_export.sources import open_source
+    from gemma_export.weights import Int8Format
+
+    with pytest.raises(ConfigError, match=message):
+        build_model(open_source(tiny_dir), Int8Format(**{"block_size": 16, "table_block_size": 16,
+                                                         "hadamard_size": 16, **options}))
