@@ -27,6 +27,9 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the emulated board needs root (chroot)"),
     pytest.mark.skipif(not (shutil.which("qemu-aarch64-static") and shutil.which("debootstrap")),
                        reason="qemu-user-static / debootstrap not installed"),
+    # run.sh registers qemu-aarch64 with binfmt_misc through binfmt-support's update-binfmts
+    pytest.mark.skipif(not (Path("/proc/sys/fs/binfmt_misc/qemu-aarch64").exists() or shutil.which("update-binfmts")),
+                       reason="binfmt-support not installed (no qemu-aarch64 binfmt_misc entry to run aarch64 programs)"),
 ]
 
 

@@ -58,9 +58,11 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 
 MOUNTS=()
+CPUINFO=  # this run's own fake /proc/cpuinfo (system_mounts)
 cleanup() {
   local i
   for ((i = ${#MOUNTS[@]} - 1; i >= 0; i--)); do umount -l "${MOUNTS[i]}" 2>/dev/null || true; done
+  [ -z "$CPUINFO" ] || rm -f "$CPUINFO"
 }
 trap cleanup EXIT INT TERM
 
@@ -94,9 +96,14 @@ fake_cpuinfo() {
 
 system_mounts() {
   mountpoint -q "$ROOTFS/proc" || { mount -t proc proc "$ROOTFS/proc"; MOUNTS+=("$ROOTFS/proc"); }
-  if [ "$(uname -m)" = x86_64 ]; then
-    fake_cpuinfo > "$ROOTFS/etc/gx-cpuinfo"
-    mount --bind "$ROOTFS/etc/gx-cpuinfo" "$ROOTFS/proc/cpuinfo"
+  if [ "$(uname -m)" = x86_64 ] && [ -z "$CPUINFO" ]; then
+    # a file per run, not one shared path: a run started beside this one, emulating another CPU,
+    # would rewrite the features this run's processes read (an A72 run then got the A55's dotprod
+    # and died of SIGILL)
+    CPUINFO=$(mktemp "$ROOTFS/etc/gx-cpuinfo.XXXXXX")
+    fake_cpuinfo > "$CPUINFO"
+    chmod 644 "$CPUINFO"
+    mount --bind "$CPUINFO" "$ROOTFS/proc/cpuinfo"
     MOUNTS+=("$ROOTFS/proc/cpuinfo")
   fi
   bind /dev
