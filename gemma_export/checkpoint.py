@@ -33,6 +33,8 @@ class TensorRef:
         shape: shape in PyTorch order.
         origin: where it lives, for messages (``FILE:KEY``).
         reader: returns the values as float32 (memory-mapped where the source allows).
+        row_reader: for a 2-D tensor, ``(start, stop)`` → float32 ``[stop - start, K]`` read without
+            the rest (None: rows are sliced from :attr:`reader`'s whole tensor).
     """
 
     name: str

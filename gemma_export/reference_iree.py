@@ -98,6 +98,19 @@ def _cache_dir() -> Path:
     return Path(root) / "gemma-export" / "iree"
 
 
+def _host_cpu() -> tuple[str, str]:
+    """The machine and its CPU's feature flags (``/proc/cpuinfo``; empty where there is none): what
+    ``--iree-llvmcpu-target-cpu=host`` compiles for."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    flags = next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() in ("flags", "Features")), "")
+    return platform.machine(), flags
+
+
 def compile_reference(text: str, cache_dir: Path | None = None, source: str | Path | None = None) -> bytes:
     """Compile StableHLO MLIR text for the host CPU (llvm-cpu) to an IREE module; cached.
     ``source``: the file the text came from, named in IREE's messages in place of ``<stdin>``.
@@ -112,7 +125,8 @@ def compile_reference(text: str, cache_dir: Path | None = None, source: str | Pa
         iree_version = version("iree-base-compiler")
     except PackageNotFoundError:
         iree_version = "unknown"
-    key = hashlib.sha256("\n".join([text, iree_version, *COMPILE_FLAGS]).encode()).hexdigest()[:32]
+    # the flags say "host": a module built on another CPU (a cache shared between machines) may not run here
+    key = hashlib.sha256("\n".join([text, iree_version, *COMPILE_FLAGS, *_host_cpu()]).encode()).hexdigest()[:32]
     folder = cache_dir or _cache_dir()
     cached = folder / f"{key}.vmfb"
     if cached.is_file():
@@ -168,9 +182,7 @@ class ReferenceModel:
             GemmaExportError: more tokens than the fixed length, or an id outside the vocabulary.
         """
         ids = list(token_ids)
-        if not 0 < len(ids) <= self.sequence_length:
-            raise GemmaExportError(f"{self.mlir_path}: @{self.function} takes 1 to {self.sequence_length} tokens, "
-                                   f"found {len(ids)}")
+        self._check_length(ids)
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise GemmaExportError(f"{self.mlir_path}: token id {bad[0]} is outside the vocabulary ({self.vocab_size})")
@@ -181,10 +193,21 @@ class ReferenceModel:
             return out.reshape(self.sequence_length, self.vocab_size).astype(np.float32)
         return out.reshape(self.sequence_length).astype(np.int64)
 
+    def _check_length(self, ids: list[int]) -> None:
+        if not 0 < len(ids) <= self.sequence_length:
+            raise GemmaExportError(f"{self.mlir_path}: @{self.function} takes 1 to {self.sequence_length} tokens, "
+                                   f"found {len(ids)}")
+
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
         """The board's re-decode loop: run the whole graph once per new token and read position
-        ``len(ids) - 1``; stops at a stop id (included), at ``max_new_tokens`` or at the fixed length."""
+        ``len(ids) - 1``; stops at a stop id (included), at ``max_new_tokens`` or at the fixed length
+        (a prompt of exactly the fixed length gets none).
+
+        Raises:
+            GemmaExportError: an empty prompt or one longer than the fixed length (as :meth:`run`).
+        """
         ids, new = list(prompt_ids), []
+        self._check_length(ids)
         while len(new) < max_new_tokens and len(ids) < self.sequence_length:
             out = self.run(ids)
             token = int(np.argmax(out[len(ids) - 1])) if self.returns_logits else int(out[len(ids) - 1])
@@ -247,9 +270,9 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
         logits: strip the argmax tail and return logits instead of tokens.
 
     Raises:
-        SourceNotFoundError, FormatError: missing files, or an archive that contradicts the MLIR.
-        GemmaExportError: no re-decode function (``tensor<1xSxi32> -> tensor<Sxi32>``), IREE missing
-            or failing.
+        SourceNotFoundError, FormatError: missing files, an archive that contradicts the MLIR, or no
+            re-decode function (``tensor<1xSxi32> -> tensor<Sxi32>``).
+        GemmaExportError: IREE missing or failing.
     """
     mlir_path = Path(mlir_path)
     module, archive, function = check_reference(mlir_path, archive_path)

@@ -66,6 +66,8 @@ CASES = {
                        ["model.norm.weight", "dtype I32"]),
     "extra layer": (None, lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"]}),
                     ["unexpected tensor 'model.layers.7.mlp.up_proj.weight'", "4 layers"]),
+    "unknown layer tensor": (None, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
+                             ["unexpected tensor 'model.layers.0.self_attn.q_proj.bias': not a Gemma 3 decoder layer weight"]),
 }
 
 

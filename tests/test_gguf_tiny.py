@@ -225,6 +225,9 @@ UP = "blk.0.ffn_up.weight"
      "gemma3.rope.scaling.type is 'yarn', expected 'none' or 'linear'"),
     ("llama tokenizer without tokens", None, lambda w: w.add_tokenizer_model("llama"), None,
      "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty"),
+    ("tokens a number, not a list", None,
+     lambda w: (w.add_tokenizer_model("llama"), w.add_uint32("tokenizer.ggml.tokens", 5)), None,
+     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty"),
 ])
 def test_hostile_gguf_is_refused_by_name_when_opened(tiny_gguf, tmp_path, case, tokenizer, extra, rename, words):
     """Files gguf-py would open (or open wrongly) that must not become a model: each is named at open."""
@@ -236,6 +239,20 @@ def test_hostile_gguf_is_refused_by_name_when_opened(tiny_gguf, tmp_path, case, 
     with pytest.raises(GemmaExportError) as error:
         open_source(path)
     assert str(error.value).startswith(f"{path}: ") and words in str(error.value), (case, str(error.value))
+
+
+def test_a_weight_with_no_elements_is_named_by_its_shape_not_a_numpy_traceback(tiny_gguf, tmp_path):
+    from gemma_export.errors import FormatError
+
+    # gguf-py cannot decode an empty bf16 (or block-type) tensor; the shape check names it instead
+    model, _, _ = tiny_gguf
+    path = tmp_path / "empty.gguf"
+    norm = "blk.0.attn_norm.weight"
+    write_tiny_gguf(model, path, rename={norm: "unused.attn_norm"},
+                    extra=lambda w: w.add_tensor(norm, np.zeros((0,), np.uint16), raw_dtype=gguf.GGMLQuantizationType.BF16))
+    with pytest.raises(FormatError, match=r"empty.gguf:blk.0.attn_norm.weight: tensor 'model.layers.0.input_layernorm.weight' "
+                                          r"has shape \[0\], expected \[64\] from the config"):
+        open_source(path)
 
 
 def test_a_fifo_or_a_link_loop_as_source_is_named_not_read(tmp_path):

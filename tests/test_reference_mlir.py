@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,6 +167,10 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
      "tensor<64x99999999999999999999xbf16> has 6.4e"),
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("64xbf16", "64x288230376151711745xbf16")),
      "tensor<64x288230376151711745xbf16> has 1.84e"),
+    # a parameter global in a form the reader does not know is named on its line, not later as a
+    # "key without util.global"
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("@t8 =", "@t8 {inlining_policy} =")),
+     "gemma.mlir:3: cannot read this util.global"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
@@ -252,6 +257,80 @@ def test_int8_scales_must_be_per_row_f32(ref_model, tmp_path):
     mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
     with pytest.raises(FormatError, match=r"_scale is tensor<64xbf16>; expected per-row f32 scales tensor<64xf32>"):
         open_source(mlir)
+
+
+def _without_scale(lines, archive):  # the table keeps its i8 codes, loses its scales
+    i = next(i for i, line in enumerate(lines) if "_scale = " in line)
+    name = lines.pop(i).split("@")[1].split(" ")[0]
+    archive.pop(name)
+
+
+def _orphan_scale(lines, archive):  # scales of a global that does not exist
+    lines.insert(2, '  util.global private @t999_scale = #flow.parameter.named<"model"::"t999_scale"> : tensor<64xf32>')
+    archive["t999_scale"] = np.ones(64, np.float32)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_without_scale, r"gemma.mlir:2: int8 global @t0 has no @t0_scale \(expected per-row f32 scales tensor<96xf32>\)"),
+    (_orphan_scale, r"gemma.mlir:3: @t999_scale names no global @t999; expected the per-row scales of an int8 global"),
+])
+def test_int8_scales_without_their_global_or_a_global_without_scales_are_refused_when_opened(ref_model, tmp_path, edit,
+                                                                                              message):
+    # refused by open_source, before any weight is read (a missing scale was found only when the
+    # export reached that weight; an orphan scale was mapped as a weight and shifted every later slot)
+    mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
+    with pytest.raises(FormatError, match=message):
+        open_source(mlir)
+
+
+def test_a_nan_in_a_norm_gain_is_named_as_a_nan_not_as_the_trace_order(ref_model, tmp_path):
+    from gemma_export.errors import NumericError
+
+    def edit(lines, archive):
+        archive["t8"] = archive["t8"].copy()
+        archive["t8"][5] = 0x7FC0  # bf16 NaN in layer 0's input_layernorm
+
+    mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
+    with pytest.raises(NumericError, match=r"tensor 'model.layers.0.input_layernorm.weight' holds nan at index \(5,\); "
+                                           r"weights must be finite"):
+        open_source(mlir)
+
+
+def test_reference_greedy_refuses_a_prompt_longer_than_the_fixed_length():
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.reference_iree import ReferenceModel
+
+    calls = []
+    model = ReferenceModel(Path("gemma.mlir"), Path("gemma.safetensors"), "gemma", 4, 10, False,
+                           _call=lambda tokens: calls.append(tokens) or np.arange(4, dtype=np.int32))
+    with pytest.raises(GemmaExportError, match=r"@gemma takes 1 to 4 tokens, found 5"):
+        model.greedy([1, 2, 3, 4, 5], 3)
+    with pytest.raises(GemmaExportError, match=r"takes 1 to 4 tokens, found 0"):
+        model.greedy([], 3)
+    assert calls == []
+    assert model.greedy([1, 2, 3, 4], 3) == []  # a prompt that fills every position gets no new token
+    assert model.greedy([1, 2], 5) == [1, 2] and len(calls) == 2  # reads position len(ids) - 1 each call
+
+
+def test_the_compile_cache_is_per_host_cpu(tmp_path, monkeypatch):
+    # the flags say "host": a cache shared between machines must not hand one CPU's module to another
+    from gemma_export import reference_iree
+
+    compiled = []
+
+    class Compiler:
+        @staticmethod
+        def compile_str(text, **_):
+            compiled.append(text)
+            return b"module-%d" % len(compiled)
+
+    monkeypatch.setattr(reference_iree, "_iree", lambda: (Compiler, None))
+    monkeypatch.setattr(reference_iree, "_host_cpu", lambda: ("x86_64", "avx2 fma"))
+    first = reference_iree.compile_reference("text", cache_dir=tmp_path)
+    assert reference_iree.compile_reference("text", cache_dir=tmp_path) == first and len(compiled) == 1
+    monkeypatch.setattr(reference_iree, "_host_cpu", lambda: ("x86_64", "avx2 fma avx512f"))
+    assert reference_iree.compile_reference("text", cache_dir=tmp_path) != first and len(compiled) == 2
+    assert len(list(tmp_path.glob("*.vmfb"))) == 2
 
 
 def test_six_layer_reference_uses_gemma3_layer_pattern(tmp_path):
@@ -345,3 +424,22 @@ def test_a_baked_mask_as_wide_as_hidden_before_the_projections_is_not_taken_for_
     assert mapped.weights["model.layers.0.self_attn.q_proj.weight"].name == "t3"
     assert mapped.weights["model.layers.0.self_attn.k_proj.weight"].name == "t5"
     assert mapped.duplicate_table.name == "t16"
+
+
+def test_a_rope_table_of_hidden_positions_is_not_taken_for_the_down_projection(tmp_path):
+    """The intermediate size is read from the first [hidden, *] global that is not a projection: a
+    RoPE table [S, head_dim / 2] with S = hidden (a re-decode length equal to hidden) comes before
+    down_proj and is skipped, not read as [hidden, intermediate] (which failed the mapping at gate_proj)."""
+    from gemma_export.sources.mlir import MlirGlobal, MlirModule, map_globals
+
+    vocab, hidden, heads, kv, d, inter = 96, 64, 2, 1, 16, 128
+    rope = (hidden, d // 2)  # S = hidden positions
+    shapes = [(vocab, hidden), (hidden,), (heads * d, hidden), (d,), (kv * d, hidden), (d,), (kv * d, hidden),
+              rope, rope, (hidden, heads * d), (hidden,), (hidden,), (inter, hidden), (inter, hidden),
+              (hidden, inter), (hidden,), (hidden,), (vocab, hidden)]
+    module = MlirModule(tmp_path / "gemma.mlir", tuple(
+        MlirGlobal(f"t{n}", "model", f"t{n}", shape, "bf16", n + 1) for n, shape in enumerate(shapes)), ())
+    mapped = map_globals(module)
+    assert mapped.config.intermediate_size == inter
+    assert [g.name for g in mapped.skipped] == ["t7", "t8"]
+    assert mapped.weights["model.layers.0.mlp.down_proj.weight"].name == "t14"

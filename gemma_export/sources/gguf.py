@@ -70,14 +70,14 @@ def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype) -> None:
     """Refuse, at open, a tensor type gguf-py cannot turn into floats (I8, I32, F64, Q8_1, ...)."""
     import gguf
 
+    if data.size == 0:  # nothing to decode; validate_tensors names the shape
+        return
     first = 1 if data.ndim > 1 or qtype.name in PLAIN_GGML_TYPES else gguf.GGML_QUANT_SIZES[qtype][1]
     try:
         gguf.quants.dequantize(data[:first], qtype)  # one row, element or block
     except NotImplementedError:
         raise FormatError(f"{path}: tensor '{info.name}' has ggml type {qtype.name}, which gguf-py cannot "
                           "dequantize; expected F32, F16, BF16 or a llama.cpp quantized type") from None
-
-
 
 
 def _tensor_data(file_bytes: np.ndarray, info: GGUFTensorInfo):
@@ -175,7 +175,9 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     resolve_lm_head(config, tensors, str(path))
 
     has_tokenizer = tokenizer and fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
-    if tokenizer and fields.get("tokenizer.ggml.model") == "llama" and not len(fields.get("tokenizer.ggml.tokens", ())):
+    pieces = fields.get("tokenizer.ggml.tokens", ())
+    if tokenizer and fields.get("tokenizer.ggml.model") == "llama" and (isinstance(pieces, (str, bytes))
+                                                                         or not hasattr(pieces, "__len__") or not len(pieces)):
         raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty; "
                           "expected one piece per row of the table")
     tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []

@@ -144,8 +144,13 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
                     name = _hf_name(key)
                     if name not in wanted:
                         if name and name.startswith("model.layers."):
-                            raise FormatError(f"{shard}: unexpected tensor '{key}': the config has "
-                                              f"{config.num_hidden_layers} layers")
+                            index = name.split(".")[2]
+                            if index.isdigit() and int(index) >= config.num_hidden_layers:
+                                raise FormatError(f"{shard}: unexpected tensor '{key}': the config has "
+                                                  f"{config.num_hidden_layers} layers")
+                            raise FormatError(f"{shard}: unexpected tensor '{key}': not a Gemma 3 decoder layer weight "
+                                              "(expected self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, "
+                                              "mlp.{gate,up,down}_proj and the four layer norms)")
                         continue
                     if name in tensors:
                         raise FormatError(f"{shard}: tensor '{name}' appears twice ('{key}' and {tensors[name].origin})")
