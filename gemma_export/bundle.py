@@ -306,7 +306,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     say = progress or (lambda _msg: None)
     if model_manifest.get("dtype") not in QUANTIZED_DTYPES:  # said here too, not only in the bundle's README
         say(f"note: the weights are {model_manifest.get('dtype')}: onnxruntime holds them as float32 (4 bytes a "
-            f"weight; the 270M's bf16 export peaked at 1.92-2.02 GB, over the {board}'s "
+            f"weight; the 270M's bf16 export peaked at 1.92 to 2.02 GB, over the {board}'s "
             f"{spec.memory_bytes / 1e9:.1f} GB); the int8 or int4 export is the one for the board")
     old_copy = out_dir / "model" / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones

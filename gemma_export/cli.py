@@ -711,7 +711,7 @@ def parity(
 
 @app.command(short_help="Write the folder the board team copies to the board.")
 def bundle(
-    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first)."),
+    model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder (verified against its manifest first); int8 or int4 for the board (fp32/bf16 weights peak above its memory; a note says so)."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced whole, with any pre-packed copy the board made in it)."),
     board: str = typer.Option(DEFAULT_BOARD, "--board", help=f"Target board ({', '.join(BOARDS)})."),
     wheel: Optional[Path] = typer.Option(None, "--wheel", parser=_path, metavar="<path>", help="A prebuilt gemma_export wheel (default: built from this source tree)."),

@@ -518,11 +518,13 @@ def _is_shared_table(ops: list[str]) -> bool:
 def format_report(report: Report, top: int = 10) -> str:
     """The human-readable report printed by ``gemma-export inspect``."""
     def gib(n: int) -> str:
-        if n >= 2**30:
+        # the unit the value reaches once rounded (1,048,575 B is "1.0 MiB", not "1024.0 KiB"); small
+        # tensors (ids, shapes) are not "0.0 MiB"
+        if round(n / 2**30, 2) >= 1:
             return f"{n / 2**30:.2f} GiB"
-        if n >= 2**20:
+        if round(n / 2**20, 1) >= 1:
             return f"{n / 2**20:.1f} MiB"
-        return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:,} B"  # small tensors (ids, shapes) are not "0.0 MiB"
+        return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n:,} B"
 
     lines = [
         f"{report.path} ({report.format})",
@@ -530,7 +532,7 @@ def format_report(report: Report, top: int = 10) -> str:
         f"{gib(4 * report.total_elements)} fp32; {'declared' if report.no_data else 'tensor data'} {report.total_bytes:,} bytes "
         f"({gib(report.total_bytes)}{'' if report.no_data else '; the files add headers and alignment'})",
         "bytes by dtype: " + ", ".join(f"{k} {gib(v)}" for k, v in report.bytes_by_dtype().items()),
-        f"largest {min(top, len(report.tensors))}:",
+        *([f"largest {min(top, len(report.tensors))}:"] if top > 0 else []),
     ]
     total = max(report.total_bytes, 1)
     for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:

@@ -539,7 +539,7 @@ def test_bundle_of_float_weights_says_on_the_console_that_they_are_not_the_board
         lines[dtype] = [x for x in result.stderr.splitlines() if x.startswith("note: the weights are")]
     assert lines["int8"] == []
     assert lines["bf16"] == ["note: the weights are bf16: onnxruntime holds them as float32 (4 bytes a weight; the "
-                             "270M's bf16 export peaked at 1.92-2.02 GB, over the sl2610's 1.9 GB); the int8 or int4 "
+                             "270M's bf16 export peaked at 1.92 to 2.02 GB, over the sl2610's 1.9 GB); the int8 or int4 "
                              "export is the one for the board"], result.stderr
 
 

@@ -224,10 +224,18 @@ UP = "blk.0.ffn_up.weight"
     ("rope scaling not supported", None, lambda w: w.add_string("gemma3.rope.scaling.type", "yarn"), None,
      "gemma3.rope.scaling.type is 'yarn', expected 'none' or 'linear'"),
     ("llama tokenizer without tokens", None, lambda w: w.add_tokenizer_model("llama"), None,
-     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty"),
+     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing; expected an array of strings"),
     ("tokens a number, not a list", None,
      lambda w: (w.add_tokenizer_model("llama"), w.add_uint32("tokenizer.ggml.tokens", 5)), None,
-     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty"),
+     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is a number 5; expected an array of strings"),
+    ("tokens a string, not a list", None,
+     lambda w: (w.add_tokenizer_model("llama"), w.add_string("tokenizer.ggml.tokens", "abc")), None,
+     "tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is a string 'abc'; expected an array of strings"),
+    ("tokens numbers, not strings", None,
+     lambda w: (w.add_tokenizer_model("llama"), w.add_array("tokenizer.ggml.tokens", list(range(96)))), None,
+     "tokenizer.ggml.tokens is not an array of strings (found an array of"),
+    ("a table with no rows", None, lambda w: w.add_tensor("token_embd.weight", np.zeros((0, 64), np.float32)),
+     {"token_embd.weight": "unused.token_embd"}, "tensor 'token_embd.weight' has shape [0, 64]; expected [vocab, hidden], both above 0"),
 ])
 def test_hostile_gguf_is_refused_by_name_when_opened(tiny_gguf, tmp_path, case, tokenizer, extra, rename, words):
     """Files gguf-py would open (or open wrongly) that must not become a model: each is named at open."""

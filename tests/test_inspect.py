@@ -152,6 +152,18 @@ def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     line = next(x for x in printed.splitlines() if x.startswith("bytes by dtype: "))
     assert "0.0 MiB" not in line and f"UINT8 {by_dtype['UINT8'] / 1024:.1f} KiB" in line, line
     assert all(f"{k} " in line for k in by_dtype), line
+    assert "largest 0:" not in CliRunner().invoke(app, ["inspect", str(out), "--top", "0"]).stdout
+
+
+@pytest.mark.parametrize("size, shown", [(1023, "1,023 B"), (1024, "1.0 KiB"), (1_048_575, "1.0 MiB"),
+                                         (2**30 - 1, "1.00 GiB"), (5 * 2**20, "5.0 MiB"), (0, "0 B")])
+def test_sizes_are_shown_in_the_unit_they_reach_once_rounded(size, shown):
+    from gemma_export.inspect import Report, TensorEntry, format_report
+
+    entry = TensorEntry("w", (size,), "UINT8", size, size, None, 0)
+    line = next(x for x in format_report(Report("m.onnx", "onnx", [entry], [], {})).splitlines()
+                if x.startswith("bytes by dtype: "))
+    assert line == f"bytes by dtype: UINT8 {shown}"
 
 
 def test_bad_files_get_one_line(tmp_path):

@@ -171,6 +171,8 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
     # "key without util.global"
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("@t8 =", "@t8 {inlining_policy} =")),
      "gemma.mlir:3: cannot read this util.global"),
+    (lambda lines, archive: lines.__setitem__(2, lines[2].replace("#flow.parameter", "#stream.parameter")),
+     "gemma.mlir:3: cannot read this util.global"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
@@ -281,6 +283,32 @@ def test_int8_scales_without_their_global_or_a_global_without_scales_are_refused
     mlir = write_reference(ref_model, tmp_path / "ref", "int8", edit=edit)
     with pytest.raises(FormatError, match=message):
         open_source(mlir)
+
+
+def test_an_int8_constant_without_scales_is_skipped_like_any_constant(ref_model, tmp_path):
+    # layer 0's RoPE cos table (t50): the export never reads it, so its missing scales do not matter
+    def edit(lines, archive):
+        lines.remove(next(line for line in lines if "@t50_scale = " in line))
+        archive.pop("t50_scale")
+
+    ckpt = open_source(write_reference(ref_model, tmp_path / "ref", "int8", edit=edit))
+    whole = open_source(write_reference(ref_model, tmp_path / "whole", "int8"))
+    assert set(ckpt.tensors) == set(whole.tensors)
+
+
+def test_a_nan_in_int8_scales_is_named_in_the_scales_not_the_codes(ref_model, tmp_path):
+    from gemma_export.errors import NumericError
+
+    def edit(lines, archive):
+        archive["t16_scale"] = archive["t16_scale"].copy()
+        archive["t16_scale"][3] = np.nan  # layer 0's q_proj: its int8 codes are all finite
+
+    ckpt = open_source(write_reference(ref_model, tmp_path / "ref", "int8", edit=edit))
+    q = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    with pytest.raises(NumericError, match=r"gemma.safetensors:t16_scale: @t16_scale holds nan at row 3; scales must be finite"):
+        q.load()
+    with pytest.raises(NumericError, match=r"@t16_scale holds nan at row 3;"):
+        q.rows()[2:8]
 
 
 def test_a_nan_in_a_norm_gain_is_named_as_a_nan_not_as_the_trace_order(ref_model, tmp_path):

@@ -112,6 +112,22 @@ def _tensor_row_reader(data, qtype, is_norm: bool, dequantize):
     return read_rows
 
 
+def _described(value) -> str:
+    """A metadata value's kind for messages: ``a string``, ``an array of int32``, ``a bool``, ..."""
+    if isinstance(value, (str, bytes)):
+        return f"a string {value[:40]!r}"
+    if isinstance(value, (bool, np.bool_)):
+        return f"a bool {value}"
+    if isinstance(value, (int, float, np.number)):
+        return f"a number {value}"
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype}"
+    if isinstance(value, list):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"an array of {', '.join(kinds)}" if kinds else "an empty array"
+    return type(value).__name__
+
+
 def _check_tokenizer_fields(path: Path, tokens, token_types, add_bos, rows: int) -> None:
     """The ``tokenizer.ggml.*`` values the tokenizer is rebuilt from, checked before anything is written.
 
@@ -120,7 +136,7 @@ def _check_tokenizer_fields(path: Path, tokens, token_types, add_bos, rows: int)
             token_type not an integer array, add_bos_token not a bool.
     """
     if not (isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)):
-        raise FormatError(f"{path}: tokenizer.ggml.tokens is not an array of strings (found {type(tokens).__name__})")
+        raise FormatError(f"{path}: tokenizer.ggml.tokens is not an array of strings (found {_described(tokens)})")
     if len(tokens) > rows:
         raise FormatError(f"{path}: tokenizer.ggml.tokens has {len(tokens):,} tokens, more than the "
                           f"{rows:,} rows of token_embd.weight")
@@ -164,6 +180,9 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
 
     if EMBED not in tensors:
         raise FormatError(f"{path}: missing tensor 'token_embd.weight'")
+    if len(tensors[EMBED].shape) != 2 or 0 in tensors[EMBED].shape:  # the vocabulary is read from its rows
+        raise FormatError(f"{path}: tensor 'token_embd.weight' has shape {list(tensors[EMBED].shape)}; expected "
+                          "[vocab, hidden], both above 0")
     fields = header.metadata
     meta = {k: v for k, v in fields.items() if k.startswith(("general.", "gemma3.", "tokenizer.ggml.")) and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")}
     config = config_from_gguf_metadata(meta, vocab_rows=tensors[EMBED].shape[0], tied=True, where=str(path))
@@ -175,11 +194,12 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     resolve_lm_head(config, tensors, str(path))
 
     has_tokenizer = tokenizer and fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
-    pieces = fields.get("tokenizer.ggml.tokens", ())
+    pieces = fields.get("tokenizer.ggml.tokens")
     if tokenizer and fields.get("tokenizer.ggml.model") == "llama" and (isinstance(pieces, (str, bytes))
                                                                          or not hasattr(pieces, "__len__") or not len(pieces)):
-        raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is missing or empty; "
-                          "expected one piece per row of the table")
+        found = "missing" if pieces is None else _described(pieces)
+        raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is {found}; "
+                          "expected an array of strings, one piece per row of the table")
     tokens = fields["tokenizer.ggml.tokens"] if has_tokenizer else []
     token_types = fields.get("tokenizer.ggml.token_type", np.zeros(0, np.int32)) if has_tokenizer else []
     if has_tokenizer:

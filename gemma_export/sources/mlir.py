@@ -31,11 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from quant.bf16 import bfloat16_bits_to_float32
+from quant.rows import first_non_finite
 
 from ..checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, layer_shapes, resolve_lm_head,
                           validate_tensors)
 from ..config import DEFAULT_ROPE_THETA, GEMMA3_270M_SLIDING_WINDOW, GemmaConfig, RopeParameters, gemma3_layer_types
-from ..errors import FormatError, SourceNotFoundError
+from ..errors import FormatError, NumericError, SourceNotFoundError
 from ..text_files import require_file
 from .safetensors_header import DTYPE_BYTES, NUMPY_DTYPES, read_header
 
@@ -140,7 +141,7 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 shape, element = _tensor_type(ttype, where)
                 globals_.append(MlirGlobal(name, scope, key, shape, element, number))
                 continue
-            if re.match(r"\s*util\.global\s", line) and "#flow.parameter.named" in line:
+            if re.match(r"\s*util\.global\s", line) and "parameter.named" in line:  # #flow. or #stream.
                 # a parameter global in a form this reader does not know: named here, not later as
                 # "archive key without util.global"
                 raise FormatError(f"{where}: cannot read this util.global; expected `util.global private @tN = "
@@ -268,12 +269,9 @@ def map_globals(module: MlirModule) -> GlobalMap:
         if owner.element_type != "i8" or sg.element_type != "f32" or sg.shape != owner.shape[:1]:
             raise FormatError(f"{where}:{sg.line}: @{sg.name} is tensor<{'x'.join(map(str, sg.shape))}x{sg.element_type}>; "
                               f"expected per-row f32 scales tensor<{owner.shape[0]}xf32> of an i8 @{base}")
-    # refused here, before any weight is read: an i8 global without scales, or scales without an
-    # owner (which would otherwise be mapped as a weight and shift every later slot)
+    # refused here, before any weight is read: scales without an owner (which would otherwise be
+    # mapped as a weight and shift every later slot); an int8 weight without scales, below
     for g in module.globals:
-        if g.element_type == "i8" and g.name not in scales:
-            raise FormatError(f"{where}:{g.line}: int8 global @{g.name} has no @{g.name}_scale (expected per-row f32 "
-                              f"scales tensor<{g.shape[0] if g.shape else '?'}xf32>)")
         if g.name.endswith("_scale") and g.name[: -len("_scale")] not in by_name:
             raise FormatError(f"{where}:{g.line}: @{g.name} names no global @{g.name[: -len('_scale')]}; expected "
                               "the per-row scales of an int8 global")
@@ -346,6 +344,11 @@ def map_globals(module: MlirModule) -> GlobalMap:
         query_pre_attn_scalar=float(d), max_position_embeddings=32768,
         eos_token_id=GemmaConfig.default_eos_token_ids(vocab))
     config.validate(str(where))
+    # an int8 weight cannot be read without its scales (an int8 constant the export skips may lack them)
+    for g in [*weights.values(), *([duplicate] if duplicate is not None else [])]:
+        if g.element_type == "i8" and g.name not in scales:
+            raise FormatError(f"{where}:{g.line}: int8 global @{g.name} has no @{g.name}_scale (expected per-row f32 "
+                              f"scales tensor<{g.shape[0] if g.shape else '?'}xf32>)")
     return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
 
 
@@ -357,7 +360,7 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
         SourceNotFoundError: the MLIR or its archive is missing.
         FormatError: any mismatch between MLIR, archive and the Gemma layout (named).
         ConfigError: as :func:`map_globals`.
-        NumericError: a norm gain holds NaN or Inf (named with its index).
+        NumericError: a norm gain or an int8 weight's scales hold NaN or Inf (named with the index).
     """
     mlir_path = Path(mlir_path)
     module = parse_mlir(mlir_path)
@@ -366,9 +369,13 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
 
     def values(g: MlirGlobal, rows=None) -> np.ndarray:
         raw = archive.raw(g, rows)
-        if g.element_type == "i8":  # map_globals checked that every i8 global has its scales
-            scale = archive.raw(mapped.scales[g.name])
+        if g.element_type == "i8":  # map_globals checked that every int8 weight has its scales
+            scale_g = mapped.scales[g.name]
+            scale = archive.raw(scale_g)
             scale = scale[rows[0]:rows[1]] if rows else scale
+            if (bad := first_non_finite(scale)) is not None:  # named as the scales', not the codes'
+                raise NumericError(f"{archive.path}:{scale_g.key}: @{scale_g.name} holds {scale[bad]} at row "
+                                   f"{(rows[0] if rows else 0) + bad[0]}; scales must be finite")
             out = raw.astype(np.float32)
             out *= scale.reshape(-1, *([1] * (raw.ndim - 1)))  # in place: one float32 copy, not two
             return out
