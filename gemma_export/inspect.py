@@ -216,10 +216,15 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
     consumers: dict[str, list[str]] = {e.name: [] for e in entries}
     dequantize: list[tuple[str, str, str | None]] = []
     shapes = {e.name: e.shape for e in entries}
+    per_byte: dict[str, int] = {}  # packed codes: values per stored byte (MatMulNBits' bits < 8)
     for node in model.graph.node:
         for name in node.input:
             if name in consumers:
                 consumers[name].append(node.op_type)
+        if node.op_type == "MatMulNBits" and len(node.input) > 1 and node.input[1] in shapes:
+            bits = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), 4)
+            if isinstance(bits, int) and bits in (2, 4):
+                per_byte[node.input[1]] = 8 // bits
         if node.op_type == "DequantizeLinear" and len(node.input) >= 2 and node.input[0] in shapes and node.input[1] in shapes:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             shape, scale_shape = shapes[node.input[0]], shapes[node.input[1]]
@@ -227,6 +232,9 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
             # one scale per run of consecutive values: per tensor, per row (axis 0), or blocks along the last axis
             if math.prod(scale_shape) == 1 or axis == 0 or (attrs.get("block_size") and axis == len(shape) - 1):
                 dequantize.append((node.input[0], node.input[1], node.input[2] if len(node.input) > 2 and node.input[2] else None))
+    # a uint8 of packed 4-bit codes holds two weights per element (the fp32-equivalent size counts weights)
+    entries = [dataclasses.replace(e, elements=e.elements * per_byte[e.name]) if e.name in per_byte and e.dtype == "UINT8"
+               else e for e in entries]
     return entries, consumers, dequantize
 
 

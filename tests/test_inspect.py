@@ -389,3 +389,20 @@ def test_a_block_read_past_the_end_of_a_cut_file_names_the_file_and_tensor(tmp_p
     assert read_block(entry, slice(0, 1), cols).tolist() == [[0.0, 1.0, 2.0, 3.0][cols]]
     with pytest.raises(FormatError, match=f"^{path}: tensor 'table' ends past the end of the file$"):
         read_block(entry, slice(0, 4), cols)
+
+
+def test_packed_4_bit_codes_count_two_weights_per_byte(tiny_dir, tmp_path):
+    # the fp32-equivalent size counts weights: an int4 export's uint8 codes hold two per byte (it
+    # showed half the model's size before)
+    import math
+
+    from gemma_export.sources import open_source
+
+    weights = sum(math.prod(t.shape) for t in open_source(tiny_dir).tensors.values() if len(t.shape) == 2)
+    totals = {}
+    for dtype in ("int8", "int4"):
+        out = export(tiny_dir, tmp_path / dtype, dtype, block_size=16).out_dir
+        result = CliRunner().invoke(app, ["inspect", str(out), "--json"])
+        assert result.exit_code == 0, result.output
+        totals[dtype] = json.loads(result.stdout)["total_elements"]
+    assert weights < totals["int4"] < 1.2 * weights and weights < totals["int8"] < 1.2 * weights, (weights, totals)
