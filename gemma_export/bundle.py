@@ -158,7 +158,7 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     quantized = dtype in QUANTIZED_DTYPES  # float weights: no pre-packed copy (it would be 2-4 x the model)
     prepack_step = "pre-pack the weights for this board's CPU, " if quantized else ""
     prepack_line = "    ~/gx/bin/gemma-export prepack --model model\n" if quantized else ""
-    memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype)
+    memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype, peak=BF16_PEAK_GB)
     return f"""# gemma-export bundle for the {spec.title}
 
 Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype};
@@ -212,10 +212,14 @@ their own), instead of above its size. Peak resident memory rises by
 short; everything works without it (the weights are then moved onto transparent huge pages after
 loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MB)."""
 
+#: the 270M bf16 export's peak in `bench --board sl2610` on x86-64 (2026-12-04 and 2026-12-05, two
+#: machines), GB: quoted by the bundle README and by `bundle`'s note for float weights
+BF16_PEAK_GB = (1.92, 2.02)
+
 #: the bundle README's memory paragraph for fp32 / bf16 weights
 FLOAT_MEMORY = """The weights are {dtype}: onnxruntime computes with them in float32, about 1.1 GB for the 270M model,
 so this folder has no `prepack` step (a pre-packed copy of float weights is 2–4 × the model on disk
-and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` peaked at 1.92–2.02 GB
+and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` peaked at {peak[0]}–{peak[1]} GB
 (2026-12-04 and 2026-12-05, two machines), over the 1.9 GB budget: the int8 or int4 export is the one for the board; use this
 one to compare."""
 
@@ -306,7 +310,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     say = progress or (lambda _msg: None)
     if model_manifest.get("dtype") not in QUANTIZED_DTYPES:  # said here too, not only in the bundle's README
         say(f"note: the weights are {model_manifest.get('dtype')}: onnxruntime holds them as float32 (4 bytes a "
-            f"weight; the 270M's bf16 export peaked at 1.92 to 2.02 GB, over the {board}'s "
+            f"weight; the 270M's bf16 export peaked at {BF16_PEAK_GB[0]} to {BF16_PEAK_GB[1]} GB, over the {board}'s "
             f"{spec.memory_bytes / 1e9:.1f} GB); the int8 or int4 export is the one for the board")
     old_copy = out_dir / "model" / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones

@@ -193,10 +193,10 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     validate_tensors(config, tensors, str(path))
     resolve_lm_head(config, tensors, str(path))
 
-    has_tokenizer = tokenizer and fields.get("tokenizer.ggml.model") == "llama" and "tokenizer.ggml.tokens" in fields
+    llama = tokenizer and fields.get("tokenizer.ggml.model") == "llama"
+    has_tokenizer = llama and "tokenizer.ggml.tokens" in fields
     pieces = fields.get("tokenizer.ggml.tokens")
-    if tokenizer and fields.get("tokenizer.ggml.model") == "llama" and (isinstance(pieces, (str, bytes))
-                                                                         or not hasattr(pieces, "__len__") or not len(pieces)):
+    if llama and (isinstance(pieces, (str, bytes)) or not hasattr(pieces, "__len__") or not len(pieces)):
         found = "missing" if pieces is None else _described(pieces)
         raise FormatError(f"{path}: tokenizer.ggml.model is 'llama' but tokenizer.ggml.tokens is {found}; "
                           "expected an array of strings, one piece per row of the table")

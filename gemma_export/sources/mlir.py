@@ -255,7 +255,7 @@ def map_globals(module: MlirModule) -> GlobalMap:
     :func:`read_reference` then confirms the map with values (every norm gain must look like 1 + w).
 
     Raises:
-        FormatError: the first global is not a ``[vocab, hidden]`` table, an int8 global has no
+        FormatError: the first global is not a ``[vocab, hidden]`` table, an int8 weight has no
             ``_scale`` (or scales have no global), or the globals do not fill whole layers (names the
             global and what was found).
         ConfigError: the sizes read from the shapes make no valid Gemma 3 config (e.g. heads not a
@@ -387,11 +387,11 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
         origin = f"{archive.path}:{g.key}"
         if name in norms:
             gain = values(g)
-            TensorRef(name, g.shape, origin, lambda: gain).check_finite(gain)  # a NaN is named as such, not as the order
+            tensors[name] = TensorRef(name, g.shape, origin, lambda gain=gain: gain - 1.0)
+            tensors[name].check_finite(gain)  # a NaN is named as such, not as the trace order
             if not np.median(gain) > 0.05:
                 raise FormatError(f"{origin}: mapped to '{name}' but its median {np.median(gain):.3g} is not a "
                                   "positive norm gain (1 + w); the trace order is not the expected one")
-            tensors[name] = TensorRef(name, g.shape, origin, lambda gain=gain: gain - 1.0)
         else:
             tensors[name] = TensorRef(name, g.shape, origin, lambda g=g: values(g),
                                       row_reader=(lambda a, b, g=g: values(g, (a, b))) if len(g.shape) == 2 else None)
