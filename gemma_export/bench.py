@@ -203,7 +203,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         threads = spec.threads if spec is not None else DEFAULT_THREADS
     needed = positions_needed(lengths[-1], new_tokens + 1)  # the prefill's token, then new_tokens steps
     limit = manifest_figure(model_dir, "max_position_embeddings")
-    if limit and needed > limit:  # before the text and the (slow) session; the session checks the graph's own figure
+    if limit and needed > limit:  # before the text and the (slow) session; decoder.check_length checks again below
         raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
                                f"need {needed} positions; the model's max_position_embeddings is {limit}")
     # a prefix: a huge --text is neither read nor tokenized whole
@@ -523,9 +523,15 @@ def _pyplot():
 def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None) -> None:
     """ms/token against context length, one line per result (needs matplotlib).
 
+    Written whole or not at all, as :func:`write_json`: a temporary file beside ``path`` is renamed
+    over it.
+
     Raises:
         GemmaExportError: matplotlib is not installed.
+        OutputError: the file cannot be written (full disk, permissions), naming it.
     """
+    from .errors import OutputError
+
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(results):
@@ -537,8 +543,18 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = Path(path)
+    if path.is_symlink():  # replace the file the link names, not the link
+        path = Path(os.path.realpath(path))
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png")
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise OutputError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
 
 
 def write_json(data: dict, path: str | Path | None) -> None:

@@ -93,6 +93,11 @@ class _OneLineUsageError(ClickException):
         typer.echo(f"error: {self.format_message()}", err=True)
 
 
+#: the commands that write an output folder or file (None: the export itself, the group's callback);
+#: the others' Ctrl-C message says only "interrupted" (each passes ``writes`` to :func:`_reported`)
+WRITING_COMMANDS = (None, "prepack", "dedupe", "bench", "bundle")
+
+
 class _Group(TyperGroup):
     """The command group, with usage errors of the group and of every subcommand on one line."""
 
@@ -115,7 +120,8 @@ class _Group(TyperGroup):
             # "ImportError: initialization failed" raised from the KeyboardInterrupt
             interrupt = exc.__cause__ or exc.__context__
             if isinstance(interrupt, KeyboardInterrupt):
-                _interrupted(signal_exit=143 if isinstance(interrupt, Terminated) else 130)
+                _interrupted(ctx.invoked_subcommand in WRITING_COMMANDS,
+                             signal_exit=143 if isinstance(interrupt, Terminated) else 130)
             raise
 
 

@@ -3,7 +3,8 @@
 Inputs follow the export's I/O contract (see ``builder.py``). Generation keeps the KV cache in a
 :class:`KVCache`: for this toolkit's exports one onnxruntime buffer per cache tensor, bound as both
 ``past_key_values.*`` and ``present.*`` (GroupQueryAttention appends in place), the sliding layers'
-buffers holding only their window (the graph's optional ``sliding_cache_start`` input); for other
+buffers holding their window − 1 rows plus up to :data:`SLIDING_ROOM` (the graph's optional
+``sliding_cache_start`` input says where their rows start); for other
 graphs numpy arrays fed back step by step (``present.*`` of one step become ``past_key_values.*`` of
 the next), which is also what :meth:`OnnxDecoder.forward` does.
 """
@@ -16,6 +17,7 @@ import functools
 import io
 import json
 import math
+import os
 import re
 import time
 from pathlib import Path
@@ -29,8 +31,9 @@ from .errors import (FormatError, GemmaExportError, NumericError, ResourceError,
                      first_line, is_whole_number, shown)
 from .onnx_files import (BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype,
                          load_graph)
+from . import memory
 from .memory import release_free_heap
-from .text_files import not_unicode_at
+from .text_files import non_regular, not_unicode_at
 
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
@@ -124,7 +127,6 @@ def read_manifest(model_dir: Path) -> dict:
         FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, not UTF-8
             JSON, or not a JSON object.
     """
-    from .text_files import non_regular
 
     manifest = Path(model_dir) / MANIFEST_FILE
     try:
@@ -157,6 +159,28 @@ def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
     token and every new token but the last, which is returned and never fed back (both counts in
     tokens; ``new_tokens`` ≤ 0 counts as 0)."""
     return prompt_tokens + max(new_tokens - 1, 0)
+
+
+def check_positions(model_dir: str | Path, total_tokens: int, max_position_embeddings: int | None) -> None:
+    """Raises GemmaExportError when a sequence of ``total_tokens`` positions (the prompt and the new
+    tokens fed back, :func:`positions_needed`) exceeds ``max_position_embeddings`` (None: no check).
+
+    Raises:
+        GemmaExportError: naming ``model_dir``, the length and the limit.
+    """
+    if max_position_embeddings and total_tokens > max_position_embeddings:
+        raise GemmaExportError(f"{model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed "
+                               f"back) exceeds the model's max_position_embeddings {max_position_embeddings}")
+
+
+def check_new_tokens(max_new_tokens: int, where: str) -> None:
+    """Raises GemmaExportError ``"{where}: max_new_tokens must be >= 0, found N"`` for a negative count.
+
+    Raises:
+        GemmaExportError: as above.
+    """
+    if max_new_tokens < 0:
+        raise GemmaExportError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
 
 
 def manifest_figure(model_dir: Path, key: str) -> int | None:
@@ -314,7 +338,8 @@ class OnnxDecoder:
         sliding_layers, sliding_window: the layers whose caches may drop rows outside the window,
             and the window in positions (``()`` and None for graphs without ``sliding_cache_start``).
         shares_kv_buffer: the graph reads and writes one KV buffer per layer (``KVCache``).
-        eos_token_id: the ids that stop generation (tuple).
+        eos_token_id: the ids that stop generation (tuple): the manifest's, else a
+            ``genai_config.json``'s ``model.eos_token_id``, else Gemma's (``DEFAULT_STOP_TOKEN_IDS``).
         prepacked_path: the pre-packed ``model.onnx`` in use, or None.
         prepacked_note: why the folder's copy is or is not used ("" when there is none).
         huge_page_bytes: bytes moved onto huge pages after session creation (0: none).
@@ -374,8 +399,9 @@ class OnnxDecoder:
                 load_graph(self.prepacked_path)
                 self.session = create_session(self.prepacked_path, threads)
             except FormatError as exc:  # a damaged copy: from load_graph, or onnxruntime's own error
-                reason = str(exc).split(_CANNOT_LOAD, 1)[-1]
-                problem = f"{self.prepacked_path}: onnxruntime cannot load it ({reason})"
+                message = str(exc)
+                problem = (f"{self.prepacked_path}: onnxruntime cannot load it ({message.split(_CANNOT_LOAD, 1)[1]})"
+                           if _CANNOT_LOAD in message else message)  # load_graph's own message names the file
                 if prepacked is not None:  # required, or a path given: no silent fallback
                     raise FormatError(f"{problem}; run gemma-export prepack --model {self.model_dir} again, or with "
                                       "--remove") from None
@@ -387,26 +413,19 @@ class OnnxDecoder:
         if self.prepacked_path is None:
             self.session = create_session(path, threads, optimized_model_path)
             if huge_pages:  # the weights onnxruntime just packed on the heap: fewer TLB misses per step
-                from .memory import collapse_to_huge_pages
-
-                self.huge_page_bytes = collapse_to_huge_pages()
+                self.huge_page_bytes = memory.collapse_to_huge_pages()
         else:
             path = self.prepacked_path
         release_free_heap()  # what loading freed (graph, tokenizer, onnxruntime's transient buffers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
-        unknown = [n for n in inputs if n not in ("input_ids", "attention_mask", "position_ids")
-                   and not (n.startswith("past_key_values.") and n.endswith((".key", ".value")))]
-        if unknown or "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
-            raise FormatError(f"{path}: inputs {sorted(inputs)} are not the decoder contract (input_ids, "
-                              "attention_mask, position_ids, past_key_values.{i}.key|value)")
-        self.num_hidden_layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+        self.num_hidden_layers = check_decoder_contract(path, inputs, self.session.get_outputs())
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
         if not isinstance(self.head_dim, int):  # symbolic (onnxruntime-genai graphs): its config has it
             self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
             if not isinstance(self.head_dim, int):
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
-        self.vocab_size = self.session.get_outputs()[0].shape[-1]
+        self.vocab_size = next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1]
         if not isinstance(self.vocab_size, int):  # symbolic: the table's rows, else the manifest's or genai's config
             configured = (self.manifest.get("config", {}).get("vocab_size")
                           or _genai_model_config(self.model_dir).get("vocab_size"))
@@ -427,7 +446,11 @@ class OnnxDecoder:
                                                                    self.manifest.get("config", {}))
         kv_cache = self.manifest.get("kv_cache")
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
-        eos = self.manifest.get("config", {}).get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
+        eos = self.manifest.get("config", {}).get("eos_token_id")
+        if eos is None:  # a folder of another tool: onnxruntime-genai's config names its stop ids
+            eos = _genai_model_config(self.model_dir).get("eos_token_id")
+            if not (is_whole_number(eos) or isinstance(eos, list) and eos and all(map(is_whole_number, eos))):
+                eos = DEFAULT_STOP_TOKEN_IDS
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
@@ -456,10 +479,10 @@ class OnnxDecoder:
             shapes or dtypes, or an id outside the vocabulary (no check here; see :meth:`check_ids`).
         """
         outputs = self.session.run(None, self._feeds(input_ids, attention_mask, position_ids, past))
-        names = [o.name for o in self.session.get_outputs()]
+        named = dict(zip((o.name for o in self.session.get_outputs()), outputs))
         present = {name.replace("present.", "past_key_values.", 1): value
-                   for name, value in zip(names[1:], outputs[1:]) if name.startswith("present.")}
-        return outputs[0], present
+                   for name, value in named.items() if name.startswith("present.")}
+        return named["logits"], present
 
     def _feeds(self, input_ids, attention_mask, position_ids, past) -> dict[str, np.ndarray]:
         # Models from other exporters (e.g. onnxruntime-genai's GroupQueryAttention graphs) may not
@@ -488,19 +511,21 @@ class OnnxDecoder:
             raise FormatError(f"{self.model_dir / MODEL_FILE}: no output {missing[0]!r} (export with --debug-outputs)")
         self.check_length(len(token_ids))
         ids = np.asarray([list(token_ids)], np.int64)
-        feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1])[None], self.empty_cache(1))
+        feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], self.empty_cache(1))
         values = self.session.run(list(names), feeds)
         return dict(zip(names, values))
 
-    def check_ids(self, ids: Sequence[int], what: str) -> None:
+    def check_ids(self, ids: Sequence[int], what: str, tokenizer=None) -> None:
         """Raises FormatError naming the folder and ``what`` (e.g. ``prompt``) when an id lies outside
         the graph's vocabulary (onnxruntime's Gather would fail with an index error mid-run instead).
+
+        With ``tokenizer``, the message gives the id's piece too.
 
         Raises:
             FormatError: the first id not in ``0 … vocab_size - 1`` (:func:`check_token_ids`).
         """
         check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
-                        "; the tokenizer beside the export does not match its graph")
+                        "; the tokenizer beside the export does not match its graph", tokenizer)
 
     def check_length(self, total_tokens: int) -> None:
         """Raises GemmaExportError when a sequence of ``total_tokens`` tokens (positions) would exceed
@@ -509,10 +534,7 @@ class OnnxDecoder:
         Raises:
             GemmaExportError: ``total_tokens`` > ``max_position_embeddings``.
         """
-        if self.max_position_embeddings and total_tokens > self.max_position_embeddings:
-            raise GemmaExportError(
-                f"{self.model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed back) exceeds the model's "
-                f"max_position_embeddings {self.max_position_embeddings}")
+        check_positions(self.model_dir, total_tokens, self.max_position_embeddings)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
                prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
@@ -523,27 +545,27 @@ class OnnxDecoder:
             max_new_tokens: tokens to generate at most; 0 returns ``([], 0.0, [])``.
             stop_ids: ids after which decoding stops (included in ``new_ids``); None: the manifest's
                 ``eos_token_id`` (or Gemma's defaults); ``()``: never stop early.
+            prefill_chunk: run the prompt through the cache in steps of at most this many tokens
+                (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The logits are the same up
+                to float rounding, which an int8 export's 8-bit activations magnify (up to ~0.7 on
+                the real 270M); the activation memory onnxruntime's arena keeps after a long prompt
+                grows with the step (``docs/benchmarks.md``).
 
         Returns:
             ``(new_ids, prefill_ms, decode_ms)``: ``list[int]``; the wall time in milliseconds of the
             prompt step(s) plus the first token's pick; a ``list[float]`` of milliseconds, one per
             later step.
 
-        ``prefill_chunk``: run the prompt through the cache in steps of at most this many tokens
-        (default :data:`DEFAULT_PREFILL_CHUNK`; None: one step). The logits are the same up to float
-        rounding, which an int8 export's 8-bit activations magnify (up to ~0.7 on the real 270M); the
-        activation memory onnxruntime's arena keeps after a long prompt grows with the step
-        (``docs/benchmarks.md``).
-
         Raises:
-            GemmaExportError: an empty prompt, ``prefill_chunk`` < 1, or the sequence exceeds
-                ``max_position_embeddings``.
+            GemmaExportError: an empty prompt, a negative ``max_new_tokens``, ``prefill_chunk`` < 1,
+                or the sequence exceeds ``max_position_embeddings``.
             FormatError: an id outside the vocabulary.
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
+        check_new_tokens(max_new_tokens, "greedy")
         check_prefill_chunk(prefill_chunk)
         self.check_ids(prompt_ids, "prompt")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
@@ -584,8 +606,9 @@ class OnnxDecoder:
             ``max_new_tokens`` ids per prompt, in order; ``[]`` for no prompts.
 
         Raises:
-            ValueError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too).
-            GemmaExportError: the longest prompt plus the new tokens exceed ``max_position_embeddings``.
+            GemmaExportError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too), a
+                negative ``max_new_tokens``, or the longest prompt plus the new tokens exceed
+                ``max_position_embeddings``.
             NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
@@ -593,7 +616,9 @@ class OnnxDecoder:
         if batch == 0:
             return []
         if empty := [row for row, prompt in enumerate(prompts) if len(prompt) == 0]:
-            raise ValueError(f"prompt #{empty[0]} of the batch has no tokens; each row needs at least one (its <bos>)")
+            raise GemmaExportError(f"greedy_batch: prompt #{empty[0]} of the batch has no tokens; each row needs at least "
+                                   "one (its <bos>)")
+        check_new_tokens(max_new_tokens, "greedy_batch")
         longest = max(len(p) for p in prompts)
         capacity = positions_needed(longest, max_new_tokens)
         self.check_length(capacity)
@@ -845,6 +870,53 @@ def check_manifest_matches_graph(model_dir: str | Path) -> None:
     check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model))
 
 
+#: the decoder contract's inputs (``builder.py``) and the element type onnxruntime reports for each;
+#: ``past_key_values.{i}.key|value`` are float32 (:meth:`OnnxDecoder.empty_cache`, :class:`KVCache`)
+DECODER_INPUT_TYPES = {"input_ids": "tensor(int64)", "attention_mask": "tensor(int64)", "position_ids": "tensor(int64)"}
+CACHE_TYPE = "tensor(float)"
+
+
+def check_decoder_contract(path: Path, inputs: dict, outputs: Sequence) -> int:
+    """Check a session's inputs and outputs against the decoder contract this module feeds and reads:
+    ``input_ids`` (and ``attention_mask``, ``position_ids`` where the graph takes them) int64,
+    ``past_key_values.{i}.key|value`` float32 for layers 0…L−1, and the outputs ``logits`` and
+    ``present.{i}.key|value`` for the same layers.
+
+    Args:
+        path: the graph, for the message.
+        inputs: input name → ``onnxruntime.NodeArg`` (``session.get_inputs()``).
+        outputs: ``session.get_outputs()``.
+
+    Returns:
+        L, the number of layers.
+
+    Raises:
+        FormatError: naming the first input or output that is missing, unknown or of another element
+            type (e.g. the float16 caches of an onnxruntime-genai fp16 model), with what was expected.
+    """
+    contract = "(input_ids, attention_mask, position_ids, past_key_values.{i}.key|value)"
+    unknown = [n for n in inputs if n not in DECODER_INPUT_TYPES
+               and not (n.startswith("past_key_values.") and n.endswith((".key", ".value")))]
+    if unknown or "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
+        raise FormatError(f"{path}: inputs {sorted(inputs)} are not the decoder contract {contract}")
+    layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
+    cache = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    if missing := [n for n in cache if n not in inputs]:
+        raise FormatError(f"{path}: input {missing[0]} is missing; expected past_key_values.{{i}}.key and .value for "
+                          f"layers 0 to {layers - 1}")
+    for name, arg in inputs.items():
+        expected = DECODER_INPUT_TYPES.get(name, CACHE_TYPE)
+        if arg.type != expected:
+            raise FormatError(f"{path}: input {name} is {arg.type}; expected {expected} (the element type this "
+                              "toolkit feeds)")
+    declared = {o.name for o in outputs}
+    needed = ["logits"] + [n.replace("past_key_values.", "present.", 1) for n in cache]
+    if missing := [n for n in needed if n not in declared]:
+        raise FormatError(f"{path}: output {missing[0]} is missing; expected logits and present.{{i}}.key|value for "
+                          f"layers 0 to {layers - 1}")
+    return layers
+
+
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
 
 
@@ -928,16 +1000,19 @@ def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
     return token
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "") -> None:
+def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "", tokenizer=None) -> None:
     """Raises FormatError ``"{where}: token id X is outside the export's vocabulary (0 to V-1){hint}"``
-    for the first id of ``ids`` not in ``0 … vocab_size - 1``.
+    for the first id of ``ids`` not in ``0 … vocab_size - 1``; with ``tokenizer`` (a
+    ``tokenizers.Tokenizer``) the id's piece follows it, ``token id X ('piece')``.
 
     Raises:
         FormatError: as above.
     """
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
-        raise FormatError(f"{where}: token id {bad} is outside the export's vocabulary (0 to {vocab_size - 1}){hint}")
+        piece = f" ({tokenizer.id_to_token(bad)!r})" if tokenizer is not None else ""
+        raise FormatError(f"{where}: token id {bad}{piece} is outside the export's vocabulary (0 to {vocab_size - 1})"
+                          f"{hint}")
 
 
 def check_threads(threads: int | None) -> None:
@@ -947,8 +1022,6 @@ def check_threads(threads: int | None) -> None:
     Raises:
         GemmaExportError: ``threads`` < 1 or above that limit.
     """
-    import os
-
     if threads is None:
         return
     limit = 4 * (os.cpu_count() or 1)
@@ -1010,8 +1083,6 @@ class KVCache:
         self.shared = decoder.shares_kv_buffer
         #: the last step had more than one token (a prompt, or a chunk of one)
         self._after_prompt = False
-        from .memory import available_bytes
-
         self.sliding_window = decoder.sliding_window
         # other graphs' caches grow by concatenation and hold every position in every layer
         sliding_layers = decoder.sliding_layers if self.shared else ()
@@ -1022,7 +1093,7 @@ class KVCache:
         full_layers = decoder.num_hidden_layers - len(sliding_layers)
         row_bytes = batch_size * decoder.num_key_value_heads * decoder.head_dim * 4
         need = 2 * row_bytes * (full_layers * capacity + len(sliding_layers) * sliding_rows)
-        available = available_bytes()
+        available = memory.available_bytes()
         if available is not None and need > available:
             raise ResourceError(f"KV cache: {capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, more "
                                 f"than the {available / 1e9:,.1f} GB this machine has available; ask for fewer tokens")
@@ -1175,7 +1246,6 @@ def load_tokenizer(model_dir: str | Path):
         GemmaExportError: the path is not valid UTF-8.
         FormatError: the folder has no readable ``tokenizer.json``.
     """
-    from .text_files import non_regular
     from .tokenizer import read_tokenizer_json
 
     model_dir = Path(model_dir)
@@ -1191,15 +1261,17 @@ def load_tokenizer(model_dir: str | Path):
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None) -> GenerationResult:
-    """Tokenize ``prompt`` (``<bos>`` prepended unless it starts with it, :func:`encode_prompt`), greedy-decode with onnxruntime, decode the new tokens.
-    ``prefill_chunk`` as in :meth:`OnnxDecoder.greedy`; ``prepacked``: the folder's pre-packed copy,
-    as in :class:`OnnxDecoder`.
+    """Tokenize ``prompt`` (``<bos>`` prepended unless it starts with it, :func:`encode_prompt`),
+    greedy-decode with onnxruntime, decode the new tokens.
 
     Args:
         model_dir: an export folder.
         prompt: the text.
         max_new_tokens: tokens to generate at most (≥ 1); decoding stops after an eos id.
         threads: onnxruntime intra-op threads (None: its default).
+        prefill_chunk: prompt tokens per prefill step, as in :meth:`OnnxDecoder.greedy`.
+        prepacked: the folder's pre-packed copy, as in :class:`OnnxDecoder` (None: used when it
+            was made on this machine from these files).
 
     Returns:
         A :class:`GenerationResult` (times in milliseconds).
@@ -1225,16 +1297,12 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
     needed = positions_needed(len(prompt_ids), max_new_tokens)
-    limit = manifest_figure(model_dir, "max_position_embeddings")
-    if limit and needed > limit:  # before the (slow) session, as bench; the session checks the graph's own figure
-        raise GemmaExportError(f"{model_dir}: a sequence of {needed} tokens (the prompt and the new tokens fed back) "
-                               f"exceeds the model's max_position_embeddings {limit}")
+    # before the (slow) session, as bench; OnnxDecoder checks the manifest's figure against the graph
+    # and greedy checks the length again
+    check_positions(model_dir, needed, manifest_figure(model_dir, "max_position_embeddings"))
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
-    beyond = next((i for i in prompt_ids if i >= decoder.vocab_size), None)
-    if beyond is not None:  # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
-        raise FormatError(f"{model_dir}: prompt: token id {beyond} ({tokenizer.id_to_token(beyond)!r}) is outside the "
-                          f"export's vocabulary (0 to {decoder.vocab_size - 1}); the tokenizer beside the export does "
-                          "not match its graph")
+    # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
+    decoder.check_ids(prompt_ids, "prompt", tokenizer)
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,

@@ -620,3 +620,59 @@ def test_a_json_name_whose_folder_passes_through_a_loop_of_links_is_refused_befo
     assert result.exit_code == 2, result.output
     assert result.output.startswith(f"error: --json {name}: its folder {tmp_path / 'la'}/.. cannot be reached (")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["la", "lb"]
+
+
+class _FakeFigure:
+    """Stands in for a matplotlib figure: ``savefig`` writes ``data`` to the file it is given, then
+    raises ``error`` if one is set (a disk that fills up mid-write)."""
+
+    def __init__(self, data: bytes, error: OSError | None):
+        self.data, self.error, self.saved_to = data, error, []
+
+    def tight_layout(self):
+        pass
+
+    def savefig(self, path, **kwargs):
+        self.saved_to.append(Path(path))
+        Path(path).write_bytes(self.data)
+        if self.error is not None:
+            raise self.error
+
+
+def _fake_pyplot(figure):
+    import types
+
+    axes = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in
+                                    ("plot", "set_xlabel", "set_ylabel", "set_ylim", "legend", "grid")})
+    return types.SimpleNamespace(subplots=lambda **k: (figure, axes), close=lambda fig: None)
+
+
+def _result_for_plot():
+    return bench_module.BenchResult("m", 2, 1, 0.1, {16: 1.0}, 2.0, 3.0, 500.0, [(17, 2.0), (18, 2.5)],
+                                    0, 0, 0, 0, 0, "text")
+
+
+def test_a_plot_that_fails_mid_write_leaves_the_previous_file_and_no_temporary(tmp_path, monkeypatch):
+    from gemma_export.errors import OutputError
+
+    picture = tmp_path / "curve.png"
+    picture.write_bytes(b"the previous plot")
+    figure = _FakeFigure(b"half a pl", OSError(28, "No space left on device"))
+    monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(figure))
+    with pytest.raises(OutputError, match=rf"^--plot {picture}: cannot write: No space left on device$"):
+        bench_module.write_plot([_result_for_plot()], picture)
+    assert picture.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]  # the half-written temporary removed
+    assert figure.saved_to[0] != picture  # written beside it, not over it
+
+
+def test_a_plot_replaces_the_file_a_link_names_and_keeps_the_link(tmp_path, monkeypatch):
+    target = tmp_path / "plots" / "curve.png"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    link = tmp_path / "latest.png"
+    link.symlink_to(target)
+    monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(_FakeFigure(b"new plot", None)))
+    bench_module.write_plot([_result_for_plot()], link)
+    assert link.is_symlink() and target.read_bytes() == b"new plot"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["curve.png"]

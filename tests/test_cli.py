@@ -519,7 +519,8 @@ def test_ctrl_c_while_a_library_initialises_is_an_interrupt_not_a_traceback(tiny
 
     monkeypatch.setattr(runtime, "generate", interrupted_import)
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "a")
-    assert result.exit_code == 130 and result.stderr.strip().startswith("error: interrupted"), result.output
+    # generate writes nothing, so its message claims nothing about output folders
+    assert result.exit_code == 130 and result.stderr.strip() == "error: interrupted", result.output
 
     def broken_import(*args, **kwargs):
         raise ImportError("no module named x")  # a real import error is not hidden
@@ -979,3 +980,20 @@ def test_quality_of_an_export_given_a_tokenizer_does_not_read_the_sources_own(ti
     assert result.exit_code == 0, result.output
     assert "top-1" in result.output and "tokenizer.json" not in result.stderr
 
+
+
+def test_the_export_help_names_the_defaults_the_code_uses():
+    """The help texts spell their defaults out (importing the quantizers to format them would cost
+    `gemma-export --help` most of a second), so each is checked against the constant it names."""
+    from typer.main import get_command
+
+    from gemma_export import calibration, weights
+
+    helps = {param.opts[0]: param.help for param in get_command(app).params}
+    assert weights.DEFAULT_INT8_BLOCK_SIZE == weights.DEFAULT_INT4_BLOCK_SIZE  # one default for both dtypes
+    assert f"default {weights.DEFAULT_INT8_BLOCK_SIZE})" in helps["--block-size"]
+    assert (f"default {weights.DEFAULT_TABLE_BLOCK_SIZE[8]} for an int8 table, {weights.DEFAULT_TABLE_BLOCK_SIZE[4]} "
+            "for int4;") in helps["--table-block-size"]
+    assert f"(default {weights.DEFAULT_HADAMARD_SIZE}; 0 = off)" in helps["--hadamard"]
+    assert (f"(default {calibration.DEFAULT_CALIBRATION_TOKENS:,}; {calibration.MIN_CALIBRATION_TOKENS} to "
+            f"{calibration.MAX_CALIBRATION_TOKENS:,};") in helps["--calibration-tokens"]

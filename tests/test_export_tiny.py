@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
-from gemma_export.errors import FormatError
+from gemma_export.errors import FormatError, GemmaExportError
 from gemma_export.exporter import is_table_shaped, count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
@@ -227,8 +227,61 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
     for prompt, row in zip(prompts, batched):
         alone, _, _ = decoder.greedy(prompt, 12, stop_ids=[])
         assert row == alone
-    with pytest.raises(ValueError, match=r"prompt #1 of the batch has no tokens"):
+    with pytest.raises(GemmaExportError, match=r"prompt #1 of the batch has no tokens"):
         decoder.greedy_batch([[2, 5], []], 2)
+    with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):
+        decoder.greedy_batch(prompts, -1)
+    with pytest.raises(GemmaExportError, match=r"^greedy: max_new_tokens must be >= 0, found -2$"):
+        decoder.greedy(prompts[0], -2)
+    assert decoder.greedy(prompts[0], 0) == ([], 0.0, [])
+
+
+def _one_layer_graph(folder: Path, cache_type=onnx.TensorProto.FLOAT, logits_first: bool = True,
+                     with_value_output: bool = True) -> Path:
+    """A hand-made one-layer decoder (vocabulary 8, head_dim 4) whose logits are the one-hot rows
+    of the input ids, so greedy repeats the last id; its caches pass through."""
+    from onnx import helper
+
+    folder.mkdir()
+    table = helper.make_tensor("table", onnx.TensorProto.FLOAT, [8, 8], np.eye(8, dtype=np.float32).ravel())
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["logits"]),
+             helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"]),
+             helper.make_node("Identity", ["past_key_values.0.value"], ["present.0.value"])]
+    inputs = [helper.make_tensor_value_info("input_ids", onnx.TensorProto.INT64, ["b", "s"])]
+    inputs += [helper.make_tensor_value_info(f"past_key_values.0.{k}", cache_type, ["b", 1, "p", 4])
+               for k in ("key", "value")]
+    logits = helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["b", "s", 8])
+    present = [helper.make_tensor_value_info(f"present.0.{k}", cache_type, ["b", 1, "t", 4])
+               for k in ("key", "value")][:2 if with_value_output else 1]
+    outputs = [logits, *present] if logits_first else [*present, logits]
+    graph = helper.make_graph(nodes, "g", inputs, outputs, [table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), folder / "model.onnx")
+    return folder
+
+
+def test_the_logits_output_is_found_by_name_not_position(tmp_path):
+    decoder = OnnxDecoder(_one_layer_graph(tmp_path / "m", logits_first=False))
+    assert decoder.vocab_size == 8  # the head_dim (4) when output 0 was taken for the logits
+    assert decoder.greedy([2, 5], 2)[0] == [5, 5]
+
+
+def test_a_folder_of_another_tool_stops_at_its_genai_config_eos_ids(tmp_path):
+    folder = _one_layer_graph(tmp_path / "m")
+    assert OnnxDecoder(folder).greedy([2, 5], 4)[0] == [5, 5, 5, 5]  # 5 is none of Gemma's stop ids
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": [7, 5]}}))
+    decoder = OnnxDecoder(folder)
+    assert decoder.eos_token_id == (7, 5) and decoder.greedy([2, 5], 4)[0] == [5]
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": "five"}}))
+    assert OnnxDecoder(folder).greedy([2, 5], 4)[0] == [5, 5, 5, 5]  # unusable: Gemma's
+
+
+def test_a_cache_of_another_element_type_or_a_missing_present_output_is_named(tmp_path):
+    with pytest.raises(FormatError, match=r"input past_key_values\.0\.key is tensor\(float16\); expected "
+                                          r"tensor\(float\)"):
+        OnnxDecoder(_one_layer_graph(tmp_path / "fp16", cache_type=onnx.TensorProto.FLOAT16))
+    with pytest.raises(FormatError, match=r"output present\.0\.value is missing; expected logits and "
+                                          r"present\.\{i\}\.key\|value for layers 0 to 0"):
+        OnnxDecoder(_one_layer_graph(tmp_path / "no-value", with_value_output=False))
 
 
 @pytest.mark.parametrize("chunk", [0, -1, 1.5])
