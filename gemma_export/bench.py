@@ -177,8 +177,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
         (The board's memory budget is checked by :func:`check_board_budget`.)
     """
-    from .runtime import (OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, manifest_figure,
-                          positions_needed)
+    from .manifest import manifest_figure
+    from .runtime import OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, positions_needed
     from .text_files import first_tokens
 
     say = progress or (lambda _msg: None)

@@ -279,7 +279,7 @@ def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOAR
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
-    from .runtime import read_manifest
+    from .manifest import read_manifest
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 

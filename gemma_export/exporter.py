@@ -27,7 +27,8 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import leftovers as prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import create_session, read_manifest, require_folder
+from .manifest import read_manifest, require_folder
+from .runtime import create_session
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens, non_regular
@@ -256,8 +257,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = listed_files(manifest.get("files"), manifest_path, nested=False)
-    from .runtime import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_vocab_and_layers,
-                          sliding_layers_from)
+    from .manifest import check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_vocab_and_layers
+    from .runtime import sliding_layers_from
 
     try:
         check_manifest_fields(manifest, manifest_path)

@@ -488,7 +488,7 @@ def inspect_path(path: str | Path) -> Report:
             whose export's ``model/model.onnx`` is read).
         FormatError: the file is not one of the supported formats or is malformed.
     """
-    from .runtime import is_bundle
+    from .manifest import is_bundle
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
         path = Path(path) / "model"

@@ -29,8 +29,8 @@ import numpy as np
 
 from .config import DTYPES
 from .errors import FormatError, GemmaExportError, is_whole_number, shown
-from .runtime import (DEFAULT_PREFILL_CHUNK, check_manifest_matches_graph, encode_prompt, manifest_figure,
-                      positions_needed)
+from .manifest import check_manifest_matches_graph, manifest_figure
+from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, positions_needed
 from .text_files import not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers

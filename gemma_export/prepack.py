@@ -32,7 +32,7 @@ import numpy as np
 
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
-from .runtime import read_manifest
+from .manifest import read_manifest
 from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
@@ -223,7 +223,7 @@ SAVE_PREPACKED = {
 
 
 def _export_folder(model_dir: Path) -> None:
-    from .runtime import require_folder
+    from .manifest import require_folder
 
     require_folder(model_dir, MODEL_FILE)
 

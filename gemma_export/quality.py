@@ -356,7 +356,7 @@ def _manifest_source_record(model_dir: Path) -> dict:
     """
     from .errors import FormatError, SourceNotFoundError
     from .onnx_files import MANIFEST_FILE
-    from .runtime import read_manifest
+    from .manifest import read_manifest
 
     manifest = model_dir / MANIFEST_FILE
     try:
@@ -460,7 +460,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     import tempfile
 
     from .bench import real_text
-    from .runtime import OnnxDecoder, check_export_folder, load_tokenizer, manifest_figure
+    from .manifest import manifest_figure
+    from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 
     say = progress or (lambda _msg: None)
     if reference == "transformers":
@@ -549,7 +550,7 @@ def other_model_notes(model_dir: Path, reference_dir: Path) -> list[str]:
     (``source.sha256`` in both manifests) or another tokenizer (``files["tokenizer.json"].sha256``)
     than the export: the figures then compare different weights or different token ids, which is
     allowed (e.g. a GGUF against a transformers folder of the same model) but worth saying. Never raises."""
-    from .runtime import read_manifest
+    from .manifest import read_manifest
 
     def recorded(folder: Path) -> tuple[str | None, str | None]:
         try:

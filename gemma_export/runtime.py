@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import io
 import json
-import math
 import os
 import re
 import time
@@ -25,12 +24,12 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import (DEFAULT_STOP_TOKEN_IDS, DTYPES, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
+from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_utf8_path,
-                     first_line, is_whole_number, shown)
-from .onnx_files import (BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype,
-                         load_graph)
+from .errors import FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, first_line, is_whole_number
+from .manifest import (check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
+                       graph_table_rows, graph_vocab_and_layers, manifest_figure, read_manifest, require_folder)
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
 from . import memory
 from .memory import release_free_heap
 from .text_files import non_regular, not_unicode_at
@@ -118,37 +117,6 @@ def unknown_control_tokens(tokenizer, text: str) -> list[str]:
     return [piece for piece in found if tokenizer.token_to_id(piece) is None]
 
 
-
-def read_manifest(model_dir: Path) -> dict:
-    """The JSON object in ``model_dir/manifest.json``; ``{}`` when the folder has none (a folder of
-    another tool, e.g. onnxruntime-genai's builder).
-
-    Raises:
-        FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, not UTF-8
-            JSON, or not a JSON object.
-    """
-
-    manifest = Path(model_dir) / MANIFEST_FILE
-    try:
-        if (what := non_regular(manifest)) is not None:
-            raise ValueError(f"it is {what}")
-        if not manifest.is_file():
-            return {}
-        text = manifest.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FormatError(f"{manifest}: unreadable manifest: expected UTF-8 text, found byte "
-                          f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
-    except (OSError, ValueError) as exc:
-        raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
-    try:
-        value = json.loads(text)
-        if not isinstance(value, dict):
-            raise ValueError(f"expected a JSON object, found {type(value).__name__}")
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
-    return value
-
-
 #: rows of logits per chunk of :meth:`OnnxDecoder.teacher_forced_chunks` (and compared at a time by
 #: ``quality``, which holds one chunk per model): 128 × 262,144 float32 = 134 MB
 CHUNK_ROWS = 128
@@ -183,22 +151,6 @@ def check_new_tokens(max_new_tokens: int, where: str) -> None:
         raise GemmaExportError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
 
 
-def manifest_figure(model_dir: Path, key: str) -> int | None:
-    """A positive whole number from the ``config`` object of an export's ``manifest.json`` (e.g.
-    ``vocab_size``, ``max_position_embeddings``), for checks made before the (slow) session load.
-
-    Returns ``None`` when the manifest is missing or unreadable, has no ``config`` object, or the
-    value is absent or not a positive whole number: the session load that follows names a damaged
-    manifest, and checks made after it use the loaded graph's figures. Never raises.
-    """
-    try:
-        config = read_manifest(model_dir).get("config")
-    except FormatError:
-        return None
-    value = config.get(key) if isinstance(config, dict) else None
-    return value if is_whole_number(value) and value > 0 else None
-
-
 def _genai_model_config(model_dir: Path) -> dict:
     """The ``model`` object of an onnxruntime-genai ``genai_config.json`` (``vocab_size``, ``decoder``);
     ``{}`` when there is none or it is unreadable."""
@@ -212,79 +164,6 @@ def _genai_model_config(model_dir: Path) -> dict:
 def _genai_decoder_config(model_dir: Path) -> dict:
     decoder = _genai_model_config(model_dir).get("decoder")
     return decoder if isinstance(decoder, dict) else {}
-
-
-def is_bundle(folder: str | Path) -> bool:
-    """Whether ``folder`` is a board folder written by ``gemma-export bundle`` (``BUNDLE.json`` at its
-    top, the export in ``model/``)."""
-    folder = Path(folder)
-    return (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file()
-
-
-def require_folder(folder: Path, holding: str) -> None:
-    """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
-
-    Args:
-        folder: the path given by the user.
-        holding: the file the folder should hold, named in the message (e.g. ``model.onnx``).
-
-    Raises:
-        GemmaExportError: the path is not valid UTF-8 (:func:`~gemma_export.errors.check_utf8_path`).
-        SourceNotFoundError: no such folder, something else by that name, a bundle folder (naming
-            the export inside it), or an export's pre-packed copy (naming the export it belongs to).
-    """
-    check_utf8_path(folder, "export folder")
-    if not folder.exists():
-        raise SourceNotFoundError(f"{folder}: no such export folder")
-    if not folder.is_dir():
-        raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
-    if is_bundle(folder):
-        raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
-    if folder.resolve().name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
-        raise SourceNotFoundError(f"{folder}: an export's pre-packed copy (gemma-export prepack), used through its "
-                                  f"export; give the export folder {folder.resolve().parent}")
-
-
-def check_listed_files(manifest: dict, model_dir: Path) -> None:
-    """The weight data files an export's manifest lists (``model.onnx.data``) have the sizes it
-    records and can be read: a cheap check (one ``stat`` and ``open`` per file) against a folder
-    changed after the export, e.g. the data file of another export copied in, which onnxruntime
-    would run without a word. The graph and the tokenizer have checks of their own (against each
-    other and the manifest); a missing file is left to the step that reads it; ``gemma-export
-    verify`` compares every byte of every file.
-
-    Args:
-        manifest: the parsed ``manifest.json`` (:func:`read_manifest`); without ``files`` nothing is checked.
-        model_dir: the export folder; sizes are compared in bytes.
-
-    Raises:
-        FormatError: naming the first file whose size differs from the manifest's, or a ``files``
-            field that is not an object of ``{"bytes": integer, ...}`` entries for the data files
-            (a damaged manifest would otherwise pass this check unseen).
-        OSError: a listed file cannot be opened for reading (permissions, I/O error).
-    """
-    if "files" not in manifest:  # folders of other exporters carry no manifest
-        return
-    files = manifest["files"]
-    where = model_dir / MANIFEST_FILE
-    if not isinstance(files, dict):
-        raise FormatError(f"{where}: field 'files' must be an object (file name -> bytes, sha256), found {shown(files)}")
-    for name, entry in files.items():
-        path = model_dir / name
-        if not name.startswith(f"{MODEL_FILE}."):
-            continue
-        if not (isinstance(entry, dict) and is_whole_number(entry.get("bytes")) and entry["bytes"] >= 0):
-            bytes_field = entry.get("bytes") if isinstance(entry, dict) else entry
-            raise FormatError(f"{where}: files[{name!r}] must record its size as 'bytes' (an integer >= 0), found "
-                              f"{shown(bytes_field)}")
-        if not path.is_file():
-            continue
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise FormatError(f"{path}: {size:,} bytes, but {model_dir / MANIFEST_FILE} records {entry['bytes']:,}: the "
-                              f"folder changed after the export (export it again; gemma-export verify checks every file)")
-        with open(path, "rb"):
-            pass
 
 
 def check_export_folder(model_dir: str | Path) -> Path:
@@ -351,11 +230,11 @@ class OnnxDecoder:
         FormatError: onnxruntime cannot load the model, or (``prepacked`` True or a path) the copy;
             with the default, a copy that fails to load is skipped with a note instead. Also: an
             unreadable graph or manifest, a data file whose size differs from the manifest's
-            (:func:`check_listed_files`), inputs that are not the decoder contract, a symbolic
+            (:func:`~gemma_export.manifest.check_listed_files`), inputs that are not the decoder contract, a symbolic
             ``head_dim`` no ``genai_config.json`` gives, a manifest field that is malformed or
-            contradicts the graph (:func:`check_manifest_fields`, :func:`check_manifest_against_graph`),
+            contradicts the graph (:func:`~gemma_export.manifest.check_manifest_fields`, :func:`~gemma_export.manifest.check_manifest_against_graph`),
             or sliding-window metadata that is malformed or disagrees with the manifest.
-        OSError: a data file listed in the manifest cannot be opened (:func:`check_listed_files`).
+        OSError: a data file listed in the manifest cannot be opened (:func:`~gemma_export.manifest.check_listed_files`).
     """
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
@@ -738,136 +617,6 @@ def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Pat
                           f"manifest.json's config: expected {','.join(map(str, expected))!r:.60} / "
                           f"'{config.get('sliding_window', window)}', {found}")
     return layers, window
-
-
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-#: manifest fields the runtime reads or records: (where, name) → (what is expected, test)
-_MANIFEST_FIELDS = {
-    (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
-    ("config", "max_position_embeddings"): ("a positive integer below 2**31 (int32 positions)",
-                                            lambda v: is_whole_number(v) and 0 < v < 2 ** 31),
-    ("config", "vocab_size"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),
-    ("config", "num_hidden_layers"): ("a positive integer", lambda v: is_whole_number(v) and v > 0),
-    ("config", "sliding_window"): ("a positive integer (positions)", lambda v: is_whole_number(v) and v > 0),
-    ("config", "bos_token_id"): ("a token id (integer >= 0)", lambda v: is_whole_number(v) and v >= 0),
-    ("config", "pad_token_id"): ("a token id (integer >= 0) or null", lambda v: v is None or (is_whole_number(v) and v >= 0)),
-    **{("config", name): ("a positive integer", lambda v: is_whole_number(v) and v > 0)
-       for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")},
-    ("config", "rms_norm_eps"): ("a positive finite number", _positive_number),
-    **{(None, name): ("true or false", lambda v: isinstance(v, bool))
-       for name in ("all_logits", "debug_outputs", "tie_word_embeddings")},
-    ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
-                                 lambda v: (is_whole_number(v) and v >= 0)
-                                 or (isinstance(v, list) and v != [] and all(is_whole_number(i) and i >= 0 for i in v))),
-}
-
-
-def check_manifest_fields(manifest: dict, path: str | Path) -> None:
-    """Check the fields of an export's ``manifest.json`` that the runtime reads (absent ones are
-    allowed: folders of other exporters carry none).
-
-    Args:
-        manifest: the parsed manifest (a dict).
-        path: the manifest's path, for the message.
-
-    Raises:
-        FormatError: ``config`` is not an object, or naming the first field whose value is not what
-            the runtime expects.
-    """
-    if not isinstance(manifest.get("config", {}), dict):
-        raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
-    for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
-        scope = manifest.get(section, {}) if section else manifest
-        if name in scope and not ok(scope[name]):
-            field = f"{section}.{name}" if section else name
-            raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
-
-
-def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
-                                 dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None)) -> None:
-    """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
-    ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
-    ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
-    :func:`graph_kv_dims`; None: not checked), ``config.bos_token_id`` and ``config.pad_token_id``
-    lie inside the vocabulary, and ``dtype`` is the weights the graph stores
-    (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it).
-    Call :func:`check_manifest_fields` first.
-    Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
-    and small test configs keep Gemma's default ids.)
-
-    Raises:
-        FormatError: naming the first field that contradicts the graph.
-    """
-    config = manifest.get("config", {})  # an object: check_manifest_fields comes first
-    for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers),
-                          ("num_key_value_heads", kv_dims[0]), ("head_dim", kv_dims[1])):
-        if isinstance(actual, int) and field in config and config[field] != actual:
-            raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
-    for field in ("bos_token_id", "pad_token_id"):
-        if isinstance(vocab_size, int) and is_whole_number(config.get(field)) and config[field] >= vocab_size:
-            raise FormatError(f"{path}: field 'config.{field}' is {config[field]:,}, outside the graph's vocabulary "
-                              f"(ids 0 to {vocab_size - 1:,})")
-    if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
-        raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
-
-
-def graph_vocab_and_layers(model) -> tuple[int | None, int]:
-    """The vocabulary (the ``logits`` output's last dimension, None when symbolic or absent) and the
-    number of layers (``past_key_values.{i}.key`` inputs) of an export's ``onnx.ModelProto``. Never
-    raises on a graph of another shape: the figures are then None / 0."""
-    logits = next((o for o in model.graph.output if o.name == "logits"), None)
-    dims = logits.type.tensor_type.shape.dim if logits is not None else []
-    vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
-    layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
-    return vocab, layers
-
-
-def graph_table_rows(model) -> int | None:
-    """Rows of the table the embedding lookup reads: the first dimension of the data of the
-    ``Gather`` that takes ``input_ids``, when that is an initializer (or reached from one through
-    ``Cast`` or ``Identity`` nodes, as in a bf16 export); None for graphs laid out otherwise
-    (onnxruntime-genai's gathers from a Transpose)."""
-    initializers = {t.name: t for t in model.graph.initializer}
-    produced_by = {out: node for node in model.graph.node for out in node.output}
-    for node in model.graph.node:
-        if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] != "input_ids":
-            continue
-        data = node.input[0]
-        while data not in initializers and data in produced_by and produced_by[data].op_type in ("Cast", "Identity"):
-            data = produced_by[data].input[0]
-        if data in initializers and initializers[data].dims:
-            return int(initializers[data].dims[0])
-    return None
-
-
-def graph_kv_dims(model) -> tuple[int | None, int | None]:
-    """``(num_key_value_heads, head_dim)`` from the ``past_key_values.0.key`` input of an export's
-    ``onnx.ModelProto`` (layout ``[batch, kv_heads, past, head_dim]``); None where absent or symbolic."""
-    key = next((i for i in model.graph.input if i.name == "past_key_values.0.key"), None)
-    dims = list(key.type.tensor_type.shape.dim) if key is not None else []
-    if len(dims) != 4:
-        return None, None
-    return tuple(d.dim_value if d.HasField("dim_value") else None for d in (dims[1], dims[3]))
-
-
-def check_manifest_matches_graph(model_dir: str | Path) -> None:
-    """:func:`check_manifest_fields` and :func:`check_manifest_against_graph` for an export folder,
-    reading only its graph (not the weights, no session): a quick way to tell a hand-edited manifest
-    from bad inputs before anything slow runs.
-
-    Raises:
-        FormatError: an unreadable manifest or graph, or a field that contradicts the graph.
-    """
-    from .onnx_files import read_graph
-
-    path = Path(model_dir) / MANIFEST_FILE
-    manifest = read_manifest(model_dir)
-    check_manifest_fields(manifest, path)
-    model = read_graph(Path(model_dir) / MODEL_FILE)
-    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model))
 
 
 #: the decoder contract's inputs (``builder.py``) and the element type onnxruntime reports for each;

@@ -1161,7 +1161,7 @@ def test_a_symbolic_vocabulary_dimension_is_read_from_the_config(tiny_dir, tmp_p
     gather = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
     model.graph.node.insert(0, onnx.helper.make_node("Identity", [gather.input[0]], ["table_view"]))
     gather.input[0] = "table_view"
-    from gemma_export.runtime import graph_table_rows
+    from gemma_export.manifest import graph_table_rows
 
     assert graph_table_rows(model) == 96
 
@@ -1243,7 +1243,7 @@ def test_a_manifest_that_contradicts_the_graph_is_named_before_the_session_is_cr
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
 def test_the_table_rows_are_read_from_every_dtypes_lookup(tiny_dir, tmp_path, dtype):
-    from gemma_export.runtime import graph_table_rows
+    from gemma_export.manifest import graph_table_rows
 
     kwargs = {"block_size": 16, "table_block_size": 16} if dtype in ("int8", "int4") else {}
     out = export(tiny_dir, tmp_path / dtype, dtype, **kwargs).out_dir
