@@ -1,25 +1,64 @@
 """gemma-export: Gemma 3 / FunctionGemma-270M to ONNX with one shared tied-embedding table.
 
-Python API::
+Python API (each command of the CLI, with typed results)::
 
     from gemma_export import export, generate
     result = export(dtype="int8")                  # bundled real Gemma 3 270M → ./gemma-3-270m-onnx-int8
     print(generate(result.out_dir, "The capital of France is", max_new_tokens=16).text)
+
+    from gemma_export import inspect_path, run_parity, run_quality, run_bench, write_bundle
+    inspect_path(result.out_dir).duplicates        # [] : the table is stored once
+    run_parity(result.out_dir, against_transformers=True).passed
+    run_quality(result.out_dir, tokens=512).metrics.kl_mean   # nats/token against transformers fp32
+    run_bench(result.out_dir, board="sl2610").decode_ms_median
+    write_bundle(result.out_dir, "board-folder")   # what `gemma-export bundle` writes
+
+Every error raised on bad input is a :class:`GemmaExportError` (subclasses below); the CLI prints
+its message on one line and exits with status 2.
 """
 
 __version__ = "0.1.0"
 
-__all__ = ["export", "generate", "open_source", "__version__"]
+#: public name → (module, attribute): imported on first use, so that ``gemma-export --help`` and
+#: ``import gemma_export`` stay fast (the quantizers and onnxruntime load only when needed)
+_PUBLIC = {
+    # the commands
+    "export": ("exporter", "export"),
+    "generate": ("runtime", "generate"),
+    "open_source": ("sources", "open_source"),
+    "inspect_path": ("inspect", "inspect_path"),
+    "run_parity": ("parity", "run_parity"),
+    "run_quality": ("quality", "run_quality"),
+    "run_bench": ("bench", "run_bench"),
+    "write_bundle": ("bundle", "write_bundle"),
+    "verify_bundle": ("bundle", "verify_bundle"),
+    "verify_manifest": ("exporter", "verify_manifest"),
+    # their results
+    "ExportResult": ("exporter", "ExportResult"),
+    "GenerationResult": ("runtime", "GenerationResult"),
+    "Checkpoint": ("checkpoint", "Checkpoint"),
+    "Report": ("inspect", "Report"),
+    "ParityReport": ("parity", "ParityReport"),
+    "QualityReport": ("quality", "QualityReport"),
+    "BenchResult": ("bench", "BenchResult"),
+    "BundleResult": ("bundle", "BundleResult"),
+    # the errors
+    **{name: ("errors", name) for name in ("GemmaExportError", "ConfigError", "FormatError", "NumericError",
+                                            "SourceNotFoundError", "OutputError", "VerificationError",
+                                            "ResourceError", "BudgetExceeded")},
+}
+
+__all__ = [*_PUBLIC, "__version__"]
 
 
-def __getattr__(name):  # lazy: keep `gemma-export --help` fast
-    if name == "export":
-        from .exporter import export
-        return export
-    if name == "generate":
-        from .runtime import generate
-        return generate
-    if name == "open_source":
-        from .sources import open_source
-        return open_source
-    raise AttributeError(name)
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'gemma_export' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _PUBLIC[name]
+    return getattr(importlib.import_module(f".{module}", __name__), attribute)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -38,7 +38,7 @@ WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
 
 @dataclasses.dataclass
 class BundleResult:
-    """The board folder written by :func:`bundle` and its files (path relative to it → bytes)."""
+    """The board folder written by :func:`write_bundle` and its files (path relative to it → bytes)."""
 
     out_dir: Path
     files: dict[str, int]  # relative path -> bytes
@@ -258,7 +258,7 @@ def _check_wheel(wheel: Path) -> None:
                           "such a wheel")
 
 
-def bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None,
+def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None,
            progress: Callable[[str], None] | None = None) -> BundleResult:
     """Write the board folder for ``model_dir`` (an export) to ``out_dir``.
 

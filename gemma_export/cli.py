@@ -732,7 +732,7 @@ def bundle(
       gemma-export bundle --model gemma-3-270m-onnx-int8 --board sl2610 \\
           --out sl2610-int8
     """
-    from .bundle import bundle as run
+    from .bundle import write_bundle as run
 
     with _reported(debug):
         result = run(model, out, board=board, wheel=wheel, progress=lambda msg: typer.echo(msg, err=True))

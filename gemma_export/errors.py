@@ -43,6 +43,41 @@ def check_utf8_path(path, what: str) -> None:
                                "need; rename it") from None
 
 
+#: the argument kinds of :func:`check_arguments`: kind → (test, what the message says is expected);
+#: a kind ending in ``?`` also takes None
+_ARGUMENT_KINDS = {
+    "int": (is_whole_number, "an int"),
+    "bool": (lambda v: isinstance(v, bool), "True or False"),
+    "str": (lambda v: isinstance(v, str), "a str"),
+    "path": (lambda v: isinstance(v, os.PathLike) or (isinstance(v, str) and v != ""), "a path (str or os.PathLike)"),
+}
+
+
+def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
+    """Refuse a Python caller's argument of the wrong type before it reaches a comparison or pathlib
+    deep inside (``'>=' not supported between 'str' and 'int'``), or is taken for another value
+    (``calibrate="no"`` is true, ``""`` is the current folder).
+
+    Args:
+        function: the API function, for the message (e.g. ``export``).
+        arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path``, each
+            with a trailing ``?`` to allow None.
+
+    Raises:
+        ConfigError: ``"export(): block_size must be an int, found str '32'"``, the first that fails.
+    """
+    for name, (value, kind) in arguments.items():
+        optional = kind.endswith("?")
+        if optional and value is None:
+            continue
+        test, expected = _ARGUMENT_KINDS[kind.rstrip("?")]
+        if not test(value):
+            found = "an empty str" if value == "" else f"{type(value).__name__} {value!r:.40}"
+            if optional:
+                expected = "True, False or None" if expected == "True or False" else f"{expected} or None"
+            raise ConfigError(f"{function}(): {name} must be {expected}, found {found}")
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (onnxruntime's run a page long), or its type's name when
     it has none."""

@@ -21,7 +21,7 @@ from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
 from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START
-from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError
+from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
@@ -485,7 +485,9 @@ def export(
     Raises:
         SourceNotFoundError, FormatError, ConfigError, NumericError: bad source, or (FormatError,
             SourceNotFoundError) an unreadable calibration text.
-        ConfigError: options that contradict each other or their ranges, before any file is read;
+        ConfigError: an argument of the wrong type (``block_size="32"``, ``calibrate="no"``, an empty
+            path: :func:`~gemma_export.errors.check_arguments`); options that contradict each other
+            or their ranges, before any file is read;
             a block size that divides no dimension of the model (:func:`block_size_for`); a source
             without tokenizer with a calibration option, a tokenizer whose ids exceed the vocabulary,
             or a calibration text of fewer than ``MIN_CALIBRATION_TOKENS`` tokens.
@@ -498,6 +500,12 @@ def export(
     """
     import onnx_ir as ir
 
+    check_arguments("export", source=(source, "path?"), out_dir=(out_dir, "path?"), dtype=(dtype, "str"),
+                    block_size=(block_size, "int?"), table_block_size=(table_block_size, "int?"),
+                    hadamard_size=(hadamard_size, "int?"), table_dtype=(table_dtype, "str?"), symmetric=(symmetric, "bool"),
+                    scale_method=(scale_method, "str?"), calibrate=(calibrate, "bool?"),
+                    calibration_text=(calibration_text, "path?"), calibration_tokens=(calibration_tokens, "int?"),
+                    all_logits=(all_logits, "bool"), debug_outputs=(debug_outputs, "bool"), tokenizer=(tokenizer, "path?"))
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
                    calibration_text, calibration_tokens)
     scale_method = scale_method or "mse"

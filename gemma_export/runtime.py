@@ -26,7 +26,8 @@ import numpy as np
 
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, first_line, is_whole_number
+from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_arguments,
+                     first_line, is_whole_number)
 from .manifest import (check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
                        graph_table_rows, graph_vocab_and_layers, manifest_figure, read_manifest, require_folder)
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
@@ -1029,11 +1030,15 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         SourceNotFoundError, FormatError: the folder is not an export with a tokenizer, or
             :class:`OnnxDecoder` refuses it; FormatError also when the tokenizer gives no ids or an
             id outside the graph's vocabulary.
-        GemmaExportError: ``max_new_tokens`` < 1; the prompt is not UTF-8 text; prompt + new tokens
+        GemmaExportError: an argument of the wrong type (``ConfigError``,
+            :func:`~gemma_export.errors.check_arguments`); ``max_new_tokens`` < 1; the prompt is not UTF-8 text; prompt + new tokens
             exceed ``max_position_embeddings``; ``threads`` or ``prefill_chunk`` out of range.
         NumericError: the export computes NaN or +Inf logits.
         ResourceError: the KV cache would not fit in available memory.
     """
+    check_arguments("generate", model_dir=(model_dir, "path"), prompt=(prompt, "str"),
+                    max_new_tokens=(max_new_tokens, "int"), threads=(threads, "int?"),
+                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"))
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
     bad = not_unicode_at(prompt)

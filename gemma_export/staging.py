@@ -237,7 +237,10 @@ def entry_refused(folder: Path) -> str | None:
 def check_creatable(out_dir: Path, what: str) -> None:
     """Refuse, before any work, an output folder that cannot be made: a regular file among its
     parents, or (when ``out_dir`` does not exist yet) a nearest existing parent that refuses new
-    entries (:func:`entry_refused`). ``what`` names the output in the message.
+    entries (:func:`entry_refused`). An existing folder is replaced by :func:`move_into_place`,
+    which stages beside it and moves it into another folder of its parent: the parent must take
+    new entries and the folder itself must be writable (a folder's ``..`` entry changes when it
+    moves; ``rename(2)``, EACCES). ``what`` names the output in the message.
 
     Raises:
         OutputError: naming the blocking path and the reason.
@@ -247,6 +250,13 @@ def check_creatable(out_dir: Path, what: str) -> None:
     if blocker is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
     if out_dir.exists():
+        parent = out_dir.absolute().parent
+        if (reason := entry_refused(parent)) is not None:
+            raise OutputError(f"{out_dir}: cannot replace the {what} folder: its parent {parent} refuses new entries "
+                              f"({reason}), and the {what} is written beside it first")
+        if out_dir.is_dir() and not out_dir.is_symlink() and not os.access(out_dir, os.W_OK, effective_ids=True):
+            raise OutputError(f"{out_dir}: cannot replace the {what} folder: it is not writable (replacing it moves "
+                              "it aside, which needs write permission on it)")
         return
     existing = next(p for p in out_dir.parents if p.exists())  # "/" or "." at the latest
     reason = entry_refused(existing)

