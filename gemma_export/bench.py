@@ -80,7 +80,35 @@ def real_text(path: str | Path | None = None, max_bytes: int | None = None) -> t
 
 @dataclasses.dataclass
 class BenchResult:
-    """Figures of one ``bench`` run. Times in ms (session creation in s), memory in bytes."""
+    """Figures of one ``bench`` run. Times in ms (session creation in s), memory in bytes.
+
+    Attributes:
+        model: the export folder.
+        threads: onnxruntime intra-op threads.
+        archive_bytes: the export's files (:func:`archive_bytes`).
+        session_create_s: ``OnnxDecoder`` creation, seconds.
+        prefill_ms: prompt length in tokens → prefill time.
+        decode_ms_median, decode_ms_p90: over every timed decode step of every prompt length.
+        tokens_per_s: 1000 / ``decode_ms_median``.
+        decode_curve: ``(context length, ms)`` of every timed decode step.
+        anon_growth_short_bytes, rss_growth_short_bytes: growth of ``Anonymous`` and ``Rss``
+            (``/proc/self/smaps_rollup``) over session creation, the shortest prompt and its steps.
+        anon_growth_bytes, rss_growth_bytes: the same after every prompt length.
+        peak_rss_bytes: the process's peak resident memory.
+        text_source: where the prompts' text came from.
+        board, board_memory_bytes: the ``--board`` and its memory budget (None without one).
+        prefill_chunk: prompt tokens per prefill step (None: the whole prompt in one).
+        prepacked, prepacked_note: the pre-packed copy's ``model.onnx`` the session loaded (None:
+            ``model.onnx``), and why it was or was not used.
+        huge_page_bytes: heap moved onto transparent huge pages after session creation.
+        reference: the reference MLIR export under IREE (ms/token and the ratio), see :func:`run_bench`.
+        new_tokens: decode steps after each prompt (the first ``WARMUP_STEPS`` untimed).
+        decode_ms_median_by_prompt: prompt length → median ms/token of the steps after it.
+        anon_libraries_bytes, rss_libraries_bytes: what importing onnx and onnxruntime added before
+            the growth's baseline (0: imported earlier).
+        anon_tokenizer_bytes, rss_tokenizer_bytes: what the loaded tokenizer holds, also before the
+            baseline.
+    """
 
     model: str
     threads: int | None
@@ -90,27 +118,24 @@ class BenchResult:
     decode_ms_median: float
     decode_ms_p90: float
     tokens_per_s: float
-    decode_curve: list[tuple[int, float]]  # (context length, ms) for every timed decode step
-    anon_growth_short_bytes: int  # session creation + shortest prompt + its decode steps
+    decode_curve: list[tuple[int, float]]
+    anon_growth_short_bytes: int
     rss_growth_short_bytes: int
-    anon_growth_bytes: int  # after every prompt length
+    anon_growth_bytes: int
     rss_growth_bytes: int
     peak_rss_bytes: int
     text_source: str
     board: str | None = None
     board_memory_bytes: int | None = None
     prefill_chunk: int | None = None
-    prepacked: str | None = None  # the pre-packed copy's model.onnx the session loaded, if any
+    prepacked: str | None = None
     prepacked_note: str = ""
-    huge_page_bytes: int = 0  # heap moved onto transparent huge pages after session creation
-    reference: dict | None = None  # the reference MLIR export under IREE, see run_bench
-    new_tokens: int | None = None  # decode steps after each prompt (the first WARMUP_STEPS untimed)
-    #: prompt length → median ms/token of the steps after that prompt (decode_ms_median pools them all)
+    huge_page_bytes: int = 0
+    reference: dict | None = None
+    new_tokens: int | None = None
     decode_ms_median_by_prompt: dict[int, float] = dataclasses.field(default_factory=dict)
-    #: what importing onnx and onnxruntime added before the growth's baseline (0: imported earlier)
     anon_libraries_bytes: int = 0
     rss_libraries_bytes: int = 0
-    #: what the loaded tokenizer holds (``tokenizer.json`` parsed), also before the growth's baseline
     anon_tokenizer_bytes: int = 0
     rss_tokenizer_bytes: int = 0
 
@@ -173,9 +198,12 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         huge_pages: without the copy, move the heap-packed weights onto transparent huge pages
             after session creation (``OnnxDecoder(huge_pages=...)``); False to measure without.
 
+    Returns:
+        A :class:`BenchResult` (times in ms, memory in bytes). The board's memory budget is not
+        checked here: :func:`check_board_budget` raises if the result leaves too little of it.
+
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
-        (The board's memory budget is checked by :func:`check_board_budget`.)
     """
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, positions_needed

@@ -144,17 +144,24 @@ class Checkpoint:
     path: Path
     files: tuple[Path, ...] = ()
 
-    def content_sha256(self) -> str | None:
+    def file_sha256s(self) -> dict[str, str]:
+        """File name → hex sha256 of each of :attr:`files`, in their order (what ``sha256sum``
+        prints). Reads every file once (about 0.3 s for the 250 MB GGUF of Gemma 3 270M)."""
+        from .staging import file_sha256
+
+        return {p.name: file_sha256(p) for p in self.files}
+
+    def content_sha256(self, file_sha256s: Mapping[str, str] | None = None) -> str | None:
         """One hex sha256 for the source's contents: of the lines ``"<file name> <file sha256>"`` of
         :attr:`files`, in their order (None when the source lists no files). Two sources of the
-        same size (e.g. two fine-tunes of one architecture) differ here. Reads every file once
-        (about 0.3 s for the 250 MB GGUF of Gemma 3 270M).
+        same size (e.g. two fine-tunes of one architecture) differ here. For a one-file source it
+        is not that file's own sha256 (:meth:`file_sha256s` gives those; pass them to read the
+        files only once).
         """
         if not self.files:
             return None
-        from .staging import file_sha256
-
-        lines = "".join(f"{p.name} {file_sha256(p)}\n" for p in self.files)
+        digests = self.file_sha256s() if file_sha256s is None else file_sha256s
+        lines = "".join(f"{name} {digest}\n" for name, digest in digests.items())
         return hashlib.sha256(lines.encode()).hexdigest()
 
     @property

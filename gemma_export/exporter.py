@@ -593,6 +593,7 @@ def export(
         verify_folder(staging)
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)
         files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+        source_digests = ckpt.file_sha256s()
         manifest = {
             "format": "onnx",
             "dtype": dtype,
@@ -604,7 +605,8 @@ def export(
             # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
             "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
             # sha256: quality and parity re-open the source by path and refuse other contents there
-            "source": {**ckpt.identity, "sha256": ckpt.content_sha256(),
+            # (one digest over the files, Checkpoint.content_sha256); file_sha256: each file's own
+            "source": {**ckpt.identity, "sha256": ckpt.content_sha256(source_digests), "file_sha256": source_digests,
                        # where the tokenizer came from when it is not the source's own (--tokenizer)
                        **({"tokenizer": str(tokenizer_dir.resolve())} if given_tokenizer is not None else {})},
             # what the export is: a source that claims tie_word_embeddings but stores a different

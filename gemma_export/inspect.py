@@ -44,6 +44,8 @@ class TensorEntry:
         nbytes: bytes on disk.
         elements: number of values (after unpacking block formats).
         path, offset: where the bytes live (``path`` None: inline ONNX data, see ``inline``).
+        item_dtype: the numpy dtype of one stored value (None for block formats such as ``Q8_0``).
+        inline: the bytes of a tensor stored inside the ``.onnx`` file itself (None otherwise).
     """
 
     name: str
@@ -95,15 +97,24 @@ class DuplicateGroup:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """What :func:`inspect_path` found."""
+    """What :func:`inspect_path` found.
+
+    Attributes:
+        path: the file read (an export folder's ``model.onnx``).
+        format: ``onnx``, ``safetensors``, ``gguf`` or ``mlir``.
+        tensors: every stored tensor, in file order.
+        duplicates: groups of tensors holding the same values (``[]``: each stored once).
+        consumers: ONNX only: initializer name → the op types that read it (the shared table:
+            ``Gather``-like and ``MatMul``-like both).
+        no_data: why no tensor data was read (a reference ``.mlir`` without its archive): sizes
+            are then the declared ones and duplicates were not searched; None when it was read.
+    """
 
     path: str
     format: str
     tensors: list[TensorEntry]
     duplicates: list[DuplicateGroup]
-    consumers: dict[str, list[str]]  # ONNX: initializer → consumer op types
-    #: why no tensor data was read (a reference .mlir without its archive): sizes are the declared
-    #: ones and duplicates were not searched; None when the data was read
+    consumers: dict[str, list[str]]
     no_data: str | None = None
 
     @property
@@ -482,6 +493,9 @@ def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
     archive beside it; the type is read from the file). An export folder stands for its
     ``model.onnx``, a bundle folder for its export's.
+
+    Returns:
+        A :class:`Report` (:func:`format_report` prints it as the CLI does).
 
     Raises:
         SourceNotFoundError: no such file, or a folder without ``model.onnx`` (nor a bundle folder,

@@ -68,6 +68,9 @@ class GenerationResult:
             activation memory back: ``KVCache``).
         prepacked: whether the session loaded the folder's pre-packed copy.
         prepacked_note: why the copy was or was not used ("" when there is none).
+        dtype: the graph's weights (``fp32``, ``bf16``, ``int8``, ``int4``).
+        unknown_tokens: control-token-like text of the prompt (``<start_of_turn>``, …) that this
+            tokenizer reads as plain text (:func:`unknown_control_tokens`).
     """
 
     prompt_ids: list[int]
@@ -77,9 +80,7 @@ class GenerationResult:
     decode_ms: list[float]
     prepacked: bool = False
     prepacked_note: str = ""
-    #: the graph's weights (fp32, bf16, int8, int4)
     dtype: str = ""
-    #: control-token-like text of the prompt that this tokenizer reads as plain text (:func:`unknown_control_tokens`)
     unknown_tokens: list[str] = dataclasses.field(default_factory=list)
 
 

@@ -195,6 +195,13 @@ def test_export_summary_and_manifest(tiny_dir, tmp_path):
         data = (out / name).read_bytes()
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "genai_config.json"}
+    # each source file's own sha256 (what sha256sum prints), and one content digest over them all
+    source_files = {"config.json", "model.safetensors"}
+    assert set(manifest["source"]["file_sha256"]) == source_files
+    lines = "".join(f"{name} {digest}\n" for name, digest in manifest["source"]["file_sha256"].items())
+    assert manifest["source"]["sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    assert all(manifest["source"]["file_sha256"][name] == hashlib.sha256((tiny_dir / name).read_bytes()).hexdigest()
+               for name in source_files)
 
 
 @pytest.mark.parametrize("flag, recorded", [
