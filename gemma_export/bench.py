@@ -36,7 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .boards import BOARDS, DEFAULT_THREADS, board as find_board
-from .errors import BudgetExceeded, GemmaExportError
+from .errors import BudgetExceeded, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
@@ -205,6 +205,10 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     Raises:
         GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
     """
+    check_arguments("run_bench", model_dir=(model_dir, "path"), threads=(threads, "int?"),
+                    prompt_tokens=(prompt_tokens, "ints"), new_tokens=(new_tokens, "int"), board=(board, "str?"),
+                    text=(text, "path?"), reference=(reference, "path?"), reference_weights=(reference_weights, "path?"),
+                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"), huge_pages=(huge_pages, "bool"))
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, positions_needed
     from .text_files import first_tokens

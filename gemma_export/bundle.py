@@ -29,7 +29,7 @@ from typing import Callable
 from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
-from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError
+from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments
 from .onnx_files import BUNDLE_MANIFEST
 
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
@@ -276,6 +276,8 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
             has no ``tokenizer.json`` (``FormatError``: the board's commands need it);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
+    check_arguments("write_bundle", model_dir=(model_dir, "path"), out_dir=(out_dir, "path"), board=(board, "str"),
+                    wheel=(wheel, "path?"))
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST

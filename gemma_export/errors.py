@@ -50,6 +50,7 @@ _ARGUMENT_KINDS = {
     "bool": (lambda v: isinstance(v, bool), "True or False"),
     "str": (lambda v: isinstance(v, str), "a str"),
     "path": (lambda v: isinstance(v, os.PathLike) or (isinstance(v, str) and v != ""), "a path (str or os.PathLike)"),
+    "ints": (lambda v: isinstance(v, (list, tuple)) and all(map(is_whole_number, v)), "a list or tuple of ints"),
 }
 
 
@@ -60,8 +61,8 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
 
     Args:
         function: the API function, for the message (e.g. ``export``).
-        arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path``, each
-            with a trailing ``?`` to allow None.
+        arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path``,
+            ``ints`` (a list or tuple of ints), each with a trailing ``?`` to allow None.
 
     Raises:
         ConfigError: ``"export(): block_size must be an int, found str '32'"``, the first that fails.

@@ -22,7 +22,7 @@ import numpy as np
 
 from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
 
-from .errors import FormatError, SourceNotFoundError
+from .errors import FormatError, SourceNotFoundError, check_arguments
 from .onnx_files import MODEL_FILE
 from .text_files import require_file
 
@@ -502,6 +502,7 @@ def inspect_path(path: str | Path) -> Report:
             whose export's ``model/model.onnx`` is read).
         FormatError: the file is not one of the supported formats or is malformed.
     """
+    check_arguments("inspect_path", path=(path, "path"))
     from .manifest import is_bundle
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph

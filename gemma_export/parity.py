@@ -28,7 +28,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from .config import DTYPES
-from .errors import FormatError, GemmaExportError, is_whole_number, shown
+from .errors import FormatError, GemmaExportError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
 from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, positions_needed
 from .text_files import not_unicode_at, read_text_file
@@ -384,6 +384,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         NumericError: the export computes NaN or +Inf logits.
         ResourceError: a KV cache would not fit in available memory.
     """
+    check_arguments("run_parity", model_dir=(model_dir, "path"), against_transformers=(against_transformers, "bool"),
+                    reference=(reference, "path?"), reference_weights=(reference_weights, "path?"),
+                    reference_logits=(reference_logits, "bool"), golden=(golden, "path?"), prompts=(prompts, "path?"),
+                    new_tokens=(new_tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
     from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
 

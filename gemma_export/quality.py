@@ -29,7 +29,7 @@ import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import GemmaExportError, NumericError, SourceNotFoundError, is_whole_number
+from .errors import GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -457,6 +457,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         NumericError: either side computes NaN or Inf logits.
         ResourceError: a KV cache would not fit in available memory.
     """
+    check_arguments("run_quality", model_dir=(model_dir, "path"), reference=(reference, "path"), text=(text, "path?"),
+                    tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
     import tempfile
 
     from .bench import real_text

@@ -829,3 +829,23 @@ def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_in
     with pytest.raises(ConfigError) as raised:
         gemma_export.generate(tiny_int8_export, **kwargs)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize("name, args, kwargs, message", [
+    ("inspect_path", (5,), {}, "inspect_path(): path must be a path (str or os.PathLike), found int 5"),
+    ("run_parity", ("{model}",), dict(against_transformers="yes"),
+     "run_parity(): against_transformers must be True or False, found str 'yes'"),
+    ("run_quality", ("{model}",), dict(tokens="128"), "run_quality(): tokens must be an int or None, found str '128'"),
+    ("run_bench", ("{model}",), dict(prompt_tokens="16,128"),
+     "run_bench(): prompt_tokens must be a list or tuple of ints, found str '16,128'"),
+    ("run_bench", ("{model}",), dict(prompt_tokens=(16, 128.0)),
+     "run_bench(): prompt_tokens must be a list or tuple of ints, found tuple (16, 128.0)"),
+    ("write_bundle", ("{model}", ""), {}, "write_bundle(): out_dir must be a path (str or os.PathLike), found an empty str"),
+])
+def test_the_other_commands_functions_name_an_argument_of_the_wrong_type(tiny_int8_export, name, args, kwargs, message):
+    import gemma_export
+
+    args = tuple(str(tiny_int8_export) if a == "{model}" else a for a in args)
+    with pytest.raises(ConfigError) as raised:
+        getattr(gemma_export, name)(*args, **kwargs)
+    assert str(raised.value) == message
