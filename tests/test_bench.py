@@ -676,3 +676,30 @@ def test_a_plot_replaces_the_file_a_link_names_and_keeps_the_link(tmp_path, monk
     bench_module.write_plot([_result_for_plot()], link)
     assert link.is_symlink() and target.read_bytes() == b"new plot"
     assert sorted(p.name for p in target.parent.iterdir()) == ["curve.png"]
+
+
+def test_the_summary_gives_each_growth_as_a_ratio_of_the_archive_and_the_boards_room():
+    r = bench_module.BenchResult("m", 2, 100_000_000, 0.5, {16: 10.0}, 5.0, 6.0, 200.0, [(17, 5.0)],
+                                 anon_growth_short_bytes=50_000_000, rss_growth_short_bytes=150_000_000,
+                                 anon_growth_bytes=50_000_000, rss_growth_bytes=150_000_000, peak_rss_bytes=1_900_000_000,
+                                 text_source="t", board="sl2610", board_memory_bytes=1_900_000_000)
+    text = bench_module.format_result(r)
+    assert "Anonymous 50 MB (0.50x archive), Rss 150 MB (1.50x)" in text
+    assert "board sl2610: peak leaves 0 MB of its 1.9 GB" in text  # all of it used: "leaves 0", not "exceeds by 0"
+
+
+@pytest.mark.parametrize("peak, refused", [(1_600_000_000, False), (1_600_000_001, True)])
+def test_the_board_budget_allows_a_peak_of_exactly_its_memory_less_the_headroom(peak, refused):
+    from gemma_export.boards import BOARDS
+    from gemma_export.errors import BudgetExceeded
+
+    spec = BOARDS["sl2610"]
+    assert spec.memory_bytes - spec.headroom_bytes == 1_600_000_000
+    r = bench_module.BenchResult("m", 2, 1, 0.5, {16: 10.0}, 5.0, 6.0, 200.0, [(17, 5.0)], 0, 0, 0, 0, peak, "t",
+                                 board="sl2610", board_memory_bytes=spec.memory_bytes)
+    if refused:
+        with pytest.raises(BudgetExceeded, match="peak resident memory 1,600 MB leaves 300 MB of the sl2610's 1.9 GB; "
+                                                 "at least 300 MB must stay free"):
+            bench_module.check_board_budget(r)
+    else:
+        bench_module.check_board_budget(r)

@@ -68,6 +68,9 @@ def test_dedupe_leaves_one_table(tmp_path, case, graph):
     after_bytes = (out / "model.onnx.data").stat().st_size
     if case != "shared through Transpose":
         assert before_bytes - after_bytes >= V * H * 4  # the copy is gone from disk
+        # the lookup's copy is kept, the head's removed, and the report counts its bytes
+        assert f"removed 1 initializer(s) ({'head' if case == 'identical copy' else 'head_t'}), {V * H * 4:,} bytes" \
+            in result.stdout
     ids = np.array([[1, 5, 1000]], dtype=np.int64)
     run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]  # noqa: E731
     assert np.array_equal(run(src), run(out / "model.onnx"))
@@ -334,3 +337,20 @@ def test_int32_ids_are_fed_as_int32_and_a_failing_run_is_one_line(tmp_path):
     assert proc.stderr.startswith(f"error: {src}: onnxruntime cannot run the model on random ids: "), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # onnxruntime's own log stays silent
     assert not (tmp_path / "out2").exists()
+
+
+def test_dedupe_keeps_the_lookups_copy_when_the_heads_is_declared_first(tmp_path):
+    """The head's copy listed before the lookup's in the graph: the copy a Gather reads stays (the
+    [vocab, hidden] layout the lookup needs), whatever the order."""
+    graph = _lm(lambda t: t.copy())
+    head = next(t for t in graph.initializer if t.name == "head")
+    ordered = [head] + [t for t in graph.initializer if t.name != "head"]
+    del graph.initializer[:]
+    graph.initializer.extend(ordered)
+    (tmp_path / "in").mkdir()
+    src = _save(graph, tmp_path / "in" / "model.onnx")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "removed 1 initializer(s) (head)," in result.stdout
+    kept = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    assert [t.name for t in kept.initializer] == ["table"]

@@ -406,3 +406,28 @@ def test_packed_4_bit_codes_count_two_weights_per_byte(tiny_dir, tmp_path):
         assert result.exit_code == 0, result.output
         totals[dtype] = json.loads(result.stdout)["total_elements"]
     assert weights < totals["int4"] < 1.2 * weights and weights < totals["int8"] < 1.2 * weights, (weights, totals)
+
+
+def test_an_int8_table_one_step_off_somewhere_is_not_the_same_table(tmp_path):
+    """Codes within half a step of the float table everywhere match it; a copy of a slightly
+    different table (one value moved by 0.8 of its row's step before rounding) does not."""
+    table = rng.standard_normal((512, 128)).astype(np.float32)
+    q, scale = _int8_rows(table)
+    moved = table.copy()
+    moved[7, 3] += 0.8 * scale[7] * (1 if table[7, 3] < 0 else -1)  # towards zero: the row's scale stays
+    q_moved, scale_moved = _int8_rows(moved)
+    assert np.array_equal(scale_moved, scale) and (q_moved != q).sum() == 1
+    path = tmp_path / "two.safetensors"
+    save_file({"t0": table, "t1": q_moved, "t1_scale": scale_moved, "t2": q, "t2_scale": scale}, str(path))
+    assert _groups(inspect_path(path)) == [("same values after dequantization", ("t0", "t2", "t2_scale"))]
+
+
+@pytest.mark.parametrize("nbytes, found", [(64 << 10, True), ((64 << 10) - 4, False)])
+def test_duplicates_are_searched_from_64_kib_on(tmp_path, nbytes, found):
+    from gemma_export.inspect import MIN_DUPLICATE_BYTES
+
+    assert MIN_DUPLICATE_BYTES == 64 << 10
+    values = rng.standard_normal(nbytes // 4).astype(np.float32)
+    path = tmp_path / "small.safetensors"
+    save_file({"a": values, "b": values.copy()}, str(path))
+    assert _groups(inspect_path(path)) == ([("identical bytes", ("a", "b"))] if found else [])

@@ -231,3 +231,25 @@ def test_the_heap_trim_looks_libc_up_once(monkeypatch):
     monkeypatch.setattr(ctypes.util, "find_library", no_lookup)
     release_free_heap()
     release_free_heap()
+
+
+def test_snapshots_subtract_field_by_field():
+    assert memory.MemorySnapshot(10, 4) - memory.MemorySnapshot(3, 1) == memory.MemorySnapshot(7, 3)
+
+
+def test_available_memory_is_memavailable_not_memfree(monkeypatch):
+    """MemFree leaves out the page cache the kernel can drop; the KV-cache check needs MemAvailable."""
+    monkeypatch.setattr(memory, "_kb_fields", lambda path: {"MemFree": 1 << 20, "MemAvailable": 5 << 30}
+                        if path == "/proc/meminfo" else {})
+    assert memory.available_bytes() == 5 << 30
+
+
+def test_peak_resident_memory_remembers_what_was_freed():
+    """VmHWM, not the current VmRSS: 200 MB touched and freed in a fresh process stay in the peak."""
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\nfrom gemma_export import memory\na = np.ones(25_000_000)\ndel a\n"
+            "print(memory.peak_rss_bytes() - memory.snapshot().rss_bytes)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert int(done.stdout) >= 150_000_000, done.stderr

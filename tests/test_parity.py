@@ -559,8 +559,8 @@ def test_pooled_figures_weigh_each_prompt_by_its_positions(tiny_int8_export, pro
     its positions (its ids and the new tokens fed back; the last new token is never fed), not once."""
     result = _parity("--model", tiny_int8_export, "--against", "transformers", "--prompts", prompts_file,
                      "--new-tokens", 4, "--json", tmp_path / "r.json")
-    assert result.exit_code in (0, 1), result.output
     report = json.loads((tmp_path / "r.json").read_text())
+    assert result.exit_code == (0 if report["passed"] else 1), result.output  # the exit status is the verdict
     figures = [p["transformers"] for p in report["prompts"]]
     assert [f["positions"] for f in figures] == [len(ids) + 4 - 1 for ids in PROMPTS]
     assert len({f["kl_mean"] for f in figures}) == len(PROMPTS)  # unequal: an unweighted mean would differ
@@ -695,3 +695,59 @@ def test_golden_entries_alone_are_reported_in_the_files_order(tiny_int8_export, 
     assert [p["golden"]["entry"] for p in report["prompts"]] == [0, 1]
     assert [p["prompt"] for p in report["prompts"]] == ["the fox", builtin]
     assert report["prompts"][1]["prompt_ids"] == tokenizer.encode(builtin).ids
+
+
+class _FixedDecoder:
+    """Stands in for OnnxDecoder: fixed teacher-forced logits and greedy ids."""
+
+    def __init__(self, logits, greedy_ids):
+        self.logits, self.greedy_ids = logits, greedy_ids
+
+    def teacher_forced_logits(self, ids):
+        assert len(ids) == len(self.logits)  # the prompt padded to the reference's length
+        return self.logits
+
+    def greedy(self, ids, max_new_tokens, stop_ids=None):
+        return self.greedy_ids[:max_new_tokens], 0.0, []
+
+
+class _FixedReference:
+    """Stands in for the reference under IREE with its argmax tail stripped: fixed logits."""
+
+    returns_logits = True
+
+    def __init__(self, logits, greedy_ids):
+        self.logits, self.greedy_ids, self.sequence_length = logits, greedy_ids, len(logits)
+
+    def run(self, ids):
+        return self.logits
+
+    def greedy(self, ids, max_new_tokens):
+        return self.greedy_ids[:max_new_tokens]
+
+
+def test_the_reference_comparison_counts_only_near_ties_as_such_and_the_largest_difference_either_way():
+    from gemma_export.parity import NEAR_TIE, _against_reference
+
+    ours = np.array([[0.0, 1.0, 0.5],      # agrees
+                     [0.2, 0.205, 0.0],    # differs: ours 1 by 0.005, a near tie
+                     [0.0, 0.05, 0.1],     # differs: ours 2 by 0.05, not a near tie
+                     [1.0, 0.0, 0.0]], np.float32)
+    theirs = ours.copy()
+    theirs[0, 2] = 0.8                     # the reference above the export by 0.3: |Δ| counts it
+    theirs[1] = [0.21, 0.205, 0.0]
+    theirs[2] = [0.0, 0.15, 0.1]
+    assert NEAR_TIE < 0.05
+    result = _against_reference(_FixedDecoder(ours, [5, 6]), _FixedReference(theirs, [5, 6]), [2, 7])
+    assert result["agreement"] == 0.5 and result["agreement_by_position"] == [True, False, False, True]
+    assert result["near_tie_mismatches"] == [1] and result["first_mismatch"] == 1
+    assert result["max_abs_logit_diff"] == pytest.approx(0.3, abs=1e-6)
+    assert result["greedy_match"] and result["reference_greedy_ids"] == [5, 6]
+
+
+def test_cosine_is_the_mean_over_rows_of_the_angle_cosine():
+    from gemma_export.parity import _cosine_rows
+
+    a = np.array([[1.0, 0.0], [3.0, 4.0], [0.0, 0.0]])
+    b = np.array([[1.0, 1.0], [6.0, 8.0], [0.0, 0.0]])  # 45 degrees; the same direction scaled; a zero row
+    assert _cosine_rows(a, b) == pytest.approx((1 / np.sqrt(2) + 1.0 + 0.0) / 3)

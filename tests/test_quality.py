@@ -590,3 +590,15 @@ def test_an_fp32_export_measured_against_the_fp32_reference_gets_a_note(tiny_dir
     result = runner.invoke(app, ["quality", "--model", str(int8), "--reference", "fp32", "--text", str(text_file),
                                  "--tokens", "40"])
     assert result.exit_code == 0 and "note: the export is fp32 itself" not in result.output, result.output
+
+
+@pytest.mark.parametrize("margin, verdict", [(0.5, "close calls"), (0.5001, "not all close calls")])
+def test_a_miss_by_exactly_the_close_call_margin_is_a_close_call(margin, verdict):
+    from gemma_export.quality import CLOSE_CALL_LOGITS, QualityMetrics, QualityReport, format_report
+
+    assert CLOSE_CALL_LOGITS == 0.5
+    metrics = QualityMetrics(tokens=10, top1_agreement=0.9, sliding_window=512, top1_agreement_past_window=None,
+                             kl_mean=0.001, max_abs_logit_diff=0.7, perplexity=4.0, reference_perplexity=4.0,
+                             first_disagreement=3, disagreements=1, disagreement_margin_max=margin)
+    line = next(x for x in format_report(QualityReport("m", "r", "t", metrics)).splitlines() if x.startswith("misses"))
+    assert line.endswith(f"by at most {margin:.3f} logits ({verdict})")

@@ -386,3 +386,23 @@ def test_nibble_packing_refuses_codes_that_are_not_integers():
 def test_nibble_packing_refuses_timedelta_codes():
     with pytest.raises(ValueError, match="expected integer 4-bit codes, found dtype timedelta64"):
         pack_nibbles(np.array([[1, 2]], "timedelta64[s]"))
+
+
+def test_int4_refuses_an_odd_block_that_divides_the_row():
+    """21 divides 63, so only the evenness check (two codes share a byte) can refuse it."""
+    with pytest.raises(ValueError, match=r"^in_features 63 is not a multiple of the even block_size 21$"):
+        BlockInt4Weights.quantize(np.ones((2, 63), np.float32), 21)
+
+
+def test_hadamard_rotates_each_contiguous_run_of_n_values_on_its_own():
+    """A unit vector at index n + 1 (the second value of the second block) becomes column 1 of H,
+    in the second block only: pins the block layout, which properties of H alone do not."""
+    from quant import hadamard_matrix, rotate_blocks
+
+    n = 4
+    x = np.zeros((1, 3 * n), np.float32)
+    x[0, n + 1] = 1.0
+    expected = np.zeros((1, 3 * n), np.float32)
+    expected[0, n:2 * n] = hadamard_matrix(n)[1]
+    assert np.allclose(rotate_blocks(x, n), expected, atol=1e-7)
+    assert np.allclose(hadamard_matrix(2), np.array([[1, 1], [1, -1]]) / np.sqrt(2))  # Sylvester's, orthonormal
