@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import numbers
 import os
 
 
@@ -73,7 +74,9 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
             continue
         test, expected = _ARGUMENT_KINDS[kind.rstrip("?")]
         if not test(value):
-            found = "an empty str" if value == "" else f"{type(value).__name__} {value!r:.40}"
+            found = "an empty str" if isinstance(value, str) and value == "" else f"{type(value).__name__} {value!r:.40}"
+            if kind.startswith("int") and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is
             if optional:
                 expected = "True, False or None" if expected == "True or False" else f"{expected} or None"
             raise ConfigError(f"{function}(): {name} must be {expected}, found {found}")

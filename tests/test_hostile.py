@@ -786,6 +786,8 @@ def test_a_single_integer_eos_token_id_stops_generation(tiny_int8_export, tmp_pa
 @pytest.mark.parametrize("call, message", [
     (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", block_size="32")),
      "export(): block_size must be an int or None, found str '32'"),
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", block_size=np.int64(32))),
+     "export(): block_size must be an int or None, found int64 np.int64(32) (a numpy integer: pass int(block_size))"),
     (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", hadamard_size=64.0)),
      "export(): hadamard_size must be an int or None, found float 64.0"),
     (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="int8", calibrate="no")),
