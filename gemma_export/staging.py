@@ -522,12 +522,15 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         with held_folder(staging):
             yield staging
             staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
-            if folder_state(out_dir) != before:
-                raise OutputError(
-                    f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
-                    f"added, removed or rewritten, or another gemma-export writing to the same folder); the {what} "
-                    f"was not moved in and {out_dir} is left as it is now: run again or choose another folder")
-            left = move_into_place(staging, out_dir)
+            # one writer at a time from the check to the move: two writers that both found the folder
+            # as they checked it would otherwise both move in, the second deleting the first's output
+            with held_folder(out_dir.parent):
+                if folder_state(out_dir) != before:
+                    raise OutputError(
+                        f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
+                        f"added, removed or rewritten, or another gemma-export writing to the same folder); the {what} "
+                        f"was not moved in and {out_dir} is left as it is now: run again or choose another folder")
+                left = move_into_place(staging, out_dir)
             if left is not None and notify is not None:
                 notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
                        f"left in {left[0]}: remove it by hand")

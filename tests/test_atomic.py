@@ -499,3 +499,42 @@ def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_remov
         assert not any(line.startswith((f"removed {old}", f"kept {old}")) for line in said), said
     finally:
         deletable(stuck if "stuck" in locals() else out / "sub" / "model.onnx.data")
+
+
+def test_two_writers_finishing_at_once_move_in_one_output_and_refuse_the_other(tmp_path, monkeypatch):
+    """Both found the destination absent when they began; the move is slowed so that both reach it
+    together. Without a lock from the check to the move both 'succeeded' and the second deleted
+    the first's output."""
+    import threading
+
+    out = tmp_path / "board"
+    slow_move = staging.move_into_place
+
+    def move_slowly(source, destination):
+        time.sleep(0.3)  # the window between the check and the rename, widened
+        return slow_move(source, destination)
+
+    monkeypatch.setattr(staging, "move_into_place", move_slowly)
+    both_written = threading.Barrier(2)
+    outcomes: dict[str, object] = {}
+
+    def writer(name: str) -> None:
+        try:
+            with staging.staged_folder(out, "bundle") as folder:
+                (folder / "who").write_text(name)
+                both_written.wait(timeout=10)
+            outcomes[name] = "moved in"
+        except Exception as exc:  # noqa: BLE001 - the refusal is the expected outcome for one of them
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=writer, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    winners = [name for name, outcome in outcomes.items() if outcome == "moved in"]
+    assert len(winners) == 1, outcomes
+    loser = next(outcome for outcome in outcomes.values() if outcome != "moved in")
+    assert isinstance(loser, staging.OutputError) and "appeared while the bundle was being written" in str(loser)
+    assert (out / "who").read_text() == winners[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["board"]  # no staging or old folder left
