@@ -362,6 +362,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         VerificationError: naming the first file that differs and how (a deleted ``model/`` as its
             first missing file).
     """
+    check_arguments("verify_bundle", folder=(folder, "path"))
     from .errors import VerificationError
     from .exporter import verify_manifest
     from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR

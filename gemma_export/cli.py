@@ -282,10 +282,11 @@ def main(
     if ctx.invoked_subcommand is not None:
         _refuse_export_options(ctx)
         return
-    from tqdm import tqdm
+    with _reported(debug):  # Ctrl-C or SIGTERM during the imports (up to a second) is an interrupt too
+        from tqdm import tqdm
 
-    from .bench import archive_bytes
-    from .exporter import export
+        from .bench import archive_bytes
+        from .exporter import export
 
     bars: dict = {}  # one bar per stage, created when the stage starts (after the "reading" line)
     # without a terminal (a log, CI) tqdm is off: a plain line every 15 s instead, with the time since the start

@@ -245,6 +245,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``.
         OSError: a listed file cannot be read while hashing it (permissions, I/O error).
     """
+    check_arguments("verify_manifest", folder=(folder, "path"))
     folder = Path(folder)
     manifest_path = folder / MANIFEST_FILE
     require_folder(folder, MANIFEST_FILE)

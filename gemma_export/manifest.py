@@ -138,6 +138,16 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
             pass
 
 
+#: what a stop-id field holds (the manifest's ``config.eos_token_id``, genai_config.json's ``model.eos_token_id``)
+TOKEN_IDS = "a token id or a list of them (integers >= 0)"
+
+
+def is_token_ids(value) -> bool:
+    """Whether ``value`` is :data:`TOKEN_IDS`: a JSON integer >= 0, or a non-empty list of them."""
+    return ((is_whole_number(value) and value >= 0)
+            or (isinstance(value, list) and value != [] and all(is_whole_number(i) and i >= 0 for i in value)))
+
+
 def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
@@ -157,9 +167,7 @@ _MANIFEST_FIELDS = {
     ("config", "rms_norm_eps"): ("a positive finite number", _positive_number),
     **{(None, name): ("true or false", lambda v: isinstance(v, bool))
        for name in ("all_logits", "debug_outputs", "tie_word_embeddings")},
-    ("config", "eos_token_id"): ("a token id or a list of them (integers >= 0)",
-                                 lambda v: (is_whole_number(v) and v >= 0)
-                                 or (isinstance(v, list) and v != [] and all(is_whole_number(i) and i >= 0 for i in v))),
+    ("config", "eos_token_id"): (TOKEN_IDS, is_token_ids),
 }
 
 

@@ -359,7 +359,8 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         feeds = (ids, np.ones_like(ids), np.arange(ids.shape[1])[None])
         expected, _ = original.forward(*feeds, original.empty_cache(1))
         del original
-        with staged_folder(out, "pre-packed copy", notify=say) as staging:
+        # the exclusive lock this prepack holds on model_dir is the lock staged_folder takes on the parent
+        with staged_folder(out, "pre-packed copy", notify=say, parent_locked=True) as staging:
             say(f"packing {model_dir / MODEL_FILE} for this machine (onnxruntime writes its optimized graph) …")
             try:
                 create_session(model_dir / MODEL_FILE, threads, staging / MODEL_FILE, SAVE_PREPACKED)

@@ -27,9 +27,10 @@ import numpy as np
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_arguments,
-                     first_line, is_whole_number)
-from .manifest import (check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
-                       graph_table_rows, graph_vocab_and_layers, manifest_figure, read_manifest, require_folder)
+                     first_line, is_whole_number, shown)
+from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
+                       graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure, read_manifest,
+                       require_folder)
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
 from . import memory
 from .memory import release_free_heap
@@ -144,23 +145,39 @@ def check_positions(model_dir: str | Path, total_tokens: int, max_position_embed
 
 
 def check_new_tokens(max_new_tokens: int, where: str) -> None:
-    """Raises GemmaExportError ``"{where}: max_new_tokens must be >= 0, found N"`` for a negative count.
+    """Raises GemmaExportError ``"{where}: max_new_tokens must be >= 0, found N"`` for a negative count
+    (ConfigError for one that is no int, :func:`~gemma_export.errors.check_arguments`).
 
     Raises:
         GemmaExportError: as above.
     """
+    check_arguments(where, max_new_tokens=(max_new_tokens, "int"))
     if max_new_tokens < 0:
         raise GemmaExportError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
 
 
 def _genai_model_config(model_dir: Path) -> dict:
-    """The ``model`` object of an onnxruntime-genai ``genai_config.json`` (``vocab_size``, ``decoder``);
-    ``{}`` when there is none or it is unreadable."""
-    try:
-        config = json.loads((model_dir / "genai_config.json").read_text())["model"]
-    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+    """The ``model`` object of an onnxruntime-genai ``genai_config.json`` (``vocab_size``,
+    ``eos_token_id``, ``decoder``); ``{}`` when the folder has none. Read only for what a folder of
+    another tool lacks in a manifest.
+
+    Raises:
+        FormatError: the file is not a regular file (a FIFO would block the read), not UTF-8 JSON,
+            or has no ``model`` object.
+    """
+    path = model_dir / "genai_config.json"
+    if (what := non_regular(path)) is not None:
+        raise FormatError(f"{path}: is {what}; expected onnxruntime-genai's JSON configuration")
+    if not path.exists():
         return {}
-    return config if isinstance(config, dict) else {}
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise FormatError(f"{path}: unreadable onnxruntime-genai configuration "
+                          f"({'no model object' if isinstance(exc, (KeyError, TypeError)) else exc})") from None
+    if not isinstance(config, dict):
+        raise FormatError(f"{path}: field 'model' must be an object, found {shown(config)}")
+    return config
 
 
 def _genai_decoder_config(model_dir: Path) -> dict:
@@ -329,9 +346,10 @@ class OnnxDecoder:
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         eos = self.manifest.get("config", {}).get("eos_token_id")
         if eos is None:  # a folder of another tool: onnxruntime-genai's config names its stop ids
-            eos = _genai_model_config(self.model_dir).get("eos_token_id")
-            if not (is_whole_number(eos) or isinstance(eos, list) and eos and all(map(is_whole_number, eos))):
-                eos = DEFAULT_STOP_TOKEN_IDS
+            eos = _genai_model_config(self.model_dir).get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
+            if not is_token_ids(eos) and eos is not DEFAULT_STOP_TOKEN_IDS:
+                raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.eos_token_id' must be "
+                                  f"{TOKEN_IDS}, found {shown(eos)}")
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
@@ -479,8 +497,7 @@ class OnnxDecoder:
         Rows keep decoding after their own stop token; callers cut each row at its first stop id.
 
         Args:
-            prompts: one id list per row (with ``<bos>``); the ids are not checked against the
-                vocabulary (callers do it: :meth:`check_ids`).
+            prompts: one id list per row (with ``<bos>``), each id inside the vocabulary.
             max_new_tokens: tokens generated per row, exactly (no stop id).
 
         Returns:
@@ -490,16 +507,20 @@ class OnnxDecoder:
             GemmaExportError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too), a
                 negative ``max_new_tokens``, or the longest prompt plus the new tokens exceed
                 ``max_position_embeddings``.
+            FormatError: an id outside the vocabulary (:meth:`check_ids`; onnxruntime's ``Gather``
+                would read -5 as the fifth row from the end).
             NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
+        check_new_tokens(max_new_tokens, "greedy_batch")
         batch = len(prompts)
         if batch == 0:
             return []
         if empty := [row for row, prompt in enumerate(prompts) if len(prompt) == 0]:
             raise GemmaExportError(f"greedy_batch: prompt #{empty[0]} of the batch has no tokens; each row needs at least "
                                    "one (its <bos>)")
-        check_new_tokens(max_new_tokens, "greedy_batch")
+        for row, prompt in enumerate(prompts):  # onnxruntime's Gather takes -5 as the 5th row from the end
+            self.check_ids(prompt, f"greedy_batch: prompt #{row}")
         longest = max(len(p) for p in prompts)
         capacity = positions_needed(longest, max_new_tokens)
         self.check_length(capacity)
@@ -529,8 +550,7 @@ class OnnxDecoder:
         texts, :meth:`teacher_forced_chunks` gives the same rows a chunk at a time.
 
         Raises:
-            GemmaExportError, ResourceError: as :meth:`teacher_forced_chunks` (the ids are not
-                checked against the vocabulary: see :meth:`check_ids`).
+            GemmaExportError, FormatError, ResourceError: as :meth:`teacher_forced_chunks`.
         """
         if not len(token_ids):
             return np.empty((0, self.vocab_size), np.float32)
@@ -547,11 +567,13 @@ class OnnxDecoder:
         Raises (a generator: when iteration starts, before any step):
             ValueError: ``chunk`` < 1.
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings``.
+            FormatError: an id outside the vocabulary (:meth:`check_ids`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         if not is_whole_number(chunk) or chunk < 1:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
         self.check_length(len(token_ids))
+        self.check_ids(token_ids, "teacher-forced ids")
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
@@ -625,13 +647,16 @@ def sliding_layers_from(meta: dict[str, str], takes_start: bool, path: str | Pat
 #: ``past_key_values.{i}.key|value`` are float32 (:meth:`OnnxDecoder.empty_cache`, :class:`KVCache`)
 DECODER_INPUT_TYPES = {"input_ids": "tensor(int64)", "attention_mask": "tensor(int64)", "position_ids": "tensor(int64)"}
 CACHE_TYPE = "tensor(float)"
+_CACHE_NAME = re.compile(r"past_key_values\.(\d+)\.(?:key|value)")
 
 
 def check_decoder_contract(path: Path, inputs: dict, outputs: Sequence) -> int:
     """Check a session's inputs and outputs against the decoder contract this module feeds and reads:
-    ``input_ids`` (and ``attention_mask``, ``position_ids`` where the graph takes them) int64,
-    ``past_key_values.{i}.key|value`` float32 for layers 0…L−1, and the outputs ``logits`` and
-    ``present.{i}.key|value`` for the same layers.
+    ``input_ids`` (and ``attention_mask``, ``position_ids`` where the graph takes them) int64
+    ``[batch, sequence]``; ``past_key_values.{i}.key|value`` float32 ``[batch, kv_heads, past,
+    head_dim]`` for layers 0…L−1, each with both; the outputs ``logits`` float32 ``[batch,
+    sequence, vocab]`` and ``present.{i}.key|value`` float32 of rank 4 for the same layers (others
+    may follow, e.g. ``debug.layers.*``).
 
     Args:
         path: the graph, for the message.
@@ -642,29 +667,40 @@ def check_decoder_contract(path: Path, inputs: dict, outputs: Sequence) -> int:
         L, the number of layers.
 
     Raises:
-        FormatError: naming the first input or output that is missing, unknown or of another element
-            type (e.g. the float16 caches of an onnxruntime-genai fp16 model), with what was expected.
+        FormatError: naming the first input or output that is unknown, missing, of another element
+            type (e.g. the float16 caches of an onnxruntime-genai fp16 model) or of another rank,
+            with what was expected.
     """
     contract = "(input_ids, attention_mask, position_ids, past_key_values.{i}.key|value)"
-    unknown = [n for n in inputs if n not in DECODER_INPUT_TYPES
-               and not (n.startswith("past_key_values.") and n.endswith((".key", ".value")))]
-    if unknown or "input_ids" not in inputs or "past_key_values.0.key" not in inputs:
+    cache = {}
+    for name in inputs:
+        match = _CACHE_NAME.fullmatch(name)
+        if match and str(int(match[1])) == match[1]:  # "01" is no layer number
+            cache[name] = int(match[1])
+        elif name not in DECODER_INPUT_TYPES:
+            raise FormatError(f"{path}: input {name} is not the decoder contract {contract}")
+    if "input_ids" not in inputs or not cache:
         raise FormatError(f"{path}: inputs {sorted(inputs)} are not the decoder contract {contract}")
-    layers = sum(1 for n in inputs if n.startswith("past_key_values.") and n.endswith(".key"))
-    cache = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
-    if missing := [n for n in cache if n not in inputs]:
+    layers = max(cache.values()) + 1
+    expected = [f"past_key_values.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    if missing := [n for n in expected if n not in inputs]:
         raise FormatError(f"{path}: input {missing[0]} is missing; expected past_key_values.{{i}}.key and .value for "
                           f"layers 0 to {layers - 1}")
-    for name, arg in inputs.items():
-        expected = DECODER_INPUT_TYPES.get(name, CACHE_TYPE)
-        if arg.type != expected:
-            raise FormatError(f"{path}: input {name} is {arg.type}; expected {expected} (the element type this "
-                              "toolkit feeds)")
-    declared = {o.name for o in outputs}
-    needed = ["logits"] + [n.replace("past_key_values.", "present.", 1) for n in cache]
+    declared = {o.name: o for o in outputs}
+    needed = ["logits"] + [n.replace("past_key_values.", "present.", 1) for n in expected]
     if missing := [n for n in needed if n not in declared]:
         raise FormatError(f"{path}: output {missing[0]} is missing; expected logits and present.{{i}}.key|value for "
                           f"layers 0 to {layers - 1}")
+    checked = [("input", name, arg, DECODER_INPUT_TYPES.get(name, CACHE_TYPE), 4 if name in cache else 2)
+               for name, arg in inputs.items()]
+    checked += [("output", name, declared[name], CACHE_TYPE, 3 if name == "logits" else 4) for name in needed]
+    for role, name, arg, element, rank in checked:
+        if arg.type != element:
+            raise FormatError(f"{path}: {role} {name} is {arg.type}; expected {element} (the element type this "
+                              "toolkit feeds and reads)")
+        if arg.shape is not None and len(arg.shape) != rank:
+            raise FormatError(f"{path}: {role} {name} has {len(arg.shape)} dimensions {list(arg.shape)}; expected "
+                              f"{rank}")
     return layers
 
 

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -53,6 +54,45 @@ def held_folder(folder: Path) -> Iterator[None]:
     try:
         with contextlib.suppress(OSError):  # a file system without locks (ENOLCK): write unheld
             fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+#: how long :func:`parent_lock` waits for another process's lock on the folder, seconds (a writer holds
+#: it only from its final check to its rename; ``prepack`` holds its export folder's while it works)
+PARENT_LOCK_WAIT_S = 60
+
+
+@contextlib.contextmanager
+def parent_lock(folder: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive advisory ``flock`` on ``folder`` (the parent of an output; no file is
+    written), waiting up to :data:`PARENT_LOCK_WAIT_S` for another holder. Without ``fcntl`` or on a
+    file system without locks the block runs unlocked.
+
+    Raises:
+        OutputError: the lock stayed taken that long, naming ``folder`` and ``what`` was written.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + PARENT_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise OutputError(f"{folder}: another process has held it for {PARENT_LOCK_WAIT_S} s (a gemma-export "
+                                      f"writing beside it, or a prepack of it); the {what} was not moved in: run again "
+                                      "when it has finished") from None
+                time.sleep(0.05)
+            except OSError:  # no locks on this file system (ENOLCK): unlocked
+                break
         yield
     finally:
         os.close(fd)
@@ -257,6 +297,11 @@ def check_creatable(out_dir: Path, what: str) -> None:
         if out_dir.is_dir() and not out_dir.is_symlink() and not os.access(out_dir, os.W_OK, effective_ids=True):
             raise OutputError(f"{out_dir}: cannot replace the {what} folder: it is not writable (replacing it moves "
                               "it aside, which needs write permission on it)")
+        # a sticky parent (/tmp) lets only the folder's or the parent's owner move the folder (root may)
+        owners = {parent.stat().st_uid, out_dir.lstat().st_uid}
+        if parent.stat().st_mode & stat.S_ISVTX and os.geteuid() != 0 and os.geteuid() not in owners:
+            raise OutputError(f"{out_dir}: cannot replace the {what} folder: its parent {parent} is sticky and "
+                              "neither belongs to you, so it cannot be moved aside")
         return
     existing = next(p for p in out_dir.parents if p.exists())  # "/" or "." at the latest
     reason = entry_refused(existing)
@@ -484,7 +529,7 @@ AT_START = object()
 
 @contextlib.contextmanager
 def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
-                  notify: Callable[[str], None] | None = None) -> Iterator[Path]:
+                  notify: Callable[[str], None] | None = None, parent_locked: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder beside ``out_dir``; when the block ends without an error, the
     staging folder (made ``0755``) replaces ``out_dir``, unless ``out_dir`` changed since
     ``checked_state`` (its :func:`folder_state` when the caller checked it could be replaced;
@@ -492,9 +537,13 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     replaced, since the folder no longer holds what was checked. ``notify`` is told, one line each,
     of the folders a killed earlier writer left beside ``out_dir`` that this call removes
     (:func:`remove_stale`), and of those it keeps (too young to judge, or a running writer's).
+    From the check to the move it holds an exclusive ``flock`` on ``out_dir``'s parent
+    (:func:`parent_lock`), so of two writers that finish at once the second finds the first's output;
+    ``parent_locked``: the caller holds that lock already (``prepack`` holds its export folder's).
 
     Raises:
-        OutputError: the folder cannot be created, it changed meanwhile, or writing failed with an
+        OutputError: the folder cannot be created, it changed meanwhile, another process held the
+            parent's lock for :data:`PARENT_LOCK_WAIT_S`, or writing failed with an
             ``OSError`` (no space left, a file-size limit, a read-only file system); ``what`` names
             the output in the message.
         Whatever the block raises, after cleaning up (``KeyboardInterrupt`` included), an
@@ -524,7 +573,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
             staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
             # one writer at a time from the check to the move: two writers that both found the folder
             # as they checked it would otherwise both move in, the second deleting the first's output
-            with held_folder(out_dir.parent):
+            with contextlib.nullcontext() if parent_locked else parent_lock(out_dir.parent, what):
                 if folder_state(out_dir) != before:
                     raise OutputError(
                         f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "

@@ -538,3 +538,43 @@ def test_two_writers_finishing_at_once_move_in_one_output_and_refuse_the_other(t
     assert isinstance(loser, staging.OutputError) and "appeared while the bundle was being written" in str(loser)
     assert (out / "who").read_text() == winners[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["board"]  # no staging or old folder left
+
+
+def test_an_output_folder_in_a_sticky_parent_that_is_not_ours_is_refused_up_front(tmp_path, monkeypatch):
+    """In a sticky folder (/tmp) only the owner of the folder or of the parent may move the folder
+    aside; the rename failed after the work. Ownership is read from the files, the caller's id is
+    patched (the tests run as root, whom stickiness does not stop)."""
+    parent = tmp_path / "shared"
+    out = parent / "out"
+    out.mkdir(parents=True)
+    parent.chmod(0o1777)
+    owner = out.stat().st_uid
+    monkeypatch.setattr(staging.os, "geteuid", lambda: owner + 1000)
+    with pytest.raises(staging.OutputError, match=rf"^{out}: cannot replace the export folder: its parent {parent} is "
+                                                  r"sticky and neither belongs to you, so it cannot be moved aside$"):
+        staging.check_creatable(out, "export")
+    monkeypatch.setattr(staging.os, "geteuid", lambda: owner)  # the folder's owner may
+    staging.check_creatable(out, "export")
+    parent.chmod(0o777)  # not sticky: anyone who may write in the parent may
+    monkeypatch.setattr(staging.os, "geteuid", lambda: owner + 1000)
+    staging.check_creatable(out, "export")
+
+
+def test_a_writer_waits_a_bounded_time_for_the_parents_lock_then_leaves_the_destination_alone(tmp_path, monkeypatch):
+    import fcntl
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(staging, "PARENT_LOCK_WAIT_S", 0.3)
+    holder = os.open(tmp_path, os.O_RDONLY)  # another process's writer (a separate open file: flock conflicts)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(staging.OutputError, match=rf"^{tmp_path}: another process has held it for 0.3 s .*the "
+                                                      r"bundle was not moved in"):
+            with staging.staged_folder(out, "bundle") as folder:
+                (folder / "x").write_text("x")
+    finally:
+        os.close(holder)
+    assert list(tmp_path.iterdir()) == []  # no output, no staging folder
+    with staging.staged_folder(out, "bundle") as folder:  # free again: moved in
+        (folder / "x").write_text("x")
+    assert (out / "x").read_text() == "x"

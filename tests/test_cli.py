@@ -1027,3 +1027,22 @@ def test_the_python_api_names_every_command_result_and_error_at_the_top_level(ti
     # importing the package loads none of the heavy modules (--help stays fast)
     code = "import sys, gemma_export; print(sorted(m for m in ('numpy', 'onnx', 'onnxruntime') if m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+
+
+def test_sigterm_while_the_export_command_imports_is_an_interrupt_with_its_status(tiny_dir, tmp_path, monkeypatch):
+    """The export's imports take up to a second before its body runs: a SIGTERM there exited 130
+    with nothing on stderr (143 and the interrupt's line expected)."""
+    import sys
+    import types
+
+    from gemma_export import cli
+
+    class Stopping(types.ModuleType):
+        def __getattr__(self, name):
+            raise cli.Terminated  # what the SIGTERM handler raises, here inside `from tqdm import tqdm`
+
+    monkeypatch.setitem(sys.modules, "tqdm", Stopping("tqdm"))
+    result = _run("--source", tiny_dir, "--out", tmp_path / "out", "--dtype", "fp32")
+    assert result.exit_code == 143
+    assert result.stderr.strip() == "error: interrupted; nothing was written (an existing output folder is unchanged)"
+    assert not (tmp_path / "out").exists()

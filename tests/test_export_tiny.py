@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -234,6 +235,16 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
     with pytest.raises(GemmaExportError, match=r"^greedy: max_new_tokens must be >= 0, found -2$"):
         decoder.greedy(prompts[0], -2)
     assert decoder.greedy(prompts[0], 0) == ([], 0.0, [])
+    for bad in (None, 2.5, True):
+        with pytest.raises(GemmaExportError, match=r"^greedy\(\): max_new_tokens must be an int, found "):
+            decoder.greedy(prompts[0], bad)
+    with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):
+        decoder.greedy_batch([], -1)  # refused even with no prompts
+    # a negative id: onnxruntime's Gather read -5 as the fifth row from the end, and decoding went on
+    with pytest.raises(FormatError, match=r"greedy_batch: prompt #1: token id -5 is outside the export's vocabulary"):
+        decoder.greedy_batch([[2, 5], [2, -5]], 2)
+    with pytest.raises(FormatError, match=r"teacher-forced ids: token id -1 is outside the export's vocabulary"):
+        decoder.teacher_forced_logits([2, -1])
 
 
 def _one_layer_graph(folder: Path, cache_type=onnx.TensorProto.FLOAT, logits_first: bool = True,
@@ -271,8 +282,59 @@ def test_a_folder_of_another_tool_stops_at_its_genai_config_eos_ids(tmp_path):
     (folder / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": [7, 5]}}))
     decoder = OnnxDecoder(folder)
     assert decoder.eos_token_id == (7, 5) and decoder.greedy([2, 5], 4)[0] == [5]
-    (folder / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": "five"}}))
-    assert OnnxDecoder(folder).greedy([2, 5], 4)[0] == [5, 5, 5, 5]  # unusable: Gemma's
+    for bad in ("five", -5, [[5]], [5, True], []):
+        (folder / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": bad}}))
+        with pytest.raises(FormatError, match=r"genai_config\.json: field 'model\.eos_token_id' must be a token id or "
+                                              r"a list of them \(integers >= 0\), found "):
+            OnnxDecoder(folder)
+    (folder / "genai_config.json").write_text("{not json")
+    with pytest.raises(FormatError, match=r"genai_config\.json: unreadable onnxruntime-genai configuration"):
+        OnnxDecoder(folder)
+    (folder / "genai_config.json").unlink()
+    os.mkfifo(folder / "genai_config.json")  # read, it would block for ever
+    with pytest.raises(FormatError, match=r"genai_config\.json: is not a regular file \(a FIFO"):
+        OnnxDecoder(folder)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(present_type=onnx.TensorProto.FLOAT16), r"output present\.0\.key is tensor\(float16\); expected tensor\(float\)"),
+    (dict(logits_type=onnx.TensorProto.BOOL), r"output logits is tensor\(bool\); expected tensor\(float\)"),
+    (dict(extra_value_layer=True), r"input past_key_values\.1\.key is missing; expected past_key_values\.\{i\}\.key and "
+                                   r"\.value for layers 0 to 1"),
+    (dict(cache_rank=3), r"input past_key_values\.0\.key has 3 dimensions \['b', 'p', 4\]; expected 4"),
+    (dict(logits_rank=2), r"output logits has 2 dimensions \['b', 8\]; expected 3"),
+])
+def test_outputs_and_shapes_outside_the_decoder_contract_are_named(tmp_path, change, message):
+    """Each passed the name-only check and failed later: an onnxruntime traceback at the second step,
+    bool logits that generate 0s, a KeyError, an unpacking ValueError, an IndexError."""
+    from onnx import helper
+
+    folder = _one_layer_graph(tmp_path / "m")
+    model = onnx.load(str(folder / "model.onnx"))
+    graph = model.graph
+    if "present_type" in change:  # the caches come back as float16
+        for node, out in zip(graph.node[1:], graph.output[1:]):
+            node.CopyFrom(helper.make_node("Cast", list(node.input), list(node.output), to=change["present_type"]))
+            out.type.tensor_type.elem_type = change["present_type"]
+    if "logits_type" in change or "logits_rank" in change:  # the lookup's rows, cast or flattened
+        graph.node[0].output[0] = "rows"
+        if "logits_type" in change:
+            graph.node.append(helper.make_node("Cast", ["rows"], ["logits"], to=change["logits_type"]))
+            graph.output[0].type.tensor_type.elem_type = change["logits_type"]
+        else:
+            graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, 8], np.int64), "flat"))
+            graph.node.append(helper.make_node("Reshape", ["rows", "flat"], ["logits"]))
+            graph.output[0].CopyFrom(helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["b", 8]))
+    if change.get("extra_value_layer"):
+        graph.input.append(helper.make_tensor_value_info("past_key_values.1.value", onnx.TensorProto.FLOAT,
+                                                         ["b", 1, "p", 4]))
+    if "cache_rank" in change:
+        graph.input[1].CopyFrom(helper.make_tensor_value_info("past_key_values.0.key", onnx.TensorProto.FLOAT,
+                                                              ["b", "p", 4]))
+        graph.output[1].CopyFrom(helper.make_tensor_value_info("present.0.key", onnx.TensorProto.FLOAT, ["b", "p", 4]))
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(FormatError, match=message):
+        OnnxDecoder(folder)
 
 
 def test_a_cache_of_another_element_type_or_a_missing_present_output_is_named(tmp_path):
@@ -596,7 +658,7 @@ def test_decoder_refuses_a_model_outside_the_io_contract(tmp_path):
                               [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, [1, 3])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 3])])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), str(tmp_path / "model.onnx"))
-    with pytest.raises(FormatError, match=r"model.onnx: inputs \['pixel_values'\] are not the decoder contract"):
+    with pytest.raises(FormatError, match=r"model.onnx: input pixel_values is not the decoder contract \(input_ids, "):
         OnnxDecoder(tmp_path)
 
 
