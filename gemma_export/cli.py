@@ -11,8 +11,8 @@ then run, verify, measure and bundle it for the board.
     gemma-export --dtype int4 --table-dtype int8
     # the board team's reference export (archive beside it), own tokenizer
     gemma-export --source ref/gemma.mlir --tokenizer tok/tokenizer.json
-    # round to nearest: no calibration pass
-    gemma-export --dtype int8 --no-calibrate
+    # round to nearest, no calibration pass, in a folder of its own
+    gemma-export --dtype int8 --no-calibrate --out gemma-3-270m-onnx-int8-rtn
 """
 
 from __future__ import annotations
@@ -495,7 +495,7 @@ def verify(
     \b
     Examples:
       gemma-export verify gemma-3-270m-onnx-int8
-      gemma-export verify board-int8     # a bundle: BUNDLE.json, then model/
+      gemma-export verify sl2610-int8    # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
     from .onnx_files import BUNDLE_MANIFEST
@@ -696,7 +696,7 @@ def parity(
     Examples:
       gemma-export parity --model gemma-3-270m-onnx-int8 --against transformers
       gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
-          --reference-weights gemma.safetensors
+          --reference-weights gemma.safetensors --prompts ids.json
       gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json \\
           --json parity.json
     """

@@ -393,7 +393,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     say = progress or (lambda _msg: None)
     if not (against_transformers or reference or golden):
-        raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden")
+        raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden "
+                               "(in Python: against_transformers=True, reference= or golden=)")
     if not reference and (reference_weights or reference_logits):
         option = "--reference-weights" if reference_weights else "--reference-logits"
         raise GemmaExportError(f"{option} applies to --reference, which is not given")

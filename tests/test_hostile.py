@@ -853,3 +853,11 @@ def test_the_other_commands_functions_name_an_argument_of_the_wrong_type(tiny_in
     with pytest.raises(ConfigError) as raised:
         getattr(gemma_export, name)(*args, **kwargs)
     assert str(raised.value) == message
+
+
+def test_run_parity_with_nothing_to_compare_names_the_python_arguments(tiny_int8_export):
+    import gemma_export
+
+    with pytest.raises(GemmaExportError, match=r"^parity: nothing to compare; give --against transformers, --reference or "
+                                               r"--golden \(in Python: against_transformers=True, reference= or golden=\)$"):
+        gemma_export.run_parity(tiny_int8_export)
