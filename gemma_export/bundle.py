@@ -58,7 +58,9 @@ WHEEL_BYTES_ESTIMATE = 10**6
 
 
 def _pip_wheel_command(tree: Path, dest: Path) -> list[str]:
-    return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), str(tree)]
+    # the tree as a file:// URL: pip reads a ';' in a plain path (the bundle folder's name is in it)
+    # as the start of an environment marker
+    return [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), tree.as_uri()]
 
 
 def _group_running(pgid: int) -> bool:
@@ -280,7 +282,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
                     wheel=(wheel, "path?"))
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
-    from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST
+    from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST, owned_problem
     from .manifest import read_manifest
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
@@ -299,7 +301,10 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
     # the pre-packed copy the bundle's README has the board make goes with the bundle it was made from
-    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST, derived=((f"model/{PREPACKED_DIR}", PREPACKED_MANIFEST),))
+    # the pre-packed copy prepack made on the board goes with the bundle, but only one prepack wrote
+    owned = out_dir.is_dir() and not owned_problem(out_dir / "model" / PREPACKED_DIR)
+    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
+                      derived=((f"model/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())
     if wheel is not None:
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

@@ -273,10 +273,13 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
                                 f"delete it); run gemma-export prepack --model {folder} again, or with --remove, to "
                                 "clean it up")
     # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
-    # (gemma_export/prepack.py); it is checked against them when loaded, not listed here.
-    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name != MANIFEST_FILE
-                   and not (p.name == PREPACKED_DIR and p.is_dir() and not p.is_symlink()
-                            and (p / PREPACKED_MANIFEST).is_file()))
+    # (gemma_export/prepack.py); it is checked against them when loaded, not listed here, and only
+    # a copy prepack wrote is one (nothing but its graph, data and record)
+    if (problem := prepack_owned_problem(folder / PREPACKED_DIR)) and (folder / PREPACKED_DIR).exists():
+        raise VerificationError(f"{folder / PREPACKED_DIR}: {problem}; not a copy gemma-export wrote, nor part of "
+                                "the export: move it away")
+    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name not in (MANIFEST_FILE,
+                                                                                                PREPACKED_DIR))
     if extra:
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
     try:

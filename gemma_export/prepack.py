@@ -33,7 +33,7 @@ import numpy as np
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .manifest import read_manifest
-from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, staged_folder
+from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, remove_tree, staged_folder
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
 #: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A
@@ -127,12 +127,18 @@ class PrepackStatus:
 
     Attributes:
         path: the copy's ``model.onnx`` when usable, else None.
-        problem: why it cannot be used ("" when usable or absent).
+        problem: why it cannot be used ("" when usable or absent): the file or folder, then ``detail``.
+        folder: the copy's folder, ``<export>/prepacked``.
+        detail: ``problem`` without the path in front.
+        damaged_record: the problem is ``prepacked.json`` itself (a field missing or malformed), not
+            a copy made elsewhere or from other files.
     """
 
     path: Path | None
     problem: str
     folder: Path
+    detail: str = ""
+    damaged_record: bool = False
 
     @property
     def reason(self) -> str:
@@ -152,43 +158,44 @@ def status(model_dir: str | Path) -> PrepackStatus:
     modification times; ``verify`` checks the sha256 of every file)."""
     folder = Path(model_dir) / PREPACKED_DIR
 
-    def unusable(problem: str) -> PrepackStatus:
-        return PrepackStatus(None, problem, folder)
+    def unusable(where: Path, detail: str, damaged_record: bool = False) -> PrepackStatus:
+        return PrepackStatus(None, f"{where}: {detail}", folder, detail, damaged_record)
 
+    record_path = folder / PREPACKED_MANIFEST
     if not folder.exists() and not folder.is_symlink():
-        return unusable("")
+        return PrepackStatus(None, "", folder)
     wrong, record = _ownership(folder)  # a readable JSON object with our format, or a problem
     if wrong:
-        return unusable(f"{folder}: {wrong}")
+        return unusable(folder, wrong)
     for field in ("machine", "source", "files"):
         if not isinstance(record.get(field), dict):
-            return unusable(f"{folder / PREPACKED_MANIFEST}: field '{field}' missing or not an object")
+            return unusable(record_path, f"field '{field}' missing or not an object", True)
     here, key = machine_key(), record["machine"]
     for field in ("onnxruntime", "machine", "system", "cpu_flags_sha256"):
         if not isinstance(key.get(field), str):  # a damaged record, not a copy made elsewhere
-            return unusable(f"{folder / PREPACKED_MANIFEST}: field 'machine.{field}' must be a string, found "
-                            f"{json.dumps(key.get(field))[:40]}")
+            return unusable(record_path, f"field 'machine.{field}' must be a string, found "
+                                         f"{json.dumps(key.get(field))[:40]}", True)
         if key.get(field) != here[field]:
             what = "CPU features" if field == "cpu_flags_sha256" else field
-            return unusable(f"{folder}: made for {what} {key.get(field)!r}, this machine has {here[field]!r}")
+            return unusable(folder, f"made for {what} {key.get(field)!r}, this machine has {here[field]!r}")
     if record["source"] != source_identity(Path(model_dir)):
-        return unusable(f"{folder}: made from other model files than the export's current ones (size, time or "
-                        "checksum changed)")
+        return unusable(folder, "made from other model files than the export's current ones (size, time or "
+                                "checksum changed)")
     files = record["files"]
     if not {MODEL_FILE, DATA_FILE} <= set(files):
-        return unusable(f"{folder / PREPACKED_MANIFEST}: 'files' does not record {MODEL_FILE} and {DATA_FILE}")
+        return unusable(record_path, f"'files' does not record {MODEL_FILE} and {DATA_FILE}", True)
     for name, entry in files.items():
         path = folder / str(name)
         if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
                 and type(entry.get("mtime_ns")) is int):
-            return unusable(f"{folder / PREPACKED_MANIFEST}: files[{name!r}] needs integer 'bytes' (>= 0) and 'mtime_ns'")
+            return unusable(record_path, f"files[{name!r}] needs integer 'bytes' (>= 0) and 'mtime_ns'", True)
         if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
-            return unusable(f"{path}: recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
+            return unusable(path, f"recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
         stat = path.stat()
         if stat.st_size != entry["bytes"]:
-            return unusable(f"{path}: {stat.st_size:,} bytes, {PREPACKED_MANIFEST} recorded {entry['bytes']:,}")
+            return unusable(path, f"{stat.st_size:,} bytes, {PREPACKED_MANIFEST} recorded {entry['bytes']:,}")
         if stat.st_mtime_ns != entry["mtime_ns"]:
-            return unusable(f"{path}: modified since {PREPACKED_MANIFEST} was written (its time differs)")
+            return unusable(path, f"modified since {PREPACKED_MANIFEST} was written (its time differs)")
     return PrepackStatus(folder / MODEL_FILE, "", folder)
 
 
@@ -432,24 +439,24 @@ def verify(model_dir: str | Path) -> str:
         if type(recorded) is int and recorded != path.stat().st_size:  # the checksum matches: the record is wrong
             raise VerificationError(f"{folder / PREPACKED_MANIFEST}: records {recorded:,} bytes for {name}, whose "
                                     f"sha256 it matches at {path.stat().st_size:,} bytes: a damaged record; {fix}")
-    if found.path is None and PREPACKED_MANIFEST in found.problem.split(": ", 1)[0]:
+    if found.path is None and found.damaged_record:
         raise VerificationError(f"{found.problem}; {fix}")  # a record the runtime cannot read
     if found.path is None:
-        return f"pre-packed copy {folder}: intact, but {found.problem.split(': ', 1)[-1]}; not used here"
+        return f"pre-packed copy {folder}: intact, but {found.detail}; not used here"
     return f"pre-packed copy {folder}: {len(items)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
 
 
 def remove(model_dir: str | Path) -> bool:
     """Delete ``<model_dir>/prepacked/`` if it is a copy this module wrote, and any leftovers of an
-    interrupted ``prepack``. Returns whether a copy was removed. The copy is first renamed aside,
-    so a failure leaves it whole.
+    interrupted ``prepack``. Returns whether a copy was removed. The copy is first renamed aside:
+    if that fails it is whole and in place; if the deletion then fails part-way, what is left stays
+    aside (a leftover the next ``prepack`` or ``prepack --remove`` deletes) and is named.
 
     Raises:
         SourceNotFoundError: ``model_dir`` is missing or a file.
-        OutputError: ``prepacked`` is not such a copy (left untouched), or no permission.
+        OutputError: ``prepacked`` is not such a copy (left untouched), or no permission, saying
+            whether the copy is unchanged or partly deleted, and where its rest is.
     """
-    import shutil
-
     model_dir = Path(model_dir)
     _export_folder(model_dir)
     with _folder_lock(model_dir):
@@ -464,10 +471,12 @@ def remove(model_dir: str | Path) -> bool:
             aside = Path(tempfile.mkdtemp(prefix=LEFTOVER_PREFIXES[2], dir=model_dir))
             try:
                 os.replace(folder, aside / PREPACKED_DIR)
-                shutil.rmtree(aside)
-            except OSError as exc:
-                if (aside / PREPACKED_DIR).exists() and not folder.exists():
-                    os.replace(aside / PREPACKED_DIR, folder)
-                shutil.rmtree(aside, ignore_errors=True)
+            except OSError as exc:  # nothing deleted yet: the copy stays as it was
+                aside.rmdir()
                 raise OutputError(f"{folder}: could not remove it ({exc.strerror or exc}); it is unchanged") from None
+            problem = remove_tree(aside)
+            if problem is not None:  # part of it is gone: never moved back as if whole
+                raise OutputError(f"{folder}: moved out of the export, but deleting it stopped part-way ({problem}); "
+                                  f"the rest is in {aside}, which the next gemma-export prepack (or --remove) deletes "
+                                  "once it can")
         return True

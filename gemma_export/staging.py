@@ -244,6 +244,11 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
         return False
     if any(manifest.get(key) != value for key, value in (required or {}).items()):
         return False
+    # each entry a record of ours: {"bytes": int, "sha256": hex}; anything else (a hand-written
+    # {"notes.txt": "mine"}) would let files go unchecked, and be deleted with the folder
+    if not all(isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
+               and re.fullmatch("[0-9a-f]{64}", entry["sha256"]) for entry in manifest["files"].values()):
+        return False
     listed = set(manifest["files"]) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
@@ -257,8 +262,7 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return False
     # and every listed file still holds what the manifest records (sizes first: cheap)
-    recorded = [(folder / name, entry) for name, entry in manifest["files"].items()
-                if isinstance(entry, dict) and (folder / name).is_file()]
+    recorded = [(folder / name, entry) for name, entry in manifest["files"].items() if (folder / name).is_file()]
     if any(path.stat().st_size != entry.get("bytes") for path, entry in recorded):
         return False
     return all(file_sha256(path) == entry.get("sha256") for path, entry in recorded)

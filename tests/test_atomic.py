@@ -4,6 +4,7 @@ an export leaves no partial output and an existing output folder byte-for-byte u
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import signal
@@ -578,3 +579,17 @@ def test_a_writer_waits_a_bounded_time_for_the_parents_lock_then_leaves_the_dest
     with staging.staged_folder(out, "bundle") as folder:  # free again: moved in
         (folder / "x").write_text("x")
     assert (out / "x").read_text() == "x"
+
+
+@pytest.mark.parametrize("entry", ["mine", {"bytes": 5}, {"bytes": "5", "sha256": "0" * 64}, {"bytes": 5, "sha256": "x"}])
+def test_a_manifest_whose_entries_are_not_records_of_ours_does_not_make_a_folder_replaceable(tmp_path, entry):
+    """A hand-written BUNDLE.json listing notes.txt as "mine": its file went unchecked, and a bundle
+    written there deleted it."""
+    folder = tmp_path / "board"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "BUNDLE.json").write_text(json.dumps({"files": {"notes.txt": entry}}))
+    assert not staging.is_unchanged_output(folder, "BUNDLE.json")
+    digest = hashlib.sha256(b"mine").hexdigest()
+    (folder / "BUNDLE.json").write_text(json.dumps({"files": {"notes.txt": {"bytes": 4, "sha256": digest}}}))
+    assert staging.is_unchanged_output(folder, "BUNDLE.json")  # a true record of what is there: ours

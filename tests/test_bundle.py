@@ -24,7 +24,11 @@ runner = CliRunner()
 def wheel(tmp_path_factory):
     from gemma_export.bundle import build_wheel
 
-    return build_wheel(tmp_path_factory.mktemp("wheel"))
+    # built in a scratch folder whose name pip would misread in a plain path (';' starts a marker),
+    # as a bundle's staging folder is named after --out
+    odd = tmp_path_factory.mktemp("wheel") / "board;v2 copy"
+    odd.mkdir()
+    return build_wheel(odd.parent, scratch_dir=odd)
 
 
 def test_wheel_carries_both_packages_and_the_console_script(wheel):
@@ -629,3 +633,26 @@ def test_inspect_of_a_bundle_folder_reads_its_export(tiny_int8_export, wheel, tm
     a, b = json.loads(direct.stdout), json.loads(via_bundle.stdout)
     assert b["path"] == str(out / "model" / "model.onnx")
     assert {k: v for k, v in a.items() if k != "path"} == {k: v for k, v in b.items() if k != "path"}
+
+
+def test_files_under_model_prepacked_that_no_prepack_wrote_are_neither_verified_nor_deleted(tiny_int8_export, wheel,
+                                                                                          tmp_path):
+    """A prepacked.json of {} beside a script: verify_bundle and verify_manifest passed it (only the
+    record's name was looked at), and a bundle written over the folder deleted the script."""
+    from gemma_export.bundle import verify_bundle
+    from gemma_export.errors import VerificationError
+    from gemma_export.exporter import verify_manifest
+
+    out = tmp_path / "board"
+    assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out),
+                               "--wheel", str(wheel)]).exit_code == 0
+    foreign = out / "model" / "prepacked"
+    foreign.mkdir()
+    (foreign / "prepacked.json").write_text("{}")
+    (foreign / "run.sh").write_text("echo mine\n")
+    for check in (verify_bundle, lambda folder: verify_manifest(folder / "model")):
+        with pytest.raises(VerificationError, match=r"model/prepacked: has a prepacked\.json without \"format\": .*; not a "
+                                                    r"copy gemma-export wrote"):
+            check(out)
+    again = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert again.exit_code == 2 and (foreign / "run.sh").read_text() == "echo mine\n"

@@ -123,7 +123,7 @@ def test_an_unknown_prepacked_folder_blocks_verify_and_remove(export_copy):
     (export_copy / "prepacked").mkdir()
     (export_copy / "prepacked" / "notes.txt").write_text("mine")
     result = _run("verify", export_copy)
-    assert result.exit_code != 0 and "files not in the manifest: prepacked" in result.output
+    assert result.exit_code != 0 and "prepacked: has no prepacked.json; not a copy gemma-export wrote" in result.output
     result = _run("prepack", "--model", export_copy, "--remove")
     assert result.exit_code != 0 and "not a copy gemma-export wrote" in result.output
     assert (export_copy / "prepacked" / "notes.txt").read_text() == "mine"
@@ -523,3 +523,40 @@ def test_threads_with_remove_are_refused_and_nothing_is_removed(export_copy):
     assert (export_copy / "prepacked" / "prepacked.json").is_file()
     result = _run("prepack", "--model", export_copy, "--remove")
     assert result.exit_code == 0 and not (export_copy / "prepacked").exists(), result.output
+
+
+def test_a_removal_that_stops_part_way_says_so_and_the_next_one_finishes_it(export_copy, monkeypatch):
+    """It said 'it is unchanged' and moved the half-deleted folder back as the copy (an immutable
+    data file stopped shutil.rmtree after the record and the graph were gone)."""
+    prepack_module.prepack(export_copy)
+    real_remove_tree = prepack_module.remove_tree
+
+    def stops_part_way(path):
+        (path / "prepacked" / "prepacked.json").unlink()  # what rmtree deleted before the failure
+        return f"Operation not permitted: '{path / 'prepacked' / 'model.onnx.data'}'"
+
+    monkeypatch.setattr(prepack_module, "remove_tree", stops_part_way)
+    with pytest.raises(OutputError, match=r"prepacked: moved out of the export, but deleting it stopped part-way "
+                                          r"\(Operation not permitted: .*model\.onnx\.data'\); the rest is in .*\.prepacked"):
+        prepack_module.remove(export_copy)
+    assert not (export_copy / "prepacked").exists()  # not put back as if it were whole
+    assert OnnxDecoder(export_copy).prepacked_path is None
+    left = prepack_module.leftovers(export_copy)
+    assert len(left) == 1 and (left[0] / "prepacked" / "model.onnx").is_file()
+    monkeypatch.setattr(prepack_module, "remove_tree", real_remove_tree)
+    assert prepack_module.remove(export_copy) is False  # no copy to remove; the leftover is deleted
+    assert prepack_module.leftovers(export_copy) == []
+
+
+def test_verify_refuses_a_damaged_record_under_a_path_that_holds_a_colon_and_space(tiny_int8_export, tmp_path):
+    """verify told a damaged record from a copy made elsewhere by cutting its own message at the
+    first ': ', which a folder named 'a: b' moved: the damage passed as 'intact'."""
+    folder = tmp_path / "a: b" / "int8"
+    shutil.copytree(tiny_int8_export, folder)
+    prepack_module.prepack(folder)
+    record_path = folder / "prepacked" / "prepacked.json"
+    record = json.loads(record_path.read_text())
+    del record["machine"]
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(VerificationError, match=r"prepacked\.json: field 'machine' missing or not an object"):
+        prepack_module.verify(folder)
