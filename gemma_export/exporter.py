@@ -268,6 +268,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     for name, (size, digest) in expected.items():
         check_listed_file(folder / name, size, digest, "the manifest", "an export folder")
     stale = prepack_leftovers(folder)
+    if stale and prepack_busy(folder):  # a running prepack's staging folder, not an interrupted one's
+        raise VerificationError(f"{folder}: a gemma-export prepack is working on this folder (writing {stale[0].name}); "
+                                "try again when it has finished")
     if stale:
         raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
                                 f"delete it); run gemma-export prepack --model {folder} again, or with --remove, to "

@@ -86,7 +86,13 @@ def require_folder(folder: Path, holding: str) -> None:
     """
     check_utf8_path(folder, "export folder")
     if not folder.exists():
-        raise SourceNotFoundError(f"{folder}: no such export folder")
+        from .staging import leftovers
+
+        # a writer killed between its two renames leaves the previous output whole in .NAME.old-*/NAME
+        aside = [p / folder.name for p in leftovers(folder) if (p / folder.name).is_dir()]
+        hint = (f"; a gemma-export killed while replacing it left the previous one in {aside[-1]}: move that back "
+                f"to {folder}, or write it again" if aside else "")
+        raise SourceNotFoundError(f"{folder}: no such export folder{hint}")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
     if is_bundle(folder):

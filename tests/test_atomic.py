@@ -593,3 +593,24 @@ def test_a_manifest_whose_entries_are_not_records_of_ours_does_not_make_a_folder
     digest = hashlib.sha256(b"mine").hexdigest()
     (folder / "BUNDLE.json").write_text(json.dumps({"files": {"notes.txt": {"bytes": 4, "sha256": digest}}}))
     assert staging.is_unchanged_output(folder, "BUNDLE.json")  # a true record of what is there: ours
+
+
+def test_a_folder_a_killed_writer_moved_aside_is_pointed_to_when_it_is_asked_for(tiny_int8_export, tmp_path):
+    """SIGKILL between move_into_place's two renames leaves no destination, the previous output
+    whole in .NAME.old-*/NAME and the new one in .NAME.staging-*: 'no such export folder' alone
+    left the user to find it."""
+    import shutil
+
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.runtime import OnnxDecoder
+
+    out = tmp_path / "int8"
+    aside = tmp_path / ".int8.old-abcd1234"
+    aside.mkdir()
+    shutil.copytree(tiny_int8_export, aside / "int8")
+    with pytest.raises(SourceNotFoundError, match=rf"^{out}: no such export folder; a gemma-export killed while "
+                                                  rf"replacing it left the previous one in {aside / 'int8'}: move that "
+                                                  rf"back to {out}, or write it again$"):
+        OnnxDecoder(out)
+    (aside / "int8").rename(out)  # as the message says
+    assert OnnxDecoder(out).vocab_size > 0

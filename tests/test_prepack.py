@@ -560,3 +560,22 @@ def test_verify_refuses_a_damaged_record_under_a_path_that_holds_a_colon_and_spa
     record_path.write_text(json.dumps(record))
     with pytest.raises(VerificationError, match=r"prepacked\.json: field 'machine' missing or not an object"):
         prepack_module.verify(folder)
+
+
+def test_verify_does_not_blame_a_running_prepacks_staging_folder_on_an_interrupted_one(export_copy):
+    import fcntl
+
+    from gemma_export.exporter import verify_manifest
+
+    staging_folder = export_copy / f"{prepack_module.LEFTOVER_PREFIXES[0]}abcd1234"
+    staging_folder.mkdir()
+    holder = os.open(export_copy, os.O_RDONLY)  # what a running prepack holds on its export folder
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(VerificationError, match=r"a gemma-export prepack is working on this folder \(writing "
+                                                    r"\.prepacked\.staging-abcd1234\); try again when it has finished"):
+            verify_manifest(export_copy)
+    finally:
+        os.close(holder)
+    with pytest.raises(VerificationError, match=r"left by an earlier gemma-export prepack \(interrupted"):
+        verify_manifest(export_copy)  # nobody holds it now: a leftover
