@@ -67,8 +67,9 @@ PARENT_LOCK_WAIT_S = 60
 @contextlib.contextmanager
 def parent_lock(folder: Path, what: str) -> Iterator[None]:
     """Hold an exclusive advisory ``flock`` on ``folder`` (the parent of an output; no file is
-    written), waiting up to :data:`PARENT_LOCK_WAIT_S` for another holder. Without ``fcntl`` or on a
-    file system without locks the block runs unlocked.
+    written), waiting up to :data:`PARENT_LOCK_WAIT_S` for another holder. Without ``fcntl``, on a
+    file system without locks, or in a folder that cannot be opened for reading, the block runs
+    unlocked.
 
     Raises:
         OutputError: the lock stayed taken that long, naming ``folder`` and ``what`` was written.
@@ -78,7 +79,11 @@ def parent_lock(folder: Path, what: str) -> Iterator[None]:
     except ImportError:
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a parent one may write in but not read (mode 0333): unlocked, as before the lock
+        yield
+        return
     try:
         deadline = time.monotonic() + PARENT_LOCK_WAIT_S
         while True:
@@ -126,7 +131,11 @@ def leftovers(out_dir: Path) -> list[Path]:
     if not out_dir.parent.is_dir():
         return []
     prefix = hidden_prefix(out_dir)
-    return [path for path in sorted(out_dir.parent.iterdir())
+    try:
+        entries = sorted(out_dir.parent.iterdir())
+    except OSError:  # a parent one may write in but not list (mode 0333): no leftovers can be seen
+        return []
+    return [path for path in entries
             if path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir() and not path.is_symlink()]
 
 

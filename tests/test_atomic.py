@@ -614,3 +614,25 @@ def test_a_folder_a_killed_writer_moved_aside_is_pointed_to_when_it_is_asked_for
         OnnxDecoder(out)
     (aside / "int8").rename(out)  # as the message says
     assert OnnxDecoder(out).vocab_size > 0
+
+
+def test_a_parent_that_can_be_written_but_not_read_still_takes_the_output(tmp_path):
+    """A drop-box folder (mode 0333) can be written in but not listed or opened for reading: the
+    search for leftovers beside the output ended in a PermissionError traceback, and the lock's
+    open would too. Both now go on without (no leftovers can be seen there; the move is unlocked)."""
+    parent = tmp_path / "dropbox"
+    parent.mkdir()
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from gemma_export import staging
+        with staging.staged_folder(Path({str(parent / 'out')!r}), "bundle") as folder:
+            (folder / "x").write_text("x")
+    """)
+    parent.chmod(0o333)
+    try:
+        done = subprocess.run([*_unprivileged(), sys.executable, "-c", script], capture_output=True, text=True,
+                              timeout=120)
+    finally:
+        parent.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert (parent / "out" / "x").read_text() == "x"
