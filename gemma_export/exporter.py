@@ -278,7 +278,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
     # (gemma_export/prepack.py); it is checked against them when loaded, not listed here, and only
     # a copy prepack wrote is one (nothing but its graph, data and record)
-    if (problem := prepack_owned_problem(folder / PREPACKED_DIR)) and (folder / PREPACKED_DIR).exists():
+    if problem := prepack_owned_problem(folder / PREPACKED_DIR):  # "" when absent
         raise VerificationError(f"{folder / PREPACKED_DIR}: {problem}; not a copy gemma-export wrote, nor part of "
                                 "the export: move it away")
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name not in (MANIFEST_FILE,

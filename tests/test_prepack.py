@@ -579,3 +579,12 @@ def test_verify_does_not_blame_a_running_prepacks_staging_folder_on_an_interrupt
         os.close(holder)
     with pytest.raises(VerificationError, match=r"left by an earlier gemma-export prepack \(interrupted"):
         verify_manifest(export_copy)  # nobody holds it now: a leftover
+
+
+def test_a_dangling_link_named_prepacked_fails_verify(export_copy, tmp_path):
+    """A link to nowhere exists() not, yet is no copy of prepack's: verify let it pass."""
+    from gemma_export.exporter import verify_manifest
+
+    (export_copy / "prepacked").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(VerificationError, match=r"prepacked: is a link; not a copy gemma-export wrote"):
+        verify_manifest(export_copy)
