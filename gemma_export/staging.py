@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from .errors import OutputError, check_utf8_path, shown
+from .errors import OutputError, VerificationError, check_utf8_path, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
@@ -249,16 +249,15 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return False
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or any(manifest.get(key) != value for key, value in (required or {}).items()):
         return False
-    if any(manifest.get(key) != value for key, value in (required or {}).items()):
+    # each entry a record of ours (listed_files); anything else (a hand-written {"notes.txt": "mine"})
+    # would let files go unchecked, and be deleted with the folder
+    try:
+        records = listed_files(manifest.get("files"), folder / manifest_name, nested=True)
+    except VerificationError:
         return False
-    # each entry a record of ours: {"bytes": int, "sha256": hex}; anything else (a hand-written
-    # {"notes.txt": "mine"}) would let files go unchecked, and be deleted with the folder
-    if not all(isinstance(entry, dict) and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
-               and re.fullmatch("[0-9a-f]{64}", entry["sha256"]) for entry in manifest["files"].values()):
-        return False
-    listed = set(manifest["files"]) | {manifest_name}
+    listed = set(records) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
             and (folder / name / marker).is_file()}
@@ -271,10 +270,10 @@ def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None 
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return False
     # and every listed file still holds what the manifest records (sizes first: cheap)
-    recorded = [(folder / name, entry) for name, entry in manifest["files"].items() if (folder / name).is_file()]
-    if any(path.stat().st_size != entry.get("bytes") for path, entry in recorded):
+    recorded = [(folder / name, size, digest) for name, (size, digest) in records.items() if (folder / name).is_file()]
+    if any(path.stat().st_size != size for path, size, _ in recorded):
         return False
-    return all(file_sha256(path) == entry.get("sha256") for path, entry in recorded)
+    return all(file_sha256(path) == digest for path, _, digest in recorded)
 
 
 def entry_refused(folder: Path) -> str | None:
@@ -358,10 +357,8 @@ def listed_files(files, listing: Path, nested: bool) -> dict[str, tuple[int, str
     Raises:
         VerificationError: the field is not a non-empty object; a name that is not a file name
             (nested: an absolute path or one with ``..``); an entry without an integer ``bytes``
-            (>= 0; JSON ``true`` is not one) and a string ``sha256``.
+            (>= 0; JSON ``true`` is not one) and a string ``sha256`` of 64 lowercase hex digits.
     """
-    from .errors import VerificationError
-
     if not isinstance(files, dict) or not files:
         raise VerificationError(f"{listing}: field 'files' must be an object of file name -> bytes and sha256, "
                                 f"found {'nothing' if files is None else shown(files)}")
@@ -375,6 +372,9 @@ def listed_files(files, listing: Path, nested: bool) -> dict[str, tuple[int, str
                 and isinstance(entry.get("sha256"), str)):
             raise VerificationError(f"{listing}: files[{name!r}] needs an integer 'bytes' (>= 0) and a string "
                                     f"'sha256', found {shown(entry)}")
+        if not re.fullmatch("[0-9a-f]{64}", entry["sha256"]):
+            raise VerificationError(f"{listing}: files[{name!r}] has 'sha256' {shown(entry['sha256'])}; expected 64 "
+                                    "lowercase hex digits")
         expected[Path(name).as_posix() if nested else name] = (entry["bytes"], entry["sha256"])
     return expected
 

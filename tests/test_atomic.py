@@ -636,3 +636,13 @@ def test_a_parent_that_can_be_written_but_not_read_still_takes_the_output(tmp_pa
         parent.chmod(0o755)
     assert done.returncode == 0, done.stderr
     assert (parent / "out" / "x").read_text() == "x"
+
+
+def test_listed_files_refuses_a_sha256_that_is_no_digest():
+    from gemma_export.errors import VerificationError
+
+    with pytest.raises(VerificationError, match=r"^BUNDLE.json: files\['a'\] has 'sha256' \"x\"; expected 64 lowercase "
+                                                r"hex digits$"):
+        staging.listed_files({"a": {"bytes": 1, "sha256": "x"}}, Path("BUNDLE.json"), nested=True)
+    assert staging.listed_files({"a": {"bytes": 1, "sha256": "0" * 64}}, Path("BUNDLE.json"), nested=True) == {
+        "a": (1, "0" * 64)}
