@@ -40,63 +40,47 @@ def interrupts_held() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+#: how long :func:`staged_folder` waits for another process's lock on the output's parent, seconds
+#: (a writer holds it only from its final check to its rename; ``prepack`` holds its export
+#: folder's while it works)
+PARENT_LOCK_WAIT_S = 60
+
+
 @contextlib.contextmanager
-def held_folder(folder: Path) -> Iterator[None]:
-    """Hold an advisory ``flock`` on ``folder`` (no file is written) while the block runs: the
-    kernel drops it when the process ends, however it ends, so :func:`remove_stale` can tell a
-    folder that is still being written from one a killed process left behind."""
+def held_folder(folder: Path, wait_s: float | None = None) -> Iterator[None]:
+    """Hold an exclusive advisory ``flock`` on ``folder`` (no file is written) while the block runs:
+    the kernel drops it when the process ends, however it ends, so :func:`remove_stale` can tell a
+    folder that is still being written from one a killed process left behind, and two writers of
+    one destination take turns (:func:`staged_folder`). Without ``fcntl``, on a file system without
+    locks, or for a folder that cannot be opened for reading (mode 0333), the block runs unheld.
+
+    Args:
+        wait_s: give up after this many seconds of another holder (None: wait as long as it takes).
+
+    Raises:
+        TimeoutError: another process held it for ``wait_s``.
+    """
     try:
         import fcntl
     except ImportError:  # no flock: nothing is ever judged stale
         yield
         return
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):  # a file system without locks (ENOLCK): write unheld
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-#: how long :func:`parent_lock` waits for another process's lock on the folder, seconds (a writer holds
-#: it only from its final check to its rename; ``prepack`` holds its export folder's while it works)
-PARENT_LOCK_WAIT_S = 60
-
-
-@contextlib.contextmanager
-def parent_lock(folder: Path, what: str) -> Iterator[None]:
-    """Hold an exclusive advisory ``flock`` on ``folder`` (the parent of an output; no file is
-    written), waiting up to :data:`PARENT_LOCK_WAIT_S` for another holder. Without ``fcntl``, on a
-    file system without locks, or in a folder that cannot be opened for reading, the block runs
-    unlocked.
-
-    Raises:
-        OutputError: the lock stayed taken that long, naming ``folder`` and ``what`` was written.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
     try:
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a parent one may write in but not read (mode 0333): unlocked, as before the lock
+    except OSError:
         yield
         return
     try:
-        deadline = time.monotonic() + PARENT_LOCK_WAIT_S
+        deadline = None if wait_s is None else time.monotonic() + wait_s
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise OutputError(f"{folder}: another process has held it for {PARENT_LOCK_WAIT_S} s (a gemma-export "
-                                      f"writing beside it, or a prepack of it); the {what} was not moved in: run again "
-                                      "when it has finished") from None
+                    raise TimeoutError(f"{folder}: held by another process for {wait_s} s") from None
                 time.sleep(0.05)
-            except OSError:  # no locks on this file system (ENOLCK): unlocked
+            except OSError:  # a file system without locks (ENOLCK): unheld
                 break
         yield
     finally:
@@ -551,7 +535,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     of the folders a killed earlier writer left beside ``out_dir`` that this call removes
     (:func:`remove_stale`), and of those it keeps (too young to judge, or a running writer's).
     From the check to the move it holds an exclusive ``flock`` on ``out_dir``'s parent
-    (:func:`parent_lock`), so of two writers that finish at once the second finds the first's output;
+    (:func:`held_folder`), so of two writers that finish at once the second finds the first's output;
     ``parent_locked``: the caller holds that lock already (``prepack`` holds its export folder's).
 
     Raises:
@@ -586,7 +570,14 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
             staging.chmod(0o755)  # mkdtemp creates 0700; the output is an ordinary folder
             # one writer at a time from the check to the move: two writers that both found the folder
             # as they checked it would otherwise both move in, the second deleting the first's output
-            with contextlib.nullcontext() if parent_locked else parent_lock(out_dir.parent, what):
+            with contextlib.ExitStack() as parent:
+                if not parent_locked:
+                    try:
+                        parent.enter_context(held_folder(out_dir.parent, PARENT_LOCK_WAIT_S))
+                    except TimeoutError:
+                        raise OutputError(f"{out_dir.parent}: another process has held it for {PARENT_LOCK_WAIT_S} s "
+                                          f"(a gemma-export writing beside it, or a prepack of it); the {what} was not "
+                                          "moved in: run again when it has finished") from None
                 if folder_state(out_dir) != before:
                     raise OutputError(
                         f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
