@@ -346,8 +346,9 @@ class OnnxDecoder:
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         eos = self.manifest.get("config", {}).get("eos_token_id")
         if eos is None:  # a folder of another tool: onnxruntime-genai's config names its stop ids
-            eos = _genai_model_config(self.model_dir).get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
-            if not is_token_ids(eos) and eos is not DEFAULT_STOP_TOKEN_IDS:
+            genai = _genai_model_config(self.model_dir)
+            eos = genai.get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
+            if "eos_token_id" in genai and not is_token_ids(eos):
                 raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.eos_token_id' must be "
                                   f"{TOKEN_IDS}, found {shown(eos)}")
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
