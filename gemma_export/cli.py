@@ -472,7 +472,7 @@ def prepack(
             raise typer.BadParameter("--threads does nothing with --remove (nothing runs); give one or the other",
                                      param_hint="'--threads'")
         if remove:
-            removed = remove_copy(model)
+            removed = remove_copy(model, progress=lambda msg: typer.echo(msg, err=True))
             typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))

@@ -55,6 +55,11 @@ _ARGUMENT_KINDS = {
 }
 
 
+def _is_other_integer(value) -> bool:
+    """An integer that is not a Python ``int`` (e.g. ``numpy.int64``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (int, bool))
+
+
 def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
     """Refuse a Python caller's argument of the wrong type before it reaches a comparison or pathlib
     deep inside (``'>=' not supported between 'str' and 'int'``), or is taken for another value
@@ -72,11 +77,14 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
         optional = kind.endswith("?")
         if optional and value is None:
             continue
-        test, expected = _ARGUMENT_KINDS[kind.rstrip("?")]
+        base = kind.rstrip("?")
+        test, expected = _ARGUMENT_KINDS[base]
         if not test(value):
             found = "an empty str" if isinstance(value, str) and value == "" else f"{type(value).__name__} {value!r:.40}"
-            if kind.startswith("int") and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            if base == "int" and _is_other_integer(value):
                 found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is
+            elif base == "ints" and isinstance(value, (list, tuple)) and any(map(_is_other_integer, value)):
+                found += f" (numpy integers: pass [int(i) for i in {name}])"
             if optional:
                 expected = "True, False or None" if expected == "True or False" else f"{expected} or None"
             raise ConfigError(f"{function}(): {name} must be {expected}, found {found}")

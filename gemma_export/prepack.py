@@ -446,9 +446,9 @@ def verify(model_dir: str | Path) -> str:
     return f"pre-packed copy {folder}: {len(items)} files match {PREPACKED_MANIFEST}; made on this machine from these files"
 
 
-def remove(model_dir: str | Path) -> bool:
+def remove(model_dir: str | Path, progress: Callable[[str], None] | None = None) -> bool:
     """Delete ``<model_dir>/prepacked/`` if it is a copy this module wrote, and any leftovers of an
-    interrupted ``prepack``. Returns whether a copy was removed. The copy is first renamed aside:
+    interrupted ``prepack`` (each named to ``progress`` as it goes). Returns whether a copy was removed. The copy is first renamed aside:
     if that fails it is whole and in place; if the deletion then fails part-way, what is left stays
     aside (a leftover the next ``prepack`` or ``prepack --remove`` deletes) and is named.
 
@@ -464,7 +464,7 @@ def remove(model_dir: str | Path) -> bool:
         if not folder.exists() and not folder.is_symlink() and not leftovers(model_dir):
             return False
         _may_replace(model_dir, "removing the pre-packed copy", "; not a copy gemma-export wrote, left untouched")
-        _clear_leftovers(model_dir, lambda _msg: None)
+        _clear_leftovers(model_dir, progress or (lambda _msg: None))
         if not folder.exists():
             return False
         with interrupts_held():  # the rename and the deletion run to the end once started

@@ -459,6 +459,7 @@ class OnnxDecoder:
         Raises:
             GemmaExportError: an empty prompt, a negative ``max_new_tokens``, ``prefill_chunk`` < 1,
                 or the sequence exceeds ``max_position_embeddings``.
+            ConfigError: ``max_new_tokens`` that is no int, ``stop_ids`` that is no list or tuple of ints.
             FormatError: an id outside the vocabulary.
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
@@ -466,6 +467,7 @@ class OnnxDecoder:
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
         check_new_tokens(max_new_tokens, "greedy")
+        check_arguments("greedy", stop_ids=(stop_ids, "ints?"))
         check_prefill_chunk(prefill_chunk)
         self.check_ids(prompt_ids, "prompt")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)

@@ -238,6 +238,10 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
     for bad in (None, 2.5, True):
         with pytest.raises(GemmaExportError, match=r"^greedy\(\): max_new_tokens must be an int, found "):
             decoder.greedy(prompts[0], bad)
+    # a bare id was a TypeError from set(); a string of digits stopped on nothing
+    for bad, found in ((106, "int 106"), ("106", "str '106'")):
+        with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list or tuple of ints or None, found {found}$"):
+            decoder.greedy(prompts[0], 2, stop_ids=bad)
     with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):
         decoder.greedy_batch([], -1)  # refused even with no prompts
     # a negative id: onnxruntime's Gather read -5 as the fifth row from the end, and decoding went on

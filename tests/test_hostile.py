@@ -842,6 +842,9 @@ def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_in
      "run_bench(): prompt_tokens must be a list or tuple of ints, found str '16,128'"),
     ("run_bench", ("{model}",), dict(prompt_tokens=(16, 128.0)),
      "run_bench(): prompt_tokens must be a list or tuple of ints, found tuple (16, 128.0)"),
+    ("run_bench", ("{model}",), dict(prompt_tokens=[np.int64(16)]),
+     "run_bench(): prompt_tokens must be a list or tuple of ints, found list [np.int64(16)] "
+     "(numpy integers: pass [int(i) for i in prompt_tokens])"),
     ("write_bundle", ("{model}", ""), {}, "write_bundle(): out_dir must be a path (str or os.PathLike), found an empty str"),
     ("verify_manifest", (5,), {}, "verify_manifest(): folder must be a path (str or os.PathLike), found int 5"),
     ("verify_bundle", (None,), {}, "verify_bundle(): folder must be a path (str or os.PathLike), found NoneType None"),

@@ -544,7 +544,10 @@ def test_a_removal_that_stops_part_way_says_so_and_the_next_one_finishes_it(expo
     left = prepack_module.leftovers(export_copy)
     assert len(left) == 1 and (left[0] / "prepacked" / "model.onnx").is_file()
     monkeypatch.setattr(prepack_module, "remove_tree", real_remove_tree)
-    assert prepack_module.remove(export_copy) is False  # no copy to remove; the leftover is deleted
+    result = _run("prepack", "--model", export_copy, "--remove")  # no copy to remove; the leftover is deleted, by name
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [f"removing {left[0]} (left by an earlier prepack)"]
+    assert result.stdout.strip() == f"{export_copy}: no pre-packed copy to remove"
     assert prepack_module.leftovers(export_copy) == []
 
 
