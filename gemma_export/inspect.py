@@ -16,11 +16,12 @@ import dataclasses
 import hashlib
 import math
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
 from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
+from quant.int4 import unpack_nibbles
 
 from .errors import FormatError, SourceNotFoundError, check_arguments
 from .onnx_files import MODEL_FILE
@@ -195,7 +196,7 @@ def _gguf_entries(path: Path) -> list[TensorEntry]:
     return entries
 
 
-def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], list[tuple[str, str, str | None]]]:
+def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], list[Dequantize]]:
     import onnx
     from onnx import helper
 
@@ -225,24 +226,27 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
         raise FormatError(f"{path}: initializer name{'s' if len(twice) > 1 else ''} {', '.join(map(repr, twice[:5]))} "
                           f"defined more than once; a graph names each initializer once")
     consumers: dict[str, list[str]] = {e.name: [] for e in entries}
-    dequantize: list[tuple[str, str, str | None]] = []
+    dequantize: list[Dequantize] = []
     shapes = {e.name: e.shape for e in entries}
     per_byte: dict[str, int] = {}  # packed codes: values per stored byte (MatMulNBits' bits < 8)
     for node in model.graph.node:
         for name in node.input:
             if name in consumers:
                 consumers[name].append(node.op_type)
-        if node.op_type == "MatMulNBits" and len(node.input) > 1 and node.input[1] in shapes:
+        if node.op_type == "MatMulNBits" and len(node.input) > 2 and node.input[1] in shapes:
             bits = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), 4)
             if isinstance(bits, int) and bits in (2, 4):
                 per_byte[node.input[1]] = 8 // bits
+            if bits in (4, 8) and node.input[2] in shapes:
+                zero_points = node.input[3] if len(node.input) > 3 and node.input[3] else None
+                dequantize.append(Dequantize(node.input[1], node.input[2], zero_points, 2 ** (bits - 1), bits))
         if node.op_type == "DequantizeLinear" and len(node.input) >= 2 and node.input[0] in shapes and node.input[1] in shapes:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             shape, scale_shape = shapes[node.input[0]], shapes[node.input[1]]
             axis = attrs.get("axis", 1) % max(len(shape), 1)
             # one scale per run of consecutive values: per tensor, per row (axis 0), or blocks along the last axis
             if math.prod(scale_shape) == 1 or axis == 0 or (attrs.get("block_size") and axis == len(shape) - 1):
-                dequantize.append((node.input[0], node.input[1], node.input[2] if len(node.input) > 2 and node.input[2] else None))
+                dequantize.append(Dequantize(node.input[0], node.input[1], node.input[2] if len(node.input) > 2 and node.input[2] else None))
     # a uint8 of packed 4-bit codes holds two weights per element (the fp32-equivalent size counts weights)
     entries = [dataclasses.replace(e, elements=e.elements * per_byte[e.name]) if e.name in per_byte and e.dtype == "UINT8"
                else e for e in entries]
@@ -337,17 +341,34 @@ _QUANT_TYPES = {"I8": 127, "INT8": 127, "U8": 255, "UINT8": 255}
 _RELATIVE_PRECISION = {"BF16": 2.0**-8, "BFLOAT16": 2.0**-8, "F16": 2.0**-11, "FLOAT16": 2.0**-11}
 
 
+class Dequantize(NamedTuple):
+    """The initializers a graph node dequantizes: ONNX ``DequantizeLinear`` (zero point 0 when
+    absent) or onnxruntime's ``MatMulNBits`` (``B``, ``scales``, ``zero_points``; absent zero points
+    mean ``2 ** (bits - 1)``, and 4-bit codes are packed two per byte, the even index in the low
+    nibble: docs/ContribOperators.md, ``com.microsoft.MatMulNBits``)."""
+
+    codes: str
+    scales: str
+    zero_points: str | None = None
+    implicit_zero_point: int = 0
+    bits: int = 8
+
+
 @dataclasses.dataclass(frozen=True)
 class Quantized:
     """A quantized tensor and its scales (and zero points): ``value = (q - zero_point) * scale``,
     one scale per ``group`` consecutive values in row-major order (per tensor, per row, or block-wise
-    along the last axis). ``ggml`` is set for GGUF block types, which carry their scales inline."""
+    along the last axis). ``ggml`` is set for GGUF block types, which carry their scales inline.
+    Without a ``zero_point`` tensor every zero point is ``implicit_zero_point``; ``bits`` 4 means
+    two codes per stored byte (``values.elements`` counts codes)."""
 
     values: TensorEntry
     scale: TensorEntry | None = None
     zero_point: TensorEntry | None = None
     group: int = 0
     ggml: str | None = None
+    implicit_zero_point: int = 0
+    bits: int = 8
 
 
 def _read_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
@@ -366,25 +387,28 @@ def _float_flat(entry: TensorEntry, start: int, count: int) -> np.ndarray:
     return _read_flat(entry, start, count).astype(np.float32)
 
 
-def _quantized_tensors(entries: list[TensorEntry], dequantize_nodes: list[tuple[str, str, str | None]]) -> list[Quantized]:
+def _quantized_tensors(entries: list[TensorEntry], dequantize_nodes: list[Dequantize]) -> list[Quantized]:
     """int8/uint8 tensors with a scale companion (``X`` + ``X_scale`` by name, or the inputs of an
-    ONNX ``DequantizeLinear``), and GGUF ``Q8_0`` tensors."""
+    ONNX ``DequantizeLinear`` or ``MatMulNBits``), and GGUF ``Q8_0`` tensors."""
     by_name = {e.name: e for e in entries}
     found = []
-    pairs = [(q, s, z) for q, s, z in dequantize_nodes]
-    pairs += [(e.name, e.name + suffix, None) for e in entries if e.dtype in _QUANT_TYPES for suffix in _SCALE_SUFFIXES]
+    pairs = [Dequantize(*node) for node in dequantize_nodes]
+    pairs += [Dequantize(e.name, e.name + suffix) for e in entries if e.dtype in _QUANT_TYPES for suffix in _SCALE_SUFFIXES]
     seen = set()
-    for q_name, s_name, z_name in pairs:
-        q, s = by_name.get(q_name), by_name.get(s_name)
-        if q is None or s is None or q_name in seen or q.item_dtype is None or s.item_dtype is None:
+    for pair in pairs:
+        q, s = by_name.get(pair.codes), by_name.get(pair.scales)
+        if q is None or s is None or pair.codes in seen or q.item_dtype is None or s.item_dtype is None:
             continue
         if s.dtype not in _FLOAT_RANK or s.elements == 0 or q.elements % s.elements:
             continue  # scales in a layout that is not one per run of consecutive values
-        z = by_name.get(z_name) if z_name else None
+        group = q.elements // s.elements
+        if pair.bits not in (4, 8) or (pair.bits == 4 and group % 2):
+            continue  # codes that do not start each group on a byte
+        z = by_name.get(pair.zero_points) if pair.zero_points else None
         if z is not None and (z.elements != s.elements or z.dtype != q.dtype):
-            continue
-        seen.add(q_name)
-        found.append(Quantized(q, s, z, q.elements // s.elements))
+            continue  # e.g. 4-bit zero points, packed two per byte
+        seen.add(pair.codes)
+        found.append(Quantized(q, s, z, group, implicit_zero_point=pair.implicit_zero_point, bits=pair.bits))
     found += [Quantized(e, ggml=e.dtype) for e in entries if e.dtype == "Q8_0" and e.path is not None]
     return found
 
@@ -406,12 +430,16 @@ def _dequantized_chunks(t: Quantized, chunk_values: int = 1 << 20) -> Iterator[t
         return
     groups = t.scale.elements
     group_chunk = max(1, chunk_values // t.group)
+    per_byte = 8 // t.bits
     for first in range(0, groups, group_chunk):
         n = min(group_chunk, groups - first)
         scale = _float_flat(t.scale, first, n)
-        q = _read_flat(t.values, first * t.group, n * t.group).astype(np.float32)
+        q = _read_flat(t.values, first * t.group // per_byte, n * t.group // per_byte)
+        q = (unpack_nibbles(q) if t.bits == 4 else q).astype(np.float32)
         if t.zero_point is not None:
             q -= np.repeat(_read_flat(t.zero_point, first, n).astype(np.float32), t.group)
+        elif t.implicit_zero_point:
+            q -= t.implicit_zero_point
         yield first * t.group, q, np.repeat(scale, t.group), scale
 
 
@@ -421,7 +449,12 @@ def _same_after_quantization(wide: TensorEntry, t: Quantized) -> bool:
     slack for ties rounded the other way and for ``wide``'s own rounding when it is bf16/f16), and the scales are not degenerate (every group
     holding a non-zero value uses at least half of the integer range, so an all-zero ``q`` with a
     huge scale does not match everything)."""
-    qmax = 127 if t.ggml else _QUANT_TYPES[t.values.dtype] / (1 if t.zero_point is None and t.values.dtype in ("I8", "INT8") else 2)
+    if t.ggml:
+        qmax = 127
+    elif t.zero_point is None and (t.implicit_zero_point or t.values.dtype in ("I8", "INT8")):
+        qmax = 2 ** (t.bits - 1) - 1  # codes centred on zero (MatMulNBits: on 2 ** (bits - 1))
+    else:
+        qmax = _QUANT_TYPES[t.values.dtype] / 2
     for start, q, scale, group_scale in _dequantized_chunks(t):
         values = _float_flat(wide, start, q.size)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -430,6 +463,12 @@ def _same_after_quantization(wide: TensorEntry, t: Quantized) -> bool:
         # and the scale may be stored rounded (GGUF Q8_0 keeps it as f16)
         scale_precision = _RELATIVE_PRECISION["F16"] if t.ggml else _RELATIVE_PRECISION.get(t.scale.dtype, 2.0**-23)
         slack = 1e-3 + np.abs(ratio) * (_RELATIVE_PRECISION.get(wide.dtype, 2.0**-23) + scale_precision)
+        if t.implicit_zero_point and t.zero_point is None:
+            # MatMulNBits' codes run from -2^(b-1) to 2^(b-1) - 1: ggml Q4_0's scale (largest / -8)
+            # puts the opposite end up to +8, clipped to 7, so a value may sit a whole level off there
+            if np.any(np.abs(ratio) > t.implicit_zero_point + 0.5 + slack):
+                return False
+            ratio = np.clip(ratio, -t.implicit_zero_point, t.implicit_zero_point - 1)
         if not np.all(np.abs(ratio - q) <= 0.5 + slack):
             return False
         group = q.size // group_scale.size
@@ -440,12 +479,14 @@ def _same_after_quantization(wide: TensorEntry, t: Quantized) -> bool:
     return True
 
 
-def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[tuple[str, str, str | None]] = ()) -> list[DuplicateGroup]:
+def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[Dequantize] = ()) -> list[DuplicateGroup]:
     """Groups of tensors stored more than once: identical bytes (any shape, e.g. a flat 1-D copy of a
     2-D table), 2-D tensors equal to another's transpose, and the same values stored in two float
     precisions (float32 and bf16/f16), and a float tensor stored again quantized (int8/uint8 codes
-    with a scale tensor, a GGUF Q8_0 tensor, or ``dequantize_nodes``: ``(codes, scales, zero
-    points or None)`` of a graph's ``DequantizeLinear`` nodes) whose dequantized values equal it.
+    with a scale tensor, a GGUF Q8_0 tensor, or ``dequantize_nodes``: the :class:`Dequantize`
+    inputs of a graph's ``DequantizeLinear`` and 4- or 8-bit ``MatMulNBits`` nodes) whose
+    dequantized values equal it (rounded to nearest: codes chosen otherwise, e.g. by GPTQ or a
+    clipping search, are not recognised).
     Only tensors ≥ 64 KiB are checked; hashing reads only tensors whose byte size matches another's."""
     # initializers that point at the same bytes of one data file are stored once: not duplicates
     stored: dict[tuple, TensorEntry] = {}
@@ -516,7 +557,7 @@ def inspect_path(path: str | Path) -> Report:
     except OSError as exc:  # a read error carries no file name of its own
         raise FormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     consumers: dict[str, list[str]] = {}
-    dequantize: list[tuple[str, str, str | None]] = []
+    dequantize: list[Dequantize] = []
     no_data = None
     if magic[:4] == b"GGUF":
         kind, entries = "gguf", _gguf_entries(path)

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from .config import DTYPES
-from .errors import FormatError, SourceNotFoundError, check_utf8_path, is_whole_number, shown
+from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype
 from .text_files import non_regular
 
@@ -106,9 +106,10 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
     """The weight data files an export's manifest lists (``model.onnx.data``) have the sizes it
     records and can be read: a cheap check (one ``stat`` and ``open`` per file) against a folder
     changed after the export, e.g. the data file of another export copied in, which onnxruntime
-    would run without a word. The graph and the tokenizer have checks of their own (against each
-    other and the manifest); a missing file is left to the step that reads it; ``gemma-export
-    verify`` compares every byte of every file.
+    would run without a word. The ``files`` record itself is read by
+    :func:`~gemma_export.staging.listed_files`, as ``gemma-export verify`` reads it. The graph and
+    the tokenizer have checks of their own (against each other and the manifest); a missing file is
+    left to the step that reads it; ``gemma-export verify`` compares every byte of every file.
 
     Args:
         manifest: the parsed ``manifest.json`` (:func:`read_manifest`); without ``files`` nothing is checked.
@@ -116,29 +117,26 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
 
     Raises:
         FormatError: naming the first file whose size differs from the manifest's, or a ``files``
-            field that is not an object of ``{"bytes": integer, ...}`` entries for the data files
-            (a damaged manifest would otherwise pass this check unseen).
+            field that ``verify`` would refuse (not a non-empty object of ``{"bytes": integer >= 0,
+            "sha256": 64 hex digits}`` entries under plain file names): a damaged manifest would
+            otherwise pass this check unseen.
         OSError: a listed file cannot be opened for reading (permissions, I/O error).
     """
+    from .staging import listed_files
+
     if "files" not in manifest:  # folders of other exporters carry no manifest
         return
-    files = manifest["files"]
-    where = model_dir / MANIFEST_FILE
-    if not isinstance(files, dict):
-        raise FormatError(f"{where}: field 'files' must be an object (file name -> bytes, sha256), found {shown(files)}")
-    for name, entry in files.items():
+    try:
+        files = listed_files(manifest["files"], model_dir / MANIFEST_FILE, nested=False)
+    except VerificationError as exc:
+        raise FormatError(str(exc)) from None
+    for name, (recorded, _) in files.items():
         path = model_dir / name
-        if not name.startswith(f"{MODEL_FILE}."):
-            continue
-        if not (isinstance(entry, dict) and is_whole_number(entry.get("bytes")) and entry["bytes"] >= 0):
-            bytes_field = entry.get("bytes") if isinstance(entry, dict) else entry
-            raise FormatError(f"{where}: files[{name!r}] must record its size as 'bytes' (an integer >= 0), found "
-                              f"{shown(bytes_field)}")
-        if not path.is_file():
+        if not name.startswith(f"{MODEL_FILE}.") or not path.is_file():
             continue
         size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise FormatError(f"{path}: {size:,} bytes, but {model_dir / MANIFEST_FILE} records {entry['bytes']:,}: the "
+        if size != recorded:
+            raise FormatError(f"{path}: {size:,} bytes, but {model_dir / MANIFEST_FILE} records {recorded:,}: the "
                               f"folder changed after the export (export it again; gemma-export verify checks every file)")
         with open(path, "rb"):
             pass

@@ -323,7 +323,7 @@ def check_listed_file(path: Path, size: int, digest: str, listing: str, folder_k
     if not path.is_file():
         raise VerificationError(f"{path}: listed in {listing} but missing")
     if path.stat().st_size != size:
-        raise VerificationError(f"{path}: {path.stat().st_size} bytes, {listing} says {size}")
+        raise VerificationError(f"{path}: {path.stat().st_size:,} bytes, {listing} says {size:,}")
     if file_sha256(path) != digest:
         raise VerificationError(f"{path}: sha256 differs from {listing}")
 

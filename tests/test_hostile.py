@@ -557,7 +557,14 @@ CASES = {
                                              ("field 'files' must be an object", "found []")),
     "manifest data size a string (generate)": Case(export_copy(_manifest_field("files", "model.onnx.data", {"bytes": "12"}),
                                                                _generate), FormatError,
-                                                   ("files['model.onnx.data'] must record its size as 'bytes'", 'found "12"')),
+                                                   ("files['model.onnx.data'] needs an integer 'bytes' (>= 0)", '"bytes": "12"')),
+    # the runtime accepted what verify refuses: no files at all, an entry without its sha256
+    "manifest files empty (generate)": Case(export_copy(_manifest_field(None, "files", {}), _generate), FormatError,
+                                            ("field 'files' must be an object of file name -> bytes and sha256", "found {}")),
+    "manifest data entry without sha256 (generate)": Case(export_copy(_manifest_field("files", "model.onnx.data", {"bytes": 1}),
+                                                                      _generate), FormatError,
+                                                          ("files['model.onnx.data'] needs an integer 'bytes' (>= 0) and a "
+                                                           "string 'sha256'",)),
     "manifest eos a string (generate)": Case(export_copy(_manifest_field("config", "eos_token_id", "x"), _generate),
                                              FormatError, ("field 'config.eos_token_id' must be a token id", 'found "x"')),
     "manifest max positions a string (generate)": Case(export_copy(_manifest_field("config", "max_position_embeddings", "abc"),

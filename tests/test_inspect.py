@@ -251,6 +251,45 @@ def test_onnx_dequantize_linear_and_gguf_q8_0_copies(tmp_path):
     assert _groups(inspect_path(gpath)) == [("same values after dequantization", ("output.weight", "token_embd.weight"))]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_float_table_stored_again_as_matmulnbits_codes(tmp_path, bits):
+    """A float table for the lookup and the same table as a MatMulNBits head (its codes uint8 with
+    the implicit zero point 2 ** (bits - 1), 4-bit ones two per byte) was reported as no duplicate:
+    the codes were read as if their zero point were 0 and their bytes one code each."""
+    from quant.int4 import BlockInt4Weights
+    from quant.int8 import BlockInt8Weights
+
+    local = np.random.default_rng(7)  # the module's generator feeds the later tests their tables
+    table = local.standard_normal((1024, 128)).astype(np.float32)
+    other = local.standard_normal((1024, 128)).astype(np.float32)
+
+    def nbits(w):
+        if bits == 8:
+            q = BlockInt8Weights.quantize(w, 32)
+        else:
+            q = BlockInt4Weights.quantize(w, 32, method="rtn")
+        return q.data, q.scales
+
+    head, head_scales = nbits(table)
+    decoy, decoy_scales = nbits(other)  # other values, same layout: not a copy of the table
+    attrs = dict(K=128, N=1024, bits=bits, block_size=32, domain="com.microsoft")
+    nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]),
+             helper.make_node("MatMulNBits", ["x", "head", "head_scales"], ["y"], **attrs),
+             helper.make_node("MatMulNBits", ["x", "decoy", "decoy_scales"], ["z"], **attrs)]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [None]),
+                     helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 128])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "eyz"],
+        [numpy_helper.from_array(a, n) for n, a in (("embed", table), ("head", head), ("head_scales", head_scales),
+                                                     ("decoy", decoy), ("decoy_scales", decoy_scales))])
+    path = tmp_path / "m.onnx"
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    groups = inspect_path(path).duplicates
+    assert [(g.kind, g.names) for g in groups] == [("same values after dequantization", ("embed", "head", "head_scales"))]
+    assert groups[0].wasted_bytes == head.nbytes + head_scales.nbytes  # the smaller copy: codes and scales
+
+
 def test_a_table_stored_three_times_identical_and_transposed(tmp_path):
     from gemma_export.dedupe import dedupe
 
@@ -414,7 +453,10 @@ def test_an_int8_table_one_step_off_somewhere_is_not_the_same_table(tmp_path):
     table = rng.standard_normal((512, 128)).astype(np.float32)
     q, scale = _int8_rows(table)
     moved = table.copy()
-    moved[7, 3] += 0.8 * scale[7] * (1 if table[7, 3] < 0 else -1)  # towards zero: the row's scale stays
+    step = 0.8 * scale[7] * np.where(table[7] < 0, 1, -1)  # towards zero: the row's scale stays
+    # a value whose code the move changes (one that sits 0.3-0.5 of a step past a level would keep it)
+    col = next(j for j in range(128) if np.rint((table[7, j] + step[j]) / scale[7]) != np.rint(table[7, j] / scale[7]))
+    moved[7, col] += step[col]
     q_moved, scale_moved = _int8_rows(moved)
     assert np.array_equal(scale_moved, scale) and (q_moved != q).sum() == 1
     path = tmp_path / "two.safetensors"
