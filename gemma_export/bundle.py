@@ -293,8 +293,8 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     files = verify_manifest(model_dir)
     if "tokenizer.json" not in files:  # the README's generate and bench lines need it
         raise FormatError(f"{model_dir}: no tokenizer.json, so the board could not run the bundle's README "
-                          "(generate, bench); export from a source with a tokenizer (a GGUF or a transformers "
-                          "folder), not a reference .mlir")
+                          "(generate, bench); export it again with --tokenizer TOKENIZER.json (the model's own; a "
+                          "reference .mlir carries none), or from a GGUF or a transformers folder that has one")
     model_manifest = read_manifest(model_dir)  # verified above
     out = out_dir.resolve()
     if out == model_dir.resolve() or model_dir.resolve() in out.parents:

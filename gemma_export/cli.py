@@ -683,7 +683,7 @@ def parity(
     reference: Optional[Path] = typer.Option(None, "--reference", parser=_path, metavar="<path>", help="The board team's reference export (.mlir), run with IREE (needs the iree extra)."),
     reference_weights: Optional[Path] = typer.Option(None, "--reference-weights", parser=_path, metavar="<path>", help="The reference's safetensors archive (default: beside the .mlir)."),
     reference_logits: bool = typer.Option(False, "--reference-logits", help="Strip the reference's argmax tail and compare logits too."),
-    golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: {prompt|prompt_ids, expected_ids} objects, or a bare list of ids expected after the first prompt: of --prompts, else 'The capital of France is')."),
+    golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: {prompt|prompt_ids, expected_ids} objects, or a bare list of ids expected after one prompt: that of a --prompts file holding one, else 'The capital of France is')."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: Optional[int] = typer.Option(None, "--new-tokens", metavar="<int>", help="With --against transformers: greedy tokens generated after each prompt and compared (at least 1; default 16). A golden entry generates as many as it expects."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),

@@ -234,7 +234,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     if bare:
         if prompts_file is not None and len(prompts) > 1:
             raise GemmaExportError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
-                                   f"{prompts_file} gives {len(prompts)}")
+                                   f"{prompts_file} gives {len(prompts)}: give a --prompts file holding that prompt "
+                                   "alone, or write the golden file as objects with prompt_ids and expected_ids")
         return [GoldenEntry(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK, prompts[0][0])]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):

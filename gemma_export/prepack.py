@@ -33,7 +33,7 @@ import numpy as np
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .manifest import read_manifest
-from .staging import check_free_space, entry_refused, file_sha256, interrupts_held, remove_tree, staged_folder
+from .staging import check_free_space, entry_refused, file_sha256, flocked, interrupts_held, remove_tree, staged_folder
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
 #: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A
@@ -253,31 +253,19 @@ def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
 
 @contextlib.contextmanager
 def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool]:
-    """An advisory ``flock`` on the export folder itself (no lock file is written): ``prepack`` and
+    """A :func:`~gemma_export.staging.flocked` lock on the export folder itself: ``prepack`` and
     ``prepack --remove`` hold it exclusively, so two never work on one folder at once. Yields
-    whether the lock was taken; on systems without ``fcntl`` it always is.
+    whether the lock was taken; where none can be (no ``fcntl``, a file system without locks, a
+    folder that cannot be opened) the block runs unheld, as the staging folders' do.
 
     Raises:
         OutputError: ``exclusive`` and another process holds the lock.
     """
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield True
-        return
-    fd = os.open(model_dir, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if exclusive:
-                raise OutputError(f"{model_dir}: another gemma-export prepack is working on this folder; try again "
-                                  "when it has finished (nothing was changed)") from None
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
+    with flocked(model_dir, exclusive) as held:
+        if held is False and exclusive:
+            raise OutputError(f"{model_dir}: another gemma-export prepack is working on this folder; try again "
+                              "when it has finished (nothing was changed)")
+        yield held is not False
 
 
 def busy(model_dir: str | Path) -> bool:

@@ -47,12 +47,56 @@ PARENT_LOCK_WAIT_S = 60
 
 
 @contextlib.contextmanager
+def flocked(folder: Path, exclusive: bool = True, wait_s: float | None = 0.0) -> Iterator[bool | None]:
+    """An advisory ``flock`` on ``folder`` itself (no file is written), held while the block runs;
+    the kernel drops it when the process ends, however it ends. The one place this package locks.
+
+    Args:
+        exclusive: an exclusive lock (writers) or a shared one (readers asking whether a writer runs).
+        wait_s: how long another holder is waited for: 0 not at all, None as long as it takes.
+
+    Yields:
+        True: held. False: another process held it for ``wait_s``. None: no lock can be taken here
+        (no ``fcntl``, a file system without locks, a folder that cannot be opened for reading such
+        as mode 0333); the block runs unheld, and the caller decides what that means.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield None
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield None
+        return
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        state: bool | None = True
+        while True:
+            try:
+                fcntl.flock(fd, mode | (0 if deadline is None else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    state = False
+                    break
+                time.sleep(0.05)
+            except OSError:  # a file system without locks (ENOLCK)
+                state = None
+                break
+        yield state
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
 def held_folder(folder: Path, wait_s: float | None = None) -> Iterator[None]:
-    """Hold an exclusive advisory ``flock`` on ``folder`` (no file is written) while the block runs:
-    the kernel drops it when the process ends, however it ends, so :func:`remove_stale` can tell a
-    folder that is still being written from one a killed process left behind, and two writers of
-    one destination take turns (:func:`staged_folder`). Without ``fcntl``, on a file system without
-    locks, or for a folder that cannot be opened for reading (mode 0333), the block runs unheld.
+    """Hold an exclusive :func:`flocked` lock on ``folder`` while the block runs, so
+    :func:`remove_stale` can tell a folder that is still being written from one a killed process
+    left behind, and two writers of one destination take turns (:func:`staged_folder`). Where no
+    lock can be taken the block runs unheld.
 
     Args:
         wait_s: give up after this many seconds of another holder (None: wait as long as it takes).
@@ -60,31 +104,10 @@ def held_folder(folder: Path, wait_s: float | None = None) -> Iterator[None]:
     Raises:
         TimeoutError: another process held it for ``wait_s``.
     """
-    try:
-        import fcntl
-    except ImportError:  # no flock: nothing is ever judged stale
+    with flocked(folder, wait_s=wait_s) as held:
+        if held is False:
+            raise TimeoutError(f"{folder}: held by another process for {wait_s} s")
         yield
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        deadline = None if wait_s is None else time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if deadline is None else fcntl.LOCK_NB))
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{folder}: held by another process for {wait_s} s") from None
-                time.sleep(0.05)
-            except OSError:  # a file system without locks (ENOLCK): unheld
-                break
-        yield
-    finally:
-        os.close(fd)
 
 
 #: a leftover folder younger than this is never judged stale (see :func:`remove_stale`)
@@ -138,37 +161,30 @@ def remove_stale(out_dir: Path) -> Stale:
     """Delete the staging and old-copy folders that killed writers of ``out_dir`` left beside it
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
     modified in the last :data:`STALE_AFTER_SECONDS` (a writer locks its folder just after creating
-    it). Returns what was removed, what could not be, and what was left alone."""
-    try:
-        import fcntl
-    except ImportError:
-        return Stale([], [], leftovers(out_dir))
+    it). Where no lock can be taken (a file system without locks) none can be judged, and each is
+    reported as stuck. Returns what was removed, what could not be, and what was left alone."""
     result = Stale([], [], [])
     now = time.time()
     for path in leftovers(out_dir):
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
-            if now - path.stat().st_mtime < STALE_AFTER_SECONDS:
-                result.kept.append(path)
-                continue
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone meanwhile (another run removed it), or not ours to open
-            if path.is_dir():
-                result.kept.append(path)
+            young = now - path.stat().st_mtime < STALE_AFTER_SECONDS
+        except OSError:  # gone meanwhile (another run removed it)
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # a live writer holds it
-            os.close(fd)
+        if young:
             result.kept.append(path)
             continue
-        try:
-            problem = remove_tree(path)
-            if problem is None:
-                result.removed.append(path)
+        with flocked(path) as held:
+            if held is False:  # a live writer holds it
+                result.kept.append(path)
+            elif held is None:
+                result.stuck.append((path, "no lock can be taken on it here, so whether a running gemma-export "
+                                           "still writes it cannot be told"))
             else:
-                result.stuck.append((path, problem))
-        finally:
-            os.close(fd)
+                problem = remove_tree(path)
+                if problem is None:
+                    result.removed.append(path)
+                else:
+                    result.stuck.append((path, problem))
     return result
 
 

@@ -278,6 +278,38 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
 
 
+def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_runs(tmp_path, monkeypatch):
+    """flock failing with ENOLCK (an NFS mount without lock support): remove_stale filed every old
+    leftover as 'in use by a running gemma-export' and said a later run would remove it (none
+    could); prepack's own lock let the OSError through, so prepack, --remove and verify failed with
+    'No locks available' where the staging folders ran unheld."""
+    import errno
+    import fcntl
+
+    from gemma_export import prepack as prepack_module
+    from gemma_export.staging import held_folder, remove_stale
+
+    old_leftover = tmp_path / ".out.staging-dead"
+    old_leftover.mkdir()
+    old = time.time() - 2 * STALE_AFTER_SECONDS
+    os.utime(old_leftover, (old, old))
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    stale = remove_stale(tmp_path / "out")
+    assert stale.removed == [] and stale.kept == []
+    assert stale.stuck == [(old_leftover, "no lock can be taken on it here, so whether a running gemma-export "
+                                          "still writes it cannot be told")]
+    assert old_leftover.is_dir()  # not deleted: a writer may be alive
+    with held_folder(tmp_path):  # runs unheld
+        pass
+    assert prepack_module.busy(tmp_path) is False
+    with prepack_module._folder_lock(tmp_path) as taken:
+        assert taken is True
+
+
 @pytest.mark.parametrize("existing", [True, False])
 def test_a_file_added_to_the_output_folder_during_an_export_is_kept(tiny_dir, tmp_path, existing):
     # the folder was checked before the slow work; a user's file (or another export's folder) that

@@ -133,6 +133,7 @@ def test_an_export_without_a_tokenizer_is_refused_before_any_work(tiny_dir, whee
     out = tmp_path / "board"
     result = runner.invoke(app, ["bundle", "--model", str(model), "--out", str(out), "--wheel", str(wheel)])
     assert result.exit_code == 2 and "no tokenizer.json, so the board could not run the bundle's README" in result.output
+    assert "export it again with --tokenizer TOKENIZER.json" in result.output  # the fix: it said "not a reference .mlir"
     assert not out.exists()
 
 

@@ -261,7 +261,8 @@ def test_golden_files(tiny_int8_export, tmp_path):
 
 @pytest.mark.parametrize("golden_kind, args, message", [
     ("objects", ["--prompts", "prompts.json"], "--prompts: with --golden alone the golden entries carry their own prompts"),
-    ("bare", ["--prompts", "two.json"], "is a bare list of expected ids, which belongs to one prompt; "),
+    ("bare", ["--prompts", "two.json"], "two.json gives 2: give a --prompts file holding that prompt alone, or write the "
+                                        "golden file as objects with prompt_ids and expected_ids"),
     ("bare", ["--new-tokens", "3"], "--new-tokens applies to --against transformers"),
     ("bare", ["--reference-weights", "prompts.json"], "--reference-weights applies to --reference, which is not given"),
     ("bare", ["--reference-logits"], "--reference-logits applies to --reference, which is not given"),

@@ -114,6 +114,22 @@ def ref_model():
     return make_tiny_model(seed=3, sliding_window=512, layer_types=["sliding_attention"] * 4)
 
 
+def test_the_flat_archive_gets_the_umask_mode_not_0600(tmp_path):
+    """safetensors' save_file creates its file 0600: a reference archive written on a shared build
+    host could be read by its owner only, while the .mlir beside it got the umask's 0644."""
+    import os
+
+    umask = os.umask(0o022)
+    try:
+        save_flat_archive({"t0": np.zeros(4, np.float32)}, tmp_path / "a.safetensors")
+        os.umask(0o027)
+        save_flat_archive({"t0": np.zeros(4, np.float32)}, tmp_path / "b.safetensors")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "a.safetensors").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "b.safetensors").stat().st_mode & 0o777 == 0o640
+
+
 def test_parse_reads_globals_and_signatures(ref_model, tmp_path):
     module = parse_mlir(write_reference(ref_model, tmp_path / "ref"))
     assert module.globals[0].name == "t0" and module.globals[0].shape == (96, 64)

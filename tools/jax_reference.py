@@ -17,6 +17,7 @@ like the board's files.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -183,6 +184,9 @@ def save_flat_archive(archive: dict[str, np.ndarray], path: Path) -> None:
     import ml_dtypes
 
     save_file({k: v.view(ml_dtypes.bfloat16) if v.dtype == np.uint16 else v for k, v in archive.items()}, str(path))
+    umask = os.umask(0)  # save_file creates the file 0600; give it the mode any other file written here gets
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 if __name__ == "__main__":
