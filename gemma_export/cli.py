@@ -353,8 +353,8 @@ def _export_summary(result, archive: int) -> None:
     elif result.dtype in QUANTIZED_DTYPES:
         typer.echo("calibration: none; codes rounded to nearest")
     if "tokenizer.json" not in result.files:
-        typer.echo("note: no tokenizer: the source carries none (a GGUF's is rebuilt only when its "
-                   f"tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "
+        typer.echo("note: no tokenizer in the export: the source gives none this toolkit reads (a GGUF's is "
+                   f"rebuilt only when its tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "
                    "and `quality` need one: export again with --tokenizer TOKENIZER.json (the model's own; "
                    "a file copied into the folder afterwards is not in its manifest, and `verify`, `bundle` "
                    "and `prepack` refuse the folder)", err=True)

@@ -284,7 +284,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name not in (MANIFEST_FILE,
                                                                                                 PREPACKED_DIR))
     if extra:
-        raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}")
+        hint = ("; a tokenizer belongs in the export through --tokenizer (export again with it)"
+                if any(name.startswith("tokenizer") or name == "special_tokens_map.json" for name in extra) else "")
+        raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}{hint}")
     try:
         model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data
         vocab, layers = graph_vocab_and_layers(model)
@@ -713,8 +715,9 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
         raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
                           f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")
     if len(ids) < MIN_CALIBRATION_TOKENS:
-        raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing; calibration needs at least "
-                          f"{MIN_CALIBRATION_TOKENS}")
+        raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing with {ckpt.path}'s tokenizer; calibration "
+                          f"needs at least {MIN_CALIBRATION_TOKENS}: give a longer --calibration-text, the model's own "
+                          "tokenizer with --tokenizer, or --no-calibrate for round-to-nearest codes")
     say = (lambda done, total: progress(done, total, "calibration")) if progress else None
     shortfall = f" (the whole text; {tokens} asked)" if len(ids) < tokens else ""
     if status is not None and len(ids) < min(tokens, FEW_CALIBRATION_TOKENS):

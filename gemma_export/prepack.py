@@ -105,7 +105,7 @@ def _ownership(folder: Path) -> tuple[str, dict | None]:
     if not (folder / PREPACKED_MANIFEST).is_file():
         return f"has no {PREPACKED_MANIFEST}", None
     try:
-        record = json.loads((folder / PREPACKED_MANIFEST).read_text())
+        record = json.loads((folder / PREPACKED_MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         reason = "not UTF-8 JSON" if isinstance(exc, ValueError) else str(exc)
         return f"has a {PREPACKED_MANIFEST} that cannot be read ({reason})", None

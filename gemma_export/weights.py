@@ -547,8 +547,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
         calibration: GPTQ statistics (None: round-to-nearest / clipping-search codes).
 
     Block sizes are not checked here (:func:`gemma_export.exporter.block_size_for` does it); one
-    that does not divide a weight's in_features raises :class:`~gemma_export.errors.NumericError`
-    when the model is saved.
+    that does not divide a weight's in_features raises :class:`~gemma_export.errors.ConfigError`,
+    naming the weight, when the graph is built.
 
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).

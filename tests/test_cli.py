@@ -300,7 +300,13 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     (out / "stray.bin").write_bytes(b"x")
     result = _run("verify", out)
     assert result.exit_code == 2 and "files not in the manifest: stray.bin" in result.stderr
+    assert "--tokenizer" not in result.stderr
     (out / "stray.bin").unlink()
+    (out / "tokenizer.json").write_text("{}")  # a tokenizer copied in by hand: the fix is named
+    result = _run("verify", out)
+    assert result.exit_code == 2 and ("files not in the manifest: tokenizer.json; a tokenizer belongs in the export "
+                                      "through --tokenizer (export again with it)") in result.stderr
+    (out / "tokenizer.json").unlink()
     (out / "genai_config.json").unlink()
     result = _run("verify", out)
     assert result.exit_code == 2 and "genai_config.json: listed in the manifest but missing" in result.stderr
@@ -1046,3 +1052,33 @@ def test_sigterm_while_the_export_command_imports_is_an_interrupt_with_its_statu
     assert result.exit_code == 143
     assert result.stderr.strip() == "error: interrupted; nothing was written (an existing output folder is unchanged)"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_reference_export_given_the_wrong_way_names_the_file_to_give(tmp_path):
+    """From a board-team walkthrough: the folder holding the .mlir was read as a transformers folder
+    ("config.json: missing"), its archive as an unknown file (first bytes ...), and the archive as
+    --reference as MLIR text with no util.global."""
+    from safetensors.numpy import save_file
+
+    from gemma_export.errors import FormatError
+    from gemma_export.sources.mlir import parse_mlir
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "gemma.mlir").write_text("module {}\n")
+    save_file({"t0": np.zeros(4, np.float32)}, str(ref / "gemma.safetensors"))
+    result = _run("--source", ref, "--out", tmp_path / "out")
+    assert result.exit_code == 2 and (f"{ref}: a folder without config.json, so no transformers model; it holds "
+                                      "gemma.mlir: give that file as the source") in result.stderr, result.output
+    result = _run("--source", ref / "gemma.safetensors", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and (f"{ref / 'gemma.safetensors'}: a safetensors file; give the reference export's "
+                                      ".mlir beside it (gemma.mlir), which reads it") in result.stderr, result.output
+    (ref / "gemma.mlir").unlink()
+    result = _run("--source", ref / "gemma.safetensors", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "give the transformers folder holding it (with its config.json)" in result.stderr
+    assert not (tmp_path / "out").exists()
+    renamed = ref / "archive.bin"  # recognised by its header, whatever its name
+    (ref / "gemma.safetensors").rename(renamed)
+    with pytest.raises(FormatError, match=r"archive\.bin: a safetensors archive, not reference MLIR text; give the "
+                                          r"export's \.mlir file \(its archive is read from beside it\)$"):
+        parse_mlir(renamed)

@@ -189,6 +189,12 @@ def test_different_head_is_kept_untied(ref_model, tmp_path):
      "gemma.mlir:3: cannot read this util.global"),
     (lambda lines, archive: lines.__setitem__(2, lines[2].replace("#flow.parameter", "#stream.parameter")),
      "gemma.mlir:3: cannot read this util.global"),
+    # k_proj declared transposed (same bytes): it was taken for down_proj, and only a correct later
+    # global was named; the message now says which globals gave the sizes, @t29 among them
+    (lambda lines, archive: lines.__setitem__(5, lines[5].replace("32x64xbf16", "64x32xbf16")),
+     "gemma.mlir:14: global @t84 tensor<128x64> fits no Gemma 3 weight after 10 mapped (0 whole layers); the sizes "
+     "were read from the first globals' shapes (hidden 64 from @t0, 4 heads and 2 KV heads of 16 from @t16 and @t42, "
+     "intermediate 32 from @t29), so check those declarations too"),
 ])
 def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)

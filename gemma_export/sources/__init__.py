@@ -64,6 +64,9 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
         if not (path / "config.json").exists() and (path / MODEL_FILE).is_file():
             raise SourceNotFoundError(f"{path}: an ONNX export (model.onnx, no config.json), not a source; give the "
                                       "transformers folder, .gguf or .mlir it was made from")
+        if not (path / "config.json").exists() and (inside := _source_files_in(path)):
+            raise SourceNotFoundError(f"{path}: a folder without config.json, so no transformers model; it holds "
+                                      f"{', '.join(inside)}: give that file as the source")
         return read_hf_folder(path, tokenizer=tokenizer)
     if not path.is_file():  # a FIFO would block the read below; a device is no model
         raise SourceNotFoundError(f"{path}: not a regular file or a folder")
@@ -73,7 +76,20 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
         return read_gguf(path, tokenizer=tokenizer)
     if path.suffix == ".mlir":
         return read_reference(path)
+    if path.suffix == ".safetensors":
+        beside = sorted(p.name for p in path.parent.glob("*.mlir"))
+        raise SourceNotFoundError(f"{path}: a safetensors file; give " + (
+            f"the reference export's .mlir beside it ({', '.join(beside)}), which reads it" if beside else
+            "the transformers folder holding it (with its config.json)"))
     raise SourceNotFoundError(f"{path}: not a folder, a GGUF file or a .mlir reference export (first bytes {magic!r})")
+
+
+def _source_files_in(folder: Path) -> list[str]:
+    """The ``.gguf`` and ``.mlir`` files directly in ``folder`` (none when it cannot be listed)."""
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.suffix in (".gguf", ".mlir") and p.is_file())
+    except OSError:
+        return []
 
 
 #: a llama.cpp quantization tag at the end of a GGUF file name (``-q4_k_m``, ``.Q8_0``, ``-f16``, ``-iq4_xs``, …)

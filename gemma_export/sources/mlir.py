@@ -115,10 +115,14 @@ def parse_mlir(path: str | Path) -> MlirModule:
 
     Raises:
         SourceNotFoundError: no such file.
-        FormatError: a line over 1 MiB, a global with a dynamic or unknown tensor type, a global
-            declared twice, or no global at all.
+        FormatError: a safetensors archive given instead, a line over 1 MiB, a global with a
+            dynamic or unknown tensor type, a global declared twice, or no global at all.
     """
     path = require_file(path, "reference MLIR file")
+    with open(path, "rb") as f:
+        if path.suffix == ".safetensors" or f.read(9)[8:9] == b"{":  # u64 header length, then its JSON
+            raise FormatError(f"{path}: a safetensors archive, not reference MLIR text; give the export's .mlir file "
+                              "(its archive is read from beside it)")
     globals_: list[MlirGlobal] = []
     functions: list[MlirFunction] = []
     seen: set[str] = set()
@@ -290,8 +294,9 @@ def map_globals(module: MlirModule) -> GlobalMap:
     if d is None or len(two_d) < 2:
         raise FormatError(f"{where}: cannot find per-head norms and projections among {len(order)} globals")
     heads, kv = two_d[0].shape[0] // d, two_d[1].shape[0] // d
-    inter = next((g.shape[1] for g in order[1:] if len(g.shape) == 2 and g.shape[0] == hidden
-                  and g.shape[1] not in (hidden, heads * d, d // 2)), None)  # d // 2: a RoPE table of `hidden` positions
+    down = next((g for g in order[1:] if len(g.shape) == 2 and g.shape[0] == hidden
+                 and g.shape[1] not in (hidden, heads * d, d // 2)), None)  # d // 2: a RoPE table of `hidden` positions
+    inter = down.shape[1] if down is not None else None
     if inter is None:
         raise FormatError(f"{where}: cannot find a down projection [hidden, intermediate] among the globals")
 
@@ -328,8 +333,12 @@ def map_globals(module: MlirModule) -> GlobalMap:
         if is_constant(g):
             skipped.append(g)
             continue
+        # the sizes came from the first globals' shapes: one declared wrong there shows up here, later
         raise FormatError(f"{where}:{g.line}: global @{g.name} tensor<{'x'.join(map(str, g.shape))}> fits no Gemma 3 "
-                          f"weight after {len(weights)} mapped ({layer} whole layers)")
+                          f"weight after {len(weights)} mapped ({layer} whole layers); the sizes were read from the "
+                          f"first globals' shapes (hidden {hidden} from @{order[0].name}, {heads} heads and {kv} KV "
+                          f"heads of {d} from @{two_d[0].name} and @{two_d[1].name}, intermediate {inter} from "
+                          f"@{down.name}), so check those declarations too")
     partial = [s.name for s in slots if s.name in weights]
     if partial or final_norm is None or layer == 0:
         raise FormatError(f"{where}: globals end inside layer {layer} or without a final norm "
