@@ -168,8 +168,8 @@ Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {confi
 exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
-Install (once, with the board's {python}; the toolkit's dependencies, onnxruntime included, come
-from PyPI as {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
+Install from inside this folder (once, with the board's {python}; the toolkit's dependencies,
+onnxruntime included, come from PyPI as {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
