@@ -203,7 +203,15 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         checked here: :func:`check_board_budget` raises if the result leaves too little of it.
 
     Raises:
-        GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt.
+        GemmaExportError: bad arguments, unknown board, text shorter than the longest prompt, the
+            longest prompt and the decode steps beyond ``max_position_embeddings``.
+        ConfigError: an argument of the wrong type (:func:`~gemma_export.errors.check_arguments`).
+        SourceNotFoundError: no such export folder or ``text`` file; no real text found by default.
+        FormatError: the folder's files cannot be loaded, or its tokenizer gives ids outside the
+            graph's vocabulary (:class:`~gemma_export.runtime.OnnxDecoder`).
+        NumericError: the export computes NaN or +Inf logits.
+        ResourceError: the KV cache would not fit in available memory (the board's budget is
+            checked apart, by :func:`check_board_budget`).
     """
     check_arguments("run_bench", model_dir=(model_dir, "path"), threads=(threads, "int?"),
                     prompt_tokens=(prompt_tokens, "ints"), new_tokens=(new_tokens, "int"), board=(board, "str?"),

@@ -366,7 +366,9 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     Raises:
         SourceNotFoundError: not a board folder (no ``BUNDLE.json``).
         VerificationError: naming the first file that differs and how (a deleted ``model/`` as its
-            first missing file).
+            first missing file); an unreadable or malformed ``BUNDLE.json``; then whatever
+            :func:`~gemma_export.exporter.verify_manifest` raises for ``model/``.
+        ConfigError: ``folder`` is no path (:func:`~gemma_export.errors.check_arguments`).
     """
     check_arguments("verify_bundle", folder=(folder, "path"))
     from .errors import VerificationError
@@ -385,6 +387,8 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         listing = json.loads(listing_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise VerificationError(f"{listing_path}: unreadable: {exc}") from None
+    except OSError as exc:  # permissions, an I/O error
+        raise VerificationError(f"{listing_path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(listing, dict):
         raise VerificationError(f"{listing_path}: expected a JSON object, found {type(listing).__name__}")
     expected = listed_files(listing.get("files"), listing_path, nested=True)

@@ -41,8 +41,10 @@ except ImportError:
         class NoArgsIsHelpError(UsageError):  # never raised by such a click
             pass
 
+from quant.int4 import SCALE_METHODS
+
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
-from .config import DTYPES, QUANTIZED_DTYPES
+from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .errors import GemmaExportError, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
@@ -142,14 +144,8 @@ class Format(str, enum.Enum):
 DType = enum.Enum("DType", [(name, name) for name in DTYPES], type=str)  # --dtype (config.DTYPES)
 
 
-class TableDType(str, enum.Enum):
-    int4 = "int4"
-    int8 = "int8"
-
-
-class ScaleMethod(str, enum.Enum):
-    mse = "mse"
-    rtn = "rtn"
+TableDType = enum.Enum("TableDType", [(name, name) for name in TABLE_DTYPES], type=str)  # --table-dtype
+ScaleMethod = enum.Enum("ScaleMethod", [(name, name) for name in SCALE_METHODS], type=str)  # --scale-method
 
 
 def _fail(exc: GemmaExportError, debug: bool) -> None:

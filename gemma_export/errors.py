@@ -11,6 +11,7 @@ import errno
 import json
 import numbers
 import os
+import re
 
 
 def shown(value, limit: int = 60) -> str:
@@ -23,6 +24,11 @@ def shown(value, limit: int = 60) -> str:
 def is_whole_number(value) -> bool:
     """A JSON number read as a Python ``int``, not ``true``/``false`` (which Python's ``bool`` also is)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_sha256(value) -> bool:
+    """A sha256 as the manifests record it: a string of 64 lowercase hex digits (``sha256sum``'s form)."""
+    return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
 
 
 def printable_path(path) -> str:

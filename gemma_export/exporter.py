@@ -15,12 +15,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from quant.int4 import SCALE_METHODS
+
 from . import __version__
 from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START
+from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START, TABLE_DTYPES
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
@@ -242,7 +244,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         GemmaExportError: the folder's path is not valid UTF-8.
         VerificationError: naming the first file that differs and how; an unreadable or malformed
             manifest, graph or sliding-window metadata; files the manifest does not list (a
-            ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``.
+            ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``, or a ``prepack``
+            running on the folder.
         OSError: a listed file cannot be read while hashing it (permissions, I/O error).
     """
     check_arguments("verify_manifest", folder=(folder, "path"))
@@ -368,8 +371,8 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
     """
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if table_dtype not in (None, "int4", "int8"):
-        raise ConfigError(f"--table-dtype {table_dtype!r}: expected int4 or int8")
+    if table_dtype is not None and table_dtype not in TABLE_DTYPES:
+        raise ConfigError(f"--table-dtype {table_dtype!r}: expected {' or '.join(TABLE_DTYPES)}")
     int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
                                                ("--scale-method", scale_method is not None)) if given]
     if dtype != "int4":
@@ -378,8 +381,8 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
                                                    ("--hadamard", hadamard_size)) if value is not None]
     if dtype not in QUANTIZED_DTYPES:
         _refuse_options(quantized_only, " and ".join(QUANTIZED_DTYPES), dtype)
-    if scale_method not in (None, "mse", "rtn"):
-        raise ConfigError(f"--scale-method {scale_method!r}: expected mse or rtn")
+    if scale_method is not None and scale_method not in SCALE_METHODS:
+        raise ConfigError(f"--scale-method {scale_method!r}: expected {' or '.join(SCALE_METHODS)}")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read

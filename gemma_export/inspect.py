@@ -532,8 +532,8 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[Dequantiz
 # ---- entry point --------------------------------------------------------------------------------
 def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
-    archive beside it; the type is read from the file). An export folder stands for its
-    ``model.onnx``, a bundle folder for its export's.
+    archive beside it; GGUF and safetensors are told by their first bytes, ONNX and MLIR by the
+    suffix). An export folder stands for its ``model.onnx``, a bundle folder for its export's.
 
     Returns:
         A :class:`Report` (:func:`format_report` prints it as the CLI does).

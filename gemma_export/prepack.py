@@ -33,7 +33,8 @@ import numpy as np
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .manifest import read_manifest
-from .staging import check_free_space, entry_refused, file_sha256, flocked, interrupts_held, remove_tree, staged_folder
+from .staging import (OLD_TAG, STAGING_TAG, check_free_space, entry_refused, file_sha256, flocked, hidden_prefix,
+                      interrupts_held, remove_tree, staged_folder)
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
 #: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A
@@ -82,7 +83,9 @@ def source_identity(model_dir: Path) -> dict:
     return identity
 
 
-LEFTOVER_PREFIXES = (f".{PREPACKED_DIR}.staging-", f".{PREPACKED_DIR}.old-", f".{PREPACKED_DIR}.removing-")
+#: the hidden folders a prepack leaves in the export while it works: :func:`staged_folder`'s staging
+#: folder and the old copy it moves aside (named by :func:`hidden_prefix`), and a copy :func:`remove` deletes
+LEFTOVER_PREFIXES = tuple(hidden_prefix(Path(PREPACKED_DIR)) + tag for tag in (STAGING_TAG, OLD_TAG, "removing-"))
 
 
 def leftovers(model_dir: str | Path) -> list[Path]:

@@ -395,9 +395,7 @@ def manifest_checkpoint(model_dir: Path):
         SourceNotFoundError: as :func:`manifest_source`, or the size or the contents differ.
         FormatError: ``source.bytes`` or ``source.sha256`` is present but not a size / a sha256 (or null).
     """
-    import re
-
-    from .errors import FormatError, SourceNotFoundError, shown
+    from .errors import FormatError, SourceNotFoundError, is_sha256, shown
     from .onnx_files import MANIFEST_FILE
     from .sources import open_source
 
@@ -406,7 +404,7 @@ def manifest_checkpoint(model_dir: Path):
     manifest = model_dir / MANIFEST_FILE
     if "bytes" in record and not (is_whole_number(recorded) and recorded >= 0):
         raise FormatError(f"{manifest}: field 'source.bytes' must be a file size (integer >= 0), found {shown(recorded)}")
-    if digest is not None and not (isinstance(digest, str) and re.fullmatch("[0-9a-f]{64}", digest)):
+    if digest is not None and not is_sha256(digest):
         raise FormatError(f"{manifest}: field 'source.sha256' must be 64 lowercase hex digits (or null), found "
                           f"{shown(digest)}")
     checkpoint = open_source(path, tokenizer="tokenizer" not in record)  # the export's own tokenizer is used

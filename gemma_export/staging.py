@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from .errors import OutputError, VerificationError, check_utf8_path, shown
+from .errors import OutputError, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
@@ -119,6 +119,11 @@ STALE_AFTER_SECONDS = 10
 _HIDDEN_NAME_BYTES = 255 - 18
 
 
+#: what follows :func:`hidden_prefix` in the names of a writer's staging folder and of the old
+#: output it moves aside (``tempfile`` adds random characters after them)
+STAGING_TAG, OLD_TAG = "staging-", "old-"
+
+
 def hidden_prefix(out_dir: Path) -> str:
     """``".NAME."``, the start of the hidden folders (staging, the old folder being replaced) kept
     beside ``out_dir``. A name longer than 237 bytes, which is legal itself, is shortened to 228
@@ -143,7 +148,7 @@ def leftovers(out_dir: Path) -> list[Path]:
     except OSError:  # a parent one may write in but not list (mode 0333): no leftovers can be seen
         return []
     return [path for path in entries
-            if path.name.startswith((f"{prefix}staging-", f"{prefix}old-")) and path.is_dir() and not path.is_symlink()]
+            if path.name.startswith((prefix + STAGING_TAG, prefix + OLD_TAG)) and path.is_dir() and not path.is_symlink()]
 
 
 class Stale(NamedTuple):
@@ -218,7 +223,7 @@ def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
         if not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(staging, out_dir)
             return None
-        old = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}old-", dir=out_dir.parent))
+        old = Path(tempfile.mkdtemp(prefix=hidden_prefix(out_dir) + OLD_TAG, dir=out_dir.parent))
         with held_folder(old):  # a killed process leaves it unheld, for remove_stale
             try:
                 os.replace(out_dir, old / out_dir.name)
@@ -372,7 +377,7 @@ def listed_files(files, listing: Path, nested: bool) -> dict[str, tuple[int, str
                 and isinstance(entry.get("sha256"), str)):
             raise VerificationError(f"{listing}: files[{name!r}] needs an integer 'bytes' (>= 0) and a string "
                                     f"'sha256', found {shown(entry)}")
-        if not re.fullmatch("[0-9a-f]{64}", entry["sha256"]):
+        if not is_sha256(entry["sha256"]):
             raise VerificationError(f"{listing}: files[{name!r}] has 'sha256' {shown(entry['sha256'])}; expected 64 "
                                     "lowercase hex digits")
         expected[Path(name).as_posix() if nested else name] = (entry["bytes"], entry["sha256"])
@@ -575,7 +580,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                    "later run tries to remove it once it is neither")
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f"{hidden_prefix(out_dir)}staging-", dir=out_dir.parent))
+        staging = Path(tempfile.mkdtemp(prefix=hidden_prefix(out_dir) + STAGING_TAG, dir=out_dir.parent))
     except OSError as exc:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
     before = folder_state(out_dir) if checked_state is AT_START else checked_state

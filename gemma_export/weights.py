@@ -48,6 +48,7 @@ from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matr
 from quant import int4 as int4_scheme
 from quant.gptq import Hessian
 from quant.rows import first_non_finite
+from quant.int4 import SCALE_METHODS
 from quant.int8 import ZERO_POINT
 
 from .calibration import Calibration
@@ -499,7 +500,7 @@ class Int4Format(Int8Format):
     bits = 4
     default_block_size = DEFAULT_INT4_BLOCK_SIZE
     #: ``table_dtype`` → the table's bits
-    TABLE_BITS = {"int4": 4, "int8": 8}
+    TABLE_BITS = {"int4": 4, "int8": 8}  # its keys are config.TABLE_DTYPES, the CLI's choices (a test checks)
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
@@ -518,8 +519,8 @@ class Int4Format(Int8Format):
                  method: str = "mse", calibration: Calibration | None = None):
         if table_dtype not in self.TABLE_BITS:
             raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
-        if method not in ("mse", "rtn"):
-            raise ValueError(f"method {method!r}: expected mse or rtn")
+        if method not in SCALE_METHODS:
+            raise ValueError(f"method {method!r}: expected {' or '.join(SCALE_METHODS)}")
         self.table_bits = self.TABLE_BITS[table_dtype]
         super().__init__(block_size, table_block_size, hadamard_size, calibration)
         self.symmetric = symmetric

@@ -43,6 +43,9 @@ ZERO_POINT = 8
 #: same size, docs/quality.md)
 CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.6, 17), 4))
 _ROWS_PER_CHUNK = 4096
+#: the ``method`` choices of :meth:`BlockInt4Weights.quantize`: the clipping search (the default) and
+#: round to nearest (clipping ratio 1)
+SCALE_METHODS = ("mse", "rtn")
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
@@ -194,8 +197,8 @@ class BlockInt4Weights:
                 cannot factor.
         """
         nb = block_count(w.shape, block_size, even=True)
-        if method not in ("rtn", "mse"):
-            raise ValueError(f"method must be 'rtn' or 'mse', found {method!r}")
+        if method not in SCALE_METHODS:
+            raise ValueError(f"method must be one of {', '.join(SCALE_METHODS)}, found {method!r}")
         n, k = w.shape
         h = None
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):

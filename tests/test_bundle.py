@@ -657,3 +657,25 @@ def test_files_under_model_prepacked_that_no_prepack_wrote_are_neither_verified_
             check(out)
     again = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
     assert again.exit_code == 2 and (foreign / "run.sh").read_text() == "echo mine\n"
+
+
+def test_an_unreadable_listing_is_a_verification_error_not_an_oserror(tmp_path, monkeypatch):
+    """The Python API let the OSError of an unreadable BUNDLE.json through (EACCES, EIO), where
+    every other problem of the listing is a VerificationError naming it."""
+    import errno
+    import pathlib
+
+    from gemma_export import verify_bundle
+    from gemma_export.errors import VerificationError
+
+    (tmp_path / "BUNDLE.json").write_text("{}")
+    real_read_text = pathlib.Path.read_text
+
+    def read_text(self, *args, **kwargs):
+        if self.name == "BUNDLE.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    with pytest.raises(VerificationError, match=r"BUNDLE\.json: cannot be read \(Permission denied\)$"):
+        verify_bundle(tmp_path)

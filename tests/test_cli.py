@@ -1082,3 +1082,16 @@ def test_a_reference_export_given_the_wrong_way_names_the_file_to_give(tmp_path)
     with pytest.raises(FormatError, match=r"archive\.bin: a safetensors archive, not reference MLIR text; give the "
                                           r"export's \.mlir file \(its archive is read from beside it\)$"):
         parse_mlir(renamed)
+
+
+def test_the_cli_choices_are_the_formats_own_tables():
+    """--dtype, --table-dtype and --scale-method list what config, weights and quant.int4 implement
+    (two of them were enums of their own, a third copy of the names beside exporter's checks)."""
+    from gemma_export import cli
+    from gemma_export.config import DTYPES, TABLE_DTYPES
+    from gemma_export.weights import WEIGHT_FORMATS, Int4Format
+    from quant.int4 import SCALE_METHODS
+
+    assert tuple(m.value for m in cli.DType) == DTYPES == tuple(WEIGHT_FORMATS)
+    assert tuple(m.value for m in cli.TableDType) == TABLE_DTYPES == tuple(Int4Format.TABLE_BITS)
+    assert tuple(m.value for m in cli.ScaleMethod) == SCALE_METHODS == ("mse", "rtn")

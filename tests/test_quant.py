@@ -314,7 +314,7 @@ def test_int4_rejects_non_finite_with_index(bad, message):
 @pytest.mark.parametrize("kwargs, message", [
     ({"block_size": 24}, "in_features 64 is not a multiple of the even block_size 24"),
     ({"block_size": 2 * 9 + 1}, "not a multiple of the even block_size 19"),
-    ({"block_size": 32, "method": "gptq"}, "method must be 'rtn' or 'mse'"),
+    ({"block_size": 32, "method": "gptq"}, "method must be one of mse, rtn, found 'gptq'"),
     ({"block_size": 32, "channel_weights": np.ones(3)}, "channel_weights must be 64 finite values"),
     ({"block_size": 32, "channel_weights": np.r_[np.ones(63), -1.0]}, "channel_weights must be 64 finite values >= 0"),
     ({"block_size": 32, "channel_weights": np.r_[np.ones(63), np.nan]}, "channel_weights must be 64 finite values >= 0"),
