@@ -27,7 +27,7 @@ from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, 
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
-from .prepack import leftovers as prepack_leftovers
+from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .manifest import read_manifest, require_folder
 from .runtime import create_session
@@ -270,14 +270,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(str(exc)) from None
     for name, (size, digest) in expected.items():
         check_listed_file(folder / name, size, digest, "the manifest", "an export folder")
-    stale = prepack_leftovers(folder)
-    if stale and prepack_busy(folder):  # a running prepack's staging folder, not an interrupted one's
-        raise VerificationError(f"{folder}: a gemma-export prepack is working on this folder (writing {stale[0].name}); "
-                                "try again when it has finished")
-    if stale:
-        raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
-                                f"delete it); run gemma-export prepack --model {folder} again, or with --remove, to "
-                                "clean it up")
+    check_no_prepack_leftovers(folder)
     # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
     # (gemma_export/prepack.py); it is checked against them when loaded, not listed here, and only
     # a copy prepack wrote is one (nothing but its graph, data and record)

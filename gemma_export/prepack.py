@@ -97,6 +97,23 @@ def leftovers(model_dir: str | Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(LEFTOVER_PREFIXES) and p.is_dir() and not p.is_symlink())
 
 
+def check_no_leftovers(model_dir: Path) -> None:
+    """Raises when ``model_dir`` holds :func:`leftovers` of a ``prepack``: the staging folder of one
+    running now (named as such), or what an interrupted one left.
+
+    Raises:
+        VerificationError: naming the folder or the leftover, and what to do.
+    """
+    stale = leftovers(model_dir)
+    if stale and busy(model_dir):  # a running prepack's staging folder, not an interrupted one's
+        raise VerificationError(f"{model_dir}: a gemma-export prepack is working on this folder (writing "
+                                f"{stale[0].name}); try again when it has finished")
+    if stale:
+        raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
+                                f"delete it); run gemma-export prepack --model {model_dir} again, or with --remove, "
+                                "to clean it up")
+
+
 def _ownership(folder: Path) -> tuple[str, dict | None]:
     """``(problem, record)``: problem is "" when ``folder`` (``<export>/prepacked``) is absent or a
     copy this module wrote (a real folder holding our ``prepacked.json`` and nothing but the copy's
@@ -406,10 +423,7 @@ def verify(model_dir: str | Path) -> str:
     model_dir = Path(model_dir)
     folder = model_dir / PREPACKED_DIR
     fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
-    stale = leftovers(model_dir)
-    if stale:
-        raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
-                                f"delete it); {fix}")
+    check_no_leftovers(model_dir)
     wrong, record = _ownership(folder)
     if wrong:
         raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")
