@@ -132,6 +132,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,  # bare `gemma-export` shows the usage; any option (e.g. --dtype int8) exports
     help=__doc__,
+    subcommand_metavar="[COMMAND] [ARGS]...",  # no command: the options export
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )

@@ -720,6 +720,7 @@ def test_bare_command_shows_the_usage_and_exports_nothing(tmp_path, monkeypatch)
     result = runner.invoke(app, [])
     assert result.exit_code == 0, result.output
     assert result.stdout.startswith("Usage: ") and "gemma-export --format onnx --dtype int8" in result.stdout
+    assert "[OPTIONS] [COMMAND] [ARGS]..." in result.stdout.splitlines()[0]  # the command is optional: export
     assert "error" not in result.stderr
     assert list(tmp_path.iterdir()) == []  # no export started
 
