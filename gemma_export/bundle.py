@@ -301,8 +301,8 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
-    # the pre-packed copy the bundle's README has the board make goes with the bundle it was made from
-    # the pre-packed copy prepack made on the board goes with the bundle, but only one prepack wrote
+    # the pre-packed copy the bundle's README has the board make goes with the bundle it was made
+    # from, but only one prepack wrote
     owned = out_dir.is_dir() and not owned_problem(out_dir / "model" / PREPACKED_DIR)
     check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
                       derived=((f"model/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())
