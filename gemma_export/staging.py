@@ -182,8 +182,9 @@ def remove_stale(out_dir: Path) -> Stale:
             if held is False:  # a live writer holds it
                 result.kept.append(path)
             elif held is None:
-                result.stuck.append((path, "no lock can be taken on it here, so whether a running gemma-export "
-                                           "still writes it cannot be told"))
+                if path.is_dir():  # else removed meanwhile by another run, between the listing and here
+                    result.stuck.append((path, "no lock can be taken on it here, so whether a running gemma-export "
+                                               "still writes it cannot be told"))
             else:
                 problem = remove_tree(path)
                 if problem is None:

@@ -3,10 +3,12 @@ an export leaves no partial output and an existing output folder byte-for-byte u
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -287,6 +289,7 @@ def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_ru
     import fcntl
 
     from gemma_export import prepack as prepack_module
+    from gemma_export import staging
     from gemma_export.staging import held_folder, remove_stale
 
     old_leftover = tmp_path / ".out.staging-dead"
@@ -308,6 +311,14 @@ def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_ru
     assert prepack_module.busy(tmp_path) is False
     with prepack_module._folder_lock(tmp_path) as taken:
         assert taken is True
+
+    @contextlib.contextmanager
+    def removed_meanwhile(folder, *args, **kwargs):  # another run deleted it after the listing
+        shutil.rmtree(folder)
+        yield None
+
+    monkeypatch.setattr(staging, "flocked", removed_meanwhile)
+    assert remove_stale(tmp_path / "out") == ([], [], [])  # nothing to report for a folder that is gone
 
 
 @pytest.mark.parametrize("existing", [True, False])
