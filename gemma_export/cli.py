@@ -339,7 +339,7 @@ def _export_summary(result, archive: int) -> None:
     rounded = ", so the weights were rounded to nearest (no calibration)" if result.dtype in QUANTIZED_DTYPES else ""
     typer.echo(f"wrote {result.out_dir}")
     _list_files(result.files, 28)
-    typer.echo(f"  total {result.total_bytes:,} bytes ({_mib(result.total_bytes)})")
+    typer.echo(f"  total {result.total_bytes:,} bytes ({result.total_bytes / 1e6:,.1f} MB, the unit of the archive below)")
     typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
