@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
-from .onnx_files import ALIGNMENT_BYTES, MANIFEST_FILE
+from .onnx_files import ALIGNMENT_BYTES
 from .staging import check_replaceable, staged_folder
 from .text_files import require_file
 
@@ -208,11 +208,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     if out_dir.resolve() == in_path.resolve().parent:
         raise OutputError(f"{out_dir}: choose a folder other than the input's")
 
-    def must_be_empty(out: Path) -> None:
-        if any(out.iterdir()):
-            raise OutputError(f"{out_dir}: exists and is not an empty folder")
-
-    check_replaceable(out_dir, "deduplicated model", MANIFEST_FILE, before=must_be_empty)
+    check_replaceable(out_dir, "deduplicated model", None)  # it writes no listing: only an empty folder is replaced
     require_file(in_path, "model file (.onnx)")
     if in_path.suffix != ".onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")

@@ -489,13 +489,14 @@ def _unescape_mount_point(field: str) -> bytes:
     return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
 
 
-def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Callable[[Path], None] | None = None,
+def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
     replace: a symbolic link, one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
     mount point cannot be), or a non-empty folder that is not an unchanged output of ours
-    (:func:`is_unchanged_output` with ``manifest_name`` and ``unchanged``). ``before(out)`` runs on an
-    existing folder first (a check with a more specific message).
+    (:func:`is_unchanged_output` with ``manifest_name`` and ``unchanged``; ``manifest_name`` None,
+    for outputs that carry no listing: any non-empty folder). ``before(out)`` runs on an existing
+    folder first (a check with a more specific message).
 
     Raises:
         OutputError: naming ``out_dir`` and the reason.
@@ -517,6 +518,9 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str, before: Call
         raise OutputError(f"{out_dir}: is a mount point, which the {what} cannot replace; choose a folder inside it")
     if before is not None:
         before(out)
+    if manifest_name is None and any(out.iterdir()):
+        raise OutputError(f"{out_dir}: exists and is not an empty folder; choose another folder, or move this one "
+                          "away first")
     if any(out.iterdir()) and not is_unchanged_output(out, manifest_name, **unchanged):
         raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
                           f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder, or move this one away first")

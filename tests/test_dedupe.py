@@ -358,3 +358,21 @@ def test_dedupe_keeps_the_lookups_copy_when_the_heads_is_declared_first(tmp_path
     assert "removed 1 initializer(s) (head)," in result.stdout
     kept = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
     assert [t.name for t in kept.initializer] == ["table"]
+
+
+def test_dedupe_replaces_only_an_empty_folder(tmp_path):
+    """dedupe writes no listing, so no earlier output of it can be told from a user's folder: a
+    non-empty --out is refused with the way out, and left as it was."""
+    (tmp_path / "in").mkdir()
+    src = _save(_lm(lambda t: t.copy()), tmp_path / "in" / "model.onnx")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: {out}: exists and is not an empty folder; choose another folder, or move "
+                                     "this one away first")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "notes.txt").unlink()  # an empty folder is replaced
+    assert CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)]).exit_code == 0
+    assert (out / "model.onnx").is_file()
