@@ -105,9 +105,12 @@ def check_no_leftovers(model_dir: Path) -> None:
         VerificationError: naming the folder or the leftover, and what to do.
     """
     stale = leftovers(model_dir)
-    if stale and busy(model_dir):  # a running prepack's staging folder, not an interrupted one's
+    running = busy(model_dir) if stale else False
+    if running:  # a running prepack's staging folder, not an interrupted one's
         raise VerificationError(f"{model_dir}: a gemma-export prepack is working on this folder (writing "
                                 f"{stale[0].name}); try again when it has finished")
+    if stale and running is None:
+        raise VerificationError(f"{stale[0]}: {_UNDECIDABLE.format(folder=model_dir)}")
     if stale:
         raise VerificationError(f"{stale[0]}: left by an earlier gemma-export prepack (interrupted, or unable to "
                                 f"delete it); run gemma-export prepack --model {model_dir} again, or with --remove, "
@@ -255,15 +258,26 @@ def _export_folder(model_dir: Path) -> None:
     require_folder(model_dir, MODEL_FILE)
 
 
-def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
-    """Delete what earlier runs left (:func:`leftovers`), before anything else is changed.
+#: a leftover where no lock can be taken: it may be a running prepack's staging folder
+_UNDECIDABLE = ("left by a gemma-export prepack that was interrupted or is still running: no lock can be taken "
+                "on {folder} (a file system without locks) to tell which; when no prepack runs on it, remove it by "
+                "hand")
+
+
+def _clear_leftovers(model_dir: Path, say: Callable[[str], None], locked: bool | None) -> None:
+    """Delete what earlier runs left (:func:`leftovers`), before anything else is changed; ``locked``
+    is what :func:`_folder_lock` yielded (None: no lock could be taken, so another prepack may be
+    writing them, and none is deleted).
 
     Raises:
-        OutputError: one cannot be deleted (e.g. a read-only file in it): naming it and the first error.
+        OutputError: one cannot be deleted (e.g. a read-only file in it): naming it and the first
+            error; or one exists and ``locked`` is None.
     """
     from .staging import remove_tree
 
     for path in leftovers(model_dir):
+        if locked is None:
+            raise OutputError(f"{path}: {_UNDECIDABLE.format(folder=model_dir)} (nothing was changed)")
         say(f"removing {path} (left by an earlier prepack)")
         problem = remove_tree(path)
         if problem is not None:
@@ -274,9 +288,10 @@ def _clear_leftovers(model_dir: Path, say: Callable[[str], None]) -> None:
 @contextlib.contextmanager
 def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool]:
     """A :func:`~gemma_export.staging.flocked` lock on the export folder itself: ``prepack`` and
-    ``prepack --remove`` hold it exclusively, so two never work on one folder at once. Yields
-    whether the lock was taken; where none can be (no ``fcntl``, a file system without locks, a
-    folder that cannot be opened) the block runs unheld, as the staging folders' do.
+    ``prepack --remove`` hold it exclusively, so two never work on one folder at once. Yields True
+    when the lock was taken, False when ``exclusive`` is false and another process holds it, None
+    where no lock can be taken (no ``fcntl``, a file system without locks, a folder that cannot be
+    opened): the block then runs unheld, and leftovers cannot be told from a running prepack's.
 
     Raises:
         OutputError: ``exclusive`` and another process holds the lock.
@@ -285,16 +300,17 @@ def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool]:
         if held is False and exclusive:
             raise OutputError(f"{model_dir}: another gemma-export prepack is working on this folder; try again "
                               "when it has finished (nothing was changed)")
-        yield held is not False
+        yield held
 
 
-def busy(model_dir: str | Path) -> bool:
-    """Whether a ``prepack`` or ``prepack --remove`` is working on ``model_dir`` right now."""
+def busy(model_dir: str | Path) -> bool | None:
+    """Whether a ``prepack`` or ``prepack --remove`` is working on ``model_dir`` right now; None
+    when no lock can be taken there, so it cannot be told (a file system without locks)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return False
-    with _folder_lock(model_dir, exclusive=False) as taken:
-        return not taken
+    with _folder_lock(model_dir, exclusive=False) as free:
+        return None if free is None else not free
 
 
 def _writable(folder: Path, what: str) -> None:
@@ -357,10 +373,10 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     start = time.perf_counter()
     check_threads(threads)  # before the manifest check prints its progress line
     _export_folder(model_dir)
-    with _folder_lock(model_dir):
+    with _folder_lock(model_dir) as locked:
         out = _may_replace(model_dir, "writing the pre-packed copy",
                            ", so it is not a copy gemma-export wrote; move it away first (nothing was changed)")
-        _clear_leftovers(model_dir, say)
+        _clear_leftovers(model_dir, say, locked)
         say(f"checking {model_dir} against its manifest …")
         verify_manifest(model_dir)
         data = model_dir / DATA_FILE
@@ -464,12 +480,12 @@ def remove(model_dir: str | Path, progress: Callable[[str], None] | None = None)
     """
     model_dir = Path(model_dir)
     _export_folder(model_dir)
-    with _folder_lock(model_dir):
+    with _folder_lock(model_dir) as locked:
         folder = model_dir / PREPACKED_DIR
         if not folder.exists() and not folder.is_symlink() and not leftovers(model_dir):
             return False
         _may_replace(model_dir, "removing the pre-packed copy", "; not a copy gemma-export wrote, left untouched")
-        _clear_leftovers(model_dir, progress or (lambda _msg: None))
+        _clear_leftovers(model_dir, progress or (lambda _msg: None), locked)
         if not folder.exists():
             return False
         with interrupts_held():  # the rename and the deletion run to the end once started

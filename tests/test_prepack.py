@@ -591,3 +591,31 @@ def test_a_dangling_link_named_prepacked_fails_verify(export_copy, tmp_path):
     (export_copy / "prepacked").symlink_to(tmp_path / "nowhere")
     with pytest.raises(VerificationError, match=r"prepacked: is a link; not a copy gemma-export wrote"):
         verify_manifest(export_copy)
+
+
+def test_without_locks_a_leftover_is_never_deleted_as_an_interrupted_ones(export_copy, monkeypatch):
+    """On a file system without locks a running prepack's staging folder looked like an interrupted
+    one's: verify called it a leftover and advised --remove, which deleted it under the running
+    prepack (found by a probe with flock failing ENOLCK)."""
+    import errno
+    import fcntl
+
+    staging = export_copy / ".prepacked.staging-abc123"
+    staging.mkdir()
+    (staging / "model.onnx.data").write_bytes(b"being written")
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    undecidable = (f"{staging}: left by a gemma-export prepack that was interrupted or is still running: no lock can "
+                   f"be taken on {export_copy} (a file system without locks) to tell which; when no prepack runs on "
+                   "it, remove it by hand")
+    verify = _run("verify", export_copy)
+    assert verify.exit_code == 2 and verify.stderr.strip() == f"error: {undecidable}", verify.output
+    for args in (("prepack", "--model", export_copy, "--remove"), ("prepack", "--model", export_copy)):
+        result = _run(*args)
+        assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1] == \
+            f"error: {undecidable} (nothing was changed)", result.output
+    assert (staging / "model.onnx.data").read_bytes() == b"being written"  # still there, as a writer left it
+    assert not (export_copy / "prepacked").exists()
