@@ -91,6 +91,8 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
                 found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is
             elif base == "ints" and isinstance(value, (list, tuple)) and any(map(_is_other_integer, value)):
                 found += f" (numpy integers: pass [int(i) for i in {name}])"
+            elif base == "ints" and type(value).__name__ == "ndarray":
+                found += f" (a numpy array: pass {name}.tolist())"
             if optional:
                 expected = "True, False or None" if expected == "True or False" else f"{expected} or None"
             raise ConfigError(f"{function}(): {name} must be {expected}, found {found}")

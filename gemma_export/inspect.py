@@ -405,6 +405,8 @@ def _quantized_tensors(entries: list[TensorEntry], dequantize_nodes: list[Dequan
         if pair.bits not in (4, 8) or (pair.bits == 4 and group % 2):
             continue  # codes that do not start each group on a byte
         z = by_name.get(pair.zero_points) if pair.zero_points else None
+        if pair.zero_points and z is None:
+            continue  # zero points computed in the graph (a Constant node): their values are not known here
         if z is not None and (z.elements != s.elements or z.dtype != q.dtype):
             continue  # e.g. 4-bit zero points, packed two per byte
         seen.add(pair.codes)
@@ -556,12 +558,14 @@ def inspect_path(path: str | Path) -> Report:
             magic = f.read(9)
     except OSError as exc:  # a read error carries no file name of its own
         raise FormatError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    from .sources.safetensors_header import looks_like_safetensors
+
     consumers: dict[str, list[str]] = {}
     dequantize: list[Dequantize] = []
     no_data = None
     if magic[:4] == b"GGUF":
         kind, entries = "gguf", _gguf_entries(path)
-    elif path.suffix == ".safetensors" or magic[8:9] == b"{":
+    elif path.suffix == ".safetensors" or looks_like_safetensors(magic):
         kind, entries = "safetensors", _safetensors_entries(path)
     elif path.suffix == ".onnx":
         kind = "onnx"

@@ -1074,12 +1074,20 @@ def test_a_reference_export_given_the_wrong_way_names_the_file_to_give(tmp_path)
     assert result.exit_code == 2 and (f"{ref}: a folder without config.json, so no transformers model; it holds "
                                       "gemma.mlir: give that file as the source") in result.stderr, result.output
     result = _run("--source", ref / "gemma.safetensors", "--out", tmp_path / "out")
-    assert result.exit_code == 2 and (f"{ref / 'gemma.safetensors'}: a safetensors file; give the reference export's "
+    assert result.exit_code == 2 and (f"{ref / 'gemma.safetensors'}: a .safetensors file, which is no source on its own; give the reference export's "
                                       ".mlir beside it (gemma.mlir), which reads it") in result.stderr, result.output
     (ref / "gemma.mlir").unlink()
     result = _run("--source", ref / "gemma.safetensors", "--out", tmp_path / "out")
     assert result.exit_code == 2 and "give the transformers folder holding it (with its config.json)" in result.stderr
     assert not (tmp_path / "out").exists()
+    (ref / "other.mlir").write_text("module {}\n")
+    (ref / "gemma.mlir").write_text("module {}\n")
+    result = _run("--source", ref, "--out", tmp_path / "out")  # several: which one is the user's to say
+    assert result.exit_code == 2 and "it holds gemma.mlir, other.mlir: give one of them as the source" in result.stderr
+    # MLIR text whose ninth byte is "{" (a blank line, then `module {`) is no safetensors archive
+    (ref / "gemma.mlir").write_text("\nmodule {\n}\n")
+    with pytest.raises(FormatError, match="no util.global bound to a #flow.parameter.named parameter"):
+        parse_mlir(ref / "gemma.mlir")
     renamed = ref / "archive.bin"  # recognised by its header, whatever its name
     (ref / "gemma.safetensors").rename(renamed)
     with pytest.raises(FormatError, match=r"archive\.bin: a safetensors archive, not reference MLIR text; give the "

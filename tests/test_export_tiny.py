@@ -239,7 +239,8 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
         with pytest.raises(GemmaExportError, match=r"^greedy\(\): max_new_tokens must be an int, found "):
             decoder.greedy(prompts[0], bad)
     # a bare id was a TypeError from set(); a string of digits stopped on nothing
-    for bad, found in ((106, "int 106"), ("106", "str '106'")):
+    for bad, found in ((106, "int 106"), ("106", "str '106'"),
+                       (np.array([106]), r"ndarray array\(\[106\]\) \(a numpy array: pass stop_ids.tolist\(\)\)")):
         with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list or tuple of ints or None, found {found}$"):
             decoder.greedy(prompts[0], 2, stop_ids=bad)
     with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):

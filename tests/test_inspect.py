@@ -289,6 +289,15 @@ def test_a_float_table_stored_again_as_matmulnbits_codes(tmp_path, bits):
     assert [(g.kind, g.names) for g in groups] == [("same values after dequantization", ("embed", "head", "head_scales"))]
     assert groups[0].wasted_bytes == head.nbytes + head_scales.nbytes  # the smaller copy: codes and scales
 
+    # zero points computed in the graph (here 0 from a Constant node) make other weights of the
+    # same codes: they were read as the implicit 2 ** (bits - 1) and the head reported as a copy
+    zero = helper.make_node("Constant", [], ["zp"], value=numpy_helper.from_array(
+        np.zeros((1024, 4 if bits == 8 else 2), np.uint8), "zp_value"))
+    model.graph.node.insert(0, zero)
+    model.graph.node[2].input.append("zp")  # the head's MatMulNBits
+    onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert inspect_path(path).duplicates == []
+
 
 def test_a_table_stored_three_times_identical_and_transposed(tmp_path):
     from gemma_export.dedupe import dedupe

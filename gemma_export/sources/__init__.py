@@ -66,7 +66,8 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
                                       "transformers folder, .gguf or .mlir it was made from")
         if not (path / "config.json").exists() and (inside := _source_files_in(path)):
             raise SourceNotFoundError(f"{path}: a folder without config.json, so no transformers model; it holds "
-                                      f"{', '.join(inside)}: give that file as the source")
+                                      f"{', '.join(inside)}: give {'that file' if len(inside) == 1 else 'one of them'} "
+                                      "as the source")
         return read_hf_folder(path, tokenizer=tokenizer)
     if not path.is_file():  # a FIFO would block the read below; a device is no model
         raise SourceNotFoundError(f"{path}: not a regular file or a folder")
@@ -78,7 +79,7 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
         return read_reference(path)
     if path.suffix == ".safetensors":
         beside = sorted(p.name for p in path.parent.glob("*.mlir"))
-        raise SourceNotFoundError(f"{path}: a safetensors file; give " + (
+        raise SourceNotFoundError(f"{path}: a .safetensors file, which is no source on its own; give " + (
             f"the reference export's .mlir beside it ({', '.join(beside)}), which reads it" if beside else
             "the transformers folder holding it (with its config.json)"))
     raise SourceNotFoundError(f"{path}: not a folder, a GGUF file or a .mlir reference export (first bytes {magic!r})")

@@ -38,7 +38,7 @@ from ..checkpoint import (EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef, lay
 from ..config import DEFAULT_ROPE_THETA, GEMMA3_270M_SLIDING_WINDOW, GemmaConfig, RopeParameters, gemma3_layer_types
 from ..errors import FormatError, NumericError, SourceNotFoundError
 from ..text_files import require_file
-from .safetensors_header import DTYPE_BYTES, NUMPY_DTYPES, read_header
+from .safetensors_header import DTYPE_BYTES, NUMPY_DTYPES, looks_like_safetensors, read_header
 
 
 #: MLIR element type → the safetensors dtype its archive stores (sizes and numpy types:
@@ -120,7 +120,7 @@ def parse_mlir(path: str | Path) -> MlirModule:
     """
     path = require_file(path, "reference MLIR file")
     with open(path, "rb") as f:
-        if path.suffix == ".safetensors" or f.read(9)[8:9] == b"{":  # u64 header length, then its JSON
+        if path.suffix == ".safetensors" or looks_like_safetensors(f.read(9)):
             raise FormatError(f"{path}: a safetensors archive, not reference MLIR text; give the export's .mlir file "
                               "(its archive is read from beside it)")
     globals_: list[MlirGlobal] = []

@@ -28,6 +28,14 @@ DTYPE_BYTES = {name: np.dtype(t).itemsize for name, t in NUMPY_DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20
 
 
+def looks_like_safetensors(first_bytes: bytes) -> bool:
+    """Whether a file's first 9 bytes open a safetensors file: a little-endian u64 header length,
+    then the header's ``{``. A header length below 2**56 has a zero top byte, which text (an MLIR
+    file whose ninth character is ``{``) never has."""
+    return len(first_bytes) >= 9 and first_bytes[8:9] == b"{" and b"\x00" in first_bytes[:8]
+
+
+
 @dataclasses.dataclass(frozen=True)
 class HeaderEntry:
     """One tensor of a safetensors file: absolute byte ``offset`` of its data and ``nbytes``."""
