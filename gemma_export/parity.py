@@ -558,7 +558,11 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
               "near_tie_mismatches": np.flatnonzero(~agree & near_tie).tolist(),
               "first_mismatch": int(np.flatnonzero(~agree)[0]) if not agree.all() else None,
               "reference_greedy_ids": greedy_ref, "export_greedy_ids": greedy_ours,
-              "greedy_match": greedy_ref == greedy_ours}
+              "greedy_match": greedy_ref == greedy_ours,
+              # the first generated token (counting from 0) where the two greedy runs part, None when equal
+              "greedy_first_difference": None if greedy_ref == greedy_ours else next(
+                  (i for i, (a, b) in enumerate(zip(greedy_ref, greedy_ours)) if a != b),
+                  min(len(greedy_ref), len(greedy_ours)))}
     if ref_model.returns_logits:
         result["max_abs_logit_diff"] = float(np.abs(ours - out).max())
     return result
@@ -592,8 +596,10 @@ def format_report(report: ParityReport) -> str:
             extra = f", max|dlogit| {r['max_abs_logit_diff']:.3g}" if "max_abs_logit_diff" in r else ""
             ties = f" ({len(r['near_tie_mismatches'])} at near-ties)" if r["near_tie_mismatches"] else ""
             lines.append(f"  reference (IREE): tokens equal at {sum(r['agreement_by_position'])}/{r['positions']} "
-                         f"positions, first mismatch: {first}{ties}; greedy {'identical' if r['greedy_match'] else 'differs'} "
-                         f"({len(r['reference_greedy_ids'])} tokens){extra}")
+                         f"positions, first mismatch: {first}{ties}; greedy "
+                         + ("identical" if r["greedy_match"] else
+                            f"differs from generated token {r['greedy_first_difference']} (counting from 0)")
+                         + f" ({len(r['reference_greedy_ids'])} tokens){extra}")
         if p.golden:
             g = p.golden
             first = f"first mismatch at generated token {g['first_mismatch']} (counting from 0)"

@@ -744,6 +744,22 @@ def test_the_reference_comparison_counts_only_near_ties_as_such_and_the_largest_
     assert result["near_tie_mismatches"] == [1] and result["first_mismatch"] == 1
     assert result["max_abs_logit_diff"] == pytest.approx(0.3, abs=1e-6)
     assert result["greedy_match"] and result["reference_greedy_ids"] == [5, 6]
+    assert result["greedy_first_difference"] is None
+    parted = _against_reference(_FixedDecoder(ours, [5, 6]), _FixedReference(theirs, [5, 8]), [2, 7])
+    assert not parted["greedy_match"] and parted["greedy_first_difference"] == 1
+
+
+def test_the_table_names_the_generated_token_where_greedy_parts():
+    """'greedy differs' alone sent the reader to the JSON's two id lists to find where."""
+    from gemma_export.parity import ParityReport, PromptParity, format_report
+
+    reference = {"positions": 4, "agreement_by_position": [True, True, False, True], "near_tie_mismatches": [],
+                 "first_mismatch": 2, "reference_greedy_ids": [5, 6, 8, 9], "export_greedy_ids": [5, 6, 7, 9],
+                 "greedy_match": False, "greedy_first_difference": 2, "agreement": 0.75}
+    report = ParityReport(model="m", dtype="int8", prompts=[PromptParity(prompt="p", prompt_ids=[2, 7],
+                                                                         reference=reference)], checks=[])
+    assert ("reference (IREE): tokens equal at 3/4 positions, first mismatch: 2; greedy differs from generated token 2 "
+            "(counting from 0) (4 tokens)") in format_report(report)
 
 
 def test_cosine_is_the_mean_over_rows_of_the_angle_cosine():
