@@ -168,20 +168,21 @@ Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {confi
 exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
-Install from inside this folder (once, with the board's {python}; the toolkit's dependencies,
-onnxruntime included, come from PyPI as {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
+Install from inside this folder (once, with the board's {python}, whose `venv` module Debian and
+Ubuntu ship as `python3-venv`; the toolkit's dependencies, onnxruntime included, come from PyPI as
+{spec.wheel_requirements}: `ldd --version` shows the board's glibc):
 
     python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
 
 No network on the board? On a machine with one (any OS or CPU), from this folder, download the
-same wheels for the board's Python (about 70 MB):
+same wheels for the board's Python (about 70 MB) into a folder beside it, not inside it (`verify`
+refuses files the bundle does not list):
 
 ```sh
-pip download --only-binary=:all: {platforms} --python-version {spec.python} --implementation cp -d wheels ./{wheel}
+pip download --only-binary=:all: {platforms} --python-version {spec.python} --implementation cp -d ../gx-wheels ./{wheel}
 ```
 
-Copy the `wheels` folder to the board as `~/wheels` (not into this folder, whose files `verify`
-checks), then install from it instead:
+Copy `gx-wheels` to the board as `~/wheels`, then install from it instead:
 
 ```sh
 python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
@@ -209,7 +210,7 @@ the weights already in its kernels' layout for this CPU, checked to give the sam
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
 the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.02 × the
 model after a short prompt and 0.11–0.12 × after a 512-token one (on x86-64, 2026-12-05; `bench`
-shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, ~11 MB, hold on lines of
+shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, 4–11 MB, hold on lines of
 their own), instead of above its size. Peak resident memory rises by
 90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
 short; everything works without it (the weights are then moved onto transparent huge pages after

@@ -339,7 +339,7 @@ def _export_summary(result, archive: int) -> None:
     rounded = ", so the weights were rounded to nearest (no calibration)" if result.dtype in QUANTIZED_DTYPES else ""
     typer.echo(f"wrote {result.out_dir}")
     _list_files(result.files, 28)
-    typer.echo(f"  total {result.total_bytes:,} bytes ({result.total_bytes / 1e6:,.1f} MB, the unit of the archive below)")
+    typer.echo(f"  total {result.total_bytes:,} bytes ({result.total_bytes / 1e6:,.1f} MB)")
     typer.echo(f"archive (model.onnx + model.onnx.data, as `bench` reports it): {archive / 1e6:.1f} MB")
     table = "shared by the embedding lookup and the LM head" if result.tied else "two tables (LM head not tied)"
     typer.echo(f"tied table: {result.table_initializers} vocab x hidden initializer(s), {table}")
@@ -473,9 +473,9 @@ def prepack(
             typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
-    _list_files(result.files, 20)
     typer.echo(f"wrote {result.out_dir} ({_mib(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
                f"{result.checked_tokens} token{'' if result.checked_tokens == 1 else 's'} identical to the export's")
+    _list_files(result.files, 20)
 
 
 @app.command(short_help="Re-check an export folder against its manifest.")

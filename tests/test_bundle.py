@@ -59,7 +59,7 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     # emulation) the 3.12 wheels do not fit
     lines = readme.splitlines()
     assert (f"pip download --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 "
-            f"--python-version 3.12 --implementation cp -d wheels ./{wheel.name}") in lines
+            f"--python-version 3.12 --implementation cp -d ../gx-wheels ./{wheel.name}") in lines  # not inside: verify
     offline_install = f"python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}"
     assert offline_install in lines and lines[lines.index(offline_install) - 1] == "```sh"
     assert not [line for line in lines if line.startswith("    ") and "wheels" in line]

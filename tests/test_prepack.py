@@ -37,6 +37,9 @@ def test_prepacked_copy_gives_identical_logits_and_is_used_by_default(export_cop
     result = _run("prepack", "--model", export_copy)
     assert result.exit_code == 0, result.output
     copy = export_copy / "prepacked"
+    # what was written comes first, then its files (the list came before the line naming the folder)
+    assert result.stdout.splitlines()[0].startswith(f"wrote {copy} (")
+    assert "model.onnx.data" in result.stdout.splitlines()[1] + result.stdout.splitlines()[2]
     record = json.loads((copy / "prepacked.json").read_text())
     assert record["machine"] == prepack_module.machine_key()
     # the packed MatMulNBits weights are stored beside the originals: the copy's data file is larger
