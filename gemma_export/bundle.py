@@ -30,7 +30,7 @@ from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments
-from .onnx_files import BUNDLE_MANIFEST
+from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
 
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
@@ -304,9 +304,9 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
     # the pre-packed copy the bundle's README has the board make goes with the bundle it was made
     # from, but only one prepack wrote
-    owned = out_dir.is_dir() and not owned_problem(out_dir / "model" / PREPACKED_DIR)
+    owned = out_dir.is_dir() and not owned_problem(out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR)
     check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
-                      derived=((f"model/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())
+                      derived=((f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())
     if wheel is not None:
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
@@ -321,16 +321,16 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         say(f"note: the weights are {model_manifest.get('dtype')}: onnxruntime holds them as float32 (4 bytes a "
             f"weight; the 270M's bf16 export peaked at {BF16_PEAK_GB[0]} to {BF16_PEAK_GB[1]} GB, over the {board}'s "
             f"{spec.memory_bytes / 1e9:.1f} GB); the int8 or int4 export is the one for the board")
-    old_copy = out_dir / "model" / PREPACKED_DIR
+    old_copy = out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
         copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())
         say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 2**20:,.1f} MiB) is deleted with it (it "
             "was made from the files being replaced); run `gemma-export prepack --model model` on the board again")
     with staged_folder(out, "bundle", notify=say) as staging:
         say(f"copying {len(files) + 1} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")  # + the manifest
-        (staging / "model").mkdir()
+        (staging / BUNDLE_MODEL_DIR).mkdir()
         for name in [*files, MANIFEST_FILE]:
-            shutil.copyfile(model_dir / name, staging / "model" / name)
+            shutil.copyfile(model_dir / name, staging / BUNDLE_MODEL_DIR / name)
         if wheel is None:
             say("building the gemma_export wheel (pip wheel) ...")
             # inside the staging folder: what a killed bundle leaves there goes with it (remove_stale)
@@ -346,7 +346,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         (staging / "README.md").write_text(_readme(board, spec, wheel_name, model_manifest))
         listing = {str(p.relative_to(staging)): p for p in sorted(staging.rglob("*")) if p.is_file()}
         say("checking the copies against the model's manifest ...")
-        verify_manifest(staging / "model")  # the copies, not only the originals
+        verify_manifest(staging / BUNDLE_MODEL_DIR)  # the copies, not only the originals
         manifest = {"board": board, "gemma_export_version": __version__,
                     "files": {rel: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for rel, p in listing.items()}}
         (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -397,7 +397,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         check_listed_file(folder / name, size, digest, BUNDLE_MANIFEST, "a board folder")
 
     def derived(rel: Path) -> bool:  # what prepack adds to model/ on the board (verify_manifest checks it)
-        return len(rel.parts) >= 2 and rel.parts[0] == "model" and (
+        return len(rel.parts) >= 2 and rel.parts[0] == BUNDLE_MODEL_DIR and (
             rel.parts[1] == PREPACKED_DIR or rel.parts[1].startswith(LEFTOVER_PREFIXES))
 
     # a link to a folder is listed too (rglob does not enter it, and is_dir() follows it)
@@ -407,5 +407,5 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     if extra:
         raise VerificationError(f"{folder}: files not in {BUNDLE_MANIFEST}: {', '.join(extra[:5])}"
                                 f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
-    verify_manifest(folder / "model")
+    verify_manifest(folder / BUNDLE_MODEL_DIR)
     return {name: size for name, (size, _) in expected.items()}

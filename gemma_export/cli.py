@@ -495,7 +495,7 @@ def verify(
       gemma-export verify sl2610-int8    # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
-    from .onnx_files import BUNDLE_MANIFEST
+    from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
     from .exporter import verify_manifest
     from .prepack import busy
     from .prepack import verify as verify_prepacked
@@ -508,7 +508,7 @@ def verify(
     with _reported(debug, writes=False):
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
         bundled = (Path(model) / BUNDLE_MANIFEST).is_file()
-        export_dir = model / "model" if bundled else model
+        export_dir = model / BUNDLE_MODEL_DIR if bundled else model
         if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "
                                    "it has finished")

@@ -24,7 +24,7 @@ from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
 from quant.int4 import unpack_nibbles
 
 from .errors import FormatError, SourceNotFoundError, check_arguments
-from .onnx_files import MODEL_FILE
+from .onnx_files import BUNDLE_MODEL_DIR, MODEL_FILE
 from .text_files import require_file
 
 CHUNK_BYTES = 8 << 20
@@ -549,7 +549,7 @@ def inspect_path(path: str | Path) -> Report:
     from .manifest import is_bundle
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
-        path = Path(path) / "model"
+        path = Path(path) / BUNDLE_MODEL_DIR
     if Path(path).is_dir() and (Path(path) / MODEL_FILE).is_file():  # an export folder: its graph
         path = Path(path) / MODEL_FILE
     path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .config import DTYPES
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
-from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype
+from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype
 from .text_files import non_regular
 
 
@@ -69,7 +69,7 @@ def is_bundle(folder: str | Path) -> bool:
     """Whether ``folder`` is a board folder written by ``gemma-export bundle`` (``BUNDLE.json`` at its
     top, the export in ``model/``)."""
     folder = Path(folder)
-    return (folder / BUNDLE_MANIFEST).is_file() and (folder / "model" / MANIFEST_FILE).is_file()
+    return (folder / BUNDLE_MANIFEST).is_file() and (folder / BUNDLE_MODEL_DIR / MANIFEST_FILE).is_file()
 
 
 def require_folder(folder: Path, holding: str) -> None:

@@ -19,6 +19,8 @@ DATA_FILE = "model.onnx.data"
 MANIFEST_FILE = "manifest.json"
 #: the file ``gemma-export bundle`` writes at the top of a board folder; the export is in ``model/``
 BUNDLE_MANIFEST = "BUNDLE.json"
+#: the folder of a board folder (``gemma-export bundle``) that holds its export
+BUNDLE_MODEL_DIR = "model"
 #: ``gemma-export prepack``'s machine-specific copy inside an export folder, and its record
 PREPACKED_DIR = "prepacked"
 PREPACKED_MANIFEST = "prepacked.json"
