@@ -286,7 +286,7 @@ def _clear_leftovers(model_dir: Path, say: Callable[[str], None], locked: bool |
 
 
 @contextlib.contextmanager
-def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool]:
+def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool | None]:
     """A :func:`~gemma_export.staging.flocked` lock on the export folder itself: ``prepack`` and
     ``prepack --remove`` hold it exclusively, so two never work on one folder at once. Yields True
     when the lock was taken, False when ``exclusive`` is false and another process holds it, None
@@ -469,9 +469,10 @@ def verify(model_dir: str | Path) -> str:
 
 def remove(model_dir: str | Path, progress: Callable[[str], None] | None = None) -> bool:
     """Delete ``<model_dir>/prepacked/`` if it is a copy this module wrote, and any leftovers of an
-    interrupted ``prepack`` (each named to ``progress`` as it goes). Returns whether a copy was removed. The copy is first renamed aside:
-    if that fails it is whole and in place; if the deletion then fails part-way, what is left stays
-    aside (a leftover the next ``prepack`` or ``prepack --remove`` deletes) and is named.
+    interrupted ``prepack`` (each named to ``progress`` as it goes). Returns whether a copy was
+    removed. The copy is first renamed aside: if that fails it is whole and in place; if the deletion
+    then fails part-way, what is left stays aside (a leftover the next ``prepack`` or ``prepack
+    --remove`` deletes) and is named.
 
     Raises:
         SourceNotFoundError: ``model_dir`` is missing or a file.
