@@ -360,7 +360,8 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             from the export's (nothing is kept).
         FormatError: onnxruntime cannot load the export.
         OutputError: ``prepacked`` holds something else; no permission or too little space; writing
-            failed (nothing is kept; an older copy stays).
+            failed (nothing is kept; an older copy stays); another prepack runs on the folder, or a
+            leftover lies there that no lock can tell from a running prepack's.
         GemmaExportError: ``threads`` outside 1 … 4 × this machine's CPUs (before any progress line).
     """
     import shutil
@@ -477,7 +478,8 @@ def remove(model_dir: str | Path, progress: Callable[[str], None] | None = None)
     Raises:
         SourceNotFoundError: ``model_dir`` is missing or a file.
         OutputError: ``prepacked`` is not such a copy (left untouched), or no permission, saying
-            whether the copy is unchanged or partly deleted, and where its rest is.
+            whether the copy is unchanged or partly deleted, and where its rest is; another prepack
+            runs on the folder, or a leftover lies there that no lock can tell from a running one's.
     """
     model_dir = Path(model_dir)
     _export_folder(model_dir)
