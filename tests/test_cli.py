@@ -149,6 +149,21 @@ def test_an_unchanged_export_is_replaced_by_a_new_one(tiny_dir, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging or old folder left
 
 
+def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
+    """A second export into the same folder ran in full without a word about the first (a fresh
+    user's run): it now says so before the work, and says nothing for an empty or new folder."""
+    out = tmp_path / "out"
+    first = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
+    assert first.exit_code == 0 and "holds an earlier export" not in first.stderr
+    again = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
+    assert again.exit_code == 0, again.output
+    assert f"{out} holds an earlier export; it is replaced once this one is written and checked" in again.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _run("--source", tiny_dir, "--out", empty, "--dtype", "fp32")
+    assert result.exit_code == 0 and "holds an earlier export" not in result.stderr
+
+
 @pytest.mark.parametrize("edit", ["flip a byte", "truncate"])
 def test_an_export_whose_files_were_edited_is_not_replaced(tiny_dir, tmp_path, edit):
     """"Unchanged" means the listed files still hold the sizes and sha256 the manifest records (a
