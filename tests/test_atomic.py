@@ -689,3 +689,25 @@ def test_listed_files_refuses_a_sha256_that_is_no_digest():
         staging.listed_files({"a": {"bytes": 1, "sha256": "x"}}, Path("BUNDLE.json"), nested=True)
     assert staging.listed_files({"a": {"bytes": 1, "sha256": "0" * 64}}, Path("BUNDLE.json"), nested=True) == {
         "a": (1, "0" * 64)}
+    # sha256sum's form only: an uppercase digest passed the runtime's check and failed verify's compare
+    with pytest.raises(VerificationError, match="expected 64 lowercase hex digits"):
+        staging.listed_files({"a": {"bytes": 1, "sha256": "A" * 64}}, Path("BUNDLE.json"), nested=True)
+
+
+def test_a_folder_that_cannot_be_opened_is_never_taken_as_locked(tmp_path, monkeypatch):
+    """flocked yields None (no lock possible) for a folder it cannot open (mode 0333 for another
+    user), so prepack's busy() says it cannot tell rather than 'no prepack runs' (a mutation audit
+    found nothing checking this)."""
+    from gemma_export import prepack as prepack_module
+
+    real_open = os.open
+
+    def refused(path, flags, *args, **kwargs):
+        if Path(path) == tmp_path:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refused)
+    with staging.flocked(tmp_path) as held:
+        assert held is None
+    assert prepack_module.busy(tmp_path) is None

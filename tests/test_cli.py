@@ -1103,6 +1103,9 @@ def test_a_reference_export_given_the_wrong_way_names_the_file_to_give(tmp_path)
     (ref / "gemma.mlir").write_text("\nmodule {\n}\n")
     with pytest.raises(FormatError, match="no util.global bound to a #flow.parameter.named parameter"):
         parse_mlir(ref / "gemma.mlir")
+    from gemma_export.inspect import inspect_path
+    with pytest.raises(FormatError, match="no util.global bound"):  # read as MLIR, not as a safetensors header
+        inspect_path(ref / "gemma.mlir")
     renamed = ref / "archive.bin"  # recognised by its header, whatever its name
     (ref / "gemma.safetensors").rename(renamed)
     with pytest.raises(FormatError, match=r"archive\.bin: a safetensors archive, not reference MLIR text; give the "
@@ -1121,3 +1124,18 @@ def test_the_cli_choices_are_the_formats_own_tables():
     assert tuple(m.value for m in cli.DType) == DTYPES == tuple(WEIGHT_FORMATS)
     assert tuple(m.value for m in cli.TableDType) == TABLE_DTYPES == tuple(Int4Format.TABLE_BITS)
     assert tuple(m.value for m in cli.ScaleMethod) == SCALE_METHODS == ("mse", "rtn")
+
+
+def test_the_export_total_is_in_decimal_megabytes(capsys):
+    """The total line said MiB beside the archive's MB; a tiny export cannot tell the two apart
+    (both round to 0.3), so a real export's sizes are given here."""
+    from gemma_export.cli import _export_summary
+    from gemma_export.exporter import ExportResult
+
+    files = {"model.onnx": 183_711, "model.onnx.data": 286_299_136, "tokenizer.json": 14_379_875,
+             "genai_config.json": 1_290, "tokenizer_config.json": 188, "manifest.json": 3_064}
+    result = ExportResult(Path("gemma-3-270m-onnx-int8"), files, "int8", True, 1, 38.2, 1_348_173_824, None, None)
+    _export_summary(result, 183_711 + 286_299_136)
+    out = capsys.readouterr().out
+    assert "  total 300,867,264 bytes (300.9 MB)" in out  # 286.9 in MiB
+    assert "archive (model.onnx + model.onnx.data, as `bench` reports it): 286.5 MB" in out

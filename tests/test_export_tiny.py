@@ -240,7 +240,9 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
             decoder.greedy(prompts[0], bad)
     # a bare id was a TypeError from set(); a string of digits stopped on nothing
     for bad, found in ((106, "int 106"), ("106", "str '106'"),
-                       (np.array([106]), r"ndarray array\(\[106\]\) \(a numpy array: pass stop_ids.tolist\(\)\)")):
+                       (np.array([106]), r"ndarray array\(\[106\]\) \(a numpy array: pass stop_ids.tolist\(\)\)"),
+                       ([1, np.int64(106)], r"list \[1, np.int64\(106\)\] \(numpy integers: pass \[int\(i\) for i in "
+                                            r"stop_ids\]\)")):
         with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list or tuple of ints or None, found {found}$"):
             decoder.greedy(prompts[0], 2, stop_ids=bad)
     with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):

@@ -548,6 +548,10 @@ CASES = {
     "text is a folder (quality)": Case(export_copy(lambda f: (f / "adir").mkdir(),
                                                    lambda f: ["quality", "--model", f, "--reference", f, "--text", f / "adir"]),
                                        SourceNotFoundError, ("adir: is a folder; expected a text file",)),
+    # a data file larger than the manifest records (another export's copied in) is named, not run
+    "data file grown (generate)": Case(export_copy(lambda f: (f / "model.onnx.data").open("ab").write(b"\0" * 4096),
+                                                   _generate), FormatError,
+                                       ("model.onnx.data:", "bytes, but", "records", "the folder changed after the export")),
     "data file hard-linked (verify)": Case(export_copy(lambda f: os.link(f / "model.onnx.data", f.parent / "backup.data"), _verify),
                                            VerificationError, ("model.onnx.data: has 2 hard links", "cp, not ln")),
     "manifest files a string (verify)": Case(export_copy(_manifest_field(None, "files", "abc"), _verify), VerificationError,
@@ -871,3 +875,21 @@ def test_run_parity_with_nothing_to_compare_names_the_python_arguments(tiny_int8
     with pytest.raises(GemmaExportError, match=r"^parity: nothing to compare; give --against transformers, --reference or "
                                                r"--golden \(in Python: against_transformers=True, reference= or golden=\)$"):
         gemma_export.run_parity(tiny_int8_export)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scale_method="foo"), "--scale-method 'foo': expected mse or rtn"),
+    (dict(table_dtype="int2"), "--table-dtype 'int2': expected int4 or int8"),
+])
+def test_an_unknown_choice_from_python_is_refused_before_the_source_is_read(tiny_dir, tmp_path, monkeypatch, kwargs,
+                                                                            message):
+    """The command line's choices guard the CLI; a Python caller got a bare ValueError from the
+    quantizer after the (slow) source had been read."""
+    import gemma_export
+    from gemma_export import exporter
+
+    monkeypatch.setattr(exporter, "open_source", lambda *a, **k: pytest.fail("the source was read first"))
+    with pytest.raises(ConfigError) as raised:
+        gemma_export.export(tiny_dir, tmp_path / "out", "int4", **kwargs)
+    assert str(raised.value) == message
+    assert not (tmp_path / "out").exists()

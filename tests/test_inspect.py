@@ -252,7 +252,7 @@ def test_onnx_dequantize_linear_and_gguf_q8_0_copies(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_float_table_stored_again_as_matmulnbits_codes(tmp_path, bits):
+def test_a_float_table_stored_again_as_matmulnbits_codes(tmp_path, bits, monkeypatch):
     """A float table for the lookup and the same table as a MatMulNBits head (its codes uint8 with
     the implicit zero point 2 ** (bits - 1), 4-bit ones two per byte) was reported as no duplicate:
     the codes were read as if their zero point were 0 and their bytes one code each."""
@@ -288,6 +288,22 @@ def test_a_float_table_stored_again_as_matmulnbits_codes(tmp_path, bits):
     groups = inspect_path(path).duplicates
     assert [(g.kind, g.names) for g in groups] == [("same values after dequantization", ("embed", "head", "head_scales"))]
     assert groups[0].wasted_bytes == head.nbytes + head_scales.nbytes  # the smaller copy: codes and scales
+    # a real table is read in many chunks: each later chunk must start at its own byte (half its
+    # code offset at 4 bits), as the first does
+    import gemma_export.inspect as inspect_module
+    monkeypatch.setattr(inspect_module._dequantized_chunks, "__defaults__", (1000,))
+    assert [g.names for g in inspect_path(path).duplicates] == [("embed", "head", "head_scales")]
+    monkeypatch.undo()
+
+    # a float value 20 times its block's largest is no rounding of the codes, though clipping it to
+    # the code range gives the very code stored there (the largest's)
+    far = table.copy()
+    j = int(np.abs(far[5, :32]).argmax())
+    far[5, j] *= 20
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(far, "embed"))
+    onnx.save(model, str(path), save_as_external_data=True, location="m.onnx.data", size_threshold=0)
+    assert inspect_path(path).duplicates == []
+    model.graph.initializer[0].CopyFrom(numpy_helper.from_array(table, "embed"))
 
     # zero points computed in the graph (here 0 from a Constant node) make other weights of the
     # same codes: they were read as the implicit 2 ** (bits - 1) and the head reported as a copy

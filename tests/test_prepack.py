@@ -622,3 +622,9 @@ def test_without_locks_a_leftover_is_never_deleted_as_an_interrupted_ones(export
             f"error: {undecidable} (nothing was changed)", result.output
     assert (staging / "model.onnx.data").read_bytes() == b"being written"  # still there, as a writer left it
     assert not (export_copy / "prepacked").exists()
+
+
+def test_the_leftover_names_are_the_ones_earlier_versions_wrote():
+    """Leftovers of a prepack killed by an earlier version are found by these names, whatever
+    builds them now."""
+    assert prepack_module.LEFTOVER_PREFIXES == (".prepacked.staging-", ".prepacked.old-", ".prepacked.removing-")
