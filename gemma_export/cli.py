@@ -89,7 +89,10 @@ class _OneLineUsageError(ClickException):
     def __init__(self, error: UsageError) -> None:
         where = f" (see '{error.ctx.command_path if error.ctx is not None else 'gemma-export'} --help')"
         # typer's choice check words its message like a pydantic error ("Value error, 'int9' is not one of ...")
-        super().__init__(f"{error.format_message().replace(': Value error, ', ': ')}{where}")
+        message = error.format_message().replace(": Value error, ", ": ")
+        if getattr(getattr(error, "param", None), "name", None) == "model" and message.startswith("Missing option"):
+            message += " Give the export folder as --model DIR."  # `generate DIR` takes no positional folder
+        super().__init__(f"{message}{where}")
 
     def show(self, file=None) -> None:
         typer.echo(f"error: {self.format_message()}", err=True)

@@ -393,6 +393,9 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
 @pytest.mark.parametrize("args, message", [
     (["--dtype", "int3"], "error: Invalid value for '--dtype': 'int3' is not one of 'fp32', 'bf16', 'int8', 'int4'."),
     (["generate", "--model", "m"], "error: Missing option '--prompt'. (see 'gemma-export generate --help')"),
+    # the folder given without --model (a fresh user's slip): the message says how to give it
+    (["generate", "m", "--prompt", "hi"], "error: Missing option '--model'. Give the export folder as --model DIR. "
+                                          "(see 'gemma-export generate --help')"),
     (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: Invalid value for '--threads'"),
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
     (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
