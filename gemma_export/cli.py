@@ -498,8 +498,9 @@ def verify(
       gemma-export verify sl2610-int8    # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
-    from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
     from .exporter import verify_manifest
+    from .manifest import is_bundle
+    from .onnx_files import BUNDLE_MODEL_DIR
     from .prepack import busy
     from .prepack import verify as verify_prepacked
 
@@ -510,7 +511,7 @@ def verify(
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
     with _reported(debug, writes=False):
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
-        bundled = (Path(model) / BUNDLE_MANIFEST).is_file()
+        bundled = is_bundle(model)
         export_dir = model / BUNDLE_MODEL_DIR if bundled else model
         if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "

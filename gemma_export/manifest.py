@@ -66,10 +66,10 @@ def manifest_figure(model_dir: Path, key: str) -> int | None:
 
 
 def is_bundle(folder: str | Path) -> bool:
-    """Whether ``folder`` is a board folder written by ``gemma-export bundle`` (``BUNDLE.json`` at its
-    top, the export in ``model/``)."""
-    folder = Path(folder)
-    return (folder / BUNDLE_MANIFEST).is_file() and (folder / BUNDLE_MODEL_DIR / MANIFEST_FILE).is_file()
+    """Whether ``folder`` is a board folder written by ``gemma-export bundle``: ``BUNDLE.json`` at its
+    top (the export in ``model/``). That file alone decides, so a bundle whose ``model/`` was damaged
+    is still named as one (``verify`` then names what is missing)."""
+    return (Path(folder) / BUNDLE_MANIFEST).is_file()
 
 
 def require_folder(folder: Path, holding: str) -> None:
@@ -96,7 +96,7 @@ def require_folder(folder: Path, holding: str) -> None:
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
     if is_bundle(folder):
-        raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / 'model'} (give that)")
+        raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / BUNDLE_MODEL_DIR} (give that)")
     if folder.resolve().name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
         raise SourceNotFoundError(f"{folder}: an export's pre-packed copy (gemma-export prepack), used through its "
                                   f"export; give the export folder {folder.resolve().parent}")

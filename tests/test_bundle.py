@@ -84,6 +84,13 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
         assert pointed.exit_code == 2, (command, pointed.output)
         assert pointed.stderr.strip() == f"error: {out}: a bundle folder; its export is {out / 'model'} (give that)", command
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    # BUNDLE.json alone makes it a bundle, for every command as for verify: with its model's manifest
+    # gone, generate said "no exported model here" (it looked for model.onnx at the top)
+    (out / "model" / "manifest.json").unlink()
+    pointed = runner.invoke(app, ["generate", "--model", str(out), "--prompt", "a"])
+    assert pointed.stderr.strip() == f"error: {out}: a bundle folder; its export is {out / 'model'} (give that)"
+    checked = runner.invoke(app, ["verify", str(out)])
+    assert checked.exit_code == 2 and "model/manifest.json: listed in BUNDLE.json but missing" in checked.stderr
 
 
 def test_tampered_export_is_refused_and_nothing_written(tiny_int8_export, wheel, tmp_path):
