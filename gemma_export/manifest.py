@@ -16,6 +16,7 @@ from pathlib import Path
 from .config import DTYPES
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype
+from .staging import leftovers, listed_files
 from .text_files import non_regular
 
 
@@ -86,8 +87,6 @@ def require_folder(folder: Path, holding: str) -> None:
     """
     check_utf8_path(folder, "export folder")
     if not folder.exists():
-        from .staging import leftovers
-
         # a writer killed between its two renames leaves the previous output whole in .NAME.old-*/NAME
         aside = [p / folder.name for p in leftovers(folder) if (p / folder.name).is_dir()]
         hint = (f"; a gemma-export killed while replacing it left the previous one in {aside[-1]}: move that back "
@@ -122,8 +121,6 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
             otherwise pass this check unseen.
         OSError: a listed file cannot be opened for reading (permissions, I/O error).
     """
-    from .staging import listed_files
-
     if "files" not in manifest:  # folders of other exporters carry no manifest
         return
     try:

@@ -334,8 +334,6 @@ def check_listed_file(path: Path, size: int, digest: str, listing: str, folder_k
     Raises:
         VerificationError: naming the file and the first way it differs.
     """
-    from .errors import VerificationError
-
     if path.is_symlink():
         raise VerificationError(f"{path}: is a link; {folder_kind} holds regular files only")
     if path.is_dir():
@@ -518,10 +516,12 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
         raise OutputError(f"{out_dir}: is a mount point, which the {what} cannot replace; choose a folder inside it")
     if before is not None:
         before(out)
-    if manifest_name is None and any(out.iterdir()):
+    if not any(out.iterdir()):
+        return
+    if manifest_name is None:
         raise OutputError(f"{out_dir}: exists and is not an empty folder; choose another folder, or move this one "
                           "away first")
-    if any(out.iterdir()) and not is_unchanged_output(out, manifest_name, **unchanged):
+    if not is_unchanged_output(out, manifest_name, **unchanged):
         raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
                           f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder, or move this one away first")
 
