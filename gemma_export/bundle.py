@@ -324,10 +324,10 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     old_copy = out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
         copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())
-        say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 2**20:,.1f} MiB) is deleted with it (it "
+        say(f"the previous bundle's pre-packed copy {old_copy} ({copy_bytes / 1e6:,.1f} MB) is deleted with it (it "
             "was made from the files being replaced); run `gemma-export prepack --model model` on the board again")
     with staged_folder(out, "bundle", notify=say) as staging:
-        say(f"copying {len(files) + 1} model files ({sum(files.values()) / 2**20:,.1f} MiB) ...")  # + the manifest
+        say(f"copying {len(files) + 1} model files ({sum(files.values()) / 1e6:,.1f} MB) ...")  # + the manifest
         (staging / BUNDLE_MODEL_DIR).mkdir()
         for name in [*files, MANIFEST_FILE]:
             shutil.copyfile(model_dir / name, staging / BUNDLE_MODEL_DIR / name)

@@ -218,8 +218,9 @@ def _list_files(files: dict[str, int], width: int) -> None:
         typer.echo(f"  {name:<{width}} {size:>15,} bytes")
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
+def _mb(n: int) -> str:
+    """Bytes in MB (10^6), the unit of every size and memory figure the commands print."""
+    return f"{n / 1e6:,.1f} MB"
 
 
 def _refuse_export_options(ctx: typer.Context) -> None:
@@ -358,7 +359,7 @@ def _export_summary(result, archive: int) -> None:
                    "and `quality` need one: export again with --tokenizer TOKENIZER.json (the model's own; "
                    "a file copied into the folder afterwards is not in its manifest, and `verify`, `bundle` "
                    "and `prepack` refuse the folder)", err=True)
-    typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mib(result.peak_rss_bytes)}")
+    typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mb(result.peak_rss_bytes)}")
 
 
 THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (default: onnxruntime's, one per core)."
@@ -476,7 +477,7 @@ def prepack(
             typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
-    typer.echo(f"wrote {result.out_dir} ({_mib(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
+    typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
                f"{result.checked_tokens} token{'' if result.checked_tokens == 1 else 's'} identical to the export's")
     _list_files(result.files, 20)
 
@@ -742,7 +743,7 @@ def bundle(
     with _reported(debug):
         result = run(model, out, board=board, wheel=wheel, progress=lambda msg: typer.echo(msg, err=True))
     _list_files(result.files, 40)
-    typer.echo(f"wrote {result.out_dir} ({result.total_bytes / 2**20:,.1f} MiB); on the board, follow {result.out_dir}/README.md")
+    typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}); on the board, follow {result.out_dir}/README.md")
 
 
 if __name__ == "__main__":

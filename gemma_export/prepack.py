@@ -430,17 +430,17 @@ def prepack(model_dir: str | Path, threads: int | None = None,
 
 def verify(model_dir: str | Path) -> str:
     """Check ``<model_dir>/prepacked/`` (if any): a copy this toolkit wrote, every recorded file with
-    its sha256, then :func:`status`. Returns one line for people ("" when there is no copy).
+    its sha256, then :func:`status`. Returns one line for people ("" when there is no copy). Leftovers
+    of an interrupted ``prepack`` are :func:`~gemma_export.exporter.verify_manifest`'s to report
+    (:func:`check_no_leftovers`), which ``verify`` runs first.
 
     Raises:
-        VerificationError: leftovers of an interrupted ``prepack``; ``prepacked`` holds something
-            else; a recorded file differs (a copy the runtime could load with wrong weights). The
+        VerificationError: ``prepacked`` holds something else; a recorded file differs (a copy the runtime could load with wrong weights). The
             message says how to rebuild or remove it.
     """
     model_dir = Path(model_dir)
     folder = model_dir / PREPACKED_DIR
     fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
-    check_no_leftovers(model_dir)
     wrong, record = _ownership(folder)
     if wrong:
         raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")

@@ -51,6 +51,9 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     for rel, entry in listed.items():
         data = (out / rel).read_bytes()
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    # the size in the export's unit, so it compares with the export's (it said MiB beside the export's MB)
+    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    assert f"wrote {out} ({total / 1e6:,.1f} MB); on the board" in result.stdout
     readme = (out / "README.md").read_text()
     assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
     assert "Python 3.12" in readme and "glibc 2.28 or newer" in readme
@@ -500,12 +503,12 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     assert runner.invoke(app, bundle_args).exit_code == 0
     prepack(out / "model")  # the bundle README's step on the board
     assert (out / "model" / "prepacked" / "prepacked.json").is_file()
-    copy_mib = sum(p.stat().st_size for p in (out / "model" / "prepacked").rglob("*") if p.is_file()) / 2**20
+    copy_mb = sum(p.stat().st_size for p in (out / "model" / "prepacked").rglob("*") if p.is_file()) / 1e6
     result = runner.invoke(app, bundle_args)
     assert result.exit_code == 0, result.output
     assert not (out / "model" / "prepacked").exists()  # the copy goes with the bundle it was made from
     # and the user is told so (helper-found: it went without a word)
-    assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mib:,.1f} MiB) is deleted with "
+    assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mb:,.1f} MB) is deleted with "
             "it (it was made from the files being replaced); run `gemma-export prepack --model model` on the board "
             "again") in result.stderr
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0

@@ -1130,8 +1130,8 @@ def test_the_cli_choices_are_the_formats_own_tables():
 
 
 def test_the_export_total_is_in_decimal_megabytes(capsys):
-    """The total line said MiB beside the archive's MB; a tiny export cannot tell the two apart
-    (both round to 0.3), so a real export's sizes are given here."""
+    """The total line said MiB beside the archive's MB, and the peak memory MiB beside `bench`'s MB;
+    a tiny export cannot tell the two apart (both round to 0.3), so a real export's sizes are given here."""
     from gemma_export.cli import _export_summary
     from gemma_export.exporter import ExportResult
 
@@ -1142,3 +1142,4 @@ def test_the_export_total_is_in_decimal_megabytes(capsys):
     out = capsys.readouterr().out
     assert "  total 300,867,264 bytes (300.9 MB)" in out  # 286.9 in MiB
     assert "archive (model.onnx + model.onnx.data, as `bench` reports it): 286.5 MB" in out
+    assert "peak memory 1,348.2 MB" in out and "MiB" not in out  # 1,285.7 in MiB

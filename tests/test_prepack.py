@@ -38,7 +38,9 @@ def test_prepacked_copy_gives_identical_logits_and_is_used_by_default(export_cop
     assert result.exit_code == 0, result.output
     copy = export_copy / "prepacked"
     # what was written comes first, then its files (the list came before the line naming the folder)
-    assert result.stdout.splitlines()[0].startswith(f"wrote {copy} (")
+    total = sum(p.stat().st_size for p in copy.iterdir())
+    # in MB, as every size and memory figure the commands print (it said MiB)
+    assert result.stdout.splitlines()[0].startswith(f"wrote {copy} ({total / 1e6:,.1f} MB) in ")
     assert "model.onnx.data" in result.stdout.splitlines()[1] + result.stdout.splitlines()[2]
     record = json.loads((copy / "prepacked.json").read_text())
     assert record["machine"] == prepack_module.machine_key()
