@@ -45,6 +45,7 @@ from quant.int4 import SCALE_METHODS
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
+from .console import StdoutClosed, take_back_interrupts
 from .errors import GemmaExportError, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
@@ -155,6 +156,8 @@ ScaleMethod = enum.Enum("ScaleMethod", [(name, name) for name in SCALE_METHODS],
 def _fail(exc: GemmaExportError, debug: bool) -> None:
     if debug:
         raise exc
+    if isinstance(exc, StdoutClosed):  # `| head` has what it wanted: no message, the shell's status
+        raise typer.Exit(exc.exit_code)
     # control characters from a file (a NUL in a tensor's location, an escape sequence) are shown
     # escaped: they would end the line early or drive the terminal
     message = "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in str(exc))
@@ -191,7 +194,9 @@ def _stop_on_sigterm() -> None:
 @contextlib.contextmanager
 def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
     """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C as
-    :func:`_interrupted`; both end the command."""
+    :func:`_interrupted`; both end the command. From its start Ctrl-C raises KeyboardInterrupt
+    again (:func:`~gemma_export.console.take_back_interrupts`), so that writers clean up."""
+    take_back_interrupts()
     try:
         yield
     except GemmaExportError as exc:

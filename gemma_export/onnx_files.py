@@ -69,19 +69,26 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
     Returns:
         location → size in bytes of each data file.
 
+    Inline initializers are checked too: their data must hold what their dims and data type need.
+
     Raises:
-        FormatError: naming the initializer and its location when the location is absolute, has a
-            folder part (``..`` included), is missing, is a link or not a regular file, when
-            ``length`` differs from what the dims and data type need, or when ``offset + length``
-            runs past the file's end. An absent ``length`` (optional in ONNX) is added to ``model``
-            from the dims and data type, so readers of the entries see it.
+        FormatError: naming the initializer: a negative dimension; inline data of another size than
+            its dims and data type need; for external data, a location that is absolute, has a
+            folder part (``..`` included), is missing, is a link or not a regular file, a ``length``
+            that differs from what the dims and data type need, or ``offset + length`` past the
+            file's end. An absent ``length`` (optional in ONNX) is added to ``model`` from the dims
+            and data type, so readers of the entries see it.
     """
     import onnx
 
     folder = Path(model_path).parent
     sizes: dict[str, int] = {}
     for t in model.graph.initializer:
+        if any(d < 0 for d in t.dims):
+            raise FormatError(f"{model_path}: initializer '{t.name}' has shape {list(t.dims)}; dimensions must "
+                              "not be negative")
         if t.data_location != onnx.TensorProto.EXTERNAL:
+            _check_inline_data(t, model_path)
             continue
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
@@ -110,6 +117,23 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
             raise FormatError(f"{path}: initializer '{t.name}' data [{offset}, {offset + length}) lies outside "
                               f"the file's {size} bytes")
     return sizes
+
+
+def _check_inline_data(tensor, model_path: Path) -> None:
+    """Raises FormatError when an inline initializer's data does not fill its dims and data type."""
+    import onnx
+
+    if tensor.HasField("raw_data"):
+        expected = tensor_bytes(tensor)
+        if expected is not None and len(tensor.raw_data) != expected:
+            raise FormatError(f"{model_path}: initializer '{tensor.name}' holds {len(tensor.raw_data):,} bytes of data; "
+                              f"its shape {list(tensor.dims)} and data type need {expected:,}")
+        return
+    try:  # data in the typed fields (float_data, int32_data, ...): onnx reads them into the shape
+        onnx.numpy_helper.to_array(tensor)
+    except (ValueError, TypeError) as exc:
+        raise FormatError(f"{model_path}: initializer '{tensor.name}' data does not fit its shape {list(tensor.dims)} "
+                          f"({exc})") from None
 
 
 def tensor_bytes(tensor) -> int | None:

@@ -395,7 +395,7 @@ def manifest_checkpoint(model_dir: Path):
         SourceNotFoundError: as :func:`manifest_source`, or the size or the contents differ.
         FormatError: ``source.bytes`` or ``source.sha256`` is present but not a size / a sha256 (or null).
     """
-    from .errors import FormatError, SourceNotFoundError, is_sha256, shown
+    from .errors import ConfigError, FormatError, SourceNotFoundError, is_sha256, shown
     from .onnx_files import MANIFEST_FILE
     from .sources import open_source
 
@@ -407,7 +407,11 @@ def manifest_checkpoint(model_dir: Path):
     if digest is not None and not is_sha256(digest):
         raise FormatError(f"{manifest}: field 'source.sha256' must be 64 lowercase hex digits (or null), found "
                           f"{shown(digest)}")
-    checkpoint = open_source(path, tokenizer="tokenizer" not in record)  # the export's own tokenizer is used
+    try:
+        checkpoint = open_source(path, tokenizer="tokenizer" not in record)  # the export's own tokenizer is used
+    except (FormatError, ConfigError, SourceNotFoundError) as exc:  # name the manifest, which gave the path
+        raise type(exc)(f"{manifest}: field 'source.path' names {path}, which does not open as the export's "
+                        f"source ({exc})") from None
     where = f"{manifest}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "

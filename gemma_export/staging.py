@@ -241,45 +241,54 @@ def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
         return None if problem is None else (old, problem)
 
 
-def is_unchanged_output(folder: Path, manifest_name: str, required: dict | None = None,
-                        derived: tuple[tuple[str, str], ...] = (), leftovers: tuple[str, ...] = ()) -> bool:
-    """True when ``folder`` holds a manifest this toolkit wrote (a JSON object with the ``required``
-    key/value pairs and a ``files`` map of paths relative to ``folder``) and nothing but the files it
-    lists, the folders holding them, ``derived`` sub-folders (``(name, marker file)`` pairs: a
-    folder ``name``, a relative path such as ``model/prepacked``, holding ``marker``, which the
-    toolkit wrote from the listed files), and hidden
-    folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
+def output_changes(folder: Path, manifest_name: str, required: dict | None = None,
+                   derived: tuple[tuple[str, str], ...] = (), leftovers: tuple[str, ...] = ()) -> str:
+    """Why ``folder`` is not an unchanged output of this toolkit, or "" when it is one: a manifest
+    this toolkit wrote (a JSON object with the ``required`` key/value pairs and a ``files`` map of
+    paths relative to ``folder``) and nothing but the files it lists, the folders holding them,
+    ``derived`` sub-folders (``(name, marker file)`` pairs: a folder ``name``, a relative path such as
+    ``model/prepacked``, holding ``marker``, which the toolkit wrote from the listed files), and
+    hidden folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
     sub-folder leaves), each listed file with the size and sha256 recorded for it: only such a folder
-    may be replaced by a new output."""
+    may be replaced by a new output. The reason names the first file found wrong."""
     try:
         manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return False
-    if not isinstance(manifest, dict) or any(manifest.get(key) != value for key, value in (required or {}).items()):
-        return False
+        return f"no readable {manifest_name}"
+    if not isinstance(manifest, dict):
+        return f"{manifest_name} is not one of ours"
+    for key, value in (required or {}).items():
+        if manifest.get(key) != value:
+            return f"{manifest_name} has {key} {manifest.get(key)!r}, not {value!r}"
     # each entry a record of ours (listed_files); anything else (a hand-written {"notes.txt": "mine"})
     # would let files go unchecked, and be deleted with the folder
     try:
         records = listed_files(manifest.get("files"), folder / manifest_name, nested=True)
     except VerificationError:
-        return False
+        return f"{manifest_name} does not list files the way gemma-export writes them"
     listed = set(records) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
             and (folder / name / marker).is_file()}
     skip |= {p.name for p in folder.iterdir() if leftovers and p.name.startswith(leftovers) and p.is_dir()
              and not p.is_symlink()} if folder.is_dir() else set()
-    for path in folder.rglob("*"):
+    for path in sorted(folder.rglob("*")):
         relative = str(path.relative_to(folder))
         if any(relative == name or relative.startswith(name + "/") for name in skip):
             continue
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
-            return False
+            return f"{relative} is not listed in {manifest_name}"
     # and every listed file still holds what the manifest records (sizes first: cheap)
-    recorded = [(folder / name, size, digest) for name, (size, digest) in records.items() if (folder / name).is_file()]
-    if any(path.stat().st_size != size for path, size, _ in recorded):
-        return False
-    return all(file_sha256(path) == digest for path, _, digest in recorded)
+    recorded = [(name, folder / name, size, digest) for name, (size, digest) in sorted(records.items())]
+    for name, path, size, _ in recorded:
+        if not path.is_file():
+            return f"{name}, listed in {manifest_name}, is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, {manifest_name} records {size:,}"
+    for name, path, _, digest in recorded:
+        if file_sha256(path) != digest:
+            return f"{name} differs from the sha256 {manifest_name} records"
+    return ""
 
 
 def entry_refused(folder: Path) -> str | None:
@@ -492,7 +501,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
     replace: a symbolic link, one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
     mount point cannot be), or a non-empty folder that is not an unchanged output of ours
-    (:func:`is_unchanged_output` with ``manifest_name`` and ``unchanged``; ``manifest_name`` None,
+    (:func:`output_changes` with ``manifest_name`` and ``unchanged``; ``manifest_name`` None,
     for outputs that carry no listing: any non-empty folder). ``before(out)`` runs on an existing
     folder first (a check with a more specific message).
 
@@ -521,9 +530,11 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
     if manifest_name is None:
         raise OutputError(f"{out_dir}: exists and is not an empty folder; choose another folder, or move this one "
                           "away first")
-    if not is_unchanged_output(out, manifest_name, **unchanged):
+    changed = output_changes(out, manifest_name, **unchanged)
+    if changed:
         raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
-                          f"{manifest_name} of ours listing every file in it); refusing to replace it: choose another folder, or move this one away first")
+                          f"{manifest_name} of ours listing every file in it: {changed}); refusing to replace it: "
+                          "choose another folder, or move this one away first")
 
 
 def folder_state(folder: Path) -> tuple | None:

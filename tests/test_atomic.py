@@ -4,6 +4,7 @@ an export leaves no partial output and an existing output folder byte-for-byte u
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from typer.testing import CliRunner
 
 from gemma_export import exporter, staging
 from gemma_export.cli import app
+from gemma_export.errors import OutputError
 from gemma_export.staging import STALE_AFTER_SECONDS
 
 from conftest import deletable, undeletable
@@ -56,7 +58,8 @@ def small_disk(tmp_path):
             pytest.fail(f"cannot mount a tmpfs with CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
         pytest.skip(f"mounting a tmpfs needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
     yield mount
-    subprocess.run(["umount", str(mount)], check=False)
+    if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:  # busy: never leave it mounted
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
 
 
 @pytest.fixture
@@ -219,13 +222,13 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
     script = textwrap.dedent(f"""
         import pathlib, sys, time
         from gemma_export import exporter
-        from gemma_export.cli import app
+        from gemma_export.console import main  # the command's entry point, as installed
         def slow_verify(folder):
             pathlib.Path({str(marker)!r}).write_text(str(folder))
             time.sleep(120)
         exporter.verify_folder = slow_verify
         sys.argv = ["gemma-export", *sys.argv[1:]]
-        app()
+        main()
     """)
     out = tmp_path / "out"
     # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
@@ -454,7 +457,7 @@ def test_an_output_is_replaceable_only_while_every_file_holds_what_its_manifest_
     # starts with its name, makes the folder someone's work: not an unchanged output
     import json
 
-    from gemma_export.staging import is_unchanged_output
+    from gemma_export.staging import output_changes
 
     out = tmp_path / "out"
     (out / "model").mkdir(parents=True)
@@ -465,14 +468,22 @@ def test_an_output_is_replaceable_only_while_every_file_holds_what_its_manifest_
     (out / "model" / "prepacked").mkdir()
     (out / "model" / "prepacked" / "prepacked.json").write_text("{}")
     (out / "model" / "prepacked" / "weights.bin").write_text("anything")
-    assert is_unchanged_output(out, "LIST.json", derived=derived)
+    assert output_changes(out, "LIST.json", derived=derived) == ""
     (out / "model" / "prepacked.bak").write_text("mine")  # not inside model/prepacked/
-    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+    # each reason names the file (a bundle over a changed one said only "not an unchanged bundle")
+    assert output_changes(out, "LIST.json", derived=derived) == "model/prepacked.bak is not listed in LIST.json"
     (out / "model" / "prepacked.bak").unlink()
     (out / "model" / "a.txt").write_text("jello")  # same size, other bytes
-    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+    assert output_changes(out, "LIST.json", derived=derived) == "model/a.txt differs from the sha256 LIST.json records"
     (out / "model" / "a.txt").write_text("hello!")  # another size
-    assert not is_unchanged_output(out, "LIST.json", derived=derived)
+    assert output_changes(out, "LIST.json", derived=derived) == "model/a.txt is 6 bytes, LIST.json records 5"
+    (out / "model" / "a.txt").unlink()
+    assert output_changes(out, "LIST.json", derived=derived) == "model/a.txt, listed in LIST.json, is missing"
+    assert output_changes(out, "LIST.json", required={"format": "onnx"}) == "LIST.json has format None, not 'onnx'"
+    (out / "LIST.json").write_text("[]")
+    assert output_changes(out, "LIST.json") == "LIST.json is not one of ours"
+    (out / "LIST.json").unlink()
+    assert output_changes(out, "LIST.json") == "no readable LIST.json"
 
 
 def test_an_output_folder_any_depth_below_another_output_is_refused(tmp_path):
@@ -632,10 +643,10 @@ def test_a_manifest_whose_entries_are_not_records_of_ours_does_not_make_a_folder
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
     (folder / "BUNDLE.json").write_text(json.dumps({"files": {"notes.txt": entry}}))
-    assert not staging.is_unchanged_output(folder, "BUNDLE.json")
+    assert staging.output_changes(folder, "BUNDLE.json") == "BUNDLE.json does not list files the way gemma-export writes them"
     digest = hashlib.sha256(b"mine").hexdigest()
     (folder / "BUNDLE.json").write_text(json.dumps({"files": {"notes.txt": {"bytes": 4, "sha256": digest}}}))
-    assert staging.is_unchanged_output(folder, "BUNDLE.json")  # a true record of what is there: ours
+    assert staging.output_changes(folder, "BUNDLE.json") == ""  # a true record of what is there: ours
 
 
 def test_a_folder_a_killed_writer_moved_aside_is_pointed_to_when_it_is_asked_for(tiny_int8_export, tmp_path):
@@ -711,3 +722,27 @@ def test_a_folder_that_cannot_be_opened_is_never_taken_as_locked(tmp_path, monke
     with staging.flocked(tmp_path) as held:
         assert held is None
     assert prepack_module.busy(tmp_path) is None
+
+
+def test_a_disk_that_fills_during_prepack_leaves_the_export_as_it_was(tiny_int8_export, small_disk, monkeypatch):
+    """Where the space estimate is short of the copy, the copy fails cleanly. Its message gave the
+    estimate as what the copy needs beside "0 bytes free" (helper-found, an int4 copy 2.19 x its data
+    file against the 2.1 x estimate then): it now says how far the copy got."""
+    from gemma_export import prepack as prepack_module
+
+    export = small_disk / "int8"
+    shutil.copytree(tiny_int8_export, export)  # ~280 KB of 512 KiB: no room for a copy twice its data
+    before = _tree(small_disk)
+    monkeypatch.setattr(prepack_module, "check_free_space", lambda *args, **kwargs: None)
+    try:
+        prepack_module.prepack(export)
+    except OutputError as exc:
+        message = str(exc)
+    else:
+        pytest.fail("prepack filled the disk without an error")
+    gc.collect()  # the failed run's onnxruntime objects map files of the tmpfs until collected: it must unmount
+    assert re.fullmatch(rf"{re.escape(str(export / 'prepacked'))}: onnxruntime could not write the pre-packed copy \(the "
+                        r"disk is full or a file-size limit was reached after [\d,]+ bytes of it, of about [\d,]+ "
+                        r"expected\); free some space; nothing was written", message), message
+    assert _tree(small_disk) == before
+    assert CliRunner().invoke(app, ["verify", str(export)]).exit_code == 0

@@ -36,7 +36,7 @@ def test_wheel_carries_both_packages_and_the_console_script(wheel):
     assert "gemma_export/cli.py" in names and "quant/int8.py" in names
     assert "gemma_export/sources/gguf.py" in names and not [n for n in names if "__pycache__" in n]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "gemma-export = gemma_export.cli:app" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "gemma-export = gemma_export.console:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
@@ -515,8 +515,14 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     # anything else added to model/ still makes the folder foreign
     (out / "model" / "notes.txt").write_text("mine")
     result = runner.invoke(app, bundle_args)
-    assert result.exit_code == 2 and "is not an unchanged bundle of gemma-export" in result.stderr, result.output
+    assert result.exit_code == 2 and ("is not an unchanged bundle of gemma-export (a BUNDLE.json of ours listing every "
+                                      "file in it: model/notes.txt is not listed in BUNDLE.json)") in result.stderr, result.output
     assert (out / "model" / "notes.txt").read_text() == "mine"
+    # an edited file is named too (it said only "not an unchanged bundle"; helper-found)
+    (out / "model" / "notes.txt").unlink()
+    (out / "README.md").write_text((out / "README.md").read_text().replace("#", "=", 1))  # same size, other bytes
+    result = runner.invoke(app, bundle_args)
+    assert result.exit_code == 2 and "file in it: README.md differs from the sha256 BUNDLE.json records)" in result.stderr
 
 
 @pytest.mark.parametrize("dtype, prepacked", [("int8", True), ("int4", True), ("bf16", False), ("fp32", False)])

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -1143,3 +1147,53 @@ def test_the_export_total_is_in_decimal_megabytes(capsys):
     assert "  total 300,867,264 bytes (300.9 MB)" in out  # 286.9 in MiB
     assert "archive (model.onnx + model.onnx.data, as `bench` reports it): 286.5 MB" in out
     assert "peak memory 1,348.2 MB" in out and "MiB" not in out  # 1,285.7 in MiB
+
+
+# --- the installed entry point (gemma_export.console): outside any one command ---------------------
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def _command(*args: str, stdout=None, code: str = "") -> subprocess.CompletedProcess:
+    """``gemma-export ARGS`` through the installed entry point, ``code`` run first in the process."""
+    script = f"import sys\n{code}\nfrom gemma_export.console import main\nsys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n"
+    return subprocess.run([sys.executable, "-c", script, *args], stdout=stdout if stdout is not None else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("args", [["verify", "{model}"], ["inspect", "{model}", "--json"], ["--version"]])
+def test_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_export, args):
+    """`> /dev/full` gave a 39-line traceback and exit 1 (helper-found), for `--version` too."""
+    before = _tree_digest(tiny_int8_export)
+    with open("/dev/full", "w") as full:
+        done = _command(*[a.format(model=tiny_int8_export) for a in args], stdout=full)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "error: cannot write to standard output: No space left on device\n"
+    assert _tree_digest(tiny_int8_export) == before
+
+
+def test_a_reader_that_has_gone_ends_the_command_quietly(tiny_int8_export):
+    """`gemma-export verify DIR | true`: the reader is gone before the result line; exit 141 as a
+    shell tool killed by SIGPIPE, no traceback, no message."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as closed:
+        done = _command("verify", str(tiny_int8_export), stdout=closed)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_ctrl_c_while_the_libraries_load_is_one_line():
+    """Ctrl-C in the first half second (numpy, ml_dtypes, onnx loading) gave a KeyboardInterrupt
+    traceback, or numpy's "ImportError: ... failed to import" (helper-found); the signal is sent
+    here when ml_dtypes starts to load."""
+    code = ("import builtins, os, signal\n"
+            "real = builtins.__import__\n"
+            "def load(name, *args, **kwargs):\n"
+            "    if name == 'ml_dtypes':\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = load\n")
+    done = _command("verify", "nowhere", code=code)
+    assert (done.returncode, done.stderr) == (130, "error: interrupted\n")

@@ -108,6 +108,26 @@ def _external(tmp_path, data_type, dims, data_bytes: int, **entries):
     return helper.make_model(helper.make_graph([], "g", [], [], initializer=[t]))
 
 
+@pytest.mark.parametrize("tensor, message", [
+    (TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[-3, 4], raw_data=b"\0" * 16),
+     "initializer 'w' has shape [-3, 4]; dimensions must not be negative"),
+    (TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[5], raw_data=b"\0" * 16),
+     "initializer 'w' holds 16 bytes of data; its shape [5] and data type need 20"),
+    (TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[2**40, 2**40], raw_data=b"\0" * 16),
+     "initializer 'w' holds 16 bytes of data; its shape [1099511627776, 1099511627776] and data type need"),
+    (TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[3], float_data=[1.0, 2.0]),
+     "initializer 'w' data does not fit its shape [3]"),
+])
+def test_inline_data_that_does_not_fill_its_shape_is_refused(tmp_path, tensor, message):
+    """inspect took such tensors at their word (helper-found): "total elements: -12 = -48 B fp32",
+    or 4 PiB for 16 bytes, exit 0; external data with the same mismatch was already refused."""
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(helper.make_graph([], "g", [], [], initializer=[tensor])), str(path))
+    result = CliRunner().invoke(app, ["inspect", str(path)])
+    assert result.exit_code == 2 and result.stderr.startswith(f"error: {path}: {message}"), result.output
+    assert len(result.stderr.splitlines()) == 1
+
+
 def test_external_data_sizes_pack_4_bit_types_two_per_byte_and_name_a_negative_offset(tmp_path):
     from gemma_export.errors import FormatError
     from gemma_export.onnx_files import check_external_data, tensor_bytes

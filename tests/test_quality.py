@@ -292,6 +292,25 @@ def test_a_source_path_that_is_not_text_is_named(tiny_int8_export, tmp_path):
             manifest_source(model)
 
 
+def test_a_source_path_that_does_not_open_names_the_manifest_field(tiny_int8_export, tmp_path):
+    """A source.path naming a folder that is no model: parity said only "<folder>/config.json:
+    missing; ... give one of them as the source", though the user gave no source (helper-found)."""
+    import shutil
+
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.quality import manifest_checkpoint
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["source"]["path"] = str(tmp_path)  # a folder, without config.json
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GemmaExportError) as caught:
+        manifest_checkpoint(model)
+    assert str(caught.value).startswith(f"{model / 'manifest.json'}: field 'source.path' names {tmp_path}, which does "
+                                        f"not open as the export's source ({tmp_path}")
+
+
 def test_logit_comparison_refuses_rows_out_of_order_and_an_incomplete_result():
     from gemma_export.errors import GemmaExportError
     from gemma_export.quality import LogitComparison
