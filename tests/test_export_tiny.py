@@ -593,7 +593,11 @@ def test_attention_softcap_in_the_config_is_ignored_like_transformers(tiny_dir, 
     {"final_logit_softcapping": 2.0},
     {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}},
-], ids=["rms_norm_eps", "query_pre_attn_scalar", "final_logit_softcapping", "linear_rope_factor"])
+    # sqrt(hidden_size) scales the embedding: 8 and 4 for the tiny models, exact in any float type;
+    # sqrt(48) is not, so an embedding scale rounded to bf16 (0.06 logits on the real 270M) shows
+    {"hidden_size": 48},
+], ids=["rms_norm_eps", "query_pre_attn_scalar", "final_logit_softcapping", "linear_rope_factor",
+        "hidden_size_not_a_square"])
 def test_config_values_the_default_tiny_model_leaves_neutral_match_transformers(tmp_path, overrides):
     model = make_tiny_model(seed=3, **overrides)
     save_tiny(model, tmp_path / "src")
@@ -1364,3 +1368,17 @@ def test_a_format_whose_sizes_do_not_divide_the_model_is_refused_when_built(tiny
     with pytest.raises(ConfigError, match=message):
         build_model(open_source(tiny_dir), Int8Format(**{"block_size": 16, "table_block_size": 16,
                                                          "hadamard_size": 16, **options}))
+
+
+def test_an_initializer_name_given_twice_is_refused_not_overwritten():
+    """The builder's guard: a second weight under a taken name would silently replace the first
+    (no collision exists today; a mutation audit found nothing that tested the guard)."""
+    import onnx_ir as ir
+
+    from gemma_export.graph import GraphBuilder
+
+    g = GraphBuilder()
+    first = g.initializer(ir.tensor(np.ones(3, np.float32), name="w"))
+    with pytest.raises(ValueError, match="initializer 'w' defined twice"):
+        g.initializer(ir.tensor(np.zeros(3, np.float32), name="w"))
+    assert g.initializers["w"] is first and np.array_equal(first.const_value.numpy(), np.ones(3, np.float32))
