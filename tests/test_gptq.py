@@ -35,6 +35,12 @@ def test_identity_hessian_gives_round_to_nearest_int8_and_int4():
         plain = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse")
         with_eye = BlockInt4Weights.quantize(w, 32, symmetric=symmetric, method="mse", hessian=eye)
         assert np.array_equal(plain.data, with_eye.data) and np.array_equal(plain.scales, with_eye.scales)
+    # exact halves (scale 2^-4: each block's largest value is 127 / 16) round to even, as round to
+    # nearest does; GPTQ rounding them up went unseen (mutation audit)
+    halves = np.tile(np.r_[127.0, np.arange(31) - 15.5], (4, 4)).astype(np.float32) / 16
+    codes = BlockInt8Weights.quantize(halves, 32, hessian=eye).data
+    assert np.array_equal(codes, BlockInt8Weights.quantize(halves, 32).data)
+    assert np.array_equal(np.asarray(codes)[0, 0, 1:5], [128 - 16, 128 - 14, 128 - 14, 128 - 12])  # -15.5, -14.5, ...
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-sym", "int4-asym"])
