@@ -4,7 +4,7 @@ What is measured, in one process and in this order:
 
 1. session creation (seconds), with ``Rss``/``Anonymous`` from ``/proc/self/smaps_rollup`` before it,
    after loading the tokenizer (Gemma's holds ~100 MB) and importing onnx and onnxruntime (their own
-   ~11 MB after the tokenizer, ~20 MB alone): both reported apart, costs of the process, not of the
+   4–11 MB after the tokenizer, ~20 MB alone): both reported apart, costs of the process, not of the
    model. "Session creation" also counts what comes with it: reading and checking the manifest and
    the graph, and moving the packed weights onto huge pages (``--huge-pages``);
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then

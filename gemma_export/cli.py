@@ -45,7 +45,7 @@ from quant.int4 import SCALE_METHODS
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
-from .console import StdoutClosed, take_back_interrupts
+from .console import StreamClosed, StreamError, Terminated, take_back_interrupts
 from .errors import GemmaExportError, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
@@ -96,7 +96,7 @@ class _OneLineUsageError(ClickException):
         super().__init__(f"{message}{where}")
 
     def show(self, file=None) -> None:
-        typer.echo(f"error: {self.format_message()}", err=True)
+        _say_error(f"error: {self.format_message()}")
 
 
 #: the commands that write an output folder or file (None: the export itself, the group's callback);
@@ -156,7 +156,7 @@ ScaleMethod = enum.Enum("ScaleMethod", [(name, name) for name in SCALE_METHODS],
 def _fail(exc: GemmaExportError, debug: bool) -> None:
     if debug:
         raise exc
-    if isinstance(exc, StdoutClosed):  # `| head` has what it wanted: no message, the shell's status
+    if isinstance(exc, StreamClosed):  # `| head` has what it wanted: no message, the shell's status
         raise typer.Exit(exc.exit_code)
     # control characters from a file (a NUL in a tensor's location, an escape sequence) are shown
     # escaped: they would end the line early or drive the terminal
@@ -166,36 +166,29 @@ def _fail(exc: GemmaExportError, debug: bool) -> None:
         head, tail = MAX_ERROR_CHARS * 3 // 5, MAX_ERROR_CHARS * 2 // 5
         message = (f"{message[:head]}... ({len(message) - head - tail:,} characters left out) ..."
                    f"{message[-tail:]}")
-    typer.echo(f"error: {message}", err=True)
+    _say_error(f"error: {message}")
     raise typer.Exit(exc.exit_code)
+
+
+def _say_error(line: str) -> None:
+    """Write an error line to standard error; when that fails too (closed, full, its reader gone:
+    :mod:`~gemma_export.console`), the exit status alone tells, so the failure is not raised."""
+    try:
+        typer.echo(line, err=True)
+    except (StreamError, StreamClosed):
+        pass
 
 
 #: an error line longer than this is cut
 MAX_ERROR_CHARS = 500
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be so that the same clean-up runs; exits 143 (128 + 15)."""
-
-
-def _stop_on_sigterm() -> None:
-    """Treat SIGTERM (``timeout``, systemd, ``kill``) like Ctrl-C, so that writers clean up their
-    staging folders instead of dying with them on disk."""
-    import signal
-    import threading
-
-    def stop(_signum, _frame):
-        raise Terminated
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, stop)
-
-
 @contextlib.contextmanager
 def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
-    """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C as
-    :func:`_interrupted`; both end the command. From its start Ctrl-C raises KeyboardInterrupt
-    again (:func:`~gemma_export.console.take_back_interrupts`), so that writers clean up."""
+    """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C and
+    SIGTERM as :func:`_interrupted`; both end the command. From its start Ctrl-C raises
+    KeyboardInterrupt and SIGTERM :class:`~gemma_export.console.Terminated`
+    (:func:`~gemma_export.console.take_back_interrupts`), so that writers clean up."""
     take_back_interrupts()
     try:
         yield
@@ -213,8 +206,8 @@ def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
     """Ctrl-C or SIGTERM: one line and the shell's exit status for the signal (130 for SIGINT, 143
     for SIGTERM); writers have cleaned up. ``writes``: the command writes output (its message then
     says that nothing was written)."""
-    typer.echo("error: interrupted; nothing was written (an existing output folder is unchanged)" if writes
-               else "error: interrupted", err=True)
+    _say_error("error: interrupted; nothing was written (an existing output folder is unchanged)" if writes
+               else "error: interrupted")
     raise typer.Exit(signal_exit)
 
 
@@ -284,7 +277,6 @@ def main(
 ) -> None:
     """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table (the examples
     are in the module docstring, which ``--help`` shows)."""
-    _stop_on_sigterm()
     if ctx.invoked_subcommand is not None:
         _refuse_export_options(ctx)
         return
@@ -603,7 +595,7 @@ def bench(
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
     ms/token (median, p90), tokens/s, Anonymous and Rss memory growth (from after loading the
-    tokenizer and importing onnx and onnxruntime, whose ~100 MB and ~11 MB are shown on lines of
+    tokenizer and importing onnx and onnxruntime, whose ~100 MB and 4–11 MB are shown on lines of
     their own), peak memory, archive size.
 
     \b

@@ -3,87 +3,123 @@
 It wraps :data:`gemma_export.cli.app` for what happens outside any one command, and imports nothing
 heavy itself:
 
-- Ctrl-C while the libraries load (numpy, ml_dtypes, onnx: about half a second, before any file is
-  written) ends with ``error: interrupted`` and exit status 130, not a traceback or numpy's
-  "ImportError: ... failed to import" that the interrupted import turns into. Each command's body
-  (``cli._reported``) takes Ctrl-C back before it writes anything, and cleans up as before.
-- Standard output that cannot be written (``> /dev/full``, a full disk, a closed terminal) ends with
-  one line, ``error: cannot write to standard output: <reason>``, and exit status 2. What the command
-  wrote to disk is unaffected: writers stage their output and either finish or leave nothing.
-- A reader that stops early (``gemma-export inspect DIR | head``) ends the command quietly with exit
-  status 141 (128 + SIGPIPE, as a shell tool killed by the signal), without the text that could not
-  be delivered.
+- Ctrl-C or SIGTERM while the libraries load (numpy, ml_dtypes, onnx, and each command's own
+  imports: about half a second, before any file is written) ends with ``error: interrupted`` and
+  exit status 130 or 143, not a traceback or numpy's "ImportError: ... failed to import" that the
+  interrupted import turns into. Each command's body (``cli._reported``) takes both signals back
+  (:func:`take_back_interrupts`) before it writes anything, and cleans up as before.
+- Standard output or standard error that cannot be written (``> /dev/full``, a full disk, a closed
+  descriptor) ends the command with ``error: cannot write to standard output: <reason>`` (shown
+  when standard error still works) and exit status 2. What the command wrote to disk is whole or
+  absent: writers stage their output, and one stopped this way cleans up as on any error.
+- A reader that goes away (``| head``, ``2>&1 | head``) ends the command quietly with exit status
+  141 (128 + SIGPIPE, as a shell tool killed by the signal) when a write finds it gone. Output that
+  the reader stopped taking in the middle of one large write can end with status 0 instead: Python
+  reports that write as complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
 import sys
 import threading
+from typing import Iterator
 
 from .errors import GemmaExportError
 
-#: exit status when the reader of standard output has gone (128 + SIGPIPE), as for a shell tool
+#: exit status when the reader of standard output or error has gone (128 + SIGPIPE), as for a shell tool
 PIPE_CLOSED_EXIT = 128 + 13
 
 
-class StdoutError(GemmaExportError):
-    """Standard output cannot be written (disk full, device error); exits 2 with one line."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so that the same clean-up runs; exits 143 (128 + 15)."""
 
 
-class StdoutClosed(GemmaExportError):
-    """The reader of standard output has gone (EPIPE); ends the command without a message, exit 141."""
+class StreamError(GemmaExportError):
+    """Standard output or error cannot be written (disk full, device error, closed); exits 2."""
+
+
+class StreamClosed(GemmaExportError):
+    """The reader of standard output or error has gone (EPIPE); ends the command without a message,
+    exit 141."""
 
     exit_code = PIPE_CLOSED_EXIT
 
 
-class _CheckedStdout:
-    """``sys.stdout`` with its write errors raised as :class:`StdoutError` / :class:`StdoutClosed`
-    (toolkit errors, so each command ends through its usual path and writers clean up)."""
+_NAMES = {1: "standard output", 2: "standard error"}
 
-    def __init__(self, stream) -> None:
+
+class _CheckedStream:
+    """``sys.stdout`` / ``sys.stderr`` with write errors raised as :class:`StreamError` /
+    :class:`StreamClosed` (toolkit errors, so each command ends through its usual path and writers
+    clean up). ``stream`` None stands for a descriptor closed when the process started."""
+
+    def __init__(self, stream, fd: int) -> None:
         self._stream = stream
+        self._fd = fd
         self.failed = False
 
-    def _error(self, exc: OSError) -> GemmaExportError:
+    def _error(self, exc: OSError | None) -> GemmaExportError:
         self.failed = True
-        if exc.errno == errno.EPIPE:
-            return StdoutClosed("standard output closed by its reader")
-        return StdoutError(f"cannot write to standard output: {exc.strerror or exc}")
+        if exc is not None and exc.errno == errno.EPIPE:
+            return StreamClosed(f"{_NAMES[self._fd]} closed by its reader")
+        reason = "it is closed" if exc is None else exc.strerror or str(exc)
+        return StreamError(f"cannot write to {_NAMES[self._fd]}: {reason}")
 
     def write(self, text):
+        if self._stream is None:
+            if not text:
+                return 0
+            raise self._error(None)
         try:
             return self._stream.write(text)
         except OSError as exc:
             raise self._error(exc) from None
 
     def flush(self) -> None:
+        if self._stream is None:
+            return
         try:
             self._stream.flush()
         except OSError as exc:
             raise self._error(exc) from None
 
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
     def discard(self) -> None:
-        """Point fd 1 at ``/dev/null``, so that what is still buffered goes there when Python flushes
-        at exit instead of failing again with a traceback."""
+        """Point the descriptor at ``/dev/null``, so that what is still buffered goes there when
+        Python flushes at exit instead of failing again with a traceback."""
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, self._stream.fileno())
+            os.dup2(devnull, self._fd)
             os.close(devnull)
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             pass
 
-    def __getattr__(self, name):  # isatty, fileno, encoding, buffer, ... as the stream has them
+    def __getattr__(self, name):  # encoding, errors, fileno, buffer, ... as the stream has them
+        if self._stream is None:
+            if name in ("encoding", "errors"):
+                return "utf-8" if name == "encoding" else "strict"
+            raise AttributeError(name)
         return getattr(self._stream, name)
 
 
 def _interrupted_while_loading(signum, _frame) -> None:
     # nothing has been written yet: say so and leave at once (a KeyboardInterrupt here would
     # surface as a traceback or as the ImportError of whichever library was loading)
-    os.write(2, b"error: interrupted\n")
+    try:
+        os.write(2, b"error: interrupted\n")
+    except OSError:
+        pass
     os._exit(128 + signum)
+
+
+def _raise_terminated(_signum, _frame) -> None:
+    raise Terminated
 
 
 def main() -> None:
@@ -91,29 +127,60 @@ def main() -> None:
 
     Raises:
         SystemExit: always, with the command's exit status (0 success, 2 a reported error, 130
-            Ctrl-C, 141 standard output closed by its reader).
+            Ctrl-C, 143 SIGTERM, 141 standard output or error closed by its reader).
     """
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored
-        signal.signal(signal.SIGINT, _interrupted_while_loading)
-    stdout = sys.stdout = _CheckedStdout(sys.stdout) if sys.stdout is not None else None
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored one stays ignored
+            signal.signal(signal.SIGINT, _interrupted_while_loading)
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _interrupted_while_loading)
+    streams = [_CheckedStream(sys.stdout, 1), _CheckedStream(sys.stderr, 2)]
+    sys.stdout, sys.stderr = streams
     try:
         from .cli import app
 
         app()
-    except StdoutClosed:
+    except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None
-    except StdoutError as exc:  # raised outside a command's body (e.g. --version, verify's result line)
-        sys.stderr.write(f"error: {exc}\n")
+    except StreamError as exc:  # raised outside a command's body (e.g. --version, verify's result line)
+        try:
+            sys.stderr.write(f"error: {exc}\n")
+            sys.stderr.flush()
+        except GemmaExportError:  # standard error is the one that failed
+            pass
         raise SystemExit(exc.exit_code) from None
     finally:
-        if stdout is not None and stdout.failed:
-            stdout.discard()
+        for stream in streams:
+            if stream.failed:
+                stream.discard()
 
 
 def take_back_interrupts() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt again (the command's body handles it and cleans
-    up what it was writing); :func:`main` made it end the process at once while the libraries loaded."""
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is _interrupted_while_loading):
+    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM :class:`Terminated` (the command's
+    body handles both and cleans up what it was writing); :func:`main` made them end the process at
+    once while the libraries loaded. A signal ignored by the caller (``nohup``, ``trap '' INT``)
+    stays ignored. Only in the main thread (elsewhere Python refuses handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGTERM) in (_interrupted_while_loading, signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+@contextlib.contextmanager
+def hold_interrupts() -> Iterator[None]:
+    """Ctrl-C and SIGTERM ignored inside (main thread only): the clean-up of a staging folder after
+    a first interrupt must not be cut short by a second one, which left the folder half deleted. The
+    previous handlers come back on leaving."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in saved:
+        signal.signal(s, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
+from .console import hold_interrupts
 from .errors import OutputError, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
@@ -625,10 +626,11 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                 notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
                        f"left in {left[0]}: remove it by hand")
     except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        for folder in reversed(created):  # parents this call created, innermost first
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        with hold_interrupts():  # a second Ctrl-C a few ms after the first left the folder half deleted
+            shutil.rmtree(staging, ignore_errors=True)
+            for folder in reversed(created):  # parents this call created, innermost first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
         if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
             raise OutputError(f"{out_dir}: writing the {what} failed ({_describe(exc, out_dir.parent)}); nothing was "
                               f"written{' and the existing folder is unchanged' if existed else ''}") from None

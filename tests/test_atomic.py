@@ -746,3 +746,23 @@ def test_a_disk_that_fills_during_prepack_leaves_the_export_as_it_was(tiny_int8_
                         r"expected\); free some space; nothing was written", message), message
     assert _tree(small_disk) == before
     assert CliRunner().invoke(app, ["verify", str(export)]).exit_code == 0
+
+
+def test_a_second_interrupt_during_the_clean_up_does_not_cut_it_short(tmp_path, monkeypatch):
+    """Two Ctrl-C a few ms apart: the second landed in the staging folder's removal and left it
+    half deleted (helper-found, 4 of 14 runs). Here the second comes from inside the removal."""
+    real_rmtree = staging.shutil.rmtree
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        if staging.STAGING_TAG in Path(path).name:  # the staging folder's removal, not a probe's
+            os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at its next step: here
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(staging.shutil, "rmtree", interrupted_rmtree)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):  # the first
+        with staging.staged_folder(out, "export") as folder:
+            (folder / "model.onnx.data").write_bytes(b"\0" * 1024)
+            raise KeyboardInterrupt
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again afterwards

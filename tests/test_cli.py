@@ -1162,6 +1162,18 @@ def _command(*args: str, stdout=None, code: str = "") -> subprocess.CompletedPro
                           stderr=subprocess.PIPE, text=True, timeout=300)
 
 
+def _signal_on_import(condition: str, signal_name: str) -> str:
+    """Code for :func:`_command` that sends this process ``signal_name`` when an import's
+    ``(name, *args)`` meets ``condition``: a signal at a chosen point of the loading."""
+    return ("import builtins, os, signal\n"
+            "real = builtins.__import__\n"
+            "def load(name, *args, **kwargs):\n"
+            f"    if {condition}:\n"
+            f"        os.kill(os.getpid(), signal.{signal_name})\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = load\n")
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 @pytest.mark.parametrize("args", [["verify", "{model}"], ["inspect", "{model}", "--json"], ["--version"]])
 def test_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_export, args):
@@ -1188,12 +1200,34 @@ def test_ctrl_c_while_the_libraries_load_is_one_line():
     """Ctrl-C in the first half second (numpy, ml_dtypes, onnx loading) gave a KeyboardInterrupt
     traceback, or numpy's "ImportError: ... failed to import" (helper-found); the signal is sent
     here when ml_dtypes starts to load."""
-    code = ("import builtins, os, signal\n"
-            "real = builtins.__import__\n"
-            "def load(name, *args, **kwargs):\n"
-            "    if name == 'ml_dtypes':\n"
-            "        os.kill(os.getpid(), signal.SIGINT)\n"
-            "    return real(name, *args, **kwargs)\n"
-            "builtins.__import__ = load\n")
-    done = _command("verify", "nowhere", code=code)
+    done = _command("verify", "nowhere", code=_signal_on_import("name == 'ml_dtypes'", "SIGINT"))
     assert (done.returncode, done.stderr) == (130, "error: interrupted\n")
+
+
+def test_a_closed_standard_output_or_error_is_not_taken_for_success(tiny_int8_export, tiny_dir, tmp_path):
+    """`>&-` printed nothing and exited 0 (the result line went nowhere); `2>&1 | head -1` on an
+    export exited 1 (helper-found): a reader gone from standard error ends the command as one gone
+    from standard output does, and the writer cleans up."""
+    closed = subprocess.run([sys.executable, "-c", "import sys\nfrom gemma_export.console import main\n"
+                             "sys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n", "verify", str(tiny_int8_export)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
+                            preexec_fn=lambda: os.close(1))
+    assert (closed.returncode, closed.stderr) == (2, "error: cannot write to standard output: it is closed\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader of standard error is gone before the export's first progress line
+    with os.fdopen(write_end, "w") as gone:
+        done = subprocess.run([sys.executable, "-c", "import sys\nfrom gemma_export.console import main\n"
+                               "sys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n", "--source", str(tiny_dir),
+                               "--out", str(tmp_path / "out"), "--dtype", "fp32"], stdout=subprocess.PIPE, stderr=gone,
+                              text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (141, "")
+    assert os.listdir(tmp_path) == []  # no export, no staging folder
+
+
+def test_sigterm_while_a_command_loads_its_modules_is_one_line():
+    """A subcommand's own imports run before its body: a SIGTERM there exited 130 with nothing on
+    stderr (helper-found; 143 and the interrupt's line expected). Sent here when `verify` imports
+    gemma_export.bundle."""
+    # `from .bundle import ...`: name "bundle", level 1
+    done = _command("verify", "nowhere", code=_signal_on_import("name == 'bundle' and args[-1:] == (1,)", "SIGTERM"))
+    assert (done.returncode, done.stderr) == (143, "error: interrupted\n")
