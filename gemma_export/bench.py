@@ -611,6 +611,7 @@ def write_json(data: dict, path: str | Path | None) -> None:
     text = json.dumps(data, indent=2) + "\n"
     if path is None or to_stdout(path):
         sys.stdout.write(text)
+        sys.stdout.flush()  # here, where a failure is reported, not at exit
         return
     path = Path(path)
     if _under_dev_or_proc(path) or (path.exists() and not path.is_file()):

@@ -45,7 +45,7 @@ from quant.int4 import SCALE_METHODS
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
-from .console import StreamClosed, StreamError, Terminated, take_back_interrupts
+from .console import StreamClosed, StreamError, Terminated, interrupts_raised
 from .errors import GemmaExportError, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
@@ -129,6 +129,10 @@ class _Group(TyperGroup):
                 _interrupted(ctx.invoked_subcommand in WRITING_COMMANDS,
                              signal_exit=143 if isinstance(interrupt, Terminated) else 130)
             raise
+        except KeyboardInterrupt as exc:  # outside a command's body, while it prints what it did: its
+            # work is finished (or never began); typer would exit 130 without a word, 143 included
+            _say_error("error: interrupted")
+            raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
 
 
 app = typer.Typer(
@@ -186,20 +190,20 @@ MAX_ERROR_CHARS = 500
 @contextlib.contextmanager
 def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
     """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C and
-    SIGTERM as :func:`_interrupted`; both end the command. From its start Ctrl-C raises
+    SIGTERM as :func:`_interrupted`; both end the command. Inside it Ctrl-C raises
     KeyboardInterrupt and SIGTERM :class:`~gemma_export.console.Terminated`
-    (:func:`~gemma_export.console.take_back_interrupts`), so that writers clean up."""
-    take_back_interrupts()
-    try:
-        yield
-    except GemmaExportError as exc:
-        _fail(exc, debug)
-    except OSError as exc:  # an input that cannot be read (writes fail as OutputError inside the writers)
-        if debug:
-            raise
-        _fail(GemmaExportError(os_error_line(exc)), debug)
-    except KeyboardInterrupt as exc:
-        _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
+    (:func:`~gemma_export.console.interrupts_raised`), so that writers clean up."""
+    with interrupts_raised():
+        try:
+            yield
+        except GemmaExportError as exc:
+            _fail(exc, debug)
+        except OSError as exc:  # an input that cannot be read (writes fail as OutputError inside the writers)
+            if debug:
+                raise
+            _fail(GemmaExportError(os_error_line(exc)), debug)
+        except KeyboardInterrupt as exc:
+            _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 
 
 def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
@@ -413,15 +417,32 @@ def generate(
     with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model,), report_key="expected_ids")
         chunk = _prefill_chunk(prefill_chunk)
-        result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
-                     prepacked=prepacked)
-        for piece in result.unknown_tokens:  # before the text: it explains what the model was given
+        # the text as it is generated: the prompt, then each new piece; with --json -, stdout holds
+        # the JSON alone and the text goes to stderr. Written before the --json file, so one that
+        # cannot be written (full disk) does not lose the run
+        err = to_stdout(json_out)
+        started = []
+
+        def show(piece: str) -> None:
+            if not started:  # the prompt once the run is under way, not before a refusal
+                started.append(True)
+                typer.echo(prompt, nl=False, err=err)
+            typer.echo(piece, nl=False, err=err)
+
+        try:
+            result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
+                         prepacked=prepacked, on_text=show)
+        finally:
+            if started:  # the line ends, also before an error's
+                with contextlib.suppress(StreamError, StreamClosed):
+                    typer.echo("", err=err)
+        if not started:  # no new text (an end-of-turn id first)
+            typer.echo(prompt, err=err)
+        for piece in result.unknown_tokens:  # what the model was given, after its text
             why = (" (FunctionGemma's function-calling tokens exist in its own tokenizer only)"
                    if piece in FUNCTION_GEMMA_TOKENS else "")
             typer.echo(f"note: {piece} is not a token of {model / 'tokenizer.json'}; it was read as plain text{why}",
                        err=True)
-        # the text first, so a --json that cannot be written (full disk) does not lose the run
-        typer.echo(prompt + result.text, err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text, "prefill_chunk": chunk or 0, "dtype": result.dtype}, json_out)

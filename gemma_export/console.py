@@ -7,7 +7,7 @@ heavy itself:
   imports: about half a second, before any file is written) ends with ``error: interrupted`` and
   exit status 130 or 143, not a traceback or numpy's "ImportError: ... failed to import" that the
   interrupted import turns into. Each command's body (``cli._reported``) takes both signals back
-  (:func:`take_back_interrupts`) before it writes anything, and cleans up as before.
+  (:func:`interrupts_raised`) before it writes anything, and cleans up as before.
 - Standard output or standard error that cannot be written (``> /dev/full``, a full disk, a closed
   descriptor) ends the command with ``error: cannot write to standard output: <reason>`` (shown
   when standard error still works) and exit status 2. What the command wrote to disk is whole or
@@ -155,32 +155,24 @@ def main() -> None:
                 stream.discard()
 
 
-def take_back_interrupts() -> None:
-    """From here on Ctrl-C raises KeyboardInterrupt and SIGTERM :class:`Terminated` (the command's
-    body handles both and cleans up what it was writing); :func:`main` made them end the process at
-    once while the libraries loaded. A signal ignored by the caller (``nohup``, ``trap '' INT``)
+@contextlib.contextmanager
+def interrupts_raised() -> Iterator[None]:
+    """Inside, Ctrl-C raises KeyboardInterrupt and SIGTERM :class:`Terminated` (a command's body
+    handles both and cleans up what it was writing); :func:`main` made them end the process at once
+    while the libraries loaded, and the command's last lines keep the raising handlers. Where no
+    :func:`main` ran (the Python API, ``CliRunner``), SIGTERM's default comes back on leaving: the
+    host process keeps its own handling. A signal the caller ignores (``nohup``, ``trap '' INT``)
     stays ignored. Only in the main thread (elsewhere Python refuses handlers)."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if signal.getsignal(signal.SIGTERM) in (_interrupted_while_loading, signal.SIG_DFL):
+    embedded = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    if embedded or signal.getsignal(signal.SIGTERM) is _interrupted_while_loading:
         signal.signal(signal.SIGTERM, _raise_terminated)
-
-
-@contextlib.contextmanager
-def hold_interrupts() -> Iterator[None]:
-    """Ctrl-C and SIGTERM ignored inside (main thread only): the clean-up of a staging folder after
-    a first interrupt must not be cut short by a second one, which left the folder half deleted. The
-    previous handlers come back on leaving."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s in saved:
-        signal.signal(s, signal.SIG_IGN)
     try:
         yield
     finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if embedded and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -20,7 +20,7 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -437,7 +437,7 @@ class OnnxDecoder:
         check_positions(self.model_dir, total_tokens, self.max_position_embeddings)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
-               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK):
+               prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, on_token: Callable[[int], None] | None = None):
         """Greedy decoding of one prompt (argmax, ties → lowest id).
 
         Args:
@@ -450,6 +450,7 @@ class OnnxDecoder:
                 to float rounding, which an int8 export's 8-bit activations magnify (up to ~0.7 on
                 the real 270M); the activation memory onnxruntime's arena keeps after a long prompt
                 grows with the step (``docs/benchmarks.md``).
+            on_token: called with each new id as soon as it is picked (outside the timed steps).
 
         Returns:
             ``(new_ids, prefill_ms, decode_ms)``: ``list[int]``; the wall time in milliseconds of the
@@ -489,6 +490,8 @@ class OnnxDecoder:
             token = picked_token(logits[0, -1], len(new_ids))
             timings.append((time.perf_counter() - start) * 1e3)
             new_ids.append(token)
+            if on_token is not None:
+                on_token(token)
             ids = np.asarray([[token]], dtype=np.int64)
             if token in stop:
                 break
@@ -1049,8 +1052,41 @@ def load_tokenizer(model_dir: str | Path):
     return read_tokenizer_json(path)
 
 
+class TextStream:
+    """The text of generated ids, given out piece by piece as the ids come: each piece is what the
+    decode of all ids so far adds to the decode before it. A decode that ends in U+FFFD (a character
+    whose bytes are not all generated yet, Gemma's byte fallback) waits for the next id.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
+        emit: called with each piece (a non-empty ``str``).
+    """
+
+    def __init__(self, tokenizer, emit: Callable[[str], None]) -> None:
+        self._tokenizer = tokenizer
+        self._emit = emit
+        self._ids: list[int] = []
+        self.shown = ""
+
+    def add(self, token_id: int) -> None:
+        """Take one more id; emit what it adds to the text, if anything yet."""
+        self._ids.append(token_id)
+        self._show(self._tokenizer.decode(self._ids, skip_special_tokens=True), final=False)
+
+    def finish(self, text: str) -> None:
+        """Emit what ``text`` (the decode of all ids) adds to what was shown."""
+        self._show(text, final=True)
+
+    def _show(self, text: str, final: bool) -> None:
+        if (not final and text.endswith("\ufffd")) or not text.startswith(self.shown) or len(text) == len(self.shown):
+            return  # (a decode that rewrites what was shown cannot be taken back: left as shown)
+        piece, self.shown = text[len(self.shown):], text
+        self._emit(piece)
+
+
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
-             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None) -> GenerationResult:
+             prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None,
+             on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Tokenize ``prompt`` (``<bos>`` prepended unless it starts with it, :func:`encode_prompt`),
     greedy-decode with onnxruntime, decode the new tokens.
 
@@ -1062,6 +1098,8 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         prefill_chunk: prompt tokens per prefill step, as in :meth:`OnnxDecoder.greedy`.
         prepacked: the folder's pre-packed copy, as in :class:`OnnxDecoder` (None: used when it
             was made on this machine from these files).
+        on_text: called with each new piece of the decoded text while tokens are generated
+            (:class:`TextStream`); the pieces joined are the result's ``text``.
 
     Returns:
         A :class:`GenerationResult` (times in milliseconds).
@@ -1097,8 +1135,12 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
     decoder.check_ids(prompt_ids, "prompt", tokenizer)
-    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk)
+    stream = TextStream(tokenizer, on_text) if on_text is not None else None
+    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk,
+                                                    on_token=None if stream is None else stream.add)
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    if stream is not None:
+        stream.finish(text)
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
                             decoder.prepacked_path is not None, decoder.prepacked_note, decoder.dtype,
                             unknown_control_tokens(tokenizer, prompt))

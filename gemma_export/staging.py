@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from .console import hold_interrupts
 from .errors import OutputError, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
@@ -626,15 +625,29 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                 notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
                        f"left in {left[0]}: remove it by hand")
     except BaseException as exc:
-        with hold_interrupts():  # a second Ctrl-C a few ms after the first left the folder half deleted
+        def remove() -> None:
             shutil.rmtree(staging, ignore_errors=True)
             for folder in reversed(created):  # parents this call created, innermost first
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+
+        _despite_interrupts(remove)
         if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
             raise OutputError(f"{out_dir}: writing the {what} failed ({_describe(exc, out_dir.parent)}); nothing was "
                               f"written{' and the existing folder is unchanged' if existed else ''}") from None
         raise
+
+
+def _despite_interrupts(remove: Callable[[], None], attempts: int = 100) -> None:
+    """Run ``remove`` (which may run again) to its end: Ctrl-C or SIGTERM during it (a second one,
+    a few ms after the one being cleaned up after) starts it again instead of cutting it short,
+    which left a staging folder half deleted. After ``attempts`` interrupts in a row it gives up."""
+    for _ in range(attempts):
+        try:
+            remove()
+            return
+        except KeyboardInterrupt:
+            continue
 
 
 def _names_an_input(exc: OSError, out_dir: Path) -> bool:

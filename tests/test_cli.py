@@ -1156,10 +1156,13 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 
 
 def _command(*args: str, stdout=None, code: str = "") -> subprocess.CompletedProcess:
-    """``gemma-export ARGS`` through the installed entry point, ``code`` run first in the process."""
+    """``gemma-export ARGS`` through the installed entry point, ``code`` run first in the process,
+    with standard output buffered as a user's is (PYTHONUNBUFFERED, set on some machines, hid an
+    unflushed write)."""
     script = f"import sys\n{code}\nfrom gemma_export.console import main\nsys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, "-c", script, *args], stdout=stdout if stdout is not None else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=300)
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=env)
 
 
 def _signal_on_import(condition: str, signal_name: str) -> str:
@@ -1231,3 +1234,82 @@ def test_sigterm_while_a_command_loads_its_modules_is_one_line():
     # `from .bundle import ...`: name "bundle", level 1
     done = _command("verify", "nowhere", code=_signal_on_import("name == 'bundle' and args[-1:] == (1,)", "SIGTERM"))
     assert (done.returncode, done.stderr) == (143, "error: interrupted\n")
+
+
+# --- generate shows its text as it comes ----------------------------------------------------------
+
+class _ScriptedTokenizer:
+    """decode() gives the scripted text for the number of ids it is given."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.texts[len(ids) - 1]
+
+
+def test_the_text_stream_waits_for_a_character_s_last_byte_and_never_takes_back():
+    from gemma_export.runtime import TextStream
+
+    pieces = []
+    # an emoji's bytes over two ids (byte fallback): the first decode ends in U+FFFD
+    stream = TextStream(_ScriptedTokenizer(["ab", "ab\ufffd", "ab🍣", "ab🍣 c"]), pieces.append)
+    for token_id in range(4):
+        stream.add(token_id)
+    stream.finish("ab🍣 c")
+    assert pieces == ["ab", "🍣", " c"] and "".join(pieces) == "ab🍣 c"
+    # a decode that rewrites what was shown is not shown (nothing can be taken back); the end adds the rest
+    pieces.clear()
+    stream = TextStream(_ScriptedTokenizer(["x", "yz"]), pieces.append)
+    stream.add(0)
+    stream.add(1)
+    stream.finish("xz")
+    assert pieces == ["x", "z"]
+
+
+def test_generate_gives_its_text_piece_by_piece_and_no_prompt_before_a_refusal(tiny_int8_export):
+    from gemma_export.runtime import generate
+
+    pieces = []
+    result = generate(tiny_int8_export, "the fox", max_new_tokens=6, on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == result.text  # as the ids came, not at the end
+    shown = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox", "--max-new-tokens", "6"])
+    assert shown.exit_code == 0 and shown.stdout == "the fox" + result.text + "\n"
+    refused = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox",
+                                  "--max-new-tokens", "300"])  # more positions than the tiny model's 256
+    assert refused.exit_code == 2 and refused.stdout == "", refused.output
+
+
+def test_an_interrupt_while_a_command_prints_its_result_is_one_line(tiny_int8_export):
+    """Outside a command's body, where it prints what it did, SIGTERM exited 130 without a word
+    (helper-found); sent here while `inspect --json` turns its report into JSON."""
+    code = ("import os, signal\n"
+            "from gemma_export import inspect as module\n"
+            "def to_dict(self, top):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "module.Report.to_dict = to_dict\n")
+    done = _command("inspect", str(tiny_int8_export), "--json", code=code)
+    assert (done.returncode, done.stderr, done.stdout) == (143, "error: interrupted\n", "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_json_on_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_export):
+    """`--json -` was written without a flush, so its failure came at exit as a traceback and
+    status 120 (helper-found)."""
+    with open("/dev/full", "w") as full:
+        done = _command("generate", "--model", str(tiny_int8_export), "--prompt", "ab", "--max-new-tokens", "2",
+                        "--json", "-", stdout=full)
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (2, "error: cannot write to standard output: No space "
+                                                                  "left on device"), done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_a_command_run_in_process_leaves_sigterm_as_it_found_it(tiny_int8_export):
+    """Run through the Python API or CliRunner (no entry point), a command made SIGTERM raise in
+    the host process for good (helper-found); it now does so only while a command's body runs."""
+    import signal
+
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        pytest.skip("this test process handles SIGTERM itself")
+    assert runner.invoke(app, ["verify", str(tiny_int8_export)]).exit_code == 0
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
