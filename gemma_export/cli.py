@@ -397,7 +397,8 @@ def generate(
              "(prompt, prompt_ids, expected_ids, text, prefill_chunk, dtype) to this file ('-' = stdout)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Greedy-decode a prompt with onnxruntime and print the text.
+    """Greedy-decode a prompt with onnxruntime and print the prompt and the new text as it comes,
+    then the timings (on stderr).
 
     \b
     Example:
