@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from conftest import broken_copy
 from gemma_export.cli import app
 
 runner = CliRunner()
+#: this process's SIGTERM handling before any test ran: a command run in process must leave it so
+SIGTERM_AT_IMPORT = signal.getsignal(signal.SIGTERM)
 
 
 def _run(*args):
@@ -1155,14 +1158,14 @@ def _tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
-def _command(*args: str, stdout=None, code: str = "") -> subprocess.CompletedProcess:
+def _command(*args: str, stdout=None, code: str = "", preexec_fn=None) -> subprocess.CompletedProcess:
     """``gemma-export ARGS`` through the installed entry point, ``code`` run first in the process,
     with standard output buffered as a user's is (PYTHONUNBUFFERED, set on some machines, hid an
     unflushed write)."""
     script = f"import sys\n{code}\nfrom gemma_export.console import main\nsys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run([sys.executable, "-c", script, *args], stdout=stdout if stdout is not None else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=300, env=env)
+                          stderr=subprocess.PIPE, text=True, timeout=300, env=env, preexec_fn=preexec_fn)
 
 
 def _signal_on_import(condition: str, signal_name: str) -> str:
@@ -1265,6 +1268,12 @@ def test_the_text_stream_waits_for_a_character_s_last_byte_and_never_takes_back(
     stream.add(1)
     stream.finish("xz")
     assert pieces == ["x", "z"]
+    pieces.clear()
+    stream = TextStream(_ScriptedTokenizer(["ab", "xyz"]), pieces.append)
+    stream.add(0)
+    stream.add(1)
+    stream.finish("xyz")
+    assert pieces == ["ab"]  # not "z", the part of "xyz" as long as what was shown
 
 
 def test_generate_gives_its_text_piece_by_piece_and_no_prompt_before_a_refusal(tiny_int8_export):
@@ -1307,9 +1316,61 @@ def test_json_on_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_
 def test_a_command_run_in_process_leaves_sigterm_as_it_found_it(tiny_int8_export):
     """Run through the Python API or CliRunner (no entry point), a command made SIGTERM raise in
     the host process for good (helper-found); it now does so only while a command's body runs."""
-    import signal
-
-    if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
-        pytest.skip("this test process handles SIGTERM itself")
+    assert signal.getsignal(signal.SIGTERM) == SIGTERM_AT_IMPORT  # nor did the tests before this one
     assert runner.invoke(app, ["verify", str(tiny_int8_export)]).exit_code == 0
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == SIGTERM_AT_IMPORT
+
+
+def test_an_ignored_ctrl_c_stays_ignored_while_the_libraries_load():
+    """Under nohup, `trap '' INT` or as a background job Ctrl-C is ignored, and must stay so: the
+    command goes on (here to its refusal of a missing folder)."""
+    done = _command("verify", "nowhere", code=_signal_on_import("name == 'ml_dtypes'", "SIGINT"),
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 2 and done.stderr.startswith("error: nowhere"), done.stderr
+
+
+def test_a_reader_gone_while_generate_shows_its_text_ends_it_without_a_word(tiny_int8_export):
+    """Inside a command's body too: no "closed by its reader" line, status 141."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as gone:
+        done = _command("generate", "--model", str(tiny_int8_export), "--prompt", "the fox", "--max-new-tokens", "4",
+                        stdout=gone)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_generate_prints_the_prompt_when_there_is_no_new_text(tiny_int8_export, monkeypatch):
+    """An end-of-turn id first gives no piece of text: the prompt and the line's end still come."""
+    from gemma_export import runtime
+
+    real = runtime.generate
+
+    def without_text(*args, on_text=None, **kwargs):
+        result = real(*args, **kwargs)
+        return runtime.GenerationResult(result.prompt_ids, result.new_ids[:1], "", result.prefill_ms, [])
+
+    monkeypatch.setattr(runtime, "generate", without_text)
+    shown = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt", "the fox", "--max-new-tokens", "2"])
+    assert shown.exit_code == 0 and shown.stdout == "the fox\n", shown.output
+
+
+def test_generate_shows_a_last_character_whose_decode_never_completed(tiny_int8_export, monkeypatch):
+    """Pieces that end in U+FFFD wait for the next id; at the end the rest is shown all the same."""
+    from gemma_export import runtime
+
+    real_load = runtime.load_tokenizer
+
+    class Unfinished:
+        def __init__(self, tokenizer):
+            self._tokenizer = tokenizer
+
+        def decode(self, ids, skip_special_tokens=True):
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) + "\ufffd"
+
+        def __getattr__(self, name):
+            return getattr(self._tokenizer, name)
+
+    monkeypatch.setattr(runtime, "load_tokenizer", lambda model_dir: Unfinished(real_load(model_dir)))
+    pieces = []
+    result = runtime.generate(tiny_int8_export, "the fox", max_new_tokens=4, on_text=pieces.append)
+    assert result.text.endswith("\ufffd") and "".join(pieces) == result.text and len(pieces) == 1
