@@ -1158,14 +1158,16 @@ def _tree_digest(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
 
 
-def _command(*args: str, stdout=None, code: str = "", preexec_fn=None) -> subprocess.CompletedProcess:
+def _command(*args: str, stdout=None, code: str = "", shell: str = 'exec "$@"') -> subprocess.CompletedProcess:
     """``gemma-export ARGS`` through the installed entry point, ``code`` run first in the process,
     with standard output buffered as a user's is (PYTHONUNBUFFERED, set on some machines, hid an
-    unflushed write)."""
+    unflushed write). ``shell`` starts it from ``sh`` (``trap '' INT; exec "$@"``, ``exec "$@" >&-``),
+    not from a ``preexec_fn``, which forks this multithreaded process (JAX) to run Python code."""
     script = f"import sys\n{code}\nfrom gemma_export.console import main\nsys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    return subprocess.run([sys.executable, "-c", script, *args], stdout=stdout if stdout is not None else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, timeout=300, env=env, preexec_fn=preexec_fn)
+    return subprocess.run(["sh", "-c", shell, "sh", sys.executable, "-c", script, *args],
+                          stdout=stdout if stdout is not None else subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          timeout=300, env=env)
 
 
 def _signal_on_import(condition: str, signal_name: str) -> str:
@@ -1214,10 +1216,7 @@ def test_a_closed_standard_output_or_error_is_not_taken_for_success(tiny_int8_ex
     """`>&-` printed nothing and exited 0 (the result line went nowhere); `2>&1 | head -1` on an
     export exited 1 (helper-found): a reader gone from standard error ends the command as one gone
     from standard output does, and the writer cleans up."""
-    closed = subprocess.run([sys.executable, "-c", "import sys\nfrom gemma_export.console import main\n"
-                             "sys.argv = ['gemma-export', *sys.argv[1:]]\nmain()\n", "verify", str(tiny_int8_export)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300,
-                            preexec_fn=lambda: os.close(1))
+    closed = _command("verify", str(tiny_int8_export), stdout=subprocess.DEVNULL, shell='exec "$@" >&-')
     assert (closed.returncode, closed.stderr) == (2, "error: cannot write to standard output: it is closed\n")
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader of standard error is gone before the export's first progress line
@@ -1325,7 +1324,7 @@ def test_an_ignored_ctrl_c_stays_ignored_while_the_libraries_load():
     """Under nohup, `trap '' INT` or as a background job Ctrl-C is ignored, and must stay so: the
     command goes on (here to its refusal of a missing folder)."""
     done = _command("verify", "nowhere", code=_signal_on_import("name == 'ml_dtypes'", "SIGINT"),
-                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                    shell="trap '' INT; exec \"$@\"")
     assert done.returncode == 2 and done.stderr.startswith("error: nowhere"), done.stderr
 
 
