@@ -535,10 +535,13 @@ def export(
     early = out_dir is not None and (source is None or not _related(Path(out_dir), Path(source)))
     if early:
         _check_replaceable(Path(out_dir))
+    # an earlier export being replaced is said once: before the slow read when --out was checked early
+    replacing_told = False
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         destination = Path(out_dir) if out_dir is not None else None
         if early and destination is not None and destination.is_dir() and any(destination.iterdir()):
             status(f"{destination} holds an earlier export; it is replaced once this one is written and checked")
+            replacing_told = True
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if given_tokenizer is not None:
@@ -553,7 +556,7 @@ def export(
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
-    if status is not None and checked_state and len(checked_state) > 1:  # a non-empty folder it accepted: an export
+    if status is not None and not replacing_told and checked_state and len(checked_state) > 1:  # a non-empty folder it accepted: an export
         status(f"{out} holds an earlier export; it is replaced once this one is written and checked")
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
