@@ -1053,9 +1053,14 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class TextStream:
-    """The text of generated ids, given out piece by piece as the ids come: each piece is what the
-    decode of all ids so far adds to the decode before it. A decode that ends in U+FFFD (a character
-    whose bytes are not all generated yet, Gemma's byte fallback) waits for the next id.
+    """The text of generated ids, given out piece by piece as the ids come.
+
+    Each piece is what decoding the newest ids adds, decoded together with the ids of the piece
+    before them so that the tokenizer sees their context (a leading space, a character split over
+    ids): ``decode(ids[prefix:]) - decode(ids[prefix:read])``, the incremental decode of Hugging
+    Face's text-generation-inference. A decode that ends in U+FFFD (a character whose bytes are
+    not all generated yet, Gemma's byte fallback) waits for the next id. Each step decodes only the
+    last few ids, so a long generation costs linear time, not quadratic.
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
@@ -1066,21 +1071,28 @@ class TextStream:
         self._tokenizer = tokenizer
         self._emit = emit
         self._ids: list[int] = []
+        self._prefix = 0  # ids[prefix:read]: the context already shown, decoded again beside the new ids
+        self._read = 0  # ids before read are shown
         self.shown = ""
 
     def add(self, token_id: int) -> None:
         """Take one more id; emit what it adds to the text, if anything yet."""
         self._ids.append(token_id)
-        self._show(self._tokenizer.decode(self._ids, skip_special_tokens=True), final=False)
+        decode = self._tokenizer.decode
+        before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
+        after = decode(self._ids[self._prefix:], skip_special_tokens=True)
+        if after.endswith("\ufffd") or not after.startswith(before) or len(after) == len(before):
+            return  # (a decode that rewrites what was shown cannot be taken back: left as shown)
+        self._show(after[len(before):])
+        self._prefix, self._read = self._read, len(self._ids)
 
     def finish(self, text: str) -> None:
-        """Emit what ``text`` (the decode of all ids) adds to what was shown."""
-        self._show(text, final=True)
+        """Emit what ``text`` (the decode of all ids) adds to what was shown, if it extends it."""
+        if text.startswith(self.shown) and len(text) > len(self.shown):
+            self._show(text[len(self.shown):])
 
-    def _show(self, text: str, final: bool) -> None:
-        if (not final and text.endswith("\ufffd")) or not text.startswith(self.shown) or len(text) == len(self.shown):
-            return  # (a decode that rewrites what was shown cannot be taken back: left as shown)
-        piece, self.shown = text[len(self.shown):], text
+    def _show(self, piece: str) -> None:
+        self.shown += piece
         self._emit(piece)
 
 

@@ -1242,38 +1242,103 @@ def test_sigterm_while_a_command_loads_its_modules_is_one_line():
 # --- generate shows its text as it comes ----------------------------------------------------------
 
 class _ScriptedTokenizer:
-    """decode() gives the scripted text for the number of ids it is given."""
+    """decode() gives the scripted text for exactly the ids it is given (a tuple of ids as key)."""
 
     def __init__(self, texts):
         self.texts = texts
 
     def decode(self, ids, skip_special_tokens=True):
-        return self.texts[len(ids) - 1]
+        return self.texts[tuple(ids)]
 
 
-def test_the_text_stream_waits_for_a_character_s_last_byte_and_never_takes_back():
+def _byte_fallback_tokenizer():
+    """A word-level tokenizer with Gemma's byte fallback (``<0xNN>`` ids for bytes) and a decoder
+    that, like Llama's and early Gemma's, strips the leading space of what it decodes: the decode
+    of a window of ids differs from its part of the whole decode, which the stream must not show."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for word in ("\u2581the", "\u2581fox", "\u2581sushi", "\u2581jumps", ".", "\u2581\u00fcber"):
+        vocab[word] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tokenizer, vocab
+
+
+def test_the_text_stream_gives_the_whole_decode_over_split_characters_and_a_stripped_space():
+    from gemma_export.runtime import TextStream
+
+    tokenizer, vocab = _byte_fallback_tokenizer()
+    words = ["\u2581the", "\u2581\u00fcber", "\u2581fox", "\u2581jumps", "\u2581sushi", "."]
+    emoji = [vocab[f"<0x{b:02X}>"] for b in " 🍣".encode()]  # a space and 4 bytes, one id each
+    ids = [vocab[w] for w in words[:3]] + emoji + [vocab[w] for w in words[3:]] + emoji
+    calls = []
+
+    class Counting:
+        def decode(self, window, skip_special_tokens=True):
+            calls.append(len(window))
+            return tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+
+    pieces = []
+    stream = TextStream(Counting(), pieces.append)
+    for token_id in ids:
+        stream.add(token_id)
+    whole = tokenizer.decode(ids)
+    assert whole == "the über fox 🍣 jumps sushi. 🍣"
+    assert "".join(pieces) == whole  # each word's space kept, though a window's first one is stripped
+    assert not any("\ufffd" in piece for piece in pieces)  # the emoji waits for its fourth byte
+    assert "🍣" in pieces  # shown once whole
+    stream.finish(whole)
+    assert "".join(pieces) == whole  # nothing left over, nothing repeated
+    assert max(calls) <= 6  # the last shown id(s) and what is new, not every id so far
+
+
+def test_the_text_stream_decodes_a_long_generation_a_few_ids_at_a_time():
+    """Decoding every id so far at each step made a long generation quadratic: 9 ms a token at
+    16,000 tokens with the real tokenizer, as long as the model's step."""
+    from gemma_export.runtime import TextStream
+
+    tokenizer, vocab = _byte_fallback_tokenizer()
+    longest = []
+
+    class Counting:
+        def decode(self, window, skip_special_tokens=True):
+            longest.append(len(window))
+            return tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
+
+    pieces = []
+    stream = TextStream(Counting(), pieces.append)
+    ids = [vocab["\u2581the"], vocab["\u2581fox"], vocab["."]] * 700
+    for token_id in ids:
+        stream.add(token_id)
+    assert "".join(pieces) == tokenizer.decode(ids) and max(longest) <= 2
+
+
+def test_the_text_stream_never_takes_back():
     from gemma_export.runtime import TextStream
 
     pieces = []
-    # an emoji's bytes over two ids (byte fallback): the first decode ends in U+FFFD
-    stream = TextStream(_ScriptedTokenizer(["ab", "ab\ufffd", "ab🍣", "ab🍣 c"]), pieces.append)
-    for token_id in range(4):
-        stream.add(token_id)
-    stream.finish("ab🍣 c")
-    assert pieces == ["ab", "🍣", " c"] and "".join(pieces) == "ab🍣 c"
     # a decode that rewrites what was shown is not shown (nothing can be taken back); the end adds the rest
-    pieces.clear()
-    stream = TextStream(_ScriptedTokenizer(["x", "yz"]), pieces.append)
+    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "x", (0, 1): "yz"}), pieces.append)
     stream.add(0)
     stream.add(1)
     stream.finish("xz")
     assert pieces == ["x", "z"]
     pieces.clear()
-    stream = TextStream(_ScriptedTokenizer(["ab", "xyz"]), pieces.append)
+    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "ab", (0, 1): "xyz"}), pieces.append)
     stream.add(0)
     stream.add(1)
     stream.finish("xyz")
     assert pieces == ["ab"]  # not "z", the part of "xyz" as long as what was shown
+    pieces.clear()
+    # a decode that ends in U+FFFD waits, then is shown whole with the id that completes it
+    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "ab", (0, 1): "ab\ufffd", (1,): "\ufffd",
+                                            (0, 1, 2): "ab🍣", (1, 2): "🍣", (1, 2, 3): "🍣 c"}), pieces.append)
+    for token_id in range(4):
+        stream.add(token_id)
+    stream.finish("ab🍣 c")
+    assert pieces == ["ab", "🍣", " c"]
 
 
 def test_generate_gives_its_text_piece_by_piece_and_no_prompt_before_a_refusal(tiny_int8_export):
