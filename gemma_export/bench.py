@@ -570,8 +570,6 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
         GemmaExportError: matplotlib is not installed.
         OutputError: the file cannot be written (full disk, permissions), naming it.
     """
-    from .errors import OutputError
-
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(results):
@@ -584,17 +582,33 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(path)
+    try:
+        _write_whole(path, lambda temporary: fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png"), "--plot")
+    finally:
+        plt.close(fig)
+
+
+def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None:
+    """``write`` a temporary file beside ``path`` (beside the file a symbolic link names, so the
+    link stays), then rename it over ``path``: whole or not at all. Whatever stops it (a full disk,
+    Ctrl-C) removes the temporary file.
+
+    Raises:
+        OutputError: an ``OSError`` while writing, naming ``option`` and the file.
+    """
+    from .errors import OutputError
+
     if path.is_symlink():  # replace the file the link names, not the link
         path = Path(os.path.realpath(path))
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png")
+        write(temporary)
         os.replace(temporary, path)
-    except OSError as exc:
+    except BaseException as exc:
         temporary.unlink(missing_ok=True)
-        raise OutputError(f"--plot {path}: cannot write: {exc.strerror or exc}") from None
-    finally:
-        plt.close(fig)
+        if isinstance(exc, OSError):
+            raise OutputError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
+        raise
 
 
 def write_json(data: dict, path: str | Path | None) -> None:
@@ -624,12 +638,4 @@ def write_json(data: dict, path: str | Path | None) -> None:
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
         return
-    if path.is_symlink():  # replace the file the link names, not the link
-        path = Path(os.path.realpath(path))
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        temporary.write_text(text, encoding="utf-8")
-        os.replace(temporary, path)
-    except OSError as exc:
-        temporary.unlink(missing_ok=True)
-        raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
+    _write_whole(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), "--json")

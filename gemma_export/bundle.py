@@ -350,8 +350,8 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         manifest = {"board": board, "gemma_export_version": __version__,
                     "files": {rel: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for rel, p in listing.items()}}
         (staging / BUNDLE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
-    sizes[BUNDLE_MANIFEST] = (out / BUNDLE_MANIFEST).stat().st_size
+        sizes = {rel: entry["bytes"] for rel, entry in manifest["files"].items()}
+        sizes[BUNDLE_MANIFEST] = (staging / BUNDLE_MANIFEST).stat().st_size
     return BundleResult(out_dir, sizes)
 
 

@@ -46,7 +46,7 @@ from quant.int4 import SCALE_METHODS
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .console import StreamClosed, StreamError, Terminated, interrupts_raised
-from .errors import GemmaExportError, os_error_line
+from .errors import GemmaExportError, OutputWritten, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
 BENCH_BOARD_HELP = "; ".join(
@@ -202,6 +202,8 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             if debug:
                 raise
             _fail(GemmaExportError(os_error_line(exc)), debug)
+        except OutputWritten as exc:
+            _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
             _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 
@@ -213,6 +215,14 @@ def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
     _say_error("error: interrupted; nothing was written (an existing output folder is unchanged)" if writes
                else "error: interrupted")
     raise typer.Exit(signal_exit)
+
+
+def _interrupted_once_written(path: Path, what: str, signal: BaseException | None) -> None:
+    """Ctrl-C or SIGTERM (``signal``) once the output was in place (while the command reported what
+    it did): one line that says the output is complete, and 130 or 143 as for any interrupt."""
+    check = f" (`gemma-export verify {path}` checks it)" if what in ("export", "bundle") else ""
+    _say_error(f"error: interrupted; the {what} {path} is written and complete{check}")
+    raise typer.Exit(143 if isinstance(signal, Terminated) else 130)
 
 
 def _list_files(files: dict[str, int], width: int) -> None:
@@ -334,9 +344,8 @@ def main(
             close_bars()  # before any error line
     try:
         _export_summary(result, archive_bytes(result.out_dir))
-    except KeyboardInterrupt:  # the folder is already in place: say so, and do not report a failure
-        typer.echo(f"\ninterrupted while reporting; {result.out_dir} is written and complete "
-                   f"(gemma-export verify {result.out_dir} checks it)", err=True)
+    except KeyboardInterrupt as exc:  # the folder is already in place: say so
+        _interrupted_once_written(result.out_dir, "export", exc)
 
 
 def _export_summary(result, archive: int) -> None:

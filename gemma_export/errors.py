@@ -12,6 +12,7 @@ import json
 import numbers
 import os
 import re
+from pathlib import Path
 
 
 def shown(value, limit: int = 60) -> str:
@@ -155,3 +156,18 @@ class BudgetExceeded(ResourceError):
     parity's FAIL, so the CLI exits 1 (2 stays for bad input)."""
 
     exit_code = 1
+
+
+class OutputWritten(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM (the ``__cause__``) once an output was moved into place: the output is
+    complete, so the command must not say that nothing was written.
+
+    Attributes:
+        path: the output folder.
+        what: what it is ("export", "bundle", ...).
+    """
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"interrupted once the {what} {path} was in place")
+        self.path = path
+        self.what = what

@@ -35,7 +35,7 @@ from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens, non_regular
 from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
-                      staged_folder)
+                      reported_as_written, staged_folder)
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
 
@@ -629,13 +629,15 @@ def export(
             "files": {name: {"bytes": size, "sha256": file_sha256(staging / name)} for name, size in files.items()},
         }
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    files[MANIFEST_FILE] = (out / MANIFEST_FILE).stat().st_size
-    if replaced_copy and status is not None:
-        status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
-               "makes one for the new files")
-    return ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
-                        (quantization or {}).get("calibration"),
-                        tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None)
+        files[MANIFEST_FILE] = (staging / MANIFEST_FILE).stat().st_size
+        result = ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
+                              (quantization or {}).get("calibration"),
+                              tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None)
+    with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
+        if replaced_copy and status is not None:
+            status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
+                   "makes one for the new files")
+    return result
 
 
 #: Below this many calibration tokens an export notes that GPTQ's statistics are thin: on the real

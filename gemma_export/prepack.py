@@ -428,7 +428,8 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             (staging / PREPACKED_MANIFEST).write_text(json.dumps(record, indent=2) + "\n")
             sizes = {name: entry["bytes"] for name, entry in files.items()}
             sizes[PREPACKED_MANIFEST] = (staging / PREPACKED_MANIFEST).stat().st_size
-        return PrepackResult(out, sizes, time.perf_counter() - start, len(token_ids))
+            result = PrepackResult(out, sizes, time.perf_counter() - start, len(token_ids))
+        return result
 
 
 def verify(model_dir: str | Path) -> str:

@@ -19,25 +19,49 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from .errors import OutputError, VerificationError, check_utf8_path, is_sha256, shown
+from .errors import OutputError, OutputWritten, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
 @contextlib.contextmanager
 def interrupts_held() -> Iterator[None]:
     """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
-    arrives meanwhile is dropped, since the block completes the output anyway. Outside the main
-    thread (where handlers cannot be set) the block runs unprotected."""
+    arrives meanwhile is dropped, since the block completes the output anyway. Each handler is
+    restored even when a signal lands between two of the changes (the one it raises is raised after
+    all are restored). Outside the main thread (where handlers cannot be set) the block runs
+    unprotected."""
+    previous: dict[int, object] = {}
     try:
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, signal.SIG_IGN)
+        except ValueError:  # not the main thread
+            pass
         yield
     finally:
+        pending: BaseException | None = None
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            for _ in range(100):  # a signal raised mid-restore: restore again (it is idempotent)
+                try:
+                    # None: a handler installed from C, which Python cannot reinstall
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+                    break
+                except KeyboardInterrupt as exc:
+                    pending = pending or exc
+        if pending is not None:
+            raise pending
+
+
+@contextlib.contextmanager
+def reported_as_written(path: Path, what: str) -> Iterator[None]:
+    """For work done after :func:`staged_folder` moved ``path`` in: an interrupt there raises
+    :class:`OutputWritten` instead."""
+    try:
+        yield
+    except OutputWritten:
+        raise
+    except KeyboardInterrupt as exc:
+        raise OutputWritten(path, what) from exc
 
 
 #: how long :func:`staged_folder` waits for another process's lock on the output's parent, seconds
@@ -167,7 +191,9 @@ def remove_stale(out_dir: Path) -> Stale:
     (``.{name}.staging-*``, ``.{name}.old-*``), skipping any another process still holds and any
     modified in the last :data:`STALE_AFTER_SECONDS` (a writer locks its folder just after creating
     it). Where no lock can be taken (a file system without locks) none can be judged, and each is
-    reported as stuck. Returns what was removed, what could not be, and what was left alone."""
+    reported as stuck; so is an old-copy folder with something in it while ``out_dir`` is missing,
+    which may hold the only copy of the previous output. Returns what was removed, what could not
+    be, and what was left alone."""
     result = Stale([], [], [])
     now = time.time()
     for path in leftovers(out_dir):
@@ -177,6 +203,12 @@ def remove_stale(out_dir: Path) -> Stale:
             continue
         if young:
             result.kept.append(path)
+            continue
+        if path.name.startswith(hidden_prefix(out_dir) + OLD_TAG) and not (out_dir.exists() or out_dir.is_symlink()) \
+                and not _empty_folder(path):
+            # the folder a replaced output waits in, with no output in place: the only copy of it
+            result.stuck.append((path, f"it holds the previous {out_dir.name} and {out_dir} is missing (a writer "
+                                       "stopped between its two renames): move it back by hand"))
             continue
         with flocked(path) as held:
             if held is False:  # a live writer holds it
@@ -192,6 +224,14 @@ def remove_stale(out_dir: Path) -> Stale:
                 else:
                     result.stuck.append((path, problem))
     return result
+
+
+def _empty_folder(path: Path) -> bool:
+    """Whether ``path`` is a folder known to hold nothing (one that cannot be listed is not)."""
+    try:
+        return not any(path.iterdir())
+    except OSError:
+        return False
 
 
 def remove_tree(path: Path) -> str | None:
@@ -233,9 +273,14 @@ def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
                 raise
             try:
                 os.replace(staging, out_dir)
-            except BaseException:
-                os.replace(old / out_dir.name, out_dir)
-                old.rmdir()
+            except BaseException as exc:
+                try:
+                    os.replace(old / out_dir.name, out_dir)
+                    old.rmdir()
+                except OSError as again:
+                    raise OutputError(f"{out_dir}: moving the new output in failed ({_reason(exc)}) and putting the "
+                                      f"previous one back failed too ({_reason(again)}); the previous one is in "
+                                      f"{old / out_dir.name}: move it back by hand") from exc
                 raise
             problem = remove_tree(old)  # inside: an interrupt here would leave it behind
         return None if problem is None else (old, problem)
@@ -594,10 +639,17 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         for path in stale.kept:
             notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
                    "later run tries to remove it once it is neither")
+
+    def remove_created() -> None:
+        for folder in reversed(created):  # parents this call created, innermost first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=hidden_prefix(out_dir) + STAGING_TAG, dir=out_dir.parent))
     except OSError as exc:
+        _despite_interrupts(remove_created)
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {exc.strerror or exc}") from None
     before = folder_state(out_dir) if checked_state is AT_START else checked_state
     existed = before is not None
@@ -625,11 +677,14 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                 notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
                        f"left in {left[0]}: remove it by hand")
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, OutputWritten) and not staging.exists():
+            # the staging folder is gone only by its rename into place: the output is complete (an
+            # interrupt while the lock was released or a notice was told)
+            raise OutputWritten(out_dir, what) from exc
+
         def remove() -> None:
             shutil.rmtree(staging, ignore_errors=True)
-            for folder in reversed(created):  # parents this call created, innermost first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+            remove_created()
 
         _despite_interrupts(remove)
         if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
@@ -670,6 +725,11 @@ def _names_an_input(exc: OSError, out_dir: Path) -> bool:
 
 #: errno values of a write that found no room: a full disk, a file-size limit, a disk quota
 _NO_ROOM = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's reason in the OS's words, else its text, else its type."""
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
 
 
 def _describe(exc: OSError, folder: Path) -> str:

@@ -768,3 +768,134 @@ def test_a_second_interrupt_during_the_clean_up_does_not_cut_it_short(tmp_path, 
             raise KeyboardInterrupt
     assert sent and os.listdir(tmp_path) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works as before
+
+
+# --- an interrupt once the output is in place; the renames' own failures --------------------------
+
+@pytest.mark.parametrize("signal_error, status", [(KeyboardInterrupt, 130), ("Terminated", 143)])
+def test_an_interrupt_once_the_export_is_in_place_says_it_is_written(tiny_dir, tmp_path, monkeypatch,
+                                                                     signal_error, status):
+    """A signal after the rename (while the parent's lock was released, or a notice was told) said
+    'nothing was written (an existing output folder is unchanged)' about a replaced folder."""
+    from gemma_export.console import Terminated
+
+    error = Terminated if signal_error == "Terminated" else signal_error
+    moved = staging.move_into_place
+
+    def move_then_interrupt(staged, out_dir):
+        moved(staged, out_dir)
+        raise error
+
+    out = tmp_path / "out"
+    assert _export(tiny_dir, out, "fp32").exit_code == 0
+    before = _tree(out)
+    monkeypatch.setattr(staging, "move_into_place", move_then_interrupt)
+    result = _export(tiny_dir, out, "bf16")
+    assert result.exit_code == status, result.output
+    assert result.stderr.strip().splitlines()[-1] == (f"error: interrupted; the export {out} is written and complete "
+                                                      f"(`gemma-export verify {out}` checks it)")
+    assert _tree(out) != before and json.loads((out / "manifest.json").read_text())["dtype"] == "bf16"
+    assert exporter.verify_manifest(out)  # complete
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_an_interrupt_while_the_summary_prints_says_the_export_is_written(tiny_dir, tmp_path, monkeypatch):
+    """Ctrl-C while the summary prints: a helper found exit 130 with 'failed' for a written folder;
+    it is an interrupt (130, so that `&&` stops), said with the folder complete."""
+    from gemma_export import cli
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_list_files", interrupted)
+    out = tmp_path / "out"
+    result = _export(tiny_dir, out, "fp32")
+    assert result.exit_code == 130, result.output
+    assert result.stderr.endswith(f"error: interrupted; the export {out} is written and complete "
+                                  f"(`gemma-export verify {out}` checks it)\n")
+    assert exporter.verify_manifest(out)
+
+
+def test_interrupts_held_restores_both_handlers_when_a_signal_lands_mid_restore(monkeypatch):
+    """Handlers were changed in one comprehension and restored in a loop: a signal between two
+    changes left Ctrl-C ignored; a handler installed from C (None) raised TypeError on restore."""
+    real = signal.signal
+    restored = []
+    calls = {"n": 0}
+
+    def flaky(sig, handler):
+        calls["n"] += 1
+        previous = real(sig, handler)
+        if calls["n"] == 3:  # the first restore: as if SIGTERM landed right after it
+            raise KeyboardInterrupt
+        if calls["n"] > 2:
+            restored.append((sig, handler))
+        return None if sig == signal.SIGTERM else previous  # SIGTERM's as a C-installed handler
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(signal, "signal", flaky)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with staging.interrupts_held():
+                assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGINT) == before[0]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # not None: put back as the default
+        assert (signal.SIGINT, before[0]) in restored and (signal.SIGTERM, signal.SIG_DFL) in restored
+    finally:
+        real(signal.SIGINT, before[0])
+        real(signal.SIGTERM, before[1])
+
+
+def test_a_staging_folder_that_cannot_be_made_leaves_no_parent_folders(tmp_path, monkeypatch):
+    import errno
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def no_more_files(suffix=None, prefix=None, dir=None):  # the staging folder's (the writability probe's passes)
+        if prefix and staging.STAGING_TAG in prefix:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(suffix, prefix, dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", no_more_files)
+    with pytest.raises(OutputError, match="cannot create the export folder: Too many open files"):
+        with staging.staged_folder(tmp_path / "a" / "b" / "out", "export"):
+            pass
+    assert os.listdir(tmp_path) == []  # a/ and a/b/ were made by this call: gone with it
+
+
+def test_a_failed_move_whose_undo_fails_names_where_the_previous_output_is(tmp_path, monkeypatch):
+    """The second rename failed and putting the old folder back failed too: the second error hid the
+    first and the previous output sat in .out.old-* unnamed, where a later run deleted it as stale."""
+    import errno
+
+    out, new = tmp_path / "out", tmp_path / ".out.staging-x"
+    for folder, text in ((out, "previous"), (new, "new")):
+        folder.mkdir()
+        (folder / "model.onnx").write_text(text)
+    real = os.replace
+    calls = {"n": 0}
+
+    def failing(src, dst):
+        calls["n"] += 1
+        if calls["n"] >= 2:  # the move in, and the move back
+            raise OSError(errno.EIO, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(OutputError) as caught:
+        staging.move_into_place(new, out)
+    monkeypatch.setattr(os, "replace", real)
+    old = next(p for p in tmp_path.iterdir() if p.name.startswith(".out.old-"))
+    assert str(caught.value) == (f"{out}: moving the new output in failed (Input/output error) and putting the previous "
+                                 f"one back failed too (Input/output error); the previous one is in {old / 'out'}: "
+                                 "move it back by hand")
+    assert (old / "out" / "model.onnx").read_text() == "previous"
+    # a later run must not delete it as a killed writer's leftover while out/ is missing
+    past = time.time() - 2 * STALE_AFTER_SECONDS
+    os.utime(old, (past, past))
+    stale = staging.remove_stale(out)
+    assert stale.removed == [] and [p for p, _ in stale.stuck] == [old]
+    assert "holds the previous out and" in stale.stuck[0][1] and (old / "out" / "model.onnx").is_file()
+    real(old / "out", out)  # once it is back, the empty folder goes as before
+    os.utime(old, (past, past))
+    assert staging.remove_stale(out).removed == [old]

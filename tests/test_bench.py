@@ -626,7 +626,7 @@ class _FakeFigure:
     """Stands in for a matplotlib figure: ``savefig`` writes ``data`` to the file it is given, then
     raises ``error`` if one is set (a disk that fills up mid-write)."""
 
-    def __init__(self, data: bytes, error: OSError | None):
+    def __init__(self, data: bytes, error: BaseException | None):
         self.data, self.error, self.saved_to = data, error, []
 
     def tight_layout(self):
@@ -664,6 +664,33 @@ def test_a_plot_that_fails_mid_write_leaves_the_previous_file_and_no_temporary(t
     assert picture.read_bytes() == b"the previous plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]  # the half-written temporary removed
     assert figure.saved_to[0] != picture  # written beside it, not over it
+
+
+@pytest.mark.parametrize("what", ["plot", "json"])
+def test_ctrl_c_while_a_report_is_written_leaves_no_temporary(tmp_path, monkeypatch, what):
+    """Only an OSError removed the temporary file: Ctrl-C or SIGTERM during savefig (hundreds of ms)
+    or the write left .NAME.tmp-PID beside the user's --json or --plot file."""
+    from pathlib import Path as _Path
+
+    target = tmp_path / ("curve.png" if what == "plot" else "report.json")
+    target.write_bytes(b"the previous report")
+    if what == "plot":
+        monkeypatch.setattr(bench_module, "_pyplot",
+                            lambda: _fake_pyplot(_FakeFigure(b"half a pl", KeyboardInterrupt())))
+    else:
+        real = _Path.write_text
+
+        def interrupted(self, *args, **kwargs):
+            real(self, "{half", encoding="utf-8")
+            raise KeyboardInterrupt
+        monkeypatch.setattr(_Path, "write_text", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if what == "plot":
+            bench_module.write_plot([_result_for_plot()], target)
+        else:
+            bench_module.write_json({"a": 1}, target)
+    assert target.read_bytes() == b"the previous report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
 
 
 def test_a_plot_replaces_the_file_a_link_names_and_keeps_the_link(tmp_path, monkeypatch):
