@@ -2,4 +2,5 @@
 
 from .console import main
 
-main()
+if __name__ == "__main__":  # importing the module (pydoc, autodoc) runs nothing
+    main()

@@ -538,10 +538,8 @@ def export(
     # an earlier export being replaced is said once: before the slow read when --out was checked early
     replacing_told = False
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
-        destination = Path(out_dir) if out_dir is not None else None
-        if early and destination is not None and destination.is_dir() and any(destination.iterdir()):
-            status(f"{destination} holds an earlier export; it is replaced once this one is written and checked")
-            replacing_told = True
+        if early:
+            replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if given_tokenizer is not None:
@@ -556,8 +554,8 @@ def export(
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
-    if status is not None and not replacing_told and checked_state and len(checked_state) > 1:  # a non-empty folder it accepted: an export
-        status(f"{out} holds an earlier export; it is replaced once this one is written and checked")
+    if status is not None and not replacing_told:
+        _tell_replacing(out, checked_state, status)
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_block = block_size_for(ckpt, block_size, default=WEIGHT_FORMATS[dtype].default_block_size)
@@ -638,6 +636,15 @@ def export(
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
                    "makes one for the new files")
     return result
+
+
+def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None]) -> bool:
+    """Tell ``status`` that ``out`` holds an earlier export, when its :func:`folder_state` ``state``
+    has entries (a non-empty folder that the checks accepted is an export); whether it told."""
+    if not state or len(state) <= 1:
+        return False
+    status(f"{out} holds an earlier export; it is replaced once this one is written and checked")
+    return True
 
 
 #: Below this many calibration tokens an export notes that GPTQ's statistics are thin: on the real

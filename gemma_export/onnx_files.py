@@ -9,6 +9,7 @@ and byte ranges inside them.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 from .errors import FormatError
 
@@ -64,7 +65,9 @@ def load_graph(model_path: str | Path):
 
 
 def check_external_data(model, model_path: Path) -> dict[str, int]:
-    """Check every external-data reference of ``model`` (loaded from ``model_path``).
+    """Check every external-data reference of ``model`` (loaded from ``model_path``): of its
+    initializers, sparse initializers and tensors in node attributes (``Constant``'s ``value``),
+    in the main graph, its subgraphs (``If``, ``Loop``, ``Scan``) and its functions.
 
     Returns:
         location → size in bytes of each data file.
@@ -72,7 +75,7 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
     Inline initializers are checked too: their data must hold what their dims and data type need.
 
     Raises:
-        FormatError: naming the initializer: a negative dimension; inline data of another size than
+        FormatError: naming the initializer (or node attribute): a negative dimension; inline data of another size than
             its dims and data type need; for external data, a location that is absolute, has a
             folder part (``..`` included), is missing, is a link or not a regular file, a ``length``
             that differs from what the dims and data type need, or ``offset + length`` past the
@@ -83,27 +86,27 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
 
     folder = Path(model_path).parent
     sizes: dict[str, int] = {}
-    for t in model.graph.initializer:
+    for label, t in _all_tensors(model):
         if any(d < 0 for d in t.dims):
-            raise FormatError(f"{model_path}: initializer '{t.name}' has shape {list(t.dims)}; dimensions must "
+            raise FormatError(f"{model_path}: {label} has shape {list(t.dims)}; dimensions must "
                               "not be negative")
         if t.data_location != onnx.TensorProto.EXTERNAL:
-            _check_inline_data(t, model_path)
+            _check_inline_data(t, model_path, label)
             continue
         info = {e.key: e.value for e in t.external_data}
         location = info.get("location", "")
         if not location or Path(location).name != location or location in (".", ".."):
-            raise FormatError(f"{model_path}: initializer '{t.name}' keeps its data at {location!r}; "
+            raise FormatError(f"{model_path}: {label} keeps its data at {location!r}; "
                               "expected a file name in the model's own folder")
         path = folder / location
         if path.is_symlink() or not path.is_file():
             what = "a link" if path.is_symlink() else "missing or not a regular file"
-            raise FormatError(f"{path}: external data of initializer '{t.name}' is {what}")
+            raise FormatError(f"{path}: external data of {label} is {what}")
         size = sizes.setdefault(location, path.stat().st_size)
         try:
             offset, length = int(info.get("offset", 0) or 0), int(info.get("length", 0) or 0)
         except ValueError:
-            raise FormatError(f"{model_path}: initializer '{t.name}' has a non-integer offset/length "
+            raise FormatError(f"{model_path}: {label} has a non-integer offset/length "
                               f"({info.get('offset')!r}, {info.get('length')!r})") from None
         expected = tensor_bytes(t)
         if "length" not in info and expected is not None:  # optional in ONNX: the dims and dtype give it
@@ -111,28 +114,66 @@ def check_external_data(model, model_path: Path) -> dict[str, int]:
             entry = t.external_data.add()
             entry.key, entry.value = "length", str(expected)
         elif expected is not None and length != expected:
-            raise FormatError(f"{model_path}: initializer '{t.name}' declares {length:,} bytes of external data; "
+            raise FormatError(f"{model_path}: {label} declares {length:,} bytes of external data; "
                               f"its shape {list(t.dims)} and data type need {expected:,}")
         if offset < 0 or length < 0 or offset + length > size:
-            raise FormatError(f"{path}: initializer '{t.name}' data [{offset}, {offset + length}) lies outside "
+            raise FormatError(f"{path}: {label} data [{offset}, {offset + length}) lies outside "
                               f"the file's {size} bytes")
     return sizes
 
 
-def _check_inline_data(tensor, model_path: Path) -> None:
-    """Raises FormatError when an inline initializer's data does not fill its dims and data type."""
+def _all_tensors(model) -> Iterator[tuple[str, object]]:
+    """Every ``TensorProto`` of ``model`` with a label for messages ("initializer 'w'"): initializers,
+    the parts of sparse initializers, and tensors held by node attributes, in the main graph, every
+    subgraph and every function (onnx/onnx.proto3: ``GraphProto``, ``AttributeProto``)."""
+
+    def of_sparse(sparse, label: str):
+        yield f"{label} values", sparse.values
+        yield f"{label} indices", sparse.indices
+
+    def of_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                where = f"tensor of node '{node.name or node.op_type}' attribute '{attr.name}'"
+                if attr.HasField("t"):
+                    yield where, attr.t
+                for tensor in attr.tensors:
+                    yield where, tensor
+                if attr.HasField("sparse_tensor"):
+                    yield from of_sparse(attr.sparse_tensor, where)
+                for sparse in attr.sparse_tensors:
+                    yield from of_sparse(sparse, where)
+                if attr.HasField("g"):
+                    yield from of_graph(attr.g)
+                for graph in attr.graphs:
+                    yield from of_graph(graph)
+
+    def of_graph(graph):
+        for t in graph.initializer:
+            yield f"initializer '{t.name}'", t
+        for sparse in graph.sparse_initializer:
+            yield from of_sparse(sparse, f"sparse initializer '{sparse.values.name}'")
+        yield from of_nodes(graph.node)
+
+    yield from of_graph(model.graph)
+    for function in model.functions:
+        yield from of_nodes(function.node)
+
+
+def _check_inline_data(tensor, model_path: Path, label: str) -> None:
+    """Raises FormatError, naming ``label``, when an inline tensor's data does not fill its dims and data type."""
     import onnx
 
     if tensor.HasField("raw_data"):
         expected = tensor_bytes(tensor)
         if expected is not None and len(tensor.raw_data) != expected:
-            raise FormatError(f"{model_path}: initializer '{tensor.name}' holds {len(tensor.raw_data):,} bytes of data; "
+            raise FormatError(f"{model_path}: {label} holds {len(tensor.raw_data):,} bytes of data; "
                               f"its shape {list(tensor.dims)} and data type need {expected:,}")
         return
     try:  # data in the typed fields (float_data, int32_data, ...): onnx reads them into the shape
         onnx.numpy_helper.to_array(tensor)
     except (ValueError, TypeError) as exc:
-        raise FormatError(f"{model_path}: initializer '{tensor.name}' data does not fit its shape {list(tensor.dims)} "
+        raise FormatError(f"{model_path}: {label} data does not fit its shape {list(tensor.dims)} "
                           f"({exc})") from None
 
 

@@ -353,7 +353,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     The export is first verified against its ``manifest.json``; the copy is kept only if its logits
     for a short prompt equal the export's bit for bit. An existing copy is replaced only then, and
     only if it is a copy this function wrote. The copy holds the export's weights and their packed
-    form (about 2 × the data file on disk). Leftovers of an interrupted run are removed first.
+    form (2–2.2 × the data file on disk, :data:`SPACE_FACTOR`). Leftovers of an interrupted run are removed first.
 
     Raises:
         SourceNotFoundError: ``model_dir`` is missing, a file, or not an export.

@@ -1059,20 +1059,30 @@ class TextStream:
     before them so that the tokenizer sees their context (a leading space, a character split over
     ids): ``decode(ids[prefix:]) - decode(ids[prefix:read])``, the incremental decode of Hugging
     Face's text-generation-inference. A decode that ends in U+FFFD (a character whose bytes are
-    not all generated yet, Gemma's byte fallback) waits for the next id. Each step decodes only the
-    last few ids, so a long generation costs linear time, not quadratic.
+    not all generated yet, Gemma's byte fallback) waits for up to 3 more ids (UTF-8 takes at most 4
+    bytes a character; after that the U+FFFD is the text, as in the whole decode). An id that adds
+    no text (a special token, skipped) is dropped. The context is at most :attr:`WINDOW` ids, so a
+    long generation costs linear time, not quadratic.
+
+    A decode that rewrites text already shown (not Gemma's tokenizer) cannot be taken back: it is
+    left as shown, and later pieces follow the rewritten text.
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
         emit: called with each piece (a non-empty ``str``).
     """
 
+    #: most ids of context decoded beside the new ones
+    WINDOW = 8
+    #: most ids a character's bytes span (UTF-8)
+    MAX_CHARACTER_IDS = 4
+
     def __init__(self, tokenizer, emit: Callable[[str], None]) -> None:
         self._tokenizer = tokenizer
         self._emit = emit
         self._ids: list[int] = []
-        self._prefix = 0  # ids[prefix:read]: the context already shown, decoded again beside the new ids
-        self._read = 0  # ids before read are shown
+        self._prefix = 0  # ids[prefix:read]: context already shown, decoded again beside the new ids
+        self._read = 0  # ids before read are shown (or added nothing)
         self.shown = ""
 
     def add(self, token_id: int) -> None:
@@ -1081,10 +1091,16 @@ class TextStream:
         decode = self._tokenizer.decode
         before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
         after = decode(self._ids[self._prefix:], skip_special_tokens=True)
-        if after.endswith("\ufffd") or not after.startswith(before) or len(after) == len(before):
-            return  # (a decode that rewrites what was shown cannot be taken back: left as shown)
-        self._show(after[len(before):])
-        self._prefix, self._read = self._read, len(self._ids)
+        if after == before:  # an id that adds nothing (a skipped special token): not kept as context
+            del self._ids[-1]
+            return
+        if after.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHARACTER_IDS:
+            return  # the character's next byte may come with the next id
+        if after.startswith(before) and len(after) > len(before):
+            self._show(after[len(before):])
+            self._prefix = self._read
+        self._read = len(self._ids)
+        self._prefix = max(self._prefix, self._read - self.WINDOW)
 
     def finish(self, text: str) -> None:
         """Emit what ``text`` (the decode of all ids) adds to what was shown, if it extends it."""
@@ -1111,7 +1127,8 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         prepacked: the folder's pre-packed copy, as in :class:`OnnxDecoder` (None: used when it
             was made on this machine from these files).
         on_text: called with each new piece of the decoded text while tokens are generated
-            (:class:`TextStream`); the pieces joined are the result's ``text``.
+            (:class:`TextStream`); the pieces joined are the result's ``text``, unless the
+            tokenizer's decode of later ids rewrites text already given (not Gemma's).
 
     Returns:
         A :class:`GenerationResult` (times in milliseconds).

@@ -205,8 +205,11 @@ class BlockInt4Weights:
             channel_weights = np.maximum(np.diagonal(as_hessian(hessian).matrix), 0.0)
         if channel_weights is not None:
             h = np.asarray(channel_weights, np.float32)
-            if h.shape != (k,) or not np.isfinite(h).all() or (h < 0).any():
+            if h.shape != (k,):
                 raise ValueError(f"channel_weights must be {k} finite values >= 0, found shape {h.shape}")
+            if not np.isfinite(h).all() or (h < 0).any():
+                bad = int(np.flatnonzero(~(np.isfinite(h) & (h >= 0)))[0])
+                raise ValueError(f"channel_weights must be {k} finite values >= 0, found {h[bad]} at index {bad}")
             h = h.reshape(nb, block_size)
         # With a Hessian only the scales (and zero points) come from this pass; GPTQ writes the codes.
         data = np.empty((n, nb, block_size // 2), np.uint8) if hessian is None else None

@@ -1301,6 +1301,32 @@ def test_the_text_stream_decodes_a_long_generation_a_few_ids_at_a_time():
     assert "".join(pieces) == tokenizer.decode(ids) and max(longest) <= 2
 
 
+def test_the_text_stream_stays_short_over_special_tokens_and_bytes_that_never_complete():
+    """An id that added no text (a skipped special token) or a U+FFFD that never completed kept the
+    decode window growing: quadratic again, and nothing shown until the end."""
+    from gemma_export.runtime import TextStream
+
+    tokenizer, vocab = _byte_fallback_tokenizer()
+    longest = []
+
+    class Counting:
+        def decode(self, window, skip_special_tokens=True):
+            longest.append(len(window))
+            # id 0 (<unk>) stands for a special token: skipped
+            return tokenizer.decode([i for i in window if i != 0], skip_special_tokens=skip_special_tokens)
+
+    pieces = []
+    stream = TextStream(Counting(), pieces.append)
+    ids = [vocab["\u2581the"]] + [0] * 300 + [vocab["\u2581fox"]] + [vocab["<0xF0>"]] * 300 + [vocab["."]]
+    for token_id in ids:
+        stream.add(token_id)
+    assert max(longest) <= TextStream.WINDOW + TextStream.MAX_CHARACTER_IDS
+    whole = Counting().decode(ids)
+    assert whole.startswith("the fox\ufffd") and whole.endswith("\ufffd.")
+    assert "".join(pieces) == whole  # the lone bytes shown as U+FFFD, as the whole decode shows them
+    assert pieces[:2] == ["the", " fox"]  # the space after 300 skipped ids kept
+
+
 def test_the_text_stream_never_takes_back():
     from gemma_export.runtime import TextStream
 
@@ -1367,9 +1393,38 @@ def test_json_on_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_
 def test_a_command_run_in_process_leaves_sigterm_as_it_found_it(tiny_int8_export):
     """Run through the Python API or CliRunner (no entry point), a command made SIGTERM raise in
     the host process for good (helper-found); it now does so only while a command's body runs."""
+    from gemma_export import console, exporter
+
     assert signal.getsignal(signal.SIGTERM) == SIGTERM_AT_IMPORT  # nor did the tests before this one
-    assert runner.invoke(app, ["verify", str(tiny_int8_export)]).exit_code == 0
-    assert signal.getsignal(signal.SIGTERM) == SIGTERM_AT_IMPORT
+    # from the default (a test runner may handle SIGTERM itself, and then the command leaves it alone)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    during = []
+    real = exporter.verify_manifest
+
+    def watched(folder):
+        during.append(signal.getsignal(signal.SIGTERM))
+        return real(folder)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(exporter, "verify_manifest", watched)
+            assert runner.invoke(app, ["verify", str(tiny_int8_export)]).exit_code == 0
+        assert during == [console._raise_terminated]  # raising while the body ran, so writers clean up
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # and the default again after it
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_importing_the_package_s_main_module_runs_nothing():
+    """`import gemma_export.__main__` (pydoc, autodoc) ran the command line and raised SystemExit."""
+    import importlib
+
+    import gemma_export.__main__ as module
+
+    importlib.reload(module)  # a second import in this process too
+    done = subprocess.run([sys.executable, "-m", "gemma_export.cli", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("gemma-export "), done.stderr
 
 
 def test_an_ignored_ctrl_c_stays_ignored_while_the_libraries_load():

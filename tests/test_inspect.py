@@ -149,6 +149,54 @@ def test_external_data_sizes_pack_4_bit_types_two_per_byte_and_name_a_negative_o
     assert {e.key: e.value for e in model.graph.initializer[0].external_data}["length"] == "16"
 
 
+def _outside_tensor(name="c", location="../secret.bin"):
+    t = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=[4], data_location=TensorProto.EXTERNAL)
+    t.external_data.add(key="location", value=location)
+    return t
+
+
+@pytest.mark.parametrize("where", ["Constant", "subgraph", "function", "sparse"])
+def test_external_data_outside_initializers_is_checked_too(tmp_path, where):
+    """Only graph.initializer was checked: a Constant's tensor, a subgraph's initializer, a
+    function's Constant or a sparse initializer could name '../secret.bin', which `dedupe` then
+    read and copied into its output."""
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 16)
+    folder = tmp_path / "m"
+    folder.mkdir()
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    constant = helper.make_node("Constant", [], ["y"], name="c", value=_outside_tensor())
+    functions = []
+    if where == "Constant":
+        graph = helper.make_graph([constant], "g", [], [out])
+        label = "tensor of node 'c' attribute 'value'"
+    elif where == "subgraph":
+        branch = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "b", [], [out],
+                                   initializer=[_outside_tensor("w", "/etc/passwd")])
+        cond = helper.make_tensor_value_info("cond", TensorProto.BOOL, [])
+        graph = helper.make_graph([helper.make_node("If", ["cond"], ["y"], name="if", then_branch=branch,
+                                                    else_branch=branch)], "g", [cond], [out])
+        label = "initializer 'w' keeps its data at '/etc/passwd'"
+    elif where == "function":
+        functions = [helper.make_function("local", "F", [], ["y"], [constant], [helper.make_opsetid("", 21)])]
+        graph = helper.make_graph([helper.make_node("F", [], ["y"], domain="local")], "g", [], [out])
+        label = "tensor of node 'c' attribute 'value'"
+    else:
+        indices = helper.make_tensor("i", TensorProto.INT64, [1], [0])
+        sparse = helper.make_sparse_tensor(_outside_tensor("s"), indices, [4])
+        graph = helper.make_graph([helper.make_node("Identity", ["s"], ["y"])], "g", [], [out])
+        graph.sparse_initializer.append(sparse)
+        label = "sparse initializer 's' values"
+    model = helper.make_model(graph, functions=functions, opset_imports=[helper.make_opsetid("", 21),
+                                                                         helper.make_opsetid("local", 1)])
+    path = folder / "model.onnx"
+    onnx.save(model, str(path))
+    for command in (["inspect", str(path)], ["dedupe", str(path), "--out", str(tmp_path / "out")]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith(f"error: {path}: {label}"), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "secret.bin"]  # no output
+
+
 def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     out = export(tiny_dir, tmp_path / "e", "int8", block_size=16).out_dir
     result = CliRunner().invoke(app, ["inspect", str(out / "model.onnx"), "--json", "--top", "1000"])
