@@ -272,7 +272,7 @@ def main(
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8)."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8; --all-logits and --debug-outputs add -all-logits and -debug-outputs)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
@@ -463,7 +463,7 @@ def generate(
     decode = result.decode_ms[1:] if len(result.decode_ms) > 1 else result.decode_ms
     timing = f", decode median {statistics.median(decode):.1f} ms/token" if decode else ", no decode step"
     typer.echo(f"[{len(result.prompt_ids)} prompt token{'' if len(result.prompt_ids) == 1 else 's'}, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
-               f"{timing}; {'pre-packed copy' if result.prepacked else 'export graph, weights packed on the heap'}]", err=True)
+               f"{timing}; {'pre-packed copy' if result.prepacked else 'weights packed while loading, no pre-packed copy'}]", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked:

@@ -551,6 +551,8 @@ def export(
         ckpt = dataclasses.replace(ckpt, tokenizer=given_tokenizer)
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
     name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
+    # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one
+    name += "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move

@@ -1382,3 +1382,19 @@ def test_an_initializer_name_given_twice_is_refused_not_overwritten():
     with pytest.raises(ValueError, match="initializer 'w' defined twice"):
         g.initializer(ir.tensor(np.zeros(3, np.float32), name="w"))
     assert g.initializers["w"] is first and np.array_equal(first.const_value.numpy(), np.ones(3, np.float32))
+
+
+def test_graphs_with_extra_outputs_get_their_own_default_folder(tiny_dir, tmp_path, monkeypatch):
+    """An --all-logits export went to <model>-onnx-fp32, the folder a plain fp32 export replaces
+    (fresh-user finding); int4 with an int8 table already had its own."""
+    import shutil
+
+    src = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, src)
+    monkeypatch.chdir(tmp_path)
+    plain = export(src, None, "fp32").out_dir
+    every = export(src, None, "fp32", all_logits=True).out_dir
+    debug = export(src, None, "fp32", all_logits=True, debug_outputs=True).out_dir
+    assert (plain.name, every.name, debug.name) == ("tiny-onnx-fp32", "tiny-onnx-fp32-all-logits",
+                                                    "tiny-onnx-fp32-all-logits-debug-outputs")
+    assert json.loads((plain / "manifest.json").read_text())["all_logits"] is False  # not replaced by the others
