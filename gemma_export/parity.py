@@ -20,6 +20,7 @@ The verdict applies per-dtype thresholds (``THRESHOLDS``) to the figures pooled 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -121,8 +122,9 @@ class ParityReport:
 # ---- inputs -------------------------------------------------------------------------------------
 def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, list[int]]]:
     """``(text, ids)`` per prompt. ``path``: a text file (one prompt per non-empty line) or a JSON
-    list of strings and/or id lists; None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the
-    export's tokenizer (``<bos>`` prepended).
+    list of strings and/or id lists (a ``.json`` file, or any file that holds a JSON list, such as
+    ``/dev/stdin``); None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the export's tokenizer
+    (``<bos>`` prepended).
 
     Args:
         path: the prompts file, or None.
@@ -141,6 +143,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     else:
         path = Path(path)
         raw = read_text_file(path, "prompts file")
+        items = None
         if path.suffix.lower() == ".json":
             try:
                 items = json.loads(raw)
@@ -148,7 +151,11 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
                 raise FormatError(f"{path}: not JSON: {exc}") from None
             if not isinstance(items, list):
                 raise FormatError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
-        else:
+        elif raw.lstrip().startswith("["):  # a JSON list under another name (ids.txt, /dev/stdin)
+            with contextlib.suppress(ValueError, RecursionError):
+                parsed = json.loads(raw)
+                items = parsed if isinstance(parsed, list) else None
+        if items is None:
             items = [line for line in raw.splitlines() if line.strip()]
     prompts = []
     for n, item in enumerate(items):
@@ -232,6 +239,10 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         raise GemmaExportError(f"--prompts: with --golden alone the golden entries carry their own prompts ({path}); "
                                "--prompts applies to --against transformers and --reference")
     if bare:
+        if not prompts:
+            raise FormatError(f"{path}: a bare list of expected ids continues the first prompt, and the export has no "
+                              "tokenizer.json for the default prompts; give --prompts with token ids (a JSON list of "
+                              "id lists), or write the golden file as objects with prompt_ids and expected_ids")
         if prompts_file is not None and len(prompts) > 1:
             raise GemmaExportError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
                                    f"{prompts_file} gives {len(prompts)}: give a --prompts file holding that prompt "
@@ -417,8 +428,9 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     tokenizer_path = model_dir / "tokenizer.json"
     tokenizer = load_tokenizer(model_dir) if tokenizer_path.exists() or tokenizer_path.is_symlink() else None
     # the prompt and golden files are read before the (slow) session, so their errors come first
-    prompt_list = read_prompts(prompts, tokenizer)
     golden_only = not (against_transformers or reference)
+    # the default prompts are text: an export without a tokenizer runs a golden file's own prompt ids
+    prompt_list = [] if golden_only and prompts is None and tokenizer is None else read_prompts(prompts, tokenizer)
     golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None) if golden else []
 
     def check_inputs(vocab: int | None, limit: int | None) -> None:

@@ -259,6 +259,30 @@ def test_golden_files(tiny_int8_export, tmp_path):
     assert [p["golden"]["first_mismatch"] for p in report["prompts"]] == [3, 0]
 
 
+def test_golden_ids_run_on_an_export_without_a_tokenizer(int8_debug_export, tmp_path):
+    """The default prompts (text) were read first: on an export without tokenizer.json (any export
+    of the board team's reference MLIR) --golden said to give --prompts, and --prompts was refused
+    beside --golden (helper-found). A prompts file of ids counts whatever its name."""
+    decoder = OnnxDecoder(int8_debug_export)
+    prompt = [2, 7, 8, 9]
+    expected, _, _ = decoder.greedy(prompt, 4, stop_ids=())
+    entries = tmp_path / "golden.json"
+    entries.write_text(json.dumps([{"prompt_ids": prompt, "expected_ids": expected}]))
+    result = _parity("--model", int8_debug_export, "--golden", entries)
+    assert result.exit_code == 0 and "golden entry #0: match" in result.stdout, result.output
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(expected))  # continues the first prompt: none without a tokenizer
+    result = _parity("--model", int8_debug_export, "--golden", bare)
+    assert result.exit_code == 2 and result.stderr == (
+        f"error: {bare}: a bare list of expected ids continues the first prompt, and the export has no tokenizer.json "
+        "for the default prompts; give --prompts with token ids (a JSON list of id lists), or write the golden file "
+        "as objects with prompt_ids and expected_ids\n"), result.output
+    ids = tmp_path / "ids.PROMPTS"  # a JSON list of ids without the .json suffix
+    ids.write_text(json.dumps([prompt]))
+    result = _parity("--model", int8_debug_export, "--golden", bare, "--prompts", ids)
+    assert result.exit_code == 0 and "golden entry #0: match" in result.stdout, result.output
+
+
 @pytest.mark.parametrize("golden_kind, args, message", [
     ("objects", ["--prompts", "prompts.json"], "--prompts: with --golden alone the golden entries carry their own prompts"),
     ("bare", ["--prompts", "two.json"], "two.json gives 2: give a --prompts file holding that prompt alone, or write the "
