@@ -493,3 +493,37 @@ def test_a_rope_table_of_hidden_positions_is_not_taken_for_the_down_projection(t
     assert mapped.config.intermediate_size == inter
     assert [g.name for g in mapped.skipped] == ["t7", "t8"]
     assert mapped.weights["model.layers.0.mlp.down_proj.weight"].name == "t14"
+
+
+def test_declarations_in_another_order_map_by_the_tracer_ids(ref_model, tmp_path):
+    """Globals were mapped in the order the file declares them: two same-shaped declarations
+    swapped (k_proj and v_proj of layer 0 here) exported the wrong weights without a word, while
+    IREE ran the same model (helper-found). The names tN are the tracer's ids, in trace order."""
+    def swap_k_and_v(lines, archive):
+        shapes = [line.split("tensor<")[1] if "util.global private" in line else "" for line in lines]
+        k = next(i for i, s in enumerate(shapes) if s.startswith("32x64x"))  # the first [kv_heads * head_dim, hidden]
+        v = next(i for i, s in enumerate(shapes) if i > k and s.startswith("32x64x"))
+        lines[k], lines[v] = lines[v], lines[k]
+
+    plain = export(write_reference(ref_model, tmp_path / "plain"), tmp_path / "a", "fp32").out_dir
+    swapped = write_reference(ref_model, tmp_path / "swapped", edit=swap_k_and_v)
+    assert swapped.read_text() != (tmp_path / "plain" / "gemma.mlir").read_text()
+    out = export(swapped, tmp_path / "b", "fp32").out_dir
+    assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes()
+
+
+@pytest.mark.parametrize("cut", ["in the function", "after the globals"])
+def test_a_reference_cut_short_is_refused(ref_model, tmp_path, cut):
+    """An MLIR cut to its first 200 KB exported without a word (helper-found): its weights may
+    still all be there, but the file is not the one the board team wrote."""
+    mlir = write_reference(ref_model, tmp_path / "ref")
+    lines = mlir.read_text().splitlines()
+    keep = len(lines) - 2 if cut == "in the function" else next(i for i, l in enumerate(lines) if "func.func" in l)
+    mlir.write_text("\n".join(lines[:keep]) + "\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    error = result.stderr.splitlines()[-1]
+    assert error.startswith(f"error: {mlir}: ends with ") and error.endswith("not the '}' that closes its module; the "
+                                                                             "file is cut short"), result.stderr
+    assert not out.exists()

@@ -116,7 +116,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
     Raises:
         SourceNotFoundError: no such file.
         FormatError: a safetensors archive given instead, a line over 1 MiB, a global with a
-            dynamic or unknown tensor type, a global declared twice, or no global at all.
+            dynamic or unknown tensor type, a global declared twice, no global at all, or a file
+            that does not end with the ``}`` closing its module (cut short).
     """
     path = require_file(path, "reference MLIR file")
     with open(path, "rb") as f:
@@ -126,10 +127,14 @@ def parse_mlir(path: str | Path) -> MlirModule:
     globals_: list[MlirGlobal] = []
     functions: list[MlirFunction] = []
     seen: set[str] = set()
+    last = b""  # the last line that is not blank or a comment: a whole module's closing brace
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if len(raw) > MAX_LINE_BYTES:
                 raise FormatError(f"{path}:{number}: line of {len(raw):,} bytes exceeds 1 MiB; not reference MLIR text")
+            stripped = raw.strip()
+            if stripped and not stripped.startswith(b"//"):
+                last = stripped
             if b"util.global" not in raw and b"func.func" not in raw:
                 continue
             line = raw.decode("utf-8", errors="replace")
@@ -156,6 +161,9 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")), number))
     if not globals_:
         raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference export")
+    if not last.endswith(b"}"):
+        raise FormatError(f"{path}: ends with {last.decode('utf-8', 'replace')[-60:]!r}, not the '}}' that closes its "
+                          "module; the file is cut short")
     return MlirModule(path, tuple(globals_), tuple(functions))
 
 
@@ -254,8 +262,16 @@ class GlobalMap:
     config: GemmaConfig
 
 
+def _trace_id(name: str) -> int | None:
+    """N of a tracer's global name ``tN`` (reference-format: the ids are sparse and in trace order),
+    else None."""
+    m = re.fullmatch(r"t(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
 def map_globals(module: MlirModule) -> GlobalMap:
     """Assign the globals to Gemma 3 weights by trace order and shape (see the module docstring);
+    the trace order is that of the tracer's ids ``tN`` when every name is one, else the file's;
     :func:`read_reference` then confirms the map with values (every norm gain must look like 1 + w).
 
     Raises:
@@ -280,6 +296,9 @@ def map_globals(module: MlirModule) -> GlobalMap:
             raise FormatError(f"{where}:{g.line}: @{g.name} names no global @{g.name[: -len('_scale')]}; expected "
                               "the per-row scales of an int8 global")
     order = [g for g in module.globals if g not in scales.values()]
+    traced = [_trace_id(g.name) for g in order]
+    if all(n is not None for n in traced):  # the tracer's ids are its order, whatever the declarations' order
+        order = [g for _, g in sorted(zip(traced, order), key=lambda pair: pair[0])]
     if not order or len(order[0].shape) != 2:
         raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "
                           f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
