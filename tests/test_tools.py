@@ -143,6 +143,13 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
     ("bench_inspect.py", ["--runs", "0"], "argument --runs: expected 1 to 100, found 0"),
     ("make_reference_export.py", ["--out", ""], "argument --out: empty path"),
     ("genai_anchor.py", ["--python", "/nonexistent/python", "--out", "{tmp}/g"], "/nonexistent/python: no such file"),
+    # a program that exits 0 passed the import probe, and the script ended 0 with no output (helper-found)
+    ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{tmp}/g"],
+     "--python /usr/bin/true: not a Python that imports onnxruntime_genai's builder: it printed '', exit status 0"),
+    ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{model}"],
+     "an export of gemma-export (it has our manifest.json); the builder would write into it"),
+    ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{tmp}"], "a folder with files and no genai_config.json"),
+    ("bench_export.py", ["--dtypes", "int8,int8"], "int8 is given twice in 'int8,int8'; give each dtype once"),
     ("aarch64/parity.py", ["prepare", "--model", "{model}", "--out", "{tmp}"], "is a folder, expected a file name"),
     ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/a-file", "--out", "{tmp}/x86"],
      "expected a file name ending in .npz"),
@@ -342,3 +349,48 @@ def test_a_llama_build_that_crashes_is_one_error_line_before_any_timing(monkeypa
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(ImportError):
         bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")
+
+
+def _gguf(path, architecture="gemma3", rows=96, cut=0):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if cut:
+        path.write_bytes(path.read_bytes()[:-cut])
+    return path
+
+
+def test_comparison_scripts_refuse_models_that_cannot_run_before_any_timing(tiny_int8_export, tmp_path):
+    """bench_side_by_side ran llama.cpp first and then died in onnxruntime's Gather (ids of the
+    270M's tokenizer in a 96-row table), or timed a 256-position model at 304 positions;
+    quality_anchor scored everything, then failed on a truncated or llama GGUF with a traceback."""
+    import shutil
+
+    from _args import check_exports_fit, check_gguf_model
+    from gemma_export.errors import FormatError, GemmaExportError
+
+    models = {"x": tiny_int8_export}
+    assert check_exports_fit(models, [2, 95], 256) == 96
+    with pytest.raises(GemmaExportError, match=r"its vocabulary has 96 ids, and the text's ids .* reach 236,819"):
+        check_exports_fit(models, [2, 236_819], 16)
+    with pytest.raises(GemmaExportError, match="max_position_embeddings is 256, and this run needs 304 positions"):
+        check_exports_fit(models, [2, 5], 304)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_int8_export, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["config"]["vocab_size"] = 128
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GemmaExportError, match=r"--models have different vocabularies \(x 96, y 128\)"):
+        check_exports_fit({"x": tiny_int8_export, "y": other}, [2, 5], 16)
+    check_gguf_model(_gguf(tmp_path / "ok.gguf"), 96)
+    with pytest.raises(FormatError, match="general.architecture is 'llama'; expected 'gemma3'"):
+        check_gguf_model(_gguf(tmp_path / "llama.gguf", "llama"), 96)
+    with pytest.raises(FormatError, match="token_embd.weight has 50 rows; the exports' vocabulary has 96"):
+        check_gguf_model(_gguf(tmp_path / "small.gguf", rows=50), 96)
+    with pytest.raises(FormatError, match="truncated"):
+        check_gguf_model(_gguf(tmp_path / "cut.gguf", cut=100), 96)

@@ -74,6 +74,60 @@ def gguf_file(value: str) -> Path:
     return path
 
 
+def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int) -> int | None:
+    """Refuse, before any timing or scoring, exports that cannot run this comparison: an id of the
+    text outside an export's vocabulary, more positions than its ``max_position_embeddings``, or
+    exports of different vocabularies (figures from each ``manifest.json``).
+
+    Returns:
+        The exports' common vocabulary size (None when no manifest gives one).
+
+    Raises:
+        GemmaExportError: naming the export folder, the figure and what the run needs.
+    """
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.manifest import manifest_figure
+
+    vocabs = {}
+    for name, folder in models.items():
+        vocab, limit = manifest_figure(folder, "vocab_size"), manifest_figure(folder, "max_position_embeddings")
+        if vocab is not None and ids and max(ids) >= vocab:
+            raise GemmaExportError(f"{folder}: its vocabulary has {vocab:,} ids, and the text's ids (from the first "
+                                   f"export's tokenizer) reach {max(ids):,}; compare exports of one model")
+        if limit is not None and positions > limit:
+            raise GemmaExportError(f"{folder}: max_position_embeddings is {limit:,}, and this run needs {positions:,} "
+                                   "positions; give shorter --contexts, --new-tokens or --prefill")
+        if vocab is not None:
+            vocabs[name] = vocab
+    if len(set(vocabs.values())) > 1:
+        found = ", ".join(f"{name} {vocab:,}" for name, vocab in vocabs.items())
+        raise GemmaExportError(f"--models have different vocabularies ({found}); compare exports of one model")
+    return next(iter(vocabs.values()), None)
+
+
+def check_gguf_model(path: Path, vocab: int | None) -> None:
+    """Refuse, before any slow work, a GGUF that llama.cpp would fail on or that is another model:
+    a damaged header or data section (:func:`~gemma_export.sources.gguf_header.read_gguf_header`),
+    an architecture other than ``gemma3``, or a token table of other than ``vocab`` rows.
+
+    Raises:
+        FormatError: naming the file and what was found.
+    """
+    from gemma_export.errors import FormatError
+    from gemma_export.sources.gguf_header import read_gguf_header
+
+    header = read_gguf_header(path)
+    architecture = header.metadata.get("general.architecture")
+    if architecture != "gemma3":
+        raise FormatError(f"{path}: general.architecture is {architecture!r}; expected 'gemma3' (the model of the "
+                          "exports)")
+    table = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+    rows = table.dims[1] if table is not None and len(table.dims) == 2 else None  # GGUF dims: [hidden, vocab]
+    if vocab is not None and rows != vocab:
+        raise FormatError(f"{path}: token_embd.weight has {rows if rows is None else f'{rows:,}'} rows; the exports' "
+                          f"vocabulary has {vocab:,}")
+
+
 def reference_mlir(value: str) -> Path:
     """A reference export's ``.mlir`` with its ``.safetensors`` archive beside it."""
     path = existing_file(value)

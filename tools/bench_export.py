@@ -38,6 +38,9 @@ def _dtypes(value: str) -> list[str]:
     unknown = [d for d in names if d not in DTYPES]
     if unknown or not value.strip():
         raise argparse.ArgumentTypeError(f"expected comma-separated dtypes from {', '.join(DTYPES)}, found {value!r}")
+    repeated = next((d for i, d in enumerate(names) if d in names[:i]), None)
+    if repeated:  # each dtype is exported into WORKDIR/<dtype>: a second one would time the first's folder again
+        raise argparse.ArgumentTypeError(f"{repeated} is given twice in {value!r}; give each dtype once")
     return names
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import (int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
+from _args import (check_exports_fit, check_gguf_model, int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
                    thread_count, unique_names)
 
 
@@ -215,12 +215,15 @@ def main() -> None:
         _iree()
     contexts = args.contexts
     models = unique_names(parser, "--models", args.models)
-    ids = real_text_ids(Path(next(iter(models.values()))), max(args.prefill, max(contexts) + args.new_tokens))
+    positions = max(args.prefill, max(contexts) + args.new_tokens)
+    ids = real_text_ids(Path(next(iter(models.values()))), positions)
+    vocab = check_exports_fit(models, ids, positions)  # before llama.cpp loads anything
     rows = {}
     try:
         from gemma_export.sources import bundled_gguf_path
 
         q4 = bundled_gguf_path()
+        check_gguf_model(q4, vocab)
         check_llama_runs(q4)
         q8 = q8_0_gguf(q4)
         cold()

@@ -26,6 +26,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import existing_file, new_dir, run  # noqa: E402
 
+#: what the probe of --python prints when onnxruntime-genai's builder imports
+PROBE_OK = "onnxruntime_genai builder ok"
+
+
+def genai_out(value: str) -> Path:
+    """--out: a new path, an empty folder, or a folder onnxruntime-genai's builder wrote (it holds
+    ``genai_config.json`` and no ``manifest.json`` of ours), which the builder writes over."""
+    path = new_dir(value)
+    if path.is_dir() and any(path.iterdir()):
+        if (path / "manifest.json").exists():
+            raise argparse.ArgumentTypeError(f"{path}: an export of gemma-export (it has our manifest.json); the builder "
+                                             "would write into it: give another folder")
+        if not (path / "genai_config.json").is_file():
+            raise argparse.ArgumentTypeError(f"{path}: a folder with files and no genai_config.json, not an earlier "
+                                             "output of onnxruntime-genai's builder: give a new or empty folder")
+    return path
+
 
 #: written last into the transformers folder: its absence marks a folder an interrupted run left
 COMPLETE_MARKER = ".complete"
@@ -68,7 +85,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", required=True, type=existing_file,
                         help="the venv's python with onnxruntime-genai 0.15.2 (see above)")
-    parser.add_argument("--out", type=new_dir, required=True, help="folder for genai's model")
+    parser.add_argument("--out", type=genai_out, required=True,
+                        help="folder for genai's model: new, empty, or an earlier output of this script")
     parser.add_argument("--precision", default="int4", choices=["int4", "fp32"],
                         help="int4 (block 32, round to nearest) or fp32 (default int4)")
     args = parser.parse_args()
@@ -76,16 +94,24 @@ def main() -> None:
 
     if not os.access(args.python, os.X_OK):
         raise GemmaExportError(f"--python {args.python}: not executable")
-    probe = subprocess.run([str(args.python), "-c", "import onnxruntime_genai.models.builder"], capture_output=True, text=True)
-    if probe.returncode != 0:  # before the 1 GB folder is written
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        raise GemmaExportError(f"--python {args.python}: cannot import onnxruntime_genai's builder: {last}")
+    probe = subprocess.run([str(args.python), "-c", f"import onnxruntime_genai.models.builder; print({PROBE_OK!r})"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0 or probe.stdout.strip() != PROBE_OK:  # before the 1 GB folder is written
+        last = (probe.stderr.strip().splitlines() or [f"it printed {probe.stdout.strip()[:60]!r}, exit status "
+                                                       f"{probe.returncode}"])[-1]
+        raise GemmaExportError(f"--python {args.python}: not a Python that imports onnxruntime_genai's builder: {last}")
     hf_folder = args.out.parent / (args.out.name + "-hf")
     hf = hf_folder if (hf_folder / COMPLETE_MARKER).is_file() else write_hf_folder(hf_folder)
     cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
            "-p", args.precision, "-e", "cpu", "-c", str(args.out.parent / (args.out.name + "-cache"))]
     print(" ".join(cmd), flush=True)
-    sys.exit(subprocess.run(cmd).returncode)
+    status = subprocess.run(cmd).returncode
+    if status != 0:
+        raise GemmaExportError(f"onnxruntime-genai's builder failed (exit status {status}; its output is above); "
+                               f"{hf} is kept for the next try")
+    if not (args.out / "genai_config.json").is_file():
+        raise GemmaExportError(f"onnxruntime-genai's builder exited 0 but wrote no {args.out / 'genai_config.json'}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

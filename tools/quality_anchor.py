@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import gguf_file, int_range, named, our_export, run, unique_names  # noqa: E402
+from _args import check_exports_fit, check_gguf_model, gguf_file, int_range, named, our_export, run, unique_names  # noqa: E402
 
 
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
@@ -53,6 +53,9 @@ def main() -> None:
             raise GemmaExportError("--gguf needs llama-cpp-python (pip install llama-cpp-python)") from None
     text, where = real_text(None)
     ids = first_tokens(load_tokenizer(next(iter(models.values()))), text, args.tokens)
+    vocab = check_exports_fit(models, ids, len(ids))
+    for path in args.gguf:  # before the (slow) reference and exports are scored
+        check_gguf_model(path, vocab)
     ref = transformers_logits(open_source(sources.pop()), ids)  # fp32 on the exports' own source weights
     rows = {}
     for name, folder in models.items():
