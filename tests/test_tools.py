@@ -147,8 +147,9 @@ TOOLS = Path(__file__).resolve().parent.parent / "tools"
     ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{tmp}/g"],
      "--python /usr/bin/true: not a Python that imports onnxruntime_genai's builder: it printed '', exit status 0"),
     ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{model}"],
-     "an export of gemma-export (it has our manifest.json); the builder would write into it"),
-    ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{tmp}"], "a folder with files and no genai_config.json"),
+     "an export of gemma-export (it has our manifest.json), not a folder onnxruntime-genai's builder wrote"),
+    ("genai_anchor.py", ["--python", "/usr/bin/true", "--out", "{tmp}"], "no genai_config.json; expected a folder "
+                                                                           "onnxruntime-genai's builder wrote"),
     ("bench_export.py", ["--dtypes", "int8,int8"], "int8 is given twice in 'int8,int8'; give each dtype once"),
     ("aarch64/parity.py", ["prepare", "--model", "{model}", "--out", "{tmp}"], "is a folder, expected a file name"),
     ("aarch64/parity.py", ["dump", "--model", "{model}", "--ids", "{tmp}/a-file", "--out", "{tmp}/x86"],

@@ -74,6 +74,15 @@ def gguf_file(value: str) -> Path:
     return path
 
 
+def genai_output(value: str) -> Path:
+    """A folder for onnxruntime-genai's builder to write: a new path, an empty folder, or an earlier
+    output of it (:func:`genai_folder`), never an export of ours or a folder of other files."""
+    path = new_dir(value)
+    if path.is_dir() and any(path.iterdir()):
+        genai_folder(value)
+    return path
+
+
 def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int) -> int | None:
     """Refuse, before any timing or scoring, exports that cannot run this comparison: an id of the
     text outside an export's vocabulary, more positions than its ``max_position_embeddings``, or

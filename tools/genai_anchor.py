@@ -24,24 +24,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import existing_file, new_dir, run  # noqa: E402
+from _args import existing_file, genai_output, run  # noqa: E402
 
 #: what the probe of --python prints when onnxruntime-genai's builder imports
 PROBE_OK = "onnxruntime_genai builder ok"
-
-
-def genai_out(value: str) -> Path:
-    """--out: a new path, an empty folder, or a folder onnxruntime-genai's builder wrote (it holds
-    ``genai_config.json`` and no ``manifest.json`` of ours), which the builder writes over."""
-    path = new_dir(value)
-    if path.is_dir() and any(path.iterdir()):
-        if (path / "manifest.json").exists():
-            raise argparse.ArgumentTypeError(f"{path}: an export of gemma-export (it has our manifest.json); the builder "
-                                             "would write into it: give another folder")
-        if not (path / "genai_config.json").is_file():
-            raise argparse.ArgumentTypeError(f"{path}: a folder with files and no genai_config.json, not an earlier "
-                                             "output of onnxruntime-genai's builder: give a new or empty folder")
-    return path
 
 
 #: written last into the transformers folder: its absence marks a folder an interrupted run left
@@ -85,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", required=True, type=existing_file,
                         help="the venv's python with onnxruntime-genai 0.15.2 (see above)")
-    parser.add_argument("--out", type=genai_out, required=True,
+    parser.add_argument("--out", type=genai_output, required=True,
                         help="folder for genai's model: new, empty, or an earlier output of this script")
     parser.add_argument("--precision", default="int4", choices=["int4", "fp32"],
                         help="int4 (block 32, round to nearest) or fp32 (default int4)")
