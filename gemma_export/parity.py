@@ -418,10 +418,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
     if against_transformers:
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
+    ref_vocab = ref_length = None
     if reference:  # its files, their contents and IREE before the session and the other comparisons
         from .reference_iree import check_reference_options
 
-        check_reference_options(reference, reference_weights)
+        ref_vocab, ref_length = check_reference_options(reference, reference_weights)
     model_dir = Path(model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
@@ -434,7 +435,15 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None) if golden else []
 
     def check_inputs(vocab: int | None, limit: int | None) -> None:
-        """Every prompt and golden id inside the vocabulary, every sequence inside the positions."""
+        """Every prompt and golden id inside the vocabulary, every sequence inside the positions, and
+        the reference (its vocabulary, its fixed length) able to run the prompts."""
+        if vocab and ref_vocab is not None and ref_vocab != vocab:
+            raise FormatError(f"{reference}: vocabulary {ref_vocab} differs from the export's {vocab}")
+        for n, (_, ids) in enumerate(prompt_list if ref_length is not None else []):  # every prompt is compared
+            if len(ids) >= ref_length:
+                raise GemmaExportError(f"{prompts or 'the default prompts'}: prompt #{n} has {len(ids)} tokens; "
+                                       f"{reference} runs a fixed {ref_length} tokens, so a prompt may have at most "
+                                       f"{ref_length - 1} (room to generate)")
         if vocab:
             run = [g.prompt_ids for g in golden_pairs]  # golden only: the prompts a golden entry runs (a bare list's)
             for n, (_, ids) in enumerate(prompt_list):
@@ -462,6 +471,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         # named (from the graph alone, no session); if it does not, the inputs are at fault after all
         check_manifest_matches_graph(model_dir)
         raise
+    # the export's source (moved, changed) before the (slow) session; transformers reads it later
+    source_checkpoint = manifest_checkpoint(model_dir) if against_transformers else None
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     dtype = decoder.dtype  # the graph's weights (a manifest that says otherwise was refused)
@@ -473,20 +484,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     hf_model = None
     if against_transformers:
         say("reference: transformers fp32 on the export's source weights")
-        hf_model = transformers_model(manifest_checkpoint(model_dir))
+        hf_model = transformers_model(source_checkpoint)
     ref_model = None
     if reference:
         from .reference_iree import load_reference
 
         say(f"reference: compiling {reference} with IREE for this CPU")
         ref_model = load_reference(reference, reference_weights, logits=reference_logits)
-        if ref_model.vocab_size != decoder.vocab_size:
-            raise FormatError(f"{reference}: vocabulary {ref_model.vocab_size} differs from the export's {decoder.vocab_size}")
-        for n, (_, ids) in enumerate(prompt_list):  # every prompt is compared, none skipped
-            if len(ids) >= ref_model.sequence_length:
-                raise GemmaExportError(f"{prompts or 'the default prompts'}: prompt #{n} has {len(ids)} tokens; "
-                                       f"{reference} runs a fixed {ref_model.sequence_length} tokens, so a prompt "
-                                       f"may have at most {ref_model.sequence_length - 1} (room to generate)")
 
     results: list[PromptParity] = []
     pooled_agree: list[np.ndarray] = []

@@ -485,6 +485,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     ids = first_tokens(load_tokenizer(model_dir), body, tokens if tokens is not None or not limit else limit + 1)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
+    # the export's source (moved, changed) before the (slow) session; its weights are read later
+    source_checkpoint = manifest_checkpoint(model_dir) if reference in ("fp32", "transformers") else None
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     _check_fits(decoder, ids, source)
@@ -497,8 +499,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     with contextlib.ExitStack() as stack:
         if reference == "transformers":
             say("reference: transformers fp32 on the export's source weights")
-            ref_chunks = transformers_logit_chunks(transformers_model(manifest_checkpoint(model_dir)), ids,
-                                                   CHUNK_ROWS)
+            ref_chunks = transformers_logit_chunks(transformers_model(source_checkpoint), ids, CHUNK_ROWS)
         else:
             if reference == "fp32":
                 from .exporter import export
@@ -509,7 +510,6 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="gemma-export-fp32-"))
                 say("reference: exporting the source at fp32 into a temporary folder")
-                source_checkpoint = manifest_checkpoint(model_dir)
                 started = last_line = time.monotonic()
 
                 def written(done: int, total: int, _name: str) -> None:  # a line every 15 s

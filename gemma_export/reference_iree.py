@@ -243,9 +243,12 @@ def check_reference(mlir_path: str | Path, archive_path: str | Path | None = Non
     return module, archive, candidates[0]
 
 
-def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> None:
+def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> tuple[int, int]:
     """What ``--reference`` and ``--reference-weights`` name, checked before a command's slow work:
     both files exist, :func:`check_reference` reads them, and IREE is installed.
+
+    Returns:
+        ``(vocab_size, sequence_length)`` of the reference: its table's rows and its fixed length.
 
     Raises:
         SourceNotFoundError, FormatError: as :func:`check_reference`, naming the option's file.
@@ -256,8 +259,9 @@ def check_reference_options(reference: str | Path, reference_weights: str | Path
     require_file(reference, "reference MLIR file (--reference)")
     if reference_weights is not None:
         require_file(reference_weights, "reference archive (--reference-weights)")
-    check_reference(reference, reference_weights)
+    module, _, function = check_reference(reference, reference_weights)
     _iree()
+    return module.globals[0].shape[0], int(function.arguments[0].split("x")[1])
 
 
 def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,

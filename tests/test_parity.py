@@ -338,10 +338,18 @@ def test_mlir_iree_rejects_is_named_by_file_and_line(reference, tmp_path):
 
 
 @pytest.mark.parametrize("long_only", [True, False])
-def test_a_prompt_too_long_for_the_reference_is_bad_input(reference, tiny_int8_export, tmp_path, long_only):
+def test_a_prompt_too_long_for_the_reference_is_bad_input(reference, tiny_int8_export, tmp_path, long_only, monkeypatch):
     # the reference runs a fixed SEQ tokens and must leave room to generate: a longer prompt is not
     # compared, so it is refused before any comparison (exit 2, no report), alone or beside one that
-    # fits (which once let the run PASS with the long one silently skipped)
+    # fits (which once let the run PASS with the long one silently skipped); and before the session
+    # and IREE's compilation (read from the MLIR's signature; helper-found: after ~6 s of both)
+    from gemma_export import reference_iree, runtime
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("loaded before the prompts were checked")
+
+    monkeypatch.setattr(reference_iree, "load_reference", not_now)
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", not_now)
     _, mlir = reference
     prompts = tmp_path / "long.json"
     prompts.write_text(json.dumps(([] if long_only else [[2, 5, 6]]) + [[2] + [5] * (SEQ - 1)]))
@@ -351,6 +359,21 @@ def test_a_prompt_too_long_for_the_reference_is_bad_input(reference, tiny_int8_e
     assert (f"long.json: prompt #{n} has {SEQ} tokens; {mlir} runs a fixed {SEQ} tokens, so a prompt may have at "
             f"most {SEQ - 1}") in result.output
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_reference_of_another_vocabulary_is_refused_before_anything_loads(tiny_int8_export, tmp_path, monkeypatch):
+    from gemma_export import parity, reference_iree, runtime
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("loaded before the reference was checked")
+
+    monkeypatch.setattr(reference_iree, "load_reference", not_now)
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", not_now)
+    monkeypatch.setattr(reference_iree, "check_reference_options", lambda *args: (262_144, SEQ))
+    mlir = tmp_path / "gemma.mlir"
+    mlir.write_text("")
+    with pytest.raises(parity.FormatError, match=f"{mlir}: vocabulary 262144 differs from the export's 96"):
+        parity.run_parity(tiny_int8_export, reference=mlir, prompts=None)
 
 
 def test_a_report_with_no_checks_fails():

@@ -621,3 +621,36 @@ def test_a_miss_by_exactly_the_close_call_margin_is_a_close_call(margin, verdict
                              first_disagreement=3, disagreements=1, disagreement_margin_max=margin)
     line = next(x for x in format_report(QualityReport("m", "r", "t", metrics)).splitlines() if x.startswith("misses"))
     assert line.endswith(f"by at most {margin:.3f} logits ({verdict})")
+
+
+@pytest.mark.parametrize("command", ["quality-fp32", "quality-transformers", "parity"])
+def test_a_moved_source_is_named_before_the_session_loads(tiny_dir, tmp_path, monkeypatch, command):
+    """quality and `parity --against transformers` loaded the export's session first and only then
+    said that its source is gone (helper-found)."""
+    import shutil
+
+    from gemma_export import runtime
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.exporter import export
+    from gemma_export.parity import run_parity
+    from gemma_export.quality import run_quality
+
+    from conftest import write_char_tokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    shutil.rmtree(src)
+
+    def not_now(*args, **kwargs):
+        raise AssertionError("the session loaded before the source was checked")
+
+    monkeypatch.setattr(runtime.OnnxDecoder, "__init__", not_now)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 4)
+    with pytest.raises(SourceNotFoundError, match="the export's source .*src no longer exists"):
+        if command == "parity":
+            run_parity(out, against_transformers=True)
+        else:
+            run_quality(out, reference=command.split("-")[1], text=text)
