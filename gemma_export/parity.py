@@ -259,6 +259,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         if unknown:
             raise FormatError(f"{path}: entry #{n} has key {shown(unknown[0])}; expected only "
                               f"{', '.join(GOLDEN_KEYS)}")
+        if "prompt" in entry and not isinstance(entry["prompt"], str):
+            raise FormatError(f"{path}: entry #{n} 'prompt' must be text, found {shown(entry['prompt'])}")
         if isinstance(entry.get("prompt"), str) and not_unicode_at(entry["prompt"]) is not None:
             raise FormatError(f"{path}: entry #{n} 'prompt' is not valid Unicode text (a lone surrogate such as "
                               f"\\ud800); found {entry['prompt']!r:.60}")

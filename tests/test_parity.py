@@ -478,6 +478,8 @@ def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
     (r'{"prompt": "\ud800", "expected_ids": [5]}', "entry #0 'prompt' is not valid Unicode text"),
     ('{"prompt_ids": [2], "expected_ids": [5], "prefill_chunk": -1}', "entry #0 'prefill_chunk' must be a whole number"),
     ('{"prompt_ids": [2], "expected_ids": [5], "prefill_chunk": 1.5}', "found 1.5"),
+    # a prompt of another type beside its ids was ignored (helper-found)
+    ('{"prompt": 5, "prompt_ids": [2], "expected_ids": [5]}', "entry #0 'prompt' must be text, found 5"),
 ])
 def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export, tmp_path, monkeypatch, content, message):
     """The golden file is read first: its error is the only line (no 'graph: …' line as if the model ran)."""

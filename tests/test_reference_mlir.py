@@ -527,3 +527,21 @@ def test_a_reference_cut_short_is_refused(ref_model, tmp_path, cut):
     assert error.startswith(f"error: {mlir}: ends with ") and error.endswith("not the '}' that closes its module; the "
                                                                              "file is cut short"), result.stderr
     assert not out.exists()
+
+
+def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(ref_model, tmp_path):
+    """A key deleted from the header (its bytes still there) was reported as 'tensor t15 at offset
+    ... leaves a gap of 128 bytes' (helper-found): the MLIR global that lacks it is named now."""
+    import json
+    import struct
+
+    mlir = write_reference(ref_model, tmp_path / "ref")
+    archive = mlir.with_suffix(".safetensors")
+    data = archive.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    del header["t8"]
+    raw = json.dumps(header).encode()
+    archive.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    with pytest.raises(FormatError, match=rf"{mlir}:\d+: global @t8 is bound to key 't8', which {archive} lacks"):
+        open_source(mlir)

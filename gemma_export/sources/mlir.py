@@ -189,7 +189,8 @@ class Archive:
 
     def __init__(self, module: MlirModule, path: Path):
         self.path = require_file(path, "reference archive (safetensors)")
-        entries = {e.name: e for e in read_header(path)}
+        # the names first: a key missing from the header is named, not the gap its bytes leave
+        entries = {e.name: e for e in read_header(path, layout=False)}
         declared = {g.key: g for g in module.globals}
         missing = [g for g in module.globals if g.key not in entries]
         if missing:
@@ -206,6 +207,7 @@ class Archive:
                 raise FormatError(f"{path}: key '{g.key}' holds {e.dtype} {list(e.shape)} ({e.nbytes:,} bytes); "
                                   f"{module.path.name}:{g.line} declares tensor<{'x'.join(map(str, g.shape))}x"
                                   f"{g.element_type}> ({g.count * width:,} bytes of {st_dtype})")
+        read_header(path)  # then the layout: the tensors tile the data section
         self.entries = entries
 
     def raw(self, g: MlirGlobal, rows: tuple[int, int] | None = None) -> np.ndarray:

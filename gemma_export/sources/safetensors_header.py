@@ -56,8 +56,12 @@ def _no_duplicates(pairs):
     return seen
 
 
-def read_header(path: Path) -> list[HeaderEntry]:
+def read_header(path: Path, layout: bool = True) -> list[HeaderEntry]:
     """Parse and validate the header of ``path``.
+
+    Args:
+        layout: also check that the tensors tile the data section (no overlap, no gap, all of it);
+            False leaves that to a later call, for a caller that first checks the names.
 
     Raises:
         FormatError: too short, header length beyond the file or 100 MiB, not JSON, a duplicate
@@ -107,6 +111,8 @@ def read_header(path: Path) -> list[HeaderEntry]:
         if end - begin != expected:
             raise FormatError(f"{path}: tensor '{name}' holds {end - begin} bytes, shape {shape} × {dtype} needs {expected}")
         entries.append(HeaderEntry(name, dtype, tuple(shape), 8 + header_len + begin, end - begin))
+    if not layout:
+        return entries
     position = 0
     for e in sorted(entries, key=lambda e: e.offset):
         begin = e.offset - 8 - header_len
