@@ -549,6 +549,8 @@ def export(
             status(f"note: {len(beyond)} added token(s) of {tokenizer_dir / 'tokenizer.json'} lie beyond the model's "
                    f"{ckpt.config.vocab_size:,} rows ({piece!r} = {token_id:,}); a prompt that uses one is refused")
         ckpt = dataclasses.replace(ckpt, tokenizer=given_tokenizer)
+    if status is not None and ckpt.tokenizer is not None:
+        _note_small_tokenizer(ckpt, tokenizer_dir if given_tokenizer is not None else Path(ckpt.path), status)
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
     name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
     # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one
@@ -638,6 +640,22 @@ def export(
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
                    "makes one for the new files")
     return result
+
+
+#: a tokenizer with fewer tokens than this share of the model's rows gets a note (Gemma's has
+#: 262,144 for 262,144 rows; the board team's reference archive has 9 rows more than its tokens)
+SMALL_TOKENIZER_SHARE = 0.9
+
+
+def _note_small_tokenizer(ckpt: Checkpoint, where: Path, status: Callable[[str], None]) -> None:
+    """Tell ``status`` when the export's tokenizer has far fewer tokens than the model has rows
+    (:data:`SMALL_TOKENIZER_SHARE`): the ids it lacks, when generated, decode to nothing; likely a
+    tokenizer of another model (a larger one is refused by the source readers)."""
+    parsed = ckpt.tokenizer.parsed(where if where.is_dir() else where.parent)
+    size, rows = parsed.get_vocab_size(with_added_tokens=True), ckpt.config.vocab_size
+    if size < SMALL_TOKENIZER_SHARE * rows:
+        status(f"note: the tokenizer has {size:,} tokens for the model's {rows:,} rows: generated ids beyond them "
+               "decode to nothing (a tokenizer of another model?)")
 
 
 def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None]) -> bool:

@@ -1398,3 +1398,32 @@ def test_graphs_with_extra_outputs_get_their_own_default_folder(tiny_dir, tmp_pa
     assert (plain.name, every.name, debug.name) == ("tiny-onnx-fp32", "tiny-onnx-fp32-all-logits",
                                                     "tiny-onnx-fp32-all-logits-debug-outputs")
     assert json.loads((plain / "manifest.json").read_text())["all_logits"] is False  # not replaced by the others
+
+
+@pytest.mark.parametrize("tokens, noted", [(96, False), (87, False), (86, True), (40, True)])
+def test_a_tokenizer_far_smaller_than_the_vocabulary_gets_a_note(tiny_dir, tmp_path, tokens, noted):
+    """A GGUF cut to 1,000 of its 262,144 tokens exported without a word, and generate then wrote
+    'ising' for ids the tokenizer lacks (helper-found). The note comes below 90% of the rows."""
+    import shutil
+
+    from conftest import write_char_tokenizer
+    from tokenizers import Tokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    tokenizer = Tokenizer.from_file(str(src / "tokenizer.json"))
+    have = tokenizer.get_vocab_size()
+    if tokens > have:  # more words up to the count asked for
+        tokenizer.add_tokens([f"word{n}" for n in range(tokens - have)])
+    else:
+        data = json.loads(tokenizer.to_str())
+        data["model"]["vocab"] = {k: v for k, v in data["model"]["vocab"].items() if v < tokens}
+        tokenizer = Tokenizer.from_str(json.dumps(data))
+    tokenizer.save(str(src / "tokenizer.json"))
+    assert Tokenizer.from_file(str(src / "tokenizer.json")).get_vocab_size() == tokens
+    lines = []
+    export(src, tmp_path / "out", "fp32", status=lines.append)
+    notes = [line for line in lines if "tokens for the model's" in line]
+    assert notes == ([f"note: the tokenizer has {tokens} tokens for the model's 96 rows: generated ids beyond them "
+                      "decode to nothing (a tokenizer of another model?)"] if noted else []), lines

@@ -426,14 +426,15 @@ def test_a_short_calibration_text_is_refused_or_recorded(tiny_with_tokenizer, tm
     result = export(tiny_with_tokenizer, tmp_path / "b", "int8", block_size=16, table_block_size=16,
                     calibration_text=short, calibration_tokens=500, status=notes.append)
     assert result.calibration["tokens"] == 41 and "(the whole text; 500 asked)" in result.calibration["text"]
-    assert [n for n in notes if n.startswith("note:")] == [
+    # (the character tokenizer's 51 tokens for 96 rows have their own note)
+    assert [n for n in notes if n.startswith("note:") and "calibration" in n] == [
         f"note: {short} gives only 41 calibration tokens; GPTQ's statistics are thin below 1,024 (the default "
         "text gives 4,096): give a longer --calibration-text, or --no-calibrate for round-to-nearest codes"]
     # a short length asked for on purpose gets no note
     notes.clear()
     export(tiny_with_tokenizer, tmp_path / "c", "int8", block_size=16, table_block_size=16,
            calibration_text=short, calibration_tokens=20, status=notes.append)
-    assert not [n for n in notes if n.startswith("note:")]
+    assert not [n for n in notes if n.startswith("note:") and "calibration" in n]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "c", "short.txt"]
 
 
