@@ -16,6 +16,8 @@ heavy itself:
   141 (128 + SIGPIPE, as a shell tool killed by the signal) when a write finds it gone. Output that
   the reader stopped taking in the middle of one large write can end with status 0 instead: Python
   reports that write as complete.
+- Once the command has ended, Ctrl-C and SIGTERM are ignored: the exit status is the command's
+  (a signal while Python unwound the command's exit gave a traceback and status 1).
 """
 
 from __future__ import annotations
@@ -122,6 +124,13 @@ def _raise_terminated(_signum, _frame) -> None:
     raise Terminated
 
 
+def _ignore_interrupts() -> None:
+    """SIGINT and SIGTERM ignored from here on (main thread only; elsewhere nothing changes)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
 def main() -> None:
     """Run the command line (``sys.argv``); see the module docstring for what it adds.
 
@@ -137,9 +146,18 @@ def main() -> None:
     streams = [_CheckedStream(sys.stdout, 1), _CheckedStream(sys.stderr, 2)]
     sys.stdout, sys.stderr = streams
     try:
-        from .cli import app
+        try:
+            from .cli import app
 
-        app()
+            app()
+        finally:
+            _ignore_interrupts()  # the command has ended, however it ended
+    except KeyboardInterrupt as exc:  # one that landed as the command ended, before they were ignored
+        try:
+            os.write(2, b"error: interrupted\n")
+        except OSError:
+            pass
+        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None
     except StreamError as exc:  # raised outside a command's body (e.g. --version, verify's result line)

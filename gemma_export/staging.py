@@ -34,7 +34,10 @@ def interrupts_held() -> Iterator[None]:
     try:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
-                previous[sig] = signal.signal(sig, signal.SIG_IGN)
+                # recorded before it is changed: a signal that lands right after the change (its
+                # handler runs between two bytecodes) must not find it changed and unrecorded
+                previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, signal.SIG_IGN)
         except ValueError:  # not the main thread
             pass
         yield
@@ -338,11 +341,14 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
 
 def entry_refused(folder: Path) -> str | None:
     """Why the existing ``folder`` refuses new entries (/proc, a read-only mount, permissions), in
-    the OS's words, or None: probed by creating and removing a temporary folder in it."""
-    try:
-        tempfile.TemporaryDirectory(dir=folder, prefix=".gemma-export-probe-").cleanup()
-    except OSError as exc:
-        return exc.strerror or str(exc)
+    the OS's words, or None: probed by creating and removing a temporary folder in it, with
+    Ctrl-C and SIGTERM held off meanwhile (one between the two left the folder behind, or made the
+    removal fail as if the folder refused entries)."""
+    with interrupts_held():
+        try:
+            os.rmdir(tempfile.mkdtemp(dir=folder, prefix=".gemma-export-probe-"))
+        except OSError as exc:
+            return exc.strerror or str(exc)
     return None
 
 

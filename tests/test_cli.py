@@ -1480,3 +1480,31 @@ def test_generate_shows_a_last_character_whose_decode_never_completed(tiny_int8_
     pieces = []
     result = runtime.generate(tiny_int8_export, "the fox", max_new_tokens=4, on_text=pieces.append)
     assert result.text.endswith("\ufffd") and "".join(pieces) == result.text and len(pieces) == 1
+
+
+@pytest.mark.parametrize("args", [["--version"], ["verify", "{model}"]])
+def test_a_signal_once_the_command_has_ended_leaves_its_exit_status(tiny_int8_export, args):
+    """A signal while Python unwound the command's exit gave a traceback and status 1 (SIGTERM) or
+    a death by SIGINT (helper-found); after the command's end both are ignored now."""
+    code = ("import atexit, os, signal, time\n"
+            "def late():\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(0.2)\n"
+            "atexit.register(late)\n")
+    done = _command(*[a.format(model=tiny_int8_export) for a in args], code=code)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "interrupted" not in done.stderr and "Exception" not in done.stderr
+
+
+def test_a_signal_as_the_command_ends_is_one_line_not_a_traceback():
+    """The signal lands after the command's end, before the handlers are set aside."""
+    code = ("import os, signal\n"
+            "from gemma_export import console\n"
+            "real = console._ignore_interrupts\n"
+            "def late():\n"
+            "    console._ignore_interrupts = real\n"
+            "    raise console.Terminated\n"
+            "console._ignore_interrupts = late\n")
+    done = _command("--version", code=code)
+    assert (done.returncode, done.stderr) == (143, "error: interrupted\n")
