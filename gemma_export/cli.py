@@ -217,6 +217,16 @@ def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
     raise typer.Exit(signal_exit)
 
 
+@contextlib.contextmanager
+def _reporting_written(path: Path, what: str) -> Iterator[None]:
+    """Around what a writing command prints once its output is in place: an interrupt there says
+    that the output is written and complete (:func:`_interrupted_once_written`)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        _interrupted_once_written(path, what, exc)
+
+
 def _interrupted_once_written(path: Path, what: str, signal: BaseException | None) -> None:
     """Ctrl-C or SIGTERM (``signal``) once the output was in place (while the command reported what
     it did): one line that says the output is complete, and 130 or 143 as for any interrupt."""
@@ -342,10 +352,8 @@ def main(
                             tokenizer=tokenizer)
         finally:
             close_bars()  # before any error line
-    try:
+    with _reporting_written(result.out_dir, "export"):  # the folder is already in place: said so
         _export_summary(result, archive_bytes(result.out_dir))
-    except KeyboardInterrupt as exc:  # the folder is already in place: say so
-        _interrupted_once_written(result.out_dir, "export", exc)
 
 
 def _export_summary(result, archive: int) -> None:
@@ -505,9 +513,10 @@ def prepack(
             typer.echo(f"removed {model / PREPACKED_DIR}" if removed else f"{model}: no pre-packed copy to remove")
             return
         result = run(model, threads=threads, progress=lambda msg: typer.echo(msg, err=True))
-    typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
-               f"{result.checked_tokens} token{'' if result.checked_tokens == 1 else 's'} identical to the export's")
-    _list_files(result.files, 20)
+    with _reporting_written(result.out_dir, "pre-packed copy"):
+        typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}) in {result.seconds:.1f} s; logits of "
+                   f"{result.checked_tokens} token{'' if result.checked_tokens == 1 else 's'} identical to the export's")
+        _list_files(result.files, 20)
 
 
 @app.command(short_help="Re-check an export folder against its manifest.")
@@ -598,13 +607,14 @@ def dedupe(
 
     with _reported(debug):
         result = run(model, out, progress=lambda msg: typer.echo(msg, err=True))
-    typer.echo(f"wrote {result.out_path}")
-    typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
-               f"{result.saved_bytes:,} bytes; rewrote {result.rewritten_matmuls} MatMul(s) as Gemm(transB=1)"
-               + ("" if result.removed or not result.rewritten_matmuls else
-                  " (the file stored the table once, but onnxruntime kept a second, transposed copy for the "
-                  "MatMul: now it keeps one)"))
-    typer.echo(f"outputs on random inputs: max |diff| {result.max_abs_diff:.3g}")
+    with _reporting_written(result.out_path.parent, "deduplicated model"):
+        typer.echo(f"wrote {result.out_path}")
+        typer.echo(f"removed {len(result.removed)} initializer(s) ({', '.join(result.removed) or '-'}), "
+                   f"{result.saved_bytes:,} bytes; rewrote {result.rewritten_matmuls} MatMul(s) as Gemm(transB=1)"
+                   + ("" if result.removed or not result.rewritten_matmuls else
+                      " (the file stored the table once, but onnxruntime kept a second, transposed copy for the "
+                      "MatMul: now it keeps one)"))
+        typer.echo(f"outputs on random inputs: max |diff| {result.max_abs_diff:.3g}")
 
 
 @app.command(short_help="Time and measure an export with onnxruntime.")
@@ -770,8 +780,9 @@ def bundle(
 
     with _reported(debug):
         result = run(model, out, board=board, wheel=wheel, progress=lambda msg: typer.echo(msg, err=True))
-    _list_files(result.files, 40)
-    typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}); on the board, follow {result.out_dir}/README.md")
+    with _reporting_written(result.out_dir, "bundle"):
+        _list_files(result.files, 40)
+        typer.echo(f"wrote {result.out_dir} ({_mb(result.total_bytes)}); on the board, follow {result.out_dir}/README.md")
 
 
 if __name__ == "__main__":  # `python -m gemma_export.cli`: the same entry point as the command

@@ -695,3 +695,21 @@ def test_an_unreadable_listing_is_a_verification_error_not_an_oserror(tmp_path, 
     monkeypatch.setattr(pathlib.Path, "read_text", read_text)
     with pytest.raises(VerificationError, match=r"BUNDLE\.json: cannot be read \(Permission denied\)$"):
         verify_bundle(tmp_path)
+
+
+def test_an_interrupt_while_bundle_reports_says_the_bundle_is_written(tiny_int8_export, wheel, tmp_path, monkeypatch):
+    """bundle, prepack and dedupe print what they did after their body: an interrupt there said only
+    'error: interrupted' about a folder already in place (helper-found, 11 prepack runs)."""
+    from gemma_export import cli
+    from gemma_export.console import Terminated
+
+    def interrupted(*_args):
+        raise Terminated
+    monkeypatch.setattr(cli, "_list_files", interrupted)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
+    assert result.exit_code == 143, result.output
+    assert result.stderr.endswith(f"error: interrupted; the bundle {out} is written and complete "
+                                  f"(`gemma-export verify {out}` checks it)\n"), result.stderr
+    monkeypatch.undo()
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0

@@ -636,3 +636,17 @@ def test_the_leftover_names_are_the_ones_earlier_versions_wrote():
     """Leftovers of a prepack killed by an earlier version are found by these names, whatever
     builds them now."""
     assert prepack_module.LEFTOVER_PREFIXES == (".prepacked.staging-", ".prepacked.old-", ".prepacked.removing-")
+
+
+def test_an_interrupt_while_prepack_reports_says_the_copy_is_written(export_copy, monkeypatch):
+    from gemma_export import cli
+
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_list_files", interrupted)
+    result = _run("prepack", "--model", export_copy)
+    assert result.exit_code == 130, result.output
+    assert result.stderr.endswith(f"error: interrupted; the pre-packed copy {export_copy / 'prepacked'} is written and "
+                                  "complete\n"), result.stderr
+    monkeypatch.undo()
+    assert _run("verify", export_copy).exit_code == 0
