@@ -1053,19 +1053,21 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class TextStream:
-    """The text of generated ids, given out piece by piece as the ids come.
+    """The text of generated ids, given out piece by piece as the ids come; the pieces joined are
+    the text of the generation.
 
     Each piece is what decoding the newest ids adds, decoded together with the ids of the piece
     before them so that the tokenizer sees their context (a leading space, a character split over
     ids): ``decode(ids[prefix:]) - decode(ids[prefix:read])``, the incremental decode of Hugging
     Face's text-generation-inference. A decode that ends in U+FFFD (a character whose bytes are
     not all generated yet, Gemma's byte fallback) waits for up to 3 more ids (UTF-8 takes at most 4
-    bytes a character; after that the U+FFFD is the text, as in the whole decode). An id that adds
-    no text (a special token, skipped) is dropped. The context is at most :attr:`WINDOW` ids, so a
-    long generation costs linear time, not quadratic.
+    bytes a character). An id that adds no text (a special token, skipped) is dropped. The context
+    is at most :attr:`WINDOW` ids, so a long generation costs linear time, not quadratic.
 
-    A decode that rewrites text already shown (not Gemma's tokenizer) cannot be taken back: it is
-    left as shown, and later pieces follow the rewritten text.
+    Where the decode with context does not extend what was shown, the new ids are decoded alone.
+    That happens at a run of byte pieces that ends in bytes that are not UTF-8: ``tokenizers``
+    then turns the whole run into U+FFFD, characters already shown included (the whole decode of
+    such a generation has U+FFFD where this text keeps them).
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
@@ -1082,34 +1084,40 @@ class TextStream:
         self._emit = emit
         self._ids: list[int] = []
         self._prefix = 0  # ids[prefix:read]: context already shown, decoded again beside the new ids
-        self._read = 0  # ids before read are shown (or added nothing)
+        self._read = 0  # ids before read are shown
         self.shown = ""
 
     def add(self, token_id: int) -> None:
         """Take one more id; emit what it adds to the text, if anything yet."""
         self._ids.append(token_id)
-        decode = self._tokenizer.decode
-        before = decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-        after = decode(self._ids[self._prefix:], skip_special_tokens=True)
+        before, after = self._decode(self._prefix, self._read), self._decode(self._prefix, None)
         if after == before:  # an id that adds nothing (a skipped special token): not kept as context
             del self._ids[-1]
             return
         if after.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHARACTER_IDS:
             return  # the character's next byte may come with the next id
-        if after.startswith(before) and len(after) > len(before):
-            self._show(after[len(before):])
+        self._show_new(before, after)
+
+    def finish(self) -> str:
+        """Emit what the ids not shown yet add (bytes of a character that never came whole: one
+        U+FFFD each, as their decode gives), and return the whole text."""
+        if self._read < len(self._ids):
+            self._show_new(self._decode(self._prefix, self._read), self._decode(self._prefix, None))
+        return self.shown
+
+    def _decode(self, start: int, stop: int | None) -> str:
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=True)
+
+    def _show_new(self, before: str, after: str) -> None:
+        """Show what the ids from ``read`` on add (``after`` minus ``before``, or their decode alone
+        where ``after`` rewrites ``before``), and make them the context of the next ones."""
+        piece = after[len(before):] if after.startswith(before) else self._decode(self._read, None)
+        if piece:
+            self.shown += piece
+            self._emit(piece)
             self._prefix = self._read
         self._read = len(self._ids)
         self._prefix = max(self._prefix, self._read - self.WINDOW)
-
-    def finish(self, text: str) -> None:
-        """Emit what ``text`` (the decode of all ids) adds to what was shown, if it extends it."""
-        if text.startswith(self.shown) and len(text) > len(self.shown):
-            self._show(text[len(self.shown):])
-
-    def _show(self, piece: str) -> None:
-        self.shown += piece
-        self._emit(piece)
 
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
@@ -1127,8 +1135,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         prepacked: the folder's pre-packed copy, as in :class:`OnnxDecoder` (None: used when it
             was made on this machine from these files).
         on_text: called with each new piece of the decoded text while tokens are generated
-            (:class:`TextStream`); the pieces joined are the result's ``text``, unless the
-            tokenizer's decode of later ids rewrites text already given (not Gemma's).
+            (:class:`TextStream`); the pieces joined are the result's ``text``.
 
     Returns:
         A :class:`GenerationResult` (times in milliseconds).
@@ -1164,12 +1171,12 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
     decoder.check_ids(prompt_ids, "prompt", tokenizer)
-    stream = TextStream(tokenizer, on_text) if on_text is not None else None
+    # the text as it is shown, whether or not anyone is shown it (TextStream: a generation that ends
+    # inside a character keeps the characters before it, where the tokenizer's whole decode loses them)
+    stream = TextStream(tokenizer, on_text if on_text is not None else (lambda _piece: None))
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk,
-                                                    on_token=None if stream is None else stream.add)
-    text = tokenizer.decode(new_ids, skip_special_tokens=True)
-    if stream is not None:
-        stream.finish(text)
+                                                    on_token=stream.add)
+    text = stream.finish()
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
                             decoder.prepacked_path is not None, decoder.prepacked_note, decoder.dtype,
                             unknown_control_tokens(tokenizer, prompt))

@@ -1275,8 +1275,7 @@ def test_the_text_stream_gives_the_whole_decode_over_split_characters_and_a_stri
     assert "".join(pieces) == whole  # each word's space kept, though a window's first one is stripped
     assert not any("\ufffd" in piece for piece in pieces)  # the emoji waits for its fourth byte
     assert "🍣" in pieces  # shown once whole
-    stream.finish(whole)
-    assert "".join(pieces) == whole  # nothing left over, nothing repeated
+    assert stream.finish() == whole and "".join(pieces) == whole  # nothing left over, nothing repeated
     assert max(calls) <= 6  # the last shown id(s) and what is new, not every id so far
 
 
@@ -1327,30 +1326,46 @@ def test_the_text_stream_stays_short_over_special_tokens_and_bytes_that_never_co
     assert pieces[:2] == ["the", " fox"]  # the space after 300 skipped ids kept
 
 
-def test_the_text_stream_never_takes_back():
+def test_a_decode_that_rewrites_what_was_shown_shows_the_new_ids_decoded_alone():
     from gemma_export.runtime import TextStream
 
     pieces = []
-    # a decode that rewrites what was shown is not shown (nothing can be taken back); the end adds the rest
-    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "x", (0, 1): "yz"}), pieces.append)
+    # nothing can be taken back: what was shown stays, and the new id's own text follows it
+    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "ab", (0, 1): "xyz", (1,): "z"}), pieces.append)
     stream.add(0)
     stream.add(1)
-    stream.finish("xz")
-    assert pieces == ["x", "z"]
-    pieces.clear()
-    stream = TextStream(_ScriptedTokenizer({(): "", (0,): "ab", (0, 1): "xyz"}), pieces.append)
-    stream.add(0)
-    stream.add(1)
-    stream.finish("xyz")
-    assert pieces == ["ab"]  # not "z", the part of "xyz" as long as what was shown
+    assert stream.finish() == "abz" and pieces == ["ab", "z"]
     pieces.clear()
     # a decode that ends in U+FFFD waits, then is shown whole with the id that completes it
     stream = TextStream(_ScriptedTokenizer({(): "", (0,): "ab", (0, 1): "ab\ufffd", (1,): "\ufffd",
                                             (0, 1, 2): "ab🍣", (1, 2): "🍣", (1, 2, 3): "🍣 c"}), pieces.append)
     for token_id in range(4):
         stream.add(token_id)
-    stream.finish("ab🍣 c")
-    assert pieces == ["ab", "🍣", " c"]
+    assert stream.finish() == "ab🍣 c" and pieces == ["ab", "🍣", " c"]
+
+
+def test_a_generation_that_ends_inside_a_character_keeps_the_characters_before_it():
+    """tokenizers decodes a run of byte pieces whose end is not UTF-8 as U+FFFD throughout, the
+    whole characters before it included: the stream showed them and --json's text had 30 U+FFFD
+    instead (helper-found, with the real tokenizer). Both are the stream's text now."""
+    from gemma_export.runtime import TextStream
+
+    tokenizer, vocab = _byte_fallback_tokenizer()
+    data = "🍣🍣".encode() + "🍣".encode()[:2]
+    ids = [vocab[f"<0x{b:02X}>"] for b in data]
+    assert tokenizer.decode(ids) == "\ufffd" * 10  # the whole decode loses both whole characters
+    pieces = []
+    stream = TextStream(tokenizer, pieces.append)
+    for token_id in ids:
+        stream.add(token_id)
+    assert pieces == ["🍣", "🍣"]  # the last two bytes wait for the rest of their character
+    assert stream.finish() == "🍣🍣\ufffd\ufffd" and pieces == ["🍣", "🍣", "\ufffd\ufffd"]
+    # and a character that never completes in the middle is shown after its 4th id, not lost
+    pieces.clear()
+    stream = TextStream(tokenizer, pieces.append)
+    for token_id in [vocab[f"<0x{b:02X}>"] for b in "🍣".encode()[:2] * 3] + [vocab["."]]:
+        stream.add(token_id)
+    assert stream.finish() == "\ufffd" * 6 + "." and "".join(pieces) == stream.shown
 
 
 def test_generate_gives_its_text_piece_by_piece_and_no_prompt_before_a_refusal(tiny_int8_export):
