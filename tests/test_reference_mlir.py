@@ -512,21 +512,61 @@ def test_declarations_in_another_order_map_by_the_tracer_ids(ref_model, tmp_path
     assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes()
 
 
-@pytest.mark.parametrize("cut", ["in the function", "after the globals"])
-def test_a_reference_cut_short_is_refused(ref_model, tmp_path, cut):
-    """An MLIR cut to its first 200 KB exported without a word (helper-found): its weights may
-    still all be there, but the file is not the one the board team wrote."""
+@pytest.mark.parametrize("cut, still_open", [("in the function", 2), ("after the globals", 1),
+                                              ("the module's brace", 1)])
+def test_a_reference_cut_short_is_refused(ref_model, tmp_path, cut, still_open):
+    """An MLIR cut to its first 200 KB exported without a word, and one cut after an inner '}'
+    passed a check of its last line (helper-found): the braces must balance."""
     mlir = write_reference(ref_model, tmp_path / "ref")
     lines = mlir.read_text().splitlines()
-    keep = len(lines) - 2 if cut == "in the function" else next(i for i, l in enumerate(lines) if "func.func" in l)
+    keep = {"in the function": len(lines) - 2, "the module's brace": len(lines) - 1,
+            "after the globals": next(i for i, l in enumerate(lines) if "func.func" in l)}[cut]
     mlir.write_text("\n".join(lines[:keep]) + "\n")
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
     assert result.exit_code == 2, result.output
-    error = result.stderr.splitlines()[-1]
-    assert error.startswith(f"error: {mlir}: ends with ") and error.endswith("not the '}' that closes its module; the "
-                                                                             "file is cut short"), result.stderr
+    assert result.stderr.splitlines()[-1] == f"error: {mlir}: ends with {still_open} brace(s) still open; the file is " \
+                                             "cut short", result.stderr
     assert not out.exists()
+
+
+def test_comments_and_braces_in_strings_do_not_count_as_the_module_s_end(ref_model, tmp_path):
+    """'} // end of module' was refused as cut short (helper-found)."""
+    def edit(lines, archive):
+        lines[-1] = '} // end of module {'
+        lines.insert(1, '  // a comment with a brace }')
+        lines.insert(2, '  util.global private @note = "a string with braces }}" : !util.buffer')
+    plain = export(write_reference(ref_model, tmp_path / "plain"), tmp_path / "a", "fp32").out_dir
+    out = export(write_reference(ref_model, tmp_path / "commented", edit=edit), tmp_path / "b", "fp32").out_dir
+    assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes()
+
+
+def test_the_order_of_first_loads_is_the_trace_order_whatever_the_names(ref_model, tmp_path):
+    """With one global renamed away from tN the reader fell back to the declarations' order, and two
+    same-shaped declarations written the other way round exported the wrong weights (helper-found).
+    The program's first loads give the order; then the archive keys' tracer ids; the names last."""
+    def rename_and_reorder(lines, archive, load_all):
+        decl = [i for i, line in enumerate(lines) if "util.global private @" in line]
+        names = [lines[i].split("@")[1].split(" ")[0] for i in decl]
+        if load_all:  # the program loads every global, in trace order (as a traced function does)
+            at = next(i for i, line in enumerate(lines) if "func.func" in line) + 1
+            lines[at:at + 1] = [f"    %v{n} = util.global.load @{name} : tensor<{lines[decl[n]].split('tensor<')[1]}"
+                                for n, name in enumerate(names)]
+        # every global renamed away from tN, in declarations and loads (the keys stay tN)
+        for n in range(len(lines)):
+            for name in names:
+                lines[n] = lines[n].replace(f"@{name} ", f"@w_{name} ")
+        k = next(i for i in decl if lines[i].split("tensor<")[1].startswith("32x64x"))  # layer 0's k_proj ...
+        v = next(i for i in decl if i > k and lines[i].split("tensor<")[1].startswith("32x64x"))  # ... and v_proj
+        lines[k], lines[v] = lines[v], lines[k]
+
+    plain = export(write_reference(ref_model, tmp_path / "plain"), tmp_path / "a", "fp32").out_dir
+    for load_all in (True, False):
+        mlir = write_reference(ref_model, tmp_path / f"renamed-{load_all}",
+                               edit=lambda lines, archive: rename_and_reorder(lines, archive, load_all))
+        assert "@w_t0 " in mlir.read_text()
+        out = export(mlir, tmp_path / f"b-{load_all}", "fp32").out_dir
+        assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes(), load_all
 
 
 def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(ref_model, tmp_path):

@@ -11,7 +11,8 @@ symmetric). Norm weights already hold ``1 + w`` (llama.cpp's convention). The ar
 trace-baked constants (RoPE tables ``[seq, head_dim / 2]``, sliding-window masks ``[seq, seq]``) and,
 in older exports, the tied table a second time for the LM head.
 
-There is no name map: :func:`map_globals` assigns globals to Gemma weights by trace order and shape
+There is no name map: :func:`map_globals` assigns globals to Gemma weights by trace order (the order
+the program first loads them, :func:`_trace_order`) and shape
 (embedding first; per layer the slots in forward order, each shape filled in order; final norm; an
 optional LM head) and confirms the map with values where it can (norm gains near 1, a second table
 equal to the first).
@@ -51,6 +52,8 @@ _GLOBAL = re.compile(
     r'#flow\.parameter\.named<"([^"]*)"::"([^"]*)">\s*:\s*tensor<([^>]*)>')
 _FUNC = re.compile(r'^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\((.*?)\)\s*(?:->\s*(.*?))?\s*(?:attributes\b.*)?\{?\s*$')
 _TENSOR = re.compile(r"tensor<([^>]*)>")
+_LOAD = re.compile(rb"util\.global\.load\s+(?:immutable\s+)?@([\w$.-]+)")
+_STRING_LITERAL = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +85,13 @@ class MlirFunction:
 
 @dataclasses.dataclass(frozen=True)
 class MlirModule:
-    """What :func:`parse_mlir` read: the parameter globals in file order and the public functions."""
+    """What :func:`parse_mlir` read: the parameter globals in file order, the public functions, and
+    the line of each global's first ``util.global.load`` (the order the traced program uses them)."""
 
     path: Path
     globals: tuple[MlirGlobal, ...]
     functions: tuple[MlirFunction, ...]
+    first_loads: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 #: the most elements one declared tensor may have (2**40: far above any Gemma table, far below int64)
@@ -116,8 +121,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
     Raises:
         SourceNotFoundError: no such file.
         FormatError: a safetensors archive given instead, a line over 1 MiB, a global with a
-            dynamic or unknown tensor type, a global declared twice, no global at all, or a file
-            that does not end with the ``}`` closing its module (cut short).
+            dynamic or unknown tensor type, a global declared twice, no global at all, or braces
+            that do not balance (a file cut short, or more closed than opened).
     """
     path = require_file(path, "reference MLIR file")
     with open(path, "rb") as f:
@@ -127,15 +132,21 @@ def parse_mlir(path: str | Path) -> MlirModule:
     globals_: list[MlirGlobal] = []
     functions: list[MlirFunction] = []
     seen: set[str] = set()
-    last = b""  # the last line that is not blank or a comment: a whole module's closing brace
+    loads: dict[str, int] = {}  # global name -> line of its first util.global.load
+    depth = 0  # braces open (regions, attribute dictionaries): a whole module closes them all
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if len(raw) > MAX_LINE_BYTES:
                 raise FormatError(f"{path}:{number}: line of {len(raw):,} bytes exceeds 1 MiB; not reference MLIR text")
-            stripped = raw.strip()
-            if stripped and not stripped.startswith(b"//"):
-                last = stripped
+            code = _STRING_LITERAL.sub(b'""', raw).split(b"//", 1)[0]  # braces in strings and comments do not count
+            depth += code.count(b"{") - code.count(b"}")
+            if depth < 0:
+                raise FormatError(f"{path}:{number}: closes a brace that was not opened; not reference MLIR text")
             if b"util.global" not in raw and b"func.func" not in raw:
+                continue
+            load = _LOAD.search(raw)
+            if load:
+                loads.setdefault(load.group(1).decode("utf-8", "replace"), number)
                 continue
             line = raw.decode("utf-8", errors="replace")
             where = f"{path}:{number}"
@@ -161,10 +172,9 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")), number))
     if not globals_:
         raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference export")
-    if not last.endswith(b"}"):
-        raise FormatError(f"{path}: ends with {last.decode('utf-8', 'replace')[-60:]!r}, not the '}}' that closes its "
-                          "module; the file is cut short")
-    return MlirModule(path, tuple(globals_), tuple(functions))
+    if depth:
+        raise FormatError(f"{path}: ends with {depth} brace(s) still open; the file is cut short")
+    return MlirModule(path, tuple(globals_), tuple(functions), loads)
 
 
 def find_archive(mlir_path: Path) -> Path:
@@ -264,6 +274,19 @@ class GlobalMap:
     config: GemmaConfig
 
 
+def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int]) -> list[MlirGlobal]:
+    """The globals in trace order, whatever order the file declares them in: the order the program
+    first loads them (``util.global.load``) when it loads every one; else the order of the
+    tracer's ids ``tN`` (of the names, else of the archive keys) when every one has one; else the
+    file's."""
+    if found and all(g.name in first_loads for g in found):
+        return sorted(found, key=lambda g: first_loads[g.name])
+    for ids in ([_trace_id(g.name) for g in found], [_trace_id(g.key) for g in found]):
+        if all(n is not None for n in ids):
+            return [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
+    return found
+
+
 def _trace_id(name: str) -> int | None:
     """N of a tracer's global name ``tN`` (reference-format: the ids are sparse and in trace order),
     else None."""
@@ -272,8 +295,8 @@ def _trace_id(name: str) -> int | None:
 
 
 def map_globals(module: MlirModule) -> GlobalMap:
-    """Assign the globals to Gemma 3 weights by trace order and shape (see the module docstring);
-    the trace order is that of the tracer's ids ``tN`` when every name is one, else the file's;
+    """Assign the globals to Gemma 3 weights by trace order (:func:`_trace_order`) and shape (see
+    the module docstring);
     :func:`read_reference` then confirms the map with values (every norm gain must look like 1 + w).
 
     Raises:
@@ -297,10 +320,7 @@ def map_globals(module: MlirModule) -> GlobalMap:
         if g.name.endswith("_scale") and g.name[: -len("_scale")] not in by_name:
             raise FormatError(f"{where}:{g.line}: @{g.name} names no global @{g.name[: -len('_scale')]}; expected "
                               "the per-row scales of an int8 global")
-    order = [g for g in module.globals if g not in scales.values()]
-    traced = [_trace_id(g.name) for g in order]
-    if all(n is not None for n in traced):  # the tracer's ids are its order, whatever the declarations' order
-        order = [g for _, g in sorted(zip(traced, order), key=lambda pair: pair[0])]
+    order = _trace_order([g for g in module.globals if g not in scales.values()], module.first_loads)
     if not order or len(order[0].shape) != 2:
         raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "
                           f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
