@@ -153,8 +153,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
                 raise FormatError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
         elif raw.lstrip().startswith("["):  # a JSON list under another name (ids.txt, /dev/stdin)
             with contextlib.suppress(ValueError, RecursionError):
-                parsed = json.loads(raw)
-                items = parsed if isinstance(parsed, list) else None
+                items = json.loads(raw)  # a list: the text starts with '['
         if items is None:
             items = [line for line in raw.splitlines() if line.strip()]
     prompts = []
@@ -276,7 +275,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
             prompt_ids = encode_prompt(tokenizer, entry["prompt"])
         else:
-            raise FormatError(f"{path}: entry #{n} 'prompt' must be text and the export must have a tokenizer")
+            raise FormatError(f"{path}: entry #{n} has a text 'prompt' and no 'prompt_ids', and the export has no "
+                              "tokenizer.json to encode it; give the entry its prompt_ids")
         chunk = entry.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
         if not is_whole_number(chunk) or chunk < 0:
             raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "

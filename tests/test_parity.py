@@ -277,8 +277,14 @@ def test_golden_ids_run_on_an_export_without_a_tokenizer(int8_debug_export, tmp_
         f"error: {bare}: a bare list of expected ids continues the first prompt, and the export has no tokenizer.json "
         "for the default prompts; give --prompts with token ids (a JSON list of id lists), or write the golden file "
         "as objects with prompt_ids and expected_ids\n"), result.output
-    ids = tmp_path / "ids.PROMPTS"  # a JSON list of ids without the .json suffix
-    ids.write_text(json.dumps([prompt]))
+    text_only = tmp_path / "text.json"
+    text_only.write_text(json.dumps({"prompt": "hi", "expected_ids": expected}))
+    result = _parity("--model", int8_debug_export, "--golden", text_only)
+    assert result.exit_code == 2 and result.stderr == (
+        f"error: {text_only}: entry #0 has a text 'prompt' and no 'prompt_ids', and the export has no tokenizer.json "
+        "to encode it; give the entry its prompt_ids\n"), result.output
+    ids = tmp_path / "ids.PROMPTS"  # a JSON list of ids without the .json suffix, after a blank line
+    ids.write_text("\n  " + json.dumps([prompt]))
     result = _parity("--model", int8_debug_export, "--golden", bare, "--prompts", ids)
     assert result.exit_code == 0 and "golden entry #0: match" in result.stdout, result.output
 
