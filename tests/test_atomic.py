@@ -921,3 +921,49 @@ def test_a_signal_during_the_write_probe_leaves_no_probe_folder(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (done.returncode, done.stdout) == (0, "None\nTrue True\n"), done.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_remove_stale_keeps_an_old_copy_only_when_it_may_be_the_only_one(tmp_path, monkeypatch):
+    """An old-copy folder is kept while the output is missing and it holds something (or cannot be
+    listed); an empty one, or one beside an output in place (a link counts), goes as before."""
+    past = time.time() - 2 * STALE_AFTER_SECONDS
+    out = tmp_path / "out"
+
+    def aged(name, holds):
+        folder = tmp_path / name
+        folder.mkdir()
+        if holds:
+            (folder / "out").mkdir()
+            (folder / "out" / "model.onnx").write_text("previous")
+            os.utime(folder / "out", (past, past))
+        os.utime(folder, (past, past))
+        return folder
+
+    empty = aged(".out.old-empty", False)
+    assert staging.remove_stale(out) == ([empty], [], [])  # nothing of anyone's in it
+    full = aged(".out.old-full", True)
+    out.symlink_to(tmp_path / "nowhere")  # an output in place, though a dangling link
+    assert staging.remove_stale(out) == ([full], [], [])
+    out.unlink()
+    unreadable = aged(".out.old-unreadable", True)
+    real_iterdir = Path.iterdir
+
+    def refused(self):
+        if self == unreadable:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_iterdir(self)
+    monkeypatch.setattr(Path, "iterdir", refused)
+    stale = staging.remove_stale(out)
+    assert stale.removed == [] and [p for p, _ in stale.stuck] == [unreadable] and unreadable.is_dir()
+
+
+def test_an_error_other_than_an_interrupt_after_the_move_is_raised_as_it_is(tiny_dir, tmp_path, monkeypatch):
+    moved = staging.move_into_place
+
+    def move_then_fail(staged, out_dir):
+        moved(staged, out_dir)
+        raise RuntimeError("after the move")
+
+    monkeypatch.setattr(staging, "move_into_place", move_then_fail)
+    with pytest.raises(RuntimeError, match="after the move"):
+        exporter.export(tiny_dir, tmp_path / "out", "fp32")

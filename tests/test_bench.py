@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -644,7 +645,11 @@ def _fake_pyplot(figure):
 
     axes = types.SimpleNamespace(**{name: (lambda *a, **k: None) for name in
                                     ("plot", "set_xlabel", "set_ylabel", "set_ylim", "legend", "grid")})
-    return types.SimpleNamespace(subplots=lambda **k: (figure, axes), close=lambda fig: None)
+    figure.closed = 0
+
+    def close(fig):
+        fig.closed += 1
+    return types.SimpleNamespace(subplots=lambda **k: (figure, axes), close=close)
 
 
 def _result_for_plot():
@@ -730,3 +735,29 @@ def test_the_board_budget_allows_a_peak_of_exactly_its_memory_less_the_headroom(
             bench_module.check_board_budget(r)
     else:
         bench_module.check_board_budget(r)
+
+
+@pytest.mark.parametrize("error", [None, OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_plot_closes_its_figure_however_the_write_ends(tmp_path, monkeypatch, error):
+    figure = _FakeFigure(b"a plot", error)
+    monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(figure))
+    with contextlib.suppress(Exception, KeyboardInterrupt):
+        bench_module.write_plot([_result_for_plot()], tmp_path / "curve.png")
+    assert figure.closed == 1  # matplotlib keeps every open figure otherwise
+
+
+def test_json_that_cannot_be_written_is_one_error_naming_the_option_and_no_temporary(tmp_path, monkeypatch):
+    from pathlib import Path as _Path
+
+    from gemma_export.errors import OutputError
+
+    target = tmp_path / "report.json"
+    real = _Path.write_text
+
+    def full(self, *args, **kwargs):
+        real(self, "{ha", encoding="utf-8")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(_Path, "write_text", full)
+    with pytest.raises(OutputError, match=rf"^--json {target}: cannot write: No space left on device$"):
+        bench_module.write_json({"a": 1}, target)
+    assert list(tmp_path.iterdir()) == []

@@ -166,6 +166,9 @@ def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
     assert again.exit_code == 0, again.output
     # once (it was said twice with --out: before the read and again after it)
     assert again.stderr.count(f"{out} holds an earlier export; it is replaced once this one is written and checked") == 1
+    lines = again.stderr.splitlines()  # and before the (slow) read of the source, where --out is known
+    assert lines.index(f"{out} holds an earlier export; it is replaced once this one is written and checked") < \
+        next(n for n, line in enumerate(lines) if line.startswith("reading "))
     empty = tmp_path / "empty"
     empty.mkdir()
     result = _run("--source", tiny_dir, "--out", empty, "--dtype", "fp32")
@@ -1342,6 +1345,22 @@ def test_a_decode_that_rewrites_what_was_shown_shows_the_new_ids_decoded_alone()
     for token_id in range(4):
         stream.add(token_id)
     assert stream.finish() == "ab🍣 c" and pieces == ["ab", "🍣", " c"]
+
+
+def test_the_text_stream_window_stays_short_when_every_decode_rewrites():
+    from gemma_export.runtime import TextStream
+
+    longest = []
+
+    class Rewriting:  # a decode that never extends the one before it
+        def decode(self, window, skip_special_tokens=True):
+            longest.append(len(window))
+            return str(len(window))[::-1] + "x" if window else ""
+
+    stream = TextStream(Rewriting(), lambda _piece: None)
+    for token_id in range(200):
+        stream.add(token_id)
+    assert max(longest) <= 12  # WINDOW + MAX_CHARACTER_IDS, not the 200 ids
 
 
 def test_a_generation_that_ends_inside_a_character_keeps_the_characters_before_it():

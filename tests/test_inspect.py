@@ -155,7 +155,8 @@ def _outside_tensor(name="c", location="../secret.bin"):
     return t
 
 
-@pytest.mark.parametrize("where", ["Constant", "subgraph", "function", "sparse"])
+@pytest.mark.parametrize("where", ["Constant", "subgraph", "function", "sparse", "sparse indices", "tensors attribute",
+                                   "graphs attribute", "Constant sparse_value"])
 def test_external_data_outside_initializers_is_checked_too(tmp_path, where):
     """Only graph.initializer was checked: a Constant's tensor, a subgraph's initializer, a
     function's Constant or a sparse initializer could name '../secret.bin', which `dedupe` then
@@ -180,12 +181,38 @@ def test_external_data_outside_initializers_is_checked_too(tmp_path, where):
         functions = [helper.make_function("local", "F", [], ["y"], [constant], [helper.make_opsetid("", 21)])]
         graph = helper.make_graph([helper.make_node("F", [], ["y"], domain="local")], "g", [], [out])
         label = "tensor of node 'c' attribute 'value'"
-    else:
+    elif where == "sparse":
         indices = helper.make_tensor("i", TensorProto.INT64, [1], [0])
         sparse = helper.make_sparse_tensor(_outside_tensor("s"), indices, [4])
         graph = helper.make_graph([helper.make_node("Identity", ["s"], ["y"])], "g", [], [out])
         graph.sparse_initializer.append(sparse)
         label = "sparse initializer 's' values"
+    elif where == "sparse indices":
+        indices = _outside_tensor("i")
+        indices.data_type = TensorProto.INT64
+        indices.dims[:] = [1]
+        sparse = helper.make_sparse_tensor(helper.make_tensor("s", TensorProto.FLOAT, [1], [1.0]), indices, [4])
+        graph = helper.make_graph([helper.make_node("Identity", ["s"], ["y"])], "g", [], [out])
+        graph.sparse_initializer.append(sparse)
+        label = "sparse initializer 's' indices"
+    elif where == "tensors attribute":  # a custom-domain node with a list of tensors
+        node = helper.make_node("Holder", [], ["y"], name="h", domain="local")
+        node.attribute.append(helper.make_attribute("weights", [_outside_tensor("a")]))
+        graph = helper.make_graph([node], "g", [], [out])
+        label = "tensor of node 'h' attribute 'weights'"
+    elif where == "graphs attribute":
+        branch = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "b", [], [out],
+                                   initializer=[_outside_tensor("w")])
+        node = helper.make_node("Holder", [], ["y"], name="h", domain="local")
+        node.attribute.append(helper.make_attribute("bodies", [branch]))
+        graph = helper.make_graph([node], "g", [], [out])
+        label = "initializer 'w' keeps its data at '../secret.bin'"
+    else:
+        indices = helper.make_tensor("i", TensorProto.INT64, [1], [0])
+        node = helper.make_node("Constant", [], ["y"], name="c",
+                                sparse_value=helper.make_sparse_tensor(_outside_tensor("s"), indices, [4]))
+        graph = helper.make_graph([node], "g", [], [out])
+        label = "tensor of node 'c' attribute 'sparse_value' values"
     model = helper.make_model(graph, functions=functions, opset_imports=[helper.make_opsetid("", 21),
                                                                          helper.make_opsetid("local", 1)])
     path = folder / "model.onnx"

@@ -318,6 +318,8 @@ def test_int4_rejects_non_finite_with_index(bad, message):
     ({"block_size": 32, "channel_weights": np.ones(3)}, "channel_weights must be 64 finite values"),
     ({"block_size": 32, "channel_weights": np.r_[np.ones(63), -1.0]}, "channel_weights must be 64 finite values >= 0, found -1.0 at index 63"),
     ({"block_size": 32, "channel_weights": np.r_[np.ones(63), np.nan]}, "channel_weights must be 64 finite values >= 0, found nan at index 63"),
+    ({"block_size": 32, "channel_weights": np.r_[np.ones(5), np.nan, np.ones(34), -1.0, np.ones(23)]},
+     "found nan at index 5"),  # the first bad value
 ])
 def test_int4_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -585,3 +585,20 @@ def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(re
     archive.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
     with pytest.raises(FormatError, match=rf"{mlir}:\d+: global @t8 is bound to key 't8', which {archive} lacks"):
         open_source(mlir)
+
+
+def test_an_archive_whose_tensors_overlap_is_refused_after_its_names_are_checked(ref_model, tmp_path):
+    import json
+    import struct
+
+    mlir = write_reference(ref_model, tmp_path / "ref")
+    archive = mlir.with_suffix(".safetensors")
+    data = archive.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + length])
+    same = [k for k, v in header.items() if v["shape"] == header["t8"]["shape"] and k != "t8"]
+    header["t8"]["data_offsets"] = header[same[0]]["data_offsets"]  # two keys on the same bytes
+    raw = json.dumps(header).encode()
+    archive.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
+    with pytest.raises(FormatError, match=f"{archive}: tensor '.*' at offset \\d+ overlaps the previous tensor"):
+        open_source(mlir)

@@ -377,6 +377,8 @@ def test_comparison_scripts_refuse_models_that_cannot_run_before_any_timing(tiny
 
     models = {"x": tiny_int8_export}
     assert check_exports_fit(models, [2, 95], 256) == 96
+    with pytest.raises(GemmaExportError, match="its vocabulary has 96 ids"):
+        check_exports_fit(models, [2, 96], 16)  # an id equal to the size is outside
     with pytest.raises(GemmaExportError, match=r"its vocabulary has 96 ids, and the text's ids .* reach 236,819"):
         check_exports_fit(models, [2, 236_819], 16)
     with pytest.raises(GemmaExportError, match="max_position_embeddings is 256, and this run needs 304 positions"):
@@ -395,3 +397,28 @@ def test_comparison_scripts_refuse_models_that_cannot_run_before_any_timing(tiny
         check_gguf_model(_gguf(tmp_path / "small.gguf", rows=50), 96)
     with pytest.raises(FormatError, match="truncated"):
         check_gguf_model(_gguf(tmp_path / "cut.gguf", cut=100), 96)
+
+
+@pytest.mark.parametrize("builder_status", [1, 0])
+def test_genai_anchor_says_when_the_builder_fails_or_writes_nothing(tmp_path, builder_status):
+    """A failed builder ended the script with its status and no line of ours, and one that wrote
+    nothing ended it with 0 (a mutation audit's gap)."""
+    import subprocess
+    import sys
+
+    import genai_anchor
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    f"if [ \"$1\" = -c ]; then echo '{genai_anchor.PROBE_OK}'; exit 0; fi\n"
+                    f"exit {builder_status}\n")
+    fake.chmod(0o755)
+    (tmp_path / "g-hf").mkdir()
+    (tmp_path / "g-hf" / genai_anchor.COMPLETE_MARKER).write_text("")  # an earlier run's: not written again
+    done = subprocess.run([sys.executable, str(TOOLS / "genai_anchor.py"), "--python", str(fake), "--out",
+                           str(tmp_path / "g")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr
+    expected = (f"error: onnxruntime-genai's builder failed (exit status 1; its output is above); {tmp_path / 'g-hf'} "
+                "is kept for the next try" if builder_status else
+                f"error: onnxruntime-genai's builder exited 0 but wrote no {tmp_path / 'g' / 'genai_config.json'}")
+    assert done.stderr.strip().splitlines()[-1] == expected and "wrote " not in done.stdout
