@@ -967,3 +967,23 @@ def test_an_error_other_than_an_interrupt_after_the_move_is_raised_as_it_is(tiny
     monkeypatch.setattr(staging, "move_into_place", move_then_fail)
     with pytest.raises(RuntimeError, match="after the move"):
         exporter.export(tiny_dir, tmp_path / "out", "fp32")
+
+
+def test_an_interrupt_at_the_note_on_the_replaced_copy_says_the_export_is_written(tiny_dir, tmp_path):
+    """The note that the replaced export's pre-packed copy went with it comes once the new export
+    is in place: an interrupt there is OutputWritten, not 'nothing was written'."""
+    from gemma_export.errors import OutputWritten
+    from gemma_export.prepack import prepack
+
+    out = tmp_path / "out"
+    exporter.export(tiny_dir, out, "int8", block_size=16)
+    prepack(out)
+
+    def status(line):
+        if "pre-packed copy went with it" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(OutputWritten) as caught:
+        exporter.export(tiny_dir, out, "fp32", status=status)
+    assert caught.value.path == out and caught.value.what == "export"
+    assert json.loads((out / "manifest.json").read_text())["dtype"] == "fp32" and exporter.verify_manifest(out)
