@@ -15,6 +15,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -30,16 +31,16 @@ def interrupts_held() -> Iterator[None]:
     restored even when a signal lands between two of the changes (the one it raises is raised after
     all are restored). Outside the main thread (where handlers cannot be set) the block runs
     unprotected."""
+    if threading.current_thread() is not threading.main_thread():  # Python refuses handlers there
+        yield
+        return
     previous: dict[int, object] = {}
     try:
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                # recorded before it is changed: a signal that lands right after the change (its
-                # handler runs between two bytecodes) must not find it changed and unrecorded
-                previous[sig] = signal.getsignal(sig)
-                signal.signal(sig, signal.SIG_IGN)
-        except ValueError:  # not the main thread
-            pass
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # recorded before it is changed: a signal that lands right after the change (its handler
+            # runs between two bytecodes) must not find it changed and unrecorded
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, signal.SIG_IGN)
         yield
     finally:
         pending: BaseException | None = None
