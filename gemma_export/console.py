@@ -153,6 +153,7 @@ def main() -> None:
         finally:
             _ignore_interrupts()  # the command has ended, however it ended
     except KeyboardInterrupt as exc:  # one that landed as the command ended, before they were ignored
+        _ignore_interrupts()  # a second one (a double press) as this process ends is ignored too
         try:
             os.write(2, b"error: interrupted\n")
         except OSError:

@@ -62,7 +62,8 @@ class GenerationResult:
     Attributes:
         prompt_ids: token ids of the prompt (with ``<bos>``).
         new_ids: generated ids (stops after an end-of-turn / eos id, which is included).
-        text: the decoded new tokens.
+        text: the new tokens' text as :class:`TextStream` gives it (the tokenizer's decode, except
+            where that decode turns characters before a cut-off byte run into U+FFFD).
         prefill_ms: time of the prompt's steps (all its chunks) and the pick of the first new token,
             milliseconds.
         decode_ms: time of each following step, milliseconds (the first also gives the prompt's
@@ -1067,7 +1068,7 @@ class TextStream:
     Where the decode with context does not extend what was shown, the new ids are decoded alone.
     That happens at a run of byte pieces that ends in bytes that are not UTF-8: ``tokenizers``
     then turns the whole run into U+FFFD, characters already shown included (the whole decode of
-    such a generation has U+FFFD where this text keeps them).
+    a generation that ends so has U+FFFD where this text keeps the characters shown before).
 
     Args:
         tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
@@ -1090,10 +1091,11 @@ class TextStream:
     def add(self, token_id: int) -> None:
         """Take one more id; emit what it adds to the text, if anything yet."""
         self._ids.append(token_id)
-        before, after = self._decode(self._prefix, self._read), self._decode(self._prefix, None)
-        if after == before:  # an id that adds nothing (a skipped special token): not kept as context
-            del self._ids[-1]
+        after = self._decode(self._prefix, None)
+        if after == self._decode(self._prefix, -1):  # an id that adds nothing (a skipped special token),
+            del self._ids[-1]  # also between a character's bytes: not kept, and not counted against them
             return
+        before = self._decode(self._prefix, self._read)
         if after.endswith("\ufffd") and len(self._ids) - self._read < self.MAX_CHARACTER_IDS:
             return  # the character's next byte may come with the next id
         self._show_new(before, after)

@@ -25,22 +25,26 @@ from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 
 
 @contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
+def interrupts_held(deferred: bool = False) -> Iterator[None]:
     """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
-    arrives meanwhile is dropped, since the block completes the output anyway. Each handler is
-    restored even when a signal lands between two of the changes (the one it raises is raised after
-    all are restored). Outside the main thread (where handlers cannot be set) the block runs
-    unprotected."""
+    arrives meanwhile is dropped, since the block completes the output anyway, or, ``deferred``,
+    raised once the block has ended (for a block that precedes the work, such as a probe: the
+    command still stops). An ignored signal stays ignored. Each handler is restored even when a
+    signal lands between two of the changes (the one it raises is raised after all are restored).
+    Outside the main thread (where handlers cannot be set) the block runs unprotected."""
     if threading.current_thread() is not threading.main_thread():  # Python refuses handlers there
         yield
         return
     previous: dict[int, object] = {}
+    caught: list[int] = []
+    holder = (lambda signum, _frame: caught.append(signum)) if deferred else signal.SIG_IGN
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
             # recorded before it is changed: a signal that lands right after the change (its handler
             # runs between two bytecodes) must not find it changed and unrecorded
             previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, signal.SIG_IGN)
+            if previous[sig] != signal.SIG_IGN:
+                signal.signal(sig, holder)
         yield
     finally:
         pending: BaseException | None = None
@@ -54,6 +58,8 @@ def interrupts_held() -> Iterator[None]:
                     pending = pending or exc
         if pending is not None:
             raise pending
+    if caught:  # now met by the handler it would have met during the block
+        signal.raise_signal(caught[0])
 
 
 @contextlib.contextmanager
@@ -344,8 +350,8 @@ def entry_refused(folder: Path) -> str | None:
     """Why the existing ``folder`` refuses new entries (/proc, a read-only mount, permissions), in
     the OS's words, or None: probed by creating and removing a temporary folder in it, with
     Ctrl-C and SIGTERM held off meanwhile (one between the two left the folder behind, or made the
-    removal fail as if the folder refused entries)."""
-    with interrupts_held():
+    removal fail as if the folder refused entries); one that arrives meanwhile is acted on after."""
+    with interrupts_held(deferred=True):
         try:
             os.rmdir(tempfile.mkdtemp(dir=folder, prefix=".gemma-export-probe-"))
         except OSError as exc:

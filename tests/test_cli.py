@@ -1347,6 +1347,24 @@ def test_a_decode_that_rewrites_what_was_shown_shows_the_new_ids_decoded_alone()
     assert stream.finish() == "ab🍣 c" and pieces == ["ab", "🍣", " c"]
 
 
+def test_a_special_token_between_a_character_s_bytes_does_not_count_against_them():
+    """A skipped special token between the bytes of one character counted as one of its 4 ids,
+    and the character came out as U+FFFD (a review's finding)."""
+    from gemma_export.runtime import TextStream
+
+    tokenizer, vocab = _byte_fallback_tokenizer()
+
+    class SkippingZero:  # id 0 stands for a special token: skipped
+        def decode(self, window, skip_special_tokens=True):
+            return tokenizer.decode([i for i in window if i != 0], skip_special_tokens=skip_special_tokens)
+
+    emoji = [vocab[f"<0x{b:02X}>"] for b in "😀".encode()]
+    stream = TextStream(SkippingZero(), lambda _piece: None)
+    for token_id in emoji[:1] + [0] + emoji[1:]:
+        stream.add(token_id)
+    assert stream.finish() == "😀"
+
+
 def test_the_text_stream_window_stays_short_when_every_decode_rewrites():
     from gemma_export.runtime import TextStream
 

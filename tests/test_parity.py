@@ -426,20 +426,30 @@ def test_vocabulary_of_262153_rows_with_added_tokens(tmp_path):
 
 
 def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
-    # Swap the lines that load layer 1's gate_proj and up_proj (both [128, 64]; each load with the
-    # convert after it) at the top of the function: IREE runs the same program (each value is used
-    # by its name), but a reader that takes the first loads' order as the trace order now takes one
-    # for the other.
+    # Give layer 1's gate_proj and up_proj (both [128, 64]) each other's tracer ids, in the MLIR
+    # (declarations, bindings, loads) and in the archive (their bytes swapped): IREE still runs the
+    # same model, but a reader that maps by the ids' trace order now takes one for the other.
+    import re
+
     from jax_reference import trace
 
     mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
     roles = [role for role, _ in trace(ref_model)]
     gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
     names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
-    lines = mlir.read_text().splitlines()
-    a, b = sorted(next(i for i, line in enumerate(lines) if f"util.global.load @{name} " in line) for name in names)
-    lines[a:a + 2], lines[b:b + 2] = lines[b:b + 2], lines[a:a + 2]
-    mlir.write_text("\n".join(lines) + "\n")
+    swap = {names[0]: names[1], names[1]: names[0]}
+    text = mlir.read_text()
+    renamed = re.sub(rf"\b({names[0]}|{names[1]})\b", lambda m: swap[m.group(1)], text)
+    assert renamed != text
+    mlir.write_text(renamed)
+    archive = mlir.with_suffix(".safetensors")
+    data = bytearray(archive.read_bytes())
+    header_bytes = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_bytes])
+    (a0, a1), (b0, b1) = (header[n]["data_offsets"] for n in names)
+    start = 8 + header_bytes
+    data[start + a0:start + a1], data[start + b0:start + b1] = data[start + b0:start + b1], data[start + a0:start + a1]
+    archive.write_bytes(bytes(data))
     out = export(mlir, tmp_path / "out", "fp32").out_dir
     result = _parity("--model", out, "--reference", mlir, "--prompts", prompts_file, "--json", tmp_path / "r.json")
     assert result.exit_code == 1, result.output

@@ -513,20 +513,24 @@ def test_declarations_in_another_order_map_by_the_tracer_ids(ref_model, tmp_path
 
 
 @pytest.mark.parametrize("cut, still_open", [("in the function", 2), ("after the globals", 1),
-                                              ("the module's brace", 1)])
+                                              ("the module's brace", 1), ("no module, after the globals", 0)])
 def test_a_reference_cut_short_is_refused(ref_model, tmp_path, cut, still_open):
     """An MLIR cut to its first 200 KB exported without a word, and one cut after an inner '}'
     passed a check of its last line (helper-found): the braces must balance."""
     mlir = write_reference(ref_model, tmp_path / "ref")
     lines = mlir.read_text().splitlines()
     keep = {"in the function": len(lines) - 2, "the module's brace": len(lines) - 1,
-            "after the globals": next(i for i, l in enumerate(lines) if "func.func" in l)}[cut]
+            "after the globals": next(i for i, l in enumerate(lines) if "func.func" in l)}.get(cut)
+    if keep is None:  # operations at the top level (legal MLIR), the file cut between two of them
+        lines = [l for l in lines[1:] if "util.global private" in l]
+        keep = len(lines)
     mlir.write_text("\n".join(lines[:keep]) + "\n")
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
     assert result.exit_code == 2, result.output
-    assert result.stderr.splitlines()[-1] == f"error: {mlir}: ends with {still_open} brace(s) still open; the file is " \
-                                             "cut short", result.stderr
+    expected = (f"error: {mlir}: ends with {still_open} brace(s) still open; the file is cut short" if still_open
+                else f"error: {mlir}: ends with ")
+    assert result.stderr.splitlines()[-1].startswith(expected) and "cut short" in result.stderr, result.stderr
     assert not out.exists()
 
 
@@ -541,19 +545,14 @@ def test_comments_and_braces_in_strings_do_not_count_as_the_module_s_end(ref_mod
     assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes()
 
 
-def test_the_order_of_first_loads_is_the_trace_order_whatever_the_names(ref_model, tmp_path):
+def test_globals_renamed_away_from_tn_map_by_their_archive_keys(ref_model, tmp_path):
     """With one global renamed away from tN the reader fell back to the declarations' order, and two
     same-shaped declarations written the other way round exported the wrong weights (helper-found).
-    The program's first loads give the order; then the archive keys' tracer ids; the names last."""
-    def rename_and_reorder(lines, archive, load_all):
+    The archive keys carry the tracer's ids too."""
+    def rename_and_reorder(lines, archive):
         decl = [i for i, line in enumerate(lines) if "util.global private @" in line]
         names = [lines[i].split("@")[1].split(" ")[0] for i in decl]
-        if load_all:  # the program loads every global, in trace order (as a traced function does)
-            at = next(i for i, line in enumerate(lines) if "func.func" in line) + 1
-            lines[at:at + 1] = [f"    %v{n} = util.global.load @{name} : tensor<{lines[decl[n]].split('tensor<')[1]}"
-                                for n, name in enumerate(names)]
-        # every global renamed away from tN, in declarations and loads (the keys stay tN)
-        for n in range(len(lines)):
+        for n in range(len(lines)):  # every global renamed, in declarations and loads (the keys stay tN)
             for name in names:
                 lines[n] = lines[n].replace(f"@{name} ", f"@w_{name} ")
         k = next(i for i in decl if lines[i].split("tensor<")[1].startswith("32x64x"))  # layer 0's k_proj ...
@@ -561,12 +560,26 @@ def test_the_order_of_first_loads_is_the_trace_order_whatever_the_names(ref_mode
         lines[k], lines[v] = lines[v], lines[k]
 
     plain = export(write_reference(ref_model, tmp_path / "plain"), tmp_path / "a", "fp32").out_dir
-    for load_all in (True, False):
-        mlir = write_reference(ref_model, tmp_path / f"renamed-{load_all}",
-                               edit=lambda lines, archive: rename_and_reorder(lines, archive, load_all))
-        assert "@w_t0 " in mlir.read_text()
-        out = export(mlir, tmp_path / f"b-{load_all}", "fp32").out_dir
-        assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes(), load_all
+    mlir = write_reference(ref_model, tmp_path / "renamed", edit=rename_and_reorder)
+    assert "@w_t0 " in mlir.read_text()
+    out = export(mlir, tmp_path / "b", "fp32").out_dir
+    assert (out / "model.onnx.data").read_bytes() == (plain / "model.onnx.data").read_bytes()
+
+
+def test_the_trace_order_is_the_ids_then_the_first_loads_then_the_declarations():
+    from gemma_export.sources.mlir import MlirGlobal, _trace_order
+
+    def g(name, key=None):
+        return MlirGlobal(name, "model", key or name, (4,), "bf16", 0)
+
+    declared = [g("t20"), g("t3"), g("t11")]
+    loads = {"t11": 5, "t20": 6, "t3": 7}  # e.g. a helper function loads some first: the ids win
+    assert [x.name for x in _trace_order(declared, loads)] == ["t3", "t11", "t20"]
+    keyed = [g("a", "t20"), g("b", "t3"), g("c", "t11")]  # names of no tracer: the keys' ids
+    assert [x.name for x in _trace_order(keyed, {})] == ["b", "c", "a"]
+    free = [g("a", "x"), g("b", "y"), g("c", "z")]
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2, "b": 3})] == ["c", "a", "b"]  # no ids: the loads
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2})] == ["a", "b", "c"]  # not all loaded: the file's
 
 
 def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(ref_model, tmp_path):
@@ -602,3 +615,13 @@ def test_an_archive_whose_tensors_overlap_is_refused_after_its_names_are_checked
     archive.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + length:])
     with pytest.raises(FormatError, match=f"{archive}: tensor '.*' at offset \\d+ overlaps the previous tensor"):
         open_source(mlir)
+
+
+def test_a_load_in_a_comment_or_a_string_is_not_a_load(ref_model, tmp_path):
+    from gemma_export.sources.mlir import parse_mlir
+
+    def edit(lines, archive):
+        lines.insert(1, "  // util.global.load @t8 : tensor<64xbf16>")
+        lines.insert(2, '  util.global private @doc = "util.global.load @t15" : !util.buffer')
+    module = parse_mlir(write_reference(ref_model, tmp_path / "ref", edit=edit))
+    assert list(module.first_loads) == ["t0"]  # the function's one load

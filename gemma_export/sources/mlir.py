@@ -11,8 +11,8 @@ symmetric). Norm weights already hold ``1 + w`` (llama.cpp's convention). The ar
 trace-baked constants (RoPE tables ``[seq, head_dim / 2]``, sliding-window masks ``[seq, seq]``) and,
 in older exports, the tied table a second time for the LM head.
 
-There is no name map: :func:`map_globals` assigns globals to Gemma weights by trace order (the order
-the program first loads them, :func:`_trace_order`) and shape
+There is no name map: :func:`map_globals` assigns globals to Gemma weights by trace order (the
+tracer's ids, else the order the program first loads them, :func:`_trace_order`) and shape
 (embedding first; per layer the slots in forward order, each shape filled in order; final norm; an
 optional LM head) and confirms the map with values where it can (norm gains near 1, a second table
 equal to the first).
@@ -134,17 +134,20 @@ def parse_mlir(path: str | Path) -> MlirModule:
     seen: set[str] = set()
     loads: dict[str, int] = {}  # global name -> line of its first util.global.load
     depth = 0  # braces open (regions, attribute dictionaries): a whole module closes them all
+    last = b""  # the last line of code (comments aside): a whole file ends with a '}'
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if len(raw) > MAX_LINE_BYTES:
                 raise FormatError(f"{path}:{number}: line of {len(raw):,} bytes exceeds 1 MiB; not reference MLIR text")
             code = _STRING_LITERAL.sub(b'""', raw).split(b"//", 1)[0]  # braces in strings and comments do not count
             depth += code.count(b"{") - code.count(b"}")
+            if code.strip():
+                last = code.strip()
             if depth < 0:
                 raise FormatError(f"{path}:{number}: closes a brace that was not opened; not reference MLIR text")
             if b"util.global" not in raw and b"func.func" not in raw:
                 continue
-            load = _LOAD.search(raw)
+            load = _LOAD.search(code)  # not one in a comment or a string
             if load:
                 loads.setdefault(load.group(1).decode("utf-8", "replace"), number)
                 continue
@@ -174,6 +177,9 @@ def parse_mlir(path: str | Path) -> MlirModule:
         raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference export")
     if depth:
         raise FormatError(f"{path}: ends with {depth} brace(s) still open; the file is cut short")
+    if not last.endswith(b"}"):  # a file without a module around its operations, cut between two of them
+        raise FormatError(f"{path}: ends with {last.decode('utf-8', 'replace')[-60:]!r}, not a '}}' closing a module "
+                          "or function; the file is cut short")
     return MlirModule(path, tuple(globals_), tuple(functions), loads)
 
 
@@ -275,15 +281,16 @@ class GlobalMap:
 
 
 def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int]) -> list[MlirGlobal]:
-    """The globals in trace order, whatever order the file declares them in: the order the program
-    first loads them (``util.global.load``) when it loads every one; else the order of the
-    tracer's ids ``tN`` (of the names, else of the archive keys) when every one has one; else the
-    file's."""
-    if found and all(g.name in first_loads for g in found):
-        return sorted(found, key=lambda g: first_loads[g.name])
-    for ids in ([_trace_id(g.name) for g in found], [_trace_id(g.key) for g in found]):
+    """The globals in trace order, whatever order the file declares them in: the order of the
+    tracer's ids ``tN`` (reference-format: sparse and in trace order) of the archive keys, else of
+    the names, when every global has one; else the order in which the program first loads them
+    (``util.global.load``; a file's line order, which helper functions or initializers can break)
+    when it loads every one; else the file's."""
+    for ids in ([_trace_id(g.key) for g in found], [_trace_id(g.name) for g in found]):
         if all(n is not None for n in ids):
             return [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
+    if found and all(g.name in first_loads for g in found):
+        return sorted(found, key=lambda g: first_loads[g.name])
     return found
 
 
