@@ -352,11 +352,11 @@ def test_a_llama_build_that_crashes_is_one_error_line_before_any_timing(monkeypa
         bench_side_by_side.check_llama_runs(tmp_path / "m.gguf")
 
 
-def _gguf(path, architecture="gemma3", rows=96, cut=0):
+def _gguf(path, architecture="gemma3", cut=0):
     import gguf
 
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_tensor("token_embd.weight", np.zeros((rows, 8), np.float32))
+    writer.add_tensor("token_embd.weight", np.zeros((96, 8), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -373,7 +373,9 @@ def test_comparison_scripts_refuse_models_that_cannot_run_before_any_timing(tiny
     import shutil
 
     from _args import check_exports_fit, check_gguf_model
-    from gemma_export.errors import FormatError, GemmaExportError
+    from conftest import make_tiny_model
+    from gemma_export.errors import ConfigError, FormatError, GemmaExportError
+    from test_gguf_tiny import write_tiny_gguf
 
     models = {"x": tiny_int8_export}
     assert check_exports_fit(models, [2, 95], 256) == 96
@@ -390,11 +392,13 @@ def test_comparison_scripts_refuse_models_that_cannot_run_before_any_timing(tiny
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(GemmaExportError, match=r"--models have different vocabularies \(x 96, y 128\)"):
         check_exports_fit({"x": tiny_int8_export, "y": other}, [2, 5], 16)
-    check_gguf_model(_gguf(tmp_path / "ok.gguf"), 96)
-    with pytest.raises(FormatError, match="general.architecture is 'llama'; expected 'gemma3'"):
+    write_tiny_gguf(make_tiny_model(), tmp_path / "ok.gguf")
+    check_gguf_model(tmp_path / "ok.gguf", 96)
+    with pytest.raises(ConfigError, match="general.architecture is 'llama', expected 'gemma3'"):
         check_gguf_model(_gguf(tmp_path / "llama.gguf", "llama"), 96)
+    write_tiny_gguf(make_tiny_model(vocab_size=50), tmp_path / "small.gguf")
     with pytest.raises(FormatError, match="token_embd.weight has 50 rows; the exports' vocabulary has 96"):
-        check_gguf_model(_gguf(tmp_path / "small.gguf", rows=50), 96)
+        check_gguf_model(tmp_path / "small.gguf", 96)
     with pytest.raises(FormatError, match="truncated"):
         check_gguf_model(_gguf(tmp_path / "cut.gguf", cut=100), 96)
 

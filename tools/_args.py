@@ -116,25 +116,19 @@ def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int) -
 
 def check_gguf_model(path: Path, vocab: int | None) -> None:
     """Refuse, before any slow work, a GGUF that llama.cpp would fail on or that is another model:
-    a damaged header or data section (:func:`~gemma_export.sources.gguf_header.read_gguf_header`),
-    an architecture other than ``gemma3``, or a token table of other than ``vocab`` rows.
+    read as the toolkit reads a GGUF source (:func:`~gemma_export.sources.gguf.read_gguf`, lazily:
+    its header and data layout, architecture ``gemma3``, metadata and tensor shapes), then its
+    vocabulary against ``vocab``.
 
     Raises:
-        FormatError: naming the file and what was found.
+        FormatError, ConfigError: naming the file and what was found.
     """
     from gemma_export.errors import FormatError
-    from gemma_export.sources.gguf_header import read_gguf_header
+    from gemma_export.sources.gguf import read_gguf
 
-    header = read_gguf_header(path)
-    architecture = header.metadata.get("general.architecture")
-    if architecture != "gemma3":
-        raise FormatError(f"{path}: general.architecture is {architecture!r}; expected 'gemma3' (the model of the "
-                          "exports)")
-    table = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
-    rows = table.dims[1] if table is not None and len(table.dims) == 2 else None  # GGUF dims: [hidden, vocab]
+    rows = read_gguf(path, tokenizer=False).config.vocab_size  # the rows of token_embd.weight
     if vocab is not None and rows != vocab:
-        raise FormatError(f"{path}: token_embd.weight has {rows if rows is None else f'{rows:,}'} rows; the exports' "
-                          f"vocabulary has {vocab:,}")
+        raise FormatError(f"{path}: token_embd.weight has {rows:,} rows; the exports' vocabulary has {vocab:,}")
 
 
 def reference_mlir(value: str) -> Path:
