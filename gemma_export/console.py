@@ -110,13 +110,19 @@ class _CheckedStream:
         return getattr(self._stream, name)
 
 
-def _interrupted_while_loading(signum, _frame) -> None:
-    # nothing has been written yet: say so and leave at once (a KeyboardInterrupt here would
-    # surface as a traceback or as the ImportError of whichever library was loading)
+def _say_interrupted() -> None:
+    """``error: interrupted`` on descriptor 2 directly (no Python stream, which may be mid-write);
+    a failure to write it is left to the exit status."""
     try:
         os.write(2, b"error: interrupted\n")
     except OSError:
         pass
+
+
+def _interrupted_while_loading(signum, _frame) -> None:
+    # nothing has been written yet: say so and leave at once (a KeyboardInterrupt here would
+    # surface as a traceback or as the ImportError of whichever library was loading)
+    _say_interrupted()
     os._exit(128 + signum)
 
 
@@ -154,10 +160,7 @@ def main() -> None:
             _ignore_interrupts()  # the command has ended, however it ended
     except KeyboardInterrupt as exc:  # one that landed as the command ended, before they were ignored
         _ignore_interrupts()  # a second one (a double press) as this process ends is ignored too
-        try:
-            os.write(2, b"error: interrupted\n")
-        except OSError:
-            pass
+        _say_interrupted()
         raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
     except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None

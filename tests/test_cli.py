@@ -1255,6 +1255,19 @@ def _byte_fallback_tokenizer():
     return tokenizer, vocab
 
 
+class _Recording:
+    """A tokenizer's decode that records the length of each window it is given; ids in ``special``
+    stand for special tokens and are skipped, as ``skip_special_tokens`` skips them."""
+
+    def __init__(self, tokenizer, special=()):
+        self.tokenizer, self.special, self.windows = tokenizer, set(special), []
+
+    def decode(self, window, skip_special_tokens=True):
+        self.windows.append(len(window))
+        return self.tokenizer.decode([i for i in window if i not in self.special],
+                                     skip_special_tokens=skip_special_tokens)
+
+
 def test_the_text_stream_gives_the_whole_decode_over_split_characters_and_a_stripped_space():
     from gemma_export.runtime import TextStream
 
@@ -1262,15 +1275,9 @@ def test_the_text_stream_gives_the_whole_decode_over_split_characters_and_a_stri
     words = ["\u2581the", "\u2581\u00fcber", "\u2581fox", "\u2581jumps", "\u2581sushi", "."]
     emoji = [vocab[f"<0x{b:02X}>"] for b in " 🍣".encode()]  # a space and 4 bytes, one id each
     ids = [vocab[w] for w in words[:3]] + emoji + [vocab[w] for w in words[3:]] + emoji
-    calls = []
-
-    class Counting:
-        def decode(self, window, skip_special_tokens=True):
-            calls.append(len(window))
-            return tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
-
+    recording = _Recording(tokenizer)
     pieces = []
-    stream = TextStream(Counting(), pieces.append)
+    stream = TextStream(recording, pieces.append)
     for token_id in ids:
         stream.add(token_id)
     whole = tokenizer.decode(ids)
@@ -1279,7 +1286,7 @@ def test_the_text_stream_gives_the_whole_decode_over_split_characters_and_a_stri
     assert not any("\ufffd" in piece for piece in pieces)  # the emoji waits for its fourth byte
     assert "🍣" in pieces  # shown once whole
     assert stream.finish() == whole and "".join(pieces) == whole  # nothing left over, nothing repeated
-    assert max(calls) <= 6  # the last shown id(s) and what is new, not every id so far
+    assert max(recording.windows) <= 6  # the last shown id(s) and what is new, not every id so far
 
 
 def test_the_text_stream_decodes_a_long_generation_a_few_ids_at_a_time():
@@ -1288,19 +1295,13 @@ def test_the_text_stream_decodes_a_long_generation_a_few_ids_at_a_time():
     from gemma_export.runtime import TextStream
 
     tokenizer, vocab = _byte_fallback_tokenizer()
-    longest = []
-
-    class Counting:
-        def decode(self, window, skip_special_tokens=True):
-            longest.append(len(window))
-            return tokenizer.decode(window, skip_special_tokens=skip_special_tokens)
-
+    recording = _Recording(tokenizer)
     pieces = []
-    stream = TextStream(Counting(), pieces.append)
+    stream = TextStream(recording, pieces.append)
     ids = [vocab["\u2581the"], vocab["\u2581fox"], vocab["."]] * 700
     for token_id in ids:
         stream.add(token_id)
-    assert "".join(pieces) == tokenizer.decode(ids) and max(longest) <= 2
+    assert "".join(pieces) == tokenizer.decode(ids) and max(recording.windows) <= 2
 
 
 def test_the_text_stream_stays_short_over_special_tokens_and_bytes_that_never_complete():
@@ -1309,21 +1310,14 @@ def test_the_text_stream_stays_short_over_special_tokens_and_bytes_that_never_co
     from gemma_export.runtime import TextStream
 
     tokenizer, vocab = _byte_fallback_tokenizer()
-    longest = []
-
-    class Counting:
-        def decode(self, window, skip_special_tokens=True):
-            longest.append(len(window))
-            # id 0 (<unk>) stands for a special token: skipped
-            return tokenizer.decode([i for i in window if i != 0], skip_special_tokens=skip_special_tokens)
-
+    recording = _Recording(tokenizer, special=[0])  # id 0 (<unk>) stands for a special token
     pieces = []
-    stream = TextStream(Counting(), pieces.append)
+    stream = TextStream(recording, pieces.append)
     ids = [vocab["\u2581the"]] + [0] * 300 + [vocab["\u2581fox"]] + [vocab["<0xF0>"]] * 300 + [vocab["."]]
     for token_id in ids:
         stream.add(token_id)
-    assert max(longest) <= TextStream.WINDOW + TextStream.MAX_CHARACTER_IDS
-    whole = Counting().decode(ids)
+    assert max(recording.windows) <= TextStream.WINDOW + TextStream.MAX_CHARACTER_IDS
+    whole = recording.decode(ids)
     assert whole.startswith("the fox\ufffd") and whole.endswith("\ufffd.")
     assert "".join(pieces) == whole  # the lone bytes shown as U+FFFD, as the whole decode shows them
     assert pieces[:2] == ["the", " fox"]  # the space after 300 skipped ids kept
@@ -1353,13 +1347,8 @@ def test_a_special_token_between_a_character_s_bytes_does_not_count_against_them
     from gemma_export.runtime import TextStream
 
     tokenizer, vocab = _byte_fallback_tokenizer()
-
-    class SkippingZero:  # id 0 stands for a special token: skipped
-        def decode(self, window, skip_special_tokens=True):
-            return tokenizer.decode([i for i in window if i != 0], skip_special_tokens=skip_special_tokens)
-
     emoji = [vocab[f"<0x{b:02X}>"] for b in "😀".encode()]
-    stream = TextStream(SkippingZero(), lambda _piece: None)
+    stream = TextStream(_Recording(tokenizer, special=[0]), lambda _piece: None)  # id 0: a special token
     for token_id in emoji[:1] + [0] + emoji[1:]:
         stream.add(token_id)
     assert stream.finish() == "😀"
