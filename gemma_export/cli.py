@@ -13,6 +13,8 @@ then run, verify, measure and bundle it for the board.
     gemma-export --source ref/gemma.mlir --tokenizer tok/tokenizer.json
     # round to nearest, no calibration pass, in a folder of its own
     gemma-export --dtype int8 --no-calibrate --out gemma-3-270m-onnx-int8-rtn
+    # near-float activations, the same logits on x86-64 and aarch64 (slower)
+    gemma-export --dtype int8 --activation-residual --out int8-residual
 """
 
 from __future__ import annotations
@@ -295,6 +297,7 @@ def main(
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 4,096; 16 to 16,384; more: better int8/int4 codes, slower export)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
+    activation_residual: bool = typer.Option(False, "--activation-residual", help="int8/int4: give every matmul also the residual of onnxruntime's int8 rounding of its input, so activations keep about float precision: on the real 270M int8 half the KL, and the same logits on x86-64 and aarch64 (to ~0.01 instead of ~1.5), for ~1.25x the decode time and ~2x the prefill time (docs/quality.md)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
                                  help="Show the version of gemma-export and of its onnx and onnxruntime, and exit."),
@@ -348,7 +351,7 @@ def main(
                             symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None,
                             calibrate=calibrate, calibration_text=calibration_text,
                             calibration_tokens=calibration_tokens, all_logits=all_logits, debug_outputs=debug_outputs,
-                            progress=progress, status=lambda message: typer.echo(message, err=True),
+                            activation_residual=activation_residual, progress=progress, status=lambda message: typer.echo(message, err=True),
                             tokenizer=tokenizer)
         finally:
             close_bars()  # before any error line

@@ -356,7 +356,7 @@ SIZE_THRESHOLD_BYTES = 256
 
 def _check_options(dtype: str, block_size: int | None, table_block_size: int | None, hadamard_size: int | None,
                    table_dtype: str | None, symmetric: bool, scale_method: str | None, calibrate: bool | None,
-                   calibration_text, calibration_tokens: int | None) -> None:
+                   calibration_text, calibration_tokens: int | None, activation_residual: bool = False) -> None:
     """:func:`export`'s options against each other and their ranges, before any file is read.
 
     Raises:
@@ -371,7 +371,8 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
     if dtype != "int4":
         _refuse_options(int4_only, "int4", dtype)
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
-                                                   ("--hadamard", hadamard_size)) if value is not None]
+                                                   ("--hadamard", hadamard_size),
+                                                   ("--activation-residual", activation_residual or None)) if value is not None]
     if dtype not in QUANTIZED_DTYPES:
         _refuse_options(quantized_only, " and ".join(QUANTIZED_DTYPES), dtype)
     if scale_method is not None and scale_method not in SCALE_METHODS:
@@ -418,7 +419,8 @@ def _estimated_bytes(ckpt: Checkpoint, dtype: str, layer_block: int = 0, table_b
 def _quantization_record(fmt, calibration: Calibration | None) -> dict:
     """The manifest's ``quantization`` object of an int8/int4 export: block sizes, rotation, (int4)
     table dtype, zero points and scale method, and the calibration (None: rounded to nearest)."""
-    record = {"block_size": fmt.block_size, "table_block_size": fmt.table_block_size, "hadamard_size": fmt.hadamard_size}
+    record = {"block_size": fmt.block_size, "table_block_size": fmt.table_block_size, "hadamard_size": fmt.hadamard_size,
+              "activation_residual": fmt.activation_residual}
     if fmt.name == "int4":
         record.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
     record["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
@@ -442,6 +444,7 @@ def export(
     calibration_tokens: int | None = None,
     all_logits: bool = False,
     debug_outputs: bool = False,
+    activation_residual: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
     status: Callable[[str], None] | None = None,
@@ -473,6 +476,10 @@ def export(
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
+        activation_residual: int8/int4: every ``MatMulNBits`` also multiplies the residual of the
+            kernel's int8 rounding of its input (``Int8Format._residual_rows``): activations at
+            about float precision, the same logits on x86-64 and aarch64 to ~0.01, for slower decode
+            (~1.25 ×) and prefill (~2 ×) on the 270M (docs/quality.md, "Activation residual").
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written,
             and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
@@ -510,9 +517,10 @@ def export(
                     hadamard_size=(hadamard_size, "int?"), table_dtype=(table_dtype, "str?"), symmetric=(symmetric, "bool"),
                     scale_method=(scale_method, "str?"), calibrate=(calibrate, "bool?"),
                     calibration_text=(calibration_text, "path?"), calibration_tokens=(calibration_tokens, "int?"),
-                    all_logits=(all_logits, "bool"), debug_outputs=(debug_outputs, "bool"), tokenizer=(tokenizer, "path?"))
+                    all_logits=(all_logits, "bool"), debug_outputs=(debug_outputs, "bool"), tokenizer=(tokenizer, "path?"),
+                    activation_residual=(activation_residual, "bool"))
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
-                   calibration_text, calibration_tokens)
+                   calibration_text, calibration_tokens, activation_residual)
     scale_method = scale_method or "mse"
     quantized = dtype in QUANTIZED_DTYPES
     # the calibration option the user gave, if any: on a source without a tokenizer it is refused
@@ -577,7 +585,8 @@ def export(
         calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress, status,
                                  asked or "--calibrate")
     if quantized:
-        fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration)
+        fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration,
+                            activation_residual)
     else:
         fmt = weight_format(dtype)
     quantization = _quantization_record(fmt, calibration) if quantized else None

@@ -17,7 +17,9 @@ CPU provider (the board team's notes on it, and docs/benchmarks.md):
   ``[vocab, hidden / B]`` scales and dequantizes only those rows, so table and scales exist once.
   Every int8 matmul input is rotated by a block-diagonal Hadamard folded into the weights
   (``quant/hadamard.py``): level 4 also quantizes activations per block, and the rotation spreads
-  their outliers.
+  their outliers. With ``activation_residual`` every such matmul also multiplies the residual of
+  that rounding, as a second batch row (:meth:`Int8Format._residual_rows`): activations at about
+  float precision, the same logits on every CPU's kernels, for twice the arithmetic.
 * ``int4``: the same plan with 4-bit codes (``quant.BlockInt4Weights``: two per byte, symmetric by
   default, scales chosen by a clipping search) for the projections and, unless ``table_dtype`` is
   ``int8``, the table; the lookup unpacks the gathered rows' nibbles with ``BitwiseAnd``/``BitShift``.
@@ -147,7 +149,8 @@ class WeightFormat:
     @classmethod
     def from_options(cls, block_size: int | None = None, table_block_size: int | None = None,
                      hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
-                     method: str = "mse", calibration: Calibration | None = None) -> "WeightFormat":
+                     method: str = "mse", calibration: Calibration | None = None,
+                     activation_residual: bool = False) -> "WeightFormat":
         """The format for ``--dtype`` with the export's options (None: the format's default); a
         float format takes none and ignores them (the CLI refuses them before this).
 
@@ -303,6 +306,9 @@ class Int8Format(WeightFormat):
         hadamard_size: width of the block-diagonal Hadamard rotation (a power of two dividing every
             matmul's input size; 0: none).
         calibration: GPTQ's statistics (None: round to nearest).
+        activation_residual: feed every ``MatMulNBits`` its input twice over, as the rows of a doubled
+            batch: the input rounded to the kernel's own int8 activation grid, and the residual of that
+            rounding; the two outputs are added (:meth:`_residual_rows`).
     """
 
     name = "int8"
@@ -311,13 +317,16 @@ class Int8Format(WeightFormat):
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
-                     symmetric=True, method="mse", calibration=None):
+                     symmetric=True, method="mse", calibration=None, activation_residual=False):
         """An :class:`Int8Format`; ``table_dtype``, ``symmetric`` and ``method`` are ignored (int4 only)."""
         return cls(block_size or cls.default_block_size, table_block_size,
-                   DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size, calibration)
+                   DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size, calibration,
+                   activation_residual)
 
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
-                 hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None):
+                 hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None,
+                 activation_residual: bool = False):
+        self.activation_residual = activation_residual
         self._memo = _Memo()
         self._stack: tuple = (None, None)
         self._hessian_of: tuple = (None, None)  # (calibration input, its Hessian): q/k/v, gate/up share
@@ -409,12 +418,38 @@ class Int8Format(WeightFormat):
         return self._rotated[id(x)][1]
 
     @staticmethod
-    def _matmul_nbits(g, x, values, n, k):
+    def _residual_rows(g: GraphBuilder, x: ir.Value, k: int, block_size: int) -> ir.Value:
+        """float32 ``[B, S, K]`` → ``[2B, S, K]``: ``x`` rounded to the grid on which ``MatMulNBits``
+        at ``accuracy_level`` 4 quantizes its input, over the residual of that rounding.
+
+        The kernel rounds each block of ``block_size`` input features to int8 with the scale
+        ``max|block| / 127`` (onnxruntime's MLAS, ``QuantizeARow_CompInt8``: one grid on x86-64 and
+        Arm). The first half holds ``round(x · 127 / max) · max / 127``: values already on that grid,
+        which the kernel re-quantizes without loss (to a float32 ulp of the scale). The second half
+        holds ``x`` minus that, at most half a step; its own rounding loses 1/254 of its block's
+        largest value. Their products, added, carry about 1/250 of the activation rounding error of
+        one pass, and change little when float32 order changes (fused against unfused graphs, one
+        CPU's kernels against another's). The weights are read once per call; the arithmetic doubles.
+        """
+        blocks = g.op("Reshape", x, g.const_i64([0, 0, k // block_size, block_size]))
+        largest = g.op("Max", g.op("ReduceMax", g.op("Abs", blocks), g.const_i64([-1]), keepdims=1),
+                       g.const_f32(np.finfo(np.float32).tiny))  # an all-zero block: 0 · (127 / tiny) = 0
+        steps = g.op("Round", g.op("Mul", blocks, g.op("Div", g.const_f32(127.0), largest)))
+        on_grid = g.op("Mul", steps, g.op("Div", largest, g.const_f32(127.0)))
+        both = g.op("Concat", on_grid, g.op("Sub", blocks, on_grid), axis=0)
+        return g.op("Reshape", both, g.const_i64([0, 0, k]))
+
+    def _matmul_nbits(self, g, x, values, n, k):
+        if self.activation_residual:
+            x = self._residual_rows(g, x, k, values["block_size"])
         inputs = [x, values["data"], values["scales"]]
         if "zero_points" in values:
             inputs.append(values["zero_points"])
-        return g.op("MatMulNBits", *inputs, domain=MS_DOMAIN,
-                    K=k, N=n, bits=values["bits"], block_size=values["block_size"], accuracy_level=4)
+        y = g.op("MatMulNBits", *inputs, domain=MS_DOMAIN,
+                 K=k, N=n, bits=values["bits"], block_size=values["block_size"], accuracy_level=4)
+        if self.activation_residual:
+            y = g.op("Add", *g.op("Split", y, axis=0, num_outputs=2))
+        return y
 
     def linear(self, g, x, ref):
         """``MatMulNBits`` (``accuracy_level`` 4) on the rotated ``x``: data uint8
@@ -491,6 +526,7 @@ class Int4Format(Int8Format):
         symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
         method: ``"mse"`` (clipping search) or ``"rtn"`` (round to nearest).
         calibration: activation statistics; set, every weight's codes are GPTQ's.
+        activation_residual: as :class:`Int8Format`.
 
     Raises:
         ValueError: ``table_dtype`` or ``method`` is not one of those above.
@@ -504,7 +540,7 @@ class Int4Format(Int8Format):
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
-                     symmetric=True, method="mse", calibration=None):
+                     symmetric=True, method="mse", calibration=None, activation_residual=False):
         """An :class:`Int4Format` (``table_dtype`` None: ``int4``).
 
         Raises:
@@ -512,17 +548,17 @@ class Int4Format(Int8Format):
         """
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size,
-                   table_dtype or "int4", symmetric, method, calibration)
+                   table_dtype or "int4", symmetric, method, calibration, activation_residual)
 
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
-                 method: str = "mse", calibration: Calibration | None = None):
+                 method: str = "mse", calibration: Calibration | None = None, activation_residual: bool = False):
         if table_dtype not in self.TABLE_BITS:
             raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
         if method not in SCALE_METHODS:
             raise ValueError(f"method {method!r}: expected {' or '.join(SCALE_METHODS)}")
         self.table_bits = self.TABLE_BITS[table_dtype]
-        super().__init__(block_size, table_block_size, hadamard_size, calibration)
+        super().__init__(block_size, table_block_size, hadamard_size, calibration, activation_residual)
         self.symmetric = symmetric
         self.method = method
 
@@ -532,7 +568,8 @@ WEIGHT_FORMATS = WeightFormat.registry
 
 def weight_format(dtype: str, block_size: int | None = None, table_block_size: int | None = None,
                   hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
-                  method: str = "mse", calibration: Calibration | None = None) -> WeightFormat:
+                  method: str = "mse", calibration: Calibration | None = None,
+                  activation_residual: bool = False) -> WeightFormat:
     """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``).
 
     ``table_dtype`` (``int4`` or ``int8``), ``symmetric`` and ``method`` (``mse`` or ``rtn``) apply
@@ -546,6 +583,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
         table_block_size: weights per scale in the table (None: see :class:`Int8Format` / :class:`Int4Format`).
         hadamard_size: features per Hadamard block (None: :data:`DEFAULT_HADAMARD_SIZE`, 64; 0: no rotation).
         calibration: GPTQ statistics (None: round-to-nearest / clipping-search codes).
+        activation_residual: (int8, int4) every matmul also gets the residual of its input's int8
+            rounding (:meth:`Int8Format._residual_rows`).
 
     Block sizes are not checked here (:func:`gemma_export.exporter.block_size_for` does it); one
     that does not divide a weight's in_features raises :class:`~gemma_export.errors.ConfigError`,
@@ -556,4 +595,4 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
         ValueError: (int4) ``table_dtype`` or ``method`` not one of those above.
     """
     return WEIGHT_FORMATS[dtype].from_options(block_size, table_block_size, hadamard_size, table_dtype, symmetric,
-                                              method, calibration)
+                                              method, calibration, activation_residual)

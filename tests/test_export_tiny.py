@@ -1140,6 +1140,39 @@ def test_matmulnbits_attributes_match_their_initializers(tiny_int8_export):
         assert shapes[node.input[2]] == (n, blocks)
 
 
+def _float_activations(export_dir: Path, dest: Path) -> Path:
+    """A copy of ``export_dir`` whose MatMulNBits nodes run at accuracy_level 1 (float32 activations,
+    the same codes and scales): the activation-exact reference of an int8 export."""
+    shutil.copytree(export_dir, dest)
+    model = onnx.load(str(dest / "model.onnx"), load_external_data=False)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                attr.i = 1
+    onnx.save(model, str(dest / "model.onnx"))
+    return dest
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_activation_residual_gives_float_activation_logits(tiny_dir, tmp_path, dtype):
+    """--activation-residual changes the graph only (the same data file, byte for byte) and brings the
+    logits to those of the same codes with float activations: the kernel's int8 rounding of each
+    matmul input is undone by its residual, which one pass at accuracy_level 4 loses."""
+    plain = export(tiny_dir, tmp_path / "plain", dtype, block_size=16).out_dir
+    residual = export(tiny_dir, tmp_path / "residual", dtype, block_size=16, activation_residual=True).out_dir
+    assert (plain / "model.onnx.data").read_bytes() == (residual / "model.onnx.data").read_bytes()
+    manifest = json.loads((residual / "manifest.json").read_text())
+    assert manifest["quantization"]["activation_residual"] is True
+    assert json.loads((plain / "manifest.json").read_text())["quantization"]["activation_residual"] is False
+    exact = _float_activations(plain, tmp_path / "exact")
+    ids = _ids(seed=4)[0].tolist()
+    want = OnnxDecoder(exact).teacher_forced_logits(ids)
+    err_plain = np.abs(OnnxDecoder(plain).teacher_forced_logits(ids) - want).max()
+    err_residual = np.abs(OnnxDecoder(residual).teacher_forced_logits(ids) - want).max()
+    assert err_plain > 1e-2  # one pass of int8 activations is visible at this size (0.08 when written)
+    assert err_residual < err_plain / 100, (err_residual, err_plain)  # 1/280 to 1/380 when written
+
+
 def test_hadamard_zero_exports_without_a_rotation(tiny_model, tiny_dir, tmp_path, tiny_int8_export):
     """--hadamard 0 stores unrotated weights and adds no rotation to the graph (the default rotates)."""
     def rotations(folder):
