@@ -111,3 +111,24 @@ def test_tiny_int8_runs_on_an_emulated_cortex_a72(tiny_int8_export, emulated_dum
     report = json.loads((tmp_path / "report.json").read_text())
     assert all(report["greedy_identical"]), report
     _assert_only_near_ties(report)
+
+
+def test_activation_residual_gives_the_same_logits_on_emulated_aarch64(tiny_dir, emulated_dump, tmp_path):
+    """With --activation-residual the int8 kernels' activation rounding no longer decides anything:
+    x86-64 and aarch64 agree to float32 order (the plain export differs by up to NEAR_TIE-sized
+    amounts, docs/sl2610.md), every top-1 and every greedy token the same."""
+    from conftest import write_char_tokenizer
+    from gemma_export.exporter import export
+
+    ids, _ = emulated_dump
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    model = export(src, tmp_path / "int8-residual", "int8", block_size=16, activation_residual=True).out_dir
+    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", tmp_path / "x86.npz")
+    _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", tmp_path / "arm.npz", emulated=True, cwd=tmp_path)
+    _run(PARITY, "compare", tmp_path / "x86.npz", tmp_path / "arm.npz", "--json", tmp_path / "report.json")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["machines"] == ["x86_64", "aarch64"]
+    assert all(report["greedy_identical"]) and report["top1_agreement"] == 1.0, report
+    assert report["max_abs_logit_diff"] < 1e-3, report
