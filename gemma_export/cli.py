@@ -374,6 +374,9 @@ def _export_summary(result, archive: int) -> None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     elif result.dtype in QUANTIZED_DTYPES:
         typer.echo("calibration: none; codes rounded to nearest")
+    if result.activation_residual:
+        typer.echo("activations: each matmul also multiplies the residual of its input's int8 rounding "
+                   "(--activation-residual): about float precision")
     if "tokenizer.json" not in result.files:
         typer.echo("note: no tokenizer in the export: the source gives none this toolkit reads (a GGUF's is "
                    f"rebuilt only when its tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "

@@ -59,6 +59,8 @@ class ExportResult:
         calibration: the manifest's record of the GPTQ calibration (method, text, tokens), or None.
         tokenizer_from: the ``tokenizer.json`` given with ``tokenizer`` (its files are in the
             export), or None when the tokenizer is the source's own (or there is none).
+        activation_residual: every ``MatMulNBits`` also multiplies the residual of its input's int8
+            rounding (``activation_residual`` of :func:`export`).
     """
 
     out_dir: Path
@@ -70,6 +72,7 @@ class ExportResult:
     peak_rss_bytes: int
     calibration: dict | None = None
     tokenizer_from: Path | None = None
+    activation_residual: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -643,7 +646,8 @@ def export(
         files[MANIFEST_FILE] = (staging / MANIFEST_FILE).stat().st_size
         result = ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
                               (quantization or {}).get("calibration"),
-                              tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None)
+                              tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None,
+                              (quantization or {}).get("activation_residual", False))
     with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
         if replaced_copy and status is not None:
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "

@@ -1550,3 +1550,24 @@ def test_a_signal_as_the_command_ends_is_one_line_not_a_traceback():
             "console._ignore_interrupts = late\n")
     done = _command("--version", code=code)
     assert (done.returncode, done.stderr) == (143, "error: interrupted\n")
+
+
+def test_activation_residual_export_says_so(tiny_dir, tmp_path):
+    """--activation-residual reaches the graph (one Split + Add after each MatMulNBits), the manifest
+    and the summary; without it none of them mentions it."""
+    for flag, out in ((["--activation-residual"], tmp_path / "residual"), ([], tmp_path / "plain")):
+        result = _run("--source", tiny_dir, "--dtype", "int8", "--block-size", "16", *flag, "--out", out)
+        assert result.exit_code == 0, result.output
+        said = "activations: each matmul also multiplies the residual of its input's int8 rounding" in result.stdout
+        assert said == bool(flag)
+        assert json.loads((out / "manifest.json").read_text())["quantization"]["activation_residual"] is bool(flag)
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        producer = {o: n for n in model.graph.node for o in n.output}
+
+        def doubled(node) -> bool:  # its input: the batch of rounded rows over residual rows
+            reshape = producer[node.input[0]]
+            concat = producer.get(reshape.input[0]) if reshape.op_type == "Reshape" else None
+            return concat is not None and concat.op_type == "Concat" and concat.attribute[0].i == 0
+
+        nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert len(nodes) == 17 and [doubled(n) for n in nodes] == [bool(flag)] * 17
