@@ -482,7 +482,7 @@ def export(
         activation_residual: int8/int4: every ``MatMulNBits`` also multiplies the residual of the
             kernel's int8 rounding of its input (``Int8Format._residual_rows``): activations at
             about float precision, the same logits on x86-64 and aarch64 to ~0.01, for slower decode
-            (~1.25 ×) and prefill (~2 ×) on the 270M (docs/quality.md, "Activation residual").
+            (1.3–1.6 ×) and prefill (~2 ×) on the 270M (docs/quality.md, "Activation residual").
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written,
             and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
