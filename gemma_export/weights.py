@@ -432,8 +432,10 @@ class Int8Format(WeightFormat):
         CPU's kernels against another's). The weights are read once per call; the arithmetic doubles.
         """
         blocks = g.op("Reshape", x, g.const_i64([0, 0, k // block_size, block_size]))
+        # an all-zero block (a padded position's attention output, a zero embedding row) must give 0:
+        # 127 / 1e-30 is finite, so 0 · 127 / 1e-30 = 0 (127 / float32's tiny is inf, and 0 · inf NaN)
         largest = g.op("Max", g.op("ReduceMax", g.op("Abs", blocks), g.const_i64([-1]), keepdims=1),
-                       g.const_f32(np.finfo(np.float32).tiny))  # an all-zero block: 0 · (127 / tiny) = 0
+                       g.const_f32(1e-30))
         steps = g.op("Round", g.op("Mul", blocks, g.op("Div", g.const_f32(127.0), largest)))
         on_grid = g.op("Mul", steps, g.op("Div", largest, g.const_f32(127.0)))
         both = g.op("Concat", on_grid, g.op("Sub", blocks, on_grid), axis=0)

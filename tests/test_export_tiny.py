@@ -1171,6 +1171,11 @@ def test_activation_residual_gives_float_activation_logits(tiny_dir, tmp_path, d
     err_residual = np.abs(OnnxDecoder(residual).teacher_forced_logits(ids) - want).max()
     assert err_plain > 1e-2  # one pass of int8 activations is visible at this size (0.08 when written)
     assert err_residual < err_plain / 100, (err_residual, err_plain)  # 1/280 to 1/380 when written
+    # prompts of different lengths in one batch: the padded positions' attention outputs are all-zero
+    # blocks, which the residual must pass as zeros (a NaN there reached every row through the cache)
+    decoder = OnnxDecoder(residual)
+    prompts = [ids[:12], ids[:5]]
+    assert decoder.greedy_batch(prompts, 6) == [decoder.greedy(p, 6, stop_ids=())[0] for p in prompts]
 
 
 def test_hadamard_zero_exports_without_a_rotation(tiny_model, tiny_dir, tmp_path, tiny_int8_export):
