@@ -297,7 +297,7 @@ def main(
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 4,096; 16 to 16,384; more: better int8/int4 codes, slower export)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
-    activation_residual: bool = typer.Option(False, "--activation-residual", help="int8/int4: give every matmul also the residual of onnxruntime's int8 rounding of its input, so activations keep about float precision: on the real 270M int8 half the KL, and the same logits on x86-64 and aarch64 (to ~0.01 instead of ~1.5), for ~1.3-1.6x the decode time and ~2x the prefill time (docs/benchmarks.md)."),
+    activation_residual: bool = typer.Option(False, "--activation-residual", help="int8 only: give every matmul also the residual of onnxruntime's int8 rounding of its input, so activations keep about float precision: on the real 270M half the KL, and the same logits on x86-64 and aarch64 (to ~0.01 instead of ~1.5), for ~1.3-1.6x the decode time and ~2x the prefill time (docs/benchmarks.md)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
                                  help="Show the version of gemma-export and of its onnx and onnxruntime, and exit."),

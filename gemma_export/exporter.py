@@ -374,10 +374,13 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
     if dtype != "int4":
         _refuse_options(int4_only, "int4", dtype)
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
-                                                   ("--hadamard", hadamard_size),
-                                                   ("--activation-residual", activation_residual or None)) if value is not None]
+                                                   ("--hadamard", hadamard_size)) if value is not None]
     if dtype not in QUANTIZED_DTYPES:
         _refuse_options(quantized_only, " and ".join(QUANTIZED_DTYPES), dtype)
+    if activation_residual and dtype != "int8":
+        why = (": on Arm with dotprod onnxruntime's 4-bit kernel rounds whole rows of activations, which the "
+               "residual cannot match, and int4's error is its weights' (docs/quality.md)") if dtype == "int4" else ""
+        raise ConfigError(f"--activation-residual applies to --dtype int8, not {dtype}{why}")
     if scale_method is not None and scale_method not in SCALE_METHODS:
         raise ConfigError(f"--scale-method {scale_method!r}: expected {' or '.join(SCALE_METHODS)}")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
@@ -479,7 +482,7 @@ def export(
         all_logits: return logits for every position (default: last position only).
         debug_outputs: add per-layer sub-block outputs (``debug.layers.{i}.attention|mlp``) for
             ``gemma-export parity``'s divergence report.
-        activation_residual: int8/int4: every ``MatMulNBits`` also multiplies the residual of the
+        activation_residual: int8 only: every ``MatMulNBits`` also multiplies the residual of the
             kernel's int8 rounding of its input (``Int8Format._residual_rows``): activations at
             about float precision, the same logits on x86-64 and aarch64 to ~0.01, for slower decode
             (1.3–1.6 ×) and prefill (~2 ×) on the 270M (docs/quality.md, "Activation residual").

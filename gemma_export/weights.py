@@ -19,7 +19,9 @@ CPU provider (the board team's notes on it, and docs/benchmarks.md):
   (``quant/hadamard.py``): level 4 also quantizes activations per block, and the rotation spreads
   their outliers. With ``activation_residual`` every such matmul also multiplies the residual of
   that rounding, as a second batch row (:meth:`Int8Format._residual_rows`): activations at about
-  float precision, the same logits on every CPU's kernels, for twice the arithmetic.
+  float precision, and the same logits on x86-64 and on Arm with or without dotprod, for twice the
+  arithmetic. int8 only: onnxruntime's 4-bit kernel on Arm with dotprod (KleidiAI) rounds a whole
+  row of activations at once, a grid the residual cannot match.
 * ``int4``: the same plan with 4-bit codes (``quant.BlockInt4Weights``: two per byte, symmetric by
   default, scales chosen by a clipping search) for the projections and, unless ``table_dtype`` is
   ``int8``, the table; the lookup unpacks the gathered rows' nibbles with ``BitwiseAnd``/``BitShift``.
@@ -422,9 +424,10 @@ class Int8Format(WeightFormat):
         """float32 ``[B, S, K]`` → ``[2B, S, K]``: ``x`` rounded to the grid on which ``MatMulNBits``
         at ``accuracy_level`` 4 quantizes its input, over the residual of that rounding.
 
-        The kernel rounds each block of ``block_size`` input features to int8 with the scale
-        ``max|block| / 127`` (onnxruntime's MLAS, ``QuantizeARow_CompInt8``: one grid on x86-64 and
-        Arm). The first half holds ``round(x · 127 / max) · max / 127``: values already on that grid,
+        The 8-bit kernel rounds each block of ``block_size`` input features to int8 with the scale
+        ``max|block| / 127`` (onnxruntime's MLAS, ``QuantizeARow_CompInt8``: the same grid on x86-64
+        and on Arm with dotprod; Arm without dotprod computes in float32 and rounds nothing, so
+        there the second row is only extra work). The first half holds ``round(x · 127 / max) · max / 127``: values already on that grid,
         which the kernel re-quantizes without loss (to a float32 ulp of the scale). The second half
         holds ``x`` minus that, at most half a step; its own rounding loses 1/254 of its block's
         largest value. Their products, added, carry about 1/250 of the activation rounding error of
@@ -528,7 +531,6 @@ class Int4Format(Int8Format):
         symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
         method: ``"mse"`` (clipping search) or ``"rtn"`` (round to nearest).
         calibration: activation statistics; set, every weight's codes are GPTQ's.
-        activation_residual: as :class:`Int8Format`.
 
     Raises:
         ValueError: ``table_dtype`` or ``method`` is not one of those above.
@@ -546,21 +548,24 @@ class Int4Format(Int8Format):
         """An :class:`Int4Format` (``table_dtype`` None: ``int4``).
 
         Raises:
-            ValueError: as :class:`Int4Format`.
+            ValueError: as :class:`Int4Format`, or ``activation_residual`` (int8 only, see
+                :meth:`Int8Format._residual_rows`).
         """
+        if activation_residual:  # the exporter refuses it first, naming the option
+            raise ValueError("activation_residual applies to int8 only")
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size,
-                   table_dtype or "int4", symmetric, method, calibration, activation_residual)
+                   table_dtype or "int4", symmetric, method, calibration)
 
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
-                 method: str = "mse", calibration: Calibration | None = None, activation_residual: bool = False):
+                 method: str = "mse", calibration: Calibration | None = None):
         if table_dtype not in self.TABLE_BITS:
             raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
         if method not in SCALE_METHODS:
             raise ValueError(f"method {method!r}: expected {' or '.join(SCALE_METHODS)}")
         self.table_bits = self.TABLE_BITS[table_dtype]
-        super().__init__(block_size, table_block_size, hadamard_size, calibration, activation_residual)
+        super().__init__(block_size, table_block_size, hadamard_size, calibration)
         self.symmetric = symmetric
         self.method = method
 
@@ -585,8 +590,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
         table_block_size: weights per scale in the table (None: see :class:`Int8Format` / :class:`Int4Format`).
         hadamard_size: features per Hadamard block (None: :data:`DEFAULT_HADAMARD_SIZE`, 64; 0: no rotation).
         calibration: GPTQ statistics (None: round-to-nearest / clipping-search codes).
-        activation_residual: (int8, int4) every matmul also gets the residual of its input's int8
-            rounding (:meth:`Int8Format._residual_rows`).
+        activation_residual: (int8) every matmul also gets the residual of its input's int8
+            rounding (:meth:`Int8Format._residual_rows`); int4 refuses it (ValueError).
 
     Block sizes are not checked here (:func:`gemma_export.exporter.block_size_for` does it); one
     that does not divide a weight's in_features raises :class:`~gemma_export.errors.ConfigError`,

@@ -442,7 +442,8 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
     (["--dtype", "bf16", "--hadamard", "0", "--table-block-size", "64"],
      "error: --table-block-size and --hadamard apply to --dtype int8 and int4, not bf16"),
     (["--dtype", "fp32", "--calibration-tokens", "64"], "--calibration-tokens applies to --dtype int8 and int4"),
-    (["--dtype", "bf16", "--activation-residual"], "error: --activation-residual applies to --dtype int8 and int4, not bf16"),
+    (["--dtype", "bf16", "--activation-residual"], "error: --activation-residual applies to --dtype int8, not bf16"),
+    (["--dtype", "int4", "--activation-residual"], "error: --activation-residual applies to --dtype int8, not int4: on Arm"),
     (["--dtype", "int8", "--block-size", "48"], "--block-size 48: must be a power of two >= 16"),
 ])
 def test_option_errors_come_before_the_reading_line(tiny_dir, tmp_path, monkeypatch, args, message):
