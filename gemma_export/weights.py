@@ -427,10 +427,10 @@ class Int8Format(WeightFormat):
         The 8-bit kernel rounds each block of ``block_size`` input features to int8 with the scale
         ``max|block| / 127`` (onnxruntime's MLAS, ``QuantizeARow_CompInt8``: the same grid on x86-64
         and on Arm with dotprod; Arm without dotprod computes in float32 and rounds nothing, so
-        there the second row is only extra work). The first half holds ``round(x · 127 / max) · max / 127``: values already on that grid,
-        which the kernel re-quantizes without loss (to a float32 ulp of the scale). The second half
-        holds ``x`` minus that, at most half a step; its own rounding loses 1/254 of its block's
-        largest value. Their products, added, carry about 1/250 of the activation rounding error of
+        there the second row is only extra work). The first half holds
+        ``round(x · 127 / max) · max / 127``: values already on that grid, which the kernel
+        re-quantizes without loss (to a float32 ulp of the scale). The second half holds ``x`` minus
+        that, at most half a step; its own rounding loses 1/254 of its block's largest value. Their products, added, carry about 1/250 of the activation rounding error of
         one pass, and change little when float32 order changes (fused against unfused graphs, one
         CPU's kernels against another's). The weights are read once per call; the arithmetic doubles.
         """

@@ -1554,8 +1554,8 @@ def test_a_signal_as_the_command_ends_is_one_line_not_a_traceback():
 
 
 def test_activation_residual_export_says_so(tiny_dir, tmp_path):
-    """--activation-residual reaches the graph (one Split + Add after each MatMulNBits), the manifest
-    and the summary; without it none of them mentions it."""
+    """--activation-residual reaches the graph (every MatMulNBits reads a batch doubled by a Concat on
+    axis 0), the manifest and the summary; without it none of them shows it."""
     for flag, out in ((["--activation-residual"], tmp_path / "residual"), ([], tmp_path / "plain")):
         result = _run("--source", tiny_dir, "--dtype", "int8", "--block-size", "16", *flag, "--out", out)
         assert result.exit_code == 0, result.output
