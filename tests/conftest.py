@@ -162,3 +162,16 @@ def deletable(path: Path) -> None:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
     else:
         path.parent.chmod(0o700)
+
+
+def refuse_listing(monkeypatch, folder: Path) -> None:
+    """Make ``Path.iterdir`` of ``folder`` (and of no other path) raise PermissionError, as listing
+    a folder without read permission does for a user other than root (who reads every folder)."""
+    listing = Path.iterdir
+
+    def refused(self):
+        if self == folder:
+            raise PermissionError(13, "Permission denied", str(self))
+        return listing(self)
+
+    monkeypatch.setattr(Path, "iterdir", refused)

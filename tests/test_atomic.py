@@ -25,7 +25,7 @@ from gemma_export.cli import app
 from gemma_export.errors import OutputError
 from gemma_export.staging import STALE_AFTER_SECONDS
 
-from conftest import deletable, undeletable
+from conftest import deletable, refuse_listing, undeletable
 
 
 def _tree(folder: Path) -> dict[str, str]:
@@ -952,13 +952,7 @@ def test_remove_stale_keeps_an_old_copy_only_when_it_may_be_the_only_one(tmp_pat
     assert staging.remove_stale(out) == ([full], [], [])
     out.unlink()
     unreadable = aged(".out.old-unreadable", True)
-    real_iterdir = Path.iterdir
-
-    def refused(self):
-        if self == unreadable:
-            raise PermissionError(13, "Permission denied", str(self))
-        return real_iterdir(self)
-    monkeypatch.setattr(Path, "iterdir", refused)
+    refuse_listing(monkeypatch, unreadable)
     stale = staging.remove_stale(out)
     assert stale.removed == [] and [p for p, _ in stale.stuck] == [unreadable] and unreadable.is_dir()
 

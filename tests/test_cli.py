@@ -17,7 +17,7 @@ import onnx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import broken_copy
+from conftest import broken_copy, refuse_listing
 from gemma_export.cli import app
 
 runner = CliRunner()
@@ -275,14 +275,7 @@ def test_a_folder_that_cannot_be_listed_still_gets_the_no_export_error(tmp_path,
     from gemma_export.errors import SourceNotFoundError
     from gemma_export.runtime import check_export_folder
 
-    listing = Path.iterdir
-
-    def unreadable(self):
-        if self == tmp_path:
-            raise PermissionError(13, "Permission denied", str(self))
-        return listing(self)
-
-    monkeypatch.setattr(Path, "iterdir", unreadable)
+    refuse_listing(monkeypatch, tmp_path)
     with pytest.raises(SourceNotFoundError, match="no exported model here"):
         check_export_folder(tmp_path)
 
