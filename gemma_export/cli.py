@@ -14,7 +14,8 @@ then run, verify, measure and bundle it for the board.
     # round to nearest, no calibration pass, in a folder of its own
     gemma-export --dtype int8 --no-calibrate --out gemma-3-270m-onnx-int8-rtn
     # near-float activations, the same logits on x86-64 and aarch64 (slower)
-    gemma-export --dtype int8 --activation-residual --out int8-residual
+    # -> ./gemma-3-270m-onnx-int8-activation-residual
+    gemma-export --dtype int8 --activation-residual
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ def main(
     format: Format = typer.Option(Format.onnx, "--format", help="Output format."),
     dtype: DType = typer.Option(DType.int8, "--dtype", help="Weight precision: fp32, bf16 (storage), int8 or int4 (block-wise)."),
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
-    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8; --all-logits and --debug-outputs add -all-logits and -debug-outputs)."),
+    out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8; --activation-residual, --all-logits and --debug-outputs add -activation-residual, -all-logits and -debug-outputs)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
     table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),

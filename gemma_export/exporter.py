@@ -462,7 +462,8 @@ def export(
         source: a transformers folder, a ``.gguf`` file, a reference export's ``.mlir`` (its archive
             beside it; ``sources/mlir.py``), or None for the bundled real Gemma 3 270M.
         out_dir: destination folder; default ``./{name}-onnx-{dtype}`` (``…-onnx-int4-table-int8`` for
-            int4 with ``table_dtype`` int8).
+            int4 with ``table_dtype`` int8; ``-activation-residual``, ``-all-logits`` and
+            ``-debug-outputs`` added for those options).
         dtype: ``fp32``, ``bf16``, ``int8`` or ``int4`` (block-wise weights, see ``weights.py``).
         block_size: int8/int4 block size of the layer projections (default 32, or the largest power
             of two that divides the dims).
@@ -567,8 +568,9 @@ def export(
         _note_small_tokenizer(ckpt, tokenizer_dir if given_tokenizer is not None else Path(ckpt.path), status)
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
     name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
-    # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one
-    name += "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
+    # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one,
+    # and the activation residual's graph, which a user compares with the plain int8 one
+    name += "-activation-residual" * activation_residual + "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move

@@ -1447,6 +1447,22 @@ def test_graphs_with_extra_outputs_get_their_own_default_folder(tiny_dir, tmp_pa
     assert json.loads((plain / "manifest.json").read_text())["all_logits"] is False  # not replaced by the others
 
 
+def test_the_activation_residual_gets_its_own_default_folder(tiny_dir, tmp_path, monkeypatch):
+    """A residual int8 export went to <model>-onnx-int8 and replaced the plain one a user compares it
+    with; it has a folder of its own, and the plain export beside it is left as it was."""
+    import shutil
+
+    src = tmp_path / "tiny"
+    shutil.copytree(tiny_dir, src)
+    monkeypatch.chdir(tmp_path)
+    plain = export(src, None, "int8", calibrate=False).out_dir
+    graph = (plain / "model.onnx").read_bytes()
+    residual = export(src, None, "int8", calibrate=False, activation_residual=True).out_dir
+    assert (plain.name, residual.name) == ("tiny-onnx-int8", "tiny-onnx-int8-activation-residual")
+    assert (plain / "model.onnx").read_bytes() == graph
+    assert json.loads((residual / "manifest.json").read_text())["quantization"]["activation_residual"] is True
+
+
 @pytest.mark.parametrize("tokens, noted", [(96, False), (87, False), (86, True), (40, True)])
 def test_a_tokenizer_far_smaller_than_the_vocabulary_gets_a_note(tiny_dir, tmp_path, tokens, noted):
     """A GGUF cut to 1,000 of its 262,144 tokens exported without a word, and generate then wrote
