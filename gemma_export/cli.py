@@ -45,6 +45,7 @@ except ImportError:
             pass
 
 from quant.int4 import SCALE_METHODS
+from quant.scales import SCALE_DTYPES
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
@@ -158,6 +159,7 @@ DType = enum.Enum("DType", [(name, name) for name in DTYPES], type=str)  # --dty
 
 TableDType = enum.Enum("TableDType", [(name, name) for name in TABLE_DTYPES], type=str)  # --table-dtype
 ScaleMethod = enum.Enum("ScaleMethod", [(name, name) for name in SCALE_METHODS], type=str)  # --scale-method
+ScaleDType = enum.Enum("ScaleDType", [(name, name) for name in SCALE_DTYPES], type=str)  # --scale-dtype
 
 
 def _fail(exc: GemmaExportError, debug: bool) -> None:
@@ -299,6 +301,7 @@ def main(
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     activation_residual: bool = typer.Option(False, "--activation-residual", help="int8 only: give every matmul also the residual of onnxruntime's int8 rounding of its input, so activations keep about float precision: on the real 270M half the KL, and the same logits on x86-64 and aarch64 (to ~0.01 instead of ~1.5), for ~1.3-1.6x the decode time and ~2x the prefill time (docs/benchmarks.md)."),
+    scale_dtype: Optional[ScaleDType] = typer.Option(None, "--scale-dtype", help="int8/int4: how block scales are stored: float32 (the default) or float16, half the scales' bytes on disk (each scale rounded up to float16 before its codes are chosen; onnxruntime widens them once when it loads the model). Pays for --block-size 16 within the default's size (docs/quality.md)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
                                  help="Show the version of gemma-export and of its onnx and onnxruntime, and exit."),
@@ -352,7 +355,8 @@ def main(
                             symmetric=not asymmetric, scale_method=scale_method.value if scale_method else None,
                             calibrate=calibrate, calibration_text=calibration_text,
                             calibration_tokens=calibration_tokens, all_logits=all_logits, debug_outputs=debug_outputs,
-                            activation_residual=activation_residual, progress=progress, status=lambda message: typer.echo(message, err=True),
+                            activation_residual=activation_residual,
+                            scale_dtype=scale_dtype.value if scale_dtype else None, progress=progress, status=lambda message: typer.echo(message, err=True),
                             tokenizer=tokenizer)
         finally:
             close_bars()  # before any error line
@@ -378,6 +382,8 @@ def _export_summary(result, archive: int) -> None:
     if result.activation_residual:
         typer.echo("activations: each matmul also multiplies the residual of its input's int8 rounding "
                    "(--activation-residual): about float precision")
+    if result.scale_dtype == "float16":
+        typer.echo("scales: float16 on disk (--scale-dtype float16), widened to float32 once when the model loads")
     if "tokenizer.json" not in result.files:
         typer.echo("note: no tokenizer in the export: the source gives none this toolkit reads (a GGUF's is "
                    f"rebuilt only when its tokenizer.ggml.model is 'llama'; a reference export has none){rounded}; `generate`, `bench` "

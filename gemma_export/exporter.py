@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from quant.int4 import SCALE_METHODS
+from quant.scales import SCALE_DTYPES
 
 from . import __version__
 from .builder import build_model
@@ -61,6 +62,8 @@ class ExportResult:
             export), or None when the tokenizer is the source's own (or there is none).
         activation_residual: every ``MatMulNBits`` also multiplies the residual of its input's int8
             rounding (``activation_residual`` of :func:`export`).
+        scale_dtype: ``float32`` or ``float16``, how the block scales are stored (int8 and int4), or
+            None (fp32, bf16).
     """
 
     out_dir: Path
@@ -73,6 +76,7 @@ class ExportResult:
     calibration: dict | None = None
     tokenizer_from: Path | None = None
     activation_residual: bool = False
+    scale_dtype: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -359,7 +363,8 @@ SIZE_THRESHOLD_BYTES = 256
 
 def _check_options(dtype: str, block_size: int | None, table_block_size: int | None, hadamard_size: int | None,
                    table_dtype: str | None, symmetric: bool, scale_method: str | None, calibrate: bool | None,
-                   calibration_text, calibration_tokens: int | None, activation_residual: bool = False) -> None:
+                   calibration_text, calibration_tokens: int | None, activation_residual: bool = False,
+                   scale_dtype: str | None = None) -> None:
     """:func:`export`'s options against each other and their ranges, before any file is read.
 
     Raises:
@@ -374,13 +379,16 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
     if dtype != "int4":
         _refuse_options(int4_only, "int4", dtype)
     quantized_only = [option for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
-                                                   ("--hadamard", hadamard_size)) if value is not None]
+                                                   ("--hadamard", hadamard_size), ("--scale-dtype", scale_dtype))
+                      if value is not None]
     if dtype not in QUANTIZED_DTYPES:
         _refuse_options(quantized_only, " and ".join(QUANTIZED_DTYPES), dtype)
     if activation_residual and dtype != "int8":
         why = (": on Arm with dotprod onnxruntime's 4-bit kernel rounds whole rows of activations, which the "
                "residual cannot match, and int4's error is its weights' (docs/quality.md)") if dtype == "int4" else ""
         raise ConfigError(f"--activation-residual applies to --dtype int8, not {dtype}{why}")
+    if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
+        raise ConfigError(f"--scale-dtype {scale_dtype!r}: expected {' or '.join(SCALE_DTYPES)}")
     if scale_method is not None and scale_method not in SCALE_METHODS:
         raise ConfigError(f"--scale-method {scale_method!r}: expected {' or '.join(SCALE_METHODS)}")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
@@ -408,25 +416,28 @@ def _calibration_options(calibrate: bool | None, calibration_text, calibration_t
 
 
 def _estimated_bytes(ckpt: Checkpoint, dtype: str, layer_block: int = 0, table_block: int = 0,
-                     table_bits: int = 8) -> int:
+                     table_bits: int = 8, scale_bytes: int = 4) -> int:
     """About how many bytes an export of ``ckpt`` writes: every weight at ``dtype`` (quantized ones
-    with one float32 scale per block), plus the tokenizer files. Within 1% on the real 270M (every dtype)."""
+    with one scale of ``scale_bytes`` per block), plus the tokenizer files. Within 1% on the real 270M
+    (every dtype)."""
     table_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name in (EMBED, LM_HEAD))
     other_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name not in (EMBED, LM_HEAD))
     fmt = WEIGHT_FORMATS[dtype]
     if not fmt.quantized:
         weights = (table_numel + other_numel) * fmt.bits / 8
     else:
-        weights = table_numel * (table_bits / 8 + 4 / table_block) + other_numel * (fmt.bits / 8 + 4 / layer_block)
+        weights = (table_numel * (table_bits / 8 + scale_bytes / table_block)
+                   + other_numel * (fmt.bits / 8 + scale_bytes / layer_block))
     tokenizer = sum(len(content) for content in ckpt.tokenizer.files.values()) if ckpt.tokenizer is not None else 0
     return int(weights) + tokenizer
 
 
 def _quantization_record(fmt, calibration: Calibration | None) -> dict:
-    """The manifest's ``quantization`` object of an int8/int4 export: block sizes, rotation, (int4)
-    table dtype, zero points and scale method, and the calibration (None: rounded to nearest)."""
+    """The manifest's ``quantization`` object of an int8/int4 export: block sizes, rotation, the
+    activation residual, the scales' storage dtype, (int4) table dtype, zero points and scale method,
+    and the calibration (None: rounded to nearest)."""
     record = {"block_size": fmt.block_size, "table_block_size": fmt.table_block_size, "hadamard_size": fmt.hadamard_size,
-              "activation_residual": fmt.activation_residual}
+              "activation_residual": fmt.activation_residual, "scale_dtype": fmt.scale_dtype}
     if fmt.name == "int4":
         record.update(table_dtype=f"int{fmt.table_bits}", symmetric=fmt.symmetric, scale_method=fmt.method)
     record["calibration"] = ({"method": "gptq", "text": calibration.source, "tokens": calibration.tokens}
@@ -451,6 +462,7 @@ def export(
     all_logits: bool = False,
     debug_outputs: bool = False,
     activation_residual: bool = False,
+    scale_dtype: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     checkpoint: Checkpoint | None = None,
     status: Callable[[str], None] | None = None,
@@ -487,6 +499,10 @@ def export(
             kernel's int8 rounding of its input (``Int8Format._residual_rows``): activations at
             about float precision, the same logits on x86-64 and aarch64 to ~0.01, for slower decode
             (1.3–1.6 ×) and prefill (~2 ×) on the 270M (docs/quality.md, "Activation residual").
+        scale_dtype: int8/int4: ``float32`` (None: the default) or ``float16``, the block scales
+            stored at half the bytes (``quant/scales.py``: each scale rounded up to float16's grid
+            before its codes are chosen) and cast to float32 in the graph, which onnxruntime folds
+            when the session is created (docs/quality.md, "float16 scales").
         progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written,
             and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
@@ -525,9 +541,9 @@ def export(
                     scale_method=(scale_method, "str?"), calibrate=(calibrate, "bool?"),
                     calibration_text=(calibration_text, "path?"), calibration_tokens=(calibration_tokens, "int?"),
                     all_logits=(all_logits, "bool"), debug_outputs=(debug_outputs, "bool"), tokenizer=(tokenizer, "path?"),
-                    activation_residual=(activation_residual, "bool"))
+                    activation_residual=(activation_residual, "bool"), scale_dtype=(scale_dtype, "str?"))
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
-                   calibration_text, calibration_tokens, activation_residual)
+                   calibration_text, calibration_tokens, activation_residual, scale_dtype)
     scale_method = scale_method or "mse"
     quantized = dtype in QUANTIZED_DTYPES
     # the calibration option the user gave, if any: on a source without a tokenizer it is refused
@@ -582,7 +598,8 @@ def export(
         table_bits = Int4Format.TABLE_BITS[table_dtype or "int4"] if dtype == Int4Format.name else WEIGHT_FORMATS[dtype].bits
         table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_TABLE_BLOCK_SIZE[table_bits],
                                       "--table-block-size")
-        estimate = _estimated_bytes(ckpt, dtype, layer_block, table_block, table_bits)
+        estimate = _estimated_bytes(ckpt, dtype, layer_block, table_block, table_bits,
+                                    2 if scale_dtype == "float16" else 4)
     else:
         estimate = _estimated_bytes(ckpt, dtype)
     # the estimate is within 1% on the real 270M: less its 1%, so a folder that fits is never refused
@@ -594,7 +611,7 @@ def export(
                                  asked or "--calibrate")
     if quantized:
         fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration,
-                            activation_residual)
+                            activation_residual, scale_dtype or "float32")
     else:
         fmt = weight_format(dtype)
     quantization = _quantization_record(fmt, calibration) if quantized else None
@@ -652,7 +669,8 @@ def export(
         result = ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
                               (quantization or {}).get("calibration"),
                               tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None,
-                              (quantization or {}).get("activation_residual", False))
+                              (quantization or {}).get("activation_residual", False),
+                              (quantization or {}).get("scale_dtype"))
     with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
         if replaced_copy and status is not None:
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "

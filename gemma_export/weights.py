@@ -54,6 +54,7 @@ from quant.gptq import Hessian
 from quant.rows import first_non_finite
 from quant.int4 import SCALE_METHODS
 from quant.int8 import ZERO_POINT
+from quant.scales import SCALE_DTYPES
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
@@ -93,16 +94,18 @@ class _Memo:
 
     def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
                  symmetric: bool = True, method: str = "mse",
-                 hessian: Callable[[], Hessian | None] | None = None) -> BlockInt8Weights | BlockInt4Weights:
-        key = (ref.name, block_size, hadamard_size, bits, symmetric, method)
+                 hessian: Callable[[], Hessian | None] | None = None,
+                 scale_dtype: str = "float32") -> BlockInt8Weights | BlockInt4Weights:
+        key = (ref.name, block_size, hadamard_size, bits, symmetric, method, scale_dtype)
         if key not in self._entries:
             rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()
             h = hessian() if hessian is not None else None
             try:
                 if bits == 8:
-                    value = BlockInt8Weights.quantize(rows, block_size, hessian=h)
+                    value = BlockInt8Weights.quantize(rows, block_size, hessian=h, scale_dtype=scale_dtype)
                 else:
-                    value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h)
+                    value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h,
+                                                      scale_dtype=scale_dtype)
             except ValueError as exc:
                 raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
             while len(self._entries) >= self._size:
@@ -152,7 +155,7 @@ class WeightFormat:
     def from_options(cls, block_size: int | None = None, table_block_size: int | None = None,
                      hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
                      method: str = "mse", calibration: Calibration | None = None,
-                     activation_residual: bool = False) -> "WeightFormat":
+                     activation_residual: bool = False, scale_dtype: str = "float32") -> "WeightFormat":
         """The format for ``--dtype`` with the export's options (None: the format's default); a
         float format takes none and ignores them (the CLI refuses them before this).
 
@@ -160,7 +163,8 @@ class WeightFormat:
         ``hadamard_size`` in features, 0: no rotation).
 
         Raises:
-            ValueError: (int4) ``table_dtype`` not ``int4``/``int8``, or ``method`` not ``mse``/``rtn``.
+            ValueError: (int4) ``table_dtype`` not ``int4``/``int8``, or ``method`` not ``mse``/``rtn``;
+                (int8, int4) ``scale_dtype`` not ``float32``/``float16``.
         """
         return cls()
 
@@ -311,6 +315,10 @@ class Int8Format(WeightFormat):
         activation_residual: feed every ``MatMulNBits`` its input twice over, as the rows of a doubled
             batch: the input rounded to the kernel's own int8 activation grid, and the residual of that
             rounding; the two outputs are added (:meth:`_residual_rows`).
+        scale_dtype: how the block scales are stored: ``"float32"`` (default), or ``"float16"``, half
+            the scales' bytes on disk: each scale on float16's grid (``quant/scales.py``), cast to
+            float32 in the graph, a ``Cast`` of a constant that onnxruntime folds once when the
+            session is created, so ``MatMulNBits`` and the lookup read float32 as before.
     """
 
     name = "int8"
@@ -319,15 +327,19 @@ class Int8Format(WeightFormat):
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
-                     symmetric=True, method="mse", calibration=None, activation_residual=False):
+                     symmetric=True, method="mse", calibration=None, activation_residual=False,
+                     scale_dtype="float32"):
         """An :class:`Int8Format`; ``table_dtype``, ``symmetric`` and ``method`` are ignored (int4 only)."""
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size, calibration,
-                   activation_residual)
+                   activation_residual, scale_dtype)
 
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None,
-                 activation_residual: bool = False):
+                 activation_residual: bool = False, scale_dtype: str = "float32"):
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype {scale_dtype!r}: expected {' or '.join(SCALE_DTYPES)}")
+        self.scale_dtype = scale_dtype
         self.activation_residual = activation_residual
         self._memo = _Memo()
         self._stack: tuple = (None, None)
@@ -360,7 +372,8 @@ class Int8Format(WeightFormat):
 
     def _quantized(self, ref: TensorRef, block_size: int, bits: int):
         hessian = functools.partial(self._hessian, ref.name)
-        return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method, hessian)
+        return self._memo(ref, block_size, self.hadamard_size, bits, self.symmetric, self.method, hessian,
+                          self.scale_dtype)
 
     def _stacked(self, refs: tuple[TensorRef, ...], block_size: int, bits: int):
         """The quantized weights of ``refs`` stacked along the output axis (one entry remembered:
@@ -392,8 +405,14 @@ class Int8Format(WeightFormat):
             "bits": bits,
             "data": g.initializer(_lazy(name, ir.DataType.UINT8, (n, nb, block_size * bits // 8),
                                         lambda: quantized().data)),
-            "scales": g.initializer(_lazy(name + "_scales", ir.DataType.FLOAT, (n, nb), lambda: quantized().scales)),
         }
+        if self.scale_dtype == "float16":  # exact: the scales were chosen on float16's grid
+            stored = g.initializer(_lazy(name + "_scales", ir.DataType.FLOAT16, (n, nb),
+                                         lambda: quantized().scales.astype(np.float16)))
+            values["scales"] = g.op("Cast", stored, to=ir.DataType.FLOAT)  # folded by onnxruntime at load
+        else:
+            values["scales"] = g.initializer(_lazy(name + "_scales", ir.DataType.FLOAT, (n, nb),
+                                                   lambda: quantized().scales))
         if bits == 4 and not self.symmetric:
             values["zero_points"] = g.initializer(_lazy(name + "_zero_points", ir.DataType.UINT8,
                                                         (n, (nb + 1) // 2), lambda: quantized().zero_points))
@@ -531,9 +550,10 @@ class Int4Format(Int8Format):
         symmetric: False stores a 4-bit zero point per block (``quant/int4.py``).
         method: ``"mse"`` (clipping search) or ``"rtn"`` (round to nearest).
         calibration: activation statistics; set, every weight's codes are GPTQ's.
+        scale_dtype: ``"float32"`` or ``"float16"`` scales on disk (as :class:`Int8Format`).
 
     Raises:
-        ValueError: ``table_dtype`` or ``method`` is not one of those above.
+        ValueError: ``table_dtype``, ``method`` or ``scale_dtype`` is not one of those above.
     """
 
     name = "int4"
@@ -544,7 +564,8 @@ class Int4Format(Int8Format):
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
-                     symmetric=True, method="mse", calibration=None, activation_residual=False):
+                     symmetric=True, method="mse", calibration=None, activation_residual=False,
+                     scale_dtype="float32"):
         """An :class:`Int4Format` (``table_dtype`` None: ``int4``).
 
         Raises:
@@ -555,17 +576,17 @@ class Int4Format(Int8Format):
             raise ValueError("activation_residual applies to int8 only")
         return cls(block_size or cls.default_block_size, table_block_size,
                    DEFAULT_HADAMARD_SIZE if hadamard_size is None else hadamard_size,
-                   table_dtype or "int4", symmetric, method, calibration)
+                   table_dtype or "int4", symmetric, method, calibration, scale_dtype)
 
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
-                 method: str = "mse", calibration: Calibration | None = None):
+                 method: str = "mse", calibration: Calibration | None = None, scale_dtype: str = "float32"):
         if table_dtype not in self.TABLE_BITS:
             raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
         if method not in SCALE_METHODS:
             raise ValueError(f"method {method!r}: expected {' or '.join(SCALE_METHODS)}")
         self.table_bits = self.TABLE_BITS[table_dtype]
-        super().__init__(block_size, table_block_size, hadamard_size, calibration)
+        super().__init__(block_size, table_block_size, hadamard_size, calibration, scale_dtype=scale_dtype)
         self.symmetric = symmetric
         self.method = method
 
@@ -576,7 +597,7 @@ WEIGHT_FORMATS = WeightFormat.registry
 def weight_format(dtype: str, block_size: int | None = None, table_block_size: int | None = None,
                   hadamard_size: int | None = None, table_dtype: str | None = None, symmetric: bool = True,
                   method: str = "mse", calibration: Calibration | None = None,
-                  activation_residual: bool = False) -> WeightFormat:
+                  activation_residual: bool = False, scale_dtype: str = "float32") -> WeightFormat:
     """The :class:`WeightFormat` for ``--dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``).
 
     ``table_dtype`` (``int4`` or ``int8``), ``symmetric`` and ``method`` (``mse`` or ``rtn``) apply
@@ -592,6 +613,7 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
         calibration: GPTQ statistics (None: round-to-nearest / clipping-search codes).
         activation_residual: (int8) every matmul also gets the residual of its input's int8
             rounding (:meth:`Int8Format._residual_rows`); int4 refuses it (ValueError).
+        scale_dtype: (int8, int4) ``"float32"`` or ``"float16"`` block scales on disk (:class:`Int8Format`).
 
     Block sizes are not checked here (:func:`gemma_export.exporter.block_size_for` does it); one
     that does not divide a weight's in_features raises :class:`~gemma_export.errors.ConfigError`,
@@ -599,7 +621,8 @@ def weight_format(dtype: str, block_size: int | None = None, table_block_size: i
 
     Raises:
         KeyError: unknown dtype (the CLI restricts choices before this).
-        ValueError: (int4) ``table_dtype`` or ``method`` not one of those above.
+        ValueError: (int4) ``table_dtype`` or ``method`` not one of those above; (int8, int4) an
+            unknown ``scale_dtype``.
     """
     return WEIGHT_FORMATS[dtype].from_options(block_size, table_block_size, hadamard_size, table_dtype, symmetric,
-                                              method, calibration, activation_residual)
+                                              method, calibration, activation_residual, scale_dtype)

@@ -36,6 +36,7 @@ import numpy as np
 
 from .gptq import as_hessian, gptq_codes
 from .rows import block_count, row_chunks
+from .scales import SCALE_DTYPES, on_float16_grid
 
 ZERO_POINT = 8
 #: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
@@ -90,17 +91,21 @@ def _block_extremes(blocks: np.ndarray, symmetric: bool):
     return blocks.min(axis=2), blocks.max(axis=2)
 
 
-def _scales(extremes, symmetric: bool, ratio: float | np.ndarray):
-    """Per-block (scale float32 ``[R, nb]``, zero point ``[R, nb]`` as floats) for one clipping ratio."""
+def _scales(extremes, symmetric: bool, ratio: float | np.ndarray, float16: bool = False):
+    """Per-block (scale float32 ``[R, nb]``, zero point ``[R, nb]`` as floats) for one clipping ratio;
+    with ``float16`` each scale on float16's grid, magnitude rounded up (``quant/scales.py``), and
+    the zero point chosen for that scale."""
     if symmetric:
         scale = (ratio * extremes / -8.0).astype(np.float32)
         scale[scale == 0] = 1.0  # an all-zero block quantizes to zeros
-        return scale, np.full(scale.shape, float(ZERO_POINT))
+        return on_float16_grid(scale) if float16 else scale, np.full(scale.shape, float(ZERO_POINT))
     # in float64: hi - lo of a float32 block can exceed float32's range (e.g. -3e38 and 3e38)
     lo = np.minimum(extremes[0], 0.0).astype(np.float64) * ratio
     hi = np.maximum(extremes[1], 0.0).astype(np.float64) * ratio
     scale = ((hi - lo) / 15.0).astype(np.float32)
     scale[scale == 0] = 1.0
+    if float16:
+        scale = on_float16_grid(scale)
     return scale, np.clip(np.rint(-lo / scale), 0, 15)
 
 
@@ -125,20 +130,20 @@ def _dequantize_codes(codes, scale, zp):
     return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
 
 
-def _search_scales(blocks: np.ndarray, symmetric: bool, ratios, h):
+def _search_scales(blocks: np.ndarray, symmetric: bool, ratios, h, float16: bool = False):
     """The clipping search: per block, the (scale, zero point) of ``ratios`` with the least
     :func:`_error`; ties keep the earlier ratio. The block extremes are found once, and only the
     winning ratio's codes are formed (the error of each candidate comes from its levels). A block
     whose squared error overflows float32 (values near 1e19 and beyond) has an infinite error under
     every ratio, and keeps the first."""
     extremes = _block_extremes(blocks, symmetric)
-    best_scale, best_zp = _scales(extremes, symmetric, ratios[0])
+    best_scale, best_zp = _scales(extremes, symmetric, ratios[0], float16)
     if len(ratios) == 1:
         return best_scale, best_zp
     with np.errstate(over="ignore"):
         best_err = _error(blocks, _levels(blocks, best_scale, best_zp, symmetric), best_scale, h)
         for ratio in ratios[1:]:
-            scale, zp = _scales(extremes, symmetric, ratio)
+            scale, zp = _scales(extremes, symmetric, ratio, float16)
             err = _error(blocks, _levels(blocks, scale, zp, symmetric), scale, h)
             better = err < best_err
             best_err = np.where(better, err, best_err)
@@ -165,7 +170,8 @@ class BlockInt4Weights:
 
     @classmethod
     def quantize(cls, w, block_size: int, symmetric: bool = True, method: str = "mse",
-                 channel_weights: np.ndarray | None = None, hessian=None) -> "BlockInt4Weights":
+                 channel_weights: np.ndarray | None = None, hessian=None,
+                 scale_dtype: str = "float32") -> "BlockInt4Weights":
         """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
 
         The formulas (symmetric, asymmetric, the clipping search) are in the module docstring: the
@@ -184,6 +190,9 @@ class BlockInt4Weights:
                 default: the diagonal of ``hessian`` when given).
             hessian: ``[K, K]``, ``Xᵀ X`` of calibration inputs (or a :class:`quant.gptq.Hessian`): the scales (and zero points) are
                 chosen as above, then the codes by :func:`quant.gptq.gptq_codes`.
+            scale_dtype: ``"float32"``, or ``"float16"``: every candidate scale is moved to float16's
+                grid, magnitude rounded up (``quant/scales.py``), before its zero point, its error in
+                the search and the codes are computed, so ``scales.astype(float16)`` stores it exactly.
 
         Returns:
             A :class:`BlockInt4Weights`: ``data`` uint8 ``[N, K // block_size, block_size // 2]``,
@@ -192,13 +201,16 @@ class BlockInt4Weights:
 
         Raises:
             ValueError: ``w`` not 2-D, K not a multiple of ``block_size``, odd ``block_size``,
-                unknown ``method``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named); with
+                unknown ``method`` or ``scale_dtype``, a scale beyond float16's range with
+                ``"float16"``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named); with
                 ``hessian``: a shape other than ``[K, K]``, or a matrix :func:`quant.gptq.inverse_cholesky`
                 cannot factor.
         """
         nb = block_count(w.shape, block_size, even=True)
         if method not in SCALE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SCALE_METHODS)}, found {method!r}")
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
         n, k = w.shape
         h = None
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):
@@ -218,7 +230,7 @@ class BlockInt4Weights:
         ratios = CLIP_RATIOS if method == "mse" else CLIP_RATIOS[:1]
         for start, rows in row_chunks(w, _ROWS_PER_CHUNK):
             blocks = rows.reshape(-1, nb, block_size)
-            best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h)
+            best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h, scale_dtype == "float16")
             end = start + len(blocks)
             if data is not None:
                 data[start:end] = pack_nibbles(_codes(blocks, best_scale, best_zp, symmetric))

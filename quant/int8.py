@@ -24,6 +24,7 @@ import numpy as np
 
 from .gptq import gptq_codes
 from .rows import block_count, row_chunks
+from .scales import SCALE_DTYPES, on_float16_grid
 
 ZERO_POINT = 128
 QMAX = 127
@@ -45,7 +46,7 @@ class BlockInt8Weights:
     block_size: int
 
     @classmethod
-    def quantize(cls, w: np.ndarray, block_size: int, hessian=None) -> "BlockInt8Weights":
+    def quantize(cls, w: np.ndarray, block_size: int, hessian=None, scale_dtype: str = "float32") -> "BlockInt8Weights":
         """Quantize a float ``[N, K]`` matrix, row chunk by row chunk.
 
         ``w`` is a numpy array or any object with ``shape`` and row slicing (``w[a:b]`` returning an
@@ -63,6 +64,9 @@ class BlockInt8Weights:
             block_size: elements per scale along K; > 0 and dividing K.
             hessian: None (round to nearest), or float ``[K, K]`` / :class:`quant.gptq.Hessian` (GPTQ codes,
                 codes limited to [1, 255], i.e. q in [-127, 127]).
+            scale_dtype: ``"float32"``, or ``"float16"``: each scale is first moved to float16's grid,
+                magnitude rounded up (``quant/scales.py``), and the codes are chosen for that value,
+                so ``scales.astype(float16)`` stores it exactly.
 
         Returns:
             A :class:`BlockInt8Weights`: ``data`` uint8 ``[N, K // block_size, block_size]``, ``scales``
@@ -70,10 +74,13 @@ class BlockInt8Weights:
 
         Raises:
             ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, ``w`` holds
-                NaN or Inf (callers name the tensor), or an unusable ``hessian`` (not ``[K, K]``, not
+                NaN or Inf (callers name the tensor), an unknown ``scale_dtype``, a scale beyond
+                float16's range with ``"float16"``, or an unusable ``hessian`` (not ``[K, K]``, not
                 finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """
         nb = block_count(w.shape, block_size)
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
         n = w.shape[0]
         # With a Hessian only the scales come from this pass; GPTQ writes the codes.
         data = np.empty((n, nb, block_size), dtype=np.uint8) if hessian is None else None
@@ -83,6 +90,8 @@ class BlockInt8Weights:
             blocks = rows.reshape(-1, nb, block_size)
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros
+            if scale_dtype == "float16":
+                s = on_float16_grid(s)
             scales[start : start + len(s)] = s
             if data is not None:
                 q = np.rint(blocks / s[:, :, None])

@@ -404,6 +404,7 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
     (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
     (["--dtype"], "error: Option '--dtype' requires an argument. (see 'gemma-export --help')"),
+    (["--scale-dtype", "bfloat16"], "error: Invalid value for '--scale-dtype'"),
 ])
 def test_usage_errors_take_one_line(args, message):
     """Option parsing errors read like every other error: one line on stderr, exit status 2."""
@@ -438,6 +439,8 @@ def test_an_output_that_cannot_be_created_is_refused_before_the_source_is_read(t
     (["--dtype", "bf16", "--activation-residual"], "error: --activation-residual applies to --dtype int8, not bf16"),
     (["--dtype", "int4", "--activation-residual"], "error: --activation-residual applies to --dtype int8, not int4: on Arm"),
     (["--dtype", "int8", "--block-size", "48"], "--block-size 48: must be a power of two >= 16"),
+    (["--dtype", "bf16", "--scale-dtype", "float16"], "error: --scale-dtype applies to --dtype int8 and int4, not bf16"),
+    (["--dtype", "fp32", "--scale-dtype", "float32"], "error: --scale-dtype applies to --dtype int8 and int4, not fp32"),
 ])
 def test_option_errors_come_before_the_reading_line(tiny_dir, tmp_path, monkeypatch, args, message):
     """Options are checked before the source is announced or read: the error is the only line."""
@@ -1544,6 +1547,24 @@ def test_a_signal_as_the_command_ends_is_one_line_not_a_traceback():
             "console._ignore_interrupts = late\n")
     done = _command("--version", code=code)
     assert (done.returncode, done.stderr) == (143, "error: interrupted\n")
+
+
+def test_float16_scales_export_says_so(tiny_dir, tmp_path):
+    """--scale-dtype float16 reaches the files (every scale initializer float16, the manifest) and the
+    summary; the archive it reports is smaller than the float32-scale export's by the scales' half."""
+    sizes = {}
+    for flag, out in ((["--scale-dtype", "float16"], tmp_path / "half"), ([], tmp_path / "wide")):
+        result = _run("--source", tiny_dir, "--dtype", "int4", "--block-size", "16", "--no-calibrate", *flag, "--out", out)
+        assert result.exit_code == 0, result.output
+        said = "scales: float16 on disk (--scale-dtype float16)" in result.stdout
+        assert said == bool(flag)
+        want = "float16" if flag else "float32"
+        assert json.loads((out / "manifest.json").read_text())["quantization"]["scale_dtype"] == want
+        model = onnx.load(str(out / "model.onnx"), load_external_data=False)
+        kinds = {t.data_type for t in model.graph.initializer if t.name.endswith("_scales")}
+        assert kinds == {onnx.TensorProto.FLOAT16 if flag else onnx.TensorProto.FLOAT}
+        sizes[want] = (out / "model.onnx.data").stat().st_size
+    assert sizes["float16"] < sizes["float32"]
 
 
 def test_activation_residual_export_says_so(tiny_dir, tmp_path):

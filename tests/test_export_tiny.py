@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -864,6 +865,10 @@ def _stored_quantized_weights(out_dir: Path) -> tuple[dict[str, np.ndarray], dic
     def nibbles(packed: np.ndarray) -> np.ndarray:  # uint8 [..., M] -> [..., 2M], low nibble first
         return np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
+    # --scale-dtype float16: the scales reach MatMulNBits through a Cast of a float16 initializer
+    for node in model.graph.node:
+        if node.op_type == "Cast" and node.input[0] in initializers:
+            initializers[node.output[0]] = initializers[node.input[0]]
     weights, layout = {}, {}
     for node in model.graph.node:
         if node.op_type != "MatMulNBits":
@@ -874,7 +879,7 @@ def _stored_quantized_weights(out_dir: Path) -> tuple[dict[str, np.ndarray], dic
         codes = numpy_helper.to_array(initializers[node.input[1]]).reshape(rows, k // block, block * bits // 8)
         if bits == 4:
             codes = nibbles(codes)
-        scales = numpy_helper.to_array(initializers[node.input[2]]).reshape(rows, k // block, 1)
+        scales = numpy_helper.to_array(initializers[node.input[2]]).astype(np.float64).reshape(rows, k // block, 1)
         if len(node.input) == 4:  # 4-bit zero points, one per block, packed like the codes
             zero_point = nibbles(numpy_helper.to_array(initializers[node.input[3]]))[:, : k // block, None]
         else:
@@ -1175,6 +1180,45 @@ def test_activation_residual_gives_float_activation_logits(tiny_dir, tmp_path):
     decoder = OnnxDecoder(residual)
     prompts = [ids[:12], ids[:5]]
     assert decoder.greedy_batch(prompts, 6) == [decoder.greedy(p, 6, stop_ids=())[0] for p in prompts]
+
+
+@pytest.mark.parametrize("dtype, options", [("int8", {}), ("int4", {}), ("int4", {"symmetric": False})],
+                         ids=["int8", "int4", "int4-asymmetric"])
+def test_float16_scales_halve_the_scales_and_keep_the_graph_exact(tiny_model, tiny_dir, tmp_path, dtype, options):
+    """--scale-dtype float16 stores every block scale (the shared table's too) as float16, cast to
+    float32 in the graph: half the scales' bytes, the same codes' layout, and a graph that computes
+    transformers' model with exactly the weights the files hold (codes times the float16 scales:
+    the codes were chosen for the rounded scales, so no stored code lies outside its range)."""
+    wide = export(tiny_dir, tmp_path / "wide", dtype, block_size=16, calibrate=False, **options).out_dir
+    half = export(tiny_dir, tmp_path / "half", dtype, block_size=16, calibrate=False, scale_dtype="float16",
+                  **options).out_dir
+    assert json.loads((half / "manifest.json").read_text())["quantization"]["scale_dtype"] == "float16"
+    assert json.loads((wide / "manifest.json").read_text())["quantization"]["scale_dtype"] == "float32"
+
+    def scales(folder):
+        model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+        return {t.name: (t.data_type, tuple(t.dims)) for t in model.graph.initializer if t.name.endswith("_scales")}
+
+    wide_scales, half_scales = scales(wide), scales(half)
+    assert {name: dims for name, (_, dims) in wide_scales.items()} == {name: dims for name, (_, dims) in half_scales.items()}
+    assert {kind for kind, _ in wide_scales.values()} == {onnx.TensorProto.FLOAT}
+    assert {kind for kind, _ in half_scales.values()} == {onnx.TensorProto.FLOAT16}
+    assert "model.embed_tokens.weight_scales" in half_scales  # the table's, read by the lookup and the head
+    scale_count = sum(math.prod(dims) for _, dims in half_scales.values())
+    assert (wide / "model.onnx.data").stat().st_size - (half / "model.onnx.data").stat().st_size >= 2 * scale_count - 4096
+
+    stored, _ = _stored_quantized_weights(half)
+    ids = _ids(seed=11)
+    decoder = OnnxDecoder(half)
+    logits = np.concatenate([decoder.teacher_forced_logits(list(row))[None] for row in ids])
+    err = np.abs(logits - _logits_with_stored_weights(tiny_model, stored, ids))
+    # as the float32-scale graphs above: MatMulNBits' int8 activations only (a scale read as float32
+    # bits of a float16, or a code beyond its range, is far above)
+    assert err.max() <= 0.15 and err.mean() <= 0.025, (err.max(), err.mean())
+    wide_logits = np.concatenate([OnnxDecoder(wide).teacher_forced_logits(list(row))[None] for row in ids])
+    reference = reference_logits(tiny_model, ids)
+    # rounding each scale by at most 2^-10 changes the model's error by little either way
+    assert np.abs(logits - reference).mean() <= 1.1 * np.abs(wide_logits - reference).mean() + 1e-3
 
 
 def test_int4_refuses_the_activation_residual():

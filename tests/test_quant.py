@@ -408,3 +408,79 @@ def test_hadamard_rotates_each_contiguous_run_of_n_values_on_its_own():
     expected[0, n:2 * n] = hadamard_matrix(n)[1]
     assert np.allclose(rotate_blocks(x, n), expected, atol=1e-7)
     assert np.allclose(hadamard_matrix(2), np.array([[1, 1], [1, -1]]) / np.sqrt(2))  # Sylvester's, orthonormal
+
+
+# --- float16 scales (quant/scales.py, --scale-dtype float16) ---
+
+from quant.scales import on_float16_grid  # noqa: E402
+
+
+def _is_float16(values: np.ndarray) -> bool:
+    return bool((values.astype(np.float16).astype(np.float32) == values).all())
+
+
+def test_float16_grid_rounds_each_scale_away_from_zero_to_the_nearest_float16():
+    rng = np.random.default_rng(7)
+    magnitudes = 10.0 ** rng.uniform(-9, 4.8, 4000)
+    s = (magnitudes * rng.choice([-1.0, 1.0], 4000)).astype(np.float32)
+    s[:3] = [0.0, 65504.0, -1.0]
+    r = on_float16_grid(s)
+    assert r.dtype == np.float32 and r.shape == s.shape and _is_float16(r)
+    assert (np.abs(r) >= np.abs(s)).all() and (np.sign(r) == np.sign(s)).all()
+    # nearest: the float16 next towards zero is already below the scale's magnitude
+    below = np.nextafter(np.abs(r).astype(np.float16), np.float16(0)).astype(np.float32)
+    assert (below[s != 0] < np.abs(s[s != 0])).all()
+    assert r[0] == 0.0 and r[1] == 65504.0 and r[2] == -1.0
+    assert on_float16_grid(np.float32([1e-30]))[0] == np.float32(2.0 ** -24)  # below every float16: the smallest
+
+
+def test_float16_grid_refuses_a_scale_beyond_float16_with_its_index():
+    with pytest.raises(ValueError, match=r"block scale 70000 at \(1, 0\) does not fit float16 \(largest 65504\)"):
+        on_float16_grid(np.array([[1.0, 2.0], [70000.0, 3.0]], np.float32))
+    with pytest.raises(ValueError, match="does not fit float16"):
+        on_float16_grid(np.array([65520.0], np.float32))  # rounds to 65504 < 65520, and up is inf
+
+
+@pytest.mark.parametrize("hessian", [False, True], ids=["nearest", "gptq"])
+def test_int8_with_float16_scales_chooses_its_codes_for_the_stored_scale(hessian):
+    rng = np.random.default_rng(8)
+    w = (rng.standard_normal((64, 128)) * 10.0 ** rng.uniform(-3, 1, (64, 1))).astype(np.float32)
+    x = rng.standard_normal((512, 128)).astype(np.float32)
+    h = x.T @ x if hessian else None
+    wide = BlockInt8Weights.quantize(w, 32, hessian=h)
+    half = BlockInt8Weights.quantize(w, 32, hessian=h, scale_dtype="float16")
+    assert _is_float16(half.scales) and np.array_equal(half.scales, on_float16_grid(wide.scales))
+    stored = half.data.astype(np.int16) - 128
+    assert np.abs(stored).max() <= 127
+    if not hessian:  # round to nearest for the stored scale: within half a step of it
+        err = np.abs(half.dequantize() - w).reshape(64, 4, 32)
+        assert (err <= half.scales[:, :, None] / 2 * (1 + 1e-6)).all()
+        # codes chosen for the float32 scale would miss that bound somewhere
+        stale = ((wide.data.astype(np.float32) - 128) * half.scales[:, :, None]).reshape(64, 128)
+        assert (np.abs(stale - w).reshape(64, 4, 32) > half.scales[:, :, None] / 2 * (1 + 1e-6)).any()
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("method", ["rtn", "mse"])
+def test_int4_with_float16_scales_stores_exactly_the_scale_its_codes_were_chosen_for(symmetric, method):
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((48, 64)).astype(np.float32)
+    w[0, :16] = 0.0  # an all-zero block keeps scale 1 (representable)
+    half = BlockInt4Weights.quantize(w, 16, symmetric=symmetric, method=method, scale_dtype="float16")
+    assert _is_float16(half.scales)
+    wide = BlockInt4Weights.quantize(w, 16, symmetric=symmetric, method=method)
+    err_half = np.square(half.dequantize() - w).mean()
+    err_wide = np.square(wide.dequantize() - w).mean()
+    assert err_half <= err_wide * 1.01  # rounding each scale by at most 2^-10 costs almost nothing
+    if method == "rtn":  # the codes are round-to-nearest for the stored scale, not for the float32 one
+        codes = unpack_nibbles(half.data).astype(np.float32)
+        zero_points = half.unpacked_zero_points()[:, :, None].astype(np.float32)
+        want = np.clip(np.rint(w.reshape(48, 4, 16) / half.scales[:, :, None]) + zero_points, 0, 15)
+        assert np.array_equal(codes, want)
+
+
+@pytest.mark.parametrize("quantize", [lambda w, **kw: BlockInt8Weights.quantize(w, 16, **kw),
+                                      lambda w, **kw: BlockInt4Weights.quantize(w, 16, **kw)], ids=["int8", "int4"])
+def test_block_quantizers_refuse_an_unknown_scale_dtype(quantize):
+    with pytest.raises(ValueError, match="scale_dtype must be one of float32, float16, found 'bfloat16'"):
+        quantize(np.ones((2, 32), np.float32), scale_dtype="bfloat16")
