@@ -113,10 +113,12 @@ def test_tiny_int8_runs_on_an_emulated_cortex_a72(tiny_int8_export, emulated_dum
     _assert_only_near_ties(report)
 
 
-def test_activation_residual_gives_the_same_logits_on_emulated_aarch64(tiny_dir, emulated_dump, tmp_path):
+@pytest.mark.parametrize("scale_dtype", ["float32", "float16"])
+def test_activation_residual_gives_the_same_logits_on_emulated_aarch64(tiny_dir, emulated_dump, tmp_path, scale_dtype):
     """With --activation-residual the int8 kernels' activation rounding no longer decides anything:
     x86-64 and aarch64 agree to float32 order (the plain export differs by up to NEAR_TIE-sized
-    amounts, docs/sl2610.md), every top-1 and every greedy token the same."""
+    amounts, docs/sl2610.md), every top-1 and every greedy token the same; also with float16 scales,
+    which onnxruntime on aarch64 widens at load as on x86-64 (--scale-dtype float16)."""
     from conftest import write_char_tokenizer
     from gemma_export.exporter import export
 
@@ -124,7 +126,8 @@ def test_activation_residual_gives_the_same_logits_on_emulated_aarch64(tiny_dir,
     src = tmp_path / "src"
     shutil.copytree(tiny_dir, src)
     write_char_tokenizer(src)
-    model = export(src, tmp_path / "int8-residual", "int8", block_size=16, activation_residual=True).out_dir
+    model = export(src, tmp_path / "int8-residual", "int8", block_size=16, activation_residual=True,
+                   scale_dtype=scale_dtype).out_dir
     _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", tmp_path / "x86.npz")
     _run(PARITY, "dump", "--model", model, "--ids", ids, "--out", tmp_path / "arm.npz", emulated=True, cwd=tmp_path)
     _run(PARITY, "compare", tmp_path / "x86.npz", tmp_path / "arm.npz", "--json", tmp_path / "report.json")
