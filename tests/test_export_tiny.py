@@ -818,6 +818,27 @@ def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_a_scale_beyond_float16_is_refused_with_float16_scales_and_stored_without(tmp_path):
+    """--scale-dtype float16 cannot store a block scale above 65504 (a weight near 8.3 million at
+    int8): the export names the tensor, the block and the value, and writes nothing; float32 scales
+    store the same weight."""
+    import torch
+
+    from gemma_export.errors import NumericError
+
+    model = make_tiny_model(seed=3)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[2, 0] = 1e8
+    src = save_tiny(model, tmp_path / "src")
+    with pytest.raises(NumericError, match=r"model.safetensors:model.layers.1.mlp.down_proj.weight: cannot quantize "
+                                           r"'model.layers.1.mlp.down_proj.weight': block scale 787401.6 at \(2, 0\) "
+                                           r"does not fit float16 \(largest 65504\)"):
+        export(src, tmp_path / "out", "int8", block_size=16, hadamard_size=0, calibrate=False, scale_dtype="float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    wide = export(src, tmp_path / "wide", "int8", block_size=16, hadamard_size=0, calibrate=False).out_dir
+    assert (wide / "model.onnx.data").is_file()
+
+
 def test_an_export_that_will_not_fit_is_refused_before_the_slow_work(tiny_dir, tmp_path, monkeypatch):
     """A full disk was found after calibrating (45 s on the 270M): the archive's estimated size is
     checked against the free space first. The estimate counts the weights' bytes: within 1% of the
