@@ -229,17 +229,28 @@ def _onnx_entries(path: Path) -> tuple[list[TensorEntry], dict[str, list[str]], 
     dequantize: list[Dequantize] = []
     shapes = {e.name: e.shape for e in entries}
     per_byte: dict[str, int] = {}  # packed codes: values per stored byte (MatMulNBits' bits < 8)
+    # a Cast or Identity of an initializer stands for it: float16 scales (--scale-dtype float16)
+    # reach MatMulNBits and the lookup through a Cast to float32
+    source: dict[str, str] = {}
+    for node in model.graph.node:  # nodes are in topological order
+        if node.op_type in ("Cast", "Identity") and node.input and node.output:
+            origin = source.get(node.input[0], node.input[0])
+            if origin in consumers:
+                source[node.output[0]] = origin
     for node in model.graph.node:
-        for name in node.input:
+        if node.output and node.output[0] in source:
+            continue  # the alias itself consumes nothing
+        inputs = [source.get(name, name) for name in node.input]
+        for name in inputs:
             if name in consumers:
                 consumers[name].append(node.op_type)
-        if node.op_type == "MatMulNBits" and len(node.input) > 2 and node.input[1] in shapes:
+        if node.op_type == "MatMulNBits" and len(inputs) > 2 and inputs[1] in shapes:
             bits = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), 4)
             if isinstance(bits, int) and bits in (2, 4):
-                per_byte[node.input[1]] = 8 // bits
-            if bits in (4, 8) and node.input[2] in shapes:
-                zero_points = node.input[3] if len(node.input) > 3 and node.input[3] else None
-                dequantize.append(Dequantize(node.input[1], node.input[2], zero_points, 2 ** (bits - 1), bits))
+                per_byte[inputs[1]] = 8 // bits
+            if bits in (4, 8) and inputs[2] in shapes:
+                zero_points = inputs[3] if len(inputs) > 3 and inputs[3] else None
+                dequantize.append(Dequantize(inputs[1], inputs[2], zero_points, 2 ** (bits - 1), bits))
         if node.op_type == "DequantizeLinear" and len(node.input) >= 2 and node.input[0] in shapes and node.input[1] in shapes:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             shape, scale_shape = shapes[node.input[0]], shapes[node.input[1]]

@@ -339,9 +339,12 @@ def _may_replace(model_dir: Path, what: str, refusal: str) -> Path:
 #: the copy holds the export's initializers and their packed form: 1.99-2.19 x the data file on the
 #: real 270M (fp32 1.99, int8 2.06, int4 2.08; int4 2.19 on an AMD EPYC with AVX-512, 2026-12-05: the
 #: packed form depends on the machine's kernels); bf16 is widened to float32 when onnxruntime folds
-#: its Casts, so its copy is ~4 x. Space is checked against these factors before any work starts.
+#: its Casts, so its copy is ~4 x; float16 scales (--scale-dtype float16) are widened to float32 the
+#: same way: int4 2.44 x, int8 with block 16 2.21 x (2026-12-05, eighth session). Space is checked
+#: against these factors before any work starts.
 SPACE_FACTOR = 2.3
 SPACE_FACTOR_BF16 = 4.1
+SPACE_FACTOR_FLOAT16_SCALES = 2.6
 
 
 def prepack(model_dir: str | Path, threads: int | None = None,
@@ -382,8 +385,10 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         say(f"checking {model_dir} against its manifest …")
         verify_manifest(model_dir)
         data = model_dir / DATA_FILE
-        dtype = read_manifest(model_dir).get("dtype")  # verify_manifest has read it
-        factor = SPACE_FACTOR_BF16 if dtype == "bf16" else SPACE_FACTOR
+        manifest = read_manifest(model_dir)  # verify_manifest has read it
+        scale_dtype = (manifest.get("quantization") or {}).get("scale_dtype")
+        factor = (SPACE_FACTOR_BF16 if manifest.get("dtype") == "bf16"
+                  else SPACE_FACTOR_FLOAT16_SCALES if scale_dtype == "float16" else SPACE_FACTOR)
         need = int(factor * data.stat().st_size) if data.is_file() else 0
         check_free_space(out, need, "pre-packed copy", largest_file_bytes=need)  # its data file is nearly all of it
         original = OnnxDecoder(model_dir, threads=threads, prepacked=False, huge_pages=False)  # one forward pass

@@ -36,7 +36,7 @@ import numpy as np
 
 from .gptq import as_hessian, gptq_codes
 from .rows import block_count, row_chunks
-from .scales import SCALE_DTYPES, on_float16_grid
+from .scales import SCALE_DTYPES, Float16RangeError, on_float16_grid
 
 ZERO_POINT = 8
 #: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
@@ -230,7 +230,10 @@ class BlockInt4Weights:
         ratios = CLIP_RATIOS if method == "mse" else CLIP_RATIOS[:1]
         for start, rows in row_chunks(w, _ROWS_PER_CHUNK):
             blocks = rows.reshape(-1, nb, block_size)
-            best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h, scale_dtype == "float16")
+            try:
+                best_scale, best_zp = _search_scales(blocks, symmetric, ratios, h, scale_dtype == "float16")
+            except Float16RangeError as exc:  # the index in the whole weight, not in the chunk
+                raise exc.at_row(start) from None
             end = start + len(blocks)
             if data is not None:
                 data[start:end] = pack_nibbles(_codes(blocks, best_scale, best_zp, symmetric))

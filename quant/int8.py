@@ -24,7 +24,7 @@ import numpy as np
 
 from .gptq import gptq_codes
 from .rows import block_count, row_chunks
-from .scales import SCALE_DTYPES, on_float16_grid
+from .scales import SCALE_DTYPES, Float16RangeError, on_float16_grid
 
 ZERO_POINT = 128
 QMAX = 127
@@ -91,7 +91,10 @@ class BlockInt8Weights:
             s = np.abs(blocks).max(axis=2) / np.float32(QMAX)
             s[s == 0] = 1.0  # an all-zero block (or one whose scale underflows) quantizes to zeros
             if scale_dtype == "float16":
-                s = on_float16_grid(s)
+                try:
+                    s = on_float16_grid(s)
+                except Float16RangeError as exc:  # the index in the whole weight, not in the chunk
+                    raise exc.at_row(start) from None
             scales[start : start + len(s)] = s
             if data is not None:
                 q = np.rint(blocks / s[:, :, None])

@@ -21,6 +21,18 @@ SCALE_DTYPES = ("float32", "float16")
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+class Float16RangeError(ValueError):
+    """A block scale beyond float16's range: its value and its index ``(row, block)`` in the array given."""
+
+    def __init__(self, value: float, index: tuple[int, ...]):
+        self.value, self.index = value, index
+        super().__init__(f"block scale {value:.7g} at {index} does not fit float16 (largest {FLOAT16_MAX:g})")
+
+    def at_row(self, start: int) -> "Float16RangeError":
+        """The same error for scales that were rows ``start`` on of a larger array (a row chunk)."""
+        return Float16RangeError(self.value, (self.index[0] + start, *self.index[1:]))
+
+
 def on_float16_grid(scales: np.ndarray) -> np.ndarray:
     """Each scale moved to the float16 value of equal or larger magnitude nearest to it.
 
@@ -32,14 +44,15 @@ def on_float16_grid(scales: np.ndarray) -> np.ndarray:
         with ``|result| >= |scales|`` and the same signs (a zero stays zero).
 
     Raises:
-        ValueError: a scale's magnitude exceeds float16's largest value, 65504 (weights beyond about
-            8.3 million at int8); the message gives the first such scale and its index.
+        Float16RangeError: (a ValueError) a scale's magnitude exceeds float16's largest value, 65504
+            (weights beyond about 8.3 million at int8); the message gives the first such scale and
+            its index.
     """
     s = np.asarray(scales, dtype=np.float32)
     too_large = ~(np.abs(s) <= FLOAT16_MAX)
     if too_large.any():
         index = tuple(int(i) for i in np.unravel_index(int(np.argmax(too_large)), s.shape))
-        raise ValueError(f"block scale {float(s[index]):.7g} at {index} does not fit float16 (largest {FLOAT16_MAX:g})")
+        raise Float16RangeError(float(s[index]), index)
     half = s.astype(np.float16)
     short = np.abs(half.astype(np.float32)) < np.abs(s)
     half[short] = np.nextafter(half[short], np.copysign(np.float16(np.inf), s[short]).astype(np.float16))

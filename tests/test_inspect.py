@@ -492,6 +492,24 @@ def test_an_initializer_name_defined_twice_is_refused_by_inspect_and_dedupe(tmp_
     assert not (tmp_path / "out").exists()
 
 
+def test_float16_scales_behind_a_cast_are_read_as_the_scales_they_are(tiny_dir, tmp_path):
+    """--scale-dtype float16 feeds MatMulNBits and the lookup through a Cast: inspect pairs every
+    weight with its scales as for float32 scales (it paired them by name only, as 8-bit codes with
+    zero point 0, int4 included) and names the Cast's readers as the scales' consumers."""
+    from gemma_export.inspect import _onnx_entries
+
+    for dtype in ("int8", "int4"):
+        wide = export(tiny_dir, tmp_path / f"{dtype}-wide", dtype, block_size=16, calibrate=False).out_dir
+        half = export(tiny_dir, tmp_path / f"{dtype}-half", dtype, block_size=16, calibrate=False,
+                      scale_dtype="float16").out_dir
+        _, wide_consumers, wide_pairs = _onnx_entries(wide / "model.onnx")
+        _, half_consumers, half_pairs = _onnx_entries(half / "model.onnx")
+        assert len(half_pairs) == len(wide_pairs) == 17
+        assert sorted(half_pairs) == sorted(wide_pairs)
+        assert half_consumers == wide_consumers
+        assert sorted(half_consumers["model.embed_tokens.weight_scales"]) == ["Gather", "MatMulNBits"]
+
+
 def test_only_a_table_read_by_a_lookup_and_a_matmul_is_called_shared(tiny_dir, tmp_path):
     out = export(tiny_dir, tmp_path / "e", "int8", block_size=16).out_dir
     printed = CliRunner().invoke(app, ["inspect", str(out), "--top", "1000"]).stdout

@@ -302,6 +302,22 @@ def test_leftovers_of_a_killed_run_are_reported_and_cleaned(export_copy):
     assert not stale.exists() and _run("verify", export_copy).exit_code == 0
 
 
+def test_float16_scales_need_more_room_for_the_copy(tiny_dir, tmp_path, monkeypatch):
+    """A float16-scale export's copy holds its scales widened to float32 as well: the real int4 one
+    took 2.44 x the data file (2026-12-05, eighth session), above the 2.3 x checked for the others."""
+    import shutil as shutil_module
+
+    from gemma_export.exporter import export
+
+    folder = export(tiny_dir, tmp_path / "half", "int4", block_size=16, calibrate=False, scale_dtype="float16").out_dir
+    usage = shutil_module.disk_usage(folder)
+    data = (folder / "model.onnx.data").stat().st_size
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=int(2.45 * data)))
+    result = _run("prepack", "--model", folder)
+    assert result.exit_code != 0 and "the pre-packed copy needs about" in result.output, result.output
+    assert not (folder / "prepacked").exists()
+
+
 def test_no_space_or_no_permission_is_refused_before_any_work(export_copy, monkeypatch):
     import shutil as shutil_module
 

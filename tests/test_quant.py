@@ -441,6 +441,17 @@ def test_float16_grid_refuses_a_scale_beyond_float16_with_its_index():
         on_float16_grid(np.array([65520.0], np.float32))  # rounds to 65504 < 65520, and up is inf
 
 
+@pytest.mark.parametrize("quantize, chunk", [(lambda w: BlockInt8Weights.quantize(w, 16, scale_dtype="float16"), 8192),
+                                             (lambda w: BlockInt4Weights.quantize(w, 16, method="rtn", scale_dtype="float16"), 4096)],
+                         ids=["int8", "int4"])
+def test_a_scale_beyond_float16_is_named_by_its_row_in_the_whole_weight(quantize, chunk):
+    """The quantizers work in row chunks; the error gives the row in the weight, not in its chunk."""
+    w = np.ones((chunk + 16, 32), np.float32)
+    w[chunk + 3, 20] = 1e9
+    with pytest.raises(ValueError, match=rf"block scale -?[0-9.e+]+ at \({chunk + 3}, 1\) does not fit float16"):
+        quantize(w)
+
+
 @pytest.mark.parametrize("hessian", [False, True], ids=["nearest", "gptq"])
 def test_int8_with_float16_scales_chooses_its_codes_for_the_stored_scale(hessian):
     rng = np.random.default_rng(8)
