@@ -54,7 +54,7 @@ from quant.gptq import Hessian
 from quant.rows import first_non_finite
 from quant.int4 import SCALE_METHODS
 from quant.int8 import ZERO_POINT
-from quant.scales import SCALE_DTYPES
+from quant.scales import SCALE_DTYPES, Float16RangeError
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
@@ -106,6 +106,13 @@ class _Memo:
                 else:
                     value = BlockInt4Weights.quantize(rows, block_size, symmetric=symmetric, method=method, hessian=h,
                                                       scale_dtype=scale_dtype)
+            except Float16RangeError as exc:  # (row, block) of the stored, rotated weight
+                row, block = exc.index
+                rotated = f", after the {hadamard_size}-wide Hadamard rotation" if hadamard_size else ""
+                raise NumericError(f"{ref.origin}: its block scales cannot be float16: row {row}, block {block} "
+                                   f"(inputs {block * block_size} to {(block + 1) * block_size - 1}{rotated}) needs "
+                                   f"{abs(exc.value):.4g}, above float16's largest, 65504; --scale-dtype float32 "
+                                   "(the default) stores it") from None
             except ValueError as exc:
                 raise NumericError(f"{ref.origin}: cannot quantize '{ref.name}': {exc}") from None
             while len(self._entries) >= self._size:

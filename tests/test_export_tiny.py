@@ -830,10 +830,16 @@ def test_a_scale_beyond_float16_is_refused_with_float16_scales_and_stored_withou
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[2, 0] = 1e8
     src = save_tiny(model, tmp_path / "src")
-    with pytest.raises(NumericError, match=r"model.safetensors:model.layers.1.mlp.down_proj.weight: cannot quantize "
-                                           r"'model.layers.1.mlp.down_proj.weight': block scale 787401.6 at \(2, 0\) "
-                                           r"does not fit float16 \(largest 65504\)"):
+    with pytest.raises(NumericError, match=r"model.safetensors:model.layers.1.mlp.down_proj.weight: its block scales "
+                                           r"cannot be float16: row 2, block 0 \(inputs 0 to 15\) needs 7.874e\+05, "
+                                           r"above float16's largest, 65504; --scale-dtype float32 \(the default\) stores it$"):
         export(src, tmp_path / "out", "int8", block_size=16, hadamard_size=0, calibrate=False, scale_dtype="float16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    # int4 (a negative symmetric scale for a positive weight) and the default rotation: the magnitude,
+    # and the rotated block (the rotation spreads input 0 over inputs 0 to 63: blocks 0 to 3 of 16)
+    with pytest.raises(NumericError, match=r"row 2, block 0 \(inputs 0 to 15, after the 64-wide Hadamard rotation\) "
+                                           r"needs 1.562e\+06, above"):
+        export(src, tmp_path / "out", "int4", block_size=16, calibrate=False, scale_dtype="float16")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
     wide = export(src, tmp_path / "wide", "int8", block_size=16, hadamard_size=0, calibrate=False).out_dir
     assert (wide / "model.onnx.data").is_file()
