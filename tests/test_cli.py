@@ -1560,6 +1560,7 @@ def test_float16_scales_export_says_so(tiny_dir, tmp_path):
         assert result.exit_code == 0, result.output
         said = "scales: float16 on disk (--scale-dtype float16)" in result.stdout
         assert said == bool(flag)
+        assert "blocks: 16 weights per scale in the layers, 32 in the table; Hadamard 64\n" in result.stdout
         want = "float16" if flag else "float32"
         assert json.loads((out / "manifest.json").read_text())["quantization"]["scale_dtype"] == want
         model = onnx.load(str(out / "model.onnx"), load_external_data=False)
