@@ -36,7 +36,7 @@ import numpy as np
 
 from .gptq import as_hessian, gptq_codes
 from .rows import block_count, row_chunks
-from .scales import SCALE_DTYPES, Float16RangeError, on_float16_grid
+from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 8
 #: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
@@ -209,8 +209,7 @@ class BlockInt4Weights:
         nb = block_count(w.shape, block_size, even=True)
         if method not in SCALE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SCALE_METHODS)}, found {method!r}")
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
+        check_scale_dtype(scale_dtype)
         n, k = w.shape
         h = None
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):

@@ -24,7 +24,7 @@ import numpy as np
 
 from .gptq import gptq_codes
 from .rows import block_count, row_chunks
-from .scales import SCALE_DTYPES, Float16RangeError, on_float16_grid
+from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 128
 QMAX = 127
@@ -79,8 +79,7 @@ class BlockInt8Weights:
                 finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """
         nb = block_count(w.shape, block_size)
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
+        check_scale_dtype(scale_dtype)
         n = w.shape[0]
         # With a Hessian only the scales come from this pass; GPTQ writes the codes.
         data = np.empty((n, nb, block_size), dtype=np.uint8) if hessian is None else None

@@ -21,6 +21,12 @@ SCALE_DTYPES = ("float32", "float16")
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+def check_scale_dtype(scale_dtype: str) -> None:
+    """Raise ValueError unless ``scale_dtype`` is one of :data:`SCALE_DTYPES`."""
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {', '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
+
+
 class Float16RangeError(ValueError):
     """A block scale beyond float16's range: its value and its index ``(row, block)`` in the array given."""
 
