@@ -377,10 +377,10 @@ def _export_summary(result, archive: int) -> None:
         typer.echo(f"tokenizer: from {result.tokenizer_from} (--tokenizer)")
     if result.quantization is not None:
         q = result.quantization
-        table = f"int{q['table_dtype'][3:]} " if q.get("table_dtype") not in (None, result.dtype) else ""
+        table_codes = f"{q['table_dtype']} " if q.get("table_dtype") not in (None, result.dtype) else ""
         rotation = f"Hadamard {q['hadamard_size']}" if q["hadamard_size"] else "no rotation"
         typer.echo(f"blocks: {q['block_size']} weights per scale in the layers, {q['table_block_size']} in the "
-                   f"{table}table; {rotation}")
+                   f"{table_codes}table; {rotation}")
     if result.calibration is not None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     elif result.dtype in QUANTIZED_DTYPES:

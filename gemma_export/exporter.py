@@ -62,10 +62,8 @@ class ExportResult:
             export), or None when the tokenizer is the source's own (or there is none).
         activation_residual: every ``MatMulNBits`` also multiplies the residual of its input's int8
             rounding (``activation_residual`` of :func:`export`).
-        scale_dtype: ``float32`` or ``float16``, how the block scales are stored (int8 and int4), or
-            None (fp32, bf16).
-        quantization: the manifest's ``quantization`` record (block sizes, rotation, …; int8 and
-            int4), or None.
+        quantization: the manifest's ``quantization`` record (block sizes, rotation, scale dtype, …;
+            int8 and int4), or None.
     """
 
     out_dir: Path
@@ -78,8 +76,12 @@ class ExportResult:
     calibration: dict | None = None
     tokenizer_from: Path | None = None
     activation_residual: bool = False
-    scale_dtype: str | None = None
     quantization: dict | None = None
+
+    @property
+    def scale_dtype(self) -> str | None:
+        """``float32`` or ``float16``, how the block scales are stored (int8 and int4), or None (fp32, bf16)."""
+        return (self.quantization or {}).get("scale_dtype")
 
     @property
     def total_bytes(self) -> int:
@@ -673,7 +675,7 @@ def export(
                               (quantization or {}).get("calibration"),
                               tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None,
                               (quantization or {}).get("activation_residual", False),
-                              (quantization or {}).get("scale_dtype"), quantization)
+                              quantization)
     with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
         if replaced_copy and status is not None:
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "

@@ -54,7 +54,7 @@ from quant.gptq import Hessian
 from quant.rows import first_non_finite
 from quant.int4 import SCALE_METHODS
 from quant.int8 import ZERO_POINT
-from quant.scales import SCALE_DTYPES, Float16RangeError
+from quant.scales import Float16RangeError, check_scale_dtype
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
@@ -344,8 +344,7 @@ class Int8Format(WeightFormat):
     def __init__(self, block_size: int = DEFAULT_INT8_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, calibration: Calibration | None = None,
                  activation_residual: bool = False, scale_dtype: str = "float32"):
-        if scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype {scale_dtype!r}: expected {' or '.join(SCALE_DTYPES)}")
+        check_scale_dtype(scale_dtype)
         self.scale_dtype = scale_dtype
         self.activation_residual = activation_residual
         self._memo = _Memo()
