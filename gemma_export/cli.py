@@ -544,8 +544,9 @@ def verify(
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files),
-    then run the ONNX checker and an onnxruntime load; a pre-packed copy (prepacked/) is checked
+    """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files; the
+    vocabulary, layers, dtype and quantization it records against the graph's), then run the ONNX
+    checker and an onnxruntime load; a pre-packed copy (prepacked/) is checked
     against the checksums its prepacked.json records. A board folder written by `bundle` is checked
     against its BUNDLE.json (every file, the wheel and README included), then its model folder.
 

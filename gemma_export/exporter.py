@@ -25,7 +25,8 @@ from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
 from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START, TABLE_DTYPES
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
-from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
+from .onnx_files import (ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
+                         graph_quantization, read_graph)
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
@@ -305,7 +306,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         if not isinstance(manifest.get("config"), dict):  # the runtime's checks (positions, windows) read it
             raise VerificationError(f"{manifest_path}: no field 'config' (an object); every export records its "
                                     "model config there")
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model))
+        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
+                                     graph_quantization(model))
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
             any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)

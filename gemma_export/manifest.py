@@ -15,7 +15,8 @@ from pathlib import Path
 
 from .config import DTYPES
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
-from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype
+from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
+                         graph_dtype, graph_quantization)
 from .staging import leftovers, listed_files
 from .text_files import non_regular
 
@@ -181,11 +182,14 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         path: the manifest's path, for the message.
 
     Raises:
-        FormatError: ``config`` is not an object, or naming the first field whose value is not what
-            the runtime expects.
+        FormatError: ``config`` or ``quantization`` is not an object, or naming the first field whose
+            value is not what the runtime expects.
     """
     if not isinstance(manifest.get("config", {}), dict):
         raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
+    if not isinstance(manifest.get("quantization") or {}, dict):  # absent or null for fp32 and bf16
+        raise FormatError(f"{path}: field 'quantization' must be an object or null, found "
+                          f"{type(manifest['quantization']).__name__}")
     for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
         scope = manifest.get(section, {}) if section else manifest
         if name in scope and not ok(scope[name]):
@@ -194,14 +198,17 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
 
 
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
-                                 dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None)) -> None:
+                                 dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
+                                 quantization: dict | None = None) -> None:
     """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
     ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
     ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
     :func:`graph_kv_dims`; None: not checked), ``config.bos_token_id`` and ``config.pad_token_id``
     lie inside the vocabulary, and ``dtype`` is the weights the graph stores
-    (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it).
-    Call :func:`check_manifest_fields` first.
+    (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it), and each figure of the
+    ``quantization`` record that the graph shows (``quantization``: :func:`~gemma_export.onnx_files.graph_quantization`;
+    block sizes, table dtype, scale dtype, zero points, activation residual, rotation; ``prepack``
+    sizes its room by the scale dtype). Call :func:`check_manifest_fields` first.
     Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
     and small test configs keep Gemma's default ids.)
 
@@ -219,6 +226,10 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
                               f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
+    recorded = manifest.get("quantization")
+    for field, (actual, where) in (quantization or {}).items():
+        if isinstance(recorded, dict) and field in recorded and recorded[field] != actual:
+            raise FormatError(f"{path}: field 'quantization.{field}' is {shown(recorded[field])}, but {where}")
 
 
 def graph_vocab_and_layers(model) -> tuple[int | None, int]:
@@ -274,4 +285,5 @@ def check_manifest_matches_graph(model_dir: str | Path) -> None:
     manifest = read_manifest(model_dir)
     check_manifest_fields(manifest, path)
     model = read_graph(Path(model_dir) / MODEL_FILE)
-    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model))
+    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model),
+                                 graph_quantization(model))

@@ -211,3 +211,89 @@ def graph_dtype(model) -> str:
     if any(t.data_type == onnx.TensorProto.BFLOAT16 for t in model.graph.initializer):
         return "bf16"
     return "fp32"
+
+
+#: ``manifest.json``'s ``quantization.scale_dtype`` for the data type of a scales initializer
+_SCALE_DTYPES = {1: "float32", 10: "float16"}  # onnx.TensorProto.FLOAT, FLOAT16
+
+
+def graph_quantization(model) -> dict[str, tuple[object, str]]:
+    """What an int8/int4 export's graph (an ``onnx.ModelProto``, external data not loaded) shows of
+    its quantization, under the names of the manifest's ``quantization`` record, each as
+    ``(value, where the graph shows it)``:
+
+    - ``block_size``: the layers' ``MatMulNBits`` ``block_size`` (weights per scale);
+    - ``table_block_size`` and, int4, ``table_dtype`` (``int4``/``int8``): the head's ``MatMulNBits``,
+      the one whose codes the lookup of ``input_ids`` also reads (the tied table);
+    - ``scale_dtype`` (``float32``/``float16``): the data type of the initializers that hold the
+      scales (read directly, or through ``Cast``/``Identity``);
+    - ``symmetric`` (int4): True when no layer ``MatMulNBits`` takes zero points;
+    - ``activation_residual``: True when every layer ``MatMulNBits`` output is split in two along the
+      batch axis (``Split`` axis 0: the doubled rows of ``--activation-residual``);
+    - ``hadamard_size``: the size of the square rotation a ``MatMul`` reads from an initializer, 0 when
+      no ``MatMul`` does.
+
+    A figure the graph does not show uniformly (e.g. two layer block sizes) is left out, as is
+    everything for a graph without ``MatMulNBits`` (fp32, bf16, other tools' graphs)."""
+    graph = model.graph
+    matmuls = [n for n in graph.node if n.op_type == "MatMulNBits" and len(n.input) >= 3]
+    if not matmuls:
+        return {}
+    initializers = {t.name: t for t in graph.initializer}
+    produced_by = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    # the tied table: what the lookup of input_ids reads (Gather of the codes, or GatherBlockQuantized)
+    gathered = {n.input[0] for n in graph.node if n.op_type in ("Gather", "GatherBlockQuantized")
+                and len(n.input) >= 2 and n.input[1] == "input_ids"}
+
+    def attribute(node, name):
+        return next((a.i for a in node.attribute if a.name == name), None)
+
+    def only(values):
+        values = set(values)
+        return values.pop() if len(values) == 1 else None
+
+    def initializer(name):
+        while name not in initializers and name in produced_by and produced_by[name].op_type in ("Cast", "Identity"):
+            name = produced_by[name].input[0]
+        return initializers.get(name)
+
+    head = [n for n in matmuls if n.input[1] in gathered]
+    layers = [n for n in matmuls if n.input[1] not in gathered]
+    found: dict[str, tuple[object, str]] = {}
+    if (block := only(attribute(n, "block_size") for n in layers)) is not None:
+        found["block_size"] = (block, f"the layers' MatMulNBits have block_size {block}")
+    if len(head) == 1:
+        found["table_block_size"] = (attribute(head[0], "block_size"),
+                                     f"the head's MatMulNBits has block_size {attribute(head[0], 'block_size')}")
+        if 4 in {attribute(n, "bits") for n in layers}:
+            bits = attribute(head[0], "bits")
+            found["table_dtype"] = (f"int{bits}", f"the head's MatMulNBits has bits {bits}")
+    scales = [initializer(n.input[2]) for n in matmuls]
+    if all(t is not None for t in scales) and (dtype := only(_SCALE_DTYPES.get(t.data_type) for t in scales)):
+        found["scale_dtype"] = (dtype, f"the MatMulNBits scales are stored as {dtype}")
+    if layers and 4 in {attribute(n, "bits") for n in layers}:
+        zero_points = {len(n.input) >= 4 and n.input[3] != "" for n in layers}
+        if len(zero_points) == 1:
+            symmetric = not zero_points.pop()
+            found["symmetric"] = (symmetric, "the layers' MatMulNBits take " + ("no zero points" if symmetric else
+                                                                               "zero points"))
+
+    def split_in_two(node) -> bool:
+        return any(c.op_type == "Split" and (attribute(c, "axis") or 0) == 0 for c in consumers.get(node.output[0], []))
+
+    if layers and (residual := only(split_in_two(n) for n in layers)) is not None:
+        found["activation_residual"] = (residual, "the layers' MatMulNBits outputs are " +
+                                        ("split in two along the batch axis" if residual else "used as they are"))
+    rotations = [initializers[n.input[1]] for n in graph.node if n.op_type == "MatMul" and len(n.input) == 2
+                 and n.input[1] in initializers]
+    square = {int(t.dims[0]) for t in rotations if len(t.dims) == 2 and t.dims[0] == t.dims[1]}
+    if not rotations:
+        found["hadamard_size"] = (0, "no MatMul reads a rotation")
+    elif len(square) == 1:
+        size = square.pop()
+        found["hadamard_size"] = (size, f"its MatMuls read a {size} x {size} rotation")
+    return found

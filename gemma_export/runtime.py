@@ -31,7 +31,7 @@ from .errors import (FormatError, GemmaExportError, NumericError, ResourceError,
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
                        graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure, read_manifest,
                        require_folder)
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, load_graph
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, graph_quantization, load_graph
 from . import memory
 from .memory import release_free_heap
 from .text_files import non_regular, not_unicode_at
@@ -274,11 +274,12 @@ class OnnxDecoder:
             vocab, layers = graph_vocab_and_layers(graph)
             table_rows = graph_table_rows(graph)  # the vocabulary where the logits' dimension is symbolic
             kv_dims = graph_kv_dims(graph)
+            quantization = graph_quantization(graph)
         except TypeError:  # protobuf gives a name that is not UTF-8 as bytes: create_session names it below
             table_rows = None
         else:
             check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, vocab or table_rows, layers,
-                                         self.dtype, kv_dims)
+                                         self.dtype, kv_dims, quantization)
         del graph
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR

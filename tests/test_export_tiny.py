@@ -1001,6 +1001,32 @@ def test_int4_graph_reads_exactly_the_stored_weights(tiny_model, tiny_dir, tmp_p
     assert quant_err.mean() > 5 * err.mean()  # the 4-bit error is far larger: the check is not the loose one
 
 
+@pytest.mark.parametrize("dtype, options", [
+    ("int8", {}),
+    ("int8", {"activation_residual": True, "block_size": 16, "scale_dtype": "float16"}),
+    ("int4", {}),
+    ("int4", {"symmetric": False, "table_dtype": "int8", "table_block_size": 64, "hadamard_size": 32}),
+    ("int4", {"hadamard_size": 0, "scale_dtype": "float16", "block_size": 64}),
+], ids=["int8", "int8-residual-b16-f16", "int4", "int4-asym-int8-table-h32", "int4-no-rotation-f16-b64"])
+def test_the_graph_shows_the_quantization_its_manifest_records(tiny_dir, tmp_path, dtype, options):
+    """Every figure of the manifest's quantization record that the graph can show, read back from
+    the graph alone (``graph_quantization``), equals the record: what verify and the runtime check
+    a hand-edited manifest against."""
+    from gemma_export.onnx_files import graph_quantization
+
+    result = export(tiny_dir, tmp_path / "q", dtype, calibrate=False, **options)
+    recorded = json.loads((result.out_dir / "manifest.json").read_text())["quantization"]
+    shown = {field: value for field, (value, _) in
+             graph_quantization(onnx.load(str(result.out_dir / "model.onnx"), load_external_data=False)).items()}
+    expected = {"block_size", "table_block_size", "scale_dtype", "activation_residual", "hadamard_size"}
+    assert set(shown) == (expected | {"table_dtype", "symmetric"} if dtype == "int4" else expected)
+    assert shown == {field: recorded[field] for field in shown}
+    for field, value in options.items():  # the options themselves, not only an agreement of two readings
+        if field in shown:
+            assert shown[field] == value
+    assert shown.get("symmetric", True) == options.get("symmetric", True)
+
+
 def _initializer_arrays(out_dir: Path, names) -> dict[str, np.ndarray]:
     from onnx import numpy_helper
 

@@ -474,6 +474,18 @@ CASES = {
     "manifest dtype edited (parity)": Case(export_copy(_manifest_field(None, "dtype", "int4"),
                                                        lambda f: ["parity", "--model", f, "--new-tokens", 2]),
                                            FormatError, ('field \'dtype\' is "int4", but the graph stores int8 weights',)),
+    "manifest block size not the graph's (verify)": Case(export_copy(_manifest_field("quantization", "block_size", 64), _verify),
+                                                        VerificationError, ("field 'quantization.block_size' is 64, but the "
+                                                                            "layers' MatMulNBits have block_size 16",)),
+    "manifest scale dtype not the graph's (generate)": Case(
+        export_copy(_manifest_field("quantization", "scale_dtype", "float16"), _generate),
+        FormatError, ("field 'quantization.scale_dtype' is \"float16\", but the MatMulNBits scales are stored as float32",)),
+    "manifest residual not the graph's (verify)": Case(
+        export_copy(_manifest_field("quantization", "activation_residual", True), _verify),
+        VerificationError, ("field 'quantization.activation_residual' is true, but the layers' MatMulNBits outputs are "
+                            "used as they are",)),
+    "manifest quantization a list (generate)": Case(export_copy(_manifest_field(None, "quantization", [1]), _generate),
+                                                    FormatError, ("field 'quantization' must be an object or null, found list",)),
     "manifest without dtype (verify)": Case(export_copy(_manifest_field(None, "dtype", DELETE), _verify), VerificationError, ("no field 'dtype'; expected int8",)),
     "manifest sliding window a string (generate)": Case(export_copy(_manifest_field("config", "sliding_window", "6"), _generate),
                                                         FormatError, ("field 'config.sliding_window' must be a positive "
