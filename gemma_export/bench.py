@@ -26,6 +26,7 @@ import importlib
 import io
 import json
 import os
+import platform
 import statistics
 import sys
 import sysconfig
@@ -108,6 +109,8 @@ class BenchResult:
             the growth's baseline (0: imported earlier).
         anon_tokenizer_bytes, rss_tokenizer_bytes: what the loaded tokenizer holds, also before the
             baseline.
+        machine: where the figures were measured, e.g. ``"x86_64, 2 CPUs"`` (``--board`` sets threads
+            and the memory budget; the times stay this machine's).
     """
 
     model: str
@@ -138,6 +141,7 @@ class BenchResult:
     rss_libraries_bytes: int = 0
     anon_tokenizer_bytes: int = 0
     rss_tokenizer_bytes: int = 0
+    machine: str = ""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -305,7 +309,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
         anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
-        prefill_chunk=prefill_chunk,
+        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {os.cpu_count() or 1} CPUs",
         **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
     return result
@@ -410,7 +414,9 @@ def format_result(r: BenchResult) -> str:
                      f"{ref['sequence_length']} positions, {ref['new_tokens']} tokens after {ref['prompt_tokens']}); "
                      f"export {ref['export_decode_ms_median']:.1f} ms/token = {ref['export_vs_reference']:.3f}x the reference")
     if r.board:
-        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}")
+        where = f" ({r.machine})" if r.machine else ""
+        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}; the times "
+                     f"above were measured on this machine{where}, with the board's thread count")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments
+from .manifest import quantization_text
 from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
 
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
@@ -162,13 +163,14 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     prepack_step = "pre-pack the weights for this board's CPU, " if quantized else ""
     prepack_line = "    ~/gx/bin/gemma-export prepack --model model\n" if quantized else ""
     memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype, peak=BF16_PEAK_GB)
+    how, float16 = quantization_text(model_manifest) if quantized else ("", "")
     return f"""# gemma-export bundle for the {spec.title}
 
-Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype};
+Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype}{how};
 exported by gemma-export {__version__}. Every file of this folder is listed with its sha256 in
 `{BUNDLE_MANIFEST}`; `model/manifest.json` lists the model's own files.
 
-Install from inside this folder (once, with the board's {python}, whose `venv` module Debian and
+{float16}Install from inside this folder (once, with the board's {python}, whose `venv` module Debian and
 Ubuntu ship as `python3-venv`; the toolkit's dependencies, onnxruntime included, come from PyPI as
 {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
 
@@ -209,7 +211,8 @@ QUANTIZED_MEMORY = """`prepack` writes `model/prepacked/` (about twice the model
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
 the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.02 × the
-model after a short prompt and 0.11–0.12 × after a 512-token one (on x86-64, 2026-12-05; `bench`
+model after a short prompt and 0.11–0.12 × after a 512-token one (the default int8 export on x86-64,
+2026-12-05; `bench`
 shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, 4–11 MB, hold on lines of
 their own), instead of above its size. Peak resident memory rises by
 90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is

@@ -31,7 +31,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .manifest import read_manifest, require_folder
+from .manifest import quantization_text, read_manifest, require_folder
 from .runtime import create_session
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
@@ -703,10 +703,19 @@ def _note_small_tokenizer(ckpt: Checkpoint, where: Path, status: Callable[[str],
 
 def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None]) -> bool:
     """Tell ``status`` that ``out`` holds an earlier export, when its :func:`folder_state` ``state``
-    has entries (a non-empty folder that the checks accepted is an export); whether it told."""
+    has entries (a non-empty folder that the checks accepted is an export), and what its manifest
+    says it holds (``"an earlier int8 export (32 weights per scale …, GPTQ codes)"``: options
+    such as ``--block-size`` or ``--no-calibrate`` do not change the default folder); whether it told."""
     if not state or len(state) <= 1:
         return False
-    status(f"{out} holds an earlier export; it is replaced once this one is written and checked")
+    try:
+        manifest = read_manifest(out)
+    except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
+        manifest = {}
+    dtype = manifest.get("dtype")
+    what = (f"an earlier {dtype} export{quantization_text(manifest)[0]}" if dtype in DTYPES
+            else "an earlier export")
+    status(f"{out} holds {what}; it is replaced once this one is written and checked")
     return True
 
 

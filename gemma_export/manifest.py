@@ -197,6 +197,41 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
 
 
+def quantization_text(model_manifest: dict) -> tuple[str, str]:
+    """From an int8/int4 export's manifest ``quantization`` record: a parenthesis that says how its
+    weights were quantized (block sizes, table codes, rotation, scales, activation residual,
+    calibration; "" without a record), for the bundle README's model line and the export's note
+    about an earlier export it replaces, and a sentence for the bundle README about float16 scales
+    ("" otherwise). Fields of an unexpected type are left out (a hand-edited manifest)."""
+    q = model_manifest.get("quantization")
+    if not isinstance(q, dict):
+        return "", ""
+
+    def number(field):
+        value = q.get(field)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    parts = []
+    if number("block_size"):
+        parts.append(f"{q['block_size']} weights per scale in the layers")
+    if number("table_block_size"):
+        codes = f"{q['table_dtype']} " if q.get("table_dtype") in ("int4", "int8") and q.get("table_dtype") != \
+            model_manifest.get("dtype") else ""
+        parts.append(f"{q['table_block_size']} in the {codes}table")
+    if number("hadamard_size") is not None:
+        parts.append(f"Hadamard {q['hadamard_size']}" if q["hadamard_size"] else "no rotation")
+    if q.get("scale_dtype") in ("float32", "float16"):
+        parts.append(f"{q['scale_dtype']} scales")
+    if q.get("activation_residual") is True:
+        parts.append("activation residual")
+    if "calibration" in q:
+        parts.append("GPTQ codes" if isinstance(q["calibration"], dict) else "codes rounded to nearest")
+    float16 = ("Its block scales are stored as float16 and widened to float32 once, by onnxruntime's graph\n"
+               "optimizations when the model loads: keep them on (the default, as `generate` and `bench` do);\n"
+               "with them off onnxruntime computes wrong products.\n\n" if q.get("scale_dtype") == "float16" else "")
+    return (f" ({', '.join(parts)})" if parts else ""), float16
+
+
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
                                  dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
                                  quantization: dict | None = None) -> None:

@@ -203,7 +203,8 @@ def status(model_dir: str | Path) -> PrepackStatus:
             return unusable(folder, f"made for {what} {key.get(field)!r}, this machine has {here[field]!r}")
     if record["source"] != source_identity(Path(model_dir)):
         return unusable(folder, "made from other model files than the export's current ones (size, time or "
-                                "checksum changed)")
+                                "checksum changed; a copy of the folder that did not keep the files' times, as "
+                                "cp -r does, counts as changed: copy with cp -a, or run gemma-export prepack again)")
     files = record["files"]
     if not {MODEL_FILE, DATA_FILE} <= set(files):
         return unusable(record_path, f"'files' does not record {MODEL_FILE} and {DATA_FILE}", True)

@@ -138,6 +138,13 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
     assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB" in result.stdout
+    # the board sets threads and the budget; the times are this machine's, and the report says so
+    import os
+    import platform
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    assert figures["machine"] == machine
+    assert (f"the times above were measured on this machine ({machine}), with the board's thread count"
+            in result.stdout)
     assert figures["new_tokens"] == 6
     assert "after the 5-token prompt and its 6 decode steps: Anonymous" in result.stdout  # what the growth covers
 

@@ -713,3 +713,32 @@ def test_an_interrupt_while_bundle_reports_says_the_bundle_is_written(tiny_int8_
                                   f"(`gemma-export verify {out}` checks it)\n"), result.stderr
     monkeypatch.undo()
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+
+
+@pytest.mark.parametrize("dtype, quantization, described, float16", [
+    ("int8", {"block_size": 16, "table_block_size": 128, "hadamard_size": 64, "scale_dtype": "float16",
+              "activation_residual": True, "calibration": {"method": "gptq"}},
+     "weights int8 (16 weights per scale in the layers, 128 in the table, Hadamard 64, float16 scales, "
+     "activation residual, GPTQ codes);", True),
+    ("int4", {"block_size": 32, "table_block_size": 64, "table_dtype": "int8", "hadamard_size": 0,
+              "scale_dtype": "float32", "calibration": None},
+     "weights int4 (32 weights per scale in the layers, 64 in the int8 table, no rotation, float32 scales, "
+     "codes rounded to nearest);", False),
+    ("int8", {"block_size": "16", "table_block_size": True, "scale_dtype": "bf16", "activation_residual": "yes"},
+     "weights int8;", False),  # values of another type (fields the graph cannot show) are left out
+    ("fp32", None, "weights fp32;", False),
+])
+def test_the_board_readme_says_how_the_weights_were_quantized(dtype, quantization, described, float16):
+    """The bundle README's model line carries the export's quantization record, so two bundles of
+    differently made int8 exports are told apart on the board; float16 scales come with the
+    graph-optimization warning (fresh-user finding: the README was the same for both)."""
+    from gemma_export.boards import board
+    from gemma_export.bundle import _readme
+
+    manifest = {"dtype": dtype, "config": {"num_hidden_layers": 18, "vocab_size": 262144}}
+    if quantization is not None:
+        manifest["quantization"] = quantization
+    text = _readme("sl2610", board("sl2610"), "gemma_export-0.1.0-py3-none-any.whl", manifest)
+    assert f"Model: Gemma 3, 18 layers, vocabulary 262144, {described}\n" in text
+    assert ("Its block scales are stored as float16" in text) == float16
+    assert ("with them off onnxruntime computes wrong products" in text) == float16

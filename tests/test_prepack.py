@@ -236,6 +236,8 @@ def test_replaced_export_files_make_the_copy_stale(export_copy):
     data.write_bytes(data.read_bytes())  # same bytes, written again: the copy can no longer vouch for them
     decoder = OnnxDecoder(export_copy)
     assert decoder.prepacked_path is None and "made from other model files" in decoder.prepacked_note
+    # the commonest cause, a folder copied with cp -r, is named with the way out (fresh-user finding)
+    assert "as cp -r does, counts as changed: copy with cp -a, or run gemma-export prepack again" in decoder.prepacked_note
 
 
 def test_same_size_damage_to_the_copy(export_copy):
