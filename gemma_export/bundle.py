@@ -29,7 +29,7 @@ from typing import Callable
 from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
-from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments
+from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments, shown
 from .manifest import quantization_text
 from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
 
@@ -410,5 +410,9 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     if extra:
         raise VerificationError(f"{folder}: files not in {BUNDLE_MANIFEST}: {', '.join(extra[:5])}"
                                 f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''}")
+    for field, what in (("board", "the board's name"), ("gemma_export_version", "the version that wrote it")):
+        if not isinstance(listing.get(field), str) or not listing[field]:
+            found = f"found {shown(listing[field])}" if field in listing else "missing"
+            raise VerificationError(f"{listing_path}: field '{field}' must be {what} (a string), {found}")
     verify_manifest(folder / BUNDLE_MODEL_DIR)
     return {name: size for name, (size, _) in expected.items()}

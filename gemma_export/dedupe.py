@@ -15,6 +15,7 @@ inputs against the original.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
-from .onnx_files import ALIGNMENT_BYTES
+from .onnx_files import ALIGNMENT_BYTES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .staging import check_replaceable, staged_folder
 from .text_files import require_file
 
@@ -210,13 +211,20 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
 
     check_replaceable(out_dir, "deduplicated model", None)  # it writes no listing: only an empty folder is replaced
     require_file(in_path, "model file (.onnx)")
+    folder = in_path.resolve().parent
+    if folder.name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
+        raise FormatError(f"{in_path}: the graph of an export's pre-packed copy (gemma-export prepack), onnxruntime's "
+                          "packed weights for one machine, which store the table once already; dedupe rewrites models "
+                          "of other tools (give their .onnx)")
     if in_path.suffix != ".onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")
     report = inspect_path(in_path)
     if report.format != "onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; this is {report.format}")
     _refuse_near_duplicates(report)
-    model = ir.load(in_path)
+    with warnings.catch_warnings():  # onnx_ir warns once per tensor about external-data keys it does not know
+        warnings.simplefilter("ignore", UserWarning)
+        model = ir.load(in_path)
     graph = model.graph
     inits = graph.initializers
     removed: list[str] = []

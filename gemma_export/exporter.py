@@ -274,7 +274,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = listed_files(manifest.get("files"), manifest_path, nested=False)
-    from .manifest import check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_vocab_and_layers
+    from .manifest import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_output_options,
+                           graph_vocab_and_layers)
     from .runtime import sliding_layers_from
 
     try:
@@ -307,7 +308,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
             raise VerificationError(f"{manifest_path}: no field 'config' (an object); every export records its "
                                     "model config there")
         check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
-                                     graph_quantization(model))
+                                     graph_quantization(model), graph_output_options(model))
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
             any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)

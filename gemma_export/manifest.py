@@ -170,7 +170,15 @@ _MANIFEST_FIELDS = {
     **{(None, name): ("true or false", lambda v: isinstance(v, bool))
        for name in ("all_logits", "debug_outputs", "tie_word_embeddings")},
     ("config", "eos_token_id"): (TOKEN_IDS, is_token_ids),
+    # the sliding-window metadata the runtime checks against the graph's is read from these
+    ("config", "layer_types"): ("a list of 'sliding_attention' and 'full_attention'",
+                                lambda v: isinstance(v, list) and all(t in LAYER_TYPES for t in v)),
+    ("config", "rope_parameters"): ("an object", lambda v: isinstance(v, dict)),
+    ("kv_cache", "past_present_share_buffer"): ("true or false", lambda v: isinstance(v, bool)),
 }
+
+#: what ``config.layer_types`` may hold (transformers' Gemma 3 names)
+LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def check_manifest_fields(manifest: dict, path: str | Path) -> None:
@@ -187,6 +195,8 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
     """
     if not isinstance(manifest.get("config", {}), dict):
         raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
+    if not isinstance(manifest.get("kv_cache", {}), dict):
+        raise FormatError(f"{path}: field 'kv_cache' must be an object, found {type(manifest['kv_cache']).__name__}")
     if not isinstance(manifest.get("quantization") or {}, dict):  # absent or null for fp32 and bf16
         raise FormatError(f"{path}: field 'quantization' must be an object or null, found "
                           f"{type(manifest['quantization']).__name__}")
@@ -234,7 +244,7 @@ def quantization_text(model_manifest: dict) -> tuple[str, str]:
 
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
                                  dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
-                                 quantization: dict | None = None) -> None:
+                                 quantization: dict | None = None, outputs: dict | None = None) -> None:
     """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
     ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
     ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
@@ -243,7 +253,8 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
     (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it), and each figure of the
     ``quantization`` record that the graph shows (``quantization``: :func:`~gemma_export.onnx_files.graph_quantization`;
     block sizes, table dtype, scale dtype, zero points, activation residual, rotation; ``prepack``
-    sizes its room by the scale dtype). Call :func:`check_manifest_fields` first.
+    sizes its room by the scale dtype), and ``all_logits`` / ``debug_outputs`` the graph's outputs
+    (``outputs``: :func:`graph_output_options`). Call :func:`check_manifest_fields` first.
     Absent fields are not checked. (A stop id outside the vocabulary is allowed: it never fires,
     and small test configs keep Gemma's default ids.)
 
@@ -261,6 +272,9 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
                               f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
+    for field, (actual, where) in (outputs or {}).items():
+        if field in manifest and manifest[field] != actual:
+            raise FormatError(f"{path}: field {field!r} is {shown(manifest[field])}, but {where}")
     recorded = manifest.get("quantization")
     for field, (actual, where) in (quantization or {}).items():
         if isinstance(recorded, dict) and field in recorded and recorded[field] != actual:
@@ -276,6 +290,23 @@ def graph_vocab_and_layers(model) -> tuple[int | None, int]:
     vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
     layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
     return vocab, layers
+
+
+def graph_output_options(model) -> dict[str, tuple[bool, str]]:
+    """The manifest's ``all_logits`` and ``debug_outputs`` as an export's graph (an
+    ``onnx.ModelProto``) shows them, each as ``(value, where the graph shows it)``: ``all_logits``
+    True unless the ``logits`` output's sequence dimension is a fixed 1 (the last position only),
+    ``debug_outputs`` True when an output is named ``debug.…``. {} without a ``logits`` output of
+    rank 3."""
+    logits = next((o for o in model.graph.output if o.name == "logits"), None)
+    dims = logits.type.tensor_type.shape.dim if logits is not None else []
+    if len(dims) != 3:
+        return {}
+    last_only = dims[1].HasField("dim_value") and dims[1].dim_value == 1
+    debug = any(o.name.startswith("debug.") for o in model.graph.output)
+    return {"all_logits": (not last_only, "the graph's logits are " + ("the last position's only" if last_only else
+                                                                        "every position's")),
+            "debug_outputs": (debug, "the graph " + ("has" if debug else "has no") + " debug.* outputs")}
 
 
 def graph_table_rows(model) -> int | None:
@@ -321,4 +352,4 @@ def check_manifest_matches_graph(model_dir: str | Path) -> None:
     check_manifest_fields(manifest, path)
     model = read_graph(Path(model_dir) / MODEL_FILE)
     check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model),
-                                 graph_quantization(model))
+                                 graph_quantization(model), graph_output_options(model))

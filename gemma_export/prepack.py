@@ -463,7 +463,10 @@ def verify(model_dir: str | Path) -> str:
         raise VerificationError(f"{folder / PREPACKED_MANIFEST}: unreadable or without checksums; {fix}") from None
     for name, digest in items:
         path = folder / name
-        if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
+        if name not in (MODEL_FILE, DATA_FILE):
+            raise VerificationError(f"{folder / PREPACKED_MANIFEST}: records {name!r}, which is not a file of a "
+                                    f"pre-packed copy ({MODEL_FILE}, {DATA_FILE}); {fix}")
+        if not path.is_file():
             raise VerificationError(f"{path}: recorded in {PREPACKED_MANIFEST} but missing; {fix}")
         if file_sha256(path) != digest:
             raise VerificationError(f"{path}: sha256 differs from {PREPACKED_MANIFEST}; {fix}")

@@ -29,8 +29,8 @@ from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDI
 from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_arguments,
                      first_line, is_whole_number, shown)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
-                       graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure, read_manifest,
-                       require_folder)
+                       graph_output_options, graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure,
+                       read_manifest, require_folder)
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, graph_quantization, load_graph
 from . import memory
 from .memory import release_free_heap
@@ -275,11 +275,12 @@ class OnnxDecoder:
             table_rows = graph_table_rows(graph)  # the vocabulary where the logits' dimension is symbolic
             kv_dims = graph_kv_dims(graph)
             quantization = graph_quantization(graph)
+            outputs = graph_output_options(graph)
         except TypeError:  # protobuf gives a name that is not UTF-8 as bytes: create_session names it below
             table_rows = None
         else:
             check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, vocab or table_rows, layers,
-                                         self.dtype, kv_dims, quantization)
+                                         self.dtype, kv_dims, quantization, outputs)
         del graph
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR
@@ -316,6 +317,8 @@ class OnnxDecoder:
                 self.huge_page_bytes = memory.collapse_to_huge_pages()
         else:
             path = self.prepacked_path
+        #: the graph the session runs: the export's model.onnx, or its pre-packed copy's
+        self.graph_path = path
         release_free_heap()  # what loading freed (graph, tokenizer, onnxruntime's transient buffers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
@@ -489,7 +492,7 @@ class OnnxDecoder:
                 end = position + part.shape[1]
                 logits = cache.step(part, np.ones((1, end), np.int64), np.arange(position, end, dtype=np.int64)[None])
                 position = end
-            token = picked_token(logits[0, -1], len(new_ids))
+            token = picked_token(logits[0, -1], len(new_ids), model=self.graph_path)
             timings.append((time.perf_counter() - start) * 1e3)
             new_ids.append(token)
             if on_token is not None:
@@ -542,7 +545,8 @@ class OnnxDecoder:
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
             last = cache.step(ids, mask, positions)[:, -1]
-            tokens = np.asarray([picked_token(row, len(out[0]), f"prompt #{n}") for n, row in enumerate(last)], np.int64)
+            tokens = np.asarray([picked_token(row, len(out[0]), f"prompt #{n}", self.graph_path)
+                                 for n, row in enumerate(last)], np.int64)
             for row, token in enumerate(tokens):
                 out[row].append(int(token))
             ids = tokens[:, None].astype(np.int64)
@@ -771,7 +775,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     return session
 
 
-def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
+def picked_token(logits: np.ndarray, step: int, where: str = "", model: str | Path | None = None) -> int:
     """The argmax of one position's logits (``[vocab]``, ties → lowest id), refusing a broken export:
     a NaN anywhere makes the NaN the argmax, and so does +Inf, so checking the picked value alone
     (one element, not the 262,144) catches both.
@@ -780,18 +784,20 @@ def picked_token(logits: np.ndarray, step: int, where: str = "") -> int:
         logits: float ``[vocab]``.
         step: the generation step, for the message (0: the prompt's).
         where: which sequence, for the message.
+        model: the graph that computed the logits, named first in the message.
 
     Returns:
         The token id, an ``int`` in ``0 … vocab - 1``.
 
     Raises:
-        NumericError: ``"logits: step N picked token T whose logit is nan; the export does not compute
-            finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``).
+        NumericError: ``"{model}: logits: step N picked token T whose logit is nan; the export does not
+            compute finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``).
     """
     token = int(np.argmax(logits))
     if not np.isfinite(logits[token]):
-        raise NumericError(f"logits: {where + ', ' if where else ''}step {step} picked token {token} whose logit is "
-                           f"{logits[token]}; the export does not compute finite logits")
+        raise NumericError(f"{f'{model}: ' if model is not None else ''}logits: {where + ', ' if where else ''}step "
+                           f"{step} picked token {token} whose logit is {logits[token]}; the export does not compute "
+                           "finite logits")
     return token
 
 

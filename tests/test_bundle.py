@@ -384,6 +384,13 @@ def test_an_interrupted_wheel_build_stops_pip_and_its_children_and_leaves_no_scr
         assert not status.exists() or "State:\tZ" in status.read_text()
 
 
+def _edit_listing(out, **fields):
+    """Set fields of a bundle's BUNDLE.json (None: JSON null)."""
+    listing = json.loads((out / "BUNDLE.json").read_text())
+    listing.update(fields)
+    (out / "BUNDLE.json").write_text(json.dumps(listing))
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda out: (out / "README.md").write_text("edited\n"), "README.md: 7 bytes, BUNDLE.json says"),
     (lambda out: (out / "README.md").write_bytes((out / "README.md").read_bytes()[:-1] + b"?"),
@@ -398,6 +405,11 @@ def test_an_interrupted_wheel_build_stops_pip_and_its_children_and_leaves_no_scr
     (lambda out: (out / "BUNDLE.json").write_text('{"files": []}'),
      "BUNDLE.json: field 'files' must be an object of file name -> bytes and sha256, found []"),
     (lambda out: (out / "BUNDLE.json").write_text("{oops"), "BUNDLE.json: unreadable"),
+    # the record's own fields (probe finding: any value passed)
+    (lambda out: _edit_listing(out, board=5), "BUNDLE.json: field 'board' must be the board's name (a string), found 5"),
+    (lambda out: _edit_listing(out, board=None), "BUNDLE.json: field 'board' must be the board's name (a string), found null"),
+    (lambda out: _edit_listing(out, gemma_export_version=None),
+     "BUNDLE.json: field 'gemma_export_version' must be the version that wrote it (a string), found null"),
     (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found list"),
     (lambda out: shutil.rmtree(out / "model"), "board/model/genai_config.json: listed in BUNDLE.json but missing"),
     (lambda out: (out / "extra_dir").symlink_to(out.parent), ": files not in BUNDLE.json: extra_dir"),

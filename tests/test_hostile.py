@@ -486,6 +486,23 @@ CASES = {
                             "used as they are",)),
     "manifest quantization a list (generate)": Case(export_copy(_manifest_field(None, "quantization", [1]), _generate),
                                                     FormatError, ("field 'quantization' must be an object or null, found list",)),
+    "manifest all_logits not the graph's (verify)": Case(export_copy(_manifest_field(None, "all_logits", True), _verify),
+                                                         VerificationError, ("field 'all_logits' is true, but the graph's logits "
+                                                                             "are the last position's only",)),
+    "manifest debug_outputs not the graph's (generate)": Case(export_copy(_manifest_field(None, "debug_outputs", True), _generate),
+                                                              FormatError, ("field 'debug_outputs' is true, but the graph has no "
+                                                                            "debug.* outputs",)),
+    "manifest shared buffer a string (generate)": Case(
+        export_copy(_manifest_field("kv_cache", "past_present_share_buffer", "yes"), _generate),
+        FormatError, ("field 'kv_cache.past_present_share_buffer' must be true or false", 'found "yes"')),
+    "manifest kv_cache a string (verify)": Case(export_copy(_manifest_field(None, "kv_cache", "x"), _verify),
+                                                VerificationError, ("field 'kv_cache' must be an object, found str",)),
+    "manifest layer type unknown (verify)": Case(
+        export_copy(_manifest_field("config", "layer_types", ["bogus"] * 4), _verify),
+        VerificationError, ("field 'config.layer_types' must be a list of 'sliding_attention' and 'full_attention'",
+                            'found ["bogus"')),
+    "manifest rope parameters a string (verify)": Case(export_copy(_manifest_field("config", "rope_parameters", "x"), _verify),
+                                                       VerificationError, ("field 'config.rope_parameters' must be an object",)),
     "manifest without dtype (verify)": Case(export_copy(_manifest_field(None, "dtype", DELETE), _verify), VerificationError, ("no field 'dtype'; expected int8",)),
     "manifest sliding window a string (generate)": Case(export_copy(_manifest_field("config", "sliding_window", "6"), _generate),
                                                         FormatError, ("field 'config.sliding_window' must be a positive "
@@ -695,7 +712,8 @@ CASES = {
     "generate prefill chunk -1": Case(export_copy(lambda f: None, lambda f: _generate(f) + ["--prefill-chunk", -1]),
                                       GemmaExportError, ("--prefill-chunk", ">= 1", "0 on the command line", "found -1")),
     "generate NaN logits": Case(export_copy(_nan_table, _generate), NumericError,
-                                ("logits: step 0 picked token", "nan", "the export does not compute finite logits")),
+                                ("model/model.onnx: logits: step 0 picked token", "nan",
+                                 "the export does not compute finite logits")),
     "bench NaN logits": Case(export_copy(_nan_table, lambda f: ["bench", "--model", f, "--prompt-tokens", "4",
                                                                 "--new-tokens", "6"]),
                              NumericError, ("logits: step 0", "finite logits")),

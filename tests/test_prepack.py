@@ -188,6 +188,9 @@ def test_verify_checks_the_copy_against_its_checksums(export_copy):
      "bytes for model.onnx.data, whose sha256 it matches at"),
     (lambda r: r["machine"].update(onnxruntime=1), "field 'machine.onnxruntime' must be a string, found 1"),
     (lambda r: r["machine"].update(cpu_flags_sha256=None), "field 'machine.cpu_flags_sha256' must be a string, found null"),
+    # a name outside the copy is the record's fault, not a missing file (probe finding: "…/../model.onnx … missing")
+    (lambda r: r["files"].update({"../model.onnx": r["files"]["model.onnx"]}),
+     "prepacked.json: records '../model.onnx', which is not a file of a pre-packed copy (model.onnx, model.onnx.data)"),
 ])
 def test_verify_refuses_a_damaged_record_of_an_intact_copy(export_copy, edit, message):
     prepack_module.prepack(export_copy)
@@ -668,3 +671,18 @@ def test_an_interrupt_while_prepack_reports_says_the_copy_is_written(export_copy
                                   "complete\n"), result.stderr
     monkeypatch.undo()
     assert _run("verify", export_copy).exit_code == 0
+
+
+def test_dedupe_refuses_a_pre_packed_graph_in_one_line(export_copy, tmp_path):
+    """The copy's graph carries onnxruntime's packed weights (external-data keys the ONNX library
+    warned about once per tensor: 148 lines before the error, probe finding): refused by name,
+    before anything is read, and nothing is written."""
+    prepack_module.prepack(export_copy)
+    out = tmp_path / "deduped"
+    result = _run("dedupe", export_copy / "prepacked" / "model.onnx", "--out", out)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"error: {export_copy / 'prepacked' / 'model.onnx'}: the graph of an export's pre-packed copy "
+                     "(gemma-export prepack), onnxruntime's packed weights for one machine, which store the table once "
+                     "already; dedupe rewrites models of other tools (give their .onnx)"]
+    assert not out.exists()
