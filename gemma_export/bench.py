@@ -309,7 +309,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
         anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
-        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {os.cpu_count() or 1} CPUs",
+        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs",
         **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
     return result
@@ -373,6 +373,14 @@ def _room(memory_bytes: int, peak_bytes: int, whose: str) -> str:
     return f"exceeds {whose} {memory_bytes / 1e9:.1f} GB by {-left / 1e6:,.0f} MB"
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the system has one, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def format_result(r: BenchResult) -> str:
     """A human-readable summary of a ``BenchResult``."""
     a = r.archive_bytes
@@ -416,7 +424,7 @@ def format_result(r: BenchResult) -> str:
     if r.board:
         where = f" ({r.machine})" if r.machine else ""
         lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}; the times "
-                     f"above were measured on this machine{where}, with the board's thread count")
+                     f"above were measured on this machine{where}, with {r.threads} thread{'' if r.threads == 1 else 's'}")
     return "\n".join(lines)
 
 

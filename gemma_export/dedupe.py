@@ -196,8 +196,9 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     a replaced folder that could not be deleted (:func:`~gemma_export.staging.staged_folder`).
 
     Raises:
-        FormatError: not an ONNX model, nothing to deduplicate, or two large tensors are close but
-            not identical (merging them would change the model).
+        FormatError: not an ONNX model, the graph of a pre-packed copy (``gemma-export prepack``),
+            nothing to deduplicate, or two large tensors are close but not identical (merging them
+            would change the model).
         OutputError: ``out_dir`` is the input's folder, not an empty folder, inside an export or
             bundle folder of this toolkit, a symbolic link, a mount point or the current folder
             (:func:`~gemma_export.staging.check_replaceable`: the finished output replaces the
@@ -211,13 +212,13 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
 
     check_replaceable(out_dir, "deduplicated model", None)  # it writes no listing: only an empty folder is replaced
     require_file(in_path, "model file (.onnx)")
+    if in_path.suffix != ".onnx":
+        raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")
     folder = in_path.resolve().parent
     if folder.name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
         raise FormatError(f"{in_path}: the graph of an export's pre-packed copy (gemma-export prepack), onnxruntime's "
                           "packed weights for one machine, which store the table once already; dedupe rewrites models "
                           "of other tools (give their .onnx)")
-    if in_path.suffix != ".onnx":
-        raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")
     report = inspect_path(in_path)
     if report.format != "onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; this is {report.format}")

@@ -197,7 +197,7 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
     if not isinstance(manifest.get("kv_cache", {}), dict):
         raise FormatError(f"{path}: field 'kv_cache' must be an object, found {type(manifest['kv_cache']).__name__}")
-    if not isinstance(manifest.get("quantization") or {}, dict):  # absent or null for fp32 and bf16
+    if manifest.get("quantization") is not None and not isinstance(manifest["quantization"], dict):  # fp32, bf16: none
         raise FormatError(f"{path}: field 'quantization' must be an object or null, found "
                           f"{type(manifest['quantization']).__name__}")
     for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
@@ -234,6 +234,10 @@ def quantization_text(model_manifest: dict) -> tuple[str, str]:
         parts.append(f"{q['scale_dtype']} scales")
     if q.get("activation_residual") is True:
         parts.append("activation residual")
+    if q.get("symmetric") is False:
+        parts.append("4-bit zero points")
+    if q.get("scale_method") in ("mse", "rtn"):
+        parts.append("clipping-search scales" if q["scale_method"] == "mse" else "largest-magnitude scales")
     if "calibration" in q:
         parts.append("GPTQ codes" if isinstance(q["calibration"], dict) else "codes rounded to nearest")
     float16 = ("Its block scales are stored as float16 and widened to float32 once, by onnxruntime's graph\n"
@@ -272,12 +276,15 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
                               f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
+    def differs(recorded, actual) -> bool:  # JSON 0 is not false, nor 32.0 a block size
+        return type(recorded) is not type(actual) or recorded != actual
+
     for field, (actual, where) in (outputs or {}).items():
-        if field in manifest and manifest[field] != actual:
+        if field in manifest and differs(manifest[field], actual):
             raise FormatError(f"{path}: field {field!r} is {shown(manifest[field])}, but {where}")
     recorded = manifest.get("quantization")
     for field, (actual, where) in (quantization or {}).items():
-        if isinstance(recorded, dict) and field in recorded and recorded[field] != actual:
+        if isinstance(recorded, dict) and field in recorded and differs(recorded[field], actual):
             raise FormatError(f"{path}: field 'quantization.{field}' is {shown(recorded[field])}, but {where}")
 
 

@@ -224,7 +224,8 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
 
     - ``block_size``: the layers' ``MatMulNBits`` ``block_size`` (weights per scale);
     - ``table_block_size`` and, int4, ``table_dtype`` (``int4``/``int8``): the head's ``MatMulNBits``,
-      the one whose codes the lookup of ``input_ids`` also reads (the tied table);
+      the one whose codes the lookup of ``input_ids`` also reads (the tied table), else the one
+      whose ``N`` is the logits' width (an untied head); the layers are the other ones;
     - ``scale_dtype`` (``float32``/``float16``): the data type of the initializers that hold the
       scales (read directly, or through ``Cast``/``Identity``);
     - ``symmetric`` (int4): True when no layer ``MatMulNBits`` takes zero points;
@@ -236,7 +237,7 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
     A figure the graph does not show uniformly (e.g. two layer block sizes) is left out, as is
     everything for a graph without ``MatMulNBits`` (fp32, bf16, other tools' graphs)."""
     graph = model.graph
-    matmuls = [n for n in graph.node if n.op_type == "MatMulNBits" and len(n.input) >= 3]
+    matmuls = [n for n in graph.node if n.op_type == "MatMulNBits" and len(n.input) >= 3 and len(n.output) >= 1]
     if not matmuls:
         return {}
     initializers = {t.name: t for t in graph.initializer}
@@ -257,12 +258,22 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
         return values.pop() if len(values) == 1 else None
 
     def initializer(name):
-        while name not in initializers and name in produced_by and produced_by[name].op_type in ("Cast", "Identity"):
+        seen = set()  # a Cast / Identity loop (a broken graph) ends the walk; onnxruntime names the cycle
+        while (name not in initializers and name not in seen and name in produced_by
+               and produced_by[name].op_type in ("Cast", "Identity") and produced_by[name].input):
+            seen.add(name)
             name = produced_by[name].input[0]
         return initializers.get(name)
 
+    # the head: the MatMulNBits that reads the tied table, else (an untied head) the one whose N is
+    # the logits' width
     head = [n for n in matmuls if n.input[1] in gathered]
-    layers = [n for n in matmuls if n.input[1] not in gathered]
+    if not head:
+        logits = next((o for o in graph.output if o.name == "logits"), None)
+        dims = logits.type.tensor_type.shape.dim if logits is not None else []
+        vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+        head = [n for n in matmuls if vocab is not None and attribute(n, "N") == vocab]
+    layers = [n for n in matmuls if n not in head]
     found: dict[str, tuple[object, str]] = {}
     if (block := only(attribute(n, "block_size") for n in layers)) is not None:
         found["block_size"] = (block, f"the layers' MatMulNBits have block_size {block}")
@@ -282,7 +293,7 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
             found["symmetric"] = (symmetric, "the layers' MatMulNBits take " + ("no zero points" if symmetric else
                                                                                "zero points"))
 
-    def split_in_two(node) -> bool:
+    def split_in_two(node) -> bool:  # node has an output (matmuls above)
         return any(c.op_type == "Split" and (attribute(c, "axis") or 0) == 0 for c in consumers.get(node.output[0], []))
 
     if layers and (residual := only(split_in_two(n) for n in layers)) is not None:

@@ -139,12 +139,18 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     assert list(figures["prefill_ms"]) == ["5"]
     assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB" in result.stdout
     # the board sets threads and the budget; the times are this machine's, and the report says so
+    import dataclasses
     import os
     import platform
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
+    machine = f"{platform.machine()}, {len(os.sched_getaffinity(0))} CPUs"
     assert figures["machine"] == machine
-    assert (f"the times above were measured on this machine ({machine}), with the board's thread count"
-            in result.stdout)
+    assert f"the times above were measured on this machine ({machine}), with 2 threads" in result.stdout
+    # --threads wins over the board's count, and the line names the count used (review finding)
+    fields = {f.name for f in dataclasses.fields(bench_module.BenchResult)}
+    one = bench_module.BenchResult(**{**{k: v for k, v in figures.items() if k in fields}, "threads": 1,
+                                      "prefill_ms": {5: 1.0}})
+    assert "measured on this machine" in bench_module.format_result(one)
+    assert bench_module.format_result(one).endswith(f"({machine}), with 1 thread")
     assert figures["new_tokens"] == 6
     assert "after the 5-token prompt and its 6 decode steps: Anonymous" in result.stdout  # what the growth covers
 

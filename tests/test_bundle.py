@@ -733,9 +733,13 @@ def test_an_interrupt_while_bundle_reports_says_the_bundle_is_written(tiny_int8_
      "weights int8 (16 weights per scale in the layers, 128 in the table, Hadamard 64, float16 scales, "
      "activation residual, GPTQ codes);", True),
     ("int4", {"block_size": 32, "table_block_size": 64, "table_dtype": "int8", "hadamard_size": 0,
-              "scale_dtype": "float32", "calibration": None},
+              "scale_dtype": "float32", "symmetric": False, "scale_method": "rtn", "calibration": None},
      "weights int4 (32 weights per scale in the layers, 64 in the int8 table, no rotation, float32 scales, "
-     "codes rounded to nearest);", False),
+     "4-bit zero points, largest-magnitude scales, codes rounded to nearest);", False),
+    ("int4", {"block_size": 32, "table_block_size": 32, "table_dtype": "int4", "hadamard_size": 64,
+              "symmetric": True, "scale_method": "mse", "calibration": {"method": "gptq"}},
+     "weights int4 (32 weights per scale in the layers, 32 in the table, Hadamard 64, clipping-search scales, "
+     "GPTQ codes);", False),
     ("int8", {"block_size": "16", "table_block_size": True, "scale_dtype": "bf16", "activation_residual": "yes"},
      "weights int8;", False),  # values of another type (fields the graph cannot show) are left out
     ("fp32", None, "weights fp32;", False),

@@ -1008,13 +1008,23 @@ def test_int4_graph_reads_exactly_the_stored_weights(tiny_model, tiny_dir, tmp_p
     ("int4", {"symmetric": False, "table_dtype": "int8", "table_block_size": 64, "hadamard_size": 32}),
     ("int4", {"hadamard_size": 0, "scale_dtype": "float16", "block_size": 64}),
 ], ids=["int8", "int8-residual-b16-f16", "int4", "int4-asym-int8-table-h32", "int4-no-rotation-f16-b64"])
-def test_the_graph_shows_the_quantization_its_manifest_records(tiny_dir, tmp_path, dtype, options):
+@pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
+def test_the_graph_shows_the_quantization_its_manifest_records(tiny_dir, tmp_path, dtype, options, untied):
     """Every figure of the manifest's quantization record that the graph can show, read back from
     the graph alone (``graph_quantization``), equals the record: what verify and the runtime check
-    a hand-edited manifest against."""
+    a hand-edited manifest against. An untied head is found by its width (review finding: it was
+    counted among the layers, and the table's figures went unchecked)."""
     from gemma_export.onnx_files import graph_quantization
 
-    result = export(tiny_dir, tmp_path / "q", dtype, calibrate=False, **options)
+    source = tiny_dir
+    if untied:
+        source = tmp_path / "untied"
+        shutil.copytree(tiny_dir, source)
+        tensors = load_file(str(source / "model.safetensors"))
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"] * 0.5
+        save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    result = export(source, tmp_path / "q", dtype, calibrate=False, **options)
+    assert result.table_initializers == (2 if untied else 1)
     recorded = json.loads((result.out_dir / "manifest.json").read_text())["quantization"]
     shown = {field: value for field, (value, _) in
              graph_quantization(onnx.load(str(result.out_dir / "model.onnx"), load_external_data=False)).items()}
@@ -1596,3 +1606,29 @@ def test_a_tokenizer_far_smaller_than_the_vocabulary_gets_a_note(tiny_dir, tmp_p
     notes = [line for line in lines if "tokens for the model's" in line]
     assert notes == ([f"note: the tokenizer has {tokens} tokens for the model's 96 rows: generated ids beyond them "
                       "decode to nothing (a tokenizer of another model?)"] if noted else []), lines
+
+
+def test_graph_quantization_survives_broken_graphs(tiny_int8_export):
+    """A Cast/Identity loop in front of a scales input, or a MatMulNBits without outputs: the
+    reading ends (onnxruntime then names the broken graph) instead of looping forever or raising
+    IndexError (review finding)."""
+    import signal
+
+    from onnx import helper
+
+    from gemma_export.onnx_files import graph_quantization
+
+    model = onnx.load(str(tiny_int8_export / "model.onnx"), load_external_data=False)
+    first = next(n for n in model.graph.node if n.op_type == "MatMulNBits")
+    first.input[2] = "loop_a"
+    model.graph.node.extend([helper.make_node("Identity", ["loop_b"], ["loop_a"]),
+                             helper.make_node("Identity", ["loop_a"], ["loop_b"]),
+                             helper.make_node("MatMulNBits", list(first.input), [], domain="com.microsoft")])
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("graph_quantization looped")))
+    signal.alarm(20)
+    try:
+        found = graph_quantization(model)
+    finally:
+        signal.alarm(0)
+    assert "scale_dtype" not in found  # the looped scales are no initializer: the figure is left out
+    assert found["hadamard_size"][0] == 64 and found["block_size"][0] == 16

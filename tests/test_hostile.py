@@ -486,6 +486,15 @@ CASES = {
                             "used as they are",)),
     "manifest quantization a list (generate)": Case(export_copy(_manifest_field(None, "quantization", [1]), _generate),
                                                     FormatError, ("field 'quantization' must be an object or null, found list",)),
+    "manifest quantization empty list (verify)": Case(export_copy(_manifest_field(None, "quantization", []), _verify),
+                                                      VerificationError, ("field 'quantization' must be an object or null, "
+                                                                          "found list",)),
+    # JSON 16.0 and false are not the graph's 16 and 0: compared with their types (review finding)
+    "manifest block size a float (verify)": Case(export_copy(_manifest_field("quantization", "block_size", 16.0), _verify),
+                                                 VerificationError, ("field 'quantization.block_size' is 16.0, but the "
+                                                                     "layers' MatMulNBits have block_size 16",)),
+    "manifest rotation false (verify)": Case(export_copy(_manifest_field("quantization", "hadamard_size", False), _verify),
+                                             VerificationError, ("field 'quantization.hadamard_size' is false, but",)),
     "manifest all_logits not the graph's (verify)": Case(export_copy(_manifest_field(None, "all_logits", True), _verify),
                                                          VerificationError, ("field 'all_logits' is true, but the graph's logits "
                                                                              "are the last position's only",)),
