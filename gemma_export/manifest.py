@@ -3,8 +3,8 @@
 The checks every command makes before it loads anything slow: the folder is an export (not a
 bundle, not a pre-packed copy), the manifest's fields have the types the toolkit reads, the data
 files have the sizes the manifest records, and the manifest's figures (vocabulary, layers, KV
-dimensions, dtype) are the graph's. Nothing here loads onnxruntime; ``runtime.py`` and
-``exporter.py`` both use it.
+dimensions, dtype, the quantization record, the extra outputs) are the graph's. Nothing here loads
+onnxruntime; ``runtime.py`` and ``exporter.py`` both use it.
 """
 
 from __future__ import annotations
@@ -276,6 +276,7 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
                               f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
+
     def differs(recorded, actual) -> bool:  # JSON 0 is not false, nor 32.0 a block size
         return type(recorded) is not type(actual) or recorded != actual
 

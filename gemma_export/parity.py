@@ -281,6 +281,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         if not is_whole_number(chunk) or chunk < 0:
             raise FormatError(f"{path}: entry #{n} 'prefill_chunk' must be a whole number of tokens >= 0 (0: the "
                               f"prompt in one step), found {shown(chunk)}")
+        if "text" in entry and not isinstance(entry["text"], str):  # informative, but `generate --json` writes text
+            raise FormatError(f"{path}: entry #{n} 'text' must be text, found {shown(entry['text'])}")
         dtype = entry.get("dtype")
         if dtype is not None and dtype not in DTYPES:  # the weights of the export that wrote it
             raise FormatError(f"{path}: entry #{n} 'dtype' must be one of {', '.join(DTYPES)}, found {shown(dtype)}")

@@ -727,6 +727,10 @@ def test_a_golden_entry_keeps_its_prompt_text_and_names_the_dtype_that_wrote_it(
     result = _parity("--model", tiny_int8_export, "--golden", golden)
     assert result.exit_code == 2
     assert "entry #0 'dtype' must be one of fp32, bf16, int8, int4, found \"int3\"" in result.output
+    # the informative text too is checked for its kind (probe finding: a number passed)
+    golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": expected, "text": 5}]))
+    result = _parity("--model", tiny_int8_export, "--golden", golden)
+    assert result.exit_code == 2 and "entry #0 'text' must be text, found 5" in result.output
 
 
 def test_a_golden_prompt_that_starts_with_bos_is_read_with_one_and_an_older_file_with_two_still_agrees(tmp_path):
