@@ -324,6 +324,14 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         say(f"note: the weights are {model_manifest.get('dtype')}: onnxruntime holds them as float32 (4 bytes a "
             f"weight; the 270M's bf16 export peaked at {BF16_PEAK_GB[0]} to {BF16_PEAK_GB[1]} GB, over the {board}'s "
             f"{spec.memory_bytes / 1e9:.1f} GB); the int8 or int4 export is the one for the board")
+    if (out_dir / BUNDLE_MANIFEST).is_file():  # what is replaced is said, as an export says it
+        try:
+            old = read_manifest(out_dir / BUNDLE_MODEL_DIR)
+        except FormatError:
+            old = {}
+        what = (f" of an {old['dtype']} export{quantization_text(old)[0]}" if old.get("dtype") in QUANTIZED_DTYPES
+                else f" of a {old['dtype']} export" if isinstance(old.get("dtype"), str) and old["dtype"] else "")
+        say(f"{out_dir} holds an earlier bundle{what}; it is replaced once this one is written and checked")
     old_copy = out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones
         copy_bytes = sum(p.stat().st_size for p in old_copy.rglob("*") if p.is_file())

@@ -523,6 +523,9 @@ def test_a_bundle_with_the_board_s_pre_packed_copy_is_replaced_by_a_new_bundle(t
     assert (f"the previous bundle's pre-packed copy {out / 'model' / 'prepacked'} ({copy_mb:,.1f} MB) is deleted with "
             "it (it was made from the files being replaced); run `gemma-export prepack --model model` on the board "
             "again") in result.stderr
+    # and what the replaced bundle held, as an export says it (fresh-user finding: it went without a word)
+    assert f"{out} holds an earlier bundle of an int8 export (" in result.stderr
+    assert "; it is replaced once this one is written and checked" in result.stderr
     assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
     # anything else added to model/ still makes the folder foreign
     (out / "model" / "notes.txt").write_text("mine")
