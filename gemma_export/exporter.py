@@ -244,6 +244,20 @@ def verify_folder(folder: Path) -> None:
         raise VerificationError(str(exc)) from None
 
 
+def _check_tied(manifest: dict, manifest_path: Path, model, vocab_size: int | None) -> None:
+    """``tie_word_embeddings`` against the graph: one ``vocab × hidden`` table initializer when tied,
+    two when not (:func:`is_table_shaped`, with the manifest's ``config.hidden_size``). Not checked
+    without those figures, or for a graph holding neither one nor two tables."""
+    tied = manifest.get("tie_word_embeddings")
+    hidden = manifest.get("config", {}).get("hidden_size")
+    if not isinstance(tied, bool) or not isinstance(vocab_size, int) or not isinstance(hidden, int):
+        return
+    tables = sum(1 for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, vocab_size, hidden))
+    if tables in (1, 2) and (tables == 1) != tied:
+        raise VerificationError(f"{manifest_path}: field 'tie_word_embeddings' is {str(tied).lower()}, but the graph "
+                                f"stores {'one table, shared by the lookup and the head' if tables == 1 else 'two tables'}")
+
+
 def verify_manifest(folder: str | Path) -> dict[str, int]:
     """Re-check an export folder against its ``manifest.json``: every listed file present with its
     size and sha256, no unlisted file, external data only inside the folder, then
@@ -309,6 +323,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
                                     "model config there")
         check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
                                      graph_quantization(model), graph_output_options(model))
+        _check_tied(manifest, manifest_path, model, vocab)
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
             any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)

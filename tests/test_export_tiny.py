@@ -754,6 +754,15 @@ def test_a_different_stored_head_is_exported_untied_and_the_manifest_says_so(tin
     manifest = json.loads((result.out_dir / "manifest.json").read_text())
     assert result.table_initializers == 2
     assert manifest["tie_word_embeddings"] is False and manifest["config"]["tie_word_embeddings"] is False
+    # verify agrees (it compares the field with the graph's tables), and refuses the claim of a tie
+    from gemma_export.errors import VerificationError
+    from gemma_export.exporter import verify_manifest
+
+    verify_manifest(result.out_dir)
+    manifest["tie_word_embeddings"] = True
+    (result.out_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(VerificationError, match="field 'tie_word_embeddings' is true, but the graph stores two tables"):
+        verify_manifest(result.out_dir)
 
 
 def test_bf16_export_stores_weights_rounded_to_nearest_even(tiny_dir, tmp_path):

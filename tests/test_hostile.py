@@ -512,6 +512,9 @@ CASES = {
                             'found ["bogus"')),
     "manifest rope parameters a string (verify)": Case(export_copy(_manifest_field("config", "rope_parameters", "x"), _verify),
                                                        VerificationError, ("field 'config.rope_parameters' must be an object",)),
+    "manifest untied, graph tied (verify)": Case(export_copy(_manifest_field(None, "tie_word_embeddings", False), _verify),
+                                                 VerificationError, ("field 'tie_word_embeddings' is false, but the graph "
+                                                                     "stores one table, shared by the lookup and the head",)),
     "manifest without dtype (verify)": Case(export_copy(_manifest_field(None, "dtype", DELETE), _verify), VerificationError, ("no field 'dtype'; expected int8",)),
     "manifest sliding window a string (generate)": Case(export_copy(_manifest_field("config", "sliding_window", "6"), _generate),
                                                         FormatError, ("field 'config.sliding_window' must be a positive "
