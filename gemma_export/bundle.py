@@ -30,7 +30,7 @@ from . import __version__
 from .boards import DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments, shown
-from .manifest import quantization_text
+from .manifest import export_description, quantization_text
 from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
 
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
@@ -329,8 +329,8 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
             old = read_manifest(out_dir / BUNDLE_MODEL_DIR)
         except FormatError:
             old = {}
-        what = (f" of an {old['dtype']} export{quantization_text(old)[0]}" if old.get("dtype") in QUANTIZED_DTYPES
-                else f" of a {old['dtype']} export" if isinstance(old.get("dtype"), str) and old["dtype"] else "")
+        described = export_description(old)
+        what = f" of {'an' if old.get('dtype') in QUANTIZED_DTYPES else 'a'} {described}" if described else ""
         say(f"{out_dir} holds an earlier bundle{what}; it is replaced once this one is written and checked")
     old_copy = out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR
     if old_copy.is_dir():  # made on the board from the files being replaced: it cannot serve the new ones

@@ -24,7 +24,8 @@ import onnx_ir as ir
 
 from .errors import FormatError, OutputError, VerificationError, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
-from .onnx_files import ALIGNMENT_BYTES, PREPACKED_DIR, PREPACKED_MANIFEST
+from .manifest import is_prepacked_copy
+from .onnx_files import ALIGNMENT_BYTES
 from .staging import check_replaceable, staged_folder
 from .text_files import require_file
 
@@ -214,8 +215,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     require_file(in_path, "model file (.onnx)")
     if in_path.suffix != ".onnx":
         raise FormatError(f"{in_path}: dedupe rewrites ONNX models; expected an .onnx file, found '{in_path.suffix or 'no extension'}'")
-    folder = in_path.resolve().parent
-    if folder.name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
+    if is_prepacked_copy(in_path.resolve().parent):
         raise FormatError(f"{in_path}: the graph of an export's pre-packed copy (gemma-export prepack), onnxruntime's "
                           "packed weights for one machine, which store the table once already; dedupe rewrites models "
                           "of other tools (give their .onnx)")

@@ -31,7 +31,7 @@ from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
 from .prepack import busy as prepack_busy
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .manifest import quantization_text, read_manifest, require_folder
+from .manifest import export_description, read_manifest, require_folder
 from .runtime import create_session
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
@@ -58,13 +58,11 @@ class ExportResult:
         table_initializers: initializers holding a ``[vocab, hidden]``-sized table (1 when tied).
         elapsed_s: wall time of the export, seconds.
         peak_rss_bytes: the process's peak resident memory (VmHWM) at the end.
-        calibration: the manifest's record of the GPTQ calibration (method, text, tokens), or None.
         tokenizer_from: the ``tokenizer.json`` given with ``tokenizer`` (its files are in the
             export), or None when the tokenizer is the source's own (or there is none).
-        activation_residual: every ``MatMulNBits`` also multiplies the residual of its input's int8
-            rounding (``activation_residual`` of :func:`export`).
-        quantization: the manifest's ``quantization`` record (block sizes, rotation, scale dtype, …;
-            int8 and int4), or None.
+        quantization: the manifest's ``quantization`` record (block sizes, rotation, scale dtype,
+            activation residual, calibration, …; int8 and int4), or None. :attr:`calibration`,
+            :attr:`activation_residual` and :attr:`scale_dtype` are read from it.
     """
 
     out_dir: Path
@@ -74,10 +72,20 @@ class ExportResult:
     table_initializers: int
     elapsed_s: float
     peak_rss_bytes: int
-    calibration: dict | None = None
     tokenizer_from: Path | None = None
-    activation_residual: bool = False
     quantization: dict | None = None
+
+    @property
+    def calibration(self) -> dict | None:
+        """The manifest's record of the GPTQ calibration (method, text, tokens), or None (rounded to
+        nearest, or fp32 / bf16)."""
+        return (self.quantization or {}).get("calibration")
+
+    @property
+    def activation_residual(self) -> bool:
+        """Whether every ``MatMulNBits`` also multiplies the residual of its input's int8 rounding
+        (``activation_residual`` of :func:`export`)."""
+        return (self.quantization or {}).get("activation_residual", False)
 
     @property
     def scale_dtype(self) -> str | None:
@@ -690,10 +698,7 @@ def export(
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         files[MANIFEST_FILE] = (staging / MANIFEST_FILE).stat().st_size
         result = ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
-                              (quantization or {}).get("calibration"),
-                              tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None,
-                              (quantization or {}).get("activation_residual", False),
-                              quantization)
+                              tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None, quantization)
     with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
         if replaced_copy and status is not None:
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
@@ -728,10 +733,8 @@ def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None
         manifest = read_manifest(out)
     except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
         manifest = {}
-    dtype = manifest.get("dtype")
-    what = (f"an earlier {dtype} export{quantization_text(manifest)[0]}" if dtype in DTYPES
-            else "an earlier export")
-    status(f"{out} holds {what}; it is replaced once this one is written and checked")
+    status(f"{out} holds an earlier {export_description(manifest) or 'export'}; it is replaced once this one is "
+           "written and checked")
     return True
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from .config import DTYPES
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
-                         graph_dtype, graph_quantization)
+                         graph_dtype, graph_quantization, traced_initializer)
 from .staging import leftovers, listed_files
 from .text_files import non_regular
 
@@ -74,6 +74,12 @@ def is_bundle(folder: str | Path) -> bool:
     return (Path(folder) / BUNDLE_MANIFEST).is_file()
 
 
+def is_prepacked_copy(folder: str | Path) -> bool:
+    """Whether ``folder`` is an export's pre-packed copy (``gemma-export prepack``): a folder named
+    ``prepacked`` that holds ``prepacked.json``."""
+    return Path(folder).resolve().name == PREPACKED_DIR and (Path(folder) / PREPACKED_MANIFEST).is_file()
+
+
 def require_folder(folder: Path, holding: str) -> None:
     """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
 
@@ -97,7 +103,7 @@ def require_folder(folder: Path, holding: str) -> None:
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
     if is_bundle(folder):
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / BUNDLE_MODEL_DIR} (give that)")
-    if folder.resolve().name == PREPACKED_DIR and (folder / PREPACKED_MANIFEST).is_file():
+    if is_prepacked_copy(folder):
         raise SourceNotFoundError(f"{folder}: an export's pre-packed copy (gemma-export prepack), used through its "
                                   f"export; give the export folder {folder.resolve().parent}")
 
@@ -246,6 +252,14 @@ def quantization_text(model_manifest: dict) -> tuple[str, str]:
     return (f" ({', '.join(parts)})" if parts else ""), float16
 
 
+def export_description(manifest: dict) -> str:
+    """``"int8 export (32 weights per scale in the layers, …)"`` from an export's manifest: its
+    dtype and :func:`quantization_text`; "" when ``dtype`` is none of ``DTYPES`` (a hand-edited or
+    foreign manifest). For the notes about an earlier export or bundle being replaced."""
+    dtype = manifest.get("dtype")
+    return f"{dtype} export{quantization_text(manifest)[0]}" if dtype in DTYPES else ""
+
+
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
                                  dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
                                  quantization: dict | None = None, outputs: dict | None = None) -> None:
@@ -327,11 +341,9 @@ def graph_table_rows(model) -> int | None:
     for node in model.graph.node:
         if node.op_type != "Gather" or len(node.input) < 2 or node.input[1] != "input_ids":
             continue
-        data = node.input[0]
-        while data not in initializers and data in produced_by and produced_by[data].op_type in ("Cast", "Identity"):
-            data = produced_by[data].input[0]
-        if data in initializers and initializers[data].dims:
-            return int(initializers[data].dims[0])
+        table = traced_initializer(node.input[0], initializers, produced_by)
+        if table is not None and table.dims:
+            return int(table.dims[0])
     return None
 
 

@@ -213,6 +213,19 @@ def graph_dtype(model) -> str:
     return "fp32"
 
 
+def traced_initializer(name: str, initializers: dict, produced_by: dict):
+    """The initializer (an ``onnx.TensorProto`` of ``initializers``, name → tensor) that ``name`` is,
+    directly or through ``Cast`` / ``Identity`` nodes (``produced_by``: output name → node), as a bf16
+    table or float16 scales reach their readers; None when it is something else. A ``Cast`` /
+    ``Identity`` loop (a broken graph, which onnxruntime then names) ends the walk."""
+    seen = set()
+    while (name not in initializers and name not in seen and name in produced_by
+           and produced_by[name].op_type in ("Cast", "Identity") and produced_by[name].input):
+        seen.add(name)
+        name = produced_by[name].input[0]
+    return initializers.get(name)
+
+
 #: ``manifest.json``'s ``quantization.scale_dtype`` for the data type of a scales initializer
 _SCALE_DTYPES = {1: "float32", 10: "float16"}  # onnx.TensorProto.FLOAT, FLOAT16
 
@@ -257,14 +270,6 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
         values = set(values)
         return values.pop() if len(values) == 1 else None
 
-    def initializer(name):
-        seen = set()  # a Cast / Identity loop (a broken graph) ends the walk; onnxruntime names the cycle
-        while (name not in initializers and name not in seen and name in produced_by
-               and produced_by[name].op_type in ("Cast", "Identity") and produced_by[name].input):
-            seen.add(name)
-            name = produced_by[name].input[0]
-        return initializers.get(name)
-
     # the head: the MatMulNBits that reads the tied table, else (an untied head) the one whose N is
     # the logits' width
     head = [n for n in matmuls if n.input[1] in gathered]
@@ -283,7 +288,7 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
         if 4 in {attribute(n, "bits") for n in layers}:
             bits = attribute(head[0], "bits")
             found["table_dtype"] = (f"int{bits}", f"the head's MatMulNBits has bits {bits}")
-    scales = [initializer(n.input[2]) for n in matmuls]
+    scales = [traced_initializer(n.input[2], initializers, produced_by) for n in matmuls]
     if all(t is not None for t in scales) and (dtype := only(_SCALE_DTYPES.get(t.data_type) for t in scales)):
         found["scale_dtype"] = (dtype, f"the MatMulNBits scales are stored as {dtype}")
     if layers and 4 in {attribute(n, "bits") for n in layers}:
