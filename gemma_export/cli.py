@@ -377,10 +377,11 @@ def _export_summary(result, archive: int) -> None:
         typer.echo(f"tokenizer: from {result.tokenizer_from} (--tokenizer)")
     if result.quantization is not None:
         q = result.quantization
-        table_codes = f"{q['table_dtype']} " if q.get("table_dtype") not in (None, result.dtype) else ""
+        from .manifest import table_codes_word
+
         rotation = f"Hadamard {q['hadamard_size']}" if q["hadamard_size"] else "no rotation"
         typer.echo(f"blocks: {q['block_size']} weights per scale in the layers, {q['table_block_size']} in the "
-                   f"{table_codes}table; {rotation}")
+                   f"{table_codes_word(q, result.dtype)}table; {rotation}")
     if result.calibration is not None:
         typer.echo(f"calibration: GPTQ on {result.calibration['text']}")
     elif result.dtype in QUANTIZED_DTYPES:

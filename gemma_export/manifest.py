@@ -213,6 +213,14 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
 
 
+def table_codes_word(quantization: dict, dtype: str | None) -> str:
+    """``"int8 "`` when a quantization record's ``table_dtype`` (int4/int8) differs from the export's
+    ``dtype`` (an int4 export with ``--table-dtype int8``), else ``""``: the word that the export
+    summary's ``blocks:`` line and :func:`quantization_text` put before "table"."""
+    table_dtype = quantization.get("table_dtype")
+    return f"{table_dtype} " if table_dtype in ("int4", "int8") and table_dtype != dtype else ""
+
+
 def quantization_text(model_manifest: dict) -> tuple[str, str]:
     """From an int8/int4 export's manifest ``quantization`` record: a parenthesis that says how its
     weights were quantized (block sizes, table codes, rotation, scales, activation residual,
@@ -231,9 +239,7 @@ def quantization_text(model_manifest: dict) -> tuple[str, str]:
     if number("block_size"):
         parts.append(f"{q['block_size']} weights per scale in the layers")
     if number("table_block_size"):
-        codes = f"{q['table_dtype']} " if q.get("table_dtype") in ("int4", "int8") and q.get("table_dtype") != \
-            model_manifest.get("dtype") else ""
-        parts.append(f"{q['table_block_size']} in the {codes}table")
+        parts.append(f"{q['table_block_size']} in the {table_codes_word(q, model_manifest.get('dtype'))}table")
     if number("hadamard_size") is not None:
         parts.append(f"Hadamard {q['hadamard_size']}" if q["hadamard_size"] else "no rotation")
     if q.get("scale_dtype") in ("float32", "float16"):

@@ -1601,3 +1601,18 @@ def test_activation_residual_export_says_so(tiny_dir, tmp_path):
 
         nodes = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert len(nodes) == 17 and [doubled(n) for n in nodes] == [bool(flag)] * 17
+
+
+def test_summary_names_the_int8_table_of_an_int4_export(tiny_dir, tmp_path):
+    """The export summary's ``blocks:`` line names the table's codes only when they differ from the
+    layers' (int4 with --table-dtype int8), in the words the bundle README uses for the same record."""
+    from gemma_export.manifest import quantization_text
+
+    for flag, table in ((["--table-dtype", "int8"], "int8 table"), ([], "table")):
+        out = tmp_path / ("mixed" if flag else "plain")
+        result = _run("--source", tiny_dir, "--dtype", "int4", "--no-calibrate", *flag, "--out", out)
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "manifest.json").read_text())
+        rows = manifest["quantization"]["table_block_size"]
+        assert f"blocks: 32 weights per scale in the layers, {rows} in the {table}; Hadamard 64\n" in result.stdout
+        assert f"{rows} in the {table}, Hadamard 64" in quantization_text(manifest)[0]
