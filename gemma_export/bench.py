@@ -98,6 +98,8 @@ class BenchResult:
         peak_rss_bytes: the process's peak resident memory.
         text_source: where the prompts' text came from.
         board, board_memory_bytes: the ``--board`` and its memory budget (None without one).
+        board_headroom_bytes, board_fits: the memory the board must keep free, and whether the peak
+            leaves it (None without a board; ``bench`` exits with status 1 when it does not).
         prefill_chunk: prompt tokens per prefill step (None: the whole prompt in one).
         prepacked, prepacked_note: the pre-packed copy's ``model.onnx`` the session loaded (None:
             ``model.onnx``), and why it was or was not used.
@@ -130,6 +132,8 @@ class BenchResult:
     text_source: str
     board: str | None = None
     board_memory_bytes: int | None = None
+    board_headroom_bytes: int | None = None
+    board_fits: bool | None = None
     prefill_chunk: int | None = None
     prepacked: str | None = None
     prepacked_note: str = ""
@@ -309,6 +313,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
         anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
+        board_headroom_bytes=spec.headroom_bytes if spec else None,
+        board_fits=fits_board(spec, peak) if spec else None,
         prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs",
         **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
@@ -351,13 +357,19 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
             "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token}
 
 
+def fits_board(spec, peak_rss_bytes: int) -> bool:
+    """Whether a peak resident memory (bytes) leaves a board (:data:`~gemma_export.boards.BOARDS`
+    entry) its headroom free: peak ≤ memory − headroom."""
+    return peak_rss_bytes <= spec.memory_bytes - spec.headroom_bytes
+
+
 def check_board_budget(result: BenchResult) -> None:
     """Raises BudgetExceeded (exit status 1) when ``result`` ran for a board and its peak memory leaves less than
     the board's headroom free (call it after the figures are shown and saved)."""
     if result.board is None:
         return
     spec = BOARDS[result.board]
-    if result.peak_rss_bytes > spec.memory_bytes - spec.headroom_bytes:
+    if not fits_board(spec, result.peak_rss_bytes):
         board = f"the {result.board}'s"
         raise BudgetExceeded(
             f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB "
@@ -423,7 +435,9 @@ def format_result(r: BenchResult) -> str:
                      f"export {ref['export_decode_ms_median']:.1f} ms/token = {ref['export_vs_reference']:.3f}x the reference")
     if r.board:
         where = f" ({r.machine})" if r.machine else ""
-        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}; the times "
+        verdict = (f" (at least {r.board_headroom_bytes / 1e6:,.0f} MB must stay free: "
+                   f"{'fits' if r.board_fits else 'does NOT fit'})" if r.board_headroom_bytes is not None else "")
+        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}{verdict}; the times "
                      f"above were measured on this machine{where}, with {r.threads} thread{'' if r.threads == 1 else 's'}")
     return "\n".join(lines)
 

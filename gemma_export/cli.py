@@ -486,12 +486,15 @@ def generate(
                         "text": result.text, "prefill_chunk": chunk or 0, "dtype": result.dtype}, json_out)
     import statistics
 
+    from .memory import peak_rss_bytes
+
     # the first new token comes from the prefill: with one new token there is no decode step to time;
     # the first decode step also gives the prompt's memory back, so the median leaves it out, as bench does
     decode = result.decode_ms[1:] if len(result.decode_ms) > 1 else result.decode_ms
     timing = f", decode median {statistics.median(decode):.1f} ms/token" if decode else ", no decode step"
     typer.echo(f"[{len(result.prompt_ids)} prompt token{'' if len(result.prompt_ids) == 1 else 's'}, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
-               f"{timing}; {'pre-packed copy' if result.prepacked else 'weights packed while loading, no pre-packed copy'}]", err=True)
+               f"{timing}; {'pre-packed copy' if result.prepacked else 'weights packed while loading, no pre-packed copy'}; "
+               f"peak memory {_mb(peak_rss_bytes())}]", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked:
@@ -726,9 +729,14 @@ def quality(
     with _reported(debug, writes=False):
         check_outputs(json_out, None, inputs=(model, text, None if reference in ("transformers", "fp32") else reference),
                       report_key="kl_mean")
+        from .memory import peak_rss_bytes
+
+        started = time.monotonic()
         report = run_quality(model, reference=reference, text=text, tokens=tokens, threads=threads,
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
         typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
+        # both models and their logits are held at once: the peak is far above one model's (~3.7 GB, 270M int8 + fp32)
+        typer.echo(f"elapsed {time.monotonic() - started:.1f} s, peak memory {_mb(peak_rss_bytes())}", err=True)
         if json_out is not None:
             write_json(report.to_dict(), json_out)
 

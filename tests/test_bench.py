@@ -137,7 +137,8 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     figures = json.loads(out.read_text())
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
-    assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB" in result.stdout
+    assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB (at least 300 MB must stay free: fits)" in result.stdout
+    assert (figures["board_headroom_bytes"], figures["board_fits"]) == (300_000_000, True)
     # the board sets threads and the budget; the times are this machine's, and the report says so
     import dataclasses
     import os
@@ -741,7 +742,10 @@ def test_the_board_budget_allows_a_peak_of_exactly_its_memory_less_the_headroom(
     spec = BOARDS["sl2610"]
     assert spec.memory_bytes - spec.headroom_bytes == 1_600_000_000
     r = bench_module.BenchResult("m", 2, 1, 0.5, {16: 10.0}, 5.0, 6.0, 200.0, [(17, 5.0)], 0, 0, 0, 0, peak, "t",
-                                 board="sl2610", board_memory_bytes=spec.memory_bytes)
+                                 board="sl2610", board_memory_bytes=spec.memory_bytes,
+                                 board_headroom_bytes=spec.headroom_bytes, board_fits=bench_module.fits_board(spec, peak))
+    verdict = "does NOT fit" if refused else "fits"
+    assert f"of its 1.9 GB (at least 300 MB must stay free: {verdict}); the times" in bench_module.format_result(r)
     if refused:
         with pytest.raises(BudgetExceeded, match="peak resident memory 1,600 MB leaves 300 MB of the sl2610's 1.9 GB; "
                                                  "at least 300 MB must stay free"):

@@ -649,7 +649,7 @@ def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
     assert result.exit_code == 0 and "[1 prompt token, 1 new; prefill" in result.stderr, result.stderr  # <bos> alone
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
     assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token; weights packed while loading, "
-                     r"no pre-packed copy\]", result.stderr), result.stderr  # which graph ran: this export has no pre-packed copy
+                     r"no pre-packed copy; peak memory [\d,.]+ MB\]", result.stderr), result.stderr  # which graph ran: this export has no pre-packed copy
 
 
 def test_an_export_whose_data_file_was_swapped_is_refused_before_running(tiny_int8_export, tiny_dir, tmp_path):
@@ -914,9 +914,11 @@ def test_generate_reports_the_median_decode_step_after_the_first(tiny_int8_expor
                                         decode_ms=[50.0, 10.0, 12.0, 11.0], dtype="int8")
 
     monkeypatch.setattr(runtime, "generate", fake)
+    monkeypatch.setattr("gemma_export.memory.peak_rss_bytes", lambda: 689_400_000)  # the process's VmHWM
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "x")
     assert result.exit_code == 0, result.output
-    assert "[2 prompt tokens, 5 new; prefill 3 ms, decode median 11.0 ms/token;" in result.stderr, result.stderr
+    assert ("[2 prompt tokens, 5 new; prefill 3 ms, decode median 11.0 ms/token; weights packed while loading, no "
+            "pre-packed copy; peak memory 689.4 MB]\n") in result.stderr, result.stderr
 
 
 def test_a_tokenizer_of_another_model_is_refused_and_added_tokens_beyond_the_table_are_named(tiny_dir, tmp_path):
@@ -1018,6 +1020,7 @@ def test_quality_of_an_export_given_a_tokenizer_does_not_read_the_sources_own(ti
                   "--tokens", "40")
     assert result.exit_code == 0, result.output
     assert "top-1" in result.output and "tokenizer.json" not in result.stderr
+    assert re.search(r"\nelapsed [\d.]+ s, peak memory [\d,.]+ MB\n$", result.stderr), result.stderr
 
 
 

@@ -373,3 +373,16 @@ def test_loading_the_real_tokenizer_gives_its_parse_memory_back(int8_dir):
     line = next(x for x in format_result(result).splitlines() if x.startswith("tokenizer "))
     assert line == (f"tokenizer        the loaded tokenizer holds Anonymous {result.anon_tokenizer_bytes / 1e6:,.0f} MB, "
                     f"Rss {result.rss_tokenizer_bytes / 1e6:,.0f} MB, also before that baseline")
+
+
+def test_plain_onnxruntime_gives_generates_tokens_on_the_real_int8_export(int8_dir):
+    """tools/plain_onnxruntime.py, docs/integration.md's contract without this toolkit, on the real
+    export: a 700-token prompt (in steps of 512, past the 512-token window, so the sliding layers
+    drop rows after it) gives the toolkit's greedy tokens; the prompt's ids carry one <bos>."""
+    import plain_onnxruntime as plain
+
+    model = plain.Model(int8_dir, threads=2)
+    assert model.encode(PROMPT) == [2, 818, 5279, 529, 7001, 563] == model.encode("<bos>" + PROMPT)
+    ids = model.encode(real_text())[:700]
+    want = OnnxDecoder(int8_dir, threads=2, prepacked=False).greedy(ids, 12, stop_ids=())[0]
+    assert plain.steps(ids, 12, 512, plain.shared_step(model, len(ids) + 11, 512), set()) == want

@@ -1,0 +1,100 @@
+"""tools/plain_onnxruntime.py, the I/O contract of docs/integration.md as code without this toolkit:
+its two cache modes give `gemma-export generate`'s tokens on tiny exports whose sliding window (6)
+makes the sliding layers drop rows, in prompt steps and in decode steps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+import plain_onnxruntime as plain
+from conftest import write_char_tokenizer
+from gemma_export.exporter import export
+from gemma_export.runtime import KVCache, OnnxDecoder
+
+#: 97 characters, so the prompt alone passes the sliding layers' window - 1 + SLIDING_ROOM = 69 rows
+PROMPT = "the quick brown fox jumps over the lazy dog; many hands make light work. one, two, three; (four)"
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_export(tiny_dir, tmp_path_factory):
+    src = tmp_path_factory.mktemp("plain_src")
+    shutil.copytree(tiny_dir, src, dirs_exist_ok=True)
+    write_char_tokenizer(src)
+    return export(src, tmp_path_factory.mktemp("plain_fp32") / "fp32", "fp32").out_dir
+
+
+def _recorded(step_fn, record):
+    def step(input_ids, attention_mask, position_ids, past):
+        logits = step_fn(input_ids, attention_mask, position_ids, past)
+        record.append(np.array(logits))
+        return logits
+    return step
+
+
+def _toolkit(folder, ids, new_tokens, chunk):
+    """The toolkit's own greedy run (`generate`'s path) with each step's logits."""
+    decoder = OnnxDecoder(folder, threads=1, prepacked=False)
+    record = []
+    cache = KVCache(decoder, 1, len(ids) + new_tokens - 1, max_step=chunk)
+    original = cache.step
+    cache_step = _recorded(lambda i, m, p, past: original(i, m, p), record)
+    new_ids = plain.steps(ids, new_tokens, chunk, cache_step, set())
+    assert new_ids == decoder.greedy(ids, new_tokens, stop_ids=(), prefill_chunk=chunk)[0]
+    return new_ids, record
+
+
+@pytest.mark.parametrize("export_name", ["tiny_fp32_export", "tiny_int8_export"])
+@pytest.mark.parametrize("chunk", [512, 16])
+def test_shared_buffers_give_the_toolkits_logits_exactly(export_name, chunk, request):
+    folder = request.getfixturevalue(export_name)
+    model = plain.Model(folder, threads=1)
+    ids = model.encode(PROMPT)
+    assert ids[0] == 2 and ids.count(2) == 1 and len(ids) == len(PROMPT) + 1
+    want_ids, want = _toolkit(folder, ids, 40, chunk)
+    capacity = len(ids) + 39
+    record = []
+    step = plain.shared_step(model, capacity, min(chunk, len(ids)))
+    got_ids = plain.steps(ids, 40, chunk, _recorded(step, record), set())
+    assert got_ids == want_ids
+    assert len(record) == len(want) and all(np.array_equal(a, b) for a, b in zip(record, want))
+    # the sliding layers dropped rows: the buffers never grew to the whole sequence
+    assert model.sliding and capacity > model.window - 1 + max(min(chunk, len(ids)), plain.SLIDING_ROOM)
+
+
+def test_arrays_mode_gives_the_same_tokens_on_fp32(tiny_fp32_export):
+    model = plain.Model(tiny_fp32_export, threads=1)
+    ids = model.encode(PROMPT)
+    want_ids, want = _toolkit(tiny_fp32_export, ids, 40, 16)
+    record = []
+    got_ids = plain.steps(ids, 40, 16, _recorded(plain.arrays_step(model), record), set())
+    assert got_ids == want_ids
+    assert max(float(np.abs(a - b).max()) for a, b in zip(record, want)) < 1e-4
+
+
+def test_one_bos_whatever_the_text_starts_with(tiny_int8_export):
+    """tokenizer.json adds <bos>; text starting with "<bos>" gets a second one, which is dropped; a
+    tokenizer that adds none gets one."""
+    model = plain.Model(tiny_int8_export)
+    assert model.encode("ab") == [2, 4, 5]
+    for given in ([2, 2, 4, 5], [4, 5]):
+        model.tokenizer = type("Stub", (), {"encode": lambda self, text, ids=given: type("E", (), {"ids": ids})()})()
+        assert model.encode("ab") == [2, 4, 5]
+
+
+def test_main_prints_ids_that_generate_gives(tiny_int8_export, capsys):
+    """The script's own command line, with a stop id: the new ids end at the first <eos> if any."""
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", PROMPT, "--max-new-tokens", "30",
+                       "--chunk", "16", "--json", "-"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    decoder = OnnxDecoder(tiny_int8_export, threads=1, prepacked=False)
+    assert record["new_ids"] == decoder.greedy(record["prompt_ids"], 30, prefill_chunk=16)[0]
+
+
+def test_a_folder_without_manifest_is_one_line(tmp_path, capsys):
+    assert plain.main(["--model", str(tmp_path), "--prompt", "a"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path}: ") and "manifest.json" in err and err.count("\n") == 1

@@ -1,0 +1,200 @@
+"""Greedy generation from an export with plain onnxruntime, tokenizers and numpy, without this
+toolkit: the I/O contract of ``docs/integration.md`` as code, for a board application to copy.
+
+Usage:
+    python tools/plain_onnxruntime.py --model gemma-3-270m-onnx-int8 --prompt "The capital of France is"
+    python tools/plain_onnxruntime.py --model DIR --prompt-file long.txt --max-new-tokens 40 --mode arrays --json -
+
+Two ways to carry the KV cache (``--mode``):
+
+* ``shared`` (default): one float32 buffer per ``past_key_values.{i}.key|value``, bound with IO
+  binding as both that input and its ``present.{i}.*`` output; GroupQueryAttention writes each step
+  after the rows held. The sliding layers' buffers hold ``sliding_window - 1`` rows plus room
+  (:data:`SLIDING_ROOM`); when a step would not fit, the rows that left the window are dropped and
+  the graph's ``sliding_cache_start`` says which position the first row holds. This is the schedule
+  ``gemma-export generate`` follows, so the tokens and logits are the same as its own.
+* ``arrays``: plain ``session.run``, each ``present.*`` fed back as the next ``past_key_values.*``.
+  Every layer then keeps every position (no sliding-window saving), and the logits equal
+  ``generate``'s up to float rounding (an int8 export's 8-bit activations can turn that into a
+  different token at a near-tie).
+
+Prints the text (prompt and continuation) and, with ``--json``, the ids as ``{"prompt_ids",
+"new_ids"}``. Needs only ``onnxruntime``, ``tokenizers`` and ``numpy``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+#: rows a sliding layer's buffer keeps beyond its window - 1 (one drop per this many decode steps)
+SLIDING_ROOM = 64
+#: the longest prompt step, as ``gemma-export generate`` (int8 logits move with the step's length)
+PREFILL_CHUNK = 512
+
+
+class Model:
+    """An export folder: its onnxruntime session, tokenizer and the config its manifest records."""
+
+    def __init__(self, folder: str | Path, threads: int | None = None):
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        config = json.loads((folder / "manifest.json").read_text())["config"]
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.layers = config["num_hidden_layers"]
+        self.kv_shape = (config["num_key_value_heads"], config["head_dim"])
+        self.bos, self.stop = config["bos_token_id"], set(config["eos_token_id"])
+        # graphs that keep the sliding layers' windows only have this optional input (default 0)
+        names = {i.name for i in self.session.get_overridable_initializers()}
+        sliding = "sliding_cache_start" in names
+        self.sliding = {i for i, kind in enumerate(config["layer_types"]) if kind == "sliding_attention"} if sliding else set()
+        self.window = config["sliding_window"]
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt's ids with exactly one ``<bos>`` first (tokenizer.json adds it; text that
+        starts with "<bos>" would otherwise get two)."""
+        ids = self.tokenizer.encode(text).ids
+        while ids[:2] == [self.bos, self.bos]:
+            ids = ids[1:]
+        return ids if ids[:1] == [self.bos] else [self.bos, *ids]
+
+    def empty_cache(self) -> dict[str, np.ndarray]:
+        heads, head_dim = self.kv_shape
+        return {f"past_key_values.{i}.{kind}": np.zeros((1, heads, 0, head_dim), np.float32)
+                for i in range(self.layers) for kind in ("key", "value")}
+
+
+def steps(prompt_ids: list[int], max_new_tokens: int, chunk: int, step_fn, stop: set[int]) -> list[int]:
+    """Greedy decoding: the prompt in steps of ``chunk`` tokens, then one token per step, each
+    step given ``attention_mask`` ones ``[1, past + n]`` and ``position_ids`` ``past … past + n - 1``.
+    Stops after a stop id (kept in the result) or ``max_new_tokens``."""
+    new_ids, feed, past = [], list(prompt_ids), 0
+    while len(new_ids) < max_new_tokens:
+        for first in range(0, len(feed), chunk):
+            part = np.asarray([feed[first:first + chunk]], np.int64)
+            end = past + part.shape[1]
+            logits = step_fn(part, np.ones((1, end), np.int64), np.arange(past, end, dtype=np.int64)[None], past)
+            past = end
+        new_ids.append(int(np.argmax(logits[0, -1])))  # ties: the lowest id
+        if new_ids[-1] in stop:
+            break
+        feed = new_ids[-1:]
+    return new_ids
+
+
+def arrays_step(model: Model):
+    """A step function that feeds each ``present.*`` back as the next ``past_key_values.*``."""
+    cache = model.empty_cache()
+    outputs = [o.name for o in model.session.get_outputs()]
+
+    def step(input_ids, attention_mask, position_ids, past):
+        result = dict(zip(outputs, model.session.run(None, {"input_ids": input_ids, "attention_mask": attention_mask,
+                                                             "position_ids": position_ids, **cache})))
+        cache.update({name: result[name.replace("past_key_values.", "present.", 1)] for name in cache})
+        return result["logits"]
+
+    return step
+
+
+def shared_step(model: Model, capacity: int, max_step: int):
+    """A step function over one buffer per cache tensor, bound as both past and present.
+
+    ``capacity``: the most positions any step holds (prompt + new tokens - 1); ``max_step``: the
+    longest step, which sizes the sliding layers' buffers (``sliding_window - 1 + max(step,
+    SLIDING_ROOM)`` rows, at most ``capacity``)."""
+    import onnxruntime as ort
+
+    binding = model.session.io_binding()
+    binding.bind_output("logits")  # bound first: get_outputs() lists outputs in the order they were bound
+    arrays: dict[str, np.ndarray] = {}
+    state = {"start": 0, "start_value": None}
+
+    def rows_for(step_len: int) -> int:
+        return min(capacity, model.window - 1 + max(step_len, SLIDING_ROOM))
+
+    def bind(name: str, rows: int) -> np.ndarray:
+        array = np.zeros((1, model.kv_shape[0], rows, model.kv_shape[1]), np.float32)
+        value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the array's memory
+        binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), value)
+        arrays[name] = array  # keep it alive while bound
+        return array
+
+    sliding = [f"past_key_values.{i}.{kind}" for i in sorted(model.sliding) for kind in ("key", "value")]
+    for i in range(model.layers):
+        for kind in ("key", "value"):
+            bind(f"past_key_values.{i}.{kind}", rows_for(max_step) if i in model.sliding else capacity)
+
+    def step(input_ids, attention_mask, position_ids, past):
+        seq = input_ids.shape[1]
+        if sliding:
+            held = past - state["start"]  # rows the sliding buffers hold: positions start … past - 1
+            if held + seq > arrays[sliding[0]].shape[2] or held > model.window - 1 + SLIDING_ROOM:
+                keep, rows = min(held, model.window - 1), rows_for(seq)
+                for name in sliding:  # the last window - 1 rows move to the front
+                    kept = arrays[name][:, :, held - keep:held].copy()
+                    target = arrays[name] if arrays[name].shape[2] == rows else bind(name, rows)
+                    target[:, :, :keep] = kept
+                state["start"] = past - keep
+            state["start_value"] = np.asarray(state["start"], np.int64)  # an initializer: OrtValue binding only
+            binding.bind_ortvalue_input("sliding_cache_start", ort.OrtValue.ortvalue_from_numpy(state["start_value"]))
+        binding.bind_cpu_input("input_ids", input_ids)
+        binding.bind_cpu_input("attention_mask", attention_mask)
+        binding.bind_cpu_input("position_ids", position_ids)
+        model.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy().copy()  # onnxruntime reuses its output memory
+
+    return step
+
+
+def generate(model: Model, prompt_ids: list[int], max_new_tokens: int, mode: str = "shared",
+             chunk: int = PREFILL_CHUNK) -> list[int]:
+    """Greedy new ids for ``prompt_ids`` (``mode``: "shared" or "arrays", as the module says)."""
+    if mode == "arrays":
+        return steps(prompt_ids, max_new_tokens, chunk, arrays_step(model), model.stop)
+    capacity = len(prompt_ids) + max(max_new_tokens - 1, 0)
+    return steps(prompt_ids, max_new_tokens, chunk, shared_step(model, capacity, min(chunk, len(prompt_ids))), model.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="an export folder (model.onnx, tokenizer.json, manifest.json)")
+    text = parser.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="text to continue")
+    text.add_argument("--prompt-file", type=Path, help="a UTF-8 file whose text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--mode", choices=("shared", "arrays"), default="shared")
+    parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="longest prompt step, in tokens")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
+    parser.add_argument("--json", help="write {prompt_ids, new_ids} to this file ('-': stdout)")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.chunk < 1:
+        parser.error("--max-new-tokens and --chunk must be at least 1")
+    try:
+        model = Model(args.model, args.threads)
+        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {args.model}: {e}", file=sys.stderr)
+        return 1
+    prompt_ids = model.encode(prompt)
+    new_ids = generate(model, prompt_ids, args.max_new_tokens, args.mode, args.chunk)
+    if args.json:
+        record = json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids})
+        sys.stdout.write(record + "\n") if args.json == "-" else Path(args.json).write_text(record + "\n")
+    if args.json != "-":
+        print(prompt + model.tokenizer.decode(new_ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
