@@ -135,6 +135,9 @@ class Checkpoint:
         identity: what the source was (kind, path, size), recorded in the manifest.
         path: the source path (a folder or a file); outputs may not be written inside it.
         files: the files whose bytes define the weights and the config (see :meth:`content_sha256`).
+        ignored: names of the source's tensors that belong to no part of a Gemma 3 model this
+            toolkit knows (not the text decoder, not a multimodal checkpoint's vision tower or
+            projector), which the export leaves out and notes.
     """
 
     config: GemmaConfig
@@ -143,6 +146,7 @@ class Checkpoint:
     identity: Mapping[str, object]
     path: Path
     files: tuple[Path, ...] = ()
+    ignored: tuple[str, ...] = ()
 
     def file_sha256s(self) -> dict[str, str]:
         """File name → hex sha256 of each of :attr:`files`, in their order (what ``sha256sum``

@@ -160,6 +160,11 @@ def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def _rope_entry(entry) -> bool:
+    # one layer type's RoPE record in config.rope_parameters (transformers 5): an object, rope_theta positive
+    return isinstance(entry, dict) and ("rope_theta" not in entry or _positive_number(entry["rope_theta"]))
+
+
 #: manifest fields the runtime reads or records: (where, name) → (what is expected, test)
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
@@ -179,7 +184,13 @@ _MANIFEST_FIELDS = {
     # the sliding-window metadata the runtime checks against the graph's is read from these
     ("config", "layer_types"): ("a list of 'sliding_attention' and 'full_attention'",
                                 lambda v: isinstance(v, list) and all(t in LAYER_TYPES for t in v)),
-    ("config", "rope_parameters"): ("an object", lambda v: isinstance(v, dict)),
+    ("config", "rope_parameters"): ("an object whose entries' rope_theta are positive numbers",
+                                    lambda v: isinstance(v, dict) and all(_rope_entry(e) for e in v.values())),
+    # the graph's constants came from these; the exporter refuses the same values in a source's config
+    ("config", "query_pre_attn_scalar"): ("a positive finite number", _positive_number),
+    **{("config", name): ("a positive finite number or null", lambda v: v is None or _positive_number(v))
+       for name in ("final_logit_softcapping", "attn_logit_softcapping")},
+    **{("config", name): ("a positive finite number", _positive_number) for name in ("rope_theta", "rope_local_base_freq")},
     ("kv_cache", "past_present_share_buffer"): ("true or false", lambda v: isinstance(v, bool)),
 }
 
@@ -196,11 +207,16 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         path: the manifest's path, for the message.
 
     Raises:
-        FormatError: ``config`` or ``quantization`` is not an object, or naming the first field whose
-            value is not what the runtime expects.
+        FormatError: ``config`` or ``quantization`` is not an object, ``config`` is absent from a
+            manifest this toolkit wrote (``tool`` names gemma-export), or naming the first field
+            whose value is not what the runtime expects.
     """
     if not isinstance(manifest.get("config", {}), dict):
         raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
+    tool = manifest.get("tool")
+    if "config" not in manifest and isinstance(tool, dict) and "gemma-export" in tool:  # verify refuses it too
+        raise FormatError(f"{path}: no field 'config' (an object); every export of gemma-export records its model "
+                          "config there")
     if not isinstance(manifest.get("kv_cache", {}), dict):
         raise FormatError(f"{path}: field 'kv_cache' must be an object, found {type(manifest['kv_cache']).__name__}")
     if manifest.get("quantization") is not None and not isinstance(manifest["quantization"], dict):  # fp32, bf16: none

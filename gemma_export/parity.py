@@ -120,7 +120,7 @@ class ParityReport:
 
 
 # ---- inputs -------------------------------------------------------------------------------------
-def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, list[int]]]:
+def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
     """``(text, ids)`` per prompt. ``path``: a text file (one prompt per non-empty line) or a JSON
     list of strings and/or id lists (a ``.json`` file, or any file that holds a JSON list, such as
     ``/dev/stdin``); None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the export's tokenizer
@@ -129,11 +129,14 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
     Args:
         path: the prompts file, or None.
         tokenizer: the export's ``tokenizers.Tokenizer``, or None (then only id lists are accepted).
+        max_tokens: the model's ``max_position_embeddings``, or None: a text prompt of more tokens is
+            refused without being tokenized whole (:func:`~gemma_export.runtime.encode_prompt`).
 
     Returns:
         ``(text or None, ids)`` per prompt, in file order; never empty.
 
     Raises:
+        GemmaExportError: a text prompt of more than ``max_tokens`` tokens.
         SourceNotFoundError: no such file, or unreadable.
         FormatError: not UTF-8, unreadable JSON, entries of another kind (a text prompt without a
             tokenizer, a lone surrogate, an empty or negative id list), or no prompts.
@@ -165,7 +168,7 @@ def read_prompts(path: str | Path | None, tokenizer) -> list[tuple[str | None, l
             if not_unicode_at(item) is not None:
                 raise FormatError(f"{path}: prompt #{n} is not valid Unicode text (a lone surrogate such as "
                                   f"\\ud800); found {item!r:.60}")
-            prompts.append((item, encode_prompt(tokenizer, item)))
+            prompts.append((item, encode_prompt(tokenizer, item, max_tokens, f"{path or 'the default prompts'}: prompt #{n}")))
         elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
@@ -192,7 +195,7 @@ class GoldenEntry(NamedTuple):
 
 
 def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], tokenizer,
-                prompts_file: str | Path | None = None) -> list[GoldenEntry]:
+                prompts_file: str | Path | None = None, max_tokens: int | None = None) -> list[GoldenEntry]:
     """The entries of a golden file.
 
     Accepted JSON: the board team's bare list of expected greedy ids (the generated tokens only,
@@ -212,6 +215,9 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         path: the golden file.
         prompts: :func:`read_prompts`' result; a bare list of ids uses its first prompt.
         tokenizer: the export's tokenizer, or None.
+        prompts_file: see above.
+        max_tokens: the model's ``max_position_embeddings``, or None: a text ``prompt`` of more
+            tokens is refused without being tokenized whole.
 
     Returns:
         One :class:`GoldenEntry` per entry, prompts tokenized by :func:`~gemma_export.runtime.encode_prompt`.
@@ -219,7 +225,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
         GemmaExportError: ``prompts_file`` given for a golden file that carries its own prompts, or
-            with more than one prompt for a bare list of ids.
+            with more than one prompt for a bare list of ids; a text prompt of more than ``max_tokens`` tokens.
     """
     path = Path(path)
     text = read_text_file(path, "golden file")
@@ -266,14 +272,14 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
         if "prompt_ids" in entry:
             prompt_ids = ids(entry["prompt_ids"], f"entry #{n} 'prompt_ids'")
             if "prompt" in entry and tokenizer is not None and isinstance(entry["prompt"], str):
-                encoded = encode_prompt(tokenizer, entry["prompt"])
+                encoded = encode_prompt(tokenizer, entry["prompt"], max_tokens, f"{path}: entry #{n} 'prompt'")
                 # both given: they must be the same prompt (a file written before encode_prompt may
                 # hold a text's own leading <bos> twice, as transformers encodes it)
                 if prompt_ids not in (encoded, tokenizer.encode(entry["prompt"]).ids):
                     raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {shown(encoded)}, "
                                       f"not to its 'prompt_ids' {shown(prompt_ids)}")
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
-            prompt_ids = encode_prompt(tokenizer, entry["prompt"])
+            prompt_ids = encode_prompt(tokenizer, entry["prompt"], max_tokens, f"{path}: entry #{n} 'prompt'")
         else:
             raise FormatError(f"{path}: entry #{n} has a text 'prompt' and no 'prompt_ids', and the export has no "
                               "tokenizer.json to encode it; give the entry its prompt_ids")
@@ -435,8 +441,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # the prompt and golden files are read before the (slow) session, so their errors come first
     golden_only = not (against_transformers or reference)
     # the default prompts are text: an export without a tokenizer runs a golden file's own prompt ids
-    prompt_list = [] if golden_only and prompts is None and tokenizer is None else read_prompts(prompts, tokenizer)
-    golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None) if golden else []
+    # a text longer than the model's positions is refused before it is tokenized whole (the default
+    # prompts, which a golden file alone never runs, are short and checked later if they run)
+    positions = manifest_figure(model_dir, "max_position_embeddings")
+    prompt_list = [] if golden_only and prompts is None and tokenizer is None else read_prompts(
+        prompts, tokenizer, positions if prompts is not None else None)
+    golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None,
+                               positions) if golden else []
 
     def check_inputs(vocab: int | None, limit: int | None) -> None:
         """Every prompt and golden id inside the vocabulary, every sequence inside the positions, and

@@ -353,16 +353,19 @@ def _manifest_source_record(model_dir: Path) -> dict:
 
     Raises:
         SourceNotFoundError: no manifest, no source path in it, or the source is gone.
+        FormatError: the manifest is unreadable (:func:`~gemma_export.manifest.read_manifest`), so
+            said rather than called missing.
     """
-    from .errors import FormatError, SourceNotFoundError
+    from .errors import SourceNotFoundError
     from .onnx_files import MANIFEST_FILE
     from .manifest import read_manifest
 
     manifest = model_dir / MANIFEST_FILE
+    loaded = read_manifest(model_dir)
     try:
-        record = read_manifest(model_dir)["source"]
+        record = loaded["source"]
         path = record["path"]
-    except (FormatError, KeyError, TypeError):
+    except (KeyError, TypeError):
         record, path = None, None
     if not isinstance(path, str) or not path.strip():
         raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source")
@@ -376,6 +379,7 @@ def manifest_source(model_dir: Path) -> str:
 
     Raises:
         SourceNotFoundError: no manifest, no source path in it, or the source is gone.
+        FormatError: the manifest is unreadable.
     """
     return _manifest_source_record(model_dir)["path"]
 
@@ -463,7 +467,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                     tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
     import tempfile
 
-    from .bench import real_text
+    from .bench import TEXT_BYTES_READ, real_text
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 
@@ -476,13 +480,15 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                                       "an export folder")
         check_export_folder(Path(reference))
     model_dir = Path(model_dir)
-    body, source = real_text(text)
     if tokens is not None and tokens < 2:
         raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
     # without --tokens, tokenize no further than one token past what the model can take (a huge
-    # --text is refused after a prefix, not after tokenizing all of it)
+    # --text is refused after a prefix, not after tokenizing all of it), and read no more of the
+    # file than those tokens can take up, as bench does (a 1 GB --text held 2 GB to score 20 tokens)
     limit = manifest_figure(model_dir, "max_position_embeddings")
-    ids = first_tokens(load_tokenizer(model_dir), body, tokens if tokens is not None or not limit else limit + 1)
+    needed = tokens if tokens is not None or not limit else limit + 1
+    body, source = real_text(text, None if needed is None else max(TEXT_BYTES_READ, 64 * needed))
+    ids = first_tokens(load_tokenizer(model_dir), body, needed)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
     # the export's source (moved, changed) before the (slow) session; its weights are read later

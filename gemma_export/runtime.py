@@ -93,7 +93,7 @@ FUNCTION_GEMMA_TOKENS = frozenset(f"<{edge}_function_{kind}>" for edge in ("star
                                   for kind in ("declaration", "call", "response")) | {"<escape>"}
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str = "the prompt") -> list[int]:
     """The prompt's token ids as ``generate`` and ``parity`` feed them: ``<bos>`` (what the
     tokenizer's post-processor prepends) once, also when the text already starts with it, as a chat
     template's output does (transformers would then give two).
@@ -101,10 +101,24 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
     Args:
         tokenizer: a ``tokenizers.Tokenizer`` (the export's ``tokenizer.json``).
         text: the prompt.
+        max_tokens: when given (the model's ``max_position_embeddings``), a text of more tokens is
+            refused after tokenizing only a prefix of it (:func:`~gemma_export.text_files.first_tokens`):
+            a tokenizer holds about 100–400 bytes per character of the text it encodes whole.
+        what: names the prompt in that error, e.g. ``"prompts.txt: prompt #3"``.
 
     Returns:
         The ids (Python ints).
+
+    Raises:
+        GemmaExportError: more than ``max_tokens`` tokens.
     """
+    if max_tokens is not None:
+        from .text_files import first_tokens
+
+        # max_tokens + 2 ids: still more than max_tokens once a text's own leading <bos> is not doubled
+        if len(first_tokens(tokenizer, text, max_tokens + 2)) > max_tokens + 1:
+            raise GemmaExportError(f"{what}: more than {max_tokens:,} tokens, the model's max_position_embeddings; "
+                                   "give a shorter prompt")
     ids = tokenizer.encode(text).ids
     own = tokenizer.encode(text, add_special_tokens=False).ids
     if own and len(ids) == len(own) + 1 and ids[1:] == own and ids[0] == own[0]:

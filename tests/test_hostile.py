@@ -522,6 +522,22 @@ CASES = {
     "manifest rms_norm_eps a string (verify)": Case(export_copy(_manifest_field("config", "rms_norm_eps", "abc"), _verify),
                                                     VerificationError, ("field 'config.rms_norm_eps' must be a positive "
                                                                         "finite number", 'found "abc"')),
+    # probe findings (2026-12-06): values the exporter refuses in a source's config.json passed verify
+    "manifest query_pre_attn_scalar negative (verify)": Case(
+        export_copy(_manifest_field("config", "query_pre_attn_scalar", -16), _verify),
+        VerificationError, ("field 'config.query_pre_attn_scalar' must be a positive finite number", "found -16")),
+    "manifest final_logit_softcapping negative (generate)": Case(
+        export_copy(_manifest_field("config", "final_logit_softcapping", -3), _generate),
+        FormatError, ("field 'config.final_logit_softcapping' must be a positive finite number or null", "found -3")),
+    "manifest rope_theta negative (verify)": Case(
+        export_copy(_manifest_field("config", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": -5},
+                                                                  "sliding_attention": {"rope_type": "default",
+                                                                                        "rope_theta": 10000.0}}), _verify),
+        VerificationError, ("field 'config.rope_parameters' must be an object whose entries' rope_theta are positive",)),
+    "manifest without config (generate)": Case(
+        export_copy(_manifest_field(None, "config", DELETE), _generate),
+        FormatError, ("manifest.json: no field 'config' (an object); every export of gemma-export records its model "
+                      "config there",)),
     "manifest head_dim 0 (verify)": Case(export_copy(_manifest_field("config", "head_dim", 0), _verify),
                                          VerificationError, ("field 'config.head_dim' must be a positive integer", "found 0")),
     "manifest head_dim not the graph's (verify)": Case(export_copy(_manifest_field("config", "head_dim", 48), _verify),

@@ -608,7 +608,9 @@ def test_a_manifest_whose_vocabulary_contradicts_the_graph_is_named_not_the_inpu
     (lambda d: [d], "is a folder; expected a reference MLIR file (--reference)"),
     (lambda d: [d / "gemma.mlir", "--reference-weights", d / "absent.safetensors"],
      "absent.safetensors: no such reference archive (--reference-weights)"),
-    (lambda d: [d / "gemma.mlir"], "gemma.mlir: no util.global bound to a #flow.parameter.named parameter; not a reference export"),
+    (lambda d: [d / "gemma.mlir"], "gemma.mlir: no util.global bound to a #flow.parameter.named parameter; not a reference export\n"),
+    (lambda d: [d / "notes.txt"], "notes.txt: no util.global bound to a #flow.parameter.named parameter; not a reference "
+                                  "export (a reference export is its .mlir file, with its archive beside it)"),
 ])
 def test_a_bad_reference_is_named_before_the_model_is_loaded(tiny_int8_export, tmp_path, monkeypatch, files, message):
     """No 'compiling …' line and no session for reference files that are missing or unreadable."""
@@ -616,6 +618,7 @@ def test_a_bad_reference_is_named_before_the_model_is_loaded(tiny_int8_export, t
 
     monkeypatch.setattr(runtime.OnnxDecoder, "__init__", lambda *a, **k: pytest.fail("the model was loaded first"))
     (tmp_path / "gemma.mlir").write_text("module {\n}\n")
+    (tmp_path / "notes.txt").write_text("module {\n}\n")
     args = files(tmp_path)
     result = _parity("--model", tiny_int8_export, "--reference", *args)
     assert result.exit_code == 2, result.output
@@ -839,3 +842,32 @@ def test_cosine_is_the_mean_over_rows_of_the_angle_cosine():
     a = np.array([[1.0, 0.0], [3.0, 4.0], [0.0, 0.0]])
     b = np.array([[1.0, 1.0], [6.0, 8.0], [0.0, 0.0]])  # 45 degrees; the same direction scaled; a zero row
     assert _cosine_rows(a, b) == pytest.approx((1 / np.sqrt(2) + 1.0 + 0.0) / 3)
+
+
+@pytest.mark.parametrize("kind", ["prompts", "golden"])
+def test_a_prompt_beyond_the_positions_is_refused_before_it_is_tokenized_whole(tiny_int8_export, tmp_path,
+                                                                              monkeypatch, kind):
+    """A 1 MB prompt line (probe finding: 10 MB took 4 GB, 300 MB was killed for memory): refused by
+    its token count against max_position_embeddings (256 here) after tokenizing a prefix only."""
+    from tokenizers import Tokenizer
+
+    text = "the quick brown fox " * 50_000
+    encoded = []
+    encode = Tokenizer.encode
+
+    def recording(self, sequence, *args, **kwargs):
+        encoded.append(len(sequence))
+        return encode(self, sequence, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", recording)
+    if kind == "prompts":
+        (tmp_path / "p.txt").write_text(text + "\n")
+        args, what = ["--prompts", tmp_path / "p.txt", "--against", "transformers"], f"{tmp_path / 'p.txt'}: prompt #0"
+    else:
+        (tmp_path / "g.json").write_text(json.dumps({"prompt": text, "expected_ids": [5]}))
+        args, what = ["--golden", tmp_path / "g.json"], f"{tmp_path / 'g.json'}: entry #0 'prompt'"
+    result = _parity("--model", tiny_int8_export, *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: {what}: more than 256 tokens, the model's max_position_embeddings; give a "
+                             "shorter prompt\n")
+    assert encoded and max(encoded) <= 8 * 258 * 2  # prefixes, doubled at most once past 8 characters per token

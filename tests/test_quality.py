@@ -389,6 +389,27 @@ def test_tokens_limits_how_much_of_a_long_text_is_tokenized(tiny_int8_export):
     assert first_tokens(tokenizer, "short text", 5) == real_encode("short text").ids[:5]
 
 
+@pytest.mark.parametrize("tokens, read", [(20, 1 << 20), (30_000, 64 * 30_000), (None, 1 << 20)])
+def test_quality_reads_only_the_start_of_a_long_text(tiny_int8_export, tmp_path, monkeypatch, tokens, read):
+    """As bench: at most max(1 MiB, 64 bytes per token needed) of --text (probe finding: a 1 GB
+    file held 2 GB to score 20 tokens); a byte that is no UTF-8 beyond that part goes unread. Without
+    --tokens, the model's 256 positions + 1 are read, to refuse a longer text by name."""
+    from gemma_export import bench, quality
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 50_000 + b"\xff")  # 2.25 MB
+    asked = []
+    real_text = bench.real_text
+    monkeypatch.setattr(bench, "real_text", lambda path, max_bytes=None: asked.append(max_bytes) or real_text(path, max_bytes))
+    try:
+        report = quality.run_quality(tiny_int8_export, reference=str(tiny_int8_export), text=big, tokens=tokens)
+    except GemmaExportError as e:  # more than the model's 256 positions
+        assert tokens != 20 and f"{big} has more than 256 tokens" in str(e), e
+    else:
+        assert report.metrics.tokens == tokens == 20
+    assert asked == [read]
+
+
 def test_first_tokens_never_keeps_a_token_cut_at_the_prefix_end():
     """A word cut by the prefix tokenizes differently from the whole word: tokens that close to the
     cut are not taken from the prefix, whose first 4,096 characters end inside the 373rd word."""
@@ -654,3 +675,23 @@ def test_a_moved_source_is_named_before_the_session_loads(tiny_dir, tmp_path, mo
             run_parity(out, against_transformers=True)
         else:
             run_quality(out, reference=command.split("-")[1], text=text)
+
+
+@pytest.mark.parametrize("command", [["quality", "--text", "{text}", "--tokens", "20", "--reference", "fp32"],
+                                     ["parity", "--against", "transformers"]])
+def test_a_manifest_that_is_no_json_is_called_unreadable_not_missing(tiny_int8_export, text_file, tmp_path, command):
+    """Probe finding: quality and parity called a manifest.json holding "{" missing."""
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_int8_export, broken)
+    (broken / "manifest.json").write_text("{")
+    args = [a.replace("{text}", str(text_file)) for a in command]
+    result = CliRunner().invoke(app, [args[0], "--model", str(broken), *args[1:]])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: {broken / 'manifest.json'}: unreadable manifest: Expecting property name")
+    assert result.stderr.count("\n") == 1 and "missing" not in result.stderr

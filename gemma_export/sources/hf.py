@@ -2,7 +2,10 @@
 ``model.safetensors.index.json``, and the tokenizer files beside them.
 
 Tensors stay memory-mapped (``safetensors.safe_open``) until the exporter asks for them. Names may
-carry the multimodal prefix ``model.language_model.``; vision-tower tensors are ignored.
+carry the multimodal prefix ``model.language_model.``; vision-tower and projector tensors are
+ignored. Any other tensor in the text decoder's names (e.g. a ``model.norm.bias``) is refused, since
+leaving it out would change the model's output; a tensor of no known part is left out and noted
+(:attr:`~gemma_export.checkpoint.Checkpoint.ignored`).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from pathlib import Path
 import ml_dtypes
 from safetensors import SafetensorError, safe_open
 
-from ..checkpoint import LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
+from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError
 from ..text_files import non_regular
@@ -41,6 +44,8 @@ def _check_json_object(path: Path, content: bytes) -> None:
         raise FormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+#: a multimodal Gemma 3 checkpoint's parts besides the text decoder (transformers 4 and 5 names)
+_OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 def _hf_name(key: str) -> str | None:
@@ -122,6 +127,7 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
     config = load_hf_config(folder / "config.json")
     wanted = set(expected_shapes(config)) | {LM_HEAD}
     tensors: dict[str, TensorRef] = {}
+    ignored: list[str] = []
     total_bytes = 0
     shards, weight_map = _shard_files(folder)
     index = folder / "model.safetensors.index.json"
@@ -143,6 +149,8 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
                 for key in keys:
                     name = _hf_name(key)
                     if name not in wanted:
+                        if key.startswith(_OTHER_PARTS):
+                            continue
                         if name and name.startswith("model.layers."):
                             index = name.split(".")[2]
                             if index.isdigit() and int(index) >= config.num_hidden_layers:
@@ -151,6 +159,11 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
                             raise FormatError(f"{shard}: unexpected tensor '{key}': not a Gemma 3 decoder layer weight "
                                               "(expected self_attn.{q,k,v,o}_proj, self_attn.{q,k}_norm, "
                                               "mlp.{gate,up,down}_proj and the four layer norms)")
+                        if name is not None or key.startswith(("lm_head.", "language_model.lm_head.")):
+                            raise FormatError(f"{shard}: unexpected tensor '{key}': not a weight of the Gemma 3 text "
+                                              f"decoder (expected {EMBED}, {FINAL_NORM}, {LM_HEAD} and the layers'); "
+                                              "leaving it out would change the model's output")
+                        ignored.append(key)
                         continue
                     if name in tensors:
                         raise FormatError(f"{shard}: tensor '{name}' appears twice ('{key}' and {tensors[name].origin})")
@@ -173,6 +186,7 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
         tokenizer=read_tokenizer_folder(folder, config.vocab_size) if tokenizer else None,
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
+        ignored=tuple(ignored),
         files=(folder / "config.json", *shards),
     )
 

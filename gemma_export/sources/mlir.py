@@ -174,7 +174,9 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 name, args, results = m.groups()
                 functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")), number))
     if not globals_:
-        raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference export")
+        kind = "" if Path(path).suffix == ".mlir" else " (a reference export is its .mlir file, with its archive beside it)"
+        raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference "
+                          f"export{kind}")
     if depth:
         raise FormatError(f"{path}: ends with {depth} brace(s) still open; the file is cut short")
     if not last.endswith(b"}"):  # a file without a module around its operations, cut between two of them
