@@ -201,6 +201,10 @@ A pre-trained model, such as the Gemma 3 270M bundled with the toolkit, continue
 instruction-tuned one, such as FunctionGemma, answers a turn written out with its control tokens
 (`<start_of_turn>user ... <end_of_turn>`, as `gemma-export generate --help` says).
 
+An application of your own that runs `model/model.onnx` with onnxruntime directly finds the inputs,
+the prompt's ids and the KV cache rules in the gemma-export repository's `docs/integration.md`;
+its `tools/plain_onnxruntime.py` is the same as a short script (onnxruntime, tokenizers and numpy).
+
 {memory} `bench` fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the
 board's memory free.
 """

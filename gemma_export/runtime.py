@@ -101,16 +101,18 @@ def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str
     Args:
         tokenizer: a ``tokenizers.Tokenizer`` (the export's ``tokenizer.json``).
         text: the prompt.
-        max_tokens: when given (the model's ``max_position_embeddings``), a text of more tokens is
-            refused after tokenizing only a prefix of it (:func:`~gemma_export.text_files.first_tokens`):
-            a tokenizer holds about 100–400 bytes per character of the text it encodes whole.
+        max_tokens: when given (the model's ``max_position_embeddings``), a text of more than
+            ``max_tokens + 1`` tokens (more than ``max_tokens`` even if a doubled ``<bos>`` is
+            dropped) is refused after tokenizing only a prefix of it
+            (:func:`~gemma_export.text_files.first_tokens`): a tokenizer holds about 100–400 bytes
+            per character of the text it encodes whole. The caller's exact length check does the rest.
         what: names the prompt in that error, e.g. ``"prompts.txt: prompt #3"``.
 
     Returns:
         The ids (Python ints).
 
     Raises:
-        GemmaExportError: more than ``max_tokens`` tokens.
+        GemmaExportError: more than ``max_tokens + 1`` tokens.
     """
     if max_tokens is not None:
         from .text_files import first_tokens

@@ -36,7 +36,8 @@ def _recorded(step_fn, record):
 
 
 def _toolkit(folder, ids, new_tokens, chunk):
-    """The toolkit's own greedy run (`generate`'s path) with each step's logits."""
+    """The toolkit's own greedy run (`generate`'s path): its ids, each step's logits, and the
+    position its sliding buffers' first row held at the end (> 0: rows were dropped)."""
     decoder = OnnxDecoder(folder, threads=1, prepacked=False)
     record = []
     cache = KVCache(decoder, 1, len(ids) + new_tokens - 1, max_step=chunk)
@@ -44,31 +45,33 @@ def _toolkit(folder, ids, new_tokens, chunk):
     cache_step = _recorded(lambda i, m, p, past: original(i, m, p), record)
     new_ids = plain.steps(ids, new_tokens, chunk, cache_step, set())
     assert new_ids == decoder.greedy(ids, new_tokens, stop_ids=(), prefill_chunk=chunk)[0]
-    return new_ids, record
+    return new_ids, record, cache.sliding_start
 
 
 @pytest.mark.parametrize("export_name", ["tiny_fp32_export", "tiny_int8_export"])
-@pytest.mark.parametrize("chunk", [512, 16])
-def test_shared_buffers_give_the_toolkits_logits_exactly(export_name, chunk, request):
+@pytest.mark.parametrize("prompt, new_tokens, chunk", [(PROMPT, 40, 512), (PROMPT, 40, 16), ("the fox", 120, 512)])
+def test_shared_buffers_give_the_toolkits_logits_exactly(export_name, prompt, new_tokens, chunk, request):
+    """Each step's logits bit for bit: a long prompt in one step or in steps of 16, and a prompt
+    shorter than the room of 64 rows whose drops all come in decode steps (review finding: the
+    buffers were sized by the prompt's length, not the step's, and dropped a step early)."""
     folder = request.getfixturevalue(export_name)
     model = plain.Model(folder, threads=1)
-    ids = model.encode(PROMPT)
-    assert ids[0] == 2 and ids.count(2) == 1 and len(ids) == len(PROMPT) + 1
-    want_ids, want = _toolkit(folder, ids, 40, chunk)
-    capacity = len(ids) + 39
+    ids = model.encode(prompt)
+    assert ids[0] == 2 and ids.count(2) == 1 and len(ids) == len(prompt) + 1
+    want_ids, want, dropped_to = _toolkit(folder, ids, new_tokens, chunk)
+    assert dropped_to > 0 and model.sliding
     record = []
-    step = plain.shared_step(model, capacity, min(chunk, len(ids)))
-    got_ids = plain.steps(ids, 40, chunk, _recorded(step, record), set())
+    step = plain.shared_step(model, len(ids) + new_tokens - 1, chunk)
+    got_ids = plain.steps(ids, new_tokens, chunk, _recorded(step, record), set())
     assert got_ids == want_ids
     assert len(record) == len(want) and all(np.array_equal(a, b) for a, b in zip(record, want))
-    # the sliding layers dropped rows: the buffers never grew to the whole sequence
-    assert model.sliding and capacity > model.window - 1 + max(min(chunk, len(ids)), plain.SLIDING_ROOM)
+    assert plain.generate(model, ids, new_tokens, "shared", chunk) == want_ids
 
 
 def test_arrays_mode_gives_the_same_tokens_on_fp32(tiny_fp32_export):
     model = plain.Model(tiny_fp32_export, threads=1)
     ids = model.encode(PROMPT)
-    want_ids, want = _toolkit(tiny_fp32_export, ids, 40, 16)
+    want_ids, want, _ = _toolkit(tiny_fp32_export, ids, 40, 16)
     record = []
     got_ids = plain.steps(ids, 40, 16, _recorded(plain.arrays_step(model), record), set())
     assert got_ids == want_ids
@@ -76,13 +79,13 @@ def test_arrays_mode_gives_the_same_tokens_on_fp32(tiny_fp32_export):
 
 
 def test_one_bos_whatever_the_text_starts_with(tiny_int8_export):
-    """tokenizer.json adds <bos>; text starting with "<bos>" gets a second one, which is dropped; a
-    tokenizer that adds none gets one."""
+    """tokenizer.json adds <bos>; text starting with "<bos>" gets a second one, which is dropped (one
+    only, as generate's encode_prompt); a tokenizer that adds none gets one."""
     model = plain.Model(tiny_int8_export)
     assert model.encode("ab") == [2, 4, 5]
-    for given in ([2, 2, 4, 5], [4, 5]):
+    for given, want in (([2, 2, 4, 5], [2, 4, 5]), ([4, 5], [2, 4, 5]), ([2, 2, 2, 4], [2, 2, 4])):
         model.tokenizer = type("Stub", (), {"encode": lambda self, text, ids=given: type("E", (), {"ids": ids})()})()
-        assert model.encode("ab") == [2, 4, 5]
+        assert model.encode("ab") == want  # "<bos><bos>a": two, as generate feeds it
 
 
 def test_main_prints_ids_that_generate_gives(tiny_int8_export, capsys):

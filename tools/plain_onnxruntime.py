@@ -19,7 +19,8 @@ Two ways to carry the KV cache (``--mode``):
   different token at a near-tie).
 
 Prints the text (prompt and continuation) and, with ``--json``, the ids as ``{"prompt_ids",
-"new_ids"}``. Needs only ``onnxruntime``, ``tokenizers`` and ``numpy``.
+"new_ids"}``. One prompt at a time (batch 1). Needs only ``onnxruntime``, ``tokenizers`` and
+``numpy``.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ class Model:
         """The prompt's ids with exactly one ``<bos>`` first (tokenizer.json adds it; text that
         starts with "<bos>" would otherwise get two)."""
         ids = self.tokenizer.encode(text).ids
-        while ids[:2] == [self.bos, self.bos]:
+        if ids[:2] == [self.bos, self.bos]:  # the text's own <bos> after the added one: keep one of those two
             ids = ids[1:]
         return ids if ids[:1] == [self.bos] else [self.bos, *ids]
 
@@ -109,8 +110,9 @@ def shared_step(model: Model, capacity: int, max_step: int):
     """A step function over one buffer per cache tensor, bound as both past and present.
 
     ``capacity``: the most positions any step holds (prompt + new tokens - 1); ``max_step``: the
-    longest step, which sizes the sliding layers' buffers (``sliding_window - 1 + max(step,
-    SLIDING_ROOM)`` rows, at most ``capacity``)."""
+    prompt's step length (``--chunk``, 512 as ``generate``'s, also for a shorter prompt), which sizes
+    the sliding layers' buffers (``sliding_window - 1 + max(max_step, SLIDING_ROOM)`` rows, at most
+    ``capacity``) and so decides when rows are dropped."""
     import onnxruntime as ort
 
     binding = model.session.io_binding()
@@ -162,7 +164,7 @@ def generate(model: Model, prompt_ids: list[int], max_new_tokens: int, mode: str
     if mode == "arrays":
         return steps(prompt_ids, max_new_tokens, chunk, arrays_step(model), model.stop)
     capacity = len(prompt_ids) + max(max_new_tokens - 1, 0)
-    return steps(prompt_ids, max_new_tokens, chunk, shared_step(model, capacity, min(chunk, len(prompt_ids))), model.stop)
+    return steps(prompt_ids, max_new_tokens, chunk, shared_step(model, capacity, chunk), model.stop)
 
 
 def main(argv: list[str] | None = None) -> int:
