@@ -162,7 +162,8 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     quantized = dtype in QUANTIZED_DTYPES  # float weights: no pre-packed copy (it would be 2-4 x the model)
     prepack_step = "pre-pack the weights for this board's CPU, " if quantized else ""
     prepack_line = "    ~/gx/bin/gemma-export prepack --model model\n" if quantized else ""
-    memory = QUANTIZED_MEMORY if quantized else FLOAT_MEMORY.format(dtype=dtype, peak=BF16_PEAK_GB)
+    memory = (QUANTIZED_MEMORY.format(**QUANTIZED_MEMORY_FIGURES[dtype]) if quantized
+              else FLOAT_MEMORY.format(dtype=dtype, peak=BF16_PEAK_GB))
     how, float16 = quantization_text(model_manifest) if quantized else ("", "")
     return f"""# gemma-export bundle for the {spec.title}
 
@@ -214,14 +215,24 @@ board's memory free.
 QUANTIZED_MEMORY = """`prepack` writes `model/prepacked/` (about twice the model's size on disk): onnxruntime's graph with
 the weights already in its kernels' layout for this CPU, checked to give the same logits. `generate`
 and `bench` then map those weights from the file instead of copying them onto the heap, which keeps
-the growth of the process's Anonymous memory (which the kernel cannot reclaim) at about 0.02 × the
-model after a short prompt and 0.11–0.12 × after a 512-token one (the default int8 export on x86-64,
-2026-12-05; `bench`
-shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, 4–11 MB, hold on lines of
-their own), instead of above its size. Peak resident memory rises by
-90–180 MB of clean file pages, which the kernel can reclaim under pressure. Skip it if the disk is
+the growth of the process's Anonymous memory (which the kernel cannot reclaim) small: {growth}
+(`bench` shows what the tokenizer, ~100 MB, and the import of onnx and onnxruntime, 4–11 MB, hold on
+lines of their own). Peak resident memory rises by {peak_rise} of clean file pages, which the kernel can
+reclaim under pressure. Skip it if the disk is
 short; everything works without it (the weights are then moved onto transparent huge pages after
 loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many MB)."""
+
+#: the bundle README's memory figures per quantized dtype: Anonymous growth with the pre-packed copy
+#: and from the heap, and how much the copy raises the peak (`bench --board sl2610 --prompt-tokens 512
+#: --new-tokens 128` on x86-64, the default exports of the real 270M)
+QUANTIZED_MEMORY_FIGURES = {
+    "int8": {"growth": "about 0.02 × the model after a short prompt and 0.11–0.12 × after a 512-token one, "
+                       "against 1.17 × without it (the default int8 export on x86-64, 2026-12-05 and 2026-12-06)",
+             "peak_rise": "90–180 MB"},
+    "int4": {"growth": "0.18 × the model after a 512-token prompt, against 1.37 × without it (the default "
+                       "int4 export on x86-64, 2026-12-06; peak 657 MB with it, 585 MB without)",
+             "peak_rise": "about 70 MB"},
+}
 
 #: the 270M bf16 export's peak in `bench --board sl2610` on x86-64 (2026-12-04 and 2026-12-05, two
 #: machines), GB: quoted by the bundle README and by `bundle`'s note for float weights

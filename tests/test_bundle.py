@@ -71,7 +71,7 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     assert readme.index("gemma-export prepack --model model") < readme.index("gemma-export generate --model model")
     # what generate prints depends on the model: the board team is told what to expect (helper-found)
     assert "A pre-trained model, such as the Gemma 3 270M bundled with the toolkit, continues the prompt" in " ".join(lines)
-    assert "0.02 × the\nmodel after a short prompt and 0.11–0.12 ×" in readme  # the figures README.md gives
+    assert "about 0.02 × the model after a short prompt and 0.11–0.12 × after a 512-token one" in " ".join(lines)
     assert runner.invoke(app, ["verify", str(out / "model")]).exit_code == 0
     assert "~/gx/bin/gemma-export verify .\n" in readme  # the whole folder: BUNDLE.json, then the model
     checked = runner.invoke(app, ["verify", str(out)])
@@ -556,6 +556,10 @@ def test_the_board_readme_pre_packs_quantized_weights_only(dtype, prepacked):
     assert (f"The weights are {dtype}: onnxruntime computes with them in float32" in text) == (not prepacked)
     assert commands[-1] == "~/gx/bin/gemma-export bench --model model --board sl2610 --json ~/bench.json"
     assert "less than 300 MB of the\nboard's memory free" in text
+    # each quantized dtype's own memory figures (an int4 bundle quoted the int8 export's)
+    joined = " ".join(text.splitlines())
+    assert ("0.18 × the model after a 512-token prompt, against 1.37 ×" in joined) == (dtype == "int4")
+    assert ("0.11–0.12 × after a 512-token one" in joined) == (dtype == "int8")
 
 
 def test_bundle_of_float_weights_says_on_the_console_that_they_are_not_the_boards(tiny_dir, wheel, tmp_path):
