@@ -97,7 +97,23 @@ def test_main_prints_ids_that_generate_gives(tiny_int8_export, capsys):
     assert record["new_ids"] == decoder.greedy(record["prompt_ids"], 30, prefill_chunk=16)[0]
 
 
-def test_a_folder_without_manifest_is_one_line(tmp_path, capsys):
-    assert plain.main(["--model", str(tmp_path), "--prompt", "a"]) == 1
+@pytest.mark.parametrize("case, where, reason", [
+    ("no manifest", "{tmp}", "No such file or directory"),
+    ("no graph", "{tmp}", "model.onnx"),
+    ("no prompt file", "{tmp}/absent.txt", "No such file or directory"),
+    ("json in a missing folder", "{tmp}/no/out.json", "No such file or directory"),
+])
+def test_bad_input_is_one_line_naming_the_file(tiny_int8_export, tmp_path, capsys, case, where, reason):
+    """Probe of the script: one error line naming the file, status 1, no traceback."""
+    model, text = tmp_path, ["--prompt", "a"]
+    if case == "no graph":
+        shutil.copy(tiny_int8_export / "manifest.json", tmp_path)
+    elif case != "no manifest":
+        model = tiny_int8_export
+    if case == "no prompt file":
+        text = ["--prompt-file", str(tmp_path / "absent.txt")]
+    if case == "json in a missing folder":
+        text += ["--json", str(tmp_path / "no" / "out.json")]
+    assert plain.main(["--model", str(model), *text, "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {tmp_path}: ") and "manifest.json" in err and err.count("\n") == 1
+    assert err.startswith(f"error: {where.format(tmp=tmp_path)}: ") and reason in err and err.count("\n") == 1, err

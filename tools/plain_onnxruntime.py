@@ -47,6 +47,7 @@ class Model:
         folder = Path(folder)
         config = json.loads((folder / "manifest.json").read_text())["config"]
         options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: the load's expected sliding_cache_start warning stays quiet
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
@@ -182,18 +183,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.chunk < 1:
         parser.error("--max-new-tokens and --chunk must be at least 1")
+    def fail(where, error: Exception) -> int:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
+        print(f"error: {where}: {reason.splitlines()[0] if reason else type(error).__name__}", file=sys.stderr)
+        return 1
+
+    try:
+        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        return fail(args.prompt_file, e)
     try:
         model = Model(args.model, args.threads)
-        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: {args.model}: {e}", file=sys.stderr)
-        return 1
+    except Exception as e:  # noqa: BLE001 - onnxruntime's and tokenizers' own error types, KeyError of a manifest
+        return fail(args.model, e)
     prompt_ids = model.encode(prompt)
     new_ids = generate(model, prompt_ids, args.max_new_tokens, args.mode, args.chunk)
-    if args.json:
-        record = json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids})
-        sys.stdout.write(record + "\n") if args.json == "-" else Path(args.json).write_text(record + "\n")
-    if args.json != "-":
+    if args.json and args.json != "-":
+        try:
+            Path(args.json).write_text(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids}) + "\n")
+        except OSError as e:
+            return fail(args.json, e)
+    if args.json == "-":
+        print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids}))
+    else:
         print(prompt + model.tokenizer.decode(new_ids))
     return 0
 
