@@ -250,6 +250,11 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _elapsed_line(seconds: float, peak_bytes: int) -> str:
+    """The last line of `export` and `quality`: wall time and the process's peak resident memory."""
+    return f"elapsed {seconds:.1f} s, peak memory {_mb(peak_bytes)}"
+
+
 def _refuse_export_options(ctx: typer.Context) -> None:
     """Exit 2 when an export option stands before a subcommand (``gemma-export --dtype fp32 generate
     ...``): it would otherwise be ignored without a word."""
@@ -397,7 +402,7 @@ def _export_summary(result, archive: int) -> None:
                    "and `quality` need one: export again with --tokenizer TOKENIZER.json (the model's own; "
                    "a file copied into the folder afterwards is not in its manifest, and `verify`, `bundle` "
                    "and `prepack` refuse the folder)", err=True)
-    typer.echo(f"elapsed {result.elapsed_s:.1f} s, peak memory {_mb(result.peak_rss_bytes)}")
+    typer.echo(_elapsed_line(result.elapsed_s, result.peak_rss_bytes))
 
 
 THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (default: onnxruntime's, one per core)."
@@ -736,7 +741,7 @@ def quality(
                              progress=lambda msg: typer.echo(msg, err=True), prepacked=prepacked)
         typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         # both models and their logits are held at once: the peak is far above one model's (~3.7 GB, 270M int8 + fp32)
-        typer.echo(f"elapsed {time.monotonic() - started:.1f} s, peak memory {_mb(peak_rss_bytes())}", err=True)
+        typer.echo(_elapsed_line(time.monotonic() - started, peak_rss_bytes()), err=True)
         if json_out is not None:
             write_json(report.to_dict(), json_out)
 

@@ -136,7 +136,8 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
         ``(text or None, ids)`` per prompt, in file order; never empty.
 
     Raises:
-        GemmaExportError: a text prompt of more than ``max_tokens`` tokens.
+        GemmaExportError: a text prompt of more than ``max_tokens + 1`` tokens
+            (:func:`~gemma_export.runtime.encode_prompt`; the exact length is checked later).
         SourceNotFoundError: no such file, or unreadable.
         FormatError: not UTF-8, unreadable JSON, entries of another kind (a text prompt without a
             tokenizer, a lone surrogate, an empty or negative id list), or no prompts.
@@ -225,7 +226,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     Raises:
         SourceNotFoundError, FormatError: naming the file and the entry.
         GemmaExportError: ``prompts_file`` given for a golden file that carries its own prompts, or
-            with more than one prompt for a bare list of ids; a text prompt of more than ``max_tokens`` tokens.
+            with more than one prompt for a bare list of ids; a text prompt of more than
+            ``max_tokens + 1`` tokens (the exact length is checked later).
     """
     path = Path(path)
     text = read_text_file(path, "golden file")
