@@ -435,9 +435,11 @@ def format_result(r: BenchResult) -> str:
                      f"export {ref['export_decode_ms_median']:.1f} ms/token = {ref['export_vs_reference']:.3f}x the reference")
     if r.board:
         where = f" ({r.machine})" if r.machine else ""
-        verdict = (f" (at least {r.board_headroom_bytes / 1e6:,.0f} MB must stay free: "
-                   f"{'fits' if r.board_fits else 'does NOT fit'})" if r.board_headroom_bytes is not None else "")
-        lines.append(f"board {r.board}: peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}{verdict}; the times "
+        verdict, headroom = "", ""
+        if r.board_headroom_bytes is not None:
+            verdict = "fits: " if r.board_fits else "does NOT fit: "
+            headroom = f" (at least {r.board_headroom_bytes / 1e6:,.0f} MB must stay free)"
+        lines.append(f"board {r.board}: {verdict}peak {_room(r.board_memory_bytes, r.peak_rss_bytes, 'its')}{headroom}; the times "
                      f"above were measured on this machine{where}, with {r.threads} thread{'' if r.threads == 1 else 's'}")
     return "\n".join(lines)
 

@@ -137,7 +137,7 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     figures = json.loads(out.read_text())
     assert figures["threads"] == 2 and figures["board"] == "sl2610"
     assert list(figures["prefill_ms"]) == ["5"]
-    assert "board sl2610: peak leaves 1,200 MB of its 1.9 GB (at least 300 MB must stay free: fits)" in result.stdout
+    assert "board sl2610: fits: peak leaves 1,200 MB of its 1.9 GB (at least 300 MB must stay free)" in result.stdout
     assert (figures["board_headroom_bytes"], figures["board_fits"]) == (300_000_000, True)
     # the board sets threads and the budget; the times are this machine's, and the report says so
     import dataclasses
@@ -165,7 +165,7 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "4", "--new-tokens", "5",
                                  "--board", "tinyboard", "--text", str(text_file)])
     assert result.exit_code == 1  # a verdict, as parity's FAIL; 2 stays for bad input
-    assert "board tinyboard: peak exceeds its 0.1 GB by 8 MB" in result.stdout  # not "-8 MB left"
+    assert "board tinyboard: does NOT fit: peak exceeds its 0.1 GB by 8 MB" in result.stdout  # not "-8 MB left"
     assert ("peak resident memory 108 MB exceeds the tinyboard's 0.1 GB by 8 MB; at least 50 MB must stay free"
             in result.output), result.output
     monkeypatch.setattr(bench_module, "peak_rss_bytes", lambda: 70_000_000)  # inside it, but not 50 MB under
@@ -745,7 +745,8 @@ def test_the_board_budget_allows_a_peak_of_exactly_its_memory_less_the_headroom(
                                  board="sl2610", board_memory_bytes=spec.memory_bytes,
                                  board_headroom_bytes=spec.headroom_bytes, board_fits=bench_module.fits_board(spec, peak))
     verdict = "does NOT fit" if refused else "fits"
-    assert f"of its 1.9 GB (at least 300 MB must stay free: {verdict}); the times" in bench_module.format_result(r)
+    assert f"board sl2610: {verdict}: peak leaves " in bench_module.format_result(r)
+    assert "of its 1.9 GB (at least 300 MB must stay free); the times" in bench_module.format_result(r)
     if refused:
         with pytest.raises(BudgetExceeded, match="peak resident memory 1,600 MB leaves 300 MB of the sl2610's 1.9 GB; "
                                                  "at least 300 MB must stay free"):

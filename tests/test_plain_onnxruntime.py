@@ -88,20 +88,59 @@ def test_one_bos_whatever_the_text_starts_with(tiny_int8_export):
         assert model.encode("ab") == want  # "<bos><bos>a": two, as generate feeds it
 
 
-def test_main_prints_ids_that_generate_gives(tiny_int8_export, capsys):
-    """The script's own command line, with a stop id: the new ids end at the first <eos> if any."""
+def test_main_writes_a_golden_entry_that_parity_passes(tiny_int8_export, tmp_path, capsys):
+    """The script's command line, with a stop id: its --json is a golden entry (generate's keys),
+    and `gemma-export parity --golden` finds the toolkit gives the same ids."""
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    golden = tmp_path / "golden.json"
     assert plain.main(["--model", str(tiny_int8_export), "--prompt", PROMPT, "--max-new-tokens", "30",
-                       "--chunk", "16", "--json", "-"]) == 0
-    record = json.loads(capsys.readouterr().out)
+                       "--chunk", "16", "--json", str(golden)]) == 0
+    record = json.loads(golden.read_text())
+    assert sorted(record) == ["expected_ids", "prefill_chunk", "prompt_ids"] and record["prefill_chunk"] == 16
     decoder = OnnxDecoder(tiny_int8_export, threads=1, prepacked=False)
-    assert record["new_ids"] == decoder.greedy(record["prompt_ids"], 30, prefill_chunk=16)[0]
+    assert record["expected_ids"] == decoder.greedy(record["prompt_ids"], 30, prefill_chunk=16)[0]
+    checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])
+    assert checked.exit_code == 0 and "verdict: PASS" in checked.stdout, checked.output
+    # written again over its own earlier record
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "ab", "--max-new-tokens", "2", "--json", str(golden)]) == 0
+
+
+def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int8_export, tmp_path, capsys, monkeypatch):
+    """Fresh-user finding: --json naming the export's data file replaced it (the export was lost),
+    and a --json in a missing folder failed after the run."""
+    data = tmp_path / "model.onnx.data"
+    data.write_bytes(b"\x00weights" * 100)
+    monkeypatch.setattr(plain, "Model", lambda *a, **k: pytest.fail("the model was loaded before --json was checked"))
+    for target, reason in ((data, "exists and is not a record this script wrote; not replaced"),
+                           (tmp_path / "no" / "out.json", f"folder {tmp_path / 'no'} does not exist")):
+        assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--json", str(target)]) == 1
+        assert capsys.readouterr().err == f"error: {target}: {reason}\n"
+    assert data.read_bytes() == b"\x00weights" * 100
+
+
+def test_the_pre_packed_copy_gives_the_same_ids(tiny_int8_export, tmp_path, capsys):
+    from gemma_export.prepack import prepack
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, folder)
+    prepack(folder)
+    runs = []
+    for flag in ([], ["--prepacked"]):
+        assert plain.main(["--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "20", "--json", "-", *flag]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1]
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--prepacked"]) == 1  # no copy there
+    assert capsys.readouterr().err.startswith("error: ")
 
 
 @pytest.mark.parametrize("case, where, reason", [
-    ("no manifest", "{tmp}", "No such file or directory"),
-    ("no graph", "{tmp}", "model.onnx"),
+    ("no manifest", "{tmp}/manifest.json", "No such file or directory"),
+    ("no graph", "{tmp}/model.onnx", "No such file or directory"),
     ("no prompt file", "{tmp}/absent.txt", "No such file or directory"),
-    ("json in a missing folder", "{tmp}/no/out.json", "No such file or directory"),
+    ("json in a missing folder", "{tmp}/no/out.json", "does not exist"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tiny_int8_export, tmp_path, capsys, case, where, reason):
     """Probe of the script: one error line naming the file, status 1, no traceback."""

@@ -18,13 +18,15 @@ Two ways to carry the KV cache (``--mode``):
   ``generate``'s up to float rounding (an int8 export's 8-bit activations can turn that into a
   different token at a near-tie).
 
-Prints the text (prompt and continuation) and, with ``--json``, the ids as ``{"prompt_ids",
-"new_ids"}``. One prompt at a time (batch 1). Needs only ``onnxruntime``, ``tokenizers`` and
-``numpy``.
+Prints the text (prompt and continuation) and, with ``--json``, the ids as a golden entry
+``{"prompt_ids", "expected_ids", "prefill_chunk"}``, the keys ``gemma-export generate --json``
+writes, so that ``gemma-export parity --model DIR --golden FILE`` checks them against the toolkit.
+One prompt at a time (batch 1). Needs only ``onnxruntime``, ``tokenizers`` and ``numpy``.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -40,18 +42,25 @@ PREFILL_CHUNK = 512
 class Model:
     """An export folder: its onnxruntime session, tokenizer and the config its manifest records."""
 
-    def __init__(self, folder: str | Path, threads: int | None = None):
+    def __init__(self, folder: str | Path, threads: int | None = None, prepacked: bool = False):
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
         folder = Path(folder)
         config = json.loads((folder / "manifest.json").read_text())["config"]
+        graph = folder / "prepacked" / "model.onnx" if prepacked else folder / "model.onnx"
+        for needed in (graph, folder / "tokenizer.json"):  # named here: the libraries' errors leave the name out
+            if not needed.is_file():
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(needed))
+        # the tokenizer first: loaded after the session, the same run peaked ~200 MB higher (the
+        # parse's temporary heap could not reuse what the session had freed; 2026-12-06)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only: the load's expected sliding_cache_start warning stays quiet
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(folder / "model.onnx"), options, providers=["CPUExecutionProvider"])
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # the pre-packed copy (`gemma-export prepack`) holds the same graph with this CPU's packed weights
+        self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         self.layers = config["num_hidden_layers"]
         self.kv_shape = (config["num_key_value_heads"], config["head_dim"])
         self.bos, self.stop = config["bos_token_id"], set(config["eos_token_id"])
@@ -174,40 +183,68 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="an export folder (model.onnx, tokenizer.json, manifest.json)")
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="text to continue")
-    text.add_argument("--prompt-file", type=Path, help="a UTF-8 file whose text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--mode", choices=("shared", "arrays"), default="shared")
-    parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="longest prompt step, in tokens")
-    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads")
-    parser.add_argument("--json", help="write {prompt_ids, new_ids} to this file ('-': stdout)")
+    text.add_argument("--prompt-file", type=Path, help="a UTF-8 file whose text to continue (all of it, "
+                      "trailing newlines too; `--prompt \"$(cat FILE)\"` drops those)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    parser.add_argument("--mode", choices=("shared", "arrays"), default="shared",
+                        help="the KV cache: one buffer per tensor shared by past and present (default), or "
+                             "arrays fed back")
+    parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK,
+                        help=f"longest prompt step, in tokens (default {PREFILL_CHUNK}, as generate's)")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: one per core)")
+    parser.add_argument("--prepacked", action="store_true",
+                        help="load prepacked/model.onnx, the copy `gemma-export prepack` made on this machine")
+    parser.add_argument("--json", help="write the ids as a golden entry ({prompt_ids, expected_ids, prefill_chunk}, "
+                        "for `gemma-export parity --golden`) to this new or earlier-written file ('-': stdout)")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.chunk < 1:
-        parser.error("--max-new-tokens and --chunk must be at least 1")
+    if args.max_new_tokens < 1 or args.chunk < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--max-new-tokens, --chunk and --threads must be at least 1")
+
     def fail(where, error: Exception) -> int:
+        if isinstance(error, OSError) and error.filename:
+            where = error.filename  # the file that is missing, not the folder given
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
         print(f"error: {where}: {reason.splitlines()[0] if reason else type(error).__name__}", file=sys.stderr)
         return 1
 
+    if args.json and args.json != "-":  # before the run: a path that cannot take the ids costs nothing
+        out = Path(args.json)
+        if not out.parent.is_dir():
+            return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
+        if out.exists() and not _earlier_record(out):
+            return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
     try:
         prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         return fail(args.prompt_file, e)
     try:
-        model = Model(args.model, args.threads)
+        model = Model(args.model, args.threads, args.prepacked)
     except Exception as e:  # noqa: BLE001 - onnxruntime's and tokenizers' own error types, KeyError of a manifest
         return fail(args.model, e)
     prompt_ids = model.encode(prompt)
     new_ids = generate(model, prompt_ids, args.max_new_tokens, args.mode, args.chunk)
+    record = json.dumps({"prompt_ids": prompt_ids, "expected_ids": new_ids, "prefill_chunk": args.chunk})
     if args.json and args.json != "-":
         try:
-            Path(args.json).write_text(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids}) + "\n")
+            Path(args.json).write_text(record + "\n")
         except OSError as e:
             return fail(args.json, e)
     if args.json == "-":
-        print(json.dumps({"prompt_ids": prompt_ids, "new_ids": new_ids}))
+        print(record)
     else:
         print(prompt + model.tokenizer.decode(new_ids))
     return 0
+
+
+def _earlier_record(path: Path) -> bool:
+    """Whether ``path`` holds a record ``--json`` wrote (or nothing), so that it may be replaced."""
+    try:
+        if path.is_file() and path.stat().st_size == 0:
+            return True
+        value = json.loads(path.read_bytes()[:1 << 20])
+    except (OSError, ValueError):
+        return False
+    return isinstance(value, dict) and {"prompt_ids", "expected_ids"} <= set(value)
 
 
 if __name__ == "__main__":
