@@ -160,11 +160,6 @@ def _positive_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def _rope_entry(entry) -> bool:
-    # one layer type's RoPE record in config.rope_parameters (transformers 5): an object, rope_theta positive
-    return isinstance(entry, dict) and ("rope_theta" not in entry or _positive_number(entry["rope_theta"]))
-
-
 #: manifest fields the runtime reads or records: (where, name) → (what is expected, test)
 _MANIFEST_FIELDS = {
     (None, "dtype"): ("one of " + ", ".join(DTYPES), lambda v: v in DTYPES),
@@ -184,8 +179,7 @@ _MANIFEST_FIELDS = {
     # the sliding-window metadata the runtime checks against the graph's is read from these
     ("config", "layer_types"): ("a list of 'sliding_attention' and 'full_attention'",
                                 lambda v: isinstance(v, list) and all(t in LAYER_TYPES for t in v)),
-    ("config", "rope_parameters"): ("an object whose entries' rope_theta are positive numbers",
-                                    lambda v: isinstance(v, dict) and all(_rope_entry(e) for e in v.values())),
+    ("config", "rope_parameters"): ("an object", lambda v: isinstance(v, dict)),  # its entries: below
     # the graph's constants came from these; the exporter refuses the same values in a source's config
     ("config", "query_pre_attn_scalar"): ("a positive finite number", _positive_number),
     **{("config", name): ("a positive finite number or null", lambda v: v is None or _positive_number(v))
@@ -212,7 +206,7 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
             whose value is not what the runtime expects.
     """
     if not isinstance(manifest.get("config", {}), dict):
-        raise FormatError(f"{path}: field 'config' must be an object, found {type(manifest['config']).__name__}")
+        raise FormatError(f"{path}: field 'config' must be an object, found {shown(manifest['config'])}")
     tool = manifest.get("tool")
     if "config" not in manifest and isinstance(tool, dict) and "gemma-export" in tool:  # verify refuses it too
         raise FormatError(f"{path}: no field 'config' (an object); every export of gemma-export records its model "
@@ -227,6 +221,14 @@ def check_manifest_fields(manifest: dict, path: str | Path) -> None:
         if name in scope and not ok(scope[name]):
             field = f"{section}.{name}" if section else name
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
+    # each layer type's RoPE record (transformers 5): an object whose rope_theta, if any, is positive
+    for kind, entry in manifest.get("config", {}).get("rope_parameters", {}).items():
+        field = f"config.rope_parameters.{kind}"
+        if not isinstance(entry, dict):
+            raise FormatError(f"{path}: field {field!r} must be an object, found {shown(entry)}")
+        if "rope_theta" in entry and not _positive_number(entry["rope_theta"]):
+            raise FormatError(f"{path}: field '{field}.rope_theta' must be a positive finite number, found "
+                              f"{shown(entry['rope_theta'])}")
 
 
 def table_codes_word(quantization: dict, dtype: str | None) -> str:

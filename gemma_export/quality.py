@@ -487,6 +487,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     # file than those tokens can take up, as bench does (a 1 GB --text held 2 GB to score 20 tokens)
     limit = manifest_figure(model_dir, "max_position_embeddings")
     needed = tokens if tokens is not None or not limit else limit + 1
+    if limit and needed is not None:  # --tokens beyond the positions: read as if one past them (probe: 10**12 → MemoryError)
+        needed = min(needed, limit + 1)
     body, source = real_text(text, None if needed is None else max(TEXT_BYTES_READ, 64 * needed))
     ids = first_tokens(load_tokenizer(model_dir), body, needed)
     if len(ids) < 2:

@@ -195,7 +195,10 @@ def test_a_tensor_of_no_known_part_is_left_out_with_a_note(tiny_dir, tmp_path):
     src = tmp_path / "src"
     shutil.copytree(tiny_dir, src)
     tensors = load_file(str(src / "model.safetensors"))
-    save_file({**tensors, "foo.bar": np.ones((3,), np.float32), "model.vision_tower.x": np.ones((2,), np.float32)},
+    save_file({**tensors, "foo.bar": np.ones((3,), np.float32), "model.vision_tower.x": np.ones((2,), np.float32),
+               # RoPE buffers some conversions saved; transformers rebuilds them (probe finding: refused)
+               "model.rotary_emb.inv_freq": np.ones((8,), np.float32),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones((8,), np.float32)},
               str(src / "model.safetensors"))
     said = []
     export(src, tmp_path / "out", "fp32", status=said.append)

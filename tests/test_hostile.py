@@ -533,7 +533,13 @@ CASES = {
         export_copy(_manifest_field("config", "rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": -5},
                                                                   "sliding_attention": {"rope_type": "default",
                                                                                         "rope_theta": 10000.0}}), _verify),
-        VerificationError, ("field 'config.rope_parameters' must be an object whose entries' rope_theta are positive",)),
+        VerificationError, ("field 'config.rope_parameters.full_attention.rope_theta' must be a positive finite number, "
+                            "found -5",)),
+    "manifest rope entry a number (generate)": Case(
+        export_copy(_manifest_field("config", "rope_parameters", {"full_attention": 5}), _generate),
+        FormatError, ("field 'config.rope_parameters.full_attention' must be an object, found 5",)),
+    "manifest config null (generate)": Case(export_copy(_manifest_field(None, "config", None), _generate),
+                                            FormatError, ("field 'config' must be an object, found null",)),
     "manifest without config (generate)": Case(
         export_copy(_manifest_field(None, "config", DELETE), _generate),
         FormatError, ("manifest.json: no field 'config' (an object); every export of gemma-export records its model "

@@ -121,6 +121,37 @@ def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int
     assert data.read_bytes() == b"\x00weights" * 100
 
 
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.pop("config"), "{manifest}: no 'config' object; is this an export folder?"),
+    (lambda m: m.update(config=None), "{manifest}: no 'config' object; is this an export folder?"),
+    (lambda m: m["config"].pop("head_dim"), "{manifest}: field 'config.head_dim' is missing"),
+    (lambda m: m["config"].update(max_position_embeddings=40),
+     "{model}: 97 prompt tokens and 4 new ones take 100 positions, more than the model's max_position_embeddings 40"),
+])
+def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export, tmp_path, capsys, edit, message):
+    """Probe findings: a manifest without config printed "error: DIR: 'config'", and a run past
+    max_position_embeddings ran (and wrote a golden entry parity refuses)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    edit(manifest)
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    assert plain.main(["--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 1
+    assert capsys.readouterr().err == "error: " + message.format(manifest=model / "manifest.json", model=model) + "\n"
+
+
+def test_one_stop_id_as_a_number_and_threads_beyond_the_machine(tiny_int8_export, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["config"]["eos_token_id"] = 1  # one id, as transformers' configs may give it
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    assert plain.Model(model).stop == {1}
+    with pytest.raises(SystemExit) as exit_:
+        plain.main(["--model", str(model), "--prompt", "a", "--threads", "100000"])
+    assert exit_.value.code == 2 and "--threads must be 1 to" in capsys.readouterr().err
+
+
 def test_the_pre_packed_copy_gives_the_same_ids(tiny_int8_export, tmp_path, capsys):
     from gemma_export.prepack import prepack
 

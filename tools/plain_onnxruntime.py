@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,7 @@ class Model:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        config = json.loads((folder / "manifest.json").read_text())["config"]
+        config = _config(folder / "manifest.json")
         graph = folder / "prepacked" / "model.onnx" if prepacked else folder / "model.onnx"
         for needed in (graph, folder / "tokenizer.json"):  # named here: the libraries' errors leave the name out
             if not needed.is_file():
@@ -63,7 +64,9 @@ class Model:
         self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         self.layers = config["num_hidden_layers"]
         self.kv_shape = (config["num_key_value_heads"], config["head_dim"])
-        self.bos, self.stop = config["bos_token_id"], set(config["eos_token_id"])
+        eos = config["eos_token_id"]  # one id or a list of them
+        self.bos, self.stop = config["bos_token_id"], {eos} if isinstance(eos, int) else set(eos)
+        self.max_positions = config.get("max_position_embeddings")
         # graphs that keep the sliding layers' windows only have this optional input (default 0)
         names = {i.name for i in self.session.get_overridable_initializers()}
         sliding = "sliding_cache_start" in names
@@ -82,6 +85,34 @@ class Model:
         heads, head_dim = self.kv_shape
         return {f"past_key_values.{i}.{kind}": np.zeros((1, heads, 0, head_dim), np.float32)
                 for i in range(self.layers) for kind in ("key", "value")}
+
+
+#: the manifest's config fields this script reads
+CONFIG_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "bos_token_id", "eos_token_id",
+                 "layer_types", "sliding_window")
+
+
+class ManifestError(ValueError):
+    """An export's manifest.json that this script cannot use; the message starts with its path."""
+
+
+def _config(path: Path) -> dict:
+    """The ``config`` object of an export's manifest.json, with :data:`CONFIG_FIELDS`.
+
+    Raises:
+        FileNotFoundError: no manifest. ManifestError: "<path>: ..." naming what is wrong.
+    """
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: unreadable manifest: {e}") from None
+    config = manifest.get("config") if isinstance(manifest, dict) else None
+    if not isinstance(config, dict):
+        raise ManifestError(f"{path}: no 'config' object; is this an export folder?")
+    missing = [name for name in CONFIG_FIELDS if name not in config]
+    if missing:
+        raise ManifestError(f"{path}: field 'config.{missing[0]}' is missing")
+    return config
 
 
 def steps(prompt_ids: list[int], max_new_tokens: int, chunk: int, step_fn, stop: set[int]) -> list[int]:
@@ -197,14 +228,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the ids as a golden entry ({prompt_ids, expected_ids, prefill_chunk}, "
                         "for `gemma-export parity --golden`) to this new or earlier-written file ('-': stdout)")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.chunk < 1 or (args.threads is not None and args.threads < 1):
-        parser.error("--max-new-tokens, --chunk and --threads must be at least 1")
+    if args.max_new_tokens < 1 or args.chunk < 1:
+        parser.error("--max-new-tokens and --chunk must be at least 1")
+    most_threads = 4 * (os.cpu_count() or 1)  # far more threads than CPUs: onnxruntime seemed to hang
+    if args.threads is not None and not 1 <= args.threads <= most_threads:
+        parser.error(f"--threads must be 1 to {most_threads} (4 x this machine's CPUs), found {args.threads}")
 
     def fail(where, error: Exception) -> int:
         if isinstance(error, OSError) and error.filename:
             where = error.filename  # the file that is missing, not the folder given
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
-        print(f"error: {where}: {reason.splitlines()[0] if reason else type(error).__name__}", file=sys.stderr)
+        line = reason.splitlines()[0] if reason else type(error).__name__
+        print(f"error: {line}" if where is None else f"error: {where}: {line}", file=sys.stderr)
         return 1
 
     if args.json and args.json != "-":  # before the run: a path that cannot take the ids costs nothing
@@ -219,9 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         return fail(args.prompt_file, e)
     try:
         model = Model(args.model, args.threads, args.prepacked)
-    except Exception as e:  # noqa: BLE001 - onnxruntime's and tokenizers' own error types, KeyError of a manifest
+    except ManifestError as e:  # names the manifest itself
+        return fail(None, e)
+    except Exception as e:  # noqa: BLE001 - onnxruntime's and tokenizers' own error types
         return fail(args.model, e)
     prompt_ids = model.encode(prompt)
+    positions = len(prompt_ids) + args.max_new_tokens - 1  # the last new token is never fed back
+    if model.max_positions and positions > model.max_positions:
+        return fail(args.model, ValueError(f"{len(prompt_ids)} prompt tokens and {args.max_new_tokens} new ones take "
+                                           f"{positions} positions, more than the model's max_position_embeddings "
+                                           f"{model.max_positions}"))
     new_ids = generate(model, prompt_ids, args.max_new_tokens, args.mode, args.chunk)
     record = json.dumps({"prompt_ids": prompt_ids, "expected_ids": new_ids, "prefill_chunk": args.chunk})
     if args.json and args.json != "-":

@@ -149,7 +149,9 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
                 for key in keys:
                     name = _hf_name(key)
                     if name not in wanted:
-                        if key.startswith(_OTHER_PARTS):
+                        # other parts' tensors, and RoPE buffers some conversions saved (transformers
+                        # recomputes them from rope_theta and ignores the saved ones, as the graph does)
+                        if key.startswith(_OTHER_PARTS) or key.endswith("rotary_emb.inv_freq"):
                             continue
                         if name and name.startswith("model.layers."):
                             index = name.split(".")[2]
