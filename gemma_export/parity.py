@@ -278,8 +278,12 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
                 # both given: they must be the same prompt (a file written before encode_prompt may
                 # hold a text's own leading <bos> twice, as transformers encodes it)
                 if prompt_ids not in (encoded, tokenizer.encode(entry["prompt"]).ids):
+                    # shortened lists can look alike: the lengths and the first difference say where
+                    first = next((i for i, (a, b) in enumerate(zip(encoded, prompt_ids)) if a != b),
+                                 min(len(encoded), len(prompt_ids)))
                     raise FormatError(f"{path}: entry #{n} 'prompt' tokenizes to {shown(encoded)}, "
-                                      f"not to its 'prompt_ids' {shown(prompt_ids)}")
+                                      f"not to its 'prompt_ids' {shown(prompt_ids)} ({len(encoded)} ids against "
+                                      f"{len(prompt_ids)}, first different at position {first})")
         elif isinstance(entry["prompt"], str) and tokenizer is not None:
             prompt_ids = encode_prompt(tokenizer, entry["prompt"], max_tokens, f"{path}: entry #{n} 'prompt'")
         else:
@@ -469,14 +473,17 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             for n, g in enumerate(golden_pairs):
                 check_token_ids(g.prompt_ids + g.expected_ids, vocab, f"{golden}: entry #{n}")
         generated = new_tokens if against_transformers else 0  # the reference runs its own fixed length
-        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", positions_needed(len(ids), generated))
+        # (what, its positions, where they come from)
+        checked = [(f"{prompts or 'the default prompts'}: prompt #{n}", positions_needed(len(ids), generated),
+                    f"{len(ids)} prompt tokens and --new-tokens {generated}")
                    for n, (_, ids) in enumerate(prompt_list) if against_transformers or reference]
-        checked += [(f"{golden}: entry #{n}", positions_needed(len(g.prompt_ids), len(g.expected_ids)))
+        checked += [(f"{golden}: entry #{n}", positions_needed(len(g.prompt_ids), len(g.expected_ids)),
+                     f"{len(g.prompt_ids)} prompt tokens and {len(g.expected_ids)} expected ids")
                     for n, g in enumerate(golden_pairs)]
-        for what, total in checked:
+        for what, total, parts in checked:
             if limit and total > limit:
                 raise GemmaExportError(f"{what}: {total} tokens (the prompt and the new tokens fed back) exceed the model's "
-                                       f"max_position_embeddings {limit} ({model_dir})")
+                                       f"max_position_embeddings {limit} ({model_dir}): {parts}, less the last")
 
     # with the manifest's figures, before the (slow) session; the session checks that they are the
     # graph's, so the loaded graph's are needed only where the manifest lacks them

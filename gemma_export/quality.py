@@ -489,7 +489,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     needed = tokens if tokens is not None or not limit else limit + 1
     if limit and needed is not None:  # --tokens beyond the positions: read as if one past them (probe: 10**12 → MemoryError)
         needed = min(needed, limit + 1)
-    body, source = real_text(text, None if needed is None else max(TEXT_BYTES_READ, 64 * needed))
+    max_bytes = None if needed is None else max(TEXT_BYTES_READ, 64 * needed)
+    body, source = real_text(text, max_bytes)
     ids = first_tokens(load_tokenizer(model_dir), body, needed)
     if len(ids) < 2:
         raise GemmaExportError(f"{source}: {len(ids)} token(s) after tokenizing; at least 2 are needed")
@@ -498,7 +499,15 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     _check_fits(decoder, ids, source)
-    say(f"{len(ids)} tokens of {source}" + (f" (the whole text; {tokens} asked)" if tokens and tokens > len(ids) else ""))
+    if tokens and tokens > len(ids):  # fewer than asked: all there is, or all that was read (> 64 bytes a token)
+        try:
+            cut = max_bytes is not None and Path(source).stat().st_size > max_bytes
+        except OSError:
+            cut = False
+        say(f"{len(ids)} tokens of {source} ({f'its first {max_bytes:,} bytes' if cut else 'the whole text'}; "
+            f"{tokens} asked)")
+    else:
+        say(f"{len(ids)} tokens of {source}")
     # The reference and the export advance together, CHUNK_ROWS rows at a time: neither [T, V] logit
     # matrix (3.6 GB each for 3,400 tokens of Gemma's vocabulary) is ever held in full.
     if reference in ("fp32", "transformers") and Path(reference).exists():

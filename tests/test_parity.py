@@ -390,6 +390,18 @@ def test_a_report_with_no_checks_fails():
     assert report.passed is False and "verdict: FAIL (nothing was compared)" in format_report(report)
 
 
+def test_a_prompt_that_new_tokens_push_past_the_positions_says_so(tiny_int8_export, tmp_path):
+    """Probe finding: the length error did not say that --new-tokens pushed the run over."""
+    model = export_with_config(tiny_int8_export, tmp_path / "short", max_position_embeddings=8)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[2, 7, 8, 9, 10]]))
+    result = _parity("--model", model, "--prompts", prompts, "--against", "transformers", "--new-tokens", 5)
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: {prompts}: prompt #0: 9 tokens (the prompt and the new tokens fed back) exceed the "
+                             f"model's max_position_embeddings 8 ({model}): 5 prompt tokens and --new-tokens 5, less "
+                             "the last\n")
+
+
 def test_a_golden_entry_is_checked_against_its_own_length_not_new_tokens(tiny_int8_export, tmp_path):
     # golden alone: the length check counts the expected ids, not --new-tokens' default of 16
     model = export_with_config(tiny_int8_export, tmp_path / "short", max_position_embeddings=8)
@@ -502,7 +514,8 @@ def test_a_bad_golden_file_is_named_before_the_model_is_loaded(tiny_int8_export,
 
 @pytest.mark.parametrize("entry, message", [
     ({"prompt_ids": [2, 10, 11], "expected_ids": [5] * 300},
-     "entry #0: 302 tokens (the prompt and the new tokens fed back) exceed the model's max_position_embeddings 256"),
+     "entry #0: 302 tokens (the prompt and the new tokens fed back) exceed the model's max_position_embeddings 256 "
+     "({model}): 3 prompt tokens and 300 expected ids, less the last"),
     ({"prompt_ids": [2, 10, 11], "expected_ids": [5, 96]},
      "entry #0: token id 96 is outside the export's vocabulary (0 to 95)"),
 ])
@@ -518,7 +531,7 @@ def test_a_golden_entry_the_model_cannot_run_is_named_before_the_model_loads(tin
     result = _parity("--model", tiny_int8_export, "--golden", golden)
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [result.output.strip()]
-    assert result.output.startswith(f"error: {golden}: {message}")
+    assert result.output.startswith(f"error: {golden}: {message.format(model=tiny_int8_export)}")
 
 
 def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
@@ -570,7 +583,8 @@ def test_a_golden_entry_whose_prompt_and_prompt_ids_disagree_is_refused(tiny_int
     disagree.write_text(json.dumps([{"prompt": "the fox", "prompt_ids": ids + [5], "expected_ids": expected}]))
     result = _parity("--model", tiny_int8_export, "--golden", disagree)
     assert result.exit_code == 2 and result.stdout == ""
-    assert f"{disagree}: entry #0 'prompt' tokenizes to {ids}, not to its 'prompt_ids' {ids + [5]}" in result.stderr
+    assert (f"{disagree}: entry #0 'prompt' tokenizes to {ids}, not to its 'prompt_ids' {ids + [5]} ({len(ids)} ids "
+            f"against {len(ids) + 1}, first different at position {len(ids)})") in result.stderr
 
 
 def test_a_prompt_given_twice_in_a_golden_file_is_checked_twice(tiny_int8_export, tmp_path):

@@ -410,6 +410,23 @@ def test_quality_reads_only_the_start_of_a_long_text(tiny_int8_export, tmp_path,
     assert asked == [read]
 
 
+def test_a_text_read_in_part_is_not_called_the_whole_text(tiny_int8_export, tmp_path, monkeypatch):
+    """Fewer tokens than --tokens asks: "the whole text" only when the whole file was read; a text
+    of more than 64 bytes per token is read in part (the tokenizer stands in for one whose tokens
+    are that long: it gives 10 tokens of whatever it reads)."""
+    from gemma_export import quality
+
+    real_first = quality.first_tokens
+    monkeypatch.setattr(quality, "first_tokens", lambda tokenizer, body, count: real_first(tokenizer, body, 10))
+    big, small = tmp_path / "big.txt", tmp_path / "small.txt"
+    big.write_text("the fox " * 200_000)  # 1.6 MB: more than max(1 MiB, 64 x 200 bytes)
+    small.write_text("the fox " * 10)
+    for text, part in ((big, f"its first {1 << 20:,} bytes"), (small, "the whole text")):
+        said = []
+        quality.run_quality(tiny_int8_export, reference=str(tiny_int8_export), text=text, tokens=200, progress=said.append)
+        assert f"10 tokens of {text} ({part}; 200 asked)" in said, said
+
+
 def test_first_tokens_never_keeps_a_token_cut_at_the_prefix_end():
     """A word cut by the prefix tokenizes differently from the whole word: tokens that close to the
     cut are not taken from the prefix, whose first 4,096 characters end inside the 373rd word."""
