@@ -114,14 +114,18 @@ def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str
     Raises:
         GemmaExportError: more than ``max_tokens + 1`` tokens.
     """
+    ids = None
     if max_tokens is not None:
         from .text_files import first_tokens
 
         # max_tokens + 2 ids: still more than max_tokens once a text's own leading <bos> is not doubled
-        if len(first_tokens(tokenizer, text, max_tokens + 2)) > max_tokens + 1:
+        ids = first_tokens(tokenizer, text, max_tokens + 2)
+        if len(ids) > max_tokens + 1:
             raise GemmaExportError(f"{what}: more than {max_tokens:,} tokens, the model's max_position_embeddings; "
                                    "give a shorter prompt")
-    ids = tokenizer.encode(text).ids
+        # fewer ids than first_tokens was asked for: they are the whole text's (it encoded all of it)
+    if ids is None:
+        ids = tokenizer.encode(text).ids
     own = tokenizer.encode(text, add_special_tokens=False).ids
     if own and len(ids) == len(own) + 1 and ids[1:] == own and ids[0] == own[0]:
         return own  # the text's own leading <bos>, not a second one
