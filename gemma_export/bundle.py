@@ -417,7 +417,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     except OSError as exc:  # permissions, an I/O error
         raise VerificationError(f"{listing_path}: cannot be read ({exc.strerror or exc})") from None
     if not isinstance(listing, dict):
-        raise VerificationError(f"{listing_path}: expected a JSON object, found {type(listing).__name__}")
+        raise VerificationError(f"{listing_path}: expected a JSON object, found {shown(listing)}")
     expected = listed_files(listing.get("files"), listing_path, nested=True)
     for name, (size, digest) in expected.items():
         check_listed_file(folder / name, size, digest, BUNDLE_MANIFEST, "a board folder")

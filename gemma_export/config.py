@@ -276,7 +276,7 @@ def gemma3_layer_types(num_layers: int, pattern: int = _DEFAULT_SLIDING_WINDOW_P
 
 def _rope_from_dict(d: Any, default_theta: float, where: str, name: str) -> RopeParameters:
     if not isinstance(d, Mapping):
-        raise ConfigError(f"{where}: field '{name}' must be an object, found {type(d).__name__}")
+        raise ConfigError(f"{where}: field '{name}' must be an object, found {shown(d)}")
     fields = _Fields(d, where, "")
     rope_type = d.get("rope_type", d.get("type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
@@ -300,7 +300,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         ConfigError: unknown architecture, a missing or contradicting field.
     """
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{where}: expected a JSON object, found {type(raw).__name__}")
+        raise ConfigError(f"{where}: expected a JSON object, found {shown(raw)}")
     model_type = raw.get("model_type")
     if model_type not in _TEXT_MODEL_TYPES:
         raise ConfigError(
@@ -313,7 +313,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
             raise ConfigError(f"{where}: model_type 'gemma3' (the multimodal model) needs 'text_config', the "
                               "language model's fields; found none (a text-only config says 'gemma3_text')")
         if not isinstance(cfg, Mapping):
-            raise ConfigError(f"{where}: 'text_config' must be an object, found {type(cfg).__name__}")
+            raise ConfigError(f"{where}: 'text_config' must be an object, found {shown(cfg)}")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in _SUPPORTED_ACTIVATIONS:
         raise ConfigError(
             f"{where}: hidden_activation is {cfg.get('hidden_activation')!r}, expected 'gelu_pytorch_tanh'"
@@ -335,7 +335,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
 
     rope_parameters_raw = cfg.get("rope_parameters")
     if rope_parameters_raw is not None and not isinstance(rope_parameters_raw, Mapping):
-        raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {type(rope_parameters_raw).__name__}")
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {shown(rope_parameters_raw)}")
     if rope_parameters_raw and (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
         # transformers 5.x: one entry per layer type.
         rope = {lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, DEFAULT_ROPE_THETA[lt], where,
@@ -344,7 +344,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         # transformers 4.x: global base + scaling, local base separately (local is never scaled).
         scaling = cfg.get("rope_scaling") or rope_parameters_raw or {}
         if not isinstance(scaling, Mapping):
-            raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {type(scaling).__name__}")
+            raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {shown(scaling)}")
         full = dict(scaling)
         full.setdefault("rope_theta", f.number("rope_theta", DEFAULT_ROPE_THETA[FULL]))
         rope = {

@@ -301,7 +301,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     from .runtime import sliding_layers_from
 
     try:
-        check_manifest_fields(manifest, manifest_path)
+        check_manifest_fields(manifest, manifest_path, config_required=True)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     for name, (size, digest) in expected.items():
@@ -326,9 +326,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         if "dtype" not in manifest:
             raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
                                     f"{MODEL_FILE} stores")
-        if not isinstance(manifest.get("config"), dict):  # the runtime's checks (positions, windows) read it
-            raise VerificationError(f"{manifest_path}: no field 'config' (an object); every export records its "
-                                    "model config there")
         check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
                                      graph_quantization(model), graph_output_options(model))
         _check_tied(manifest, manifest_path, model, vocab)

@@ -45,7 +45,7 @@ def read_manifest(model_dir: Path) -> dict:
     try:
         value = json.loads(text)
         if not isinstance(value, dict):
-            raise ValueError(f"expected a JSON object, found {type(value).__name__}")
+            raise ValueError(f"expected a JSON object, found {shown(value)}")
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{manifest}: unreadable manifest: {exc}") from None
     return value
@@ -192,30 +192,32 @@ _MANIFEST_FIELDS = {
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-def check_manifest_fields(manifest: dict, path: str | Path) -> None:
+def check_manifest_fields(manifest: dict, path: str | Path, config_required: bool = False) -> None:
     """Check the fields of an export's ``manifest.json`` that the runtime reads (absent ones are
     allowed: folders of other exporters carry none).
 
     Args:
         manifest: the parsed manifest (a dict).
         path: the manifest's path, for the message.
+        config_required: refuse a manifest without ``config`` whoever wrote it (``verify``, which
+            checks exports of this toolkit only); otherwise only one whose ``tool`` names gemma-export.
 
     Raises:
-        FormatError: ``config`` or ``quantization`` is not an object, ``config`` is absent from a
-            manifest this toolkit wrote (``tool`` names gemma-export), or naming the first field
-            whose value is not what the runtime expects.
+        FormatError: ``config`` or ``quantization`` is not an object, ``config`` is absent (see
+            ``config_required``), or naming the first field whose value is not what the runtime
+            expects.
     """
     if not isinstance(manifest.get("config", {}), dict):
         raise FormatError(f"{path}: field 'config' must be an object, found {shown(manifest['config'])}")
     tool = manifest.get("tool")
-    if "config" not in manifest and isinstance(tool, dict) and "gemma-export" in tool:  # verify refuses it too
+    if "config" not in manifest and (config_required or isinstance(tool, dict) and "gemma-export" in tool):
         raise FormatError(f"{path}: no field 'config' (an object); every export of gemma-export records its model "
                           "config there")
     if not isinstance(manifest.get("kv_cache", {}), dict):
-        raise FormatError(f"{path}: field 'kv_cache' must be an object, found {type(manifest['kv_cache']).__name__}")
+        raise FormatError(f"{path}: field 'kv_cache' must be an object, found {shown(manifest['kv_cache'])}")
     if manifest.get("quantization") is not None and not isinstance(manifest["quantization"], dict):  # fp32, bf16: none
         raise FormatError(f"{path}: field 'quantization' must be an object or null, found "
-                          f"{type(manifest['quantization']).__name__}")
+                          f"{shown(manifest['quantization'])}")
     for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
         scope = manifest.get(section, {}) if section else manifest
         if name in scope and not ok(scope[name]):

@@ -154,7 +154,7 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
             except (ValueError, RecursionError) as exc:
                 raise FormatError(f"{path}: not JSON: {exc}") from None
             if not isinstance(items, list):
-                raise FormatError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
+                raise FormatError(f"{path}: expected a JSON list of prompts, found {shown(items)}")
         elif raw.lstrip().startswith("["):  # a JSON list under another name (ids.txt, /dev/stdin)
             with contextlib.suppress(ValueError, RecursionError):
                 items = json.loads(raw)  # a list: the text starts with '['

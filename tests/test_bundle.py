@@ -410,7 +410,7 @@ def _edit_listing(out, **fields):
     (lambda out: _edit_listing(out, board=None), "BUNDLE.json: field 'board' must be the board's name (a string), found null"),
     (lambda out: _edit_listing(out, gemma_export_version=None),
      "BUNDLE.json: field 'gemma_export_version' must be the version that wrote it (a string), found null"),
-    (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found list"),
+    (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found []"),
     (lambda out: shutil.rmtree(out / "model"), "board/model/genai_config.json: listed in BUNDLE.json but missing"),
     (lambda out: (out / "extra_dir").symlink_to(out.parent), ": files not in BUNDLE.json: extra_dir"),
     # what a killed `prepack` on the board leaves in model/ is prepack's to name, not an unlisted file

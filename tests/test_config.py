@@ -37,7 +37,7 @@ def test_v5_form_and_multimodal_nesting():
     # hostile-found: without text_config the fields at the top were said to be missing
     with pytest.raises(ConfigError, match=r"^c: model_type 'gemma3' \(the multimodal model\) needs 'text_config'"):
         config_from_hf_dict({**text, "model_type": "gemma3"}, "c")
-    for bad, found in (([], "list"), ({}, None)):
+    for bad, found in (([], r"\[\]"), ({}, None)):
         if found is None:  # an empty object: its fields are missing, and that is what is said
             with pytest.raises(ConfigError, match="missing required field"):
                 config_from_hf_dict({"model_type": "gemma3", "text_config": bad}, "c")

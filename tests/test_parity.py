@@ -549,6 +549,17 @@ def test_a_prompts_file_that_is_not_utf8_is_refused(tiny_int8_export, tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_a_prompts_file_that_is_a_json_object_is_refused_with_its_value(tmp_path):
+    from gemma_export.errors import FormatError
+    from gemma_export.parity import read_prompts
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('{"prompt": "hello"}')
+    with pytest.raises(FormatError) as err:
+        read_prompts(prompts, None)
+    assert str(err.value) == f'{prompts}: expected a JSON list of prompts, found {{"prompt": "hello"}}'
+
+
 @pytest.mark.parametrize("content", ["\ufeffhello\nworld\n", '\ufeff["hello", "world"]'])
 def test_a_byte_order_mark_does_not_become_part_of_the_first_prompt(tiny_int8_export, tmp_path, content):
     from gemma_export.parity import read_prompts

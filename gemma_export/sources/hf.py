@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
-from ..errors import FormatError
+from ..errors import FormatError, shown
 from ..text_files import non_regular
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
@@ -41,7 +41,7 @@ def _check_json_object(path: Path, content: bytes) -> None:
     except (ValueError, RecursionError) as exc:
         raise FormatError(f"{path}: expected a JSON object, found text that is not JSON ({exc})") from None
     if not isinstance(value, dict):
-        raise FormatError(f"{path}: expected a JSON object, found {type(value).__name__}")
+        raise FormatError(f"{path}: expected a JSON object, found {shown(value)}")
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 #: a multimodal Gemma 3 checkpoint's parts besides the text decoder (transformers 4 and 5 names)
