@@ -41,6 +41,7 @@ from .errors import BudgetExceeded, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
+from .text_files import TEXT_BYTES_READ
 
 WARMUP_STEPS = 4
 #: fewer timed decode steps than this per prompt are named in the report: a median of a handful is noisy
@@ -320,9 +321,6 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         decode_ms_median_by_prompt=by_prompt)
     return result
 
-
-#: bytes of a --text read at least (64 per prompt token beyond that): real text has ~4 per token
-TEXT_BYTES_READ = 1 << 20
 
 #: prompt tokens before the reference export's timed re-decode loop (fewer when its fixed length is short)
 REFERENCE_PROMPT_TOKENS = 16

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments, shown
 from .manifest import export_description, quantization_text
 from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
+from .text_files import non_regular, read_bounded
 
 #: what the toolkit's wheel is built from (pyproject.toml's packages and readme)
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "gemma_export", "quant")
@@ -165,6 +167,12 @@ def _readme(board: str, spec: Board, wheel: str, model_manifest: dict) -> str:
     memory = (QUANTIZED_MEMORY.format(**QUANTIZED_MEMORY_FIGURES[dtype]) if quantized
               else FLOAT_MEMORY.format(dtype=dtype, peak=BF16_PEAK_GB))
     how, float16 = quantization_text(model_manifest) if quantized else ("", "")
+    if not quantized:  # said first: the commands below include a `bench --board` that fails on the board
+        float16 = (f"**Too large for the {board}'s memory:** onnxruntime holds {dtype} weights as float32, and the "
+                   f"270M's bf16 export peaked at {BF16_PEAK_GB[0]}–{BF16_PEAK_GB[1]} GB in `bench --board {board}` "
+                   f"on x86-64, over the board's {spec.memory_bytes / 1e9:.1f} GB, so the `bench` below fails there. "
+                   "The int8 or int4 export is the one for the board; this one is for comparison.")
+        float16 = textwrap.fill(float16, 100) + "\n\n"
     return f"""# gemma-export bundle for the {spec.title}
 
 Model: Gemma 3, {config.get('num_hidden_layers', '?')} layers, vocabulary {config.get('vocab_size', '?')}, weights {dtype}{how};
@@ -227,7 +235,8 @@ loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many 
 #: --new-tokens 128` on x86-64, the default exports of the real 270M)
 QUANTIZED_MEMORY_FIGURES = {
     "int8": {"growth": "about 0.02 × the model after a short prompt and 0.11–0.12 × after a 512-token one, "
-                       "against 1.17 × without it (the default int8 export on x86-64, 2026-12-05 and 2026-12-06)",
+                       "against 1.08 × and 1.17 × without it (the default int8 export on x86-64, 2026-12-05 and "
+                       "2026-12-06)",
              "peak_rise": "90–180 MB"},
     "int4": {"growth": "0.18 × the model after a 512-token prompt, against 1.37 × without it (the default "
                        "int4 export on x86-64, 2026-12-06; peak 657 MB with it, 585 MB without)",
@@ -405,13 +414,17 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
 
     folder = Path(folder)
     listing_path = folder / BUNDLE_MANIFEST
+    if (what := non_regular(listing_path)) is not None:  # a folder or FIFO where the listing belongs
+        raise VerificationError(f"{listing_path}: is {what}; a board folder's listing is a JSON file")
     if not listing_path.is_file():  # model/ may be gone: its files are then named as missing
         raise SourceNotFoundError(f"{folder}: not a board folder of gemma-export bundle ({BUNDLE_MANIFEST} and "
                                   "model/manifest.json expected)")
     if listing_path.is_symlink():
         raise VerificationError(f"{listing_path}: is a link; a board folder's listing is a file of its own")
     try:
-        listing = json.loads(listing_path.read_text(encoding="utf-8"))
+        listing = json.loads(read_bounded(listing_path, "a board folder's listing").decode("utf-8"))
+    except FormatError as exc:  # larger than any listing
+        raise VerificationError(str(exc)) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise VerificationError(f"{listing_path}: unreadable: {exc}") from None
     except OSError as exc:  # permissions, an I/O error

@@ -32,7 +32,7 @@ import numpy as np
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
 from .config import SLIDING
 from .errors import ConfigError, GemmaExportError, NumericError, SourceNotFoundError
-from .text_files import read_text_file
+from .text_files import TEXT_BYTES_READ, read_text_file
 
 #: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license,
 #: docs/quality.md): GPTQ statistics from 1,024 tokens gave top-1 98.37% and KL 0.00131, from 4,096
@@ -67,15 +67,18 @@ def default_calibration_text() -> tuple[str, str]:
     return "\n\n".join(topics[key] for key in sorted(topics)), "pydoc_data.topics (Python documentation)"
 
 
-def calibration_text(path: str | Path | None) -> tuple[str, str]:
+def calibration_text(path: str | Path | None, tokens: int | None = None) -> tuple[str, str]:
     """``(text, source)`` from a UTF-8 file, or the default text when ``path`` is None.
 
     Args:
         path: a UTF-8 text file (a leading byte-order mark is dropped), or None for
             :func:`default_calibration_text`.
+        tokens: the calibration tokens that will be taken from it: only the file's first
+            max(:data:`~gemma_export.text_files.TEXT_BYTES_READ`, 64 × (tokens + 1)) bytes are read
+            (real text has ~4 bytes a token); None: the whole file.
 
     Returns:
-        ``(text, source)``: the whole text and the path as given (or the default's description).
+        ``(text, source)``: the text read and the path as given (or the default's description).
 
     Raises:
         SourceNotFoundError: no such file, or unreadable (or, default text, no ``pydoc_data``).
@@ -85,7 +88,9 @@ def calibration_text(path: str | Path | None) -> tuple[str, str]:
     if path is None:
         return default_calibration_text()
     path = Path(path)
-    text = read_text_file(path, "calibration text file")
+    # a prefix of a huge file is enough: the first `tokens` tokens are all that calibration runs
+    max_bytes = None if tokens is None else max(TEXT_BYTES_READ, 64 * (tokens + 1))
+    text = read_text_file(path, "calibration text file", max_bytes)
     if not text.strip():
         raise ConfigError(f"{path}: the calibration text is empty")
     return text, str(path)

@@ -207,6 +207,13 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             if debug:
                 raise
             _fail(GemmaExportError(os_error_line(exc)), debug)
+        except MemoryError:  # an input too large for this machine, read past every check: one line, not a traceback
+            if debug:
+                raise
+            _fail(GemmaExportError("out of memory (Python's MemoryError); an input is larger than this machine can "
+                                   "hold: rerun with --debug to see which step ran out"
+                                   + ("; nothing was written (an existing output folder is unchanged)" if writes else "")),
+                  debug)
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
@@ -502,7 +509,7 @@ def generate(
                f"peak memory {_mb(peak_rss_bytes())}]", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
-    if result.prepacked_note and not result.prepacked:
+    if result.prepacked_note and not result.prepacked and prepacked is not False:  # not for the user's own choice
         typer.echo(f"note: {result.prepacked_note}", err=True)
 
 
@@ -587,10 +594,11 @@ def verify(
         copy = verify_prepacked(export_dir)
     if bundled:
         typer.echo(f"ok: {model} matches BUNDLE.json ({len(files)} files, {sum(files.values()):,} bytes); its model "
-                   "folder matches its manifest and loads in onnxruntime")
+                   "folder matches its manifest, whose figures match the graph, and loads in onnxruntime")
     else:
         typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes, "
-                   f"manifest.json itself not counted) and loads in onnxruntime")
+                   f"manifest.json itself not counted), its figures (vocabulary, layers, dtype, quantization) match "
+                   "the graph, and it loads in onnxruntime")
     if copy:
         typer.echo(copy)
 

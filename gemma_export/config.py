@@ -387,14 +387,17 @@ def load_hf_config(path: Path) -> GemmaConfig:
     Raises:
         ConfigError: unreadable JSON or an invalid configuration (see :func:`config_from_hf_dict`).
     """
-    from .text_files import non_regular
+    from .errors import FormatError
+    from .text_files import non_regular, read_bounded
 
     if (what := non_regular(Path(path))) is not None:
         raise ConfigError(f"{path}: is {what}; a transformers model folder needs its config.json file")
     if not Path(path).is_file():
         raise ConfigError(f"{path}: missing; a transformers model folder needs its config.json")
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8").removeprefix("\ufeff"))  # a BOM, as other text files
+        raw = json.loads(read_bounded(path, "a config.json").decode("utf-8").removeprefix("\ufeff"))  # a BOM, as other text files
+    except FormatError as exc:  # larger than any config
+        raise ConfigError(str(exc)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
     return config_from_hf_dict(raw, str(path))

@@ -584,7 +584,7 @@ def export(
     # a text the user asked for is read (and refused) before the slow source; the default text only
     # once the source is known to calibrate (a tokenizer-less source never needs it)
     wants_text = quantized and (calibrate or calibration_text is not None)
-    text = read_calibration_text(calibration_text) if wants_text else None
+    text = read_calibration_text(calibration_text, calibration_tokens) if wants_text else None
     given_tokenizer = None
     if tokenizer is not None:  # read and parsed before the (slow) source; checked against it once it is open
         from .sources.hf import read_tokenizer_folder

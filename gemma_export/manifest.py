@@ -18,7 +18,7 @@ from .errors import FormatError, SourceNotFoundError, VerificationError, check_u
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, traced_initializer)
 from .staging import leftovers, listed_files
-from .text_files import non_regular
+from .text_files import non_regular, read_bounded
 
 
 def read_manifest(model_dir: Path) -> dict:
@@ -26,8 +26,9 @@ def read_manifest(model_dir: Path) -> dict:
     another tool, e.g. onnxruntime-genai's builder).
 
     Raises:
-        FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, not UTF-8
-            JSON, or not a JSON object.
+        FormatError: ``"…/manifest.json: unreadable manifest: …"`` when it is a folder, a FIFO,
+            larger than :data:`~gemma_export.text_files.SMALL_FILE_BYTES`, not UTF-8 JSON, or not a
+            JSON object.
     """
 
     manifest = Path(model_dir) / MANIFEST_FILE
@@ -36,7 +37,9 @@ def read_manifest(model_dir: Path) -> dict:
             raise ValueError(f"it is {what}")
         if not manifest.is_file():
             return {}
-        text = manifest.read_bytes().decode("utf-8")
+        text = read_bounded(manifest, "a manifest").decode("utf-8")
+    except FormatError as exc:  # larger than any manifest: read_bounded's words after the path
+        raise FormatError(f"{manifest}: unreadable manifest: {str(exc).removeprefix(f'{manifest}: ')}") from None
     except UnicodeDecodeError as exc:
         raise FormatError(f"{manifest}: unreadable manifest: expected UTF-8 text, found byte "
                           f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None
@@ -71,7 +74,8 @@ def is_bundle(folder: str | Path) -> bool:
     """Whether ``folder`` is a board folder written by ``gemma-export bundle``: ``BUNDLE.json`` at its
     top (the export in ``model/``). That file alone decides, so a bundle whose ``model/`` was damaged
     is still named as one (``verify`` then names what is missing)."""
-    return (Path(folder) / BUNDLE_MANIFEST).is_file()
+    listing = Path(folder) / BUNDLE_MANIFEST
+    return listing.is_file() or non_regular(listing) is not None  # a folder or FIFO there: verify names it
 
 
 def is_prepacked_copy(folder: str | Path) -> bool:

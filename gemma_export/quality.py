@@ -467,7 +467,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                     tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
     import tempfile
 
-    from .bench import TEXT_BYTES_READ, real_text
+    from .bench import real_text
+    from .text_files import TEXT_BYTES_READ
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 

@@ -34,7 +34,7 @@ from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_gra
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, graph_quantization, load_graph
 from . import memory
 from .memory import release_free_heap
-from .text_files import non_regular, not_unicode_at
+from .text_files import TOKENIZER_FILE_BYTES, non_regular, not_unicode_at, read_bounded
 
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
@@ -192,7 +192,7 @@ def _genai_model_config(model_dir: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))["model"]
+        config = json.loads(read_bounded(path, "onnxruntime-genai's JSON configuration").decode("utf-8"))["model"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise FormatError(f"{path}: unreadable onnxruntime-genai configuration "
                           f"({'no model object' if isinstance(exc, (KeyError, TypeError)) else exc})") from None
@@ -1077,6 +1077,8 @@ def load_tokenizer(model_dir: str | Path):
     if not path.is_file():
         raise FormatError(f"{path}: missing; export again with the model's tokenizer (--tokenizer TOKENIZER.json), "
                           "or from a source that carries one")
+    if (size := path.stat().st_size) > TOKENIZER_FILE_BYTES:  # parsed whole, at ~3 x its size in heap
+        raise FormatError(f"{path}: {size:,} bytes; expected a tokenizer file of at most {TOKENIZER_FILE_BYTES:,}")
     return read_tokenizer_json(path)
 
 

@@ -20,8 +20,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from .errors import OutputError, OutputWritten, VerificationError, check_utf8_path, is_sha256, shown
+from .errors import FormatError, OutputError, OutputWritten, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
+from .text_files import non_regular, read_bounded
 
 
 @contextlib.contextmanager
@@ -305,9 +306,17 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
     ``model/prepacked``, holding ``marker``, which the toolkit wrote from the listed files), and
     hidden folders whose names start with one of ``leftovers`` (what an interrupted writer of such a
     sub-folder leaves), each listed file with the size and sha256 recorded for it: only such a folder
-    may be replaced by a new output. The reason names the first file found wrong."""
+    may be replaced by a new output. The reason names the first file found wrong: a listed file
+    that is a link, a FIFO or a folder is one (verify refuses each of them)."""
+    listing = folder / manifest_name
+    if listing.is_symlink():
+        return f"{manifest_name} is a link"
+    if (what := non_regular(listing)) is not None:  # a FIFO's read would block
+        return f"{manifest_name} is {what}"
     try:
-        manifest = json.loads((folder / manifest_name).read_text(encoding="utf-8"))
+        manifest = json.loads(read_bounded(listing, "a manifest").decode("utf-8"))
+    except FormatError:
+        return f"{manifest_name} is larger than any of ours"
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
         return f"no readable {manifest_name}"
     if not isinstance(manifest, dict):
@@ -335,6 +344,10 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
             return f"{relative} is not listed in {manifest_name}"
     # and every listed file still holds what the manifest records (sizes first: cheap)
     # (a listed file that is gone holds nothing of anyone's)
+    for name in sorted(records):
+        path = folder / name
+        if path.is_symlink() or non_regular(path) is not None:
+            return f"{name} is {'a link' if path.is_symlink() else non_regular(path)}, not the file {manifest_name} lists"
     recorded = [(name, folder / name, size, digest) for name, (size, digest) in sorted(records.items())
                 if (folder / name).is_file()]
     for name, path, size, _ in recorded:
@@ -502,9 +515,9 @@ def enclosing_output(path: Path) -> Path | None:
     such a folder would add files its manifest does not list, and ``verify`` would then refuse it."""
     for parent in path.resolve().parents:
         for marker in OUTPUT_MARKERS:
-            try:
-                data = json.loads((parent / marker).read_text(encoding="utf-8"))
-            except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            try:  # bounded, and never a FIFO (whose read would block): only a real listing marks an output
+                data = json.loads(read_bounded(parent / marker, "a listing").decode("utf-8"))
+            except (OSError, ValueError, UnicodeDecodeError, RecursionError, FormatError):
                 continue
             if isinstance(data, dict) and isinstance(data.get("files"), dict):
                 return parent

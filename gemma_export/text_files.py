@@ -3,9 +3,43 @@ with one set of one-line errors."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import FormatError, SourceNotFoundError
+
+#: bytes of a --text or --calibration-text read at least (64 per token needed beyond that: real text
+#: has ~4 per token), so that a huge file is not read whole for a prefix
+TEXT_BYTES_READ = 1 << 20
+#: the most bytes of a JSON file this toolkit reads whole: manifests, listings, configs, tokenizer side
+#: files (the 270M's largest, tokenizer_config.json, is 1.2 MB; an export's manifest.json a few kB)
+SMALL_FILE_BYTES = 64 << 20
+#: the most bytes of a tokenizer file (tokenizer.json, tokenizer.model; Gemma 3's tokenizer.json is 33 MB)
+TOKENIZER_FILE_BYTES = 1 << 30
+
+
+def read_bounded(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES) -> bytes:
+    """The bytes of a file that is read whole, refused first when it is not a regular file (a FIFO
+    would block the read) or is larger than ``max_bytes`` (a damaged or foreign file would otherwise
+    be read into memory: an 8 GB manifest.json was a MemoryError traceback). ``what`` names the
+    expected file in errors (e.g. ``"a manifest"``).
+
+    Raises:
+        FormatError: ``"{path}: is a folder; expected {what}"`` (a FIFO, a broken link likewise),
+            ``"{path}: 8,589,934,592 bytes; expected {what} of at most 67,108,864"``.
+        OSError: it cannot be read (permissions, an I/O error), or nothing is there.
+    """
+    p = Path(path)
+    if (kind := non_regular(p)) is not None:
+        raise FormatError(f"{p}: is {kind}; expected {what}")
+    with open(p, "rb") as f:  # the size read from the open file: no window for a swap in between
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise FormatError(f"{p}: {size:,} bytes; expected {what} of at most {max_bytes:,}")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:  # it grew while being read
+        raise FormatError(f"{p}: more than {max_bytes:,} bytes; expected {what} of at most {max_bytes:,}")
+    return data
 
 
 def non_regular(path: Path) -> str | None:

@@ -559,7 +559,13 @@ def test_the_board_readme_pre_packs_quantized_weights_only(dtype, prepacked):
     # each quantized dtype's own memory figures (an int4 bundle quoted the int8 export's)
     joined = " ".join(text.splitlines())
     assert ("0.18 × the model after a 512-token prompt, against 1.37 ×" in joined) == (dtype == "int4")
-    assert ("0.11–0.12 × after a 512-token one" in joined) == (dtype == "int8")
+    assert ("0.11–0.12 × after a 512-token one, against 1.08 × and 1.17 ×" in joined) == (dtype == "int8")
+    # float weights: the warning comes before the install steps, not only in the memory paragraph at the end
+    warning = joined.find("**Too large for the sl2610's memory:**")
+    assert (warning != -1) == (not prepacked)
+    if warning != -1:
+        assert warning < joined.find("Install from inside this folder")
+        assert f"holds {dtype} weights as float32, and the 270M's bf16 export peaked at 1.92–2.02 GB" in joined
 
 
 def test_bundle_of_float_weights_says_on_the_console_that_they_are_not_the_boards(tiny_dir, wheel, tmp_path):
@@ -697,21 +703,22 @@ def test_files_under_model_prepacked_that_no_prepack_wrote_are_neither_verified_
 def test_an_unreadable_listing_is_a_verification_error_not_an_oserror(tmp_path, monkeypatch):
     """The Python API let the OSError of an unreadable BUNDLE.json through (EACCES, EIO), where
     every other problem of the listing is a VerificationError naming it."""
+    import builtins
     import errno
-    import pathlib
+    import os
 
     from gemma_export import verify_bundle
     from gemma_export.errors import VerificationError
 
     (tmp_path / "BUNDLE.json").write_text("{}")
-    real_read_text = pathlib.Path.read_text
+    real_open = builtins.open
 
-    def read_text(self, *args, **kwargs):
-        if self.name == "BUNDLE.json":
-            raise PermissionError(errno.EACCES, "Permission denied", str(self))
-        return real_read_text(self, *args, **kwargs)
+    def refusing_open(file, *args, **kwargs):
+        if os.fspath(file).endswith("BUNDLE.json"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_text", read_text)
+    monkeypatch.setattr(builtins, "open", refusing_open)
     with pytest.raises(VerificationError, match=r"BUNDLE\.json: cannot be read \(Permission denied\)$"):
         verify_bundle(tmp_path)
 

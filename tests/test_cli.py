@@ -322,6 +322,7 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     assert _run("--source", tiny_dir, "--out", out, "--dtype", "int8", "--block-size", 16).exit_code == 0
     result = _run("verify", out)
     assert result.exit_code == 0 and "matches its manifest" in result.stdout
+    assert "its figures (vocabulary, layers, dtype, quantization) match the graph" in result.stdout
     data = out / "model.onnx.data"
     original = data.read_bytes()
     data.write_bytes(original[:100] + bytes([original[100] ^ 1]) + original[101:])

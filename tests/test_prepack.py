@@ -60,6 +60,9 @@ def test_prepacked_copy_gives_identical_logits_and_is_used_by_default(export_cop
     assert _run("verify", export_copy).exit_code == 0
     generated = _run("generate", "--model", export_copy, "--prompt", "the fox", "--max-new-tokens", 3)
     assert generated.exit_code == 0 and "pre-packed copy" in generated.output
+    # --no-prepacked: the summary says the copy was not used, with no note repeating the user's choice
+    skipped = _run("generate", "--model", export_copy, "--prompt", "the fox", "--max-new-tokens", 3, "--no-prepacked")
+    assert skipped.exit_code == 0 and "no pre-packed copy" in skipped.output and "note:" not in skipped.output
 
 
 @pytest.mark.parametrize("field, value, expected", [

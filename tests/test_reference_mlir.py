@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -331,6 +332,29 @@ def test_a_nan_in_int8_scales_is_named_in_the_scales_not_the_codes(ref_model, tm
         q.load()
     with pytest.raises(NumericError, match=r"@t16_scale holds nan at row 3;"):
         q.rows()[2:8]
+
+
+@pytest.mark.parametrize("value, shown", [(-0.5, "-0.5"), (3e38, "3e+38")])
+def test_a_negative_or_overflowing_int8_scale_is_named_in_the_scales(ref_model, tmp_path, value, shown):
+    """A negative scale would flip the row's sign; 3e38 times a code overflowed to inf and was then
+    blamed on the table with a numpy warning (probe finding). A zero scale (an all-zero row) stays."""
+    import warnings
+
+    from gemma_export.errors import NumericError
+
+    def edit(lines, archive):
+        archive["t16_scale"] = archive["t16_scale"].copy()
+        archive["t16_scale"][3] = value
+        archive["t16_scale"][0] = 0.0
+
+    ckpt = open_source(write_reference(ref_model, tmp_path / "ref", "int8", edit=edit))
+    q = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning on the way
+        with pytest.raises(NumericError, match=rf"gemma.safetensors:t16_scale: @t16_scale holds {re.escape(shown)} at row 3; "
+                                               r"expected a scale from 0 to 2\.658e\+36"):
+            q.load()
+    assert not q.rows()[0:1].any()  # row 0's zero scale: a zero row
 
 
 def test_a_nan_in_a_norm_gain_is_named_as_a_nan_not_as_the_trace_order(ref_model, tmp_path):

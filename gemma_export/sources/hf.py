@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
 from ..errors import FormatError, shown
-from ..text_files import non_regular
+from ..text_files import SMALL_FILE_BYTES, TOKENIZER_FILE_BYTES, non_regular, read_bounded
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
 
@@ -71,7 +71,7 @@ def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
         return [single], None
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(read_bounded(index, "a shard index").decode("utf-8"))["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("expected an object mapping tensor names to shard file names")
             names = sorted(set(weight_map.values()))
@@ -214,7 +214,10 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
             if (what := non_regular(folder / name)) is not None:
                 kind = "the tokenizer file" if name == "tokenizer.json" else "a tokenizer side file"
                 raise FormatError(f"{folder / name}: is {what}; expected {kind}{'' if option else ' or none'}")
-        files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
+        big = ("tokenizer.json", "tokenizer.model")  # the vocabulary itself; the side files are small JSON
+        files = {n: read_bounded(folder / n, "a tokenizer file" if n in big else "a tokenizer side file",
+                                 TOKENIZER_FILE_BYTES if n in big else SMALL_FILE_BYTES)
+                 for n in TOKENIZER_FILES if (folder / n).is_file()}
         for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
             if name in files:
                 _check_json_object(folder / name, files[name])

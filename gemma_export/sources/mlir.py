@@ -411,6 +411,10 @@ def map_globals(module: MlirModule) -> GlobalMap:
     return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
 
 
+#: the largest per-row scale of an int8 weight whose codes (|code| <= 128) times it stay finite in float32
+_MAX_INT8_SCALE = float(np.finfo(np.float32).max) / 128
+
+
 def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None) -> Checkpoint:
     """Open a reference export as a :class:`Checkpoint` (norm gains converted to ``w``, int8
     dequantized per row, a duplicated table collapsed when its values equal the first).
@@ -435,6 +439,13 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
             if (bad := first_non_finite(scale)) is not None:  # named as the scales', not the codes'
                 raise NumericError(f"{archive.path}:{scale_g.key}: @{scale_g.name} holds {scale[bad]} at row "
                                    f"{(rows[0] if rows else 0) + bad[0]}; scales must be finite")
+            # a per-row scale is max |w| / 127: never negative (it would flip the row's sign), and
+            # small enough that an int8 code (|code| <= 128) times it stays finite in float32
+            if (wrong := np.flatnonzero((scale < 0) | (scale > _MAX_INT8_SCALE))).size:
+                row = int(wrong[0])
+                raise NumericError(f"{archive.path}:{scale_g.key}: @{scale_g.name} holds {scale.ravel()[row]:.6g} at row "
+                                   f"{(rows[0] if rows else 0) + row}; expected a scale from 0 to {_MAX_INT8_SCALE:.4g} "
+                                   "(an int8 row's max |w| / 127, whose codes times it stay finite in float32)")
             out = raw.astype(np.float32)
             out *= scale.reshape(-1, *([1] * (raw.ndim - 1)))  # in place: one float32 copy, not two
             return out

@@ -1,0 +1,159 @@
+"""Files read whole are refused first when they are not regular files (a FIFO's read blocks for
+ever) or larger than any such file could be (an 8 GB manifest.json was a MemoryError traceback):
+probe findings of 2026-12-06. Sparse files stand in for large ones: they cost no disk."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gemma_export.cli import app
+from gemma_export.errors import ConfigError, FormatError
+from gemma_export.staging import output_changes
+from gemma_export.text_files import SMALL_FILE_BYTES, TEXT_BYTES_READ, read_bounded
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@contextlib.contextmanager
+def _no_hang(seconds: int = 60):
+    """Fail the test instead of blocking for ever (a FIFO read would)."""
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s: blocked on a FIFO?")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+@pytest.fixture
+def export_copy(tiny_int8_export, tmp_path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, folder)
+    return folder
+
+
+def test_read_bounded_refuses_a_fifo_a_folder_and_a_file_over_the_limit(tmp_path):
+    (tmp_path / "ok.json").write_bytes(b"{}")
+    assert read_bounded(tmp_path / "ok.json", "a manifest") == b"{}"
+    os.mkfifo(tmp_path / "fifo.json")
+    with _no_hang(), pytest.raises(FormatError, match=r"fifo.json: is not a regular file \(a FIFO, socket or device\); "
+                                                      "expected a manifest$"):
+        read_bounded(tmp_path / "fifo.json", "a manifest")
+    with pytest.raises(FormatError, match=rf"^{tmp_path}: is a folder; expected a manifest$"):
+        read_bounded(tmp_path, "a manifest")
+    big = _sparse(tmp_path / "big.json", 1001)
+    with pytest.raises(FormatError, match=rf"^{big}: 1,001 bytes; expected a manifest of at most 1,000$"):
+        read_bounded(big, "a manifest", 1000)
+    with pytest.raises(FileNotFoundError):
+        read_bounded(tmp_path / "absent.json", "a manifest")
+
+
+def test_an_oversized_manifest_is_one_line_for_generate_and_verify(export_copy):
+    size = SMALL_FILE_BYTES + 1
+    _sparse(export_copy / "manifest.json", size)
+    for args in (["generate", "--model", export_copy, "--prompt", "hi", "--max-new-tokens", 1], ["verify", export_copy]):
+        result = _run(*args)
+        assert result.exit_code != 0 and "Traceback" not in result.output, result.output
+        assert (f"{export_copy / 'manifest.json'}: unreadable manifest: {size:,} bytes; expected a manifest of at most "
+                f"{SMALL_FILE_BYTES:,}") in result.output
+
+
+def test_an_export_over_a_folder_whose_manifest_is_a_fifo_is_refused_not_blocked(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "manifest.json")
+    with _no_hang():
+        result = _run("--source", tiny_dir, "--dtype", "fp32", "--out", out)
+    assert result.exit_code != 0 and "manifest.json is not a regular file (a FIFO, socket or device)" in result.output
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json"]  # nothing added, nothing replaced
+
+
+def test_a_listed_file_that_became_a_fifo_or_a_link_makes_the_folder_foreign(export_copy):
+    assert output_changes(export_copy, "manifest.json") == ""
+    tokenizer = export_copy / "tokenizer.json"
+    kept = tokenizer.read_bytes()
+    tokenizer.unlink()
+    os.mkfifo(tokenizer)
+    with _no_hang():
+        assert output_changes(export_copy, "manifest.json") == ("tokenizer.json is not a regular file (a FIFO, socket "
+                                                                 "or device), not the file manifest.json lists")
+    tokenizer.unlink()
+    (export_copy.parent / "elsewhere.json").write_bytes(kept)
+    tokenizer.symlink_to(export_copy.parent / "elsewhere.json")  # the same bytes, but not a file of the folder
+    assert output_changes(export_copy, "manifest.json") == "tokenizer.json is a link, not the file manifest.json lists"
+    manifest = export_copy / "manifest.json"
+    manifest.rename(export_copy.parent / "manifest.json")
+    manifest.symlink_to(export_copy.parent / "manifest.json")
+    assert output_changes(export_copy, "manifest.json") == "manifest.json is a link"
+
+
+def test_a_bundle_listing_that_is_a_folder_is_named(tmp_path):
+    folder = tmp_path / "bundle"
+    (folder / "BUNDLE.json").mkdir(parents=True)
+    result = _run("verify", folder)
+    assert result.exit_code != 0
+    assert f"{folder / 'BUNDLE.json'}: is a folder; a board folder's listing is a JSON file" in result.output
+
+
+def test_a_prepacked_record_that_is_a_fifo_is_named(export_copy):
+    copy = export_copy / "prepacked"
+    copy.mkdir()
+    os.mkfifo(copy / "prepacked.json")
+    with _no_hang():
+        result = _run("prepack", "--model", export_copy)
+    assert result.exit_code != 0
+    assert "has a prepacked.json that is not a regular file (a FIFO, socket or device)" in result.output
+
+
+def test_an_oversized_config_json_is_named(tiny_dir, tmp_path):
+    from gemma_export.config import load_hf_config
+
+    config = _sparse(tmp_path / "config.json", SMALL_FILE_BYTES + 1)
+    with pytest.raises(ConfigError, match=rf"config.json: {SMALL_FILE_BYTES + 1:,} bytes; expected a config.json of "
+                                          rf"at most {SMALL_FILE_BYTES:,}$"):
+        load_hf_config(config)
+
+
+def test_a_calibration_text_is_read_only_as_far_as_its_tokens_need(tmp_path):
+    from gemma_export.calibration import calibration_text
+
+    path = tmp_path / "huge.txt"
+    with open(path, "wb") as f:
+        f.write(b"real words " * 200_000)  # 2.2 MB
+    text, where = calibration_text(path, 4096)
+    assert where == str(path) and len(text) == max(TEXT_BYTES_READ, 64 * 4097) == 1 << 20
+    assert len(calibration_text(path, None)[0]) == 2_200_000  # the Python API's default: the whole file
+
+
+def test_running_out_of_memory_is_one_line(export_copy, monkeypatch):
+    import gemma_export.inspect as inspect_module
+
+    def exhausted(*_args, **_kwargs):
+        raise MemoryError
+    monkeypatch.setattr(inspect_module, "inspect_path", exhausted)
+    result = _run("inspect", export_copy)
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert result.output.strip() == ("error: out of memory (Python's MemoryError); an input is larger than this "
+                                     "machine can hold: rerun with --debug to see which step ran out")
+    assert json.loads((export_copy / "manifest.json").read_text())["files"]  # the input is untouched
