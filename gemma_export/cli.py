@@ -220,6 +220,18 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 
 
+def _checked_threads(value: Optional[int]) -> Optional[int]:
+    """``--threads`` checked while the command line is parsed, before any work, in the commands' own
+    one-line wording for 0 and for too many alike (``runtime.check_threads``)."""
+    from .runtime import check_threads
+
+    try:
+        check_threads(value)
+    except GemmaExportError as exc:
+        _fail(exc, False)
+    return value
+
+
 def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
     """Ctrl-C or SIGTERM: one line and the shell's exit status for the signal (130 for SIGINT, 143
     for SIGTERM); writers have cleaned up. ``writes``: the command writes output (its message then
@@ -415,7 +427,7 @@ def _export_summary(result, archive: int) -> None:
 THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (default: onnxruntime's, one per core)."
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
                       "once). fp32 logits agree to 4e-5 either way; int8 ones move by up to ~0.7 (8-bit activations), "
-                      "which can flip a near-tied token; "
+                      "which can flip a near-tied token (and so the whole text after it); "
                       "a longer step needs more activation memory while the prompt runs (a 3,072-token prompt in "
                       "one step: a 1,210 MB peak, in steps of 512: 738 MB); the first decode step gives it back.")
 
@@ -437,7 +449,7 @@ def generate(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out (an instruction-tuned model such as FunctionGemma answers it; the bundled pre-trained Gemma 3 270M only continues text); FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     json_out: Optional[Path] = typer.Option(
@@ -516,7 +528,7 @@ def generate(
 @app.command()
 def prepack(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     remove: bool = typer.Option(False, "--remove", help="Delete the folder's pre-packed copy instead."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -657,7 +669,7 @@ def dedupe(
 @app.command(short_help="Time and measure an export with onnxruntime.")
 def bench(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=f"onnxruntime intra-op threads (default {DEFAULT_THREADS}, the {DEFAULT_BOARD}'s cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
+    threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=f"onnxruntime intra-op threads (default {DEFAULT_THREADS}, the {DEFAULT_BOARD}'s cores; 1 to 4 x this machine's CPUs; given with --board, --threads wins over the board's count)."),
     prompt_tokens: str = typer.Option("16,128,512", "--prompt-tokens", help="Comma-separated prompt lengths (tokens of real text)."),
     new_tokens: int = typer.Option(128, "--new-tokens", help="Decode steps after each prompt (more than 4: the first 4 are warm-up and not timed)."),
     board: Optional[str] = typer.Option(None, "--board", help=BENCH_BOARD_HELP),
@@ -716,7 +728,7 @@ def quality(
     reference: str = typer.Option("transformers", "--reference", parser=_quality_reference, metavar="<transformers|fp32|path>", help="transformers (fp32 on the export's source; needs the test extra), fp32 (an fp32 export of the source, made on the fly) or an export folder."),
     text: Optional[Path] = typer.Option(None, "--text", parser=_path, metavar="<path>", help="Real text to score (default: the Python license, ~3,400 tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Use only the first N tokens of the text (at least 2)."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
@@ -768,7 +780,7 @@ def parity(
     golden: Optional[Path] = typer.Option(None, "--golden", parser=_path, metavar="<path>", help="Golden greedy ids (JSON: {prompt|prompt_ids, expected_ids} objects, or a bare list of ids expected after one prompt: that of a --prompts file holding one, else 'The capital of France is')."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", parser=_path, metavar="<path>", help="Prompts: a text file (one per line) or a JSON list of strings / id lists."),
     new_tokens: Optional[int] = typer.Option(None, "--new-tokens", metavar="<int>", help="With --against transformers: greedy tokens generated after each prompt and compared (at least 1; default 16). A golden entry generates as many as it expects."),
-    threads: Optional[int] = typer.Option(None, "--threads", min=1, help=THREADS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),

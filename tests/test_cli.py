@@ -411,7 +411,10 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     # the folder given without --model (a fresh user's slip): the message says how to give it
     (["generate", "m", "--prompt", "hi"], "error: Missing option '--model'. Give the export folder as --model DIR. "
                                           "(see 'gemma-export generate --help')"),
-    (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: Invalid value for '--threads'"),
+    # 0 and too many in one wording, before the (missing) folder is looked at (fresh-user finding)
+    (["generate", "--model", "m", "--prompt", "hi", "--threads", "0"], "error: --threads 0: expected 1 to "),
+    (["bench", "--model", "m", "--threads", "-3"], "error: --threads -3: expected 1 to "),
+    (["quality", "--model", "m", "--threads", "100000"], "error: --threads 100000: expected 1 to "),
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
     (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
     (["--dtype"], "error: Option '--dtype' requires an argument. (see 'gemma-export --help')"),
