@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import __version__
-from .boards import DEFAULT_BOARD, Board, board as find_board
+from .boards import BOARDS, DEFAULT_BOARD, Board, board as find_board
 from .config import QUANTIZED_DTYPES
 from .errors import FormatError, GemmaExportError, OutputError, SourceNotFoundError, check_arguments, shown
 from .manifest import export_description, quantization_text
@@ -139,8 +139,10 @@ def build_wheel(dest: Path, scratch_dir: Path | None = None) -> Path:
         except (OSError, shutil.Error) as exc:  # copytree gathers its failures in a list: name the first
             first = exc.args[0][0][2] if isinstance(exc, shutil.Error) and exc.args and exc.args[0] else exc
             reason = getattr(first, "strerror", None) or str(first).split(": ", 1)[0]
+            hint = ("free space in the temporary folder or point TMPDIR elsewhere" if scratch_dir is None
+                    else "free space where the bundle is written (--out), or choose another --out")
             raise GemmaExportError(f"bundle: cannot copy the toolkit's sources into {scratch} to build its wheel "
-                                   f"({reason}); free space in the temporary folder or point TMPDIR elsewhere") from None
+                                   f"({reason}); {hint}") from None
         # pip's own temporary folders go into the scratch folder too, so an interrupted build
         # (Ctrl-C kills pip mid-build) leaves none of them in the system's temporary folder
         pip_tmp = Path(scratch) / "tmp"
@@ -450,5 +452,8 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         if not isinstance(listing.get(field), str) or not listing[field]:
             found = f"found {shown(listing[field])}" if field in listing else "missing"
             raise VerificationError(f"{listing_path}: field '{field}' must be {what} (a string), {found}")
+    if listing["board"] not in BOARDS:  # bundle writes only boards it knows, and its README is for that board
+        raise VerificationError(f"{listing_path}: field 'board' is {shown(listing['board'])}, expected one of "
+                                f"{', '.join(BOARDS)}")
     verify_manifest(folder / BUNDLE_MODEL_DIR)
     return {name: size for name, (size, _) in expected.items()}

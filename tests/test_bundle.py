@@ -408,6 +408,7 @@ def _edit_listing(out, **fields):
     # the record's own fields (probe finding: any value passed)
     (lambda out: _edit_listing(out, board=5), "BUNDLE.json: field 'board' must be the board's name (a string), found 5"),
     (lambda out: _edit_listing(out, board=None), "BUNDLE.json: field 'board' must be the board's name (a string), found null"),
+    (lambda out: _edit_listing(out, board="xyz"), "BUNDLE.json: field 'board' is \"xyz\", expected one of sl2610"),
     (lambda out: _edit_listing(out, gemma_export_version=None),
      "BUNDLE.json: field 'gemma_export_version' must be the version that wrote it (a string), found null"),
     (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found []"),
@@ -485,6 +486,10 @@ def test_a_full_temporary_folder_for_the_wheel_build_is_one_line(tmp_path, monke
     message = str(caught.value)
     assert "cannot copy the toolkit's sources into" in message and "([Errno 28] No space left on device)" in message
     assert "point TMPDIR elsewhere" in message and len(message) < 300 and "\n" not in message
+    # bundle builds it inside --out's staging folder: there TMPDIR does not matter (probe finding)
+    with pytest.raises(GemmaExportError) as caught:
+        bundle.build_wheel(tmp_path, scratch_dir=tmp_path)
+    assert str(caught.value).endswith("; free space where the bundle is written (--out), or choose another --out")
 
 
 def test_the_free_space_check_counts_the_wheel_s_real_size(tiny_int8_export, wheel, tmp_path, monkeypatch):
