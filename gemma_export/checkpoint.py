@@ -55,12 +55,30 @@ class TensorRef:
             FormatError: the reader returned another shape.
             NumericError: the tensor holds NaN or Inf (names the first index), unless allowed.
         """
-        array = np.asarray(self.reader(), dtype=np.float32)
+        array = self.as_float32(self.reader())
         if tuple(array.shape) != self.shape:
             raise FormatError(f"{self.origin}: read shape {tuple(array.shape)}, declared {self.shape}")
         if not allow_non_finite:
             self.check_finite(array)
         return array
+
+    def as_float32(self, values, first_row: int = 0) -> np.ndarray:
+        """``values`` (rows from ``first_row`` on) as float32; a finite float64 value beyond float32's
+        range is refused by name, instead of becoming an Inf that :meth:`check_finite` would report
+        as if the file held one (probe finding: an F64 1e300).
+
+        Raises:
+            NumericError: naming the first such value and its index.
+        """
+        values = np.asarray(values)
+        if values.dtype == np.float64:
+            beyond = np.isfinite(values) & (np.abs(values) > np.finfo(np.float32).max)
+            if beyond.any():
+                index = tuple(int(i) for i in np.unravel_index(int(np.argmax(beyond)), values.shape))
+                where = (first_row + index[0], *index[1:]) if index else index
+                raise NumericError(f"{self.origin}: tensor '{self.name}' holds {values[index]:.6g} at index {where}, "
+                                   "beyond float32's range (3.4e38); weights must fit float32")
+        return np.asarray(values, dtype=np.float32)
 
     def check_finite(self, values: np.ndarray, first_row: int = 0) -> None:
         """Raises NumericError naming the first NaN/Inf of ``values`` (rows from ``first_row`` on)."""
@@ -86,7 +104,7 @@ class RowView:
             if self._full is None:
                 self._full = self.ref.load()
             return self._full[start:stop]
-        rows = np.asarray(self.ref.row_reader(start, stop), dtype=np.float32)
+        rows = self.ref.as_float32(self.ref.row_reader(start, stop), first_row=start)
         self.ref.check_finite(rows, first_row=start)
         return rows
 

@@ -220,15 +220,16 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
 
 
-def _checked_threads(value: Optional[int]) -> Optional[int]:
+def _checked_threads(ctx: typer.Context, value: Optional[int]) -> Optional[int]:
     """``--threads`` checked while the command line is parsed, before any work, in the commands' own
-    one-line wording for 0 and for too many alike (``runtime.check_threads``)."""
+    one-line wording for 0 and for too many alike (``runtime.check_threads``); with ``--debug``
+    (parsed first: it is eager) the error is raised with its traceback, as in the commands."""
     from .runtime import check_threads
 
     try:
         check_threads(value)
     except GemmaExportError as exc:
-        _fail(exc, False)
+        _fail(exc, bool(ctx.params.get("debug")))
     return value
 
 
@@ -326,7 +327,7 @@ def main(
     debug_outputs: bool = typer.Option(False, "--debug-outputs", help="Add per-layer attention/MLP outputs for `gemma-export parity` to locate a divergence."),
     activation_residual: bool = typer.Option(False, "--activation-residual", help="int8 only: give every matmul also the residual of onnxruntime's int8 rounding of its input, so activations keep about float precision: on the real 270M half the KL, and the same logits on x86-64 and aarch64 (to ~0.01 instead of ~1.5), for ~1.3-1.6x the decode time and ~2x the prefill time (docs/benchmarks.md)."),
     scale_dtype: Optional[ScaleDType] = typer.Option(None, "--scale-dtype", help="int8/int4: how block scales are stored: float32 (the default) or float16, half the scales' bytes on disk (each scale rounded up to float16 before its codes are chosen; onnxruntime widens them once when it loads the model, so its graph optimizations, on by default, must stay on). Pays for --block-size 16 within the default's size (docs/quality.md)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
                                  help="Show the version of gemma-export and of its onnx and onnxruntime, and exit."),
 ) -> None:
@@ -456,7 +457,7 @@ def generate(
         None, "--json", parser=_file_path, metavar="<path>",
         help="Also write the prompt's and the new tokens' ids as a golden entry for `parity --golden` "
              "(prompt, prompt_ids, expected_ids, text, prefill_chunk, dtype) to this file ('-' = stdout)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Greedy-decode a prompt with onnxruntime and print the prompt and the new text as it comes,
     then the timings (on stderr).
@@ -530,7 +531,7 @@ def prepack(
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     remove: bool = typer.Option(False, "--remove", help="Delete the folder's pre-packed copy instead."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Pre-pack the weights for this machine: less heap memory.
 
@@ -570,7 +571,7 @@ def prepack(
 def verify(
     model_arg: Optional[Path] = typer.Argument(None, metavar="MODEL", parser=_path, help="An export folder (with manifest.json), or a board folder of `bundle`."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files; the
     vocabulary, layers, dtype and quantization it records against the graph's), then run the ONNX
@@ -620,7 +621,7 @@ def inspect(
     path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Show what an archive carries: tensor count, sizes by dtype, the largest tensors, and tensors
     stored twice (identical bytes or transposed), with the bytes they waste.
@@ -642,7 +643,7 @@ def inspect(
 def dedupe(
     model: Path = typer.Argument(..., metavar="MODEL", parser=_path, help="An ONNX model (with its external data) that stores a table twice."),
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="Folder for the rewritten model (must not exist or be empty)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Store each duplicated table of an ONNX model once (identical copies, pre-transposed copies,
     or a Transpose that onnxruntime would fold into a copy), and check with onnxruntime that the
@@ -681,7 +682,7 @@ def bench(
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
     huge_pages: Optional[bool] = typer.Option(None, "--huge-pages/--no-huge-pages", help="Without a pre-packed copy: move the weights onnxruntime packed on the heap onto transparent huge pages after loading (the default; Linux >= 6.1; 0.79-0.89 x the decode time on x86-64). --no-huge-pages measures without.", show_default=False),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Measure an export with onnxruntime: session creation, prefill per prompt length, decode
     ms/token (median, p90), tokens/s, Anonymous and Rss memory growth (from after loading the
@@ -731,7 +732,7 @@ def quality(
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the figures as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Teacher-forced quality of an export on real text against a reference: top-1 agreement
     (overall and past the model's sliding_window, 512 for Gemma 3 270M), mean KL(reference || export) in nats/token, perplexity, max |dlogit|.
@@ -783,7 +784,7 @@ def parity(
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     json_out: Optional[Path] = typer.Option(None, "--json", parser=_file_path, metavar="<path>", help="Also write the report as JSON to this file ('-' = stdout)."),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Check an export against transformers, the reference MLIR export (IREE) and golden token
     files; print per-prompt figures, the first diverging layer (with --debug-outputs exports) and a
@@ -819,7 +820,7 @@ def bundle(
     out: Path = typer.Option(..., "--out", parser=_path, metavar="<path>", help="The bundle folder to write: a new path, an empty folder, or a previous bundle (replaced whole, with any pre-packed copy the board made in it)."),
     board: str = typer.Option(DEFAULT_BOARD, "--board", help=f"Target board ({', '.join(BOARDS)})."),
     wheel: Optional[Path] = typer.Option(None, "--wheel", parser=_path, metavar="<path>", help="A prebuilt gemma_export wheel (default: built from this source tree)."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:
     """Write the folder the board team copies to the board: the verified model, this toolkit's
     wheel, a README with the install line and the verify/prepack/generate/bench commands, and BUNDLE.json

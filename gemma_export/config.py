@@ -432,7 +432,8 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
                           "(Gemma 3 attends with one head_dim)")
     scaling_type = meta.get("gemma3.rope.scaling.type", "none")
     if scaling_type not in ("none", "linear"):  # as the transformers path: default and linear only
-        raise ConfigError(f"{where}: gemma3.rope.scaling.type is {scaling_type!r}, expected 'none' or 'linear'")
+        found = repr(scaling_type) if isinstance(scaling_type, str) else f"{shown(scaling_type)}, not a string"
+        raise ConfigError(f"{where}: gemma3.rope.scaling.type is {found}, expected 'none' or 'linear'")
     factor = f.number("rope.scaling.factor", 1.0)
     linear = scaling_type == "linear" and factor != 1.0
     full_rope = RopeParameters(rope_theta=f.number("rope.freq_base", DEFAULT_ROPE_THETA[FULL]),

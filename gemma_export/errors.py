@@ -16,10 +16,18 @@ from pathlib import Path
 
 
 def shown(value, limit: int = 60) -> str:
-    """A value from a user's JSON file for an error message, as JSON writes it (``true``, ``null``,
-    ``"text"``), cut to ``limit`` characters."""
-    text = json.dumps(value, default=str)
+    """A value from a user's JSON file (or a GGUF's metadata) for an error message, as JSON writes it
+    (``true``, ``null``, ``"text"``, ``[1, 2]``), cut to ``limit`` characters."""
+    text = json.dumps(value, default=_json_plain)
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def _json_plain(value):
+    """A value JSON cannot write, as it would be written: numpy arrays and scalars (GGUF metadata) as
+    lists and numbers (``[1, 2]``, not ``"[1 2]"``), anything else as its text."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
 
 
 def is_whole_number(value) -> bool:

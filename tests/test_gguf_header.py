@@ -97,6 +97,10 @@ def test_unknown_ggml_type_and_misaligned_offset(tmp_path, good):
     offset_at = type_at + 4
     offset = struct.unpack("<Q", good[offset_at:offset_at + 8])[0]
     _check(tmp_path, good[:offset_at] + struct.pack("<Q", offset + 1) + good[offset_at + 8:], "is not a multiple of 32")
+    # n_dims beyond ggml's 4 is named as such, not as the type read from the shifted bytes (probe finding)
+    for n_dims in (0, 5, 8):
+        _check(tmp_path, good[:at] + struct.pack("<I", n_dims) + good[at + 4:],
+               f"tensor 'blk.0.attn_q.weight' has n_dims {n_dims}, expected 1 to 4 (ggml's limit)")
 
 
 def test_export_reports_truncated_gguf(tmp_path, good):

@@ -357,6 +357,10 @@ CASES = {
     "tensor wrong shape": Case(hf(edit_tensors=_set(UP, np.zeros((128, 63), np.float32))), FormatError,
                                (UP, "has shape [128, 63]", "expected [128, 64]")),
     "nan weight": Case(hf(edit_tensors=_with_value(UP, 70, np.nan)), NumericError, (UP, "nan", "index (1, 6)")),
+    # a finite F64 beyond float32: named as what the file holds, not as the inf the cast made (probe finding)
+    "f64 beyond float32": Case(hf(edit_tensors=lambda t: (t.__setitem__(UP, t[UP].astype(np.float64)),
+                                                         _with_value(UP, 70, 1e300)(t))), NumericError,
+                               (UP, "holds 1e+300 at index (1, 6), beyond float32's range")),
     "bf16 overflow": Case(hf(edit_tensors=_with_value(UP, 70, 3.4e38), dtype="bf16"), NumericError,
                           (f"model.safetensors:{UP}: cannot store as bf16", "at index [1, 6]")),
     "inf weight": Case(hf(edit_tensors=_with_value(EMBED, 5, np.inf), dtype="int8"), NumericError, (EMBED, "inf", "index (0, 5)")),
@@ -369,6 +373,17 @@ CASES = {
                                          ("src/special_tokens_map.json: expected UTF-8 JSON, found byte 0xff",)),
     "tokenizer_config a list": Case(hf_file("tokenizer_config.json", b"[1]"), FormatError,
                                     ("src/tokenizer_config.json: expected a JSON object, found [1]",)),
+    # fields transformers reads with a type: refused by name, not copied for AutoTokenizer to fail on (probe finding)
+    "tokenizer_config flag a string": Case(hf_file("tokenizer_config.json", b'{"add_bos_token": "yes"}'), FormatError,
+                                           ("src/tokenizer_config.json: field 'add_bos_token' must be true or false, "
+                                            'found "yes"',)),
+    "special_tokens_map token a number": Case(hf_file("special_tokens_map.json", b'{"bos_token": {"content": 5}}'),
+                                              FormatError, ("src/special_tokens_map.json: field 'bos_token' must be a "
+                                                            'token (a string, or an object whose \'content\' is one), '
+                                                            'found {"content": 5}',)),
+    "special_tokens_map extra tokens not a list": Case(
+        hf_file("special_tokens_map.json", b'{"additional_special_tokens": "<x>"}'), FormatError,
+        ("field 'additional_special_tokens' must be a list of tokens",)),
     "tokenizer ids beyond the vocabulary": Case(hf_file("tokenizer.json", _char_tokenizer_bytes(extra={"z": 500})), ConfigError,
                                                 ("src/tokenizer.json: token id 500 ('z') is outside the model's vocab_size",
                                                  "does not belong to these weights")),

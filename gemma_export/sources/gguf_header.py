@@ -31,7 +31,9 @@ MAX_TENSORS = 1 << 20
 MAX_METADATA = 1 << 20
 MAX_STRING_BYTES = 1 << 24
 MAX_ARRAY_ITEMS = 1 << 26
-MAX_DIMS = 8
+#: dimensions of a tensor: GGUF's spec and ggml's GGML_MAX_DIMS allow at most 4 (a 5 read from a damaged
+#: file shifted every later field, and the message then named a type read from a dim's bytes)
+MAX_DIMS = 4
 DEFAULT_ALIGNMENT = 32
 #: metadata value type → struct format of a scalar (8 = string, 9 = array are handled apart)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -157,7 +159,7 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             names.add(name)
             n_dims = c.unpack("<I", f"dims of '{name}'")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise FormatError(f"{path}: tensor '{name}' has {n_dims} dims, expected 1..{MAX_DIMS}")
+                raise FormatError(f"{path}: tensor '{name}' has n_dims {n_dims}, expected 1 to {MAX_DIMS} (ggml's limit)")
             dims = [c.unpack("<Q", f"dim of '{name}'") for _ in range(n_dims)]
             kind = c.unpack("<I", f"type of '{name}'")
             offset = c.unpack("<Q", f"offset of '{name}'")

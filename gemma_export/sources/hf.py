@@ -33,7 +33,9 @@ JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def _check_json_object(path: Path, content: bytes) -> None:
-    """Raises FormatError naming ``path`` when ``content`` is not a UTF-8 JSON object."""
+    """Raises FormatError naming ``path`` (and the field) when ``content`` is not a UTF-8 JSON object,
+    or a field that transformers reads with a type (``add_bos_token``, ``bos_token``, ...) has
+    another."""
     try:
         value = json.loads(content.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -42,6 +44,29 @@ def _check_json_object(path: Path, content: bytes) -> None:
         raise FormatError(f"{path}: expected a JSON object, found text that is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, found {shown(value)}")
+    # the fields transformers' tokenizer loading reads with a type: a wrong one passed the export and
+    # verify, then failed in AutoTokenizer on the board (probe finding)
+    for name in _SIDE_FILE_FLAGS:
+        if name in value and not isinstance(value[name], bool):
+            raise FormatError(f"{path}: field '{name}' must be true or false, found {shown(value[name])}")
+    for name in _SIDE_FILE_TOKENS:
+        if name in value and value[name] is not None and not _is_token(value[name]):
+            raise FormatError(f"{path}: field '{name}' must be a token (a string, or an object whose 'content' is "
+                              f"one), found {shown(value[name])}")
+    extra = value.get("additional_special_tokens")
+    if extra is not None and not (isinstance(extra, list) and all(map(_is_token, extra))):
+        raise FormatError(f"{path}: field 'additional_special_tokens' must be a list of tokens (strings, or objects "
+                          f"whose 'content' is one), found {shown(extra)}")
+
+
+#: tokenizer side files' fields that transformers reads as booleans, and as tokens
+_SIDE_FILE_FLAGS = ("add_bos_token", "add_eos_token")
+_SIDE_FILE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
+
+
+def _is_token(value) -> bool:
+    """A special token as transformers writes one: its text, or an AddedToken object with ``content``."""
+    return isinstance(value, str) or isinstance(value, dict) and isinstance(value.get("content"), str)
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 #: a multimodal Gemma 3 checkpoint's parts besides the text decoder (transformers 4 and 5 names)
