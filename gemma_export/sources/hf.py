@@ -47,7 +47,7 @@ def _check_json_object(path: Path, content: bytes) -> None:
     # the fields transformers' tokenizer loading reads with a type: a wrong one passed the export and
     # verify, then failed in AutoTokenizer on the board (probe finding)
     for name in _SIDE_FILE_FLAGS:
-        if name in value and not isinstance(value[name], bool):
+        if name in value and value[name] is not None and not isinstance(value[name], bool):  # null: the default
             raise FormatError(f"{path}: field '{name}' must be true or false, found {shown(value[name])}")
     for name in _SIDE_FILE_TOKENS:
         if name in value and value[name] is not None and not _is_token(value[name]):
