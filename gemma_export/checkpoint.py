@@ -71,14 +71,18 @@ class TensorRef:
             NumericError: naming the first such value and its index.
         """
         values = np.asarray(values)
-        if values.dtype == np.float64:
-            beyond = np.isfinite(values) & (np.abs(values) > np.finfo(np.float32).max)
-            if beyond.any():
-                index = tuple(int(i) for i in np.unravel_index(int(np.argmax(beyond)), values.shape))
+        if values.dtype != np.float64:
+            return np.asarray(values, dtype=np.float32)
+        with np.errstate(over="ignore"):
+            cast = values.astype(np.float32)
+        # only where the cast made an inf is the float64 looked at again (no float64-sized temporaries)
+        for flat in np.flatnonzero(np.isinf(cast)):
+            index = tuple(int(i) for i in np.unravel_index(int(flat), values.shape))
+            if np.isfinite(values[index]):
                 where = (first_row + index[0], *index[1:]) if index else index
                 raise NumericError(f"{self.origin}: tensor '{self.name}' holds {values[index]:.6g} at index {where}, "
                                    "beyond float32's range (3.4e38); weights must fit float32")
-        return np.asarray(values, dtype=np.float32)
+        return cast
 
     def check_finite(self, values: np.ndarray, first_row: int = 0) -> None:
         """Raises NumericError naming the first NaN/Inf of ``values`` (rows from ``first_row`` on)."""

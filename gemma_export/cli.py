@@ -211,9 +211,7 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             if debug:
                 raise
             _fail(GemmaExportError("out of memory (Python's MemoryError); an input is larger than this machine can "
-                                   "hold: rerun with --debug to see which step ran out"
-                                   + ("; nothing was written (an existing output folder is unchanged)" if writes else "")),
-                  debug)
+                                   "hold: rerun with --debug to see which step ran out"), debug)
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
@@ -587,8 +585,9 @@ def verify(
     from .bundle import verify_bundle
     from .exporter import verify_manifest
     from .manifest import is_bundle
-    from .onnx_files import BUNDLE_MODEL_DIR
+    from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
     from .prepack import busy
+    from .text_files import non_regular
     from .prepack import verify as verify_prepacked
 
     if model_arg is not None and model_opt is not None and model_arg != model_opt:
@@ -598,7 +597,8 @@ def verify(
         _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
     with _reported(debug, writes=False):
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
-        bundled = is_bundle(model)
+        # a folder or FIFO where the listing belongs is named by verify_bundle, not taken for an export
+        bundled = is_bundle(model) or non_regular(model / BUNDLE_MANIFEST) is not None
         export_dir = model / BUNDLE_MODEL_DIR if bundled else model
         if busy(export_dir):  # its staging folder is not a leftover, and the copy is about to change
             raise GemmaExportError(f"{export_dir}: a gemma-export prepack is working on this folder; verify again when "

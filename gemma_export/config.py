@@ -314,9 +314,9 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
                               "language model's fields; found none (a text-only config says 'gemma3_text')")
         if not isinstance(cfg, Mapping):
             raise ConfigError(f"{where}: 'text_config' must be an object, found {shown(cfg)}")
-        if cfg.get("model_type", "gemma3_text") != "gemma3_text":  # transformers writes gemma3_text there
-            raise ConfigError(f"{where}: text_config.model_type is {shown(cfg['model_type'])}, expected "
-                              "\"gemma3_text\" (Gemma 3's language model)")
+        if cfg.get("model_type") not in (None, "gemma3_text"):  # transformers writes gemma3_text there
+            raise ConfigError(f"{where}: text_config.model_type is {cfg['model_type']!r}, expected 'gemma3_text' "
+                              "(Gemma 3's language model)")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in _SUPPORTED_ACTIVATIONS:
         raise ConfigError(
             f"{where}: hidden_activation is {cfg.get('hidden_activation')!r}, expected 'gelu_pytorch_tanh'"

@@ -18,13 +18,18 @@ from pathlib import Path
 def shown(value, limit: int = 60) -> str:
     """A value from a user's JSON file (or a GGUF's metadata) for an error message, as JSON writes it
     (``true``, ``null``, ``"text"``, ``[1, 2]``), cut to ``limit`` characters."""
-    text = json.dumps(value, default=_json_plain)
+    if isinstance(value, (list, tuple)) and len(value) > limit:  # a GGUF array may hold 2**26 items: only
+        value = list(value[:limit])  # what the cut text can show is written (each item takes >= 3 characters)
+    text = json.dumps(value, default=lambda v: _json_plain(v, limit))
     return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
-def _json_plain(value):
-    """A value JSON cannot write, as it would be written: numpy arrays and scalars (GGUF metadata) as
-    lists and numbers (``[1, 2]``, not ``"[1 2]"``), anything else as its text."""
+def _json_plain(value, limit: int):
+    """A value JSON cannot write, as it would be written: numpy arrays (their first ``limit`` items)
+    and scalars (GGUF metadata) as lists and numbers (``[1, 2]``, not ``"[1 2]"``), anything else as
+    its text."""
+    if hasattr(value, "ravel") and getattr(value, "ndim", 0) > 0:
+        return value.ravel()[:limit].tolist()
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)

@@ -74,8 +74,7 @@ def is_bundle(folder: str | Path) -> bool:
     """Whether ``folder`` is a board folder written by ``gemma-export bundle``: ``BUNDLE.json`` at its
     top (the export in ``model/``). That file alone decides, so a bundle whose ``model/`` was damaged
     is still named as one (``verify`` then names what is missing)."""
-    listing = Path(folder) / BUNDLE_MANIFEST
-    return listing.is_file() or non_regular(listing) is not None  # a folder or FIFO there: verify names it
+    return (Path(folder) / BUNDLE_MANIFEST).is_file()
 
 
 def is_prepacked_copy(folder: str | Path) -> bool:

@@ -32,7 +32,7 @@ from .config import DTYPES
 from .errors import FormatError, GemmaExportError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
 from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, positions_needed
-from .text_files import not_unicode_at, read_text_file
+from .text_files import SMALL_FILE_BYTES, not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
 DEFAULT_NEW_TOKENS = 16
@@ -146,7 +146,7 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
         items: list = list(DEFAULT_PROMPTS)
     else:
         path = Path(path)
-        raw = read_text_file(path, "prompts file")
+        raw = read_text_file(path, "prompts file", whole_limit=SMALL_FILE_BYTES)
         items = None
         if path.suffix.lower() == ".json":
             try:
@@ -230,7 +230,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
             ``max_tokens + 1`` tokens (the exact length is checked later).
     """
     path = Path(path)
-    text = read_text_file(path, "golden file")
+    text = read_text_file(path, "golden file", whole_limit=SMALL_FILE_BYTES)
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:

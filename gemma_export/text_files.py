@@ -74,19 +74,24 @@ def require_file(path: str | Path, what: str) -> Path:
     return p
 
 
-def read_text_file(path: str | Path, what: str, max_bytes: int | None = None) -> str:
+def read_text_file(path: str | Path, what: str, max_bytes: int | None = None,
+                   whole_limit: int | None = None) -> str:
     """A UTF-8 text file, without a leading byte-order mark (editors on Windows write one; it would
     otherwise become part of the first prompt); ``what`` names it in errors (e.g. ``"golden file"``).
     ``max_bytes``: read only that many bytes of a longer file (a character cut at the end is dropped),
-    for callers that use only the text's first tokens; None: the whole file.
+    for callers that use only the text's first tokens; None: the whole file, refused first when it is
+    larger than ``whole_limit`` (a JSON file of prompts or ids that cannot be read in part).
 
     Raises:
         SourceNotFoundError: as :func:`require_file`, or an OS error while reading (its reason).
-        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``.
+        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``, or larger than
+            ``whole_limit``.
     """
     p = require_file(path, what)
     try:
         if max_bytes is None:
+            if whole_limit is not None:
+                return read_bounded(p, f"a {what}", whole_limit).decode("utf-8").removeprefix("\ufeff")
             return p.read_text(encoding="utf-8").removeprefix("\ufeff")
         with open(p, "rb") as f:
             data = f.read(max_bytes + 1)

@@ -126,7 +126,19 @@ def test_a_prepacked_record_that_is_a_fifo_is_named(export_copy):
     assert "has a prepacked.json that is not a regular file (a FIFO, socket or device)" in result.output
 
 
-def test_an_oversized_config_json_is_named(tiny_dir, tmp_path):
+@pytest.mark.parametrize("option", ["--prompts", "--golden"])
+def test_an_oversized_prompts_or_golden_file_is_refused_before_it_is_read(export_copy, tmp_path, option):
+    big = _sparse(tmp_path / "big.json", SMALL_FILE_BYTES + 1)
+    golden = tmp_path / "golden.json"
+    golden.write_text("[5, 6]")
+    args = ["--golden", big] if option == "--golden" else ["--golden", golden, "--prompts", big]
+    result = _run("parity", "--model", export_copy, *args)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    what = "golden file" if option == "--golden" else "prompts file"
+    assert f"{big}: {SMALL_FILE_BYTES + 1:,} bytes; expected a {what} of at most {SMALL_FILE_BYTES:,}" in result.output
+
+
+def test_an_oversized_config_json_is_named(tmp_path):
     from gemma_export.config import load_hf_config
 
     config = _sparse(tmp_path / "config.json", SMALL_FILE_BYTES + 1)
@@ -143,7 +155,28 @@ def test_a_calibration_text_is_read_only_as_far_as_its_tokens_need(tmp_path):
         f.write(b"real words " * 200_000)  # 2.2 MB
     text, where = calibration_text(path, 4096)
     assert where == str(path) and len(text) == max(TEXT_BYTES_READ, 64 * 4097) == 1 << 20
+    assert len(calibration_text(path, 20_000)[0]) == 64 * 20_001  # past the floor: 64 bytes a token
     assert len(calibration_text(path, None)[0]) == 2_200_000  # the Python API's default: the whole file
+
+
+def test_the_export_reads_its_calibration_text_as_far_as_its_tokens(tiny_dir, tmp_path, monkeypatch):
+    from conftest import write_char_tokenizer
+    from gemma_export import calibration, exporter
+
+    seen = []
+
+    def recorded(path, tokens=None):
+        seen.append(tokens)
+        return real(path, tokens)
+    real = calibration.calibration_text
+    monkeypatch.setattr(exporter, "read_calibration_text", recorded)
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox " * 200)
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    exporter.export(src, tmp_path / "out", "int8", block_size=16, calibration_text=text, calibration_tokens=64)
+    assert seen == [64]
 
 
 def test_running_out_of_memory_is_one_line(export_copy, monkeypatch):
@@ -156,4 +189,17 @@ def test_running_out_of_memory_is_one_line(export_copy, monkeypatch):
     assert result.exit_code != 0 and "Traceback" not in result.output
     assert result.output.strip() == ("error: out of memory (Python's MemoryError); an input is larger than this "
                                      "machine can hold: rerun with --debug to see which step ran out")
+    assert isinstance(_run("inspect", export_copy, "--debug").exception, MemoryError)  # --debug: the real one
     assert json.loads((export_copy / "manifest.json").read_text())["files"]  # the input is untouched
+
+
+def test_a_huge_array_in_a_message_is_cut_before_it_is_written():
+    """A GGUF metadata array may hold 2**26 items: only what the 60 characters can show is converted
+    (the whole 4M-item array took 248 MB to write; review finding)."""
+    import numpy as np
+
+    from gemma_export.errors import shown
+
+    assert shown(np.arange(1 << 22, dtype=np.uint32)) == "[" + ", ".join(map(str, range(17))) + "..."
+    assert shown(list(range(1 << 22))) == shown(np.arange(1 << 22))
+    assert shown(np.array([1, 2], dtype=np.int32)) == "[1, 2]" and shown(np.float32(0.5)) == "0.5"

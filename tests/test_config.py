@@ -38,9 +38,11 @@ def test_v5_form_and_multimodal_nesting():
     with pytest.raises(ConfigError, match=r"^c: model_type 'gemma3' \(the multimodal model\) needs 'text_config'"):
         config_from_hf_dict({**text, "model_type": "gemma3"}, "c")
     # the nested config of another model (probe finding: text_config.model_type "gemma2" was exported)
-    with pytest.raises(ConfigError, match=r'^c: text_config.model_type is "gemma2", expected "gemma3_text"'):
+    with pytest.raises(ConfigError, match=r"^c: text_config.model_type is 'gemma2', expected 'gemma3_text'"):
         config_from_hf_dict({"model_type": "gemma3", "text_config": {**text, "model_type": "gemma2"}}, "c")
-    assert config_from_hf_dict({"model_type": "gemma3", "text_config": text}, "c").layer_types[-1] == FULL  # none: fine
+    for absent in ({}, {"model_type": None}):  # none or null: fine
+        config = config_from_hf_dict({"model_type": "gemma3", "text_config": {**text, **absent}}, "c")
+        assert config.layer_types[-1] == FULL
     for bad, found in (([], r"\[\]"), ({}, None)):
         if found is None:  # an empty object: its fields are missing, and that is what is said
             with pytest.raises(ConfigError, match="missing required field"):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from conftest import broken_copy, make_tiny_model
+from conftest import broken_copy, make_tiny_model, write_char_tokenizer
 from gemma_export.cli import app
 from gemma_export.errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, ResourceError,
                                  SourceNotFoundError, VerificationError)
@@ -374,16 +374,13 @@ CASES = {
     "tokenizer_config a list": Case(hf_file("tokenizer_config.json", b"[1]"), FormatError,
                                     ("src/tokenizer_config.json: expected a JSON object, found [1]",)),
     # fields transformers reads with a type: refused by name, not copied for AutoTokenizer to fail on (probe finding)
-    "tokenizer_config flag a string": Case(hf_file("tokenizer_config.json", b'{"add_bos_token": "yes"}'), FormatError,
-                                           ("src/tokenizer_config.json: field 'add_bos_token' must be true or false, "
-                                            'found "yes"',)),
     "special_tokens_map token a number": Case(hf_file("special_tokens_map.json", b'{"bos_token": {"content": 5}}'),
                                               FormatError, ("src/special_tokens_map.json: field 'bos_token' must be a "
                                                             'token (a string, or an object whose \'content\' is one), '
                                                             'found {"content": 5}',)),
     "special_tokens_map extra tokens not a list": Case(
         hf_file("special_tokens_map.json", b'{"additional_special_tokens": "<x>"}'), FormatError,
-        ("field 'additional_special_tokens' must be a list of tokens",)),
+        ("field 'additional_special_tokens' must be a list (or an object) of tokens",)),
     "tokenizer ids beyond the vocabulary": Case(hf_file("tokenizer.json", _char_tokenizer_bytes(extra={"z": 500})), ConfigError,
                                                 ("src/tokenizer.json: token id 500 ('z') is outside the model's vocab_size",
                                                  "does not belong to these weights")),
@@ -842,6 +839,24 @@ def test_hostile_input(fx, tmp_path, name):
     assert type(debug.exception) is case.error or (case.error is GemmaExportError and isinstance(debug.exception, GemmaExportError)), \
         repr(debug.exception)
     assert _tree(tmp_path) == before
+
+
+def test_tokenizer_side_files_as_hugging_face_writes_them_are_accepted(fx, tmp_path):
+    """The typed-field checks refuse what breaks AutoTokenizer, not what transformers writes or takes:
+    AddedToken objects with "__type", null tokens, named extra tokens, a string flag (review finding)."""
+    added = {"__type": "AddedToken", "content": "<bos>", "lstrip": False, "normalized": False, "rstrip": False,
+             "single_word": False, "special": True}
+    config = {"add_bos_token": "yes", "add_eos_token": None, "bos_token": added, "eos_token": "<eos>",
+              "pad_token": None, "unk_token": {"content": "<unk>"}, "extra_special_tokens": {"image_token": "<img>"},
+              "additional_special_tokens": {"start_of_turn": "<start_of_turn>"}, "model_max_length": 32768}
+    special = {"bos_token": added, "additional_special_tokens": [added, "<end_of_turn>"]}
+    src = broken_copy(fx.tiny_dir, tmp_path / "src", None, None)
+    write_char_tokenizer(src)  # side files come with a tokenizer.json
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+    (src / "special_tokens_map.json").write_text(json.dumps(special))
+    result = CliRunner().invoke(app, [str(a) for a in _export_args(src, tmp_path, "fp32")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text()) == config  # copied as it was
 
 
 def test_code_and_templates_in_a_model_folder_are_never_run(fx, tmp_path):

@@ -44,23 +44,20 @@ def _check_json_object(path: Path, content: bytes) -> None:
         raise FormatError(f"{path}: expected a JSON object, found text that is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, found {shown(value)}")
-    # the fields transformers' tokenizer loading reads with a type: a wrong one passed the export and
-    # verify, then failed in AutoTokenizer on the board (probe finding)
-    for name in _SIDE_FILE_FLAGS:
-        if name in value and value[name] is not None and not isinstance(value[name], bool):  # null: the default
-            raise FormatError(f"{path}: field '{name}' must be true or false, found {shown(value[name])}")
+    # the special tokens transformers' AutoTokenizer reads with a type: a wrong one passed the export
+    # and verify, then raised TypeError in AutoTokenizer on the board (probe finding; transformers 5.25)
     for name in _SIDE_FILE_TOKENS:
         if name in value and value[name] is not None and not _is_token(value[name]):
             raise FormatError(f"{path}: field '{name}' must be a token (a string, or an object whose 'content' is "
                               f"one), found {shown(value[name])}")
     extra = value.get("additional_special_tokens")
-    if extra is not None and not (isinstance(extra, list) and all(map(_is_token, extra))):
-        raise FormatError(f"{path}: field 'additional_special_tokens' must be a list of tokens (strings, or objects "
-                          f"whose 'content' is one), found {shown(extra)}")
+    tokens = list(extra.values()) if isinstance(extra, dict) else extra  # a dict: named tokens (transformers 5)
+    if extra is not None and not (isinstance(tokens, list) and all(map(_is_token, tokens))):
+        raise FormatError(f"{path}: field 'additional_special_tokens' must be a list (or an object) of tokens "
+                          f"(strings, or objects whose 'content' is one), found {shown(extra)}")
 
 
-#: tokenizer side files' fields that transformers reads as booleans, and as tokens
-_SIDE_FILE_FLAGS = ("add_bos_token", "add_eos_token")
+#: tokenizer side files' fields that transformers reads as special tokens
 _SIDE_FILE_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token", "sep_token", "cls_token")
 
 
