@@ -32,6 +32,10 @@ PREPACKED_MANIFEST = "prepacked.json"
 ALIGNMENT_BYTES = 65536
 
 
+#: protobuf's limit on a serialized message, so on an ONNX file without its external data: 2 GiB
+MAX_PROTOBUF_BYTES = (2 << 30) - 1
+
+
 def read_graph(model_path: str | Path):
     """The ``onnx.ModelProto`` of ``model_path`` without its external data, unchecked (pass it to
     :func:`check_external_data`, or use :func:`load_graph`).
@@ -41,6 +45,9 @@ def read_graph(model_path: str | Path):
     """
     import onnx
 
+    if (size := Path(model_path).stat().st_size) > MAX_PROTOBUF_BYTES:  # read whole by onnx.load
+        raise FormatError(f"{model_path}: {size:,} bytes; not an ONNX model, which protobuf limits to "
+                          f"{MAX_PROTOBUF_BYTES:,} (larger weights go in external data files)")
     try:
         model = onnx.load(str(model_path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends: not our user's concern which

@@ -212,11 +212,14 @@ def check_export_folder(model_dir: str | Path) -> Path:
     Raises:
         SourceNotFoundError: no such folder, a file instead of a folder, a bundle folder, or no
             ``model.onnx`` in it.
+        FormatError: ``model.onnx`` is a folder, a FIFO or a broken link.
         GemmaExportError: the path is not valid UTF-8.
     """
     model_dir = Path(model_dir)
     path = model_dir / MODEL_FILE
     require_folder(model_dir, MODEL_FILE)
+    if (what := non_regular(path)) is not None:  # there, but not a file: named, not taken for absent
+        raise FormatError(f"{path}: is {what}; expected the export's ONNX graph")
     if not path.is_file():
         try:  # an export may be written into an empty folder, not a full one
             empty = not any(model_dir.iterdir())

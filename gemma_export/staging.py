@@ -340,6 +340,8 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
         relative = str(path.relative_to(folder))
         if any(relative == name or relative.startswith(name + "/") for name in skip):
             continue
+        if relative in records and path.is_dir() and not path.is_symlink():  # listed as a file, found a folder
+            return f"{relative} is a folder, not the file {manifest_name} lists"
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return f"{relative} is not listed in {manifest_name}"
     # and every listed file still holds what the manifest records (sizes first: cheap)

@@ -84,10 +84,17 @@ def read_text_file(path: str | Path, what: str, max_bytes: int | None = None,
 
     Raises:
         SourceNotFoundError: as :func:`require_file`, or an OS error while reading (its reason).
-        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``, or larger than
-            ``whole_limit``.
+        FormatError: ``"{path}: expected UTF-8 text, found byte 0x.. at offset N"``, a NUL
+            character (binary data), or larger than ``whole_limit``.
     """
     p = require_file(path, what)
+    text = _read_text(p, what, max_bytes, whole_limit)
+    if (at := text.find("\0")) != -1:  # UTF-8, but binary data: a file of zeros passed for real text
+        raise FormatError(f"{p}: holds a NUL character at offset {at:,}; expected text, not binary data")
+    return text
+
+
+def _read_text(p: Path, what: str, max_bytes: int | None, whole_limit: int | None) -> str:
     try:
         if max_bytes is None:
             if whole_limit is not None:

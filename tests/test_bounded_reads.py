@@ -108,6 +108,50 @@ def test_a_listed_file_that_became_a_fifo_or_a_link_makes_the_folder_foreign(exp
     assert output_changes(export_copy, "manifest.json") == "manifest.json is a link"
 
 
+def test_a_listed_file_that_became_a_folder_is_named_as_one(export_copy):
+    tokenizer = export_copy / "tokenizer.json"
+    tokenizer.unlink()
+    (tokenizer / "inside").mkdir(parents=True)  # its contents are not what is wrong: it is
+    assert output_changes(export_copy, "manifest.json") == "tokenizer.json is a folder, not the file manifest.json lists"
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "broken link"])
+def test_a_graph_that_is_not_a_file_is_named_for_generate(export_copy, kind):
+    graph = export_copy / "model.onnx"
+    graph.unlink()
+    {"folder": graph.mkdir, "fifo": lambda: os.mkfifo(graph),
+     "broken link": lambda: graph.symlink_to(export_copy / "absent.onnx")}[kind]()
+    with _no_hang():
+        result = _run("generate", "--model", export_copy, "--prompt", "hi", "--max-new-tokens", 1)
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{graph}: is {'a folder' if kind == 'folder' else 'a broken link' if kind == 'broken link' else 'not a regular file'}" \
+        in result.output
+
+
+def test_a_huge_file_in_the_graphs_place_is_refused_before_it_is_read(export_copy):
+    graph = export_copy / "model.onnx"
+    graph.unlink()
+    _sparse(graph, 3 << 30)  # onnx.load would read all of it
+    result = _run("generate", "--model", export_copy, "--prompt", "hi", "--max-new-tokens", 1)
+    assert result.exit_code == 2 and f"{graph}: {3 << 30:,} bytes, but" in result.output  # the manifest's size
+    from gemma_export.errors import FormatError as Refused
+    from gemma_export.onnx_files import read_graph
+    with pytest.raises(Refused, match=r"bytes; not an ONNX model, which protobuf limits to 2,147,483,647"):
+        read_graph(graph)  # inspect and dedupe, with no manifest to compare with
+
+
+def test_a_huge_reference_mlir_or_one_long_line_is_refused_without_reading_it(tmp_path):
+    from gemma_export.sources.mlir import MAX_MLIR_BYTES, parse_mlir
+
+    huge = _sparse(tmp_path / "huge.mlir", MAX_MLIR_BYTES + 1)
+    with pytest.raises(FormatError, match=rf"huge.mlir: {MAX_MLIR_BYTES + 1:,} bytes; expected reference MLIR text"):
+        parse_mlir(huge)
+    long = tmp_path / "long.mlir"
+    long.write_bytes(b"module {\n" + b"x" * (2 << 20) + b"\n}\n")
+    with pytest.raises(FormatError, match=r"long.mlir:2: a line of more than 1 MiB; not reference MLIR text"):
+        parse_mlir(long)
+
+
 def test_a_bundle_listing_that_is_a_folder_is_named(tmp_path):
     folder = tmp_path / "bundle"
     (folder / "BUNDLE.json").mkdir(parents=True)
@@ -191,6 +235,16 @@ def test_running_out_of_memory_is_one_line(export_copy, monkeypatch):
                                      "machine can hold: rerun with --debug to see which step ran out")
     assert isinstance(_run("inspect", export_copy, "--debug").exception, MemoryError)  # --debug: the real one
     assert json.loads((export_copy / "manifest.json").read_text())["files"]  # the input is untouched
+
+
+def test_a_file_of_zeros_is_not_taken_for_text(tmp_path):
+    """UTF-8 allows NUL, so 2 MB of zeros passed as 'real text' for bench and calibration (second probe)."""
+    from gemma_export.calibration import calibration_text
+
+    zeros = tmp_path / "zeros.txt"
+    zeros.write_bytes(b"some words, then " + bytes(1 << 20))
+    with pytest.raises(FormatError, match=r"zeros.txt: holds a NUL character at offset 17; expected text, not binary"):
+        calibration_text(zeros, 4096)
 
 
 def test_a_huge_array_in_a_message_is_cut_before_it_is_written():

@@ -381,6 +381,23 @@ CASES = {
     "special_tokens_map extra tokens not a list": Case(
         hf_file("special_tokens_map.json", b'{"additional_special_tokens": "<x>"}'), FormatError,
         ("field 'additional_special_tokens' must be a list (or an object) of tokens",)),
+    # more fields AutoTokenizer fails on (second probe): each refused by name
+    "tokenizer_config extra tokens a number": Case(hf_file("tokenizer_config.json", b'{"extra_special_tokens": 5}'),
+                                                   FormatError, ("field 'extra_special_tokens' must be a list (or an "
+                                                                 "object) of tokens", "found 5")),
+    "tokenizer_config named extra token a number": Case(
+        hf_file("tokenizer_config.json", b'{"extra_special_tokens": {"image_token": 5}}'), FormatError,
+        ('found {"image_token": 5}',)),
+    "tokenizer_config added_tokens_decoder a list": Case(
+        hf_file("tokenizer_config.json", b'{"added_tokens_decoder": [1, 2]}'), FormatError,
+        ("field 'added_tokens_decoder' must map token ids", "found [1, 2]")),
+    "tokenizer_config added_tokens_decoder by name": Case(
+        hf_file("tokenizer_config.json", b'{"added_tokens_decoder": {"zero": {"content": "<pad>"}}}'), FormatError,
+        ("field 'added_tokens_decoder' must map token ids",)),
+    "tokenizer_config model_max_length text": Case(hf_file("tokenizer_config.json", b'{"model_max_length": "big"}'),
+                                                   FormatError, ("field 'model_max_length' must be a number, found \"big\"",)),
+    "tokenizer_config tokenizer_class a number": Case(hf_file("tokenizer_config.json", b'{"tokenizer_class": 5}'),
+                                                      FormatError, ("field 'tokenizer_class' must be a class name",)),
     "tokenizer ids beyond the vocabulary": Case(hf_file("tokenizer.json", _char_tokenizer_bytes(extra={"z": 500})), ConfigError,
                                                 ("src/tokenizer.json: token id 500 ('z') is outside the model's vocab_size",
                                                  "does not belong to these weights")),
@@ -848,7 +865,9 @@ def test_tokenizer_side_files_as_hugging_face_writes_them_are_accepted(fx, tmp_p
              "single_word": False, "special": True}
     config = {"add_bos_token": "yes", "add_eos_token": None, "bos_token": added, "eos_token": "<eos>",
               "pad_token": None, "unk_token": {"content": "<unk>"}, "extra_special_tokens": {"image_token": "<img>"},
-              "additional_special_tokens": {"start_of_turn": "<start_of_turn>"}, "model_max_length": 32768}
+              "additional_special_tokens": {"start_of_turn": "<start_of_turn>"}, "model_max_length": 1e30,
+              "added_tokens_decoder": {"0": added, "106": {**added, "content": "<end_of_turn>"}},
+              "tokenizer_class": "GemmaTokenizer"}
     special = {"bos_token": added, "additional_special_tokens": [added, "<end_of_turn>"]}
     src = broken_copy(fx.tiny_dir, tmp_path / "src", None, None)
     write_char_tokenizer(src)  # side files come with a tokenizer.json

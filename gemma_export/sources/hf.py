@@ -50,11 +50,24 @@ def _check_json_object(path: Path, content: bytes) -> None:
         if name in value and value[name] is not None and not _is_token(value[name]):
             raise FormatError(f"{path}: field '{name}' must be a token (a string, or an object whose 'content' is "
                               f"one), found {shown(value[name])}")
-    extra = value.get("additional_special_tokens")
-    tokens = list(extra.values()) if isinstance(extra, dict) else extra  # a dict: named tokens (transformers 5)
-    if extra is not None and not (isinstance(tokens, list) and all(map(_is_token, tokens))):
-        raise FormatError(f"{path}: field 'additional_special_tokens' must be a list (or an object) of tokens "
-                          f"(strings, or objects whose 'content' is one), found {shown(extra)}")
+    for name in ("additional_special_tokens", "extra_special_tokens"):
+        extra = value.get(name)
+        tokens = list(extra.values()) if isinstance(extra, dict) else extra  # a dict: named tokens (transformers 5)
+        if extra is not None and not (isinstance(tokens, list) and all(map(_is_token, tokens))):
+            raise FormatError(f"{path}: field '{name}' must be a list (or an object) of tokens (strings, or objects "
+                              f"whose 'content' is one), found {shown(extra)}")
+    decoder = value.get("added_tokens_decoder")
+    if decoder is not None and not (isinstance(decoder, dict) and all(
+            key.isdigit() and isinstance(entry, dict) and isinstance(entry.get("content"), str)
+            for key, entry in decoder.items())):
+        raise FormatError(f"{path}: field 'added_tokens_decoder' must map token ids (\"0\", \"1\", ...) to objects "
+                          f"whose 'content' is the token, found {shown(decoder)}")
+    length = value.get("model_max_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float))):
+        raise FormatError(f"{path}: field 'model_max_length' must be a number, found {shown(length)}")
+    if value.get("tokenizer_class") is not None and not isinstance(value["tokenizer_class"], str):
+        raise FormatError(f"{path}: field 'tokenizer_class' must be a class name (a string), found "
+                          f"{shown(value['tokenizer_class'])}")
 
 
 #: tokenizer side files' fields that transformers reads as special tokens

@@ -46,6 +46,8 @@ from .safetensors_header import DTYPE_BYTES, NUMPY_DTYPES, looks_like_safetensor
 #: ``safetensors_header.DTYPE_BYTES`` / ``NUMPY_DTYPES``)
 ELEMENT_TYPES = {"bf16": "BF16", "f32": "F32", "f16": "F16", "i8": "I8", "i32": "I32"}
 MAX_LINE_BYTES = 1 << 20
+#: the largest reference MLIR file read: the 270M's is 0.4 MB, its weights being parameters in the archive
+MAX_MLIR_BYTES = 256 << 20
 
 _GLOBAL = re.compile(
     r'^\s*util\.global\s+(?:private\s+|public\s+)?(?:mutable\s+)?@([\w$.-]+)\s*=\s*'
@@ -120,11 +122,15 @@ def parse_mlir(path: str | Path) -> MlirModule:
 
     Raises:
         SourceNotFoundError: no such file.
-        FormatError: a safetensors archive given instead, a line over 1 MiB, a global with a
-            dynamic or unknown tensor type, a global declared twice, no global at all, or braces
-            that do not balance (a file cut short, or more closed than opened).
+        FormatError: a safetensors archive given instead, a file over :data:`MAX_MLIR_BYTES` or a
+            line over 1 MiB, a global with a dynamic or unknown tensor type, a global declared twice,
+            no global at all, or braces that do not balance (a file cut short, or more closed than
+            opened).
     """
     path = require_file(path, "reference MLIR file")
+    if (size := path.stat().st_size) > MAX_MLIR_BYTES:  # the IREE run reads it whole
+        raise FormatError(f"{path}: {size:,} bytes; expected reference MLIR text of at most {MAX_MLIR_BYTES:,} "
+                          "(its weights live in the archive beside it)")
     with open(path, "rb") as f:
         if path.suffix == ".safetensors" or looks_like_safetensors(f.read(9)):
             raise FormatError(f"{path}: a safetensors archive, not reference MLIR text; give the export's .mlir file "
@@ -136,9 +142,11 @@ def parse_mlir(path: str | Path) -> MlirModule:
     depth = 0  # braces open (regions, attribute dictionaries): a whole module closes them all
     last = b""  # the last line of code (comments aside): a whole file ends with a '}'
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        number = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):  # a longer line is never read whole
+            number += 1
             if len(raw) > MAX_LINE_BYTES:
-                raise FormatError(f"{path}:{number}: line of {len(raw):,} bytes exceeds 1 MiB; not reference MLIR text")
+                raise FormatError(f"{path}:{number}: a line of more than 1 MiB; not reference MLIR text")
             code = _STRING_LITERAL.sub(b'""', raw).split(b"//", 1)[0]  # braces in strings and comments do not count
             depth += code.count(b"{") - code.count(b"}")
             if code.strip():
