@@ -330,6 +330,11 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
         records = listed_files(manifest.get("files"), folder / manifest_name, nested=True)
     except VerificationError:
         return f"{manifest_name} does not list files the way gemma-export writes them"
+    # a listed name that is a link, a FIFO or a folder (before the walk below would call it unlisted)
+    for name in sorted(records):
+        path = folder / name
+        if path.is_symlink() or non_regular(path) is not None:
+            return f"{name} is {'a link' if path.is_symlink() else non_regular(path)}, not the file {manifest_name} lists"
     listed = set(records) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()
@@ -340,16 +345,10 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
         relative = str(path.relative_to(folder))
         if any(relative == name or relative.startswith(name + "/") for name in skip):
             continue
-        if relative in records and path.is_dir() and not path.is_symlink():  # listed as a file, found a folder
-            return f"{relative} is a folder, not the file {manifest_name} lists"
         if not (relative in parents if path.is_dir() and not path.is_symlink() else relative in listed):
             return f"{relative} is not listed in {manifest_name}"
     # and every listed file still holds what the manifest records (sizes first: cheap)
     # (a listed file that is gone holds nothing of anyone's)
-    for name in sorted(records):
-        path = folder / name
-        if path.is_symlink() or non_regular(path) is not None:
-            return f"{name} is {'a link' if path.is_symlink() else non_regular(path)}, not the file {manifest_name} lists"
     recorded = [(name, folder / name, size, digest) for name, (size, digest) in sorted(records.items())
                 if (folder / name).is_file()]
     for name, path, size, _ in recorded:
