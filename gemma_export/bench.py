@@ -41,7 +41,7 @@ from .errors import BudgetExceeded, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
-from .text_files import TEXT_BYTES_READ
+from .text_files import text_bytes_for
 
 WARMUP_STEPS = 4
 #: fewer timed decode steps than this per prompt are named in the report: a median of a handful is noisy
@@ -257,7 +257,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
                                f"need {needed} positions; the model's max_position_embeddings is {limit}")
     # a prefix: a huge --text is neither read nor tokenized whole
     needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
-    body, source = real_text(text, max(TEXT_BYTES_READ, 64 * needed_ids))
+    body, source = real_text(text, text_bytes_for(needed_ids))
     importlib.import_module("tokenizers")  # the library's own ~4 MB of Rss are not the tokenizer's
     release_free_heap()
     start = snapshot()

@@ -32,7 +32,7 @@ import numpy as np
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint
 from .config import SLIDING
 from .errors import ConfigError, GemmaExportError, NumericError, SourceNotFoundError
-from .text_files import TEXT_BYTES_READ, read_text_file
+from .text_files import read_text_file, text_bytes_for
 
 #: calibration tokens by default. On the real 270M (int8, teacher-forced over the Python license,
 #: docs/quality.md): GPTQ statistics from 1,024 tokens gave top-1 98.37% and KL 0.00131, from 4,096
@@ -89,7 +89,7 @@ def calibration_text(path: str | Path | None, tokens: int | None = None) -> tupl
         return default_calibration_text()
     path = Path(path)
     # a prefix of a huge file is enough: the first `tokens` tokens are all that calibration runs
-    max_bytes = None if tokens is None else max(TEXT_BYTES_READ, 64 * (tokens + 1))
+    max_bytes = None if tokens is None else text_bytes_for(tokens + 1)
     text = read_text_file(path, "calibration text file", max_bytes)
     if not text.strip():
         raise ConfigError(f"{path}: the calibration text is empty")

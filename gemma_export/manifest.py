@@ -18,7 +18,7 @@ from .errors import FormatError, SourceNotFoundError, VerificationError, check_u
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, traced_initializer)
 from .staging import leftovers, listed_files
-from .text_files import SMALL_FILE_BYTES, non_regular, read_bounded
+from .text_files import SMALL_FILE_BYTES, FileRefused, non_regular, read_bounded
 
 
 def read_manifest(model_dir: Path) -> dict:
@@ -38,8 +38,8 @@ def read_manifest(model_dir: Path) -> dict:
         if not manifest.is_file():
             return {}
         text = read_bounded(manifest, "a manifest").decode("utf-8")
-    except FormatError as exc:  # larger than any manifest: read_bounded's words after the path
-        raise FormatError(f"{manifest}: unreadable manifest: {str(exc).removeprefix(f'{manifest}: ')}") from None
+    except FileRefused as exc:  # larger than any manifest
+        raise FormatError(f"{manifest}: unreadable manifest: {exc.reason}") from None
     except UnicodeDecodeError as exc:
         raise FormatError(f"{manifest}: unreadable manifest: expected UTF-8 text, found byte "
                           f"0x{exc.object[exc.start]:02x} at offset {exc.start}") from None

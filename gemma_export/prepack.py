@@ -33,7 +33,7 @@ import numpy as np
 from .errors import FormatError, GemmaExportError, OutputError, VerificationError
 from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .manifest import read_manifest
-from .text_files import non_regular, read_bounded
+from .text_files import FileRefused, non_regular, read_bounded
 from .staging import (OLD_TAG, STAGING_TAG, check_free_space, entry_refused, file_sha256, flocked, hidden_prefix,
                       interrupts_held, remove_tree, staged_folder)
 FORMAT = "gemma-export-prepacked/1"
@@ -132,8 +132,8 @@ def _ownership(folder: Path) -> tuple[str, dict | None]:
         return f"has no {PREPACKED_MANIFEST}", None
     try:
         record = json.loads(read_bounded(folder / PREPACKED_MANIFEST, "a pre-packed copy's record").decode("utf-8"))
-    except FormatError as exc:  # larger than any record
-        return f"has a {PREPACKED_MANIFEST} that cannot be read ({str(exc).removeprefix(f'{folder / PREPACKED_MANIFEST}: ')})", None
+    except FileRefused as exc:  # larger than any record
+        return f"has a {PREPACKED_MANIFEST} that cannot be read ({exc.reason})", None
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         reason = "not UTF-8 JSON" if isinstance(exc, ValueError) else str(exc)
         return f"has a {PREPACKED_MANIFEST} that cannot be read ({reason})", None

@@ -468,7 +468,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     import tempfile
 
     from .bench import real_text
-    from .text_files import TEXT_BYTES_READ
+    from .text_files import text_bytes_for
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 
@@ -490,7 +490,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     needed = tokens if tokens is not None or not limit else limit + 1
     if limit and needed is not None:  # --tokens beyond the positions: read as if one past them (probe: 10**12 → MemoryError)
         needed = min(needed, limit + 1)
-    max_bytes = None if needed is None else max(TEXT_BYTES_READ, 64 * needed)
+    max_bytes = None if needed is None else text_bytes_for(needed)
     body, source = real_text(text, max_bytes)
     ids = first_tokens(load_tokenizer(model_dir), body, needed)
     if len(ids) < 2:

@@ -34,7 +34,7 @@ from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_gra
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, graph_quantization, load_graph
 from . import memory
 from .memory import release_free_heap
-from .text_files import TOKENIZER_FILE_BYTES, non_regular, not_unicode_at, read_bounded
+from .text_files import non_regular, not_unicode_at, read_bounded
 
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
@@ -1080,8 +1080,6 @@ def load_tokenizer(model_dir: str | Path):
     if not path.is_file():
         raise FormatError(f"{path}: missing; export again with the model's tokenizer (--tokenizer TOKENIZER.json), "
                           "or from a source that carries one")
-    if (size := path.stat().st_size) > TOKENIZER_FILE_BYTES:  # parsed whole, at ~3 x its size in heap
-        raise FormatError(f"{path}: {size:,} bytes; expected a tokenizer file of at most {TOKENIZER_FILE_BYTES:,}")
     return read_tokenizer_json(path)
 
 

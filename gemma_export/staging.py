@@ -333,8 +333,9 @@ def output_changes(folder: Path, manifest_name: str, required: dict | None = Non
     # a listed name that is a link, a FIFO or a folder (before the walk below would call it unlisted)
     for name in sorted(records):
         path = folder / name
-        if path.is_symlink() or non_regular(path) is not None:
-            return f"{name} is {'a link' if path.is_symlink() else non_regular(path)}, not the file {manifest_name} lists"
+        what = "a link" if path.is_symlink() else non_regular(path)
+        if what is not None:
+            return f"{name} is {what}, not the file {manifest_name} lists"
     listed = set(records) | {manifest_name}
     parents = {str(parent) for name in listed for parent in Path(name).parents if str(parent) != "."}
     skip = {name for name, marker in derived if (folder / name).is_dir() and not (folder / name).is_symlink()

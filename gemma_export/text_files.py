@@ -11,6 +11,21 @@ from .errors import FormatError, SourceNotFoundError
 #: bytes of a --text or --calibration-text read at least (64 per token needed beyond that: real text
 #: has ~4 per token), so that a huge file is not read whole for a prefix
 TEXT_BYTES_READ = 1 << 20
+
+
+def text_bytes_for(tokens: int) -> int:
+    """How many bytes of a text file to read for its first ``tokens`` tokens:
+    max(:data:`TEXT_BYTES_READ`, 64 × ``tokens``), ~16 times what real text needs."""
+    return max(TEXT_BYTES_READ, 64 * tokens)
+
+
+class FileRefused(FormatError):
+    """:func:`read_bounded`'s refusal; ``reason`` is its message without the path, for callers that
+    word it as part of their own ("unreadable manifest: ...")."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.reason = reason
 #: the most bytes of a JSON file this toolkit reads whole: manifests, listings, configs, tokenizer side
 #: files (the 270M's largest, tokenizer_config.json, is 1.2 MB; an export's manifest.json a few kB)
 SMALL_FILE_BYTES = 64 << 20
@@ -25,21 +40,26 @@ def read_bounded(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES)
     expected file in errors (e.g. ``"a manifest"``).
 
     Raises:
-        FormatError: ``"{path}: is a folder; expected {what}"`` (a FIFO, a broken link likewise),
+        FileRefused: ``"{path}: is a folder; expected {what}"`` (a FIFO, a broken link likewise),
             ``"{path}: 8,589,934,592 bytes; expected {what} of at most 67,108,864"``.
         OSError: it cannot be read (permissions, an I/O error), or nothing is there.
     """
     p = Path(path)
     if (kind := non_regular(p)) is not None:
-        raise FormatError(f"{p}: is {kind}; expected {what}")
+        raise FileRefused(p, f"is {kind}; expected {what}")
     with open(p, "rb") as f:  # the size read from the open file: no window for a swap in between
-        size = os.fstat(f.fileno()).st_size
-        if size > max_bytes:
-            raise FormatError(f"{p}: {size:,} bytes; expected {what} of at most {max_bytes:,}")
+        check_size(p, os.fstat(f.fileno()).st_size, what, max_bytes)
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:  # it grew while being read
-        raise FormatError(f"{p}: more than {max_bytes:,} bytes; expected {what} of at most {max_bytes:,}")
+        raise FileRefused(p, f"more than {max_bytes:,} bytes; expected {what} of at most {max_bytes:,}")
     return data
+
+
+def check_size(path: Path, size: int, what: str, max_bytes: int) -> None:
+    """Raises :class:`FileRefused` (``"{path}: N bytes; expected {what} of at most M"``) when ``size``
+    is over ``max_bytes``: for files read whole by another library (tokenizers) as by :func:`read_bounded`."""
+    if size > max_bytes:
+        raise FileRefused(path, f"{size:,} bytes; expected {what} of at most {max_bytes:,}")
 
 
 def non_regular(path: Path) -> str | None:

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import BPE
 
 from .errors import FormatError
+from .text_files import TOKENIZER_FILE_BYTES, check_size
 
 SPACE = "\u2581"  # SentencePiece's visible space
 TOKEN_TYPE_CONTROL = 3
@@ -37,12 +38,14 @@ def read_tokenizer_json(path: Path, content: bytes | None = None) -> Tokenizer:
 
     Raises:
         FormatError: ``"{path}: not a readable tokenizer (...)"``: not UTF-8, or not a tokenizer the
-            ``tokenizers`` library reads.
+            ``tokenizers`` library reads; or (read from ``path``) larger than
+            :data:`~gemma_export.text_files.TOKENIZER_FILE_BYTES`.
     """
     from .memory import release_free_heap
 
     tokenizer = None
-    if content is None:
+    if content is None:  # read by the tokenizers library, whole, at ~3 x its size in heap: bounded first
+        check_size(path, path.stat().st_size, "a tokenizer file", TOKENIZER_FILE_BYTES)
         try:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception:  # any failure (bad bytes, a path Rust cannot take): read it below for the message

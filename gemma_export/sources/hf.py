@@ -34,8 +34,8 @@ JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 def _check_json_object(path: Path, content: bytes) -> None:
     """Raises FormatError naming ``path`` (and the field) when ``content`` is not a UTF-8 JSON object,
-    or a field that transformers reads with a type (``add_bos_token``, ``bos_token``, ...) has
-    another."""
+    or a field that transformers' AutoTokenizer reads with a type (``bos_token``,
+    ``extra_special_tokens``, ``added_tokens_decoder``, ...) has another."""
     try:
         value = json.loads(content.decode("utf-8"))
     except UnicodeDecodeError as exc:
