@@ -330,7 +330,13 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
                    say: Callable[[str], None]) -> dict:
     """Time the reference export's re-decode loop (one whole-graph call per new token) after a
     prompt of ``ids[:min(REFERENCE_PROMPT_TOKENS, S - 4)]`` (16); times in ms, ``export_vs_reference`` =
-    ``export_decode_ms`` / its median."""
+    ``export_decode_ms`` / its median.
+
+    Raises:
+        GemmaExportError: the reference's fixed length S leaves no room for a prompt (S < 5), or
+            what :func:`~gemma_export.reference_iree.load_reference` raises (a missing or malformed
+            ``.mlir`` or archive, IREE not installed).
+    """
     from .reference_iree import load_reference
 
     say(f"reference: compiling {mlir} with IREE for this CPU")

@@ -53,7 +53,8 @@ class TensorRef:
 
         Raises:
             FormatError: the reader returned another shape.
-            NumericError: the tensor holds NaN or Inf (names the first index), unless allowed.
+            NumericError: the tensor holds NaN or Inf (names the first index), unless allowed, or a
+                float64 value beyond float32's range (:meth:`as_float32`).
         """
         array = self.as_float32(self.reader())
         if tuple(array.shape) != self.shape:

@@ -203,7 +203,8 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
         OutputError: ``out_dir`` is the input's folder, not an empty folder, inside an export or
             bundle folder of this toolkit, a symbolic link, a mount point or the current folder
             (:func:`~gemma_export.staging.check_replaceable`: the finished output replaces the
-            folder by a rename, which none of those three survives).
+            folder by a rename, which none of the last three survives).
+        SourceNotFoundError: ``in_path`` is missing or not a file.
         VerificationError: outputs on random inputs changed.
     """
     in_path = Path(in_path)

@@ -160,8 +160,9 @@ class VerificationError(GemmaExportError):
 
 
 class ResourceError(GemmaExportError):
-    """A resource (memory, disk) does not suffice: a measured figure exceeds the budget the user asked
-    for, or what a step needs exceeds what the machine has (free disk, ``MemAvailable``)."""
+    """Memory does not suffice: a measured figure exceeds the budget the user asked for, or what a
+    step needs exceeds what the machine has (``MemAvailable``). Too little free disk is an
+    :class:`OutputError`, raised before anything is written."""
 
 
 class BudgetExceeded(ResourceError):

@@ -204,7 +204,12 @@ def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int
     """
     import onnx
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    return tables_in(onnx.load(str(model_path), load_external_data=False), vocab_size, hidden_size)
+
+
+def tables_in(model, vocab_size: int, hidden_size: int) -> int:
+    """How many of ``model``'s initializers (an ``onnx.ModelProto``) are table-shaped
+    (:func:`is_table_shaped`)."""
     return sum(1 for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, vocab_size, hidden_size))
 
 
@@ -260,7 +265,7 @@ def _check_tied(manifest: dict, manifest_path: Path, model, vocab_size: int | No
     hidden = manifest.get("config", {}).get("hidden_size")
     if not isinstance(tied, bool) or not isinstance(vocab_size, int) or not isinstance(hidden, int):
         return
-    tables = sum(1 for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, vocab_size, hidden))
+    tables = tables_in(model, vocab_size, hidden)
     if tables in (1, 2) and (tables == 1) != tied:
         raise VerificationError(f"{manifest_path}: field 'tie_word_embeddings' is {str(tied).lower()}, but the graph "
                                 f"stores {'one table, shared by the lookup and the head' if tables == 1 else 'two tables'}")

@@ -20,7 +20,7 @@ from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from quant.bf16 import bfloat16_bits_to_float32, truncate_to_bfloat16_bits
+from quant.bf16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits, truncate_to_bfloat16_bits
 from quant.int4 import unpack_nibbles
 
 from .errors import FormatError, SourceNotFoundError, check_arguments
@@ -325,9 +325,7 @@ def _round_like(values: np.ndarray, narrow: TensorEntry) -> list[np.ndarray]:
     """``values`` rounded to ``narrow``'s precision, both ways seen in the wild (nearest even, and
     the reference archives' bf16 truncation)."""
     if narrow.dtype in ("BF16", "BFLOAT16"):
-        import ml_dtypes
-
-        nearest = values.astype(ml_dtypes.bfloat16).astype(np.float32)
+        nearest = bfloat16_bits_to_float32(float32_to_bfloat16_bits(values))
         truncated = bfloat16_bits_to_float32(truncate_to_bfloat16_bits(values))
         return [nearest, truncated]
     return [values.astype(np.float16).astype(np.float32)]

@@ -517,8 +517,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         ref_model = load_reference(reference, reference_weights, logits=reference_logits)
 
     results: list[PromptParity] = []
-    pooled_agree: list[np.ndarray] = []
-    pooled_kl: list[float] = []
+    pooled: list = []  # each prompt's QualityMetrics against transformers, pooled over positions below
     pooled_ref: list[np.ndarray] = []
     if hf_model is None and ref_model is None:  # golden only: its entries carry their own prompts
         prompt_list = []
@@ -533,9 +532,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             ours = decoder.teacher_forced_logits(sequence)
             theirs = transformers_logits(None, sequence, model=hf_model)
             metrics = compare_logits(theirs, ours, sequence)
-            agree = ours.argmax(-1) == theirs.argmax(-1)
-            pooled_agree.append(agree)
-            pooled_kl += [metrics.kl_mean] * len(sequence)
+            pooled.append(metrics)
             entry.transformers = {
                 "positions": len(sequence), "max_abs_logit_diff": metrics.max_abs_logit_diff,
                 "cosine": _cosine_rows(ours, theirs), "top1_agreement": metrics.top1_agreement,
@@ -565,9 +562,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                         "first_mismatch": _first_difference(got, expected), "dtype": g.dtype}
 
     checks = []
-    if pooled_agree:
-        top1 = float(np.concatenate(pooled_agree).mean())
-        kl = float(np.mean(pooled_kl))
+    if pooled:
+        positions = sum(m.tokens for m in pooled)
+        top1 = sum(m.tokens - m.disagreements for m in pooled) / positions
+        kl = sum(m.kl_mean * m.tokens for m in pooled) / positions
         checks.append(Check("top-1 agreement with transformers", top1, f">= {limits['top1']:g}", top1 >= limits["top1"]))
         checks.append(Check("mean KL(transformers || export), nats/token", kl, f"<= {limits['kl']:g}", kl <= limits["kl"]))
     if pooled_ref:
@@ -600,9 +598,7 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
               "reference_greedy_ids": greedy_ref, "export_greedy_ids": greedy_ours,
               "greedy_match": greedy_ref == greedy_ours,
               # the first generated token (counting from 0) where the two greedy runs part, None when equal
-              "greedy_first_difference": None if greedy_ref == greedy_ours else next(
-                  (i for i, (a, b) in enumerate(zip(greedy_ref, greedy_ours)) if a != b),
-                  min(len(greedy_ref), len(greedy_ours)))}
+              "greedy_first_difference": _first_difference(greedy_ref, greedy_ours)}
     if ref_model.returns_logits:
         result["max_abs_logit_diff"] = float(np.abs(ours - out).max())
     return result

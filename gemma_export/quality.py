@@ -110,6 +110,9 @@ class LogitComparison:
 
     The per-row state is float64 / bool ``[T]`` (a few bytes per token); the formulas are those of
     the module docstring and :class:`QualityMetrics`.
+
+    Raises:
+        GemmaExportError: fewer than 2 tokens (no row predicts a next token).
     """
 
     def __init__(self, token_ids: Sequence[int], sliding_window: int = GEMMA3_270M_SLIDING_WINDOW):

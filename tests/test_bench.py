@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -759,8 +758,16 @@ def test_the_board_budget_allows_a_peak_of_exactly_its_memory_less_the_headroom(
 def test_a_plot_closes_its_figure_however_the_write_ends(tmp_path, monkeypatch, error):
     figure = _FakeFigure(b"a plot", error)
     monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(figure))
-    with contextlib.suppress(Exception, KeyboardInterrupt):
-        bench_module.write_plot([_result_for_plot()], tmp_path / "curve.png")
+    from gemma_export.errors import OutputError
+
+    picture = tmp_path / "curve.png"
+    if error is None:
+        bench_module.write_plot([_result_for_plot()], picture)
+        assert picture.read_bytes() == b"a plot"
+    else:
+        with pytest.raises(OutputError if isinstance(error, OSError) else KeyboardInterrupt):
+            bench_module.write_plot([_result_for_plot()], picture)
+        assert not picture.exists()
     assert figure.closed == 1  # matplotlib keeps every open figure otherwise
 
 

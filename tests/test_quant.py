@@ -412,6 +412,7 @@ def test_hadamard_rotates_each_contiguous_run_of_n_values_on_its_own():
 
 # --- float16 scales (quant/scales.py, --scale-dtype float16) ---
 
+from quant.gptq import gptq_codes  # noqa: E402
 from quant.scales import on_float16_grid  # noqa: E402
 
 
@@ -469,6 +470,11 @@ def test_int8_with_float16_scales_chooses_its_codes_for_the_stored_scale(hessian
         # codes chosen for the float32 scale would miss that bound somewhere
         stale = ((wide.data.astype(np.float32) - 128) * half.scales[:, :, None]).reshape(64, 128)
         assert (np.abs(stale - w).reshape(64, 4, 32) > half.scales[:, :, None] / 2 * (1 + 1e-6)).any()
+    else:  # GPTQ's error feedback run with the stored scales, not with the float32 ones
+        zero_points = np.full(half.scales.shape, 128, np.float32)
+        for_stored = gptq_codes(w, h, half.scales, zero_points, 32, 1, 255)
+        assert np.array_equal(half.data.reshape(64, 128), for_stored)
+        assert not np.array_equal(for_stored, gptq_codes(w, h, wide.scales, zero_points, 32, 1, 255))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -488,6 +494,21 @@ def test_int4_with_float16_scales_stores_exactly_the_scale_its_codes_were_chosen
         zero_points = half.unpacked_zero_points()[:, :, None].astype(np.float32)
         want = np.clip(np.rint(w.reshape(48, 4, 16) / half.scales[:, :, None]) + zero_points, 0, 15)
         assert np.array_equal(codes, want)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_gptq_with_float16_scales_chooses_its_codes_for_the_stored_scale(symmetric):
+    rng = np.random.default_rng(10)
+    w = (rng.standard_normal((48, 64)) * 10.0 ** rng.uniform(-3, 1, (48, 1))).astype(np.float32)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    h = x.T @ x
+    half = BlockInt4Weights.quantize(w, 16, symmetric=symmetric, hessian=h, scale_dtype="float16")
+    wide = BlockInt4Weights.quantize(w, 16, symmetric=symmetric, hessian=h)
+    assert _is_float16(half.scales) and not np.array_equal(half.scales, wide.scales)
+    zero_points = half.unpacked_zero_points().astype(np.float32)
+    for_stored = gptq_codes(w, h, half.scales, zero_points, 16, 0, 15)
+    assert np.array_equal(unpack_nibbles(half.data).reshape(48, 64), for_stored)
+    assert not np.array_equal(for_stored, gptq_codes(w, h, wide.scales, zero_points, 16, 0, 15))
 
 
 @pytest.mark.parametrize("quantize", [lambda w, **kw: BlockInt8Weights.quantize(w, 16, **kw),

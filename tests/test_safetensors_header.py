@@ -52,7 +52,10 @@ def test_valid_file_and_truncations(tmp_path):
     entries = {e.name: e for e in read_header(path)}
     assert entries["w"].shape == (3, 4) and entries["w"].nbytes == 48 and entries["n"].nbytes == 20
     raw = path.read_bytes()
-    for cut in (0, 4, 9, len(raw) - 1):
-        (tmp_path / "cut.safetensors").write_bytes(raw[:cut])
-        with pytest.raises(FormatError):
-            read_header(tmp_path / "cut.safetensors")
+    cut_path = tmp_path / "cut.safetensors"
+    for cut, words in ((0, "0 bytes, too short for a safetensors header"), (4, "4 bytes, too short"),
+                       (9, "beyond the file (9 bytes)"), (len(raw) - 1, "lies outside the")):
+        cut_path.write_bytes(raw[:cut])
+        with pytest.raises(FormatError) as info:
+            read_header(cut_path)
+        assert str(info.value).startswith(f"{cut_path}: ") and words in str(info.value), (cut, str(info.value))

@@ -211,7 +211,13 @@ def find_archive(mlir_path: Path) -> Path:
 
 
 class Archive:
-    """The flat safetensors archive, checked against the MLIR declarations before any data is read."""
+    """The flat safetensors archive, checked against the MLIR declarations before any data is read.
+
+    Raises:
+        SourceNotFoundError: ``path`` is missing or not a regular file.
+        FormatError: the archive's header is malformed, lacks a key a global is bound to, holds keys
+            no global declares, or gives a tensor another dtype or byte count than its declaration.
+    """
 
     def __init__(self, module: MlirModule, path: Path):
         self.path = require_file(path, "reference archive (safetensors)")
