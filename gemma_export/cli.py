@@ -590,11 +590,7 @@ def verify(
     from .text_files import non_regular
     from .prepack import verify as verify_prepacked
 
-    if model_arg is not None and model_opt is not None and model_arg != model_opt:
-        _fail(GemmaExportError(f"verify: two folders given ({model_arg} and --model {model_opt}); give one"), debug)
-    model = model_arg if model_arg is not None else model_opt
-    if model is None:
-        _fail(GemmaExportError("verify: no export folder given (gemma-export verify DIR, or --model DIR)"), debug)
+    model = _one_model("verify", model_arg, model_opt, "export folder", "DIR", debug)
     with _reported(debug, writes=False):
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
         # a folder or FIFO where the listing belongs is named by verify_bundle, not taken for an export
@@ -616,9 +612,22 @@ def verify(
         typer.echo(copy)
 
 
+def _one_model(command: str, given: Optional[Path], model_opt: Optional[Path], what: str, metavar: str,
+               debug: bool) -> Path:
+    """The path a command takes either as its argument or as ``--model`` (as the other commands take
+    it); refuses two different ones, or none."""
+    if given is not None and model_opt is not None and given != model_opt:
+        _fail(GemmaExportError(f"{command}: two {what}s given ({given} and --model {model_opt}); give one"), debug)
+    if given is None and model_opt is None:
+        _fail(GemmaExportError(f"{command}: no {what} given (gemma-export {command} {metavar}, or --model "
+                               f"{metavar})"), debug)
+    return given if given is not None else model_opt
+
+
 @app.command(short_help="Show what an archive carries, and tables stored twice.")
 def inspect(
-    path: Path = typer.Argument(..., metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's."),
+    path_arg: Optional[Path] = typer.Argument(None, metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's."),
+    model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
@@ -634,6 +643,7 @@ def inspect(
 
     from .inspect import format_report, inspect_path
 
+    path = _one_model("inspect", path_arg, model_opt, "path", "PATH", debug)
     with _reported(debug, writes=False):
         report = inspect_path(path)
     typer.echo(json.dumps(report.to_dict(top), indent=2) if as_json else format_report(report, top))

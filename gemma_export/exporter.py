@@ -295,7 +295,9 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     if (what := non_regular(manifest_path)) is not None:
         raise VerificationError(f"{manifest_path}: is {what}; expected the export's manifest file")
     if not manifest_path.is_file():
-        raise SourceNotFoundError(f"{manifest_path}: missing; not a gemma-export folder")
+        # the folder by its full name when given as "." (the message would otherwise read "manifest.json")
+        shown_folder = folder.resolve() if str(folder) in (".", "") else folder
+        raise SourceNotFoundError(f"{shown_folder / MANIFEST_FILE}: missing; not a gemma-export folder")
     try:
         manifest = read_manifest(folder)
     except FormatError as exc:

@@ -18,7 +18,7 @@ from .errors import FormatError, SourceNotFoundError, VerificationError, check_u
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, traced_initializer)
 from .staging import leftovers, listed_files
-from .text_files import SMALL_FILE_BYTES, FileRefused, non_regular, read_bounded
+from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
 
 def read_manifest(model_dir: Path) -> dict:
@@ -96,6 +96,8 @@ def require_folder(folder: Path, holding: str) -> None:
             the export inside it), or an export's pre-packed copy (naming the export it belongs to).
     """
     check_utf8_path(folder, "export folder")
+    if (link := broken_link(folder)) is not None:
+        raise SourceNotFoundError(f"{folder}: {link}; expected an export folder")
     if not folder.exists():
         # a writer killed between its two renames leaves the previous output whole in .NAME.old-*/NAME
         aside = [p / folder.name for p in leftovers(folder) if (p / folder.name).is_dir()]

@@ -152,7 +152,8 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
             try:
                 items = json.loads(raw)
             except (ValueError, RecursionError) as exc:
-                raise FormatError(f"{path}: not JSON: {exc}") from None
+                raise FormatError(f"{path}: not JSON ({exc}); expected a JSON list of prompts (texts or id "
+                                  "lists); a file of another name is read as one prompt per line") from None
             if not isinstance(items, list):
                 raise FormatError(f"{path}: expected a JSON list of prompts, found {shown(items)}")
         elif raw.lstrip().startswith("["):  # a JSON list under another name (ids.txt, /dev/stdin)
@@ -234,7 +235,8 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
     try:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{path}: not JSON: {exc}") from None
+        raise FormatError(f"{path}: not JSON ({exc}); expected a golden file: a JSON list of ids, or of "
+                          "entries with 'prompt_ids' or 'prompt' and 'expected_ids'") from None
 
     def ids(value, what: str) -> list[int]:
         if not isinstance(value, list) or not value or not all(is_whole_number(i) and i >= 0 for i in value):

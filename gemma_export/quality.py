@@ -479,7 +479,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     if reference == "transformers":
         require_transformers("; or use --reference fp32 (an fp32 export of the same source, no extra needed)")
     elif reference != "fp32":  # a folder: named before the text is read and tokenized
-        if not Path(reference).exists():  # a mistyped keyword reads as a missing folder
+        if not Path(reference).exists() and not Path(reference).is_symlink():  # a mistyped keyword: a missing folder
             raise SourceNotFoundError(f"{reference}: no such export folder; --reference takes transformers, fp32 or "
                                       "an export folder")
         check_export_folder(Path(reference))

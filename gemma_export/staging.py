@@ -195,6 +195,8 @@ class Stale(NamedTuple):
     stuck: list[tuple[Path, str]]
     #: folders it left alone: too young to judge, or held by a running writer
     kept: list[Path]
+    #: those of ``kept`` that a running writer holds now: another gemma-export is writing the output
+    held: list[Path]
 
 
 def remove_stale(out_dir: Path) -> Stale:
@@ -205,7 +207,7 @@ def remove_stale(out_dir: Path) -> Stale:
     reported as stuck; so is an old-copy folder with something in it while ``out_dir`` is missing,
     which may hold the only copy of the previous output. Returns what was removed, what could not
     be, and what was left alone."""
-    result = Stale([], [], [])
+    result = Stale([], [], [], [])
     now = time.time()
     for path in leftovers(out_dir):
         try:  # a writer creates its folder, then locks it: a folder this young may be between the two
@@ -214,6 +216,9 @@ def remove_stale(out_dir: Path) -> Stale:
             continue
         if young:
             result.kept.append(path)
+            with flocked(path) as held:  # asked, not taken for long: a writer waits for its own lock
+                if held is False:
+                    result.held.append(path)
             continue
         if path.name.startswith(hidden_prefix(out_dir) + OLD_TAG) and not (out_dir.exists() or out_dir.is_symlink()) \
                 and not _empty_folder(path):
@@ -224,6 +229,7 @@ def remove_stale(out_dir: Path) -> Stale:
         with flocked(path) as held:
             if held is False:  # a live writer holds it
                 result.kept.append(path)
+                result.held.append(path)
             elif held is None:
                 if path.is_dir():  # else removed meanwhile by another run, between the listing and here
                     result.stuck.append((path, "no lock can be taken on it here, so whether a running gemma-export "
@@ -649,7 +655,8 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
     ``parent_locked``: the caller holds that lock already (``prepack`` holds its export folder's).
 
     Raises:
-        OutputError: the folder cannot be created, it changed meanwhile, another process held the
+        OutputError: another gemma-export is writing ``out_dir`` (a leftover beside it is locked),
+            the folder cannot be created, it changed meanwhile, another process held the
             parent's lock for :data:`PARENT_LOCK_WAIT_S`, or writing failed with an
             ``OSError`` (no space left, a file-size limit, a read-only file system); ``what`` names
             the output in the message.
@@ -665,8 +672,12 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         for path, problem in stale.stuck:
             notify(f"could not remove {path}, left by an earlier gemma-export ({problem}); remove it by hand")
         for path in stale.kept:
-            notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
-                   "later run tries to remove it once it is neither")
+            if path not in stale.held:
+                notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
+                       "later run tries to remove it once it is neither")
+    if stale.held:  # refused now rather than after the whole export, when the other one has moved in
+        raise OutputError(f"{out_dir}: another gemma-export is writing this {what} now ({stale.held[0].name} beside "
+                          "it is in use); nothing was written: run again when it has finished, or choose another folder")
 
     def remove_created() -> None:
         for folder in reversed(created):  # parents this call created, innermost first

@@ -76,15 +76,26 @@ def non_regular(path: Path) -> str | None:
     return "not a regular file (a FIFO, socket or device)" if path.exists() else None
 
 
+def broken_link(path: Path) -> str | None:
+    """``"a broken link (to TARGET)"`` when ``path`` is a symbolic link to nothing, else None: named
+    as such in errors, since "no such file" sends the user looking for a file they can see."""
+    if path.is_symlink() and not path.exists():
+        return f"a broken link (to {os.readlink(path)})"
+    return None
+
+
 def require_file(path: str | Path, what: str) -> Path:
     """``path`` as a :class:`Path` when it is an existing regular file; ``what`` names it in errors
     (e.g. ``"MLIR file"``).
 
     Raises:
         SourceNotFoundError: ``"{path}: no such {what}"``, ``"{path}: is a folder; expected a
-            {what}"`` or ``"{path}: not a regular file; expected a {what}"``.
+            {what}"``, ``"{path}: a broken link (to {target}); expected a {what}"`` or ``"{path}: not
+            a regular file; expected a {what}"``.
     """
     p = Path(path)
+    if (link := broken_link(p)) is not None:
+        raise SourceNotFoundError(f"{p}: {link}; expected a {what}")
     if p.is_dir():
         raise SourceNotFoundError(f"{p}: is a folder; expected a {what}")
     if p.exists() and not p.is_file():

@@ -279,8 +279,32 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
             os.utime(folder, (old, old))
     (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
     with held_folder(live):
-        assert remove_stale(tmp_path / "out") == ([dead], [], [live, young])
+        assert remove_stale(tmp_path / "out") == ([dead], [], [live, young], [live])
     assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
+
+
+@pytest.mark.parametrize("age", ["young", "old"])
+def test_an_export_into_a_folder_another_export_is_writing_is_refused_before_it_starts(tiny_dir, tmp_path, age):
+    """A fresh user's finding: the second of two exports into one --out noted the first's staging
+    folder as "kept", exported in full, and was refused only when it came to move in."""
+    from gemma_export.errors import OutputError
+    from gemma_export.staging import held_folder
+
+    out = tmp_path / "out"
+    live = tmp_path / ".out.staging-live"
+    live.mkdir()
+    if age == "old":  # the other writer has been at it for a while
+        then = time.time() - 2 * STALE_AFTER_SECONDS
+        os.utime(live, (then, then))
+    said = []
+    with held_folder(live), pytest.raises(OutputError) as info:
+        exporter.export(tiny_dir, out, "fp32", status=said.append)
+    assert str(info.value) == (f"{out}: another gemma-export is writing this export now (.out.staging-live beside it "
+                               "is in use); nothing was written: run again when it has finished, or choose another folder")
+    assert sorted(os.listdir(tmp_path)) == [".out.staging-live"]  # nothing written, the other's folder kept
+    assert not any("kept" in line for line in said)  # the error says it; no note before it as well
+    exporter.export(tiny_dir, out, "fp32")  # once the other has finished (its lock gone), the export runs
+    assert (out / "model.onnx").is_file()
 
 
 def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_runs(tmp_path, monkeypatch):
@@ -321,7 +345,7 @@ def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_ru
         yield None
 
     monkeypatch.setattr(staging, "flocked", removed_meanwhile)
-    assert remove_stale(tmp_path / "out") == ([], [], [])  # nothing to report for a folder that is gone
+    assert remove_stale(tmp_path / "out") == ([], [], [], [])  # nothing to report for a folder that is gone
 
 
 @pytest.mark.parametrize("existing", [True, False])
@@ -557,9 +581,9 @@ def test_a_replaced_output_that_cannot_be_deleted_is_named_not_reported_as_remov
 
 
 def test_two_writers_finishing_at_once_move_in_one_output_and_refuse_the_other(tmp_path, monkeypatch):
-    """Both found the destination absent when they began; the move is slowed so that both reach it
-    together. Without a lock from the check to the move both 'succeeded' and the second deleted
-    the first's output."""
+    """Both found the destination absent, and no other writer beside it, when they began; the move is
+    slowed so that both reach it together. Without a lock from the check to the move both
+    'succeeded' and the second deleted the first's output."""
     import threading
 
     out = tmp_path / "board"
@@ -570,6 +594,15 @@ def test_two_writers_finishing_at_once_move_in_one_output_and_refuse_the_other(t
         return slow_move(source, destination)
 
     monkeypatch.setattr(staging, "move_into_place", move_slowly)
+    both_checked = threading.Barrier(2)
+    check_leftovers = staging.remove_stale
+
+    def check_together(out_dir):  # both past the up-front check before either has a staging folder
+        result = check_leftovers(out_dir)
+        both_checked.wait(timeout=10)
+        return result
+
+    monkeypatch.setattr(staging, "remove_stale", check_together)
     both_written = threading.Barrier(2)
     outcomes: dict[str, object] = {}
 
@@ -946,10 +979,10 @@ def test_remove_stale_keeps_an_old_copy_only_when_it_may_be_the_only_one(tmp_pat
         return folder
 
     empty = aged(".out.old-empty", False)
-    assert staging.remove_stale(out) == ([empty], [], [])  # nothing of anyone's in it
+    assert staging.remove_stale(out) == ([empty], [], [], [])  # nothing of anyone's in it
     full = aged(".out.old-full", True)
     out.symlink_to(tmp_path / "nowhere")  # an output in place, though a dangling link
-    assert staging.remove_stale(out) == ([full], [], [])
+    assert staging.remove_stale(out) == ([full], [], [], [])
     out.unlink()
     unreadable = aged(".out.old-unreadable", True)
     refuse_listing(monkeypatch, unreadable)

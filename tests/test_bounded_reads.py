@@ -257,3 +257,23 @@ def test_a_huge_array_in_a_message_is_cut_before_it_is_written():
     assert shown(np.arange(1 << 22, dtype=np.uint32)) == "[" + ", ".join(map(str, range(17))) + "..."
     assert shown(list(range(1 << 22))) == shown(np.arange(1 << 22))
     assert shown(np.array([1, 2], dtype=np.int32)) == "[1, 2]" and shown(np.float32(0.5)) == "0.5"
+
+
+@pytest.mark.parametrize("command, expected", [
+    (lambda link, model: ["parity", "--model", model, "--golden", link], "a golden file"),
+    (lambda link, model: ["inspect", link], "a .onnx, .safetensors, .gguf or .mlir file"),
+    (lambda link, model: ["generate", "--model", link, "--prompt", "hi"], "an export folder"),
+    (lambda link, model: ["verify", link], "an export folder"),
+    (lambda link, model: ["quality", "--model", model, "--reference", link], "an export folder"),
+    (lambda link, model: ["--source", link, "--out", link.parent / "out"],
+     "a transformers folder, a .gguf or a reference .mlir file"),
+], ids=["golden", "inspect", "generate", "verify", "quality-reference", "source"])
+def test_a_broken_link_is_named_as_one_not_as_a_missing_file(export_copy, tmp_path, command, expected):
+    """A fresh user's finding: a link to nothing read "no such golden file", which sent them looking
+    for a file they could see in the folder."""
+    link = tmp_path / "gone.json"
+    link.symlink_to(tmp_path / "moved" / "golden.json")
+    result = _run(*command(link, export_copy))
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"{link}: a broken link (to {tmp_path / 'moved' / 'golden.json'}); expected {expected}" in result.output
+    assert not (tmp_path / "out").exists()

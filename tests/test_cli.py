@@ -722,6 +722,19 @@ def test_an_export_given_as_the_source_is_named_as_such(tiny_int8_export, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_bundle_given_as_the_source_is_named_as_such(tmp_path):
+    """A fresh user's finding: a bundle folder read "config.json: missing; a transformers model folder
+    needs its config.json", as if it were a damaged source."""
+    bundle = tmp_path / "sl2610-int8"
+    (bundle / "model").mkdir(parents=True)
+    (bundle / "BUNDLE.json").write_text("{}")
+    result = _run("--source", bundle, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines()[-1] == (f"error: {bundle}: a board bundle (BUNDLE.json), not a source; "
+                                                      "give the transformers folder, .gguf or .mlir its export was made from")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sl2610-int8"]
+
+
 def test_generate_json_names_the_file_it_wrote_and_bench_gives_one_memory_line_per_distinct_figure(tiny_int8_export, tmp_path):
     golden = tmp_path / "golden.json"
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "ab", "--max-new-tokens", "3", "--json", golden)

@@ -236,6 +236,13 @@ def test_our_export_has_no_duplicates_and_a_shared_table(tiny_dir, tmp_path):
     # the export folder stands for its model.onnx: the same report
     folder = CliRunner().invoke(app, ["inspect", str(out), "--json", "--top", "1000"])
     assert folder.exit_code == 0 and json.loads(folder.stdout) == data
+    # --model, as the other commands take the folder (a fresh user's first try)
+    as_option = CliRunner().invoke(app, ["inspect", "--model", str(out), "--json", "--top", "1000"])
+    assert as_option.exit_code == 0 and json.loads(as_option.stdout) == data
+    both = CliRunner().invoke(app, ["inspect", str(out), "--model", str(tmp_path)])
+    assert both.exit_code == 2 and f"inspect: two paths given ({out} and --model {tmp_path}); give one" in both.output
+    none = CliRunner().invoke(app, ["inspect"])
+    assert none.exit_code == 2 and "inspect: no path given (gemma-export inspect PATH, or --model PATH)" in none.output
     printed = CliRunner().invoke(app, ["inspect", str(out)]).stdout
     data_bytes = sum(t["bytes"] for t in data["largest"])
     assert f"tensor data {data_bytes:,} bytes" in printed

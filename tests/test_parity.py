@@ -489,7 +489,9 @@ def test_all_three_comparisons_in_one_run(ref_model, prompts_file, tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    (None, "no such golden file"), ("{not json", "not JSON"),
+    (None, "no such golden file"),
+    ("{not json", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                  "expected a golden file: a JSON list of ids, or of entries with 'prompt_ids' or 'prompt' and 'expected_ids'"),
     # the file's own spelling, not Python's (found [True, False], found None)
     ("[true, false]", "expected a list of token ids, an object or a list of objects; found [true, false]"),
     ('{"prompt_ids": null, "expected_ids": [1]}', "must be a non-empty list of token ids, found null"),

