@@ -20,6 +20,7 @@ machine-dependent; compare ratios measured in the same run.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import importlib
@@ -465,7 +466,8 @@ def to_stdout(path: str | Path | None) -> bool:
 def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                   inputs: Sequence[str | Path | None] = (), report_key: str | None = None) -> None:
     """Fail before measuring when an output cannot be written: a missing folder, one that refuses
-    files (``staging.entry_refused``), the same file for both outputs, a plot that is not ``.png``, no matplotlib for ``--plot``, or
+    files (``staging.entry_refused``), a file name longer than its file system takes, the same file
+    for both outputs, a plot that is not ``.png``, no matplotlib for ``--plot``, or
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
     input folder such as the export's own ``manifest.json``), a file inside any export or bundle
     folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying), or an
@@ -477,7 +479,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
         OutputError, GemmaExportError: naming the option and the path.
     """
     from .errors import OutputError
-    from .staging import enclosing_output, entry_refused
+    from .staging import enclosing_output, entry_refused, max_name_bytes
 
     targets = {}  # option -> the resolved file it names
     for option, path in (("--json", json_out), ("--plot", plot)):
@@ -488,6 +490,10 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
         except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
             raise OutputError(f"{option} {path}: cannot be resolved ({exc}); give a file name that leads to a file") from None
         folder = os.path.dirname(str(path)) or "."  # as the file will be opened: "loop/../x" is not resolved away
+        name_max = max_name_bytes(Path(folder))
+        if len(os.fsencode(targets[option].name)) > name_max:  # now, not when the report is written at the end
+            raise OutputError(f"{option} {path}: a file name of {len(os.fsencode(targets[option].name))} bytes; this "
+                              f"file system takes at most {name_max}")
         if not os.path.isdir(folder):
             try:
                 os.stat(folder)
@@ -632,9 +638,15 @@ def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None
     """
     from .errors import OutputError
 
+    from .staging import hidden_prefix
+
     if path.is_symlink():  # replace the file the link names, not the link
         path = Path(os.path.realpath(path))
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # ".NAME.tmp-PID", NAME shortened as the hidden folders beside an output are: a legal name of
+    # 246-255 bytes made the temporary name too long, and the report failed after all the work
+    prefix = f"{hidden_prefix(path)}tmp-"
+    _remove_dead_temporaries(path.parent, prefix)
+    temporary = path.with_name(f"{prefix}{os.getpid()}")
     try:
         write(temporary)
         os.replace(temporary, path)
@@ -643,6 +655,28 @@ def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None
         if isinstance(exc, OSError):
             raise OutputError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
         raise
+
+
+def _remove_dead_temporaries(folder: Path, prefix: str) -> None:
+    """Delete ``{prefix}PID`` files in ``folder`` whose process no longer runs: what a writer killed
+    by SIGKILL between its write and its rename left (the next write of the same file removes it,
+    as an output folder's next writer removes a killed one's staging folder)."""
+    try:
+        names = [entry.name for entry in os.scandir(folder) if entry.name.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # no such process: a leftover
+            with contextlib.suppress(OSError):
+                if (folder / name).is_file() and not (folder / name).is_symlink():
+                    (folder / name).unlink()
+        except (PermissionError, OverflowError, OSError):  # another user's live process, or no valid pid
+            pass
 
 
 def write_json(data: dict, path: str | Path | None) -> None:

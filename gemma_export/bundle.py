@@ -152,8 +152,18 @@ def build_wheel(dest: Path, scratch_dir: Path | None = None) -> Path:
         shutil.rmtree(scratch, ignore_errors=True)
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise GemmaExportError(f"bundle: building the gemma_export wheel from {root} failed: {last}")
+        output = f"{proc.stdout}\n{proc.stderr}"
+        if "No space left on device" in output or "[Errno 28]" in output:  # pip's last line hides it (probe finding)
+            where = f"{dest} or {scratch_dir}" if scratch_dir is not None else f"{dest} or the temporary folder"
+            hint = ("free space where the bundle is written (--out), or choose another --out" if scratch_dir is not None
+                    else "free space there, or point TMPDIR elsewhere")
+            raise GemmaExportError(f"bundle: building the gemma_export wheel from {root} failed: no space left on "
+                                   f"device in {where}; {hint}")
+        # pip's last lines are often its "note:" / "hint:" boilerplate: the last line that is not
+        lines = [line.strip() for line in proc.stderr.splitlines()
+                 if line.strip() and not line.strip().startswith(("note:", "hint:"))]
+        raise GemmaExportError(f"bundle: building the gemma_export wheel from {root} failed: "
+                               f"{(lines or ['no output'])[-1]}")
     return wheels[0]
 
 
@@ -316,7 +326,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST, owned_problem
     from .manifest import read_manifest
-    from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
+    from .staging import check_free_space, check_name_lengths, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
     spec = find_board(board)
@@ -334,6 +344,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
     # the pre-packed copy the bundle's README has the board make goes with the bundle it was made
     # from, but only one prepack wrote
+    check_name_lengths(out_dir)  # before out_dir.is_dir() asks the OS about it
     owned = out_dir.is_dir() and not owned_problem(out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR)
     check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
                       derived=((f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())

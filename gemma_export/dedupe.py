@@ -26,7 +26,7 @@ from .errors import FormatError, OutputError, VerificationError, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
 from .manifest import is_prepacked_copy
 from .onnx_files import ALIGNMENT_BYTES
-from .staging import check_replaceable, staged_folder
+from .staging import check_free_space, check_replaceable, staged_folder
 from .text_files import require_file
 
 
@@ -283,6 +283,10 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     gathered = [v.shape[0] for v in graph.initializers.values()
                 if len(v.shape) == 2 and any(u.node.op_type.startswith("Gather") and u.idx == 0 for u in v.uses())]
     vocab = int(min(gathered, default=2))
+    # before the write, as export, bundle and prepack do: the data file is the tensors that remain
+    # (a full disk used to be found after the whole rewrite; probe finding)
+    remaining = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+    check_free_space(out_dir, remaining, "deduplicated model", largest_file_bytes=remaining)
     with staged_folder(out_dir, "deduplicated model", notify=progress) as staging:
         out_path = staging / in_path.name
         ir.save(model, out_path, external_data=in_path.name + ".data", max_workers=1, alignment=ALIGNMENT_BYTES)

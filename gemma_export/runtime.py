@@ -206,6 +206,16 @@ def _genai_decoder_config(model_dir: Path) -> dict:
     return decoder if isinstance(decoder, dict) else {}
 
 
+def _folder_identity(folder: Path) -> tuple[int, int] | None:
+    """``(st_dev, st_ino)`` of ``folder``, None when it is gone: a writer's output moved in by a
+    rename is another inode."""
+    try:
+        st = folder.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def check_export_folder(model_dir: str | Path) -> Path:
     """The path of ``model_dir``'s ``model.onnx``, after checking that the folder exists and holds one.
 
@@ -278,14 +288,30 @@ class OnnxDecoder:
             contradicts the graph (:func:`~gemma_export.manifest.check_manifest_fields`, :func:`~gemma_export.manifest.check_manifest_against_graph`),
             or sliding-window metadata that is malformed or disagrees with the manifest.
         OSError: a data file listed in the manifest cannot be opened (:func:`~gemma_export.manifest.check_listed_files`).
+        GemmaExportError: in place of any of these, when the folder was replaced (by another
+            export's rename) while it was being loaded.
     """
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
                  prepacked: bool | str | Path | None = None, huge_pages: bool = True):
-        from . import prepack as prepack_copy
-
         self.model_dir = Path(model_dir)
         path = check_export_folder(self.model_dir)
+        before = _folder_identity(self.model_dir)
+        try:
+            self._load(path, threads, optimized_model_path, prepacked, huge_pages)
+        except (GemmaExportError, OSError):
+            # an export that replaced the folder meanwhile (its rename is atomic, this reading of several
+            # files is not) mixes two exports' files: "dtype is int8, but the graph stores int4" would
+            # send the user looking for a damaged export (probe finding)
+            if _folder_identity(self.model_dir) != before:
+                raise GemmaExportError(f"{self.model_dir}: replaced while it was being loaded (another gemma-export "
+                                       "wrote it meanwhile); run again") from None
+            raise
+
+    def _load(self, path: Path, threads, optimized_model_path, prepacked, huge_pages) -> None:
+        """:meth:`__init__`'s reading of the folder, graph and session (its arguments, as given)."""
+        from . import prepack as prepack_copy
+
         self.manifest = read_manifest(self.model_dir)
         check_listed_files(self.manifest, self.model_dir)  # first: "the folder changed after the export" says most
         graph = load_graph(path)  # a readable graph whose external data are files of this folder

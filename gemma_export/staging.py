@@ -224,7 +224,8 @@ def remove_stale(out_dir: Path) -> Stale:
                 and not _empty_folder(path):
             # the folder a replaced output waits in, with no output in place: the only copy of it
             result.stuck.append((path, f"it holds the previous {out_dir.name} and {out_dir} is missing (a writer "
-                                       "stopped between its two renames): move it back by hand"))
+                                       "stopped between its two renames): move it back by hand to keep it; a later run removes it "
+                                       f"once {out_dir.name} is there again"))
             continue
         with flocked(path) as held:
             if held is False:  # a live writer holds it
@@ -380,6 +381,37 @@ def entry_refused(folder: Path) -> str | None:
     return None
 
 
+def max_name_bytes(folder: Path) -> int:
+    """The longest file name the file system of ``folder`` (or of its nearest existing parent)
+    takes, in bytes (``NAME_MAX``, ``pathconf(3)``); 255, Linux's, where it cannot be asked."""
+    existing = next((p for p in (folder, *folder.parents) if _exists(p)), None)
+    try:
+        return os.pathconf(existing if existing is not None else "/", "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a component too long, a loop of links: not a folder to ask
+        return False
+
+
+def check_name_lengths(out_dir: Path) -> None:
+    """Refuse an output path with a name longer than its file system takes (:func:`max_name_bytes`),
+    before anything asks the OS about it: the OS's bare "File name too long" named no limit.
+
+    Raises:
+        OutputError: ``"{out_dir}: a name of N bytes in it; this file system takes at most M"``.
+    """
+    name_max = max_name_bytes(Path(os.path.dirname(os.path.abspath(out_dir))))
+    long_name = next((part for part in out_dir.parts if len(os.fsencode(part)) > name_max), None)
+    if long_name is not None:
+        raise OutputError(f"{out_dir}: a name of {len(os.fsencode(long_name))} bytes in it; this file system takes at "
+                          f"most {name_max}")
+
+
 def check_creatable(out_dir: Path, what: str) -> None:
     """Refuse, before any work, an output folder that cannot be made: a regular file among its
     parents, or (when ``out_dir`` does not exist yet) a nearest existing parent that refuses new
@@ -392,6 +424,7 @@ def check_creatable(out_dir: Path, what: str) -> None:
         OutputError: naming the blocking path and the reason.
     """
     check_utf8_path(out_dir, f"{what} folder")
+    check_name_lengths(out_dir)
     blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
@@ -587,6 +620,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
     Raises:
         OutputError: naming ``out_dir`` and the reason.
     """
+    check_name_lengths(out_dir)  # before the OS is asked about it
     if out_dir.is_symlink():  # the rename would replace the link itself, not the folder it names
         raise OutputError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); give the folder itself")
     check_creatable(out_dir, what)
@@ -670,7 +704,9 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         for path in stale.removed:
             notify(f"removed {path}, left by an earlier gemma-export")
         for path, problem in stale.stuck:
-            notify(f"could not remove {path}, left by an earlier gemma-export ({problem}); remove it by hand")
+            # a problem that says what to do with the folder is not followed by "remove it by hand" (probe finding)
+            notify(f"could not remove {path}, left by an earlier gemma-export ({problem})"
+                   f"{'' if 'by hand' in problem else '; remove it by hand'}")
         for path in stale.kept:
             if path not in stale.held:
                 notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
@@ -782,7 +818,9 @@ def _describe(exc: OSError, folder: Path) -> str:
         reason += ": the disk is full or a file-size limit was reached"
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
         with contextlib.suppress(OSError, TypeError):
-            reason += f"; {shutil.disk_usage(existing).free:,} bytes free there"
+            # asked after the partial output was deleted: "disk full" beside 299 MB free read as a
+            # contradiction (probe finding)
+            reason += f"; {shutil.disk_usage(existing).free:,} bytes free there once the partial output was removed"
     elif exc.filename:
         reason += f" ({exc.filename})"
     return reason

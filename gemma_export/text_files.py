@@ -3,6 +3,7 @@ with one set of one-line errors."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -77,10 +78,18 @@ def non_regular(path: Path) -> str | None:
 
 
 def broken_link(path: Path) -> str | None:
-    """``"a broken link (to TARGET)"`` when ``path`` is a symbolic link to nothing, else None: named
-    as such in errors, since "no such file" sends the user looking for a file they can see."""
-    if path.is_symlink() and not path.exists():
-        return f"a broken link (to {os.readlink(path)})"
+    """``"a broken link (to TARGET)"`` when ``path`` is a symbolic link to nothing, ``"a loop of
+    symbolic links"`` when following it never ends, else None: named as such in errors, since "no
+    such file" sends the user looking for a file they can see."""
+    if not path.is_symlink():
+        return None
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a loop of symbolic links"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"a broken link (to {os.readlink(path)})"
     return None
 
 

@@ -125,7 +125,7 @@ def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {out}: writing the export failed ("), line
-    assert "the disk is full or a file-size limit was reached" in line and "bytes free there" in line
+    assert "the disk is full or a file-size limit was reached" in line and "bytes free there once the partial output was removed" in line
     assert "existing folder is unchanged" in line and "Traceback" not in result.output
     assert _tree(small_disk) == before  # the old export intact, no staging folder left
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
@@ -1020,3 +1020,70 @@ def test_an_interrupt_at_the_note_on_the_replaced_copy_says_the_export_is_writte
         exporter.export(tiny_dir, out, "fp32", status=status)
     assert caught.value.path == out and caught.value.what == "export"
     assert json.loads((out / "manifest.json").read_text())["dtype"] == "fp32" and exporter.verify_manifest(out)
+
+
+def test_a_folder_replaced_by_another_export_while_loading_is_named_as_such(tiny_int8_export, tiny_dir, tmp_path,
+                                                                            monkeypatch):
+    """Probe finding: `generate` while an export replaced the folder read the old manifest and the new
+    graph, and said "field 'dtype' is "int8", but the graph stores fp32 weights": a damaged export,
+    which it was not."""
+    from gemma_export import runtime
+    from gemma_export.errors import GemmaExportError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    replacement = exporter.export(tiny_dir, tmp_path / "new", "fp32").out_dir
+    load_graph = runtime.load_graph
+
+    def replaced_first(path):  # the other export's rename lands between the manifest and the graph
+        if replacement.exists():
+            os.rename(model, tmp_path / "old")
+            os.rename(replacement, model)
+        return load_graph(path)
+
+    monkeypatch.setattr(runtime, "load_graph", replaced_first)
+    with pytest.raises(GemmaExportError) as info:
+        runtime.OnnxDecoder(model)
+    assert str(info.value) == f"{model}: replaced while it was being loaded (another gemma-export wrote it meanwhile); run again"
+    monkeypatch.setattr(runtime, "load_graph", load_graph)
+    assert runtime.OnnxDecoder(model).dtype == "fp32"  # run again: the new export, whole
+    # and the check itself still speaks when nothing replaced the folder: the manifest is named
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["dtype"] = "int8"
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GemmaExportError, match="field 'dtype' is \"int8\""):
+        runtime.OnnxDecoder(model)
+
+
+def test_the_note_on_a_previous_output_left_aside_gives_one_instruction(tmp_path):
+    """Probe finding: the note said "move it back by hand" and then "; remove it by hand"."""
+    out = tmp_path / "out"
+    old = tmp_path / ".out.old-abcd1234"
+    (old / "out").mkdir(parents=True)
+    (old / "out" / "model.onnx").write_text("previous")
+    past = time.time() - 2 * STALE_AFTER_SECONDS
+    os.utime(old, (past, past))
+    said = []
+    with staging.staged_folder(out, "export", notify=said.append) as folder:
+        (folder / "model.onnx").write_text("new")
+    assert said == [f"could not remove {old}, left by an earlier gemma-export (it holds the previous out and {out} is "
+                    "missing (a writer stopped between its two renames): move it back by hand to keep it; a later run "
+                    "removes it once out is there again)"]
+    assert (old / "out" / "model.onnx").read_text() == "previous" and (out / "model.onnx").read_text() == "new"
+    assert staging.remove_stale(out).removed == [old]  # as the note said, once out is there again
+
+
+@pytest.mark.parametrize("command", ["export", "dedupe"])
+def test_an_output_name_longer_than_the_file_system_takes_is_refused_with_the_limit(tiny_dir, tmp_path, command):
+    """Probe finding: a 256-byte --out gave the OS's bare "File name too long"."""
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    out = tmp_path / ("L" * 256)
+    args = (["--source", str(tiny_dir), "--dtype", "fp32", "--out", str(out)] if command == "export"
+            else ["dedupe", str(tiny_dir / "model.safetensors"), "--out", str(out)])
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert f"error: {out}: a name of 256 bytes in it; this file system takes at most 255" in result.output
+    assert list(tmp_path.iterdir()) == []

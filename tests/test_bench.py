@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import sys
 import shutil
 from pathlib import Path
 
@@ -786,3 +788,35 @@ def test_json_that_cannot_be_written_is_one_error_naming_the_option_and_no_tempo
     with pytest.raises(OutputError, match=rf"^--json {target}: cannot write: No space left on device$"):
         bench_module.write_json({"a": 1}, target)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_with_a_long_legal_name_is_written_and_a_name_too_long_is_refused_first(tmp_path):
+    """Probe finding: a --json name of 246-255 bytes (legal) failed after the whole benchmark, since
+    the temporary file beside it (".NAME.tmp-PID") went over 255 bytes; 256 bytes failed the same
+    way, late, with the OS's bare "File name too long"."""
+    from gemma_export.errors import OutputError
+
+    longest = tmp_path / ("j" * 250 + ".json")  # 255 bytes
+    bench_module.check_outputs(longest, None)
+    bench_module.write_json({"decode_ms": 1.5}, longest)
+    assert json.loads(longest.read_text()) == {"decode_ms": 1.5}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [longest.name]  # no temporary left
+    too_long = tmp_path / ("j" * 251 + ".json")
+    with pytest.raises(OutputError, match=rf"^--json {too_long}: a file name of 256 bytes; this file system takes at most 255$"):
+        bench_module.check_outputs(too_long, None)
+
+
+def test_a_temporary_report_left_by_a_killed_run_is_removed_by_the_next_write(tmp_path):
+    """Probe finding: a run killed between its write and its rename left .b.json.tmp-PID for ever."""
+    import subprocess
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # a process that has ended
+    dead = tmp_path / f".b.json.tmp-{dead_pid}"
+    dead.write_text("{}")
+    live = tmp_path / f".b.json.tmp-{os.getppid()}"  # a running process's: perhaps writing it now
+    live.write_text("{}")
+    other = tmp_path / f".c.json.tmp-{dead_pid}"  # another report's: not this write's to judge
+    other.write_text("{}")
+    bench_module.write_json({"x": 1}, tmp_path / "b.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b.json", live.name, other.name])

@@ -644,6 +644,21 @@ def test_the_wheel_is_built_in_the_given_scratch_folder_and_pip_dies_with_a_kill
         bundle_module.build_wheel(tmp_path / "dest", scratch_dir=scratch)
     assert Path(seen["tmpdir"]).is_relative_to(scratch) and list(scratch.iterdir()) == []
 
+    # a full disk while pip builds: its last line ("note: This error originates from a subprocess")
+    # hid the cause (probe finding); and a failure's last line that is not pip's boilerplate
+    for stderr, said in (
+            ("  OSError: [Errno 28] No space left on device: 'build/lib'\nerror: subprocess-exited-with-error\n"
+             "note: This error originates from a subprocess, and is likely not a problem with pip.\n",
+             f"failed: no space left on device in {tmp_path / 'dest'} or {scratch}; free space where the bundle is "
+             "written (--out), or choose another --out"),
+            ("error: invalid pyproject.toml\nnote: This error originates from a subprocess, and is likely not a "
+             "problem with pip.\nhint: see above\n", "failed: error: invalid pyproject.toml")):
+        monkeypatch.setattr(bundle_module, "_run_in_own_group",
+                            lambda command, env, stderr=stderr: subprocess.CompletedProcess(command, 1, "", stderr))
+        with pytest.raises(GemmaExportError) as info:
+            bundle_module.build_wheel(tmp_path / "dest", scratch_dir=scratch)
+        assert str(info.value).endswith(said), str(info.value)
+
     pid_file = tmp_path / "child.pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     parent = subprocess.Popen([sys.executable, "-c", "import os, sys\n"

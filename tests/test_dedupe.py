@@ -80,6 +80,28 @@ def test_dedupe_leaves_one_table(tmp_path, case, graph):
     assert np.array_equal(run(src), run(out / "model.onnx"))
 
 
+def test_too_little_free_space_is_refused_before_the_rewrite(tmp_path, monkeypatch):
+    """Probe finding: dedupe found a full disk only after the whole rewrite; export, bundle and
+    prepack refuse first. What it needs is the tensors that remain: one table, not two."""
+    import shutil as shutil_module
+
+    from gemma_export import dedupe
+
+    (tmp_path / "in").mkdir()
+    src = _save(_lm(lambda t: t.copy()), tmp_path / "in" / "model.onnx")
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=V * H * 4 - 1))
+    monkeypatch.setattr(dedupe, "_compare", lambda *a: pytest.fail("the model was rewritten before the check"))
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "the deduplicated model needs about" in result.output, result.output
+    assert not (tmp_path / "out").exists()
+    # room for the one table that remains (plus the small rest) is enough: the copy does not count
+    monkeypatch.undo()
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=V * H * 4 + (1 << 20)))
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize("graph", [_lm(lambda t: t + np.float32(1e-3)),
                                    _lm(lambda t: (t + np.float32(1e-3)).T.copy(), head_op="MatMul")],
                          ids=["same layout", "transposed"])
