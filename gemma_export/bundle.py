@@ -249,7 +249,7 @@ QUANTIZED_MEMORY_FIGURES = {
     "int8": {"growth": "about 0.02 × the model after a short prompt and 0.11–0.12 × after a 512-token one, "
                        "against 1.08 × and 1.17 × without it (the default int8 export on x86-64, 2026-12-05 and "
                        "2026-12-06)",
-             "peak_rise": "90–180 MB"},
+             "peak_rise": "90–185 MB"},
     "int4": {"growth": "0.17–0.18 × the model after a 512-token prompt, against 1.37–1.39 × without it (the "
                        "default int4 export on x86-64, three sessions on 2026-12-06; peak 657–658 MB with it, "
                        "585 MB without)",

@@ -85,6 +85,20 @@ def _quality_reference(value: str) -> str:
     return f"./{path}" if path in ("transformers", "fp32") else path  # "./fp32" stays a folder, not the keyword
 
 
+def _given_value(param) -> str | None:
+    """The text given on the command line for option ``param`` (``--opt VALUE`` or ``--opt=VALUE``,
+    the last one given, as click takes it), or None."""
+    opts = getattr(param, "opts", None) or ()
+    found = None
+    args = sys.argv[1:]
+    for i, arg in enumerate(args):
+        if arg in opts and i + 1 < len(args):
+            found = args[i + 1]
+        elif any(arg.startswith(f"{opt}=") for opt in opts if opt.startswith("--")):
+            found = arg.split("=", 1)[1]
+    return found
+
+
 class _OneLineUsageError(ClickException):
     """A usage error (bad option value, missing option, unknown command) shown as this toolkit
     shows every error: one ``error:`` line on stderr, exit status 2."""
@@ -95,6 +109,11 @@ class _OneLineUsageError(ClickException):
         where = f" (see '{error.ctx.command_path if error.ctx is not None else 'gemma-export'} --help')"
         # typer's choice check words its message like a pydantic error ("Value error, 'int9' is not one of ...")
         message = error.format_message().replace(": Value error, ", ": ")
+        # ... and its integer check like one that names no value (fresh user: "--max-new-tokens abc")
+        wrong_int = "Input should be a valid integer, unable to parse string as an integer"
+        if wrong_int in message:
+            given = _given_value(getattr(error, "param", None))
+            message = message.replace(wrong_int, "expected a whole number" + (f", found {given!r}" if given else ""))
         if getattr(getattr(error, "param", None), "name", None) == "model" and message.startswith("Missing option"):
             message += " Give the export folder as --model DIR."  # `generate DIR` takes no positional folder
         super().__init__(f"{message}{where}")

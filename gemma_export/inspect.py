@@ -544,14 +544,15 @@ def find_duplicates(entries: list[TensorEntry], dequantize_nodes: list[Dequantiz
 def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
     archive beside it; GGUF and safetensors are told by their first bytes, ONNX and MLIR by the
-    suffix). An export folder stands for its ``model.onnx``, a bundle folder for its export's.
+    suffix). An export folder stands for its ``model.onnx``, a bundle folder for its export's, and
+    any other folder holding exactly one ``.onnx`` file (``dedupe``'s output) for that file.
 
     Returns:
         A :class:`Report` (:func:`format_report` prints it as the CLI does).
 
     Raises:
-        SourceNotFoundError: no such file, or a folder without ``model.onnx`` (nor a bundle folder,
-            whose export's ``model/model.onnx`` is read).
+        SourceNotFoundError: no such file, or a folder without ``model.onnx`` or a single ``.onnx``
+            (nor a bundle folder, whose export's ``model/model.onnx`` is read).
         FormatError: the file is not one of the supported formats or is malformed.
     """
     check_arguments("inspect_path", path=(path, "path"))
@@ -561,7 +562,11 @@ def inspect_path(path: str | Path) -> Report:
         path = Path(path) / BUNDLE_MODEL_DIR
     if Path(path).is_dir() and (Path(path) / MODEL_FILE).is_file():  # an export folder: its graph
         path = Path(path) / MODEL_FILE
-    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or an export folder with model.onnx)")
+    elif Path(path).is_dir():  # a folder of one model of another name (dedupe's output keeps its input's)
+        graphs = sorted(p for p in Path(path).glob("*.onnx") if p.is_file())
+        if len(graphs) == 1:
+            path = graphs[0]
+    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or a folder with model.onnx or one .onnx)")
     try:
         with open(path, "rb") as f:
             magic = f.read(9)

@@ -1636,3 +1636,16 @@ def test_summary_names_the_int8_table_of_an_int4_export(tiny_dir, tmp_path):
         rows = manifest["quantization"]["table_block_size"]
         assert f"blocks: 32 weights per scale in the layers, {rows} in the {table}; Hadamard 64\n" in result.stdout
         assert f"{rows} in the {table}, Hadamard 64" in quantization_text(manifest)[0]
+
+
+@pytest.mark.parametrize("args, option, value", [(["generate", "--model", "m", "--max-new-tokens", "abc"], "--max-new-tokens", "abc"),
+                                                 (["--block-size=1.5"], "--block-size", "1.5")])
+def test_a_number_option_given_text_names_the_value(monkeypatch, args, option, value):
+    """A fresh user's finding: typer's message ("Input should be a valid integer, unable to parse
+    string as an integer") named neither the expectation plainly nor the value given."""
+    monkeypatch.setattr(sys, "argv", ["gemma-export", *args])
+    result = _run(*args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: Invalid value for '{option}': expected a whole number, found '{value}' (see '"), lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 
@@ -78,6 +79,20 @@ def test_dedupe_leaves_one_table(tmp_path, case, graph):
     ids = np.array([[1, 5, 1000]], dtype=np.int64)
     run = lambda p: ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]  # noqa: E731
     assert np.array_equal(run(src), run(out / "model.onnx"))
+
+
+def test_inspect_takes_the_output_folder_whose_one_graph_keeps_the_input_s_name(tmp_path):
+    """A fresh user's finding: `inspect deduped/` failed, the folder holding other.onnx, not model.onnx."""
+    (tmp_path / "in").mkdir()
+    src = _save(_lm(lambda t: t.copy()), tmp_path / "in" / "other.onnx")
+    out = tmp_path / "deduped"
+    assert CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)]).exit_code == 0
+    report = CliRunner().invoke(app, ["inspect", str(out), "--json"])
+    assert report.exit_code == 0, report.output
+    assert json.loads(report.stdout)["path"] == str(out / "other.onnx") and json.loads(report.stdout)["duplicates"] == []
+    (out / "second.onnx").write_bytes((out / "other.onnx").read_bytes())  # two graphs: which one is not guessed
+    refused = CliRunner().invoke(app, ["inspect", str(out)])
+    assert refused.exit_code == 2 and f"{out}: is a folder; expected a .onnx" in refused.output
 
 
 def test_too_little_free_space_is_refused_before_the_rewrite(tmp_path, monkeypatch):

@@ -679,7 +679,7 @@ CASES = {
     "dedupe a text file": Case(plain(lambda w: ["dedupe", w / "t.txt", "--out", w / "d"], _file("t.txt", b"hello")), FormatError,
                                ("t.txt: dedupe rewrites ONNX models; expected an .onnx file, found '.txt'",)),
     "inspect a folder": Case(plain(lambda w: ["inspect", w]), SourceNotFoundError,
-                             ("is a folder; expected", "or an export folder with model.onnx")),
+                             ("is a folder; expected", "or a folder with model.onnx or one .onnx")),
     "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
                                               ("manifest.json", "unreadable manifest")),
     "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
