@@ -28,6 +28,7 @@ import io
 import json
 import os
 import platform
+import stat
 import statistics
 import sys
 import sysconfig
@@ -658,9 +659,13 @@ def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None
 
 
 def _remove_dead_temporaries(folder: Path, prefix: str) -> None:
-    """Delete ``{prefix}PID`` files in ``folder`` whose process no longer runs: what a writer killed
-    by SIGKILL between its write and its rename left (the next write of the same file removes it,
-    as an output folder's next writer removes a killed one's staging folder)."""
+    """Delete ``{prefix}PID`` files in ``folder`` whose process no longer runs here and that were not
+    modified for :data:`~gemma_export.staging.STALE_AFTER_SECONDS`: what a writer killed by SIGKILL
+    between its write and its rename left (the next write of the same file removes it, as an output
+    folder's next writer removes a killed one's staging folder). The age spares a live writer whose
+    PID this host cannot see (a shared folder written from a container or another host)."""
+    from .staging import STALE_AFTER_SECONDS
+
     try:
         names = [entry.name for entry in os.scandir(folder) if entry.name.startswith(prefix)]
     except OSError:
@@ -671,9 +676,10 @@ def _remove_dead_temporaries(folder: Path, prefix: str) -> None:
             continue
         try:
             os.kill(int(pid), 0)
-        except ProcessLookupError:  # no such process: a leftover
+        except ProcessLookupError:  # no such process: a leftover, once old enough
             with contextlib.suppress(OSError):
-                if (folder / name).is_file() and not (folder / name).is_symlink():
+                info = os.lstat(folder / name)
+                if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > STALE_AFTER_SECONDS:
                     (folder / name).unlink()
         except (PermissionError, OverflowError, OSError):  # another user's live process, or no valid pid
             pass

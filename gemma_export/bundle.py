@@ -154,11 +154,11 @@ def build_wheel(dest: Path, scratch_dir: Path | None = None) -> Path:
     if proc.returncode != 0 or len(wheels) != 1:
         output = f"{proc.stdout}\n{proc.stderr}"
         if "No space left on device" in output or "[Errno 28]" in output:  # pip's last line hides it (probe finding)
-            where = f"{dest} or {scratch_dir}" if scratch_dir is not None else f"{dest} or the temporary folder"
+            # the bundle builds in its own staging folder (deleted by the time this is read): name --out
             hint = ("free space where the bundle is written (--out), or choose another --out" if scratch_dir is not None
-                    else "free space there, or point TMPDIR elsewhere")
+                    else f"free space in {dest} and the temporary folder, or point TMPDIR elsewhere")
             raise GemmaExportError(f"bundle: building the gemma_export wheel from {root} failed: no space left on "
-                                   f"device in {where}; {hint}")
+                                   f"device; {hint}")
         # pip's last lines are often its "note:" / "hint:" boilerplate: the last line that is not
         lines = [line.strip() for line in proc.stderr.splitlines()
                  if line.strip() and not line.strip().startswith(("note:", "hint:"))]

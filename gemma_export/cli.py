@@ -85,12 +85,16 @@ def _quality_reference(value: str) -> str:
     return f"./{path}" if path in ("transformers", "fp32") else path  # "./fp32" stays a folder, not the keyword
 
 
+#: the arguments the command group was invoked with (:meth:`_Group.make_context`)
+_COMMAND_LINE: list[str] = []
+
+
 def _given_value(param) -> str | None:
-    """The text given on the command line for option ``param`` (``--opt VALUE`` or ``--opt=VALUE``,
-    the last one given, as click takes it), or None."""
+    """The text given for option ``param`` in this invocation's arguments (``--opt VALUE`` or
+    ``--opt=VALUE``, the last one given, as click takes it), or None."""
     opts = getattr(param, "opts", None) or ()
     found = None
-    args = sys.argv[1:]
+    args = _COMMAND_LINE
     for i, arg in enumerate(args):
         if arg in opts and i + 1 < len(args):
             found = args[i + 1]
@@ -130,9 +134,10 @@ WRITING_COMMANDS = (None, "prepack", "dedupe", "bench", "bundle")
 class _Group(TyperGroup):
     """The command group, with usage errors of the group and of every subcommand on one line."""
 
-    def make_context(self, *args, **kwargs):
+    def make_context(self, info_name, args, *rest, **kwargs):
+        _COMMAND_LINE[:] = list(args)  # what this invocation was given (not sys.argv: CliRunner, wrappers)
         try:
-            return super().make_context(*args, **kwargs)
+            return super().make_context(info_name, args, *rest, **kwargs)
         except NoArgsIsHelpError as exc:  # bare `gemma-export`: the usage, as --help shows it
             typer.echo(exc.ctx.get_help())
             raise typer.Exit(0) from None

@@ -285,7 +285,9 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     vocab = int(min(gathered, default=2))
     # before the write, as export, bundle and prepack do: the data file is the tensors that remain
     # (a full disk used to be found after the whole rewrite; probe finding)
-    remaining = sum(v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None)
+    sizes = [v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None]
+    # plus the padding that puts each tensor over 1 MiB on an ALIGNMENT_BYTES boundary (at most one each)
+    remaining = sum(sizes) + ALIGNMENT_BYTES * sum(1 for n in sizes if n > 1 << 20)
     check_free_space(out_dir, remaining, "deduplicated model", largest_file_bytes=remaining)
     with staged_folder(out_dir, "deduplicated model", notify=progress) as staging:
         out_path = staging / in_path.name

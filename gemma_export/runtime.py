@@ -304,8 +304,8 @@ class OnnxDecoder:
             # files is not) mixes two exports' files: "dtype is int8, but the graph stores int4" would
             # send the user looking for a damaged export (probe finding)
             if _folder_identity(self.model_dir) != before:
-                raise GemmaExportError(f"{self.model_dir}: replaced while it was being loaded (another gemma-export "
-                                       "wrote it meanwhile); run again") from None
+                raise GemmaExportError(f"{self.model_dir}: replaced or moved while it was being loaded (another "
+                                       "gemma-export writing it?); run again") from None
             raise
 
     def _load(self, path: Path, threads, optimized_model_path, prepacked, huge_pages) -> None:

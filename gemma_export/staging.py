@@ -163,12 +163,15 @@ def hidden_prefix(out_dir: Path) -> str:
     """``".NAME."``, the start of the hidden folders (staging, the old folder being replaced) kept
     beside ``out_dir``. A name longer than 237 bytes, which is legal itself, is shortened to 228
     bytes plus ``~`` and 8 hex digits of its sha256 (unique to it), so that those folders' names
-    stay within the 255 bytes a file name may have."""
+    stay within the 255 bytes a file name may have (18 bytes fewer than the file system's
+    :func:`max_name_bytes` where that is smaller)."""
     name = out_dir.name
     raw = os.fsencode(name)
-    if len(raw) <= _HIDDEN_NAME_BYTES:
+    # the file system's own limit where it is smaller than Linux's 255 (eCryptfs: 143)
+    budget = min(_HIDDEN_NAME_BYTES, max_name_bytes(out_dir.parent) - (255 - _HIDDEN_NAME_BYTES))
+    if len(raw) <= budget:
         return f".{name}."
-    short = os.fsdecode(raw[:_HIDDEN_NAME_BYTES - 9].decode("utf-8", "ignore").encode())
+    short = os.fsdecode(raw[:budget - 9].decode("utf-8", "ignore").encode())
     return f".{short}~{hashlib.sha256(raw).hexdigest()[:8]}."
 
 
@@ -177,13 +180,29 @@ def leftovers(out_dir: Path) -> list[Path]:
     sorted; :func:`remove_stale` removes those no writer holds any more."""
     if not out_dir.parent.is_dir():
         return []
-    prefix = hidden_prefix(out_dir)
+    # the whole name, as tempfile.mkdtemp makes it (8 characters of [a-z0-9_] after the tag): a
+    # prefix alone matched the leftovers of an output named "model.old-1" as those of "model"
+    name = re.compile(re.escape(hidden_prefix(out_dir)) + f"(?:{STAGING_TAG}|{OLD_TAG})" + r"[a-z0-9_]{8}")
     try:
         entries = sorted(out_dir.parent.iterdir())
     except OSError:  # a parent one may write in but not list (mode 0333): no leftovers can be seen
         return []
-    return [path for path in entries
-            if path.name.startswith((prefix + STAGING_TAG, prefix + OLD_TAG)) and path.is_dir() and not path.is_symlink()]
+    return [path for path in entries if name.fullmatch(path.name) and path.is_dir() and not path.is_symlink()]
+
+
+def writer_running(out_dir: Path) -> Path | None:
+    """The first of :func:`leftovers` beside ``out_dir`` that a running writer holds (its lock; the
+    lock is asked for, not kept), else None. Nothing is removed."""
+    for path in leftovers(out_dir):
+        with flocked(path) as held:
+            if held is False:
+                return path
+    return None
+
+
+def _writer_running_error(out_dir: Path, what: str, held: Path) -> OutputError:
+    return OutputError(f"{out_dir}: another gemma-export is writing this {what} now ({held.name} beside it is in "
+                       "use); nothing was written: run again when it has finished, or choose another folder")
 
 
 class Stale(NamedTuple):
@@ -611,7 +630,8 @@ def _unescape_mount_point(field: str) -> bytes:
 def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, before: Callable[[Path], None] | None = None,
                       **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
-    replace: a symbolic link, one :func:`check_creatable` refuses, a file, a mount point (replaced by renaming, which a
+    replace: a symbolic link, one :func:`check_creatable` refuses, one another gemma-export is writing now
+    (:func:`writer_running`), a file, a mount point (replaced by renaming, which a
     mount point cannot be), or a non-empty folder that is not an unchanged output of ours
     (:func:`output_changes` with ``manifest_name`` and ``unchanged``; ``manifest_name`` None,
     for outputs that carry no listing: any non-empty folder). ``before(out)`` runs on an existing
@@ -624,6 +644,8 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
     if out_dir.is_symlink():  # the rename would replace the link itself, not the folder it names
         raise OutputError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); give the folder itself")
     check_creatable(out_dir, what)
+    if (held := writer_running(out_dir)) is not None:  # before the slow work (calibration), not after it
+        raise _writer_running_error(out_dir, what, held)
     check_outside_outputs(out_dir, what)
     out = out_dir.resolve()
     here = Path.cwd().resolve()
@@ -712,8 +734,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                 notify(f"kept {path}: less than {STALE_AFTER_SECONDS} s old or in use by a running gemma-export; a "
                        "later run tries to remove it once it is neither")
     if stale.held:  # refused now rather than after the whole export, when the other one has moved in
-        raise OutputError(f"{out_dir}: another gemma-export is writing this {what} now ({stale.held[0].name} beside "
-                          "it is in use); nothing was written: run again when it has finished, or choose another folder")
+        raise _writer_running_error(out_dir, what, stale.held[0])
 
     def remove_created() -> None:
         for folder in reversed(created):  # parents this call created, innermost first

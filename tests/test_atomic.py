@@ -270,7 +270,7 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
 def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
     from gemma_export.staging import held_folder, remove_stale
 
-    live, dead, young = (tmp_path / f".out.staging-{name}" for name in ("live", "dead", "young"))
+    live, dead, young = (tmp_path / f".out.staging-{name}" for name in ("live_123", "dead_123", "young_12"))
     old = time.time() - 2 * STALE_AFTER_SECONDS
     for folder in (live, dead, young):
         folder.mkdir()
@@ -280,7 +280,7 @@ def test_a_staging_folder_still_being_written_is_not_removed(tmp_path):
     (tmp_path / ".other.staging-x").mkdir()  # another destination's: not ours to judge
     with held_folder(live):
         assert remove_stale(tmp_path / "out") == ([dead], [], [live, young], [live])
-    assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live", ".out.staging-young"]
+    assert sorted(os.listdir(tmp_path)) == [".other.staging-x", ".out.staging-live_123", ".out.staging-young_12"]
 
 
 @pytest.mark.parametrize("age", ["young", "old"])
@@ -291,7 +291,7 @@ def test_an_export_into_a_folder_another_export_is_writing_is_refused_before_it_
     from gemma_export.staging import held_folder
 
     out = tmp_path / "out"
-    live = tmp_path / ".out.staging-live"
+    live = tmp_path / ".out.staging-live_123"
     live.mkdir()
     if age == "old":  # the other writer has been at it for a while
         then = time.time() - 2 * STALE_AFTER_SECONDS
@@ -299,12 +299,43 @@ def test_an_export_into_a_folder_another_export_is_writing_is_refused_before_it_
     said = []
     with held_folder(live), pytest.raises(OutputError) as info:
         exporter.export(tiny_dir, out, "fp32", status=said.append)
-    assert str(info.value) == (f"{out}: another gemma-export is writing this export now (.out.staging-live beside it "
+    assert str(info.value) == (f"{out}: another gemma-export is writing this export now (.out.staging-live_123 beside it "
                                "is in use); nothing was written: run again when it has finished, or choose another folder")
-    assert sorted(os.listdir(tmp_path)) == [".out.staging-live"]  # nothing written, the other's folder kept
+    assert sorted(os.listdir(tmp_path)) == [".out.staging-live_123"]  # nothing written, the other's folder kept
     assert not any("kept" in line for line in said)  # the error says it; no note before it as well
     exporter.export(tiny_dir, out, "fp32")  # once the other has finished (its lock gone), the export runs
     assert (out / "model.onnx").is_file()
+
+
+def test_a_quantized_export_into_a_folder_being_written_is_refused_before_calibrating(tiny_dir, tmp_path, monkeypatch):
+    """Review finding: the refusal came when the staging folder was made, after the calibration that
+    is most of an int8 or int4 export's time."""
+    from gemma_export.errors import OutputError
+    from gemma_export.staging import held_folder
+
+    live = tmp_path / ".out.staging-live_123"
+    live.mkdir()
+    monkeypatch.setattr(exporter, "open_source", lambda *a, **k: pytest.fail("the source was read first"))
+    with held_folder(live), pytest.raises(OutputError, match="another gemma-export is writing this export now"):
+        exporter.export(tiny_dir, tmp_path / "out", "int8")
+
+
+def test_the_leftovers_of_an_output_are_told_by_their_whole_name(tmp_path):
+    """Review finding: "model"'s leftovers were matched by prefix, so a writer of "model" took the
+    staging folder of "model.old-1" (being written now) for its own."""
+    from gemma_export.staging import held_folder, leftovers, writer_running
+
+    other = tmp_path / ".model.old-1.staging-abcd1234"  # the staging folder of an output "model.old-1"
+    other.mkdir()
+    ours = tmp_path / ".model.staging-abcd1234"
+    ours.mkdir()
+    assert leftovers(tmp_path / "model") == [ours] and leftovers(tmp_path / "model.old-1") == [other]
+    with held_folder(other):
+        assert writer_running(tmp_path / "model") is None
+        assert writer_running(tmp_path / "model.old-1") == other
+        with staging.staged_folder(tmp_path / "model", "export") as folder:
+            (folder / "model.onnx").write_text("x")
+    assert other.is_dir() and (tmp_path / "model" / "model.onnx").is_file()
 
 
 def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_runs(tmp_path, monkeypatch):
@@ -319,7 +350,7 @@ def test_on_a_file_system_without_locks_leftovers_are_named_and_prepack_still_ru
     from gemma_export import staging
     from gemma_export.staging import held_folder, remove_stale
 
-    old_leftover = tmp_path / ".out.staging-dead"
+    old_leftover = tmp_path / ".out.staging-dead_123"
     old_leftover.mkdir()
     old = time.time() - 2 * STALE_AFTER_SECONDS
     os.utime(old_leftover, (old, old))
@@ -978,13 +1009,13 @@ def test_remove_stale_keeps_an_old_copy_only_when_it_may_be_the_only_one(tmp_pat
         os.utime(folder, (past, past))
         return folder
 
-    empty = aged(".out.old-empty", False)
+    empty = aged(".out.old-empty_12", False)
     assert staging.remove_stale(out) == ([empty], [], [], [])  # nothing of anyone's in it
-    full = aged(".out.old-full", True)
+    full = aged(".out.old-full_123", True)
     out.symlink_to(tmp_path / "nowhere")  # an output in place, though a dangling link
     assert staging.remove_stale(out) == ([full], [], [], [])
     out.unlink()
-    unreadable = aged(".out.old-unreadable", True)
+    unreadable = aged(".out.old-unread12", True)
     refuse_listing(monkeypatch, unreadable)
     stale = staging.remove_stale(out)
     assert stale.removed == [] and [p for p, _ in stale.stuck] == [unreadable] and unreadable.is_dir()
@@ -1044,7 +1075,7 @@ def test_a_folder_replaced_by_another_export_while_loading_is_named_as_such(tiny
     monkeypatch.setattr(runtime, "load_graph", replaced_first)
     with pytest.raises(GemmaExportError) as info:
         runtime.OnnxDecoder(model)
-    assert str(info.value) == f"{model}: replaced while it was being loaded (another gemma-export wrote it meanwhile); run again"
+    assert str(info.value) == f"{model}: replaced or moved while it was being loaded (another gemma-export writing it?); run again"
     monkeypatch.setattr(runtime, "load_graph", load_graph)
     assert runtime.OnnxDecoder(model).dtype == "fp32"  # run again: the new export, whole
     # and the check itself still speaks when nothing replaced the folder: the manifest is named
@@ -1087,3 +1118,15 @@ def test_an_output_name_longer_than_the_file_system_takes_is_refused_with_the_li
     assert result.exit_code == 2
     assert f"error: {out}: a name of 256 bytes in it; this file system takes at most 255" in result.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_hidden_names_fit_a_file_system_that_takes_shorter_names(tmp_path, monkeypatch):
+    """Review finding: the shortening assumed 255 bytes; on eCryptfs (143) a name 13-18 bytes under
+    the limit passed the checks and failed when the staging folder was made."""
+    from gemma_export.staging import hidden_prefix
+
+    monkeypatch.setattr(staging, "max_name_bytes", lambda folder: 143)
+    name = "n" * 130  # legal there
+    prefix = hidden_prefix(tmp_path / name)
+    assert len((prefix + "staging-abcd1234").encode()) <= 143 and prefix.startswith(".n") and "~" in prefix
+    assert hidden_prefix(tmp_path / ("n" * 100)) == f".{'n' * 100}."  # short enough: unchanged

@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import shutil
 from pathlib import Path
 
@@ -810,13 +811,21 @@ def test_a_temporary_report_left_by_a_killed_run_is_removed_by_the_next_write(tm
     """Probe finding: a run killed between its write and its rename left .b.json.tmp-PID for ever."""
     import subprocess
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(gone.stdout)  # a process that has ended
+    def ended_pid() -> int:  # the PID of a process that has ended
+        return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True).stdout)
+
+    dead_pid, other_dead_pid = ended_pid(), ended_pid()
     dead = tmp_path / f".b.json.tmp-{dead_pid}"
     dead.write_text("{}")
     live = tmp_path / f".b.json.tmp-{os.getppid()}"  # a running process's: perhaps writing it now
     live.write_text("{}")
     other = tmp_path / f".c.json.tmp-{dead_pid}"  # another report's: not this write's to judge
     other.write_text("{}")
+    past = time.time() - 60
+    for leftover in (dead, live, other):
+        os.utime(leftover, (past, past))
+    recent = tmp_path / f".b.json.tmp-{other_dead_pid}"  # seconds old: perhaps a writer this host cannot see
+    recent.write_text("{}")
     bench_module.write_json({"x": 1}, tmp_path / "b.json")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b.json", live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b.json", live.name, other.name, recent.name])

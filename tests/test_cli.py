@@ -1642,8 +1642,9 @@ def test_summary_names_the_int8_table_of_an_int4_export(tiny_dir, tmp_path):
                                                  (["--block-size=1.5"], "--block-size", "1.5")])
 def test_a_number_option_given_text_names_the_value(monkeypatch, args, option, value):
     """A fresh user's finding: typer's message ("Input should be a valid integer, unable to parse
-    string as an integer") named neither the expectation plainly nor the value given."""
-    monkeypatch.setattr(sys, "argv", ["gemma-export", *args])
+    string as an integer") named neither the expectation plainly nor the value given. The value is
+    this invocation's, not the process's command line (review finding)."""
+    monkeypatch.setattr(sys, "argv", ["gemma-export", option, "7"])
     result = _run(*args)
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
