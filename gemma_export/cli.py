@@ -546,6 +546,11 @@ def generate(
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked and prepacked is not False:  # not for the user's own choice
         typer.echo(f"note: {result.prepacked_note}", err=True)
+    from .manifest import resized_files
+
+    if changed := resized_files(model):  # ran, but not with the files exported (a fresh user's finding)
+        typer.echo(f"note: {', '.join(changed)} in {model} changed after the export (sizes differ from its "
+                   f"manifest.json); gemma-export verify --model {model} checks every file", err=True)
 
 
 @app.command()

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from .config import DTYPES
-from .errors import FormatError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
+from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, traced_initializer)
 from .staging import leftovers, listed_files
@@ -155,6 +155,27 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
                               f"folder changed after the export (export it again; gemma-export verify checks every file)")
         with open(path, "rb"):
             pass
+
+
+def resized_files(model_dir: Path) -> list[str]:
+    """Names of the files ``model_dir``'s ``manifest.json`` lists, other than the graph and its data
+    (:func:`check_listed_files` refuses those), whose size now differs from the recorded one: a
+    tokenizer or config edited after the export, which ``generate`` runs with. One ``stat`` each;
+    ``gemma-export verify`` compares every byte. Empty when there is no readable listing."""
+    try:
+        files = listed_files(read_manifest(model_dir)["files"], model_dir / MANIFEST_FILE, nested=False)
+    except (GemmaExportError, KeyError, TypeError, OSError):
+        return []
+    changed = []
+    for name, (recorded, _) in files.items():
+        if name == MODEL_FILE or name.startswith(f"{MODEL_FILE}."):
+            continue
+        try:
+            if (model_dir / name).stat().st_size != recorded:
+                changed.append(name)
+        except OSError:  # missing: named by the step that reads it, if any does
+            continue
+    return changed
 
 
 #: what a stop-id field holds (the manifest's ``config.eos_token_id``, genai_config.json's ``model.eos_token_id``)

@@ -1650,3 +1650,21 @@ def test_a_number_option_given_text_names_the_value(monkeypatch, args, option, v
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"error: Invalid value for '{option}': expected a whole number, found '{value}' (see '"), lines
+
+
+def test_generate_notes_listed_files_changed_after_the_export(tiny_int8_export, tmp_path):
+    """A fresh user's finding: with tokenizer_config.json overwritten by "{}", verify refused the
+    folder and generate ran without a word."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    clean = _run("generate", "--model", model, "--prompt", "ab", "--max-new-tokens", "2")
+    assert clean.exit_code == 0 and "changed after the export" not in clean.stderr
+    config = model / "genai_config.json"
+    config.write_text(config.read_text() + "\n")  # still valid, one byte longer
+    edited = _run("generate", "--model", model, "--prompt", "ab", "--max-new-tokens", "2")
+    assert edited.exit_code == 0, edited.output
+    assert edited.stderr.strip().splitlines()[-1] == (
+        f"note: genai_config.json in {model} changed after the export (sizes differ from its manifest.json); "
+        f"gemma-export verify --model {model} checks every file")
