@@ -647,20 +647,23 @@ def export(
     # the estimate is within 1% on the real 270M: less its 1%, so a folder that fits is never refused
     # and one that does not is refused before the work, not at the end (0.95 let a 280 MiB disk pass)
     check_free_space(out, int(0.99 * estimate), "export")
-    calibration = None
-    if asked or (quantized and calibrate is None and ckpt.tokenizer is not None):
-        calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress, status,
-                                 asked or "--calibrate")
-    if quantized:
-        fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration,
-                            activation_residual, scale_dtype or "float32")
-    else:
-        fmt = weight_format(dtype)
-    quantization = _quantization_record(fmt, calibration) if quantized else None
-    model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
-
     replaced_copy = (out / PREPACKED_DIR).is_dir()  # made from the files this export replaces
+    # entered before the calibration, the slow part: its locked staging folder tells a second export
+    # into the same folder that this one is writing it (the second calibrated in full, then was
+    # refused at the move: a fresh user's finding)
     with staged_folder(out, "export", checked_state, notify=status) as staging:
+        calibration = None
+        if asked or (quantized and calibrate is None and ckpt.tokenizer is not None):
+            calibration = _calibrate(ckpt, text or read_calibration_text(None), calibration_tokens, progress, status,
+                                     asked or "--calibrate")
+        if quantized:
+            fmt = weight_format(dtype, layer_block, table_block, rotation, table_dtype, symmetric, scale_method, calibration,
+                                activation_residual, scale_dtype or "float32")
+        else:
+            fmt = weight_format(dtype)
+        quantization = _quantization_record(fmt, calibration) if quantized else None
+        model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
+
         # ir.save reports the tensors it writes to the data file: those larger than SIZE_THRESHOLD_BYTES
         total = sum(1 for v in model.graph.initializers.values()
                     if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)

@@ -320,6 +320,38 @@ def test_a_quantized_export_into_a_folder_being_written_is_refused_before_calibr
         exporter.export(tiny_dir, tmp_path / "out", "int8")
 
 
+def test_a_second_export_while_the_first_calibrates_is_refused_before_its_own_calibration(tiny_dir, tmp_path,
+                                                                                          monkeypatch):
+    """A fresh user's finding: the first export made its staging folder only after calibrating, so a
+    second one into the same folder, started meanwhile, calibrated in full (146 s on the real 270M)
+    and was refused at the move. The first now holds its staging folder from before it calibrates."""
+    from conftest import write_char_tokenizer
+
+    from gemma_export.errors import OutputError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    write_char_tokenizer(src)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "out"
+    calibrate = exporter._calibrate
+    second = {}
+
+    def calibrate_while_another_starts(*args, **kwargs):
+        if not second:  # the first export's calibration: a second export starts now
+            second["started"] = True
+            with pytest.raises(OutputError) as info:
+                exporter.export(src, out, "int8", block_size=16, calibration_text=text)
+            second["error"] = str(info.value)
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(exporter, "_calibrate", calibrate_while_another_starts)
+    exporter.export(src, out, "int8", block_size=16, calibration_text=text)
+    assert second["error"].startswith(f"{out}: another gemma-export is writing this export now (.out.staging-")
+    assert (out / "model.onnx").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out", "src", "text.txt"]
+
+
 def test_the_leftovers_of_an_output_are_told_by_their_whole_name(tmp_path):
     """Review finding: "model"'s leftovers were matched by prefix, so a writer of "model" took the
     staging folder of "model.old-1" (being written now) for its own."""
