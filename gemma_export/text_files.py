@@ -65,15 +65,15 @@ def check_size(path: Path, size: int, what: str, max_bytes: int) -> None:
 
 def non_regular(path: Path) -> str | None:
     """What ``path`` is when something other than a regular file (or a link to one) is there: ``"a
-    folder"``, ``"a broken link"`` or ``"not a regular file (a FIFO, socket or device)"``; None when
+    folder"``, :func:`broken_link`'s words or ``"not a regular file (a FIFO, socket or device)"``; None when
     it is a regular file or nothing is there. A file a command reads only when present must not be
     taken for absent when it is one of these."""
     if path.is_file():
         return None
     if path.is_dir():
         return "a folder"
-    if path.is_symlink() and not path.exists():
-        return "a broken link"
+    if (link := broken_link(path)) is not None:
+        return link
     return "not a regular file (a FIFO, socket or device)" if path.exists() else None
 
 

@@ -994,8 +994,8 @@ def test_a_damaged_tokenizer_named_by_its_folder_is_refused_before_the_source_is
     (broken / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
     result = _run("--source", tiny_dir, "--tokenizer", broken, "--dtype", "fp32", "--out", tmp_path / "out")
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == (f"error: {broken / 'tokenizer.json'}: is a broken link; expected the tokenizer "
-                                     "file (--tokenizer)")
+    assert result.stderr.strip() == (f"error: {broken / 'tokenizer.json'}: is a broken link (to {tmp_path / 'nowhere.json'}); "
+                                     "expected the tokenizer file (--tokenizer)")
     side = _tokenizer_folder(tmp_path / "side")
     (side / "tokenizer_config.json").write_text("[1, 2]")
     result = _run("--source", tiny_dir, "--tokenizer", side, "--dtype", "fp32", "--out", tmp_path / "out")
