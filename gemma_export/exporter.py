@@ -401,15 +401,17 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
                    table_dtype: str | None, symmetric: bool, scale_method: str | None, calibrate: bool | None,
                    calibration_text, calibration_tokens: int | None, activation_residual: bool = False,
                    scale_dtype: str | None = None) -> None:
-    """:func:`export`'s options against each other and their ranges, before any file is read.
+    """:func:`export`'s options against each other and their ranges, before any file is read. A
+    choice outside its set is named as the Python argument (the command line's own choices refuse it
+    first); the rest are named as the command line's flags, which both reach.
 
     Raises:
         ConfigError: naming the option, what it applies to or expects, and what was given.
     """
     if dtype not in DTYPES:
-        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        raise ConfigError(f"export(): dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
     if table_dtype is not None and table_dtype not in TABLE_DTYPES:
-        raise ConfigError(f"--table-dtype {table_dtype!r}: expected {' or '.join(TABLE_DTYPES)}")
+        raise ConfigError(f"export(): table_dtype must be {' or '.join(TABLE_DTYPES)}, found {table_dtype!r}")
     int4_only = [option for option, given in (("--table-dtype", table_dtype is not None), ("--asymmetric", not symmetric),
                                                ("--scale-method", scale_method is not None)) if given]
     if dtype != "int4":
@@ -424,9 +426,9 @@ def _check_options(dtype: str, block_size: int | None, table_block_size: int | N
                "residual cannot match, and int4's error is its weights' (docs/quality.md)") if dtype == "int4" else ""
         raise ConfigError(f"--activation-residual applies to --dtype int8, not {dtype}{why}")
     if scale_dtype is not None and scale_dtype not in SCALE_DTYPES:
-        raise ConfigError(f"--scale-dtype {scale_dtype!r}: expected {' or '.join(SCALE_DTYPES)}")
+        raise ConfigError(f"export(): scale_dtype must be {' or '.join(SCALE_DTYPES)}, found {scale_dtype!r}")
     if scale_method is not None and scale_method not in SCALE_METHODS:
-        raise ConfigError(f"--scale-method {scale_method!r}: expected {' or '.join(SCALE_METHODS)}")
+        raise ConfigError(f"export(): scale_method must be {' or '.join(SCALE_METHODS)}, found {scale_method!r}")
     for option, value in (("--block-size", block_size), ("--table-block-size", table_block_size),
                           ("--hadamard", hadamard_size or None)):
         if value is not None and not _is_block_size(value):  # before the (slow) source is read

@@ -994,8 +994,11 @@ def test_run_parity_with_nothing_to_compare_names_the_python_arguments(tiny_int8
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(scale_method="foo"), "--scale-method 'foo': expected mse or rtn"),
-    (dict(table_dtype="int2"), "--table-dtype 'int2': expected int4 or int8"),
+    (dict(scale_method="foo"), "export(): scale_method must be mse or rtn, found 'foo'"),
+    (dict(table_dtype="int2"), "export(): table_dtype must be int4 or int8, found 'int2'"),
+    (dict(scale_dtype="bf16"), "export(): scale_dtype must be float32 or float16, found 'bf16'"),
+    # the Python argument, not the command line's --dtype (a fresh user's finding)
+    (dict(dtype="int9"), "export(): dtype must be one of fp32, bf16, int8, int4, found 'int9'"),
 ])
 def test_an_unknown_choice_from_python_is_refused_before_the_source_is_read(tiny_dir, tmp_path, monkeypatch, kwargs,
                                                                             message):
@@ -1006,6 +1009,6 @@ def test_an_unknown_choice_from_python_is_refused_before_the_source_is_read(tiny
 
     monkeypatch.setattr(exporter, "open_source", lambda *a, **k: pytest.fail("the source was read first"))
     with pytest.raises(ConfigError) as raised:
-        gemma_export.export(tiny_dir, tmp_path / "out", "int4", **kwargs)
+        gemma_export.export(tiny_dir, tmp_path / "out", **{"dtype": "int4", **kwargs})
     assert str(raised.value) == message
     assert not (tmp_path / "out").exists()
