@@ -491,10 +491,10 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
         except (RuntimeError, OSError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
             raise OutputError(f"{option} {path}: cannot be resolved ({exc}); give a file name that leads to a file") from None
         folder = os.path.dirname(str(path)) or "."  # as the file will be opened: "loop/../x" is not resolved away
-        name_max = max_name_bytes(Path(folder))
-        if len(os.fsencode(targets[option].name)) > name_max:  # now, not when the report is written at the end
-            raise OutputError(f"{option} {path}: a file name of {len(os.fsencode(targets[option].name))} bytes; this "
-                              f"file system takes at most {name_max}")
+        name_max, name_bytes = max_name_bytes(Path(folder)), len(os.fsencode(targets[option].name))
+        if name_bytes > name_max:  # now, not when the report is written at the end
+            raise OutputError(f"{option} {path}: a file name of {name_bytes} bytes; this file system takes at most "
+                              f"{name_max}")
         if not os.path.isdir(folder):
             try:
                 os.stat(folder)
@@ -638,7 +638,6 @@ def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None
         OutputError: an ``OSError`` while writing, naming ``option`` and the file.
     """
     from .errors import OutputError
-
     from .staging import hidden_prefix
 
     if path.is_symlink():  # replace the file the link names, not the link
