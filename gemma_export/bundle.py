@@ -326,7 +326,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST, owned_problem
     from .manifest import read_manifest
-    from .staging import check_free_space, check_name_lengths, check_replaceable, file_sha256, staged_folder
+    from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
 
     spec = find_board(board)
@@ -342,12 +342,13 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
-    # the pre-packed copy the bundle's README has the board make goes with the bundle it was made
-    # from, but only one prepack wrote
-    check_name_lengths(out_dir)  # before out_dir.is_dir() asks the OS about it
-    owned = out_dir.is_dir() and not owned_problem(out_dir / BUNDLE_MODEL_DIR / PREPACKED_DIR)
-    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
-                      derived=((f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}", PREPACKED_MANIFEST),) if owned else ())
+    def derived(out: Path) -> tuple[tuple[str, str], ...]:
+        # the pre-packed copy the bundle's README has the board make goes with the bundle it was
+        # made from, but only one prepack wrote
+        copy = f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}"
+        return ((copy, PREPACKED_MANIFEST),) if not owned_problem(out / copy) else ()
+
+    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST, derived=derived)
     if wheel is not None:
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

@@ -126,7 +126,20 @@ def os_error_line(exc: OSError) -> str:
     if exc.errno in (errno.EACCES, errno.EPERM):
         reason += " (check the file's permissions)"
     named = isinstance(exc.filename, (str, bytes, os.PathLike))
+    if exc.errno == errno.ENAMETOOLONG and named:  # the OS's bare reason names no limit
+        reason += _long_name(os.fsdecode(exc.filename))
     return f"{printable_path(exc.filename)}: {reason}" if named else reason
+
+
+def _long_name(path: str) -> str:
+    """`` (a name of N bytes in it; this file system takes at most M)`` for the first name in
+    ``path`` longer than its file system takes; `` (a path of N bytes)`` when every name fits (the
+    whole path is then over ``PATH_MAX``)."""
+    from .staging import too_long_name  # staging builds on this module
+
+    if (found := too_long_name(path)) is None:
+        return f" (a path of {len(os.fsencode(path)):,} bytes)"
+    return f" (a name of {found[0]} bytes in it; this file system takes at most {found[1]})"
 
 
 class GemmaExportError(Exception):

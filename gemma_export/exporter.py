@@ -36,7 +36,7 @@ from .runtime import create_session
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, default_output_name, open_source
 from .text_files import first_tokens, non_regular
-from .staging import (check_free_space, check_listed_file, check_name_lengths, check_replaceable, file_sha256, folder_state, listed_files,
+from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
                       reported_as_written, staged_folder)
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
@@ -384,10 +384,10 @@ def _check_replaceable(out_dir: Path) -> None:
             raise OutputError(f"{out_dir}: a gemma-export prepack is working on this folder; export again when it has "
                               "finished")
 
-    check_name_lengths(out_dir)  # before out.is_dir() asks the OS about it
-    out = out_dir.resolve()
-    # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
-    derived = ((PREPACKED_DIR, PREPACKED_MANIFEST),) if out.is_dir() and not prepack_owned_problem(out / PREPACKED_DIR) else ()
+    def derived(out: Path) -> tuple[tuple[str, str], ...]:
+        # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
+        return ((PREPACKED_DIR, PREPACKED_MANIFEST),) if not prepack_owned_problem(out / PREPACKED_DIR) else ()
+
     check_replaceable(out_dir, "export", MANIFEST_FILE, before=not_busy, required={"format": "onnx"}, derived=derived,
                       leftovers=LEFTOVER_PREFIXES)
 

@@ -424,11 +424,16 @@ def check_name_lengths(out_dir: Path) -> None:
     Raises:
         OutputError: ``"{out_dir}: a name of N bytes in it; this file system takes at most M"``.
     """
-    name_max = max_name_bytes(Path(os.path.dirname(os.path.abspath(out_dir))))
-    long_name = next((part for part in out_dir.parts if len(os.fsencode(part)) > name_max), None)
-    if long_name is not None:
-        raise OutputError(f"{out_dir}: a name of {len(os.fsencode(long_name))} bytes in it; this file system takes at "
-                          f"most {name_max}")
+    if (found := too_long_name(out_dir)) is not None:
+        raise OutputError(f"{out_dir}: a name of {found[0]} bytes in it; this file system takes at most {found[1]}")
+
+
+def too_long_name(path: str | Path) -> tuple[int, int] | None:
+    """``(bytes, limit)`` for the first name in ``path`` longer than its file system takes
+    (:func:`max_name_bytes` of its folder), or None when every name fits."""
+    name_max = max_name_bytes(Path(os.path.dirname(os.path.abspath(path))))
+    sizes = (len(os.fsencode(part)) for part in Path(path).parts)
+    return next(((size, name_max) for size in sizes if size > name_max), None)
 
 
 def check_creatable(out_dir: Path, what: str) -> None:
@@ -444,6 +449,11 @@ def check_creatable(out_dir: Path, what: str) -> None:
     """
     check_utf8_path(out_dir, f"{what} folder")
     check_name_lengths(out_dir)
+    _check_creatable(out_dir, what)
+
+
+def _check_creatable(out_dir: Path, what: str) -> None:
+    """:func:`check_creatable` once the path's names are checked."""
     blocker = next((p for p in reversed(out_dir.parents) if p.exists() and not p.is_dir()), None)
     if blocker is not None:
         raise OutputError(f"{out_dir}: cannot create the {what} folder: {blocker} is a file, not a folder")
@@ -628,22 +638,25 @@ def _unescape_mount_point(field: str) -> bytes:
 
 
 def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, before: Callable[[Path], None] | None = None,
-                      **unchanged) -> None:
+                      derived: Callable[[Path], tuple[tuple[str, str], ...]] | None = None, **unchanged) -> None:
     """Refuse, before any work, an output folder :func:`staged_folder` could not or should not
     replace: a symbolic link, one :func:`check_creatable` refuses, one another gemma-export is writing now
     (:func:`writer_running`), a file, a mount point (replaced by renaming, which a
     mount point cannot be), or a non-empty folder that is not an unchanged output of ours
     (:func:`output_changes` with ``manifest_name`` and ``unchanged``; ``manifest_name`` None,
     for outputs that carry no listing: any non-empty folder). ``before(out)`` runs on an existing
-    folder first (a check with a more specific message).
+    folder first (a check with a more specific message); ``derived(out)`` gives an existing
+    folder's derived sub-folders (:func:`output_changes`), asked only once the checks above have
+    passed.
 
     Raises:
         OutputError: naming ``out_dir`` and the reason.
     """
+    check_utf8_path(out_dir, f"{what} folder")
     check_name_lengths(out_dir)  # before the OS is asked about it
     if out_dir.is_symlink():  # the rename would replace the link itself, not the folder it names
         raise OutputError(f"{out_dir}: is a symbolic link (to {os.readlink(out_dir)}); give the folder itself")
-    check_creatable(out_dir, what)
+    _check_creatable(out_dir, what)
     if (held := writer_running(out_dir)) is not None:  # before the slow work (calibration), not after it
         raise _writer_running_error(out_dir, what, held)
     check_outside_outputs(out_dir, what)
@@ -665,7 +678,7 @@ def check_replaceable(out_dir: Path, what: str, manifest_name: str | None, befor
     if manifest_name is None:
         raise OutputError(f"{out_dir}: exists and is not an empty folder; choose another folder, or move this one "
                           "away first")
-    changed = output_changes(out, manifest_name, **unchanged)
+    changed = output_changes(out, manifest_name, derived=derived(out) if derived is not None else (), **unchanged)
     if changed:
         raise OutputError(f"{out_dir}: exists, is not empty and is not an unchanged {what} of gemma-export (a "
                           f"{manifest_name} of ours listing every file in it: {changed}); refusing to replace it: "
