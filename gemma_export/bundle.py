@@ -220,7 +220,8 @@ generate and benchmark with the board's {threads} threads:
 
 A pre-trained model, such as the Gemma 3 270M bundled with the toolkit, continues the prompt; an
 instruction-tuned one, such as FunctionGemma, answers a turn written out with its control tokens
-(`<start_of_turn>user ... <end_of_turn>`, as `gemma-export generate --help` says).
+(`<start_of_turn>user ... <end_of_turn>`; `gemma-export generate --help` says how control tokens
+are read).
 
 An application of your own that runs `model/model.onnx` with onnxruntime directly finds the inputs,
 the prompt's ids and the KV cache rules in the gemma-export repository's `docs/integration.md`;

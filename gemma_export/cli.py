@@ -569,7 +569,7 @@ def prepack(
     prompt: about 1.08 x -> 0.02 x the archive; after 16-, 128- and 512-token prompts and 128 steps
     each: 1.17 x -> 0.11-0.12 x; 2026-12-05). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
-    version; a copy made elsewhere is ignored). Costs 2-2.2 x the data file on disk (4 x for bf16); refused below 2.3 x (4.1 x) free.
+    version; a copy made elsewhere is ignored). Costs 2-2.2 x the data file on disk (4 x for bf16, up to 2.44 x with --scale-dtype float16); refused below 2.3 x (4.1 x, 2.6 x) free.
 
     \b
     Example:

@@ -118,7 +118,7 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
     ``model.onnx.data``) have the sizes it records and can be read: a cheap check (one ``stat`` and
     ``open`` per file) against a folder changed after the export, e.g. the data file of another
     export copied in, which onnxruntime would run without a word, or a file in the graph's place over
-    16 times its recorded size (and over 64 MB), which onnx would read whole. The ``files`` record itself is read by
+    16 times its recorded size (and over 64 MiB), which onnx would read whole. The ``files`` record itself is read by
     :func:`~gemma_export.staging.listed_files`, as ``gemma-export verify`` reads it. The tokenizer has
     checks of its own; a missing file is left to the step that reads it; ``gemma-export verify``
     compares every byte of every file.

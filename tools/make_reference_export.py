@@ -12,7 +12,7 @@ Needs the test extra (torch, transformers, jax). Writes about 860 MB (bf16) or 4
 peaks at about 5.7 GB of memory (bf16, 2026-12-05) and prints nothing for the ~25 s it works.
 The export carries no tokenizer, as the board team's does not: `gemma-export --source
 OUT/gemma.mlir --tokenizer TOKENIZER.json` adds one, and any export of the bundled weights holds
-it (`gemma-export --no-calibrate --out gx-tok` writes `gx-tok/tokenizer.json` in 6.5–14 s).
+it (`gemma-export --no-calibrate --out gx-tok` writes `gx-tok/tokenizer.json` in 5.7–14 s).
 """
 
 from __future__ import annotations
