@@ -426,3 +426,21 @@ def test_genai_anchor_says_when_the_builder_fails_or_writes_nothing(tmp_path, bu
                 "is kept for the next try" if builder_status else
                 f"error: onnxruntime-genai's builder exited 0 but wrote no {tmp_path / 'g' / 'genai_config.json'}")
     assert done.stderr.strip().splitlines()[-1] == expected and "wrote " not in done.stdout
+
+
+def test_the_side_by_side_summary_gives_each_export_its_ratios_to_q8_0_the_floor_and_the_reference():
+    import bench_side_by_side
+
+    rows = {"llama.cpp Q8_0": {"prefill_ms": 800.0, "decode_ms": {16: 10.0, 128: 12.0}},
+            "ours int8": {"prefill_ms": 400.0, "decode_ms": {16: 8.0, 128: 9.0}, "archive_bytes": 300_000_000},
+            bench_side_by_side.REFERENCE_ROW: {"prefill_ms": float("nan"), "decode_ms": {24: 64.0}, "fixed_length": 24}}
+    lines = bench_side_by_side.summary_lines(rows, [16, 128], bandwidth_gbps=30.0)
+    assert lines[2] == "| llama.cpp Q8_0 | 10.0 | 1.000 | 12.0 | 1.000 | 800 | 1.00 |"
+    assert lines[3] == "| ours int8 | 8.0 | 0.800 | 9.0 | 0.750 | 400 | 0.50 |"
+    # the reference runs one fixed-length graph per token: the same time in every context column
+    assert lines[4] == "| reference (IREE, re-decode) | 64.0 | 6.400 | 64.0 | 5.333 | nan | nan |"
+    # floor: 300 MB at 30 GB/s is 10 ms; 8 ms is 0.8 of it and 0.125 of the reference's 64 ms
+    assert lines[5:] == ["ours int8: bandwidth floor 10.0 ms/token; decode @16 = 0.80 x floor, 0.125 x the reference's "
+                         "64.0 ms/token"]
+    without = bench_side_by_side.summary_lines({k: v for k, v in rows.items() if k != "llama.cpp Q8_0"}, [16, 128], 30.0)
+    assert without[2] == "| ours int8 | 8.0 | – | 9.0 | – | 400 | – |"

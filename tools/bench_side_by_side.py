@@ -16,8 +16,9 @@ Usage:
 llama.cpp runs the bundled Q4_K_M GGUF and a Q8_0 GGUF requantized from it (written once next to
 the bundled file); ``--reference`` adds the board team's reference export under IREE (e.g. the one
 ``tools/make_reference_export.py`` writes), timed the board's way (its 24-position graph once per
-token). Prints a Markdown table of medians and ratios against llama.cpp Q8_0 at each context, the
-bandwidth floor of each export, and with ``--plot`` draws decode ms/token against context length.
+token). Prints a Markdown table of medians and ratios against llama.cpp Q8_0 at each context, then
+each export's decode time at the first context ÷ its bandwidth floor and ÷ the reference's time per
+token, and with ``--plot`` draws decode ms/token against context length.
 ``--cold`` (root) drops the page cache before each system, so each reads its files from disk as
 after a reboot: timings otherwise depend on how long each file has sat in the cache.
 """
@@ -35,6 +36,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import (check_exports_fit, check_gguf_model, int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
                    thread_count, unique_names)
+
+
+#: the reference export's row in the table
+REFERENCE_ROW = "reference (IREE, re-decode)"
 
 
 def real_text_ids(tokenizer_dir: Path, count: int) -> list[int]:
@@ -139,6 +144,34 @@ def write_plot(rows: dict, path: Path) -> None:
     ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def summary_lines(rows: dict, contexts: list[int], bandwidth_gbps: float) -> list[str]:
+    """The run's table (decode ms/token per context and prefill ms, each also ÷ llama.cpp Q8_0 where
+    it ran), then for each of our exports its decode time ÷ its bandwidth floor (archive bytes ÷
+    ``bandwidth_gbps``, the time to read every weight once) and, where the reference ran, ÷ the
+    reference's time per token, both at the first context."""
+    anchor = rows.get("llama.cpp Q8_0")
+    reference = rows.get(REFERENCE_ROW)
+    lines = ["| system | " + " | ".join(f"decode ms @{c} | × Q8_0" for c in contexts) + " | prefill ms | × Q8_0 |",
+             "|---|" + "---|---|" * len(contexts) + "---|---|"]
+    for name, r in rows.items():
+        cells = []
+        for c in contexts:
+            ms = r["decode_ms"].get(c, next(iter(r["decode_ms"].values())) if "fixed_length" in r else float("nan"))
+            cells += [f"{ms:.1f}", f"{ms / anchor['decode_ms'][c]:.3f}" if anchor else "–"]
+        pratio = f"{r['prefill_ms'] / anchor['prefill_ms']:.2f}" if anchor else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['prefill_ms']:.0f} | {pratio} |")
+    first = contexts[0]
+    for name, r in rows.items():
+        if "archive_bytes" in r:
+            floor = r["archive_bytes"] / bandwidth_gbps / 1e6
+            line = f"{name}: bandwidth floor {floor:.1f} ms/token; decode @{first} = {r['decode_ms'][first] / floor:.2f} x floor"
+            if reference is not None:
+                per_token = next(iter(reference["decode_ms"].values()))  # one fixed-length graph per token
+                line += f", {r['decode_ms'][first] / per_token:.3f} x the reference's {per_token:.1f} ms/token"
+            lines.append(line)
+    return lines
 
 
 def q8_0_gguf(source: Path) -> Path:
@@ -246,24 +279,11 @@ def main() -> None:
             rows[f"ours {label}"]["archive_bytes"] = archive
     if args.reference:
         cold()
-        rows["reference (IREE, re-decode)"] = bench_reference(args.reference, ids)
+        rows[REFERENCE_ROW] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)
-    anchor = rows.get("llama.cpp Q8_0")
     print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
-    print("| system | " + " | ".join(f"decode ms @{c} | × Q8_0" for c in contexts) + " | prefill ms | × Q8_0 |")
-    print("|---|" + "---|---|" * len(contexts) + "---|---|")
-    for name, r in rows.items():
-        cells = []
-        for c in contexts:
-            ms = r["decode_ms"].get(c, next(iter(r["decode_ms"].values())) if "fixed_length" in r else float("nan"))
-            cells += [f"{ms:.1f}", f"{ms / anchor['decode_ms'][c]:.3f}" if anchor else "–"]
-        pratio = f"{r['prefill_ms'] / anchor['prefill_ms']:.2f}" if anchor else "–"
-        print(f"| {name} | " + " | ".join(cells) + f" | {r['prefill_ms']:.0f} | {pratio} |")
-    for name, r in rows.items():
-        if "archive_bytes" in r:
-            floor = r["archive_bytes"] / bandwidth / 1e6
-            print(f"{name}: bandwidth floor {floor:.1f} ms/token; decode @{contexts[0]} = {r['decode_ms'][contexts[0]] / floor:.2f} x floor")
+    print("\n".join(summary_lines(rows, contexts, bandwidth)))
     if args.plot:
         write_plot(rows, args.plot)
         print(f"plot: {args.plot}")
