@@ -227,7 +227,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     check_arguments("run_bench", model_dir=(model_dir, "path"), threads=(threads, "int?"),
                     prompt_tokens=(prompt_tokens, "ints"), new_tokens=(new_tokens, "int"), board=(board, "str?"),
                     text=(text, "path?"), reference=(reference, "path?"), reference_weights=(reference_weights, "path?"),
-                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"), huge_pages=(huge_pages, "bool"))
+                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"), huge_pages=(huge_pages, "bool"),
+                    progress=(progress, "callable?"))
     from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, positions_needed
     from .text_files import first_tokens

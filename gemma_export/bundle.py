@@ -322,7 +322,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """
     check_arguments("write_bundle", model_dir=(model_dir, "path"), out_dir=(out_dir, "path"), board=(board, "str"),
-                    wheel=(wheel, "path?"))
+                    wheel=(wheel, "path?"), progress=(progress, "callable?"))
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST, owned_problem

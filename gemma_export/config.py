@@ -401,7 +401,7 @@ def load_hf_config(path: Path) -> GemmaConfig:
         raw = json.loads(read_bounded(path, "a config.json").decode("utf-8").removeprefix("\ufeff"))  # a BOM, as other text files
     except FormatError as exc:  # larger than any config
         raise ConfigError(str(exc)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
     return config_from_hf_dict(raw, str(path))
 

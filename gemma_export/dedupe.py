@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import onnx_ir as ir
 
-from .errors import FormatError, OutputError, VerificationError, first_line
+from .errors import FormatError, OutputError, VerificationError, check_arguments, first_line
 from .inspect import CHUNK_BYTES, MIN_DUPLICATE_BYTES, inspect_path, read_block
 from .manifest import is_prepacked_copy
 from .onnx_files import ALIGNMENT_BYTES
@@ -206,7 +206,9 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
             folder by a rename, which none of the last three survives).
         SourceNotFoundError: ``in_path`` is missing or not a file.
         VerificationError: outputs on random inputs changed.
+        ConfigError: an argument of the wrong type (:func:`~gemma_export.errors.check_arguments`).
     """
+    check_arguments("dedupe", in_path=(in_path, "path"), out_dir=(out_dir, "path"), progress=(progress, "callable?"))
     in_path = Path(in_path)
     out_dir = Path(out_dir)
     if out_dir.resolve() == in_path.resolve().parent:

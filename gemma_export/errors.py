@@ -70,9 +70,17 @@ _ARGUMENT_KINDS = {
     "int": (is_whole_number, "an int"),
     "bool": (lambda v: isinstance(v, bool), "True or False"),
     "str": (lambda v: isinstance(v, str), "a str"),
-    "path": (lambda v: isinstance(v, os.PathLike) or (isinstance(v, str) and v != ""), "a path (str or os.PathLike)"),
+    "path": (lambda v: (isinstance(v, os.PathLike) or (isinstance(v, str) and v != "")) and not _holds_nul(v),
+             "a path (str or os.PathLike)"),
     "ints": (lambda v: isinstance(v, (list, tuple)) and all(map(is_whole_number, v)), "a list or tuple of ints"),
+    "callable": (callable, "a callable"),
 }
+
+
+def _holds_nul(path) -> bool:
+    """A path holding a NUL character, which no file system takes (``open`` raises ``ValueError``)."""
+    name = os.fspath(path)
+    return (b"\0" if isinstance(name, bytes) else "\0") in name
 
 
 def _is_other_integer(value) -> bool:
@@ -87,8 +95,9 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
 
     Args:
         function: the API function, for the message (e.g. ``export``).
-        arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path``,
-            ``ints`` (a list or tuple of ints), each with a trailing ``?`` to allow None.
+        arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path`` (not
+            empty, no NUL character), ``ints`` (a list or tuple of ints), ``callable``, each with a
+            trailing ``?`` to allow None.
 
     Raises:
         ConfigError: ``"export(): block_size must be an int, found str '32'"``, the first that fails.
@@ -101,6 +110,8 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
         test, expected = _ARGUMENT_KINDS[base]
         if not test(value):
             found = "an empty str" if isinstance(value, str) and value == "" else f"{type(value).__name__} {value!r:.40}"
+            if base == "path" and isinstance(value, (str, os.PathLike)) and _holds_nul(value):
+                found += " (a NUL character, which no path can hold)"
             if base == "int" and _is_other_integer(value):
                 found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is
             elif base == "ints" and isinstance(value, (list, tuple)) and any(map(_is_other_integer, value)):

@@ -582,7 +582,11 @@ def export(
                     scale_method=(scale_method, "str?"), calibrate=(calibrate, "bool?"),
                     calibration_text=(calibration_text, "path?"), calibration_tokens=(calibration_tokens, "int?"),
                     all_logits=(all_logits, "bool"), debug_outputs=(debug_outputs, "bool"), tokenizer=(tokenizer, "path?"),
-                    activation_residual=(activation_residual, "bool"), scale_dtype=(scale_dtype, "str?"))
+                    activation_residual=(activation_residual, "bool"), scale_dtype=(scale_dtype, "str?"),
+                    progress=(progress, "callable?"), status=(status, "callable?"))
+    if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+        raise ConfigError(f"export(): checkpoint must be a Checkpoint (open_source's) or None, found "
+                          f"{type(checkpoint).__name__} {checkpoint!r:.40}")
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
                    calibration_text, calibration_tokens, activation_residual, scale_dtype)
     scale_method = scale_method or "mse"

@@ -417,7 +417,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     check_arguments("run_parity", model_dir=(model_dir, "path"), against_transformers=(against_transformers, "bool"),
                     reference=(reference, "path?"), reference_weights=(reference_weights, "path?"),
                     reference_logits=(reference_logits, "bool"), golden=(golden, "path?"), prompts=(prompts, "path?"),
-                    new_tokens=(new_tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
+                    new_tokens=(new_tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"),
+                    progress=(progress, "callable?"))
     from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
 

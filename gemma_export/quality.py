@@ -467,7 +467,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         ResourceError: a KV cache would not fit in available memory.
     """
     check_arguments("run_quality", model_dir=(model_dir, "path"), reference=(reference, "path"), text=(text, "path?"),
-                    tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"))
+                    tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"),
+                    progress=(progress, "callable?"))
     import tempfile
 
     from .bench import real_text

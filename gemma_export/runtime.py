@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import io
 import json
+import numbers
 import os
 import re
 import time
@@ -26,12 +27,12 @@ import numpy as np
 
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import (FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError, check_arguments,
-                     first_line, is_whole_number, shown)
+from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError,
+                     check_arguments, first_line, is_whole_number, shown)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
                        graph_output_options, graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure,
                        read_manifest, require_folder)
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, graph_dtype, graph_quantization, load_graph
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, graph_dtype, graph_quantization, load_graph
 from . import memory
 from .memory import release_free_heap
 from .text_files import non_regular, not_unicode_at, read_bounded
@@ -253,7 +254,9 @@ class OnnxDecoder:
         prepacked: which graph onnxruntime loads. ``None`` (default): the folder's pre-packed copy
             (``prepacked/``, :mod:`gemma_export.prepack`) when it was made on this machine from
             these files, else ``model.onnx``; ``False``: always ``model.onnx``; ``True``: the copy,
-            or an error saying why it cannot be used; a path: that copy's ``model.onnx``.
+            or an error saying why it cannot be used; a path: the ``model.onnx`` of a copy in a
+            folder of ``model_dir`` (``prepacked/``, or :func:`gemma_export.prepack.prepack`'s
+            staging folder), used as it is.
             ``optimized_model_path`` implies ``False``. The logits are the same either way; the copy
             maps the packed weights from disk instead of building them on the heap.
         huge_pages: when the weights are packed on the heap, move them onto transparent huge
@@ -280,6 +283,9 @@ class OnnxDecoder:
         SourceNotFoundError: no such folder, or no ``model.onnx`` in it (:func:`check_export_folder`).
         GemmaExportError: ``prepacked=True`` and the copy cannot be used here; ``threads`` out of
             range (:func:`check_threads`).
+        ConfigError: ``prepacked`` a path that is not a ``model.onnx`` in a folder of ``model_dir``;
+            an argument of the wrong type (:func:`~gemma_export.errors.check_arguments`), or an
+            ``optimized_model_path`` that is a folder.
         FormatError: onnxruntime cannot load the model, or (``prepacked`` True or a path) the copy;
             with the default, a copy that fails to load is skipped with a note instead. Also: an
             unreadable graph or manifest, a data file whose size differs from the manifest's
@@ -294,6 +300,14 @@ class OnnxDecoder:
 
     def __init__(self, model_dir: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
                  prepacked: bool | str | Path | None = None, huge_pages: bool = True):
+        check_arguments("OnnxDecoder", model_dir=(model_dir, "path"), threads=(threads, "int?"),
+                        optimized_model_path=(optimized_model_path, "path?"), huge_pages=(huge_pages, "bool"))
+        if not (prepacked is None or isinstance(prepacked, (bool, str, os.PathLike))):
+            raise ConfigError(f"OnnxDecoder(): prepacked must be True, False, None or a path, found "
+                              f"{type(prepacked).__name__} {prepacked!r:.40}")
+        if optimized_model_path is not None and Path(optimized_model_path).is_dir():
+            raise ConfigError(f"OnnxDecoder(): optimized_model_path {optimized_model_path} is a folder; expected the "
+                              "path of a file to write")
         self.model_dir = Path(model_dir)
         path = check_export_folder(self.model_dir)
         before = _folder_identity(self.model_dir)
@@ -337,7 +351,7 @@ class OnnxDecoder:
             if copy_dir.exists() and optimized_model_path is None:
                 self.prepacked_note = f"pre-packed copy {copy_dir} not used (--no-prepacked)"
         elif isinstance(prepacked, (str, Path)):
-            self.prepacked_path = Path(prepacked)
+            self.prepacked_path = _copy_of(self.model_dir, Path(prepacked))
         else:
             found = prepack_copy.status(self.model_dir)
             self.prepacked_path, self.prepacked_note = found.path, found.reason
@@ -449,21 +463,25 @@ class OnnxDecoder:
         outputs (e.g. the ``debug.layers.*`` outputs of a ``--debug-outputs`` export).
 
         Args:
-            token_ids: ``T`` ids, positions 0…T−1 (not checked against the vocabulary).
+            token_ids: ``T ≥ 1`` ids, positions 0…T−1, each inside the vocabulary.
             names: graph output names.
 
         Returns:
             name → the output's array (``debug.layers.*``: float32 ``[1, T, hidden_size]``).
 
         Raises:
-            FormatError: a name is not an output of the graph.
-            GemmaExportError: ``T`` exceeds ``max_position_embeddings``.
+            FormatError: a name is not an output of the graph; an id that is no integer or lies
+                outside the vocabulary (:meth:`check_ids`).
+            GemmaExportError: no ids, or ``T`` exceeds ``max_position_embeddings``.
         """
         declared = {o.name for o in self.session.get_outputs()}
         missing = [n for n in names if n not in declared]
         if missing:
             raise FormatError(f"{self.model_dir / MODEL_FILE}: no output {missing[0]!r} (export with --debug-outputs)")
+        if len(token_ids) == 0:
+            raise GemmaExportError("prefill_outputs: no token ids; give at least one (e.g. <bos>, id 2)")
         self.check_length(len(token_ids))
+        self.check_ids(token_ids, "prefill_outputs")
         ids = np.asarray([list(token_ids)], np.int64)
         feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], self.empty_cache(1))
         values = self.session.run(list(names), feeds)
@@ -476,7 +494,8 @@ class OnnxDecoder:
         With ``tokenizer``, the message gives the id's piece too.
 
         Raises:
-            FormatError: the first id not in ``0 … vocab_size - 1`` (:func:`check_token_ids`).
+            FormatError: the first id that is no integer or not in ``0 … vocab_size - 1``
+                (:func:`check_token_ids`).
         """
         check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
                         "; the tokenizer beside the export does not match its graph", tokenizer)
@@ -514,7 +533,8 @@ class OnnxDecoder:
         Raises:
             GemmaExportError: an empty prompt, a negative ``max_new_tokens``, ``prefill_chunk`` < 1,
                 or the sequence exceeds ``max_position_embeddings``.
-            ConfigError: ``max_new_tokens`` that is no int, ``stop_ids`` that is no list or tuple of ints.
+            ConfigError: ``max_new_tokens`` or ``prefill_chunk`` that is no int, ``stop_ids`` that is no list or
+                tuple of ints, ``on_token`` that is not callable.
             FormatError: an id outside the vocabulary.
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
@@ -522,7 +542,8 @@ class OnnxDecoder:
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
         check_new_tokens(max_new_tokens, "greedy")
-        check_arguments("greedy", stop_ids=(stop_ids, "ints?"))
+        check_arguments("greedy", stop_ids=(stop_ids, "ints?"), prefill_chunk=(prefill_chunk, "int?"),
+                        on_token=(on_token, "callable?"))
         check_prefill_chunk(prefill_chunk)
         self.check_ids(prompt_ids, "prompt")
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
@@ -631,8 +652,9 @@ class OnnxDecoder:
             FormatError: an id outside the vocabulary (:meth:`check_ids`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
-        if not is_whole_number(chunk) or chunk < 1:
+        if not _is_integer(chunk) or chunk < 1:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
+        chunk = int(chunk)
         self.check_length(len(token_ids))
         self.check_ids(token_ids, "teacher-forced ids")
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
@@ -643,6 +665,22 @@ class OnnxDecoder:
                 rows[row] = cache.step(np.asarray([[token_ids[position]]], np.int64),
                                        np.ones((1, position + 1), np.int64), np.asarray([[position]], np.int64))[0, -1]
             yield start, rows[:count]
+
+
+def _copy_of(model_dir: Path, path: Path) -> Path:
+    """``path``, the ``model.onnx`` of a pre-packed copy in a folder of ``model_dir`` (another
+    export's graph would run with this one's manifest and checks).
+
+    Raises:
+        ConfigError: ``path`` is not so placed.
+        FormatError: no such file.
+    """
+    if path.name != MODEL_FILE or path.absolute().parent.parent.resolve() != model_dir.resolve():
+        raise ConfigError(f"prepacked: expected the {MODEL_FILE} of a pre-packed copy in a folder of {model_dir} (its "
+                          f"{PREPACKED_DIR}/), found {path}")
+    if not path.is_file():
+        raise FormatError(f"{path}: no such pre-packed graph")
+    return path
 
 
 def _sliding_layers(session, path: Path, num_hidden_layers: int,
@@ -853,16 +891,24 @@ def picked_token(logits: np.ndarray, step: int, where: str = "", model: str | Pa
 def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str = "", tokenizer=None) -> None:
     """Raises FormatError ``"{where}: token id X is outside the export's vocabulary (0 to V-1){hint}"``
     for the first id of ``ids`` not in ``0 … vocab_size - 1``; with ``tokenizer`` (a
-    ``tokenizers.Tokenizer``) the id's piece follows it, ``token id X ('piece')``.
+    ``tokenizers.Tokenizer``) the id's piece follows it, ``token id X ('piece')``. An id must be an
+    integer (Python's or numpy's; not a bool, a float or a list): onnxruntime would be fed ``5.9`` as 5.
 
     Raises:
-        FormatError: as above.
+        FormatError: as above, or ``"{where}: token id #N is 5.9; expected an integer"``.
     """
+    if (at := next((n for n, i in enumerate(ids) if not _is_integer(i)), None)) is not None:
+        raise FormatError(f"{where}: token id #{at} is {ids[at]!r}; expected an integer")
     bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         piece = f" ({tokenizer.id_to_token(bad)!r})" if tokenizer is not None else ""
         raise FormatError(f"{where}: token id {bad}{piece} is outside the export's vocabulary (0 to {vocab_size - 1})"
                           f"{hint}")
+
+
+def _is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_threads(threads: int | None) -> None:
@@ -929,7 +975,9 @@ class KVCache:
     def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int, max_step: int = DEFAULT_PREFILL_CHUNK):
         if capacity < 1:
             raise GemmaExportError(f"KV cache capacity must be >= 1 token, found {capacity}")
-        self.decoder, self.capacity = decoder, capacity
+        self.decoder, self.capacity, self.batch_size = decoder, capacity, batch_size
+        #: positions the cache holds (the past of the next step)
+        self.positions = 0
         self.shared = decoder.shares_kv_buffer
         #: the last step had more than one token (a prompt, or a chunk of one)
         self._after_prompt = False
@@ -1003,15 +1051,31 @@ class KVCache:
             position_ids: int64 ``[B, S]``.
 
         Raises:
-            GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``.
+            GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``, or
+                longer than the positions held plus ``S`` (the graph would attend to rows never
+                written; a shorter one rewinds: the step's rows replace those from ``past`` on,
+                refused before the first row a sliding layer still holds); shapes that disagree with
+                each other or with ``batch_size``.
             onnxruntime's own exceptions, unwrapped (e.g. an id outside the vocabulary).
         """
         total, seq = attention_mask.shape[1], input_ids.shape[1]
+        if input_ids.ndim != 2 or position_ids.shape != input_ids.shape or attention_mask.ndim != 2 or \
+                input_ids.shape[0] != self.batch_size or attention_mask.shape[0] != self.batch_size:
+            raise GemmaExportError(f"KV cache: expected input_ids and position_ids [{self.batch_size}, S] and "
+                                   f"attention_mask [{self.batch_size}, past + S], found {list(input_ids.shape)}, "
+                                   f"{list(position_ids.shape)} and {list(attention_mask.shape)}")
+        if total > self.positions + seq:
+            raise GemmaExportError(f"KV cache: attention_mask covers {total} positions, but the cache holds "
+                                   f"{self.positions} and the step adds {seq}: at most {self.positions + seq}")
+        if self._sliding and total - seq < self.sliding_start:
+            raise GemmaExportError(f"KV cache: a step from position {total - seq} rewinds past the sliding layers' first "
+                                   f"row held ({self.sliding_start}; the earlier ones were dropped)")
         if total > self.capacity:
             raise GemmaExportError(f"KV cache: a step of {total} tokens (past + sequence) exceeds the cache "
                                    f"capacity of {self.capacity}")
         if not self.shared:
             logits, self._past = self.decoder.forward(input_ids, attention_mask, position_ids, self._past)
+            self.positions = total
             return logits
         import onnxruntime as ort
 
@@ -1044,6 +1108,7 @@ class KVCache:
             release_free_heap()
         else:
             self.decoder.session.run_with_iobinding(b)
+        self.positions = total
         if logits is not None:  # no copy and no get_outputs() (an OrtValue per bound output: 37 here)
             return logits
         # OrtValue.numpy() is a view of onnxruntime's output memory, reused by the next run: copy.
@@ -1210,7 +1275,8 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     """
     check_arguments("generate", model_dir=(model_dir, "path"), prompt=(prompt, "str"),
                     max_new_tokens=(max_new_tokens, "int"), threads=(threads, "int?"),
-                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"))
+                    prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"),
+                    on_text=(on_text, "callable?"))
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
     bad = not_unicode_at(prompt)

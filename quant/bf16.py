@@ -67,14 +67,18 @@ class BF16Weights:
 
         Raises:
             ValueError: a finite value rounds to ±Inf (|w| above bfloat16's largest finite value,
-                ~3.39e38), naming the first such value and its index.
+                ~3.39e38), naming the first such value and its index; complex values.
         """
-        w = np.asarray(w, dtype=np.float32)
+        given = np.asarray(w)
+        if given.dtype.kind == "c":  # numpy would drop the imaginary parts with a warning
+            raise ValueError(f"expected real numbers, found {given.dtype}")
+        with np.errstate(over="ignore"):  # a float64 beyond float32's range: named below
+            w = given.astype(np.float32, copy=False)
         bits = float32_to_bfloat16_bits(w)
-        overflow = np.isinf(bits.view(ml_dtypes.bfloat16)) & np.isfinite(w)
+        overflow = np.isinf(bits.view(ml_dtypes.bfloat16)) & np.isfinite(given)
         if overflow.any():
             index = np.unravel_index(int(np.argmax(overflow)), w.shape)
-            raise ValueError(f"{w[index]:.6g} at index {list(map(int, index))} overflows bfloat16 (largest finite "
+            raise ValueError(f"{given[index]:.6g} at index {list(map(int, index))} overflows bfloat16 (largest finite "
                              f"{float(ml_dtypes.finfo(ml_dtypes.bfloat16).max):.6g})")
         return cls(bits)
 

@@ -176,8 +176,11 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
 
     Raises:
         ValueError: shapes disagree (including ``block_size`` not dividing K, or ≤ 0), or see
-            :func:`inverse_cholesky`; NaN/Inf in ``w``; a zero or non-finite scale.
+            :func:`inverse_cholesky`; NaN/Inf in ``w``; a zero or non-finite scale; a code range
+            outside ``0 ≤ qmin < qmax ≤ 255`` (uint8 codes) or a zero point outside it.
     """
+    if not 0 <= qmin < qmax <= 255:
+        raise ValueError(f"GPTQ: the code range must lie in 0 … 255 with qmin < qmax, found qmin {qmin}, qmax {qmax}")
     n, k = w.shape
     nb = k // block_size if block_size > 0 else 0
     if nb * block_size != k or scales.shape != (n, nb) or zero_points.shape != (n, nb) or hessian.shape != (k, k):
@@ -185,6 +188,10 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
                          f"zero points {zero_points.shape} and Hessian {hessian.shape} disagree")
     if not (np.isfinite(scales).all() and (scales != 0).all()):
         raise ValueError(f"GPTQ: scales must be finite and nonzero, found {scales[~(np.isfinite(scales) & (scales != 0))][0]}")
+    outside = ~((zero_points >= qmin) & (zero_points <= qmax))  # NaN is outside too
+    if outside.any():
+        raise ValueError(f"GPTQ: zero points must lie in the code range {qmin} … {qmax}, found "
+                         f"{zero_points[outside][0]}")
     h = as_hessian(hessian, damp)
     if act_order:
         order, u = h.ordered

@@ -213,7 +213,10 @@ class BlockInt4Weights:
         n, k = w.shape
         h = None
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):
-            channel_weights = np.maximum(np.diagonal(as_hessian(hessian).matrix), 0.0)
+            matrix = as_hessian(hessian).matrix
+            if not np.isfinite(matrix).all():  # named as the Hessian, not as the channel weights taken from it
+                raise ValueError("the Hessian holds NaN or Inf")
+            channel_weights = np.maximum(np.diagonal(matrix), 0.0)
         if channel_weights is not None:
             h = np.asarray(channel_weights, np.float32)
             if h.shape != (k,):

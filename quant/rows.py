@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterator
 
 import numpy as np
@@ -24,10 +25,15 @@ def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> 
             share a byte).
 
     Raises:
-        ValueError: ``shape`` is not 2-D, or ``block_size`` does not divide K (or is odd when ``even``).
+        ValueError: ``shape`` is not 2-D or has no columns, ``block_size`` is not an integer, or it
+            does not divide K (or is odd when ``even``).
     """
     if len(shape) != 2:
         raise ValueError(f"expected a 2-D weight, found shape {tuple(shape)}")
+    if shape[1] == 0:
+        raise ValueError(f"expected a 2-D weight with at least one column, found shape {tuple(shape)}")
+    if not isinstance(block_size, numbers.Integral) or isinstance(block_size, (bool, np.bool_)):
+        raise ValueError(f"block_size must be an integer, found {block_size!r}")
     k = shape[1]
     if block_size <= 0 or k % block_size or (even and block_size % 2):
         raise ValueError(f"in_features {k} is not a multiple of {'the even ' if even else ''}block_size {block_size}")
@@ -46,12 +52,19 @@ def float_rows(w, start: int, count: int) -> np.ndarray:
         float32 ``[min(count, N - start), K]``.
 
     Raises:
-        ValueError: a NaN or Inf, naming its value and ``(row, column)`` index in ``w``.
+        ValueError: a NaN or Inf, or a finite value beyond float32's range (a float64 weight),
+            naming its value and ``(row, column)`` index in ``w``; values that are not real numbers
+            (complex, strings, objects).
     """
-    rows = np.asarray(w[start : start + count], dtype=np.float32)
+    given = np.asarray(w[start : start + count])
+    if given.dtype.kind not in "biuf":  # numpy would drop complex numbers' imaginary parts with a warning
+        raise ValueError(f"expected real numbers, found {given.dtype}")
+    with np.errstate(over="ignore"):
+        rows = given.astype(np.float32, copy=False)
     if (index := first_non_finite(rows)) is not None:
         r, c = index
-        raise ValueError(f"holds {rows[r, c]} at index ({start + r}, {c})")
+        beyond = " (beyond float32's range)" if np.isfinite(given[r, c]) else ""
+        raise ValueError(f"holds {given[r, c]:.6g} at index ({start + r}, {c}){beyond}")
     return rows
 
 

@@ -198,3 +198,16 @@ def test_a_config_json_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "config.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(V4).encode())
     assert load_hf_config(path).hidden_size == V4["hidden_size"]
+
+
+def test_a_config_json_with_an_integer_of_5000_digits_is_a_config_error(tmp_path):
+    # API probe: Python's JSON reader refuses integers over 4,300 digits with a plain ValueError,
+    # which escaped as it was (the manifest and golden readers already named it)
+    import json
+
+    from gemma_export.config import load_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(V4).replace(f'"hidden_size": {V4["hidden_size"]}', '"hidden_size": ' + "9" * 5000))
+    with pytest.raises(ConfigError, match=rf"^{path}: cannot read JSON: Exceeds the limit \(4300 digits\)"):
+        load_hf_config(path)

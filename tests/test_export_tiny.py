@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -389,6 +390,71 @@ def test_a_cache_of_another_element_type_or_a_missing_present_output_is_named(tm
 def test_teacher_forced_chunks_refuse_a_chunk_below_one_row(fp32_all, chunk):
     with pytest.raises(ValueError, match=f"chunk must be a whole number of rows >= 1, found {chunk}"):
         next(OnnxDecoder(fp32_all).teacher_forced_chunks([2, 5, 6], chunk))
+
+
+def test_teacher_forced_chunks_take_a_numpy_integer_chunk(fp32_all):
+    # API probe: np.int64(2) was refused as "not a whole number of rows >= 1, found np.int64(2)"
+    decoder = OnnxDecoder(fp32_all)
+    chunks = [(start, rows.copy()) for start, rows in decoder.teacher_forced_chunks([2, 5, 6], np.int64(2))]
+    assert [start for start, _ in chunks] == [0, 2] and [len(rows) for _, rows in chunks] == [2, 1]
+    assert np.array_equal(np.concatenate([rows for _, rows in chunks]), decoder.teacher_forced_logits([2, 5, 6]))
+
+
+@pytest.mark.parametrize("ids, shown", [([2, 5.9], "5.9"), ([2, True], "True"), ([2, [5]], "[5]"),
+                                        (np.array([2.0, 5.0]), "np.float64(5.0)")])
+def test_token_ids_that_are_not_integers_are_refused_not_truncated(fp32_all, ids, shown):
+    # API probe: greedy([2, 5.9]) ran as if given 5, True as 1; a nested list failed inside numpy
+    decoder = OnnxDecoder(fp32_all)
+    at = 1 if not isinstance(ids, np.ndarray) else 0
+    message = rf"token id #{at} is {re.escape(shown if at else 'np.float64(2.0)')}; expected an integer"
+    with pytest.raises(FormatError, match=message):
+        decoder.greedy(ids, 2)
+    with pytest.raises(FormatError, match=message):
+        decoder.teacher_forced_logits(ids)
+    with pytest.raises(FormatError, match=message):
+        decoder.greedy_batch([ids], 2)
+    with pytest.raises(FormatError, match=message):
+        decoder.prefill_outputs(ids, ["logits"])
+    assert decoder.greedy(np.array([2, 5], np.int64), 2)[0] == decoder.greedy([2, 5], 2)[0]  # numpy integers are ids
+
+
+def test_prefill_outputs_of_no_ids_is_refused_before_onnxruntime(fp32_all):
+    with pytest.raises(GemmaExportError, match=r"^prefill_outputs: no token ids; give at least one"):
+        OnnxDecoder(fp32_all).prefill_outputs([], ["logits"])
+
+
+def test_a_pre_packed_graph_from_outside_the_export_is_refused(fp32_all, tiny_dir, tmp_path):
+    # API probe: prepacked="other/model.onnx" ran another export's graph under this one's manifest
+    from gemma_export.errors import ConfigError
+
+    other = export(tiny_dir, tmp_path / "int8", "int8", block_size=16).out_dir
+    with pytest.raises(ConfigError, match=rf"^prepacked: expected the model.onnx of a pre-packed copy in a folder of "
+                                          rf"{re.escape(str(fp32_all))} \(its prepacked/\), found {re.escape(str(other))}/model.onnx$"):
+        OnnxDecoder(fp32_all, prepacked=other / "model.onnx")
+    with pytest.raises(FormatError, match=r"prepacked/model.onnx: no such pre-packed graph$"):
+        OnnxDecoder(fp32_all, prepacked=Path(fp32_all) / "prepacked" / "model.onnx")
+
+
+def test_a_kv_cache_step_whose_mask_skips_positions_is_refused(tiny_dir, tmp_path):
+    # API probe: a mask longer than the positions held plus the step attended to rows never written
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(export(tiny_dir, tmp_path / "fp32", "fp32").out_dir)
+    ids = _ids(batch=1, seq=12, seed=2)
+    cache = KVCache(decoder, 1, 12)
+    cache.step(ids[:, :4], np.ones((1, 4), np.int64), np.arange(4)[None])
+    with pytest.raises(GemmaExportError, match=r"^KV cache: attention_mask covers 10 positions, but the cache holds 4 "
+                                               r"and the step adds 1: at most 5$"):
+        cache.step(ids[:, 4:5], np.ones((1, 10), np.int64), np.full((1, 1), 9))
+    with pytest.raises(GemmaExportError, match=r"^KV cache: expected input_ids and position_ids \[1, S\] and "
+                                               r"attention_mask \[1, past \+ S\], found \[1, 1\], \[1, 2\] and \[1, 5\]$"):
+        cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.arange(4, 6)[None])
+    assert cache.positions == 4  # refused steps change nothing
+    after = cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.full((1, 1), 4))
+    fresh = KVCache(decoder, 1, 12)
+    expected = fresh.step(ids[:, :5], np.ones((1, 5), np.int64), np.arange(5)[None])[:, -1:]
+    np.testing.assert_allclose(after, expected, atol=1e-4)
+    assert cache.positions == 5
 
 
 @pytest.mark.parametrize("prompt_length", [1, 5, 6, 11])

@@ -931,6 +931,18 @@ def test_a_single_integer_eos_token_id_stops_generation(tiny_int8_export, tmp_pa
      "open_source(): source must be a path (str or os.PathLike) or None, found int 5"),
     (lambda src, out: ("open_source", dict(source=src, tokenizer="no")),
      "open_source(): tokenizer must be True or False, found str 'no'"),
+    # API probe (thirteenth session): these failed late (progress, after the graph was built) or
+    # with Python's own words (a NUL: "embedded null byte", naming no argument)
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="fp32", progress=5)),
+     "export(): progress must be a callable or None, found int 5"),
+    (lambda src, out: ("export", dict(source=src, out_dir=out, dtype="fp32", checkpoint="x")),
+     "export(): checkpoint must be a Checkpoint (open_source's) or None, found str 'x'"),
+    (lambda src, out: ("export", dict(source="a\0b", out_dir=out)),
+     "export(): source must be a path (str or os.PathLike) or None, found str 'a\\x00b' (a NUL character, which no "
+     "path can hold)"),
+    (lambda src, out: ("open_source", dict(source=Path("a\0b"))),
+     "open_source(): source must be a path (str or os.PathLike) or None, found PosixPath PosixPath('a\\x00b') (a NUL "
+     "character, which no path can hold)"),
 ])
 def test_python_arguments_of_the_wrong_type_are_named_before_any_work(tiny_dir, tmp_path, call, message):
     import gemma_export
@@ -948,6 +960,7 @@ def test_python_arguments_of_the_wrong_type_are_named_before_any_work(tiny_dir, 
     (dict(prompt="hi", max_new_tokens=2.5), "generate(): max_new_tokens must be an int, found float 2.5"),
     (dict(prompt="hi", threads="2"), "generate(): threads must be an int or None, found str '2'"),
     (dict(prompt="hi", prefill_chunk="512"), "generate(): prefill_chunk must be an int or None, found str '512'"),
+    (dict(prompt="hi", on_text=3), "generate(): on_text must be a callable or None, found int 3"),
 ])
 def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_int8_export, monkeypatch, kwargs,
                                                                            message):
@@ -975,14 +988,36 @@ def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_in
     ("write_bundle", ("{model}", ""), {}, "write_bundle(): out_dir must be a path (str or os.PathLike), found an empty str"),
     ("verify_manifest", (5,), {}, "verify_manifest(): folder must be a path (str or os.PathLike), found int 5"),
     ("verify_bundle", (None,), {}, "verify_bundle(): folder must be a path (str or os.PathLike), found NoneType None"),
+    ("run_parity", ("{model}",), dict(golden="g.json", progress=1),
+     "run_parity(): progress must be a callable or None, found int 1"),
+    ("run_quality", ("{model}",), dict(progress="yes"), "run_quality(): progress must be a callable or None, found str 'yes'"),
+    ("run_bench", ("{model}",), dict(progress=2), "run_bench(): progress must be a callable or None, found int 2"),
+    ("write_bundle", ("{model}", "b"), dict(progress=2), "write_bundle(): progress must be a callable or None, found int 2"),
+    ("dedupe", ("{model}/model.onnx", "d"), dict(progress=2), "dedupe(): progress must be a callable or None, found int 2"),
+    ("dedupe", ("{model}/model.onnx", 5), {}, "dedupe(): out_dir must be a path (str or os.PathLike), found int 5"),
+    ("OnnxDecoder", (None,), {}, "OnnxDecoder(): model_dir must be a path (str or os.PathLike), found NoneType None"),
+    ("OnnxDecoder", ("{model}",), dict(threads="2"), "OnnxDecoder(): threads must be an int or None, found str '2'"),
+    ("OnnxDecoder", ("{model}",), dict(threads=2.0), "OnnxDecoder(): threads must be an int or None, found float 2.0"),
+    ("OnnxDecoder", ("{model}",), dict(prepacked=1), "OnnxDecoder(): prepacked must be True, False, None or a path, "
+                                                     "found int 1"),
+    ("OnnxDecoder", ("{model}",), dict(optimized_model_path="{model}"),
+     "OnnxDecoder(): optimized_model_path {model} is a folder; expected the path of a file to write"),
 ])
 def test_the_other_commands_functions_name_an_argument_of_the_wrong_type(tiny_int8_export, name, args, kwargs, message):
     import gemma_export
 
-    args = tuple(str(tiny_int8_export) if a == "{model}" else a for a in args)
+    def filled(value):
+        return value.replace("{model}", str(tiny_int8_export)) if isinstance(value, str) else value
+
+    from gemma_export.dedupe import dedupe
+    from gemma_export.runtime import OnnxDecoder
+
+    function = {"dedupe": dedupe, "OnnxDecoder": OnnxDecoder}.get(name) or getattr(gemma_export, name)
+    args = tuple(map(filled, args))
+    kwargs = {key: filled(value) for key, value in kwargs.items()}
     with pytest.raises(ConfigError) as raised:
-        getattr(gemma_export, name)(*args, **kwargs)
-    assert str(raised.value) == message
+        function(*args, **kwargs)
+    assert str(raised.value) == filled(message)
 
 
 def test_run_parity_with_nothing_to_compare_names_the_python_arguments(tiny_int8_export):

@@ -1,5 +1,7 @@
 """quant/: round trips and edge cases (zero rows, outliers, NaN)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -516,3 +518,69 @@ def test_int4_gptq_with_float16_scales_chooses_its_codes_for_the_stored_scale(sy
 def test_block_quantizers_refuse_an_unknown_scale_dtype(quantize):
     with pytest.raises(ValueError, match="scale_dtype must be one of float32, float16, found 'bfloat16'"):
         quantize(np.ones((2, 32), np.float32), scale_dtype="bfloat16")
+
+
+# API probe (2026-12-06, thirteenth session): inputs the quantizers took silently or named wrongly
+
+@pytest.mark.parametrize("quantize", [lambda w: BlockInt8Weights.quantize(w, 16), lambda w: BlockInt4Weights.quantize(w, 16)],
+                         ids=["int8", "int4"])
+def test_a_float64_weight_beyond_float32_is_named_as_such_not_as_inf(quantize):
+    w = np.zeros((2, 32))
+    w[1, 3] = -1e300
+    with pytest.raises(ValueError, match=r"^holds -1e\+300 at index \(1, 3\) \(beyond float32's range\)$"):
+        quantize(w)
+    w[1, 3] = np.inf  # a real Inf keeps its own message
+    with pytest.raises(ValueError, match=r"^holds inf at index \(1, 3\)$"):
+        quantize(w)
+
+
+def test_bf16_refuses_a_float64_beyond_float32_instead_of_storing_inf():
+    with pytest.raises(ValueError, match=r"^1e\+300 at index \[1\] overflows bfloat16"):
+        BF16Weights.quantize(np.array([1.0, 1e300]))
+    with pytest.raises(ValueError, match=r"^expected real numbers, found complex128$"):
+        BF16Weights.quantize(np.array([1 + 2j]))
+
+
+@pytest.mark.parametrize("w, message", [(np.ones((2, 16), np.complex64), r"^expected real numbers, found complex64$"),
+                                        (np.full((2, 16), None), r"^expected real numbers, found object$"),
+                                        (np.ones((2, 0), np.float32), r"^expected a 2-D weight with at least one column, "
+                                                                      r"found shape \(2, 0\)$")])
+def test_weights_that_are_not_real_numbers_or_have_no_columns_are_refused(w, message):
+    with pytest.raises(ValueError, match=message):
+        BlockInt8Weights.quantize(w, 16)
+    with pytest.raises(ValueError, match=message):
+        BlockInt4Weights.quantize(w, 16)
+
+
+@pytest.mark.parametrize("block_size", [16.0, "16", None, True])
+def test_a_block_size_that_is_not_an_integer_is_named(block_size):
+    with pytest.raises(ValueError, match=rf"^block_size must be an integer, found {re.escape(repr(block_size))}$"):
+        BlockInt8Weights.quantize(np.ones((2, 16), np.float32), block_size)
+    assert BlockInt8Weights.quantize(np.ones((2, 16), np.float32), np.int64(16)).scales.shape == (2, 1)
+
+
+@pytest.mark.parametrize("qmin, qmax", [(255, 1), (0, 1000), (-5, 255), (3, 3)])
+def test_gptq_refuses_a_code_range_uint8_codes_cannot_hold(qmin, qmax):
+    from quant.gptq import gptq_codes
+
+    w = np.ones((2, 16), np.float32)
+    with pytest.raises(ValueError, match=rf"^GPTQ: the code range must lie in 0 … 255 with qmin < qmax, found qmin "
+                                         rf"{qmin}, qmax {qmax}$"):
+        gptq_codes(w, np.eye(16), np.ones((2, 1), np.float32), np.full((2, 1), 8), 16, qmin, qmax)
+
+
+def test_gptq_refuses_zero_points_outside_the_code_range():
+    from quant.gptq import gptq_codes
+
+    w = np.ones((2, 16), np.float32)
+    for zero_point in (np.nan, 16.0, -1.0):
+        with pytest.raises(ValueError, match=rf"^GPTQ: zero points must lie in the code range 0 … 15, found {zero_point}$"):
+            gptq_codes(w, np.eye(16), np.ones((2, 1), np.float32), np.full((2, 1), zero_point), 16, 0, 15)
+
+
+def test_int4_names_a_non_finite_hessian_as_the_hessian():
+    # it read "channel_weights must be 64 finite values >= 0" when no channel_weights were given
+    h = np.eye(16)
+    h[3, 3] = np.nan
+    with pytest.raises(ValueError, match=r"^the Hessian holds NaN or Inf$"):
+        BlockInt4Weights.quantize(np.ones((2, 16), np.float32), 16, hessian=h)
