@@ -109,8 +109,10 @@ class _OneLineUsageError(ClickException):
 
     exit_code = 2
 
-    def __init__(self, error: UsageError) -> None:
-        where = f" (see '{error.ctx.command_path if error.ctx is not None else 'gemma-export'} --help')"
+    def __init__(self, error: UsageError, command_path: str = "gemma-export") -> None:
+        # click's parser raises some errors ("Option '--prompt' requires an argument.") without a
+        # context: ``command_path`` is then the command being parsed
+        where = f" (see '{error.ctx.command_path if error.ctx is not None else command_path} --help')"
         # typer's choice check words its message like a pydantic error ("Value error, 'int9' is not one of ...")
         message = error.format_message().replace(": Value error, ", ": ")
         # ... and its integer check like one that names no value (fresh user: "--max-new-tokens abc")
@@ -148,7 +150,8 @@ class _Group(TyperGroup):
         try:
             return super().invoke(ctx)
         except UsageError as exc:
-            raise _OneLineUsageError(exc) from None
+            command = " ".join(filter(None, (ctx.command_path, ctx.invoked_subcommand)))
+            raise _OneLineUsageError(exc, command) from None
         except ImportError as exc:
             # Ctrl-C while a lazily imported library (onnxruntime, torch) initialises reaches us as
             # "ImportError: initialization failed" raised from the KeyboardInterrupt

@@ -45,6 +45,12 @@ def is_sha256(value) -> bool:
     return isinstance(value, str) and re.fullmatch("[0-9a-f]{64}", value) is not None
 
 
+def shown_folder(folder: Path) -> Path:
+    """``folder`` for a message: its full path when it is the current folder, whose files would
+    otherwise be named bare ("manifest.json: missing")."""
+    return folder.resolve() if str(folder) in (".", "") else folder
+
+
 def printable_path(path) -> str:
     """A path for a message: bytes that are not UTF-8 (kept by Python as surrogates) shown as ``\\xNN``."""
     return os.fsencode(path).decode("utf-8", "backslashreplace")

@@ -24,7 +24,8 @@ from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
 from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START, TABLE_DTYPES
-from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
+from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments,
+                     shown_folder)
 from .onnx_files import (ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
                          graph_quantization, read_graph)
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
@@ -34,7 +35,7 @@ from .prepack import owned_problem as prepack_owned_problem
 from .manifest import export_description, read_manifest, require_folder
 from .runtime import create_session
 from .memory import peak_rss_bytes
-from .sources import BUNDLED_PACKAGE, default_output_name, open_source
+from .sources import BUNDLED_PACKAGE, bundled_gguf_note, default_output_name, open_source
 from .text_files import first_tokens, non_regular
 from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
                       reported_as_written, staged_folder)
@@ -296,8 +297,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{manifest_path}: is {what}; expected the export's manifest file")
     if not manifest_path.is_file():
         # the folder by its full name when given as "." (the message would otherwise read "manifest.json")
-        shown_folder = folder.resolve() if str(folder) in (".", "") else folder
-        raise SourceNotFoundError(f"{shown_folder / MANIFEST_FILE}: missing; not a gemma-export folder")
+        raise SourceNotFoundError(f"{shown_folder(folder) / MANIFEST_FILE}: missing; not a gemma-export folder")
     try:
         manifest = read_manifest(folder)
     except FormatError as exc:
@@ -616,7 +616,7 @@ def export(
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         if early:
             replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
-        status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE})'} ...")
+        status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}){bundled_gguf_note()}'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if ckpt.ignored and status is not None:
         shown_names = ", ".join(ckpt.ignored[:3]) + (", …" if len(ckpt.ignored) > 3 else "")

@@ -28,7 +28,7 @@ import numpy as np
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError,
-                     check_arguments, first_line, is_whole_number, shown)
+                     check_arguments, first_line, is_whole_number, shown, shown_folder)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
                        graph_output_options, graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure,
                        read_manifest, require_folder)
@@ -239,7 +239,7 @@ def check_export_folder(model_dir: str | Path) -> Path:
         hint = (f"run `gemma-export --out {model_dir}` first" if empty else
                 "give the folder an export wrote, e.g. ./gemma-3-270m-onnx-int8, or export into a new folder "
                 "with `gemma-export --out DIR`")
-        raise SourceNotFoundError(f"{path}: no exported model here ({hint})")
+        raise SourceNotFoundError(f"{shown_folder(model_dir) / MODEL_FILE}: no exported model here ({hint})")
     return path
 
 

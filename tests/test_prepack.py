@@ -154,6 +154,9 @@ def test_remove_and_bad_folders(export_copy, tmp_path, monkeypatch):
     monkeypatch.chdir(empty)
     here = _run("verify", ".")
     assert here.exit_code == 2 and f"{empty.resolve()}/manifest.json: missing; not a gemma-export folder" in here.output
+    (empty / "notes.txt").write_text("x")  # not empty: the hint to export elsewhere
+    here = _run("generate", "--model", ".", "--prompt", "hi")  # it read "model.onnx: no exported model here"
+    assert here.exit_code == 2 and f"error: {empty.resolve()}/model.onnx: no exported model here (give" in here.output
 
 
 def test_too_many_threads_is_the_only_line(export_copy):
