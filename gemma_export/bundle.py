@@ -325,7 +325,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
                     wheel=(wheel, "path?"), progress=(progress, "callable?"))
     from .exporter import verify_manifest
     from .onnx_files import MANIFEST_FILE
-    from .prepack import PREPACKED_DIR, PREPACKED_MANIFEST, owned_problem
+    from .prepack import PREPACKED_DIR, derived_copy
     from .manifest import read_manifest
     from .staging import check_free_space, check_replaceable, file_sha256, staged_folder
     from .text_files import require_file
@@ -343,13 +343,9 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")
-    def derived(out: Path) -> tuple[tuple[str, str], ...]:
-        # the pre-packed copy the bundle's README has the board make goes with the bundle it was
-        # made from, but only one prepack wrote
-        copy = f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}"
-        return ((copy, PREPACKED_MANIFEST),) if not owned_problem(out / copy) else ()
-
-    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST, derived=derived)
+    # the pre-packed copy the bundle's README has the board make
+    check_replaceable(out_dir, "bundle", BUNDLE_MANIFEST,
+                      derived=lambda out: derived_copy(out, f"{BUNDLE_MODEL_DIR}/{PREPACKED_DIR}"))
     if wheel is not None:
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":

@@ -28,8 +28,8 @@ from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError,
                      shown_folder)
 from .onnx_files import (ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
                          graph_quantization, read_graph)
-from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR, PREPACKED_MANIFEST
-from .prepack import busy as prepack_busy
+from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
+from .prepack import busy as prepack_busy, derived_copy
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .manifest import export_description, read_manifest, require_folder
@@ -384,11 +384,7 @@ def _check_replaceable(out_dir: Path) -> None:
             raise OutputError(f"{out_dir}: a gemma-export prepack is working on this folder; export again when it has "
                               "finished")
 
-    def derived(out: Path) -> tuple[tuple[str, str], ...]:
-        # a pre-packed copy goes with the export it was made from, but only one gemma-export wrote
-        return ((PREPACKED_DIR, PREPACKED_MANIFEST),) if not prepack_owned_problem(out / PREPACKED_DIR) else ()
-
-    check_replaceable(out_dir, "export", MANIFEST_FILE, before=not_busy, required={"format": "onnx"}, derived=derived,
+    check_replaceable(out_dir, "export", MANIFEST_FILE, before=not_busy, required={"format": "onnx"}, derived=derived_copy,
                       leftovers=LEFTOVER_PREFIXES)
 
 

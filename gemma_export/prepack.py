@@ -149,6 +149,13 @@ def owned_problem(folder: Path) -> str:
     return _ownership(folder)[0]
 
 
+def derived_copy(out: Path, copy: str = PREPACKED_DIR) -> tuple[tuple[str, str], ...]:
+    """The pre-packed copy at ``out / copy`` as a derived sub-folder of an output being replaced
+    (:func:`~gemma_export.staging.check_replaceable`): it goes with the export it was made from,
+    but only when one prepack of ours wrote it (:func:`owned_problem`)."""
+    return ((copy, PREPACKED_MANIFEST),) if not owned_problem(out / copy) else ()
+
+
 @dataclasses.dataclass(frozen=True)
 class PrepackStatus:
     """Whether ``<export>/prepacked/`` can be used here.

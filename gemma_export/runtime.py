@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import io
 import json
-import numbers
+import operator
 import os
 import re
 import time
@@ -305,6 +305,8 @@ class OnnxDecoder:
         if not (prepacked is None or isinstance(prepacked, (bool, str, os.PathLike))):
             raise ConfigError(f"OnnxDecoder(): prepacked must be True, False, None or a path, found "
                               f"{type(prepacked).__name__} {prepacked!r:.40}")
+        if not (prepacked is None or isinstance(prepacked, bool)):
+            check_arguments("OnnxDecoder", prepacked=(prepacked, "path"))  # not empty, no NUL
         if optimized_model_path is not None and Path(optimized_model_path).is_dir():
             raise ConfigError(f"OnnxDecoder(): optimized_model_path {optimized_model_path} is a folder; expected the "
                               "path of a file to write")
@@ -350,7 +352,7 @@ class OnnxDecoder:
         if optimized_model_path is not None or prepacked is False:
             if copy_dir.exists() and optimized_model_path is None:
                 self.prepacked_note = f"pre-packed copy {copy_dir} not used (--no-prepacked)"
-        elif isinstance(prepacked, (str, Path)):
+        elif isinstance(prepacked, (str, os.PathLike)):
             self.prepacked_path = _copy_of(self.model_dir, Path(prepacked))
         else:
             found = prepack_copy.status(self.model_dir)
@@ -535,7 +537,7 @@ class OnnxDecoder:
                 or the sequence exceeds ``max_position_embeddings``.
             ConfigError: ``max_new_tokens`` or ``prefill_chunk`` that is no int, ``stop_ids`` that is no list or
                 tuple of ints, ``on_token`` that is not callable.
-            FormatError: an id outside the vocabulary.
+            FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
@@ -588,8 +590,8 @@ class OnnxDecoder:
             GemmaExportError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too), a
                 negative ``max_new_tokens``, or the longest prompt plus the new tokens exceed
                 ``max_position_embeddings``.
-            FormatError: an id outside the vocabulary (:meth:`check_ids`; onnxruntime's ``Gather``
-                would read -5 as the fifth row from the end).
+            FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`;
+                onnxruntime's ``Gather`` would read -5 as the fifth row from the end).
             NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
@@ -649,12 +651,11 @@ class OnnxDecoder:
         Raises (a generator: when iteration starts, before any step):
             ValueError: ``chunk`` < 1.
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings``.
-            FormatError: an id outside the vocabulary (:meth:`check_ids`).
+            FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         if not _is_integer(chunk) or chunk < 1:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
-        chunk = int(chunk)
         self.check_length(len(token_ids))
         self.check_ids(token_ids, "teacher-forced ids")
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
@@ -676,8 +677,8 @@ def _copy_of(model_dir: Path, path: Path) -> Path:
         FormatError: no such file.
     """
     if path.name != MODEL_FILE or path.absolute().parent.parent.resolve() != model_dir.resolve():
-        raise ConfigError(f"prepacked: expected the {MODEL_FILE} of a pre-packed copy in a folder of {model_dir} (its "
-                          f"{PREPACKED_DIR}/), found {path}")
+        raise ConfigError(f"OnnxDecoder(): prepacked must be the {MODEL_FILE} of a pre-packed copy in a folder of "
+                          f"{model_dir} (its {PREPACKED_DIR}/), found {path}")
     if not path.is_file():
         raise FormatError(f"{path}: no such pre-packed graph")
     return path
@@ -897,9 +898,14 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str =
     Raises:
         FormatError: as above, or ``"{where}: token id #N is 5.9; expected an integer"``.
     """
-    if (at := next((n for n, i in enumerate(ids) if not _is_integer(i)), None)) is not None:
-        raise FormatError(f"{where}: token id #{at} is {ids[at]!r}; expected an integer")
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind in "iu":  # checked at once
+        outside = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        bad = int(ids[outside[0]]) if outside.size else None
+    else:
+        if not all(type(i) is int for i in ids) and \
+                (at := next((n for n, i in enumerate(ids) if not _is_integer(i)), None)) is not None:
+            raise FormatError(f"{where}: token id #{at} is {ids[at]!r}; expected an integer")
+        bad = next((i for i in ids if not 0 <= i < vocab_size), None)
     if bad is not None:
         piece = f" ({tokenizer.id_to_token(bad)!r})" if tokenizer is not None else ""
         raise FormatError(f"{where}: token id {bad}{piece} is outside the export's vocabulary (0 to {vocab_size - 1})"
@@ -907,8 +913,14 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str =
 
 
 def _is_integer(value) -> bool:
-    """A Python or numpy integer, not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+    """An integer as ``operator.index`` takes it (Python's, numpy's, a 0-d integer tensor), not a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def check_threads(threads: int | None) -> None:
@@ -1054,22 +1066,25 @@ class KVCache:
             GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``, or
                 longer than the positions held plus ``S`` (the graph would attend to rows never
                 written; a shorter one rewinds: the step's rows replace those from ``past`` on,
-                refused before the first row a sliding layer still holds); shapes that disagree with
-                each other or with ``batch_size``.
+                refused where its first query would need rows a sliding layer has dropped, those
+                before ``past - sliding_window + 1``); shapes that disagree with each other or with
+                ``batch_size``.
             onnxruntime's own exceptions, unwrapped (e.g. an id outside the vocabulary).
         """
-        total, seq = attention_mask.shape[1], input_ids.shape[1]
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape or attention_mask.ndim != 2 or \
                 input_ids.shape[0] != self.batch_size or attention_mask.shape[0] != self.batch_size:
             raise GemmaExportError(f"KV cache: expected input_ids and position_ids [{self.batch_size}, S] and "
                                    f"attention_mask [{self.batch_size}, past + S], found {list(input_ids.shape)}, "
                                    f"{list(position_ids.shape)} and {list(attention_mask.shape)}")
+        total, seq = attention_mask.shape[1], input_ids.shape[1]
         if total > self.positions + seq:
             raise GemmaExportError(f"KV cache: attention_mask covers {total} positions, but the cache holds "
                                    f"{self.positions} and the step adds {seq}: at most {self.positions + seq}")
-        if self._sliding and total - seq < self.sliding_start:
-            raise GemmaExportError(f"KV cache: a step from position {total - seq} rewinds past the sliding layers' first "
-                                   f"row held ({self.sliding_start}; the earlier ones were dropped)")
+        # a rewound step's first query sees the sliding_window - 1 positions before it: they must still be held
+        if self.sliding_start > 0 and total - seq - (self.sliding_window - 1) < self.sliding_start:
+            raise GemmaExportError(f"KV cache: a step from position {total - seq} needs the sliding layers' rows from "
+                                   f"position {total - seq - (self.sliding_window - 1)}, but they hold only those from "
+                                   f"{self.sliding_start} (the earlier ones were dropped)")
         if total > self.capacity:
             raise GemmaExportError(f"KV cache: a step of {total} tokens (past + sequence) exceeds the cache "
                                    f"capacity of {self.capacity}")

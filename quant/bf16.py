@@ -11,6 +11,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
+from .rows import check_real
+
 
 def float32_to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
     """Round float32 values to bfloat16, nearest even.
@@ -67,11 +69,11 @@ class BF16Weights:
 
         Raises:
             ValueError: a finite value rounds to ±Inf (|w| above bfloat16's largest finite value,
-                ~3.39e38), naming the first such value and its index; complex values.
+                ~3.39e38), naming the first such value and its index; values that are not real
+                numbers (:func:`quant.rows.check_real`).
         """
         given = np.asarray(w)
-        if given.dtype.kind == "c":  # numpy would drop the imaginary parts with a warning
-            raise ValueError(f"expected real numbers, found {given.dtype}")
+        check_real(given)
         with np.errstate(over="ignore"):  # a float64 beyond float32's range: named below
             w = given.astype(np.float32, copy=False)
         bits = float32_to_bfloat16_bits(w)

@@ -12,6 +12,8 @@ Here ``H`` is block-diagonal with ``n × n`` Sylvester blocks (``n`` a power of 
 
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 
@@ -28,10 +30,10 @@ def hadamard_matrix(n: int) -> np.ndarray:
         float32 ``[n, n]`` with entries ``±1 / sqrt(n)``.
 
     Raises:
-        ValueError: ``n`` is not a power of two.
+        ValueError: ``n`` is not an integer power of two (a bool is not one).
     """
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard size must be a power of two, found {n}")
+    if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)) or n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, found {n!r}")
     h = np.ones((1, 1), dtype=np.float64)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])

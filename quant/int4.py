@@ -200,13 +200,17 @@ class BlockInt4Weights:
             ``[N, ceil((K // block_size) / 2)]`` (None when ``symmetric``).
 
         Raises:
-            ValueError: ``w`` not 2-D, K not a multiple of ``block_size``, odd ``block_size``,
-                unknown ``method`` or ``scale_dtype``, a scale beyond float16's range with
-                ``"float16"``, bad ``channel_weights``, or NaN/Inf in ``w`` (index named); with
-                ``hessian``: a shape other than ``[K, K]``, or a matrix :func:`quant.gptq.inverse_cholesky`
-                cannot factor.
+            ValueError: ``w`` not 2-D or without columns, ``block_size`` not an integer, odd, or not
+                dividing K, ``symmetric`` not a bool, unknown ``method`` or ``scale_dtype``, a scale
+                beyond float16's range with ``"float16"``, bad ``channel_weights``, NaN/Inf, a
+                float64 beyond float32's range or values that are not real numbers in ``w``
+                (:func:`quant.rows.float_rows`, index named); with ``hessian``: a shape other than
+                ``[K, K]``, NaN or Inf in it, or a matrix :func:`quant.gptq.inverse_cholesky` cannot
+                factor.
         """
         nb = block_count(w.shape, block_size, even=True)
+        if not isinstance(symmetric, (bool, np.bool_)):  # "no" would be true
+            raise ValueError(f"symmetric must be True or False, found {symmetric!r}")
         if method not in SCALE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SCALE_METHODS)}, found {method!r}")
         check_scale_dtype(scale_dtype)

@@ -73,8 +73,10 @@ class BlockInt8Weights:
             float32 ``[N, K // block_size]``.
 
         Raises:
-            ValueError: ``w`` is not 2-D, ``K`` is not a multiple of ``block_size``, ``w`` holds
-                NaN or Inf (callers name the tensor), an unknown ``scale_dtype``, a scale beyond
+            ValueError: ``w`` is not 2-D or has no columns, ``block_size`` is not an integer or ``K``
+                is not a multiple of it, ``w`` holds NaN or Inf, a float64 beyond float32's range or
+                values that are not real numbers (:func:`quant.rows.float_rows`; callers name the
+                tensor), an unknown ``scale_dtype``, a scale beyond
                 float16's range with ``"float16"``, or an unusable ``hessian`` (not ``[K, K]``, not
                 finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Iterator
 
+import ml_dtypes
 import numpy as np
 
 
@@ -14,6 +15,21 @@ def first_non_finite(values: np.ndarray) -> tuple[int, ...] | None:
     if finite.all():
         return None
     return tuple(int(i) for i in np.unravel_index(int(np.argmin(finite)), finite.shape))
+
+
+def check_real(values: np.ndarray) -> None:
+    """Raises ValueError ``"expected real numbers, found complex64"`` unless ``values`` holds bools,
+    integers or floats (numpy's, or ml_dtypes' such as bfloat16): numpy would drop complex numbers'
+    imaginary parts with only a warning, and read ``None`` as NaN."""
+    if values.dtype.kind in "biuf":
+        return
+    if values.dtype.kind == "V":  # bfloat16 and the float8 types (finfo takes complex too: not asked for it)
+        try:
+            ml_dtypes.finfo(values.dtype)
+            return
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"expected real numbers, found {values.dtype}")
 
 
 def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> int:
@@ -57,8 +73,7 @@ def float_rows(w, start: int, count: int) -> np.ndarray:
             (complex, strings, objects).
     """
     given = np.asarray(w[start : start + count])
-    if given.dtype.kind not in "biuf":  # numpy would drop complex numbers' imaginary parts with a warning
-        raise ValueError(f"expected real numbers, found {given.dtype}")
+    check_real(given)
     with np.errstate(over="ignore"):
         rows = given.astype(np.float32, copy=False)
     if (index := first_non_finite(rows)) is not None:

@@ -400,13 +400,12 @@ def test_teacher_forced_chunks_take_a_numpy_integer_chunk(fp32_all):
     assert np.array_equal(np.concatenate([rows for _, rows in chunks]), decoder.teacher_forced_logits([2, 5, 6]))
 
 
-@pytest.mark.parametrize("ids, shown", [([2, 5.9], "5.9"), ([2, True], "True"), ([2, [5]], "[5]"),
-                                        (np.array([2.0, 5.0]), "np.float64(5.0)")])
-def test_token_ids_that_are_not_integers_are_refused_not_truncated(fp32_all, ids, shown):
+@pytest.mark.parametrize("ids, at, shown", [([2, 5.9], 1, "5.9"), ([2, True], 1, "True"), ([2, [5]], 1, "[5]"),
+                                            (np.array([2.0, 5.0]), 0, "np.float64(2.0)")])
+def test_token_ids_that_are_not_integers_are_refused_not_truncated(fp32_all, ids, at, shown):
     # API probe: greedy([2, 5.9]) ran as if given 5, True as 1; a nested list failed inside numpy
     decoder = OnnxDecoder(fp32_all)
-    at = 1 if not isinstance(ids, np.ndarray) else 0
-    message = rf"token id #{at} is {re.escape(shown if at else 'np.float64(2.0)')}; expected an integer"
+    message = rf"token id #{at} is {re.escape(shown)}; expected an integer"
     with pytest.raises(FormatError, match=message):
         decoder.greedy(ids, 2)
     with pytest.raises(FormatError, match=message):
@@ -415,7 +414,12 @@ def test_token_ids_that_are_not_integers_are_refused_not_truncated(fp32_all, ids
         decoder.greedy_batch([ids], 2)
     with pytest.raises(FormatError, match=message):
         decoder.prefill_outputs(ids, ["logits"])
-    assert decoder.greedy(np.array([2, 5], np.int64), 2)[0] == decoder.greedy([2, 5], 2)[0]  # numpy integers are ids
+    # integers of numpy and torch are ids (review: a torch tensor was refused as "tensor(2)")
+    torch = pytest.importorskip("torch")
+    expected = decoder.greedy([2, 5], 2)[0]
+    assert decoder.greedy(np.array([2, 5], np.int64), 2)[0] == decoder.greedy(torch.tensor([2, 5]), 2)[0] == expected
+    with pytest.raises(FormatError, match=r"token id 96 is outside the export's vocabulary \(0 to 95\)"):
+        decoder.greedy(np.array([2, 96], np.int32), 2)  # the whole-array check finds it too
 
 
 def test_prefill_outputs_of_no_ids_is_refused_before_onnxruntime(fp32_all):
@@ -428,11 +432,21 @@ def test_a_pre_packed_graph_from_outside_the_export_is_refused(fp32_all, tiny_di
     from gemma_export.errors import ConfigError
 
     other = export(tiny_dir, tmp_path / "int8", "int8", block_size=16).out_dir
-    with pytest.raises(ConfigError, match=rf"^prepacked: expected the model.onnx of a pre-packed copy in a folder of "
-                                          rf"{re.escape(str(fp32_all))} \(its prepacked/\), found {re.escape(str(other))}/model.onnx$"):
+    with pytest.raises(ConfigError, match=rf"^OnnxDecoder\(\): prepacked must be the model.onnx of a pre-packed copy in a "
+                                          rf"folder of {re.escape(str(fp32_all))} \(its prepacked/\), found "
+                                          rf"{re.escape(str(other))}/model.onnx$"):
         OnnxDecoder(fp32_all, prepacked=other / "model.onnx")
     with pytest.raises(FormatError, match=r"prepacked/model.onnx: no such pre-packed graph$"):
         OnnxDecoder(fp32_all, prepacked=Path(fp32_all) / "prepacked" / "model.onnx")
+
+    class Elsewhere:  # any os.PathLike, not only pathlib's (review: it was ignored and model.onnx loaded)
+        def __fspath__(self):
+            return str(other / "model.onnx")
+
+    with pytest.raises(ConfigError, match=r"^OnnxDecoder\(\): prepacked must be the model.onnx of a pre-packed copy"):
+        OnnxDecoder(fp32_all, prepacked=Elsewhere())
+    with pytest.raises(ConfigError, match=r"^OnnxDecoder\(\): prepacked must be a path .*a NUL character"):
+        OnnxDecoder(fp32_all, prepacked="pre\0packed")
 
 
 def test_a_kv_cache_step_whose_mask_skips_positions_is_refused(tiny_dir, tmp_path):
@@ -449,12 +463,37 @@ def test_a_kv_cache_step_whose_mask_skips_positions_is_refused(tiny_dir, tmp_pat
     with pytest.raises(GemmaExportError, match=r"^KV cache: expected input_ids and position_ids \[1, S\] and "
                                                r"attention_mask \[1, past \+ S\], found \[1, 1\], \[1, 2\] and \[1, 5\]$"):
         cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.arange(4, 6)[None])
+    with pytest.raises(GemmaExportError, match=r"^KV cache: expected input_ids and position_ids \[1, S\]"):
+        cache.step(ids[0, 4:5], np.ones((1, 5), np.int64), np.full((1, 1), 4))  # 1-D ids (review: an IndexError)
     assert cache.positions == 4  # refused steps change nothing
     after = cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.full((1, 1), 4))
     fresh = KVCache(decoder, 1, 12)
     expected = fresh.step(ids[:, :5], np.ones((1, 5), np.int64), np.arange(5)[None])[:, -1:]
     np.testing.assert_allclose(after, expected, atol=1e-4)
     assert cache.positions == 5
+
+
+def test_a_kv_cache_rewinds_while_the_sliding_rows_its_query_sees_are_held(tiny_dir, tmp_path):
+    # review: a rewind to just after the first sliding row held ran on, and its logits were off by
+    # up to 2.3; its first query also sees the sliding_window - 1 positions before it
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(export(tiny_dir, tmp_path / "fp32", "fp32").out_dir)
+    window = decoder.sliding_window
+    ids = _ids(batch=1, seq=100, seed=3)
+    cache = KVCache(decoder, 1, 100, max_step=1)
+    for position in range(100):
+        cache.step(ids[:, position:position + 1], np.ones((1, position + 1), np.int64), np.full((1, 1), position))
+    start = cache.sliding_start
+    assert start > 0  # rows were dropped
+    first = start + window - 1  # the earliest position a step may start from again
+    with pytest.raises(GemmaExportError, match=rf"^KV cache: a step from position {first - 1} needs the sliding layers' "
+                                               rf"rows from position {start - 1}, but they hold only those from {start}"):
+        cache.step(ids[:, first - 1:first], np.ones((1, first), np.int64), np.full((1, 1), first - 1))
+    rewound = cache.step(ids[:, first:first + 1], np.ones((1, first + 1), np.int64), np.full((1, 1), first))
+    fresh = KVCache(decoder, 1, 100)
+    expected = fresh.step(ids[:, :first + 1], np.ones((1, first + 1), np.int64), np.arange(first + 1)[None])[:, -1:]
+    np.testing.assert_allclose(rewound, expected, atol=1e-4)
 
 
 @pytest.mark.parametrize("prompt_length", [1, 5, 6, 11])

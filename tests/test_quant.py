@@ -584,3 +584,26 @@ def test_int4_names_a_non_finite_hessian_as_the_hessian():
     h[3, 3] = np.nan
     with pytest.raises(ValueError, match=r"^the Hessian holds NaN or Inf$"):
         BlockInt4Weights.quantize(np.ones((2, 16), np.float32), 16, hessian=h)
+
+
+def test_int4_symmetric_must_be_a_bool_and_hadamard_sizes_integers():
+    # "no" was taken as symmetric, True as a Hadamard size of 1
+    from quant import hadamard_matrix
+
+    with pytest.raises(ValueError, match=r"^symmetric must be True or False, found 'no'$"):
+        BlockInt4Weights.quantize(np.ones((2, 16), np.float32), 16, symmetric="no")
+    for size in (True, 4.0, "4"):
+        with pytest.raises(ValueError, match=rf"^Hadamard size must be a power of two, found {re.escape(repr(size))}$"):
+            hadamard_matrix(size)
+    assert hadamard_matrix(np.int64(4)).shape == (4, 4)
+
+
+def test_bfloat16_weights_are_quantized_as_their_float32_values():
+    # review: the check for real numbers refused ml_dtypes' bfloat16 (numpy kind "V")
+    import ml_dtypes
+
+    w = np.random.default_rng(5).standard_normal((4, 32)).astype(ml_dtypes.bfloat16)
+    for quantize in (lambda x: BlockInt8Weights.quantize(x, 16), lambda x: BlockInt4Weights.quantize(x, 16)):
+        got, expected = quantize(w), quantize(w.astype(np.float32))
+        assert np.array_equal(got.data, expected.data) and np.array_equal(got.scales, expected.scales)
+    assert np.array_equal(BF16Weights.quantize(w).dequantize(), w.astype(np.float32))
