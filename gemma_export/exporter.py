@@ -231,15 +231,21 @@ def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> 
 
 
 def verify_folder(folder: Path) -> None:
-    """Check an export folder: the ONNX checker on the path, then an onnxruntime session load.
+    """Check an export folder: the ONNX checker on the path, an onnxruntime session load, and one
+    step of token id 0 at position 0 whose logits must be finite (weights that are finite but
+    overflow float32 inside the graph, e.g. a norm weight of 3e38, would otherwise export and
+    verify, and fail every later generation).
 
     Args:
-        folder: a folder holding ``model.onnx`` (and its external data).
+        folder: a folder holding ``model.onnx`` (and its external data), with this toolkit's
+            decoder inputs (``input_ids``, ``attention_mask``, ``position_ids``,
+            ``past_key_values.{i}.key|value``).
 
     Raises:
         VerificationError: naming the file and the failure (a file with several hard links named as
-            such: the checker refuses them).
+            such: the checker refuses them), or the first step's non-finite logits.
     """
+    import numpy as np
     import onnx
 
     model_path = folder / MODEL_FILE
@@ -253,9 +259,29 @@ def verify_folder(folder: Path) -> None:
                                     "and verify again") from None
         raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
     try:
-        create_session(model_path)
+        session = create_session(model_path)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
+    logits = session.run(["logits"], _first_step_feeds(session))[0]
+    if not np.isfinite(logits).all():
+        bad = logits[~np.isfinite(logits)]
+        raise VerificationError(f"{model_path}: the first step (token id 0 at position 0) computes {bad.size:,} "
+                                f"non-finite logits (e.g. {bad.flat[0]}): a weight overflows float32 in the graph")
+
+
+def _first_step_feeds(session) -> dict:
+    """The feeds of one step of token id 0 at position 0 with an empty cache, for ``session``'s
+    declared inputs."""
+    import numpy as np
+
+    feeds = {}
+    for node in session.get_inputs():
+        if node.name.startswith("past_key_values."):
+            _, heads, _, head_dim = node.shape
+            feeds[node.name] = np.zeros((1, heads, 0, head_dim), np.float32)
+        else:  # input_ids, attention_mask, position_ids: [1, 1]
+            feeds[node.name] = np.full((1, 1), 1 if node.name == "attention_mask" else 0, np.int64)
+    return feeds
 
 
 def _check_tied(manifest: dict, manifest_path: Path, model, vocab_size: int | None) -> None:
@@ -568,7 +594,8 @@ def export(
         OutputError: the destination is inside the source or is a foreign non-empty folder, or its
             file system lacks the free space the export needs (``staging.check_free_space``), or it
             changed during the export, or writing failed (``staging.staged_folder``).
-        VerificationError: the written model failed the ONNX checker or onnxruntime load.
+        VerificationError: the written model failed the ONNX checker, the onnxruntime load or its
+            first step's finite logits (:func:`verify_folder`); nothing is written.
     """
     import onnx_ir as ir
 
@@ -686,7 +713,10 @@ def export(
             for name, content in sorted(ckpt.tokenizer.files.items()):
                 (staging / name).write_bytes(content)
         (staging / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config(ckpt), indent=2, sort_keys=True) + "\n")
-        verify_folder(staging)
+        try:
+            verify_folder(staging)
+        except VerificationError as exc:  # named as the output it would have been, not the hidden staging folder
+            raise VerificationError(f"{str(exc).replace(str(staging), str(out))}; nothing was written") from None
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)
         files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
         source_digests = ckpt.file_sha256s()

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
-from gemma_export.errors import FormatError, GemmaExportError
+from gemma_export.errors import FormatError, GemmaExportError, VerificationError
 from gemma_export.exporter import is_table_shaped, count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
@@ -960,6 +960,25 @@ def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
     src = save_tiny(model, tmp_path / "src")
     with pytest.raises(NumericError, match=r"model.safetensors:model.layers.0.mlp.up_proj.weight: cannot store as bf16: 3\.4e\+38 at index \[0, 0\] overflows"):
         export(src, tmp_path / "out", "bf16")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8", "int4"])
+def test_weights_whose_logits_overflow_float32_are_refused_at_export(tmp_path, dtype):
+    """A final norm of 3.4e38 is finite, but every logit overflows: the export wrote it and `verify`
+    passed it, and each later generation failed (API probe). The export now runs one step and
+    writes nothing."""
+    import torch
+
+    model = make_tiny_model(seed=3)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(3.4e38)
+    src = save_tiny(model, tmp_path / "src")
+    out = tmp_path / "out"
+    with pytest.raises(VerificationError, match=rf"^{re.escape(str(out))}/model.onnx: the first step \(token id 0 at "
+                                                rf"position 0\) computes 96 non-finite logits \(e.g. nan\): a weight "
+                                                rf"overflows float32 in the graph; nothing was written$"):
+        export(src, out, dtype, **({} if dtype == "fp32" else {"block_size": 16, "calibrate": False}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
