@@ -635,11 +635,12 @@ def verify(
         copy = verify_prepacked(export_dir)
     if bundled:
         typer.echo(f"ok: {model} matches BUNDLE.json ({len(files)} files, {sum(files.values()):,} bytes); its model "
-                   "folder matches its manifest, whose figures match the graph, and loads in onnxruntime")
+                   "folder matches its manifest, whose figures match the graph, and loads in onnxruntime with finite "
+                   "logits")
     else:
         typer.echo(f"ok: {model} matches its manifest ({len(files)} files, {sum(files.values()):,} bytes, "
                    f"manifest.json itself not counted), its figures (vocabulary, layers, dtype, quantization) match "
-                   "the graph, and it loads in onnxruntime")
+                   "the graph, and it loads in onnxruntime with finite logits (one step)")
     if copy:
         typer.echo(copy)
 
