@@ -829,3 +829,29 @@ def test_a_temporary_report_left_by_a_killed_run_is_removed_by_the_next_write(tm
     recent.write_text("{}")
     bench_module.write_json({"x": 1}, tmp_path / "b.json")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b.json", live.name, other.name, recent.name])
+
+
+# Mutation review (thirteenth session)
+
+def test_as_many_new_tokens_as_warm_up_steps_are_refused(tiny_int8_export, text_file):
+    from gemma_export.errors import GemmaExportError
+
+    with pytest.raises(GemmaExportError, match=f"expected more than {WARMUP_STEPS}"):
+        run_bench(tiny_int8_export, threads=1, prompt_tokens=(4,), new_tokens=WARMUP_STEPS, text=text_file)
+
+
+def test_the_reference_ratio_uses_the_shortest_prompts_decode_median(tiny_int8_export, text_file, monkeypatch):
+    import gemma_export.reference_iree as reference_iree
+
+    seen = {}
+
+    def time_reference(mlir, weights, ids, ours_ms, say):
+        seen["ms"] = ours_ms
+        return {}
+
+    monkeypatch.setattr(reference_iree, "check_reference_options", lambda *a: (None, None))
+    monkeypatch.setattr(bench_module, "time_reference", time_reference)
+    result = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=9, text=text_file,
+                       reference="ref.mlir")
+    # the 4-token prompt's median (the reference runs short prompts), not the median over both prompts
+    assert seen["ms"] == result.decode_ms_median_by_prompt[4]

@@ -253,3 +253,25 @@ def test_peak_resident_memory_remembers_what_was_freed():
             "print(memory.peak_rss_bytes() - memory.snapshot().rss_bytes)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert int(done.stdout) >= 150_000_000, done.stderr
+
+
+# Mutation review (thirteenth session)
+
+def test_a_snapshot_reads_rss_and_anonymous_into_their_own_fields(monkeypatch):
+    monkeypatch.setattr(memory, "_kb_fields", lambda path: {"Rss": 3072, "Anonymous": 2048})
+    assert memory.snapshot() == memory.MemorySnapshot(rss_bytes=3072, anonymous_bytes=2048)
+
+
+def test_this_process_has_more_rss_than_anonymous_memory():
+    snapshot = memory.snapshot()
+    assert snapshot.rss_bytes > snapshot.anonymous_bytes > 0
+
+
+def test_collapsing_never_reports_a_negative_growth(monkeypatch, tmp_path):
+    size = tmp_path / "hpage_pmd_size"
+    size.write_text("2097152\n")
+    monkeypatch.setattr(memory, "HPAGE_PMD_SIZE_FILE", size)
+    monkeypatch.setattr(memory, "anonymous_huge_ranges", lambda maps, huge: [])
+    values = iter([4 << 20, 2 << 20])  # AnonHugePages shrank meanwhile (khugepaged, a free)
+    monkeypatch.setattr(memory, "_kb_fields", lambda path: {"AnonHugePages": next(values)})
+    assert memory.collapse_to_huge_pages() == 0

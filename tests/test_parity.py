@@ -898,3 +898,89 @@ def test_a_prompt_beyond_the_positions_is_refused_before_it_is_tokenized_whole(t
     assert result.stderr == (f"error: {what}: more than 256 tokens, the model's max_position_embeddings; give a "
                              "shorter prompt\n")
     assert encoded and max(encoded) <= 8 * 258 * 2  # prefixes, doubled at most once past 8 characters per token
+
+
+# Mutation review (thirteenth session): boundaries and pooling that no test pinned
+
+_POOLED_PROMPTS = [[2, 10, 20, 30, 40], [2, 5, 6, 7, 8, 9, 11, 12, 13], [2, 90, 3]]
+
+
+def _checks_with_fake_metrics(model, tmp_path, monkeypatch, misses_by_length, kl):
+    """run_parity against transformers on three prompts of 5, 9 and 3 positions, with compare_logits
+    replaced by one that reports ``misses_by_length[len]`` misses and ``kl`` per prompt."""
+    import gemma_export.quality as quality
+    from gemma_export import parity
+    from gemma_export.quality import QualityMetrics
+
+    def compare(theirs, ours, ids):
+        n, misses = len(ids), misses_by_length.get(len(ids), 0)
+        return QualityMetrics(tokens=n, top1_agreement=(n - misses) / n, sliding_window=512,
+                              top1_agreement_past_window=None, kl_mean=kl, max_abs_logit_diff=0.0, perplexity=1.0,
+                              reference_perplexity=1.0, first_disagreement=0 if misses else None, disagreements=misses)
+
+    path = tmp_path / "prompts.json"
+    path.write_text(json.dumps(_POOLED_PROMPTS))
+    monkeypatch.setattr(quality, "compare_logits", compare)
+    report = parity.run_parity(model, against_transformers=True, prompts=path, new_tokens=1)
+    return {check.name: check for check in report.checks}
+
+
+def test_pooled_top1_weighs_each_prompt_by_its_positions(tiny_int8_export, tmp_path, monkeypatch):
+    checks = _checks_with_fake_metrics(tiny_int8_export, tmp_path, monkeypatch, {5: 1}, 0.0)
+    assert checks["top-1 agreement with transformers"].measured == pytest.approx(16 / 17)  # not (0.8 + 1 + 1) / 3
+
+
+def test_a_kl_exactly_at_its_limit_passes(tiny_int8_export, tmp_path, monkeypatch):
+    from gemma_export import parity
+
+    monkeypatch.setitem(parity.THRESHOLDS, "int8", {**parity.THRESHOLDS["int8"], "kl": 2 ** -6})
+    check = _checks_with_fake_metrics(tiny_int8_export, tmp_path, monkeypatch, {}, 2 ** -6)[
+        "mean KL(transformers || export), nats/token"]
+    assert check.measured == 2 ** -6 and check.passed
+
+
+def test_an_error_equal_to_the_tolerance_is_not_a_departure():
+    from gemma_export.parity import first_divergence
+
+    theirs = {f"debug.layers.{i}.{block}": np.full((1, 2, 4), 8.0, np.float32) for i in range(2) for block in ("attention", "mlp")}
+    ours = {name: value.copy() for name, value in theirs.items()}
+    ours["debug.layers.0.mlp"][0, 0, 0] = 8.5  # relative error exactly 0.0625, in float32 too
+    ours["debug.layers.1.attention"][0, 1, 2] = 9.0  # 0.125
+    assert first_divergence(ours, theirs, 2, 0.0625)["first"]["layer"] == 1
+
+
+def test_the_first_difference_of_a_prefix_is_its_length():
+    from gemma_export.parity import _first_difference
+
+    assert _first_difference([1, 2], [1, 2, 3]) == 2
+    assert _first_difference([1, 2, 3], [1, 2]) == 2
+    assert _first_difference([1, 2], [1, 2]) is None
+
+
+def test_a_gap_of_exactly_the_near_tie_limit_is_a_real_miss():
+    from gemma_export import parity
+
+    tie = np.float32(parity.NEAR_TIE)
+    logits = np.full((4, 4), -5.0, np.float32)
+    logits[:, 0] = 0.0
+    logits[0, 1] = tie  # a gap of exactly NEAR_TIE: a real miss
+    logits[1, 1] = np.nextafter(tie, np.float32(0))  # just under: a near tie
+
+    class Decoder:
+        def teacher_forced_logits(self, ids):
+            return logits
+
+        def greedy(self, ids, n, stop_ids=()):
+            return [0] * n, 0, []
+
+    class Reference:  # picks token 0 at every position
+        sequence_length, returns_logits = 4, False
+
+        def run(self, ids):
+            return np.zeros(4, np.int64)
+
+        def greedy(self, ids, n):
+            return [0] * n
+
+    assert logits.argmax(-1).tolist() == [1, 1, 0, 0]
+    assert parity._against_reference(Decoder(), Reference(), [2])["near_tie_mismatches"] == [1]
