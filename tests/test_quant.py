@@ -607,3 +607,12 @@ def test_bfloat16_weights_are_quantized_as_their_float32_values():
         got, expected = quantize(w), quantize(w.astype(np.float32))
         assert np.array_equal(got.data, expected.data) and np.array_equal(got.scales, expected.scales)
     assert np.array_equal(BF16Weights.quantize(w).dequantize(), w.astype(np.float32))
+
+
+def test_an_all_zero_block_gets_the_scale_one_and_zero_codes():
+    # mutation review: a scale of 1e-30 gave the same codes, so only the stored scale told them apart
+    w = np.zeros((2, 32), np.float32)
+    w[1, 16:] = 1.0
+    q = BlockInt8Weights.quantize(w, 16)
+    assert q.scales[:, 0].tolist() == [1.0, 1.0] and q.scales[0, 1] == 1.0
+    assert np.array_equal(q.dequantize(), w)
