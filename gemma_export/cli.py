@@ -531,6 +531,8 @@ def generate(
                    if piece in FUNCTION_GEMMA_TOKENS else "")
             typer.echo(f"note: {piece} is not a token of {model / 'tokenizer.json'}; it was read as plain text{why}",
                        err=True)
+        if prompt == "":  # allowed (text from <bos> alone), but rarely meant (a shell variable that was empty)
+            typer.echo("note: the prompt is empty; the text was generated from <bos> alone", err=True)
         if json_out is not None:  # the step too: parity feeds the prompt the same way (int8 logits depend on it)
             write_json({"prompt": prompt, "prompt_ids": result.prompt_ids, "expected_ids": result.new_ids,
                         "text": result.text, "prefill_chunk": chunk or 0, "dtype": result.dtype}, json_out)

@@ -118,6 +118,8 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
             found = "an empty str" if isinstance(value, str) and value == "" else f"{type(value).__name__} {value!r:.40}"
             if base == "path" and isinstance(value, (str, os.PathLike)) and _holds_nul(value):
                 found += " (a NUL character, which no path can hold)"
+            elif base == "path" and isinstance(getattr(value, "out_dir", None), os.PathLike):
+                found = f"{type(value).__name__} (pass its out_dir)"  # export()'s result for its folder
             if base == "int" and _is_other_integer(value):
                 found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is
             elif base == "ints" and isinstance(value, (list, tuple)) and any(map(_is_other_integer, value)):

@@ -639,7 +639,7 @@ def export(
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         if early:
             replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
-        status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}){bundled_gguf_note()}'} ...")
+        status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}{bundled_gguf_note()})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if ckpt.ignored and status is not None:
         shown_names = ", ".join(ckpt.ignored[:3]) + (", …" if len(ckpt.ignored) > 3 else "")

@@ -654,6 +654,7 @@ def test_generate_reports_its_timing_without_a_nan(tiny_int8_export):
     assert "nan" not in result.stderr
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "", "--max-new-tokens", 1)
     assert result.exit_code == 0 and "[1 prompt token, 1 new; prefill" in result.stderr, result.stderr  # <bos> alone
+    assert "note: the prompt is empty; the text was generated from <bos> alone" in result.stderr  # fresh user
     result = _run("generate", "--model", tiny_int8_export, "--prompt", "the", "--max-new-tokens", 4)
     assert re.search(r"4 new; prefill \d+ ms, decode median [\d.]+ ms/token; weights packed while loading, "
                      r"no pre-packed copy; peak memory [\d,.]+ MB\]", result.stderr), result.stderr  # which graph ran: this export has no pre-packed copy

@@ -357,7 +357,7 @@ def test_the_first_read_of_the_bundled_weights_says_that_it_assembles_the_gguf(m
     monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
     size = sum(path.stat().st_size for path in bundled.chunk_paths())
     assert size > 200e6
-    assert bundled_gguf_note() == f" (its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target})"
+    assert bundled_gguf_note() == f"; its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target}"
     target.parent.mkdir()
     target.write_bytes(b"assembled")
     assert bundled_gguf_note() == ""

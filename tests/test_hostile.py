@@ -973,6 +973,19 @@ def test_generate_names_an_argument_of_the_wrong_type_before_the_session(tiny_in
     assert str(raised.value) == message
 
 
+def test_an_export_result_given_for_its_folder_is_named_with_the_fix(tiny_int8_export):
+    # a fresh user's slip: generate(result, ...) showed the result's repr cut at 40 characters
+    import dataclasses
+
+    import gemma_export
+    from gemma_export.exporter import ExportResult
+
+    result = ExportResult(**{field.name: None for field in dataclasses.fields(ExportResult)} | {"out_dir": tiny_int8_export})
+    with pytest.raises(ConfigError) as raised:
+        gemma_export.generate(result, "hi")
+    assert str(raised.value) == "generate(): model_dir must be a path (str or os.PathLike), found ExportResult (pass its out_dir)"
+
+
 @pytest.mark.parametrize("name, args, kwargs, message", [
     ("inspect_path", (5,), {}, "inspect_path(): path must be a path (str or os.PathLike), found int 5"),
     ("run_parity", ("{model}",), dict(against_transformers="yes"),

