@@ -893,7 +893,8 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str =
     """Raises FormatError ``"{where}: token id X is outside the export's vocabulary (0 to V-1){hint}"``
     for the first id of ``ids`` not in ``0 … vocab_size - 1``; with ``tokenizer`` (a
     ``tokenizers.Tokenizer``) the id's piece follows it, ``token id X ('piece')``. An id must be an
-    integer (Python's or numpy's; not a bool, a float or a list): onnxruntime would be fed ``5.9`` as 5.
+    integer as ``operator.index`` takes it (Python's, numpy's, a torch integer; not a bool, a float
+    or a list): onnxruntime would be fed ``5.9`` as 5.
 
     Raises:
         FormatError: as above, or ``"{where}: token id #N is 5.9; expected an integer"``.
