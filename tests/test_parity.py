@@ -171,6 +171,8 @@ def test_divergence_names_the_broken_layer(debug_export, prompts_file, tmp_path,
 
     intact = _parity("--model", debug_export, "--against", "transformers", "--prompts", prompts_file, "--json", tmp_path / "ok.json")
     assert intact.exit_code == 0, intact.output
+    # numbered from 0, as errors and golden entries number them
+    assert f"prompt #0 (1 of {len(PROMPTS)}): " in intact.stderr and f"prompt #{len(PROMPTS)} (" not in intact.stderr
     assert json.loads((tmp_path / "ok.json").read_text())["prompts"][0]["divergence"]["first"] is None
     broken = tmp_path / "broken"
     shutil.copytree(debug_export, broken)
@@ -792,7 +794,7 @@ def test_golden_entries_alone_are_reported_in_the_files_order(tiny_int8_export, 
     golden = tmp_path / "golden.json"
     golden.write_text(json.dumps([{"prompt": "the fox", "expected_ids": [5]}, {"prompt": builtin, "expected_ids": [5]}]))
     result = _parity("--model", tiny_int8_export, "--golden", golden, "--json", tmp_path / "r.json")
-    assert "prompt 1/" not in result.stderr  # golden entries only: no other prompt runs
+    assert "prompt #0 (1 of" not in result.stderr  # golden entries only: no other prompt runs
     report = json.loads((tmp_path / "r.json").read_text())
     assert [p["golden"]["entry"] for p in report["prompts"]] == [0, 1]
     assert [p["prompt"] for p in report["prompts"]] == ["the fox", builtin]
