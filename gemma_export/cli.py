@@ -392,7 +392,7 @@ def main(
         bar.update(done - bar.n)
         if bar.disable and (time.monotonic() - plain["last"] >= 15 or done == total):
             plain["last"] = time.monotonic()
-            typer.echo(f"{stage}: {done}/{total} {label or 'layers'} ({plain['last'] - plain['start']:.0f} s)", err=True)
+            typer.echo(f"{stage}: {done}/{total} {label or 'layers'} ({plain['last'] - plain['start']:.0f} s in)", err=True)
 
     def close_bars() -> None:
         for bar in bars.values():

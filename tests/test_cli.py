@@ -521,7 +521,7 @@ def test_progress_without_a_terminal_is_plain_lines(tiny_dir, tmp_path):
     total = int(lines[-1].split()[1].split("/")[1])
     assert lines[-1].startswith(f"writing: {total}/{total} ") and total > 10, result.stderr
     # the weight is named, not its scales; the seconds since the export started close the line
-    assert re.fullmatch(rf"writing: {total}/{total} \S+\.weight \(\d+ s\)", lines[-1]), lines[-1]
+    assert re.fullmatch(rf"writing: {total}/{total} \S+\.weight \(\d+ s in\)", lines[-1]), lines[-1]
 
 
 def test_a_tokenizer_that_gives_no_ids_is_blamed_not_the_prompt(tiny_int8_export, tmp_path):
