@@ -805,6 +805,21 @@ def check_decoder_contract(path: Path, inputs: dict, outputs: Sequence) -> int:
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
+#: the oldest onnxruntime that runs this toolkit's exports: GroupQueryAttention takes 11 inputs
+#: (position ids and attention bias) from 1.22 on; 1.20 and 1.21 refuse the graph (checked
+#: 2026-12-06 with 1.20.1, 1.21.0 and 1.22.0; pyproject.toml pins the same)
+MIN_ONNXRUNTIME = (1, 22)
+
+
+def _older_than_needed(version: str) -> str:
+    """``"(onnxruntime X is older than ...) "`` when onnxruntime ``version`` is older than
+    :data:`MIN_ONNXRUNTIME`, else ``""``: put before a load failure's own message, which names only
+    the first operator the older runtime does not take."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or tuple(map(int, match.groups())) >= MIN_ONNXRUNTIME:
+        return ""
+    wanted = ".".join(map(str, MIN_ONNXRUNTIME))
+    return f"(onnxruntime {version} is older than {wanted}, the oldest that runs this toolkit's exports) "
 
 
 def create_session(path: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
@@ -852,7 +867,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         first = text.splitlines()[0] if text else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-        raise FormatError(f"{path}: {_CANNOT_LOAD}{first_line(exc)}") from None
+        raise FormatError(f"{path}: {_CANNOT_LOAD}{_older_than_needed(ort.__version__)}{first_line(exc)}") from None
     for arg in (*session.get_inputs(), *session.get_outputs()):
         try:
             arg.name  # noqa: B018  (decoded here, so a name that is not UTF-8 fails now, not in a caller)

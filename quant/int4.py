@@ -75,7 +75,16 @@ def pack_nibbles(codes: np.ndarray) -> np.ndarray:
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    """Inverse of :func:`pack_nibbles`: uint8 ``[..., M]`` → uint8 ``[..., 2M]``."""
+    """Inverse of :func:`pack_nibbles`: uint8 ``[..., M]`` → uint8 ``[..., 2M]``.
+
+    Raises:
+        ValueError: ``packed`` is not uint8 (wider integers would lose their high bits unseen), or is
+            a scalar.
+    """
+    packed = np.asarray(packed)
+    if packed.dtype != np.uint8 or packed.ndim == 0:
+        raise ValueError(f"expected packed 4-bit codes as a uint8 array [..., M], found dtype {packed.dtype} "
+                         f"and shape {packed.shape}")
     out = np.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=np.uint8)
     out[..., 0::2] = packed & 0x0F
     out[..., 1::2] = packed >> 4

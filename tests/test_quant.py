@@ -387,6 +387,15 @@ def test_nibble_packing_refuses_codes_that_are_not_integers():
         pack_nibbles(np.array([[1.5, 2.0]]))
 
 
+def test_nibble_unpacking_refuses_what_is_not_uint8():
+    assert unpack_nibbles(np.array([[0x21]], np.uint8)).tolist() == [[1, 2]]
+    # 0x121 as int64 would lose its 0x100 and unpack as [1, 2]
+    with pytest.raises(ValueError, match=r"expected packed 4-bit codes as a uint8 array .*found dtype int64"):
+        unpack_nibbles(np.array([[0x121]], np.int64))
+    with pytest.raises(ValueError, match=r"found dtype uint8 and shape \(\)"):
+        unpack_nibbles(np.uint8(3))
+
+
 def test_nibble_packing_refuses_timedelta_codes():
     with pytest.raises(ValueError, match="expected integer 4-bit codes, found dtype timedelta64"):
         pack_nibbles(np.array([[1, 2]], "timedelta64[s]"))
