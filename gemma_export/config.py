@@ -282,6 +282,9 @@ def _rope_from_dict(d: Any, default_theta: float, where: str, name: str) -> Rope
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"{where}: rope_type {rope_type!r} in '{name}' is not supported "
                           f"(supported: {', '.join(_SUPPORTED_ROPE_TYPES)})")
+    if d.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where}: partial_rotary_factor {d['partial_rotary_factor']!r} in '{name}' is not supported "
+                          "(Gemma 3 rotates the whole head_dim: expected 1.0 or none)")
     return RopeParameters(
         rope_theta=fields.number("rope_theta", default_theta),
         rope_type=rope_type,
@@ -295,9 +298,14 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     Accepts the transformers 4.x form (``rope_theta``, ``rope_local_base_freq``, ``rope_scaling``,
     ``sliding_window_pattern``) and the 5.x form (``rope_parameters`` keyed by layer type), for
     ``model_type`` ``gemma3_text`` or a multimodal ``gemma3`` whose ``text_config`` holds the decoder.
+    RoPE is resolved as transformers 5's ``Gemma3TextConfig`` does (``rope_scaling`` merged into the
+    full-attention entry; an entry without ``rope_theta`` takes the top-level ``rope_theta`` or
+    ``rope_local_base_freq``), with one difference: a 4.x ``rope_scaling`` that spells its type
+    ``"type": "linear"`` is applied, as transformers 4.x did (5.x keeps the default there).
 
     Raises:
-        ConfigError: unknown architecture, a missing or contradicting field.
+        ConfigError: unknown architecture, a missing or contradicting field; ``rope_parameters`` not
+            keyed by layer type; an unsupported ``rope_type`` or ``partial_rotary_factor``.
     """
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{where}: expected a JSON object, found {shown(raw)}")
@@ -336,24 +344,34 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     else:
         layer_types = gemma3_layer_types(num_layers, f.int("sliding_window_pattern", _DEFAULT_SLIDING_WINDOW_PATTERN))
 
+    # RoPE per layer type as transformers 5's Gemma3TextConfig.convert_rope_params_to_dict resolves it:
+    # rope_parameters keyed by layer type (5.x), rope_scaling merged into the full-attention entry
+    # (4.x, and a leftover beside 5.x's), each entry's rope_theta defaulting to the top-level
+    # rope_theta (full) or rope_local_base_freq (sliding), then to Gemma 3's 1e6 / 1e4.
     rope_parameters_raw = cfg.get("rope_parameters")
     if rope_parameters_raw is not None and not isinstance(rope_parameters_raw, Mapping):
         raise ConfigError(f"{where}: field 'rope_parameters' must be an object, found {shown(rope_parameters_raw)}")
-    if rope_parameters_raw and (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
-        # transformers 5.x: one entry per layer type.
-        rope = {lt: _rope_from_dict(rope_parameters_raw.get(lt) or {}, DEFAULT_ROPE_THETA[lt], where,
-                                    f"rope_parameters.{lt}") for lt in (FULL, SLIDING)}
-    else:
-        # transformers 4.x: global base + scaling, local base separately (local is never scaled).
-        scaling = cfg.get("rope_scaling") or rope_parameters_raw or {}
-        if not isinstance(scaling, Mapping):
-            raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {shown(scaling)}")
-        full = dict(scaling)
-        full.setdefault("rope_theta", f.number("rope_theta", DEFAULT_ROPE_THETA[FULL]))
-        rope = {
-            FULL: _rope_from_dict(full, DEFAULT_ROPE_THETA[FULL], where, "rope_scaling"),
-            SLIDING: RopeParameters(f.number("rope_local_base_freq", DEFAULT_ROPE_THETA[SLIDING])),
-        }
+    rope_parameters_raw = rope_parameters_raw or {}
+    if rope_parameters_raw and not (FULL in rope_parameters_raw or SLIDING in rope_parameters_raw):
+        # transformers ignores such a dict for Gemma 3 (its layers read only the per-type entries), so
+        # its values would be lost either way: a config that means them has to say which layers they are for
+        raise ConfigError(f"{where}: field 'rope_parameters' must be keyed by layer type ('{FULL}', '{SLIDING}') "
+                          f"for Gemma 3, found keys {sorted(map(str, rope_parameters_raw))}")
+    entries = {}
+    for lt in (FULL, SLIDING):
+        entry = rope_parameters_raw.get(lt)
+        if entry is not None and not isinstance(entry, Mapping):
+            raise ConfigError(f"{where}: field 'rope_parameters.{lt}' must be an object, found {shown(entry)}")
+        entries[lt] = dict(entry or {})
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise ConfigError(f"{where}: field 'rope_scaling' must be an object, found {shown(scaling)}")
+    entries[FULL].update(scaling or {})
+    entries[FULL].setdefault("rope_theta", f.number("rope_theta", DEFAULT_ROPE_THETA[FULL]))
+    entries[SLIDING].setdefault("rope_theta", f.number("rope_local_base_freq", DEFAULT_ROPE_THETA[SLIDING]))
+    rope = {lt: _rope_from_dict(entries[lt], DEFAULT_ROPE_THETA[lt], where,
+                                f"rope_parameters.{lt}" + (" (with rope_scaling)" if lt == FULL and scaling else ""))
+            for lt in (FULL, SLIDING)}
 
     top = _Fields(raw, where)
     vocab_size = f.int("vocab_size")

@@ -129,10 +129,16 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
         The block size, a power of two between 16 and ``max(default, requested)``.
 
     Raises:
-        ConfigError: the requested size is invalid, or no valid size divides the dimensions.
+        ConfigError: the requested size is invalid (naming ``option``), or no valid size divides the
+            dimensions (naming the config's fields that do not).
     """
     c = checkpoint.config
-    dims = dims or (c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size)
+    fields = {"hidden_size": c.hidden_size, "num_attention_heads × head_dim": c.num_attention_heads * c.head_dim,
+              "intermediate_size": c.intermediate_size}
+    if dims is None:
+        dims = tuple(fields.values())
+    else:
+        fields = {name: d for name, d in fields.items() if d in dims}
     if requested is not None:
         if not _is_block_size(requested) or any(d % requested for d in dims):
             raise ConfigError(
@@ -141,8 +147,11 @@ def block_size_for(checkpoint: Checkpoint, requested: int | None, dims: tuple[in
     block = default
     while block >= 16 and any(d % block for d in dims):
         block //= 2
-    if block < 16:
-        raise ConfigError(f"{option}: block-wise weights need in_features divisible by 16; found {', '.join(map(str, dims))}")
+    if block < 16:  # no option was given: the model's own sizes are what does not fit
+        odd = [f"{name} {d}" for name, d in fields.items() if d % 16]
+        raise ConfigError(f"{checkpoint.path}: the model's {' and '.join(odd) or ', '.join(map(str, dims))} "
+                          f"{'is not a multiple' if len(odd) == 1 else 'are not multiples'} of 16, which int8 and int4 "
+                          "weights need (MatMulNBits blocks of at least 16 inputs); --dtype fp32 or bf16 exports it")
     return block
 
 

@@ -805,21 +805,31 @@ def check_decoder_contract(path: Path, inputs: dict, outputs: Sequence) -> int:
 
 
 _CANNOT_LOAD = "onnxruntime cannot load the model: "
-#: the oldest onnxruntime that runs this toolkit's exports: GroupQueryAttention takes 11 inputs
-#: (position ids and attention bias) from 1.22 on; 1.20 and 1.21 refuse the graph (checked
-#: 2026-12-06 with 1.20.1, 1.21.0 and 1.22.0; pyproject.toml pins the same)
-MIN_ONNXRUNTIME = (1, 22)
+#: the oldest onnxruntime that runs every export of this toolkit (pyproject.toml pins the same).
+#: Checked on 2026-12-06 with the real Gemma 3 270M exports: 1.20.1 and 1.21.0 refuse the graph
+#: (GroupQueryAttention takes 11 inputs from 1.22 on); 1.22.0 and 1.22.1 run them on x86-64 but
+#: not int8 on aarch64 ("Only 4b quantization is supported for unpacked compute": no 8-bit
+#: MatMulNBits kernel there before 1.23); 1.23.0 runs int8 and int4 on both.
+MIN_ONNXRUNTIME = (1, 23)
 
 
-def _older_than_needed(version: str) -> str:
-    """``"(onnxruntime X is older than ...) "`` when onnxruntime ``version`` is older than
-    :data:`MIN_ONNXRUNTIME`, else ``""``: put before a load failure's own message, which names only
-    the first operator the older runtime does not take."""
+def check_onnxruntime_version(version: str) -> None:
+    """Refuse an onnxruntime older than :data:`MIN_ONNXRUNTIME` before it loads an export (its own
+    errors name an operator's inputs or kernel, not the version; on aarch64 an int8 export fails
+    only at its first step).
+
+    Args:
+        version: ``onnxruntime.__version__``; one that does not start with ``MAJOR.MINOR`` passes.
+
+    Raises:
+        GemmaExportError: the version is older, naming it and the one needed.
+    """
     match = re.match(r"(\d+)\.(\d+)", version)
-    if match is None or tuple(map(int, match.groups())) >= MIN_ONNXRUNTIME:
-        return ""
-    wanted = ".".join(map(str, MIN_ONNXRUNTIME))
-    return f"(onnxruntime {version} is older than {wanted}, the oldest that runs this toolkit's exports) "
+    if match is not None and tuple(map(int, match.groups())) < MIN_ONNXRUNTIME:
+        wanted = ".".join(map(str, MIN_ONNXRUNTIME))
+        raise GemmaExportError(f"onnxruntime {version} is installed, and this toolkit's exports need {wanted} or newer "
+                               f"(older ones refuse their GroupQueryAttention, or cannot run 8-bit MatMulNBits on "
+                               f"aarch64); install a newer one: pip install 'onnxruntime>={wanted}'")
 
 
 def create_session(path: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
@@ -838,12 +848,14 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
 
     Raises:
         FormatError: onnxruntime cannot load (or write) the model; its first message line.
-        GemmaExportError: ``threads`` out of range (:func:`check_threads`).
+        GemmaExportError: ``threads`` out of range (:func:`check_threads`); onnxruntime older than
+            :data:`MIN_ONNXRUNTIME` (:func:`check_onnxruntime_version`).
         KeyError: ``optimization`` is neither ``all`` nor ``basic``.
     """
     import onnxruntime as ort
 
     check_threads(threads)
+    check_onnxruntime_version(ort.__version__)
     options = ort.SessionOptions()
     # fatal only: a failing kernel's error comes back as the exception the caller words in one line; at
     # level 3 onnxruntime also printed it to stderr first, as a block of its own
@@ -867,7 +879,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         first = text.splitlines()[0] if text else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-        raise FormatError(f"{path}: {_CANNOT_LOAD}{_older_than_needed(ort.__version__)}{first_line(exc)}") from None
+        raise FormatError(f"{path}: {_CANNOT_LOAD}{first_line(exc)}") from None
     for arg in (*session.get_inputs(), *session.get_outputs()):
         try:
             arg.name  # noqa: B018  (decoded here, so a name that is not UTF-8 fails now, not in a caller)

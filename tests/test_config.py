@@ -211,3 +211,60 @@ def test_a_config_json_with_an_integer_of_5000_digits_is_a_config_error(tmp_path
     path.write_text(json.dumps(V4).replace(f'"hidden_size": {V4["hidden_size"]}', '"hidden_size": ' + "9" * 5000))
     with pytest.raises(ConfigError, match=rf"^{path}: cannot read JSON: Exceeds the limit \(4300 digits\)"):
         load_hf_config(path)
+
+
+_V5_TEXT = {k: v for k, v in V4.items() if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling")}
+
+
+@pytest.mark.parametrize("rope_fields", [
+    # keyed entries without rope_theta: the top-level bases fill them (probe finding: 1e6 / 1e4 were used)
+    {"rope_parameters": {FULL: {"rope_type": "default"}, SLIDING: {"rope_type": "default"}},
+     "rope_theta": 5000.0, "rope_local_base_freq": 300.0},
+    # only the full-attention entry: the sliding one comes from rope_local_base_freq
+    {"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 5e5}}, "rope_local_base_freq": 300.0},
+    # a leftover rope_scaling beside keyed entries is merged into the full-attention entry
+    {"rope_parameters": {FULL: {"rope_type": "default", "rope_theta": 5e5}, SLIDING: {"rope_theta": 2e4}},
+     "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "rope_theta": 2e5, "rope_local_base_freq": 3e3},
+    {},
+])
+def test_rope_is_resolved_as_transformers_gemma3_config_resolves_it(rope_fields):
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    cfg = {**_V5_TEXT, **copy.deepcopy(rope_fields)}
+    ours = config_from_hf_dict(cfg, "c").rope_parameters
+    theirs = transformers.Gemma3TextConfig(**copy.deepcopy(cfg)).rope_parameters
+    for lt in (FULL, SLIDING):
+        expected = theirs[lt]
+        assert ours[lt].rope_theta == expected["rope_theta"], lt
+        assert ours[lt].rope_type == expected["rope_type"], lt
+        assert ours[lt].factor == (expected.get("factor", 1.0) if expected["rope_type"] == "linear" else 1.0), lt
+
+
+def test_rope_parameters_not_keyed_by_layer_type_are_refused():
+    # transformers ignores such a dict for Gemma 3; the export applied it to the full-attention layers
+    flat = {**_V5_TEXT, "rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 2e4}}
+    with pytest.raises(ConfigError, match=r"^c: field 'rope_parameters' must be keyed by layer type \('full_attention', "
+                                          r"'sliding_attention'\) for Gemma 3, found keys \['factor', 'rope_theta', 'rope_type'\]$"):
+        config_from_hf_dict(flat, "c")
+    assert config_from_hf_dict({**_V5_TEXT, "rope_parameters": {}}, "c").rope_parameters[FULL].rope_theta == 1e6
+    with pytest.raises(ConfigError, match=r"^c: field 'rope_parameters.sliding_attention' must be an object, found 5"):
+        config_from_hf_dict({**_V5_TEXT, "rope_parameters": {FULL: {}, SLIDING: 5}}, "c")
+
+
+def test_partial_rotary_factor_is_refused_not_ignored():
+    keyed = {**_V5_TEXT, "rope_parameters": {FULL: {"rope_type": "linear", "factor": 8.0, "partial_rotary_factor": 0.5},
+                                             SLIDING: {"rope_type": "default"}}}
+    with pytest.raises(ConfigError, match=r"^c: partial_rotary_factor 0.5 in 'rope_parameters.full_attention' is not "
+                                          r"supported \(Gemma 3 rotates the whole head_dim: expected 1.0 or none\)$"):
+        config_from_hf_dict(keyed, "c")
+    keyed["rope_parameters"][FULL]["partial_rotary_factor"] = 1.0
+    assert config_from_hf_dict(keyed, "c").rope_parameters[FULL].factor == 8.0
+
+
+def test_a_v4_rope_scaling_spelled_type_linear_is_applied():
+    # transformers 4.x applied {"type": "linear"}; 5.x merges it into a default entry and keeps the
+    # default (the one documented difference from its resolution)
+    c = config_from_hf_dict({**V4, "rope_scaling": {"type": "linear", "factor": 8.0}}, "c")
+    assert (c.rope_parameters[FULL].rope_type, c.rope_parameters[FULL].factor) == ("linear", 8.0)

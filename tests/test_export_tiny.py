@@ -1796,3 +1796,21 @@ def test_graph_quantization_survives_broken_graphs(tiny_int8_export):
         signal.alarm(0)
     assert "scale_dtype" not in found  # the looped scales are no initializer: the figure is left out
     assert found["hadamard_size"][0] == 64 and found["block_size"][0] == 16
+
+
+def test_a_model_whose_sizes_do_not_fit_blocks_of_16_names_them_not_an_option(tmp_path):
+    # probe finding: hidden_size 72 was reported as "--hadamard: block-wise weights need in_features
+    # divisible by 16", an option the user never gave
+    from gemma_export.errors import ConfigError
+
+    src = save_tiny(make_tiny_model(seed=5, hidden_size=72, intermediate_size=144, head_dim=16), tmp_path / "src")
+    for dtype, extra in (("int8", {}), ("int4", {}), ("int8", {"hadamard_size": 0})):
+        out = tmp_path / f"out-{dtype}"
+        with pytest.raises(ConfigError) as caught:
+            export(src, out, dtype=dtype, **extra)
+        assert str(caught.value) == (f"{src}: the model's hidden_size 72 is not a multiple of 16, which int8 and int4 "
+                                     "weights need (MatMulNBits blocks of at least 16 inputs); --dtype fp32 or bf16 "
+                                     "exports it")
+        assert not out.exists()
+    export(src, tmp_path / "fp32", dtype="fp32")  # as said
+    assert (tmp_path / "fp32" / "model.onnx").is_file()
