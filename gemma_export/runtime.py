@@ -576,8 +576,11 @@ class OnnxDecoder:
 
     def greedy_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy decoding of several prompts at once, left-padded with ``attention_mask`` 0 and
-        ``position_ids`` counted over real tokens only; each row gives the tokens it would alone.
-        Rows keep decoding after their own stop token; callers cut each row at its first stop id.
+        ``position_ids`` counted over real tokens only; each row gives the tokens it would alone, up
+        to rounding: a left-padded row's logits differ from its run alone by float rounding on fp32
+        (up to 1e-4) and by up to ~0.36 on int8 and int4 exports (their 8-bit activations magnify
+        it; 2026-12-06), so a near-tie there can go the other way. Rows keep decoding after their
+        own stop token; callers cut each row at its first stop id.
 
         Args:
             prompts: one id list per row (with ``<bos>``), each id inside the vocabulary.
