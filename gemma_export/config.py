@@ -369,9 +369,10 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     entries[FULL].update(scaling or {})
     entries[FULL].setdefault("rope_theta", f.number("rope_theta", DEFAULT_ROPE_THETA[FULL]))
     entries[SLIDING].setdefault("rope_theta", f.number("rope_local_base_freq", DEFAULT_ROPE_THETA[SLIDING]))
-    rope = {lt: _rope_from_dict(entries[lt], DEFAULT_ROPE_THETA[lt], where,
-                                f"rope_parameters.{lt}" + (" (with rope_scaling)" if lt == FULL and scaling else ""))
-            for lt in (FULL, SLIDING)}
+    names = {lt: f"rope_parameters.{lt}" for lt in (FULL, SLIDING)}
+    if scaling:  # the field the user wrote: 4.x's alone, or both
+        names[FULL] = f"{names[FULL]}' and 'rope_scaling" if FULL in rope_parameters_raw else "rope_scaling"
+    rope = {lt: _rope_from_dict(entries[lt], DEFAULT_ROPE_THETA[lt], where, names[lt]) for lt in (FULL, SLIDING)}
 
     top = _Fields(raw, where)
     vocab_size = f.int("vocab_size")

@@ -268,3 +268,12 @@ def test_a_v4_rope_scaling_spelled_type_linear_is_applied():
     # default (the one documented difference from its resolution)
     c = config_from_hf_dict({**V4, "rope_scaling": {"type": "linear", "factor": 8.0}}, "c")
     assert (c.rope_parameters[FULL].rope_type, c.rope_parameters[FULL].factor) == ("linear", 8.0)
+
+
+def test_a_rope_error_names_the_field_the_config_wrote():
+    for cfg, field in (({**V4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'rope_scaling'"),
+                       ({**_V5_TEXT, "rope_parameters": {FULL: {"rope_type": "yarn"}}}, "'rope_parameters.full_attention'"),
+                       ({**_V5_TEXT, "rope_parameters": {FULL: {}}, "rope_scaling": {"rope_type": "yarn"}},
+                        "'rope_parameters.full_attention' and 'rope_scaling'")):
+        with pytest.raises(ConfigError, match=f"^c: rope_type 'yarn' in {field} is not supported"):
+            config_from_hf_dict(cfg, "c")
