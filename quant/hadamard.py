@@ -12,9 +12,9 @@ Here ``H`` is block-diagonal with ``n × n`` Sylvester blocks (``n`` a power of 
 
 from __future__ import annotations
 
-import numbers
-
 import numpy as np
+
+from .rows import is_integer
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
@@ -32,7 +32,7 @@ def hadamard_matrix(n: int) -> np.ndarray:
     Raises:
         ValueError: ``n`` is not an integer power of two (a bool is not one).
     """
-    if not isinstance(n, numbers.Integral) or isinstance(n, (bool, np.bool_)) or n < 1 or n & (n - 1):
+    if not is_integer(n) or n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, found {n!r}")
     h = np.ones((1, 1), dtype=np.float64)
     while h.shape[0] < n:

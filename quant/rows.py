@@ -32,6 +32,11 @@ def check_real(values: np.ndarray) -> None:
     raise ValueError(f"expected real numbers, found {values.dtype}")
 
 
+def is_integer(value) -> bool:
+    """A Python or numpy integer, not a bool (sizes given as ``True`` or ``8.0`` are refused)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> int:
     """Blocks per row, ``K // block_size``, of a weight ``[N, K]`` quantized in blocks along K.
 
@@ -48,7 +53,7 @@ def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> 
         raise ValueError(f"expected a 2-D weight, found shape {tuple(shape)}")
     if shape[1] == 0:
         raise ValueError(f"expected a 2-D weight with at least one column, found shape {tuple(shape)}")
-    if not isinstance(block_size, numbers.Integral) or isinstance(block_size, (bool, np.bool_)):
+    if not is_integer(block_size):
         raise ValueError(f"block_size must be an integer, found {block_size!r}")
     k = shape[1]
     if block_size <= 0 or k % block_size or (even and block_size % 2):
