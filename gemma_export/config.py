@@ -31,7 +31,10 @@ SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY = "gemma_export.sliding_layers", "gemma_e
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 _DEFAULT_SLIDING_WINDOW_PATTERN = 6
 _SUPPORTED_ROPE_TYPES = ("default", "linear")
-_SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
+#: transformers' names for GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+#: (Hendrycks & Gimpel 2016; transformers.activations: GELUTanh, NewGELUActivation, FastGELUActivation,
+#: AccurateGELUActivation), the formula the graph builds; Gemma 3 writes the first
+_SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast", "gelu_accurate")
 _TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 
 #: ``--dtype`` choices (``weights.WEIGHT_FORMATS`` implements each, widest first) and those stored
@@ -327,7 +330,8 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
                               "(Gemma 3's language model)")
     if cfg.get("hidden_activation", "gelu_pytorch_tanh") not in _SUPPORTED_ACTIVATIONS:
         raise ConfigError(
-            f"{where}: hidden_activation is {cfg.get('hidden_activation')!r}, expected 'gelu_pytorch_tanh'"
+            f"{where}: hidden_activation is {cfg.get('hidden_activation')!r}, expected GELU's tanh approximation "
+            f"({', '.join(repr(a) for a in _SUPPORTED_ACTIVATIONS)})"
         )
     if cfg.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias is true; Gemma 3 projections have no bias")

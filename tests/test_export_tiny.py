@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
-from gemma_export.errors import FormatError, GemmaExportError, VerificationError
+from gemma_export.errors import ConfigError, FormatError, GemmaExportError, VerificationError
 from gemma_export.exporter import is_table_shaped, count_table_initializers, export
 from gemma_export.runtime import OnnxDecoder
 
@@ -746,6 +746,24 @@ def test_config_values_the_default_tiny_model_leaves_neutral_match_transformers(
     # the override matters: the same weights with the default value give other logits
     default = make_tiny_model(seed=3)
     assert np.abs(reference_logits(default, ids) - ref).max() > 1e-2
+
+
+@pytest.mark.parametrize("activation", ["gelu_new", "gelu_fast", "gelu_accurate", "gelu_python_tanh"])
+def test_other_names_of_the_tanh_gelu_export_and_match_transformers(tmp_path, activation):
+    """transformers spells GELU's tanh approximation five ways; each config exports and gives
+    transformers' logits under that name. The exact (erf) GELU is another formula and stays refused."""
+    model = make_tiny_model(seed=3, hidden_activation=activation)
+    save_tiny(model, tmp_path / "src")
+    out = export(tmp_path / "src", tmp_path / "out", "fp32", all_logits=True).out_dir
+    ids = _ids(seed=13)
+    logits, _ = _prefill(OnnxDecoder(out), ids)
+    assert np.abs(logits - reference_logits(model, ids)).max() <= 2e-5  # 3.5e-6 measured
+    erf = make_tiny_model(seed=3, hidden_activation="gelu")
+    assert np.abs(reference_logits(erf, ids) - logits).max() > 2e-4  # 9.9e-4: the refusal below is not cosmetic
+    save_tiny(erf, tmp_path / "erf")
+    with pytest.raises(ConfigError, match=r"hidden_activation is 'gelu', expected GELU's tanh approximation \('gelu_pytorch_tanh'"):
+        export(tmp_path / "erf", tmp_path / "out-erf", "fp32")
+    assert not (tmp_path / "out-erf").exists()
 
 
 def test_prompt_longer_than_max_positions_is_refused(fp32_all):
