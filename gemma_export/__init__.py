@@ -32,7 +32,7 @@ _PUBLIC = {
     "run_bench": ("bench", "run_bench"),
     "write_bundle": ("bundle", "write_bundle"),
     "verify_bundle": ("bundle", "verify_bundle"),
-    "verify_manifest": ("exporter", "verify_manifest"),
+    "verify_manifest": ("verify", "verify_manifest"),
     # their results
     "ExportResult": ("exporter", "ExportResult"),
     "GenerationResult": ("runtime", "GenerationResult"),

@@ -323,7 +323,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
     """
     check_arguments("write_bundle", model_dir=(model_dir, "path"), out_dir=(out_dir, "path"), board=(board, "str"),
                     wheel=(wheel, "path?"), progress=(progress, "callable?"))
-    from .exporter import verify_manifest
+    from .verify import verify_manifest
     from .onnx_files import MANIFEST_FILE
     from .prepack import PREPACKED_DIR, derived_copy
     from .manifest import read_manifest
@@ -406,7 +406,7 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     """Re-check a board folder against its ``BUNDLE.json``: every listed file present with its size
     and sha256 and nothing unlisted, except the pre-packed copy ``gemma-export prepack`` adds to
     ``model/`` on the board (checked against its own ``prepacked.json`` when loaded); then the
-    model folder as an export (:func:`gemma_export.exporter.verify_manifest`).
+    model folder as an export (:func:`gemma_export.verify.verify_manifest`).
 
     Returns:
         path relative to ``folder`` → size in bytes of the verified files (``BUNDLE.json`` not counted).
@@ -415,12 +415,12 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
         SourceNotFoundError: not a board folder (no ``BUNDLE.json``).
         VerificationError: naming the first file that differs and how (a deleted ``model/`` as its
             first missing file); an unreadable or malformed ``BUNDLE.json``; then whatever
-            :func:`~gemma_export.exporter.verify_manifest` raises for ``model/``.
+            :func:`~gemma_export.verify.verify_manifest` raises for ``model/``.
         ConfigError: ``folder`` is no path (:func:`~gemma_export.errors.check_arguments`).
     """
     check_arguments("verify_bundle", folder=(folder, "path"))
     from .errors import VerificationError
-    from .exporter import verify_manifest
+    from .verify import verify_manifest
     from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
     from .staging import check_listed_file, listed_files
 

@@ -32,9 +32,11 @@ class TensorRef:
         name: transformers name, e.g. ``model.layers.0.self_attn.q_proj.weight``.
         shape: shape in PyTorch order.
         origin: where it lives, for messages (``FILE:KEY``).
-        reader: returns the values as float32 (memory-mapped where the source allows).
-        row_reader: for a 2-D tensor, ``(start, stop)`` → float32 ``[stop - start, K]`` read without
-            the rest (None: rows are sliced from :attr:`reader`'s whole tensor).
+        reader: returns the values in the source's float dtype (float32, float16, bfloat16 or
+            float64; memory-mapped where the source allows); :meth:`load` and :class:`RowView` give
+            float32 (:meth:`as_float32`).
+        row_reader: for a 2-D tensor, ``(start, stop)`` → ``[stop - start, K]`` in the same dtype,
+            read without the rest (None: rows are sliced from :attr:`reader`'s whole tensor).
     """
 
     name: str
@@ -65,8 +67,8 @@ class TensorRef:
 
     def as_float32(self, values, first_row: int = 0) -> np.ndarray:
         """``values`` (rows from ``first_row`` on) as float32; a finite float64 value beyond float32's
-        range is refused by name, instead of becoming an Inf that :meth:`check_finite` would report
-        as if the file held one (probe finding: an F64 1e300).
+        range (an F64 1e300) is refused by name, instead of becoming an Inf that :meth:`check_finite`
+        would report as if the file held one.
 
         Raises:
             NumericError: naming the first such value and its index.

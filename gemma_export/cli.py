@@ -617,7 +617,7 @@ def verify(
       gemma-export verify sl2610-int8    # a bundle: BUNDLE.json, then model/
     """
     from .bundle import verify_bundle
-    from .exporter import verify_manifest
+    from .verify import verify_manifest
     from .manifest import is_bundle
     from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
     from .prepack import busy

@@ -23,22 +23,17 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .config import DTYPES, QUANTIZED_DTYPES, SLIDING_CACHE_START, TABLE_DTYPES
-from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments,
-                     shown_folder)
-from .onnx_files import (ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
-                         graph_quantization, read_graph)
+from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
+from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
+from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
 from .prepack import busy as prepack_busy, derived_copy
-from .prepack import check_no_leftovers as check_no_prepack_leftovers
-from .prepack import owned_problem as prepack_owned_problem
-from .manifest import export_description, read_manifest, require_folder
-from .runtime import create_session
+from .manifest import export_description, read_manifest
 from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, bundled_gguf_note, default_output_name, open_source
 from .text_files import first_tokens, non_regular
-from .staging import (check_free_space, check_listed_file, check_replaceable, file_sha256, folder_state, listed_files,
-                      reported_as_written, staged_folder)
+from .staging import check_free_space, check_replaceable, file_sha256, folder_state, reported_as_written, staged_folder
+from .verify import count_table_initializers, verify_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
 
@@ -200,190 +195,6 @@ def genai_config(checkpoint: Checkpoint) -> dict:
             "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0,
         },
     }
-
-
-def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
-    """Initializers in an ONNX file that hold a whole ``vocab × hidden`` table in any layout: first
-    or last dimension ``vocab`` (a transposed ``[hidden, vocab]`` copy, as folding a ``Transpose``
-    makes, counts too) and ``vocab × hidden`` elements, or half as many bytes (4-bit codes packed
-    two per uint8). Read without loading external data.
-
-    Raises:
-        Whatever ``onnx.load`` raises on an unreadable file (OSError, protobuf's DecodeError),
-        unwrapped: callers pass a model this toolkit just wrote.
-    """
-    import onnx
-
-    return tables_in(onnx.load(str(model_path), load_external_data=False), vocab_size, hidden_size)
-
-
-def tables_in(model, vocab_size: int, hidden_size: int) -> int:
-    """How many of ``model``'s initializers (an ``onnx.ModelProto``) are table-shaped
-    (:func:`is_table_shaped`)."""
-    return sum(1 for t in model.graph.initializer if is_table_shaped(t.dims, t.data_type, vocab_size, hidden_size))
-
-
-def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> bool:
-    """True for an initializer of ``dims`` that can hold a whole ``[vocab, hidden]`` table (see
-    :func:`count_table_initializers`).
-
-    Args:
-        dims: the initializer's shape.
-        data_type: its ``onnx.TensorProto`` data type (``UINT8`` may hold packed 4-bit codes).
-        vocab_size, hidden_size: the table's shape.
-    """
-    import onnx
-
-    n = math.prod(dims)
-    packed = data_type == onnx.TensorProto.UINT8 and 2 * n == vocab_size * hidden_size
-    return len(dims) >= 1 and vocab_size in (dims[0], dims[-1]) and (n == vocab_size * hidden_size or packed)
-
-
-def verify_folder(folder: Path) -> None:
-    """Check an export folder: the ONNX checker on the path, an onnxruntime session load, and one
-    step of token id 0 at position 0 whose logits must be finite (weights that are finite but
-    overflow float32 inside the graph, e.g. a norm weight of 3e38, would otherwise export and
-    verify, and fail every later generation).
-
-    Args:
-        folder: a folder holding ``model.onnx`` (and its external data), with this toolkit's
-            decoder inputs (``input_ids``, ``attention_mask``, ``position_ids``,
-            ``past_key_values.{i}.key|value``).
-
-    Raises:
-        VerificationError: naming the file and the failure (a file with several hard links named as
-            such: the checker refuses them), or the first step's non-finite logits.
-    """
-    import numpy as np
-    import onnx
-
-    model_path = folder / MODEL_FILE
-    try:
-        onnx.checker.check_model(str(model_path), full_check=False)
-    except Exception as exc:
-        linked = [p for p in sorted(folder.iterdir()) if p.is_file() and not p.is_symlink() and p.stat().st_nlink > 1]
-        if "hard links" in str(exc) and linked:  # e.g. a backup made with cp -al: the checker's own guard
-            raise VerificationError(f"{linked[0]}: has {linked[0].stat().st_nlink} hard links, which the ONNX checker "
-                                    "refuses (its guard against hard-link attacks); keep a plain copy (cp, not ln) "
-                                    "and verify again") from None
-        raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
-    try:
-        session = create_session(model_path)
-    except FormatError as exc:
-        raise VerificationError(str(exc)) from None
-    logits = session.run(["logits"], _first_step_feeds(session))[0]
-    if not np.isfinite(logits).all():
-        bad = logits[~np.isfinite(logits)]
-        raise VerificationError(f"{model_path}: the first step (token id 0 at position 0) computes {bad.size:,} "
-                                f"non-finite logits (e.g. {bad.flat[0]}): a weight overflows float32 in the graph")
-
-
-def _first_step_feeds(session) -> dict:
-    """The feeds of one step of token id 0 at position 0 with an empty cache, for ``session``'s
-    declared inputs."""
-    import numpy as np
-
-    feeds = {}
-    for node in session.get_inputs():
-        if node.name.startswith("past_key_values."):
-            _, heads, _, head_dim = node.shape
-            feeds[node.name] = np.zeros((1, heads, 0, head_dim), np.float32)
-        else:  # input_ids, attention_mask, position_ids: [1, 1]
-            feeds[node.name] = np.full((1, 1), 1 if node.name == "attention_mask" else 0, np.int64)
-    return feeds
-
-
-def _check_tied(manifest: dict, manifest_path: Path, model, vocab_size: int | None) -> None:
-    """``tie_word_embeddings`` against the graph: one ``vocab × hidden`` table initializer when tied,
-    two when not (:func:`is_table_shaped`, with the manifest's ``config.hidden_size``). Not checked
-    without those figures, or for a graph holding neither one nor two tables."""
-    tied = manifest.get("tie_word_embeddings")
-    hidden = manifest.get("config", {}).get("hidden_size")
-    if not isinstance(tied, bool) or not isinstance(vocab_size, int) or not isinstance(hidden, int):
-        return
-    tables = tables_in(model, vocab_size, hidden)
-    if tables in (1, 2) and (tables == 1) != tied:
-        raise VerificationError(f"{manifest_path}: field 'tie_word_embeddings' is {str(tied).lower()}, but the graph "
-                                f"stores {'one table, shared by the lookup and the head' if tables == 1 else 'two tables'}")
-
-
-def verify_manifest(folder: str | Path) -> dict[str, int]:
-    """Re-check an export folder against its ``manifest.json``: every listed file present with its
-    size and sha256, no unlisted file, external data only inside the folder, then
-    :func:`verify_folder` (ONNX checker + onnxruntime load).
-
-    Returns:
-        file name → size in bytes of the verified files.
-
-    Raises:
-        SourceNotFoundError: no such folder (or a file, or a bundle folder), or no manifest in it.
-        GemmaExportError: the folder's path is not valid UTF-8.
-        VerificationError: naming the first file that differs and how; an unreadable or malformed
-            manifest, graph or sliding-window metadata; files the manifest does not list (a
-            ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``, or a ``prepack``
-            running on the folder.
-        OSError: a listed file cannot be read while hashing it (permissions, I/O error).
-    """
-    check_arguments("verify_manifest", folder=(folder, "path"))
-    folder = Path(folder)
-    manifest_path = folder / MANIFEST_FILE
-    require_folder(folder, MANIFEST_FILE)
-    if (what := non_regular(manifest_path)) is not None:
-        raise VerificationError(f"{manifest_path}: is {what}; expected the export's manifest file")
-    if not manifest_path.is_file():
-        # the folder by its full name when given as "." (the message would otherwise read "manifest.json")
-        raise SourceNotFoundError(f"{shown_folder(folder) / MANIFEST_FILE}: missing; not a gemma-export folder")
-    try:
-        manifest = read_manifest(folder)
-    except FormatError as exc:
-        raise VerificationError(str(exc)) from None
-    expected = listed_files(manifest.get("files"), manifest_path, nested=False)
-    from .manifest import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_output_options,
-                           graph_vocab_and_layers)
-    from .runtime import sliding_layers_from
-
-    try:
-        check_manifest_fields(manifest, manifest_path, config_required=True)
-    except FormatError as exc:
-        raise VerificationError(str(exc)) from None
-    for name, (size, digest) in expected.items():
-        check_listed_file(folder / name, size, digest, "the manifest", "an export folder")
-    check_no_prepack_leftovers(folder)
-    # prepacked/ is a machine-specific copy `gemma-export prepack` derives from these files
-    # (gemma_export/prepack.py); it is checked against them when loaded, not listed here, and only
-    # a copy prepack wrote is one (nothing but its graph, data and record)
-    if problem := prepack_owned_problem(folder / PREPACKED_DIR):  # "" when absent
-        raise VerificationError(f"{folder / PREPACKED_DIR}: {problem}; not a copy gemma-export wrote, nor part of "
-                                "the export: move it away")
-    extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name not in (MANIFEST_FILE,
-                                                                                                PREPACKED_DIR))
-    if extra:
-        hint = ("; a tokenizer belongs in the export through --tokenizer (export again with it)"
-                if any(name.startswith("tokenizer") or name == "special_tokens_map.json" for name in extra) else "")
-        raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}{hint}")
-    try:
-        model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data
-        vocab, layers = graph_vocab_and_layers(model)
-        stored = graph_dtype(model)
-        if "dtype" not in manifest:
-            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
-                                    f"{MODEL_FILE} stores")
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
-                                     graph_quantization(model), graph_output_options(model))
-        _check_tied(manifest, manifest_path, model, vocab)
-        # the sliding-window metadata the runtime checks against the manifest before it generates
-        takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
-            any(t.name == SLIDING_CACHE_START for t in model.graph.initializer)
-        sliding_layers_from({m.key: m.value for m in model.metadata_props}, takes_start, folder / MODEL_FILE,
-                            layers, manifest.get("config"))
-        locations = check_external_data(model, folder / MODEL_FILE)
-    except FormatError as exc:
-        raise VerificationError(str(exc)) from None
-    unlisted = sorted(set(locations) - set(expected))
-    if unlisted:
-        raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
-    verify_folder(folder)
-    return {name: size for name, (size, _) in expected.items()}
 
 
 def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checked: bool = False) -> None:
@@ -667,7 +478,7 @@ def export(
     # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one,
     # and the activation residual's graph, which a user compares with the plain int8 one
     name += "-activation-residual" * activation_residual + "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
-    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(ckpt, source, name)
+    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(source, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if status is not None and not replacing_told:

@@ -13,10 +13,10 @@ import json
 import math
 from pathlib import Path
 
-from .config import DTYPES
+from .config import DTYPES, FULL, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
-                         graph_dtype, graph_quantization, traced_initializer)
+                         graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
 from .staging import leftovers, listed_files
 from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
@@ -221,7 +221,7 @@ _MANIFEST_FIELDS = {
 }
 
 #: what ``config.layer_types`` may hold (transformers' Gemma 3 names)
-LAYER_TYPES = ("sliding_attention", "full_attention")
+LAYER_TYPES = (SLIDING, FULL)
 
 
 def check_manifest_fields(manifest: dict, path: str | Path, config_required: bool = False) -> None:
@@ -365,9 +365,7 @@ def graph_vocab_and_layers(model) -> tuple[int | None, int]:
     """The vocabulary (the ``logits`` output's last dimension, None when symbolic or absent) and the
     number of layers (``past_key_values.{i}.key`` inputs) of an export's ``onnx.ModelProto``. Never
     raises on a graph of another shape: the figures are then None / 0."""
-    logits = next((o for o in model.graph.output if o.name == "logits"), None)
-    dims = logits.type.tensor_type.shape.dim if logits is not None else []
-    vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    vocab = logits_vocab(model)
     layers = sum(1 for i in model.graph.input if i.name.startswith("past_key_values.") and i.name.endswith(".key"))
     return vocab, layers
 
@@ -378,8 +376,7 @@ def graph_output_options(model) -> dict[str, tuple[bool, str]]:
     True unless the ``logits`` output's sequence dimension is a fixed 1 (the last position only),
     ``debug_outputs`` True when an output is named ``debug.…``. {} without a ``logits`` output of
     rank 3."""
-    logits = next((o for o in model.graph.output if o.name == "logits"), None)
-    dims = logits.type.tensor_type.shape.dim if logits is not None else []
+    dims = logits_dims(model)
     if len(dims) != 3:
         return {}
     last_only = dims[1].HasField("dim_value") and dims[1].dim_value == 1

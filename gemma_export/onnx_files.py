@@ -206,6 +206,19 @@ def tensor_bytes(tensor) -> int | None:
         return None
 
 
+def logits_dims(model) -> list:
+    """The ``logits`` output's shape dimensions (``onnx.TensorShapeProto.Dimension``) of an
+    ``onnx.ModelProto``; [] without such an output."""
+    logits = next((o for o in model.graph.output if o.name == "logits"), None)
+    return list(logits.type.tensor_type.shape.dim) if logits is not None else []
+
+
+def logits_vocab(model) -> int | None:
+    """The ``logits`` output's last dimension, the vocabulary; None when symbolic or absent."""
+    dims = logits_dims(model)
+    return dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+
+
 def graph_dtype(model) -> str:
     """Which ``--dtype`` an export's graph (an ``onnx.ModelProto``, external data not loaded) stores:
     ``int4`` or ``int8`` from its ``MatMulNBits`` ``bits`` (the layers'; an int4 export may keep an
@@ -281,9 +294,7 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
     # the logits' width
     head = [n for n in matmuls if n.input[1] in gathered]
     if not head:
-        logits = next((o for o in graph.output if o.name == "logits"), None)
-        dims = logits.type.tensor_type.shape.dim if logits is not None else []
-        vocab = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+        vocab = logits_vocab(model)
         head = [n for n in matmuls if vocab is not None and attribute(n, "N") == vocab]
     layers = [n for n in matmuls if n not in head]
     found: dict[str, tuple[object, str]] = {}

@@ -383,7 +383,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     """
     import shutil
 
-    from .exporter import verify_manifest
+    from .verify import verify_manifest
     from .runtime import _CANNOT_LOAD, OnnxDecoder, check_threads, create_session
 
     say = progress or (lambda _msg: None)
@@ -453,7 +453,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
 def verify(model_dir: str | Path) -> str:
     """Check ``<model_dir>/prepacked/`` (if any): a copy this toolkit wrote, every recorded file with
     its sha256, then :func:`status`. Returns one line for people ("" when there is no copy). Leftovers
-    of an interrupted ``prepack`` are :func:`~gemma_export.exporter.verify_manifest`'s to report
+    of an interrupted ``prepack`` are :func:`~gemma_export.verify.verify_manifest`'s to report
     (:func:`check_no_leftovers`), which ``verify`` runs first.
 
     Raises:

@@ -92,10 +92,8 @@ class _Memo:
         self._size = size
         self._entries: dict[tuple, BlockInt8Weights | BlockInt4Weights] = {}
 
-    def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int = 0, bits: int = 8,
-                 symmetric: bool = True, method: str = "mse",
-                 hessian: Callable[[], Hessian | None] | None = None,
-                 scale_dtype: str = "float32") -> BlockInt8Weights | BlockInt4Weights:
+    def __call__(self, ref: TensorRef, block_size: int, hadamard_size: int, bits: int, symmetric: bool, method: str,
+                 hessian: Callable[[], Hessian | None] | None, scale_dtype: str) -> BlockInt8Weights | BlockInt4Weights:
         key = (ref.name, block_size, hadamard_size, bits, symmetric, method, scale_dtype)
         if key not in self._entries:
             rows = _RotatedRows(ref.rows(), hadamard_size) if hadamard_size else ref.rows()

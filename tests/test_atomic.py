@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gemma_export import exporter, staging
+from gemma_export import exporter, staging, verify
 from gemma_export.cli import app
 from gemma_export.errors import OutputError
 from gemma_export.staging import STALE_AFTER_SECONDS
@@ -891,7 +891,7 @@ def test_an_interrupt_once_the_export_is_in_place_says_it_is_written(tiny_dir, t
     assert result.stderr.strip().splitlines()[-1] == (f"error: interrupted; the export {out} is written and complete "
                                                       f"(`gemma-export verify {out}` checks it)")
     assert _tree(out) != before and json.loads((out / "manifest.json").read_text())["dtype"] == "bf16"
-    assert exporter.verify_manifest(out)  # complete
+    assert verify.verify_manifest(out)  # complete
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
@@ -908,7 +908,7 @@ def test_an_interrupt_while_the_summary_prints_says_the_export_is_written(tiny_d
     assert result.exit_code == 130, result.output
     assert result.stderr.endswith(f"error: interrupted; the export {out} is written and complete "
                                   f"(`gemma-export verify {out}` checks it)\n")
-    assert exporter.verify_manifest(out)
+    assert verify.verify_manifest(out)
 
 
 def test_interrupts_held_restores_both_handlers_when_a_signal_lands_mid_restore(monkeypatch):
@@ -1082,7 +1082,7 @@ def test_an_interrupt_at_the_note_on_the_replaced_copy_says_the_export_is_writte
     with pytest.raises(OutputWritten) as caught:
         exporter.export(tiny_dir, out, "fp32", status=status)
     assert caught.value.path == out and caught.value.what == "export"
-    assert json.loads((out / "manifest.json").read_text())["dtype"] == "fp32" and exporter.verify_manifest(out)
+    assert json.loads((out / "manifest.json").read_text())["dtype"] == "fp32" and verify.verify_manifest(out)
 
 
 def test_a_folder_replaced_by_another_export_while_loading_is_named_as_such(tiny_int8_export, tiny_dir, tmp_path,

@@ -703,7 +703,7 @@ def test_files_under_model_prepacked_that_no_prepack_wrote_are_neither_verified_
     record's name was looked at), and a bundle written over the folder deleted the script."""
     from gemma_export.bundle import verify_bundle
     from gemma_export.errors import VerificationError
-    from gemma_export.exporter import verify_manifest
+    from gemma_export.verify import verify_manifest
 
     out = tmp_path / "board"
     assert runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out),

@@ -1515,13 +1515,13 @@ def test_json_on_a_standard_output_that_cannot_be_written_is_one_line(tiny_int8_
 def test_a_command_run_in_process_leaves_sigterm_as_it_found_it(tiny_int8_export):
     """Run through the Python API or CliRunner (no entry point), a command made SIGTERM raise in
     the host process for good (helper-found); it now does so only while a command's body runs."""
-    from gemma_export import console, exporter
+    from gemma_export import console, verify
 
     assert signal.getsignal(signal.SIGTERM) == SIGTERM_AT_IMPORT  # nor did the tests before this one
     # from the default (a test runner may handle SIGTERM itself, and then the command leaves it alone)
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     during = []
-    real = exporter.verify_manifest
+    real = verify.verify_manifest
 
     def watched(folder):
         during.append(signal.getsignal(signal.SIGTERM))
@@ -1529,7 +1529,7 @@ def test_a_command_run_in_process_leaves_sigterm_as_it_found_it(tiny_int8_export
 
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(exporter, "verify_manifest", watched)
+            patch.setattr(verify, "verify_manifest", watched)
             assert runner.invoke(app, ["verify", str(tiny_int8_export)]).exit_code == 0
         assert during == [console._raise_terminated]  # raising while the body ran, so writers clean up
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # and the default again after it

@@ -80,11 +80,11 @@ def test_default_output_names(tmp_path):
     blob.write_bytes(b"GGUF")
     link = tmp_path / "gemma-3-270m-it-Q8_0.gguf"
     link.symlink_to(blob)
-    assert default_output_name(None, link, "fp32") == "gemma-3-270m-it-onnx-fp32"
-    assert default_output_name(None, None, "int8") == "gemma-3-270m-onnx-int8"
+    assert default_output_name(link, "fp32") == "gemma-3-270m-it-onnx-fp32"
+    assert default_output_name(None, "int8") == "gemma-3-270m-onnx-int8"
     for given, expected in (("x-q4_k_m.gguf", "x"), ("model.GGUF", "model"), ("m-IQ4_XS.gguf", "m"),
                             ("m.f16.gguf", "m"), (".gguf", "model"), ("ref.mlir", "ref"), ("my-gemma", "my-gemma")):
-        assert default_output_name(None, tmp_path / given, "int4") == f"{expected}-onnx-int4"
+        assert default_output_name(tmp_path / given, "int4") == f"{expected}-onnx-int4"
 
 
 def test_the_dtype_names_are_the_weight_formats_and_their_facts():

@@ -16,7 +16,8 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import make_tiny_model, reference_logits, save_tiny
 from gemma_export.errors import ConfigError, FormatError, GemmaExportError, VerificationError
-from gemma_export.exporter import is_table_shaped, count_table_initializers, export
+from gemma_export.exporter import export
+from gemma_export.verify import count_table_initializers, is_table_shaped
 from gemma_export.runtime import OnnxDecoder
 
 SEQ = 20  # > sliding_window (6): the window matters in prefill and in decode
@@ -655,7 +656,7 @@ def test_verify_refuses_a_manifest_whose_sliding_config_the_graph_contradicts(fp
     import shutil
 
     from gemma_export.errors import FormatError, VerificationError
-    from gemma_export.exporter import verify_manifest
+    from gemma_export.verify import verify_manifest
 
     folder = tmp_path / "copy"
     shutil.copytree(fp32_all, folder)
@@ -910,7 +911,7 @@ def test_a_different_stored_head_is_exported_untied_and_the_manifest_says_so(tin
     assert manifest["tie_word_embeddings"] is False and manifest["config"]["tie_word_embeddings"] is False
     # verify agrees (it compares the field with the graph's tables), and refuses the claim of a tie
     from gemma_export.errors import VerificationError
-    from gemma_export.exporter import verify_manifest
+    from gemma_export.verify import verify_manifest
 
     verify_manifest(result.out_dir)
     manifest["tie_word_embeddings"] = True

@@ -1060,3 +1060,14 @@ def test_an_unknown_choice_from_python_is_refused_before_the_source_is_read(tiny
         gemma_export.export(tiny_dir, tmp_path / "out", **{"dtype": "int4", **kwargs})
     assert str(raised.value) == message
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_folder_beyond_the_vocabulary_names_the_option_that_gave_it(tmp_path):
+    """read_tokenizer_folder adds the option to every message, the vocabulary's ConfigError too."""
+    from gemma_export.errors import ConfigError
+    from gemma_export.sources.hf import read_tokenizer_folder
+
+    (tmp_path / "tokenizer.json").write_bytes(_char_tokenizer_bytes(extra={"z": 500}))
+    with pytest.raises(ConfigError, match=r"token id 500 \('z'\) is outside the model's vocab_size 96 .*\(--tokenizer\)$"):
+        read_tokenizer_folder(tmp_path, 96, "--tokenizer")
+    assert read_tokenizer_folder(tmp_path, 501, "--tokenizer") is not None  # 500 is a row of 501

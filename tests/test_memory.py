@@ -139,17 +139,23 @@ def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export, monkeypa
     assert np.array_equal(huge.forward(*feeds, huge.empty_cache(1))[0], logits)
 
 
-def test_generation_does_not_import_the_graph_builder(tiny_int8_export):
-    # The board's process holds only what generation needs: the graph builder's onnx_ir (and the
-    # checkpoint readers) cost ~30 MB of anonymous memory there (docs/benchmarks.md).
+# The board's process holds only what it needs. Generation: the graph builder's onnx_ir (and the
+# checkpoint readers) cost ~30 MB of anonymous memory there (docs/benchmarks.md). verify, prepack and
+# a bundle's check run there too: importing the exporter for its checks cost 49 MB (onnx_ir, the
+# builder, the quantizers, calibration).
+@pytest.mark.parametrize("run, unwanted", [
+    ("from gemma_export.runtime import OnnxDecoder\nd = OnnxDecoder(sys.argv[1])\n"
+     "assert d.sliding_layers, 'the tiny export has sliding layers'\nd.greedy([2, 40, 41], 3)",
+     ("onnx_ir", "gguf", "safetensors", "gemma_export.builder", "gemma_export.checkpoint")),
+    ("from gemma_export.verify import verify_manifest\nassert 'model.onnx' in verify_manifest(sys.argv[1])",
+     ("onnx_ir", "gemma_export.builder", "gemma_export.weights", "gemma_export.calibration", "gemma_export.exporter",
+      "quant")),
+], ids=["generate", "verify"])
+def test_the_board_commands_do_not_import_the_graph_builder(tiny_int8_export, run, unwanted):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom gemma_export.runtime import OnnxDecoder\n"
-            "d = OnnxDecoder(sys.argv[1])\nassert d.sliding_layers, 'the tiny export has sliding layers'\n"
-            "d.greedy([2, 40, 41], 3)\n"
-            "print(sorted(m for m in sys.modules if m in ('onnx_ir', 'gguf', 'safetensors', 'gemma_export.builder', "
-            "'gemma_export.checkpoint')))")
+    code = f"import sys\n{run}\nprint(sorted(m for m in sys.modules if m in {unwanted!r}))"
     proc = subprocess.run([sys.executable, "-c", code, str(tiny_int8_export)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -610,7 +610,7 @@ def test_verify_refuses_a_damaged_record_under_a_path_that_holds_a_colon_and_spa
 def test_verify_does_not_blame_a_running_prepacks_staging_folder_on_an_interrupted_one(export_copy):
     import fcntl
 
-    from gemma_export.exporter import verify_manifest
+    from gemma_export.verify import verify_manifest
 
     staging_folder = export_copy / f"{prepack_module.LEFTOVER_PREFIXES[0]}abcd1234"
     staging_folder.mkdir()
@@ -628,7 +628,7 @@ def test_verify_does_not_blame_a_running_prepacks_staging_folder_on_an_interrupt
 
 def test_a_dangling_link_named_prepacked_fails_verify(export_copy, tmp_path):
     """A link to nowhere exists() not, yet is no copy of prepack's: verify let it pass."""
-    from gemma_export.exporter import verify_manifest
+    from gemma_export.verify import verify_manifest
 
     (export_copy / "prepacked").symlink_to(tmp_path / "nowhere")
     with pytest.raises(VerificationError, match=r"prepacked: is a link; not a copy gemma-export wrote"):

@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gemma_export.cli import app
-from gemma_export.exporter import is_table_shaped
+from gemma_export.verify import is_table_shaped
 from gemma_export.staging import file_sha256
 from gemma_export.quality import compare_logits
 from gemma_export.runtime import OnnxDecoder, load_tokenizer

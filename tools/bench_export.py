@@ -59,7 +59,7 @@ def _optimized_tables(model_dir: Path) -> int:
     """V x H initializers in onnxruntime's optimized graph of an export (must be 1 when tied)."""
     code = (
         "import json, sys, onnx; from gemma_export.runtime import OnnxDecoder; "
-        "from gemma_export.exporter import is_table_shaped; d = sys.argv[1]; "
+        "from gemma_export.verify import is_table_shaped; d = sys.argv[1]; "
         "OnnxDecoder(d, threads=1, optimized_model_path=d + '/../optimized.onnx'); "
         "g = onnx.load(d + '/../optimized.onnx', load_external_data=False).graph; "
         "c = json.load(open(d + '/manifest.json'))['config']; "

@@ -119,12 +119,14 @@ def _source_files_in(folder: Path) -> list[str]:
 _GGUF_TYPE_SUFFIX = re.compile(r"[-_.](?:i?q\d(?:_[a-z0-9]+)*|f16|f32|bf16)$", re.IGNORECASE)
 
 
-def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype: str) -> str:
+def default_output_name(source: str | Path | None, variant: str) -> str:
     """Folder name for an export when --out is not given, e.g. ``gemma-3-270m-onnx-int8``: the source's
     name without its extension, and for a GGUF without the llama.cpp quantization tag the export does
-    not keep (``gemma-3-270m-q4_k_m.gguf`` → ``gemma-3-270m-onnx-fp32``)."""
+    not keep (``gemma-3-270m-q4_k_m.gguf`` → ``gemma-3-270m-onnx-fp32``), then ``-onnx-`` and
+    ``variant``, the dtype with the options that name their own folder (``int4-table-int8``,
+    ``int8-activation-residual``)."""
     if source is None:
-        return f"{BUNDLED_NAME}-onnx-{dtype}"
+        return f"{BUNDLED_NAME}-onnx-{variant}"
     path = Path(source).absolute()  # the name given, not a link's target (a hub cache's blob hash)
     name = path.name if path.name not in ("", ".", "..") else path.resolve().name
     if name.lower().endswith(".gguf"):
@@ -132,4 +134,4 @@ def default_output_name(checkpoint: Checkpoint, source: str | Path | None, dtype
     else:
         name = name.removesuffix(".mlir")
     name = name.strip("-_. ")
-    return f"{name or 'model'}-onnx-{dtype}"
+    return f"{name or 'model'}-onnx-{variant}"

@@ -18,13 +18,13 @@ from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config
-from ..errors import FormatError, shown
+from ..errors import ConfigError, FormatError, shown
 from ..text_files import SMALL_FILE_BYTES, TOKENIZER_FILE_BYTES, non_regular, read_bounded
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
 
 # safe_open(framework="numpy") returns bf16 tensors (Gemma's published dtype) as numpy's bfloat16,
-# which exists only once ml_dtypes is imported
+# a dtype numpy knows only once ml_dtypes is imported ("data type 'bfloat16' not understood")
 BFLOAT16 = ml_dtypes.bfloat16
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -241,7 +241,8 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
 
     Raises:
         FormatError: a tokenizer file that is a folder, link to nothing, FIFO or device; an unreadable
-            or malformed one; a ``tokenizer.json`` whose ids exceed ``vocab_size``.
+            or malformed one.
+        ConfigError: a ``tokenizer.json`` whose ids exceed ``vocab_size`` (:func:`check_tokenizer_vocab`).
     """
     given = f" ({option})" if option else ""
     try:
@@ -262,6 +263,6 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
         parsed = read_tokenizer_json(folder / "tokenizer.json", files["tokenizer.json"])
         if vocab_size is not None:
             check_tokenizer_vocab(parsed, vocab_size, folder / "tokenizer.json")
-    except FormatError as exc:
-        raise FormatError(f"{exc}{given}") from None
+    except (FormatError, ConfigError) as exc:
+        raise type(exc)(f"{exc}{given}") from None
     return Tokenizer(lambda: files, parsed)
