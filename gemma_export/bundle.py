@@ -153,7 +153,7 @@ def build_wheel(dest: Path, scratch_dir: Path | None = None) -> Path:
     wheels = sorted(dest.glob("gemma_export-*.whl"))
     if proc.returncode != 0 or len(wheels) != 1:
         output = f"{proc.stdout}\n{proc.stderr}"
-        if "No space left on device" in output or "[Errno 28]" in output:  # pip's last line hides it (probe finding)
+        if "No space left on device" in output or "[Errno 28]" in output:  # pip's last line hides it
             # the bundle builds in its own staging folder (deleted by the time this is read): name --out
             hint = ("free space where the bundle is written (--out), or choose another --out" if scratch_dir is not None
                     else f"free space in {dest} and the temporary folder, or point TMPDIR elsewhere")

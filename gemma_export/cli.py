@@ -553,7 +553,7 @@ def generate(
         typer.echo(f"note: {result.prepacked_note}", err=True)
     from .manifest import resized_files
 
-    if changed := resized_files(model):  # ran, but not with the files exported (a fresh user's finding)
+    if changed := resized_files(model):  # ran, but not with the files exported
         typer.echo(f"note: {', '.join(changed)} in {model} changed after the export (sizes differ from its "
                    f"manifest.json); gemma-export verify --model {model} checks every file", err=True)
 

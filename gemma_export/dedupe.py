@@ -285,8 +285,8 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     gathered = [v.shape[0] for v in graph.initializers.values()
                 if len(v.shape) == 2 and any(u.node.op_type.startswith("Gather") and u.idx == 0 for u in v.uses())]
     vocab = int(min(gathered, default=2))
-    # before the write, as export, bundle and prepack do: the data file is the tensors that remain
-    # (a full disk used to be found after the whole rewrite; probe finding)
+    # before the write, as export, bundle and prepack do, so that a full disk is found before the
+    # whole rewrite, not after it: the data file is the tensors that remain
     sizes = [v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None]
     # plus the padding that puts each tensor over 1 MiB on an ALIGNMENT_BYTES boundary (at most one each)
     remaining = sum(sizes) + ALIGNMENT_BYTES * sum(1 for n in sizes if n > 1 << 20)

@@ -300,8 +300,8 @@ def _estimated_bytes(ckpt: Checkpoint, dtype: str, layer_block: int = 0, table_b
     """About how many bytes an export of ``ckpt`` writes: every weight at ``dtype`` (quantized ones
     with one scale of ``scale_bytes`` per block), the tokenizer files, and the graph (about 10–13 kB
     per layer: 184 kB for the real 270M's 18, 51 kB for a 4-layer test model) with the manifest and
-    genai_config.json (under 8 kB together). Within 1% on the real 270M (every dtype); without the
-    graph, a 4-layer test export's 262 kB were estimated at 192 kB (probe finding, 2026-12-06)."""
+    genai_config.json (under 8 kB together). Within 1% on the real 270M (every dtype); the graph's
+    share matters for small models (a 4-layer test export: 262 kB, 192 kB of it outside the graph)."""
     table_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name in (EMBED, LM_HEAD))
     other_numel = sum(math.prod(ref.shape) for name, ref in ckpt.tensors.items() if name not in (EMBED, LM_HEAD))
     fmt = WEIGHT_FORMATS[dtype]
@@ -498,8 +498,8 @@ def export(
     check_free_space(out, int(0.99 * estimate), "export")
     replaced_copy = (out / PREPACKED_DIR).is_dir()  # made from the files this export replaces
     # entered before the calibration, the slow part: its locked staging folder tells a second export
-    # into the same folder that this one is writing it (the second calibrated in full, then was
-    # refused at the move: a fresh user's finding)
+    # into the same folder that this one is writing it, before the second calibrates in full only to
+    # be refused at the move
     with staged_folder(out, "export", checked_state, notify=status) as staging:
         calibration = None
         if asked or (quantized and calibrate is None and ckpt.tokenizer is not None):

@@ -147,7 +147,7 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
         size = path.stat().st_size
         # the graph is checked against the manifest once loaded (an edited graph is named by what it
         # changed); only a size no edit of it explains is refused first, since onnx.load reads it whole
-        # (a 2 GB file in its place was read before it was refused: probe finding)
+        # (a 2 GB file in its place would be read whole before it was refused)
         if name == MODEL_FILE and size <= max(16 * recorded, SMALL_FILE_BYTES):
             continue
         if size != recorded:

@@ -525,7 +525,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     if hf_model is None and ref_model is None:  # golden only: its entries carry their own prompts
         prompt_list = []
     for text, ids in prompt_list:
-        n = len(results)  # numbered from 0, as the errors and golden entries number them (fresh user)
+        n = len(results)  # numbered from 0, as the errors and golden entries number them
         say(f"prompt #{n} ({n + 1} of {len(prompt_list)}): {_count(len(ids), 'token')}")
         entry = PromptParity(text, ids)
         if hf_model is not None:

@@ -492,7 +492,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     # file than those tokens can take up, as bench does (a 1 GB --text held 2 GB to score 20 tokens)
     limit = manifest_figure(model_dir, "max_position_embeddings")
     needed = tokens if tokens is not None or not limit else limit + 1
-    if limit and needed is not None:  # --tokens beyond the positions: read as if one past them (probe: 10**12 → MemoryError)
+    if limit and needed is not None:  # --tokens beyond the positions (10**12) reads as one past them, not into a MemoryError
         needed = min(needed, limit + 1)
     max_bytes = None if needed is None else text_bytes_for(needed)
     body, source = real_text(text, max_bytes)

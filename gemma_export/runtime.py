@@ -318,7 +318,7 @@ class OnnxDecoder:
         except (GemmaExportError, OSError):
             # an export that replaced the folder meanwhile (its rename is atomic, this reading of several
             # files is not) mixes two exports' files: "dtype is int8, but the graph stores int4" would
-            # send the user looking for a damaged export (probe finding)
+            # send the user looking for a damaged export
             if _folder_identity(self.model_dir) != before:
                 raise GemmaExportError(f"{self.model_dir}: replaced or moved while it was being loaded (another "
                                        "gemma-export writing it?); run again") from None

@@ -739,7 +739,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
         for path in stale.removed:
             notify(f"removed {path}, left by an earlier gemma-export")
         for path, problem in stale.stuck:
-            # a problem that says what to do with the folder is not followed by "remove it by hand" (probe finding)
+            # a problem that says what to do with the folder is not followed by "remove it by hand"
             notify(f"could not remove {path}, left by an earlier gemma-export ({problem})"
                    f"{'' if 'by hand' in problem else '; remove it by hand'}")
         for path in stale.kept:
@@ -852,8 +852,8 @@ def _describe(exc: OSError, folder: Path) -> str:
         reason += ": the disk is full or a file-size limit was reached"
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
         with contextlib.suppress(OSError, TypeError):
-            # asked after the partial output was deleted: "disk full" beside 299 MB free read as a
-            # contradiction (probe finding)
+            # asked after the partial output was deleted, so that "disk full" beside the free space it
+            # reports does not read as a contradiction
             reason += f"; {shutil.disk_usage(existing).free:,} bytes free there once the partial output was removed"
     elif exc.filename:
         reason += f" ({exc.filename})"

@@ -44,8 +44,8 @@ def _check_json_object(path: Path, content: bytes) -> None:
         raise FormatError(f"{path}: expected a JSON object, found text that is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise FormatError(f"{path}: expected a JSON object, found {shown(value)}")
-    # the special tokens transformers' AutoTokenizer reads with a type: a wrong one passed the export
-    # and verify, then raised TypeError in AutoTokenizer on the board (probe finding; transformers 5.25)
+    # the special tokens transformers' AutoTokenizer reads with a type: a wrong one would pass the
+    # export and verify, then raise TypeError in AutoTokenizer on the board (transformers 5.25)
     for name in _SIDE_FILE_TOKENS:
         if name in value and value[name] is not None and not _is_token(value[name]):
             raise FormatError(f"{path}: field '{name}' must be a token (a string, or an object whose 'content' is "
