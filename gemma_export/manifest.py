@@ -412,6 +412,21 @@ def graph_kv_dims(model) -> tuple[int | None, int | None]:
     return tuple(d.dim_value if d.HasField("dim_value") else None for d in (dims[1], dims[3]))
 
 
+def check_manifest_against_model(manifest: dict, path: str | Path, model) -> None:
+    """:func:`check_manifest_against_graph` with every figure read from ``model``, an export's
+    ``onnx.ModelProto`` (external data not loaded): the vocabulary from the logits' width, else the
+    embedding table's rows (:func:`graph_table_rows`), the layers, the weights' dtype, the cache's
+    dimensions, the quantization and the output options.
+
+    Raises:
+        FormatError: naming the first field that contradicts the graph.
+        TypeError: a name in the graph that is not UTF-8 (protobuf gives it as bytes).
+    """
+    vocab, layers = graph_vocab_and_layers(model)
+    check_manifest_against_graph(manifest, path, vocab or graph_table_rows(model), layers, graph_dtype(model),
+                                 graph_kv_dims(model), graph_quantization(model), graph_output_options(model))
+
+
 def check_manifest_matches_graph(model_dir: str | Path) -> None:
     """:func:`check_manifest_fields` and :func:`check_manifest_against_graph` for an export folder,
     reading only its graph (not the weights, no session): a quick way to tell a hand-edited manifest
@@ -426,5 +441,4 @@ def check_manifest_matches_graph(model_dir: str | Path) -> None:
     manifest = read_manifest(model_dir)
     check_manifest_fields(manifest, path)
     model = read_graph(Path(model_dir) / MODEL_FILE)
-    check_manifest_against_graph(manifest, path, *graph_vocab_and_layers(model), graph_dtype(model), graph_kv_dims(model),
-                                 graph_quantization(model), graph_output_options(model))
+    check_manifest_against_model(manifest, path, model)

@@ -29,10 +29,10 @@ from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDI
                      SLIDING_WINDOW_KEY)
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError,
                      check_arguments, first_line, is_whole_number, shown, shown_folder)
-from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_fields, graph_kv_dims,
-                       graph_output_options, graph_table_rows, graph_vocab_and_layers, is_token_ids, manifest_figure,
-                       read_manifest, require_folder)
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, graph_dtype, graph_quantization, load_graph
+from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_against_model,
+                       check_manifest_fields, graph_table_rows, is_token_ids, manifest_figure, read_manifest,
+                       require_folder)
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, graph_dtype, load_graph
 from . import memory
 from .memory import release_free_heap
 from .text_files import non_regular, not_unicode_at, read_bounded
@@ -336,16 +336,10 @@ class OnnxDecoder:
         # a hand-edited manifest is named before the (slow) session; the session's figures are checked again below
         check_manifest_fields(self.manifest, self.model_dir / MANIFEST_FILE)
         try:
-            vocab, layers = graph_vocab_and_layers(graph)
             table_rows = graph_table_rows(graph)  # the vocabulary where the logits' dimension is symbolic
-            kv_dims = graph_kv_dims(graph)
-            quantization = graph_quantization(graph)
-            outputs = graph_output_options(graph)
+            check_manifest_against_model(self.manifest, self.model_dir / MANIFEST_FILE, graph)
         except TypeError:  # protobuf gives a name that is not UTF-8 as bytes: create_session names it below
             table_rows = None
-        else:
-            check_manifest_against_graph(self.manifest, self.model_dir / MANIFEST_FILE, vocab or table_rows, layers,
-                                         self.dtype, kv_dims, quantization, outputs)
         del graph
         self.prepacked_path, self.prepacked_note = None, ""
         copy_dir = self.model_dir / prepack_copy.PREPACKED_DIR

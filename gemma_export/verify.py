@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import SLIDING_CACHE_START
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_arguments, shown_folder
 from .manifest import read_manifest, require_folder
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, graph_quantization, read_graph
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
@@ -159,8 +159,7 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = listed_files(manifest.get("files"), manifest_path, nested=False)
-    from .manifest import (check_manifest_against_graph, check_manifest_fields, graph_kv_dims, graph_output_options,
-                           graph_vocab_and_layers)
+    from .manifest import check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers
     from .runtime import sliding_layers_from
 
     try:
@@ -185,12 +184,10 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     try:
         model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data
         vocab, layers = graph_vocab_and_layers(model)
-        stored = graph_dtype(model)
         if "dtype" not in manifest:
-            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {stored}, the weights "
+            raise VerificationError(f"{manifest_path}: no field 'dtype'; expected {graph_dtype(model)}, the weights "
                                     f"{MODEL_FILE} stores")
-        check_manifest_against_graph(manifest, manifest_path, vocab, layers, stored, graph_kv_dims(model),
-                                     graph_quantization(model), graph_output_options(model))
+        check_manifest_against_model(manifest, manifest_path, model)
         _check_tied(manifest, manifest_path, model, vocab)
         # the sliding-window metadata the runtime checks against the manifest before it generates
         takes_start = any(i.name == SLIDING_CACHE_START for i in model.graph.input) and \
