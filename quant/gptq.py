@@ -34,6 +34,9 @@ from .rows import float_rows
 #: activations leave some directions unexercised.
 DEFAULT_DAMP = 0.01
 _ROWS_PER_CHUNK = 4096
+#: columns per lazy batch update (the paper's B; its reference code uses 128). In numpy the
+#: inner loop's [rows, lazy] updates cost more as lazy grows, the outer ones less: for a [2048, 640]
+#: weight, lazy 8 / 16 / 32 / 64 / 128 took 0.16 / 0.083 / 0.083 / 0.092 / 0.54 s (2026-12-06)
 _LAZY = 32
 
 
