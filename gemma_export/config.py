@@ -41,8 +41,9 @@ _TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 #: as block-wise integer codes with scales
 DTYPES = ("fp32", "bf16", "int8", "int4")
 QUANTIZED_DTYPES = ("int8", "int4")
-#: ``--table-dtype`` choices of an int4 export (``weights.Int4Format.TABLE_BITS`` gives their bits)
-TABLE_DTYPES = ("int4", "int8")
+#: ``--table-dtype`` choices of an int4 export → the bits of the shared table's codes
+TABLE_BITS = {"int4": 4, "int8": 8}
+TABLE_DTYPES = tuple(TABLE_BITS)
 
 #: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which
 #: also stops generation; used where a source does not name them

@@ -23,7 +23,7 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint
-from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
+from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
@@ -486,7 +486,7 @@ def export(
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_block = block_size_for(ckpt, block_size, default=WEIGHT_FORMATS[dtype].default_block_size)
-        table_bits = Int4Format.TABLE_BITS[table_dtype or "int4"] if dtype == Int4Format.name else WEIGHT_FORMATS[dtype].bits
+        table_bits = TABLE_BITS[table_dtype or "int4"] if dtype == Int4Format.name else WEIGHT_FORMATS[dtype].bits
         table_block = block_size_for(ckpt, table_block_size, (ckpt.config.hidden_size,), DEFAULT_TABLE_BLOCK_SIZE[table_bits],
                                       "--table-block-size")
         estimate = _estimated_bytes(ckpt, dtype, layer_block, table_block, table_bits,

@@ -58,6 +58,7 @@ from quant.scales import Float16RangeError, check_scale_dtype
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
+from .config import TABLE_BITS
 from .errors import ConfigError, NumericError
 from .graph import MS_DOMAIN, GraphBuilder
 
@@ -563,8 +564,6 @@ class Int4Format(Int8Format):
     name = "int4"
     bits = 4
     default_block_size = DEFAULT_INT4_BLOCK_SIZE
-    #: ``table_dtype`` → the table's bits
-    TABLE_BITS = {"int4": 4, "int8": 8}  # its keys are config.TABLE_DTYPES, the CLI's choices (a test checks)
 
     @classmethod
     def from_options(cls, block_size=None, table_block_size=None, hadamard_size=None, table_dtype=None,
@@ -585,11 +584,11 @@ class Int4Format(Int8Format):
     def __init__(self, block_size: int = DEFAULT_INT4_BLOCK_SIZE, table_block_size: int | None = None,
                  hadamard_size: int = DEFAULT_HADAMARD_SIZE, table_dtype: str = "int4", symmetric: bool = True,
                  method: str = "mse", calibration: Calibration | None = None, scale_dtype: str = "float32"):
-        if table_dtype not in self.TABLE_BITS:
-            raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(self.TABLE_BITS)}")
+        if table_dtype not in TABLE_BITS:
+            raise ValueError(f"table_dtype {table_dtype!r}: expected {' or '.join(TABLE_BITS)}")
         if method not in SCALE_METHODS:
             raise ValueError(f"method {method!r}: expected {' or '.join(SCALE_METHODS)}")
-        self.table_bits = self.TABLE_BITS[table_dtype]
+        self.table_bits = TABLE_BITS[table_dtype]
         super().__init__(block_size, table_block_size, hadamard_size, calibration, scale_dtype=scale_dtype)
         self.symmetric = symmetric
         self.method = method
