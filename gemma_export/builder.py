@@ -34,7 +34,8 @@ import numpy as np
 import onnx_ir as ir
 
 from .checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, TensorRef
-from .config import FULL, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY, GemmaConfig
+from .config import (DEBUG_BLOCKS, FULL, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY, GemmaConfig,
+                     debug_output_name)
 from .graph import MS_DOMAIN, GraphBuilder
 from .weights import Table, WeightFormat
 
@@ -245,15 +246,6 @@ def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: i
     ff = rms_norm(g, ff, _weight(ckpt, p + "post_feedforward_layernorm.weight"), eps)
     x = g.op("Add", x, ff)
     return x, present_key, present_value, {"attention": attn, "mlp": ff}
-
-
-#: extra outputs of a ``debug_outputs`` export: ``debug.layers.{i}.{block}`` float32 [batch, sequence_length, hidden]
-DEBUG_BLOCKS = ("attention", "mlp")
-
-
-def debug_output_name(layer: int, block: str) -> str:
-    """The graph output name ``debug.layers.{layer}.{block}`` (``block``: one of :data:`DEBUG_BLOCKS`)."""
-    return f"debug.layers.{layer}.{block}"
 
 
 def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, debug_outputs: bool = False) -> ir.Model:

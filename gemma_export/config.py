@@ -26,6 +26,15 @@ FULL = "full_attention"
 SLIDING_CACHE_START = "sliding_cache_start"
 SLIDING_LAYERS_KEY, SLIDING_WINDOW_KEY = "gemma_export.sliding_layers", "gemma_export.sliding_window"
 
+#: extra outputs of a ``debug_outputs`` export: ``debug.layers.{i}.{block}`` float32 [batch, sequence_length, hidden]
+#: (``builder.py``; ``parity`` compares them, and needs no graph builder for that)
+DEBUG_BLOCKS = ("attention", "mlp")
+
+
+def debug_output_name(layer: int, block: str) -> str:
+    """The graph output name ``debug.layers.{layer}.{block}`` (``block``: one of :data:`DEBUG_BLOCKS`)."""
+    return f"debug.layers.{layer}.{block}"
+
 #: Defaults of transformers' ``Gemma3TextConfig`` (used only where a source omits a field that
 #: transformers itself would default).
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}

@@ -328,7 +328,7 @@ def sub_block_outputs(model, token_ids: Sequence[int]) -> dict[str, np.ndarray]:
     """
     import torch
 
-    from .builder import debug_output_name
+    from .config import debug_output_name
 
     captured: dict[str, np.ndarray] = {}
     handles = []
@@ -363,7 +363,7 @@ def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: d
     Raises:
         KeyError: an output of a compared layer is missing from either dict.
     """
-    from .builder import DEBUG_BLOCKS, debug_output_name
+    from .config import DEBUG_BLOCKS, debug_output_name
 
     errors = []
     first = None
