@@ -454,8 +454,9 @@ THREADS_HELP = "onnxruntime intra-op threads, 1 to 4 x this machine's CPUs (defa
 PREFILL_CHUNK_HELP = ("Feed the prompt in steps of at most N tokens (default 512, as llama.cpp's batch; 0: all at "
                       "once). fp32 logits agree to 4e-5 either way; int8 ones move by up to ~0.7 (8-bit activations), "
                       "which can flip a near-tied token (and so the whole text after it); "
-                      "a longer step needs more activation memory while the prompt runs (a 3,072-token prompt in "
-                      "one step: a 1,210 MB peak, in steps of 512: 738 MB); the first decode step gives it back.")
+                      "a longer step needs more activation memory while the prompt runs (the int8 export, a "
+                      "3,072-token prompt in one step: a 1,289 MB peak, in steps of 512: 815 MB); the first decode "
+                      "step gives it back.")
 
 
 def _prefill_chunk(value: int | None) -> int | None:

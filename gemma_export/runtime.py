@@ -40,8 +40,8 @@ from .text_files import non_regular, not_unicode_at, read_bounded
 
 #: Prompt tokens per prefill step unless told otherwise (``generate``, ``bench``, :meth:`OnnxDecoder.greedy`).
 #: onnxruntime's CPU ``GroupQueryAttention`` holds a step's attention scores, heads × step × context
-#: float32, so the step sets the peak: a 3,072-token prompt in one step peaked at 1,210 MB, in steps
-#: of 512 tokens at 738 MB (``docs/benchmarks.md``, int8, 2026-12-04; :class:`KVCache` gives the
+#: float32, so the step sets the peak: a 3,072-token prompt in one step peaked at 1,289 MB, in steps
+#: of 512 tokens at 815 MB (``docs/benchmarks.md``, int8, 2026-12-06; :class:`KVCache` gives the
 #: arena's prompt buffers back at the first decode step). fp32 logits are the same to float rounding (≤ 4e-5); int8 ones
 #: move by up to ~0.7 with the step (activations rounded to 8 bits). llama.cpp's default batch is 512 tokens too.
 DEFAULT_PREFILL_CHUNK = 512
