@@ -417,8 +417,6 @@ def export(
         VerificationError: the written model failed the ONNX checker, the onnxruntime load or its
             first step's finite logits (:func:`verify_folder`); nothing is written.
     """
-    import onnx_ir as ir
-
     check_arguments("export", source=(source, "path?"), out_dir=(out_dir, "path?"), dtype=(dtype, "str"),
                     block_size=(block_size, "int?"), table_block_size=(table_block_size, "int?"),
                     hadamard_size=(hadamard_size, "int?"), table_dtype=(table_dtype, "str?"), symmetric=(symmetric, "bool"),
@@ -513,20 +511,7 @@ def export(
         quantization = _quantization_record(fmt, calibration) if quantized else None
         model = build_model(ckpt, fmt, all_logits=all_logits, debug_outputs=debug_outputs)
 
-        # ir.save reports the tensors it writes to the data file: those larger than SIZE_THRESHOLD_BYTES
-        total = sum(1 for v in model.graph.initializers.values()
-                    if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)
-        done = 0
-
-        def on_tensor(tensor, info) -> None:
-            nonlocal done
-            done += 1
-            if progress is not None:
-                progress(done, total, tensor.name)
-
-        # One tensor in flight at a time: the exporter's memory stays near one dequantized tensor.
-        ir.save(model, staging / MODEL_FILE, external_data=DATA_FILE, callback=on_tensor, max_workers=1,
-                max_in_flight_bytes=1, alignment=ALIGNMENT_BYTES, size_threshold_bytes=SIZE_THRESHOLD_BYTES)
+        _save_graph(model, staging / MODEL_FILE, progress)
         del model, fmt, calibration  # frees the quantization memo (the int8 table) before onnxruntime loads the model
         gc.collect()
         if ckpt.tokenizer is not None:
@@ -538,31 +523,8 @@ def export(
         except VerificationError as exc:  # named as the output it would have been, not the hidden staging folder
             raise VerificationError(f"{str(exc).replace(str(staging), str(out))}; nothing was written") from None
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)
-        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
-        source_digests = ckpt.file_sha256s()
-        manifest = {
-            "format": "onnx",
-            "dtype": dtype,
-            **({"quantization": quantization} if quantization is not None else {}),
-            "all_logits": all_logits,
-            "debug_outputs": debug_outputs,
-            "tie_word_embeddings": ckpt.tied,
-            # GroupQueryAttention reads past + sequence from attention_mask, so one [batch, kv_heads,
-            # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
-            "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
-            # sha256: quality and parity re-open the source by path and refuse other contents there
-            # (one digest over the files, Checkpoint.content_sha256); file_sha256: each file's own
-            "source": {**ckpt.identity, "sha256": ckpt.content_sha256(source_digests), "file_sha256": source_digests,
-                       # where the tokenizer came from when it is not the source's own (--tokenizer)
-                       **({"tokenizer": str(tokenizer_dir.resolve())} if given_tokenizer is not None else {})},
-            # what the export is: a source that claims tie_word_embeddings but stores a different
-            # lm_head (or a GGUF with its own output.weight) is exported with two tables
-            "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},
-            "tool": {"gemma-export": __version__, **_tool_versions()},
-            "files": {name: {"bytes": size, "sha256": file_sha256(staging / name)} for name, size in files.items()},
-        }
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        files[MANIFEST_FILE] = (staging / MANIFEST_FILE).stat().st_size
+        files = _write_manifest(staging, ckpt, dtype, quantization, all_logits, debug_outputs,
+                                tokenizer_dir if given_tokenizer is not None else None)
         result = ExportResult(out, files, dtype, ckpt.tied, tables, time.perf_counter() - started, peak_rss_bytes(),
                               tokenizer_dir / "tokenizer.json" if given_tokenizer is not None else None, quantization)
     with reported_as_written(out, "export"):  # in place: an interrupt now must not say "nothing was written"
@@ -570,6 +532,64 @@ def export(
             status(f"note: the replaced export's pre-packed copy went with it; `gemma-export prepack --model {out}` "
                    "makes one for the new files")
     return result
+
+
+def _save_graph(model, path: Path, progress: Callable[[int, int, str], None] | None) -> None:
+    """Write ``model`` (an ``onnx_ir.Model`` with lazy weights) to ``path``, its tensors over
+    ``SIZE_THRESHOLD_BYTES`` in ``DATA_FILE`` beside it, reporting ``progress(done, total, name)``
+    per tensor written there. One tensor in flight at a time: the exporter's memory stays near one
+    dequantized tensor."""
+    import onnx_ir as ir
+
+    total = sum(1 for v in model.graph.initializers.values()
+                if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)
+    done = 0
+
+    def on_tensor(tensor, info) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, tensor.name)
+
+    ir.save(model, path, external_data=DATA_FILE, callback=on_tensor, max_workers=1, max_in_flight_bytes=1,
+            alignment=ALIGNMENT_BYTES, size_threshold_bytes=SIZE_THRESHOLD_BYTES)
+
+
+def _write_manifest(folder: Path, ckpt: Checkpoint, dtype: str, quantization: dict | None, all_logits: bool,
+                    debug_outputs: bool, tokenizer_dir: Path | None) -> dict[str, int]:
+    """Write ``manifest.json`` into ``folder``: what the export is (dtype, quantization, outputs,
+    cache layout, config), where it came from (the source's identity and sha256s, the folder of a
+    ``--tokenizer``), the tools' versions, and the size and sha256 of every other file there.
+
+    Returns:
+        file name → size in bytes, the manifest included.
+    """
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
+    source_digests = ckpt.file_sha256s()
+    manifest = {
+        "format": "onnx",
+        "dtype": dtype,
+        **({"quantization": quantization} if quantization is not None else {}),
+        "all_logits": all_logits,
+        "debug_outputs": debug_outputs,
+        "tie_word_embeddings": ckpt.tied,
+        # GroupQueryAttention reads past + sequence from attention_mask, so one [batch, kv_heads,
+        # capacity, head_dim] buffer per cache tensor can be both past and present (runtime.KVCache).
+        "kv_cache": {"layout": "BNSH", "past_present_share_buffer": True},
+        # sha256: quality and parity re-open the source by path and refuse other contents there
+        # (one digest over the files, Checkpoint.content_sha256); file_sha256: each file's own
+        "source": {**ckpt.identity, "sha256": ckpt.content_sha256(source_digests), "file_sha256": source_digests,
+                   # where the tokenizer came from when it is not the source's own (--tokenizer)
+                   **({"tokenizer": str(tokenizer_dir.resolve())} if tokenizer_dir is not None else {})},
+        # what the export is: a source that claims tie_word_embeddings but stores a different
+        # lm_head (or a GGUF with its own output.weight) is exported with two tables
+        "config": {**ckpt.config.to_dict(), "tie_word_embeddings": ckpt.tied},
+        "tool": {"gemma-export": __version__, **_tool_versions()},
+        "files": {name: {"bytes": size, "sha256": file_sha256(folder / name)} for name, size in files.items()},
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    files[MANIFEST_FILE] = (folder / MANIFEST_FILE).stat().st_size
+    return files
 
 
 #: a tokenizer with fewer tokens than this share of the model's rows gets a note (Gemma's has

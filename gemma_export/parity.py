@@ -565,6 +565,15 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         entry.golden = {"entry": n, "expected_ids": expected, "export_ids": got, "match": got == expected,
                         "first_mismatch": _first_difference(got, expected), "dtype": g.dtype}
 
+    return ParityReport(str(model_dir), dtype, results, _checks(pooled, pooled_ref, results, limits))
+
+
+def _checks(pooled: list, pooled_ref: list[np.ndarray], results: list[PromptParity], limits: dict) -> list[Check]:
+    """The verdicts of a run: top-1 agreement and mean KL against transformers, pooled over every
+    position of every prompt (``pooled``: each prompt's ``QualityMetrics``), the share of tokens
+    equal to the reference's (``pooled_ref``: each prompt's per-position agreement, near-ties
+    counted as agreeing), and each golden entry's exact match, against ``limits`` (:data:`THRESHOLDS`
+    of the export's dtype)."""
     checks = []
     if pooled:
         positions = sum(m.tokens for m in pooled)
@@ -582,7 +591,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             checks.append(Check(f"golden entry #{r.golden['entry']} ({count} token{'' if count == 1 else 's'})",
                                 "match" if r.golden["match"] else f"differs at {r.golden['first_mismatch']}",
                                 "exact", r.golden["match"]))
-    return ParityReport(str(model_dir), dtype, results, checks)
+    return checks
 
 
 def _against_reference(decoder, ref_model, ids: list[int]) -> dict:

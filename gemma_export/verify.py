@@ -13,12 +13,13 @@ from pathlib import Path
 
 from .config import SLIDING_CACHE_START
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_arguments, shown_folder
-from .manifest import read_manifest, require_folder
+from .manifest import (check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers, read_manifest,
+                       require_folder)
 from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import create_session
+from .runtime import create_session, sliding_layers_from
 from .staging import check_listed_file, listed_files
 from .text_files import non_regular
 
@@ -159,8 +160,6 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     expected = listed_files(manifest.get("files"), manifest_path, nested=False)
-    from .manifest import check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers
-    from .runtime import sliding_layers_from
 
     try:
         check_manifest_fields(manifest, manifest_path, config_required=True)
