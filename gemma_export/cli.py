@@ -44,7 +44,7 @@ except ImportError:
         class NoArgsIsHelpError(UsageError):  # never raised by such a click
             pass
 
-from quant.int4 import SCALE_METHODS
+from quant.scales import SCALE_METHODS
 from quant.scales import SCALE_DTYPES
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from quant.int4 import SCALE_METHODS
+from quant.scales import SCALE_METHODS
 from quant.scales import SCALE_DTYPES
 
 from . import __version__

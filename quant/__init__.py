@@ -5,9 +5,26 @@ Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` 
 (``weight_format``: bf16, or block-wise int8 / int4 run by onnxruntime's ``MatMulNBits``).
 """
 
-from .bf16 import BF16Weights, bfloat16_bits_to_float32, float32_to_bfloat16_bits, truncate_to_bfloat16_bits
-from .hadamard import hadamard_matrix, rotate_blocks
-from .int4 import BlockInt4Weights
-from .int8 import BlockInt8Weights
+#: public name → submodule: imported on first use (PEP 562), so that ``quant.scales``' constants (the
+#: CLI's choices) load without the quantizers and ml_dtypes (about 0.5 s of start-up)
+_PUBLIC = {
+    "BF16Weights": "bf16", "bfloat16_bits_to_float32": "bf16", "float32_to_bfloat16_bits": "bf16",
+    "truncate_to_bfloat16_bits": "bf16",
+    "hadamard_matrix": "hadamard", "rotate_blocks": "hadamard",
+    "BlockInt4Weights": "int4",
+    "BlockInt8Weights": "int8",
+}
 
-__all__ = ["BF16Weights", "bfloat16_bits_to_float32", "truncate_to_bfloat16_bits", "BlockInt4Weights", "BlockInt8Weights", "float32_to_bfloat16_bits", "hadamard_matrix", "rotate_blocks"]
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'quant' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_PUBLIC])

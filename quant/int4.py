@@ -36,7 +36,7 @@ import numpy as np
 
 from .gptq import as_hessian, gptq_codes
 from .rows import block_count, row_chunks
-from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
+from .scales import SCALE_METHODS, Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 8
 #: clipping ratios ``c`` the ``"mse"`` search tries: 1.0 down to 0.6 in 17 steps of 0.025 (its cost
@@ -44,9 +44,6 @@ ZERO_POINT = 8
 #: same size, docs/quality.md)
 CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.6, 17), 4))
 _ROWS_PER_CHUNK = 4096
-#: the ``method`` choices of :meth:`BlockInt4Weights.quantize`: the clipping search (the default) and
-#: round to nearest (clipping ratio 1)
-SCALE_METHODS = ("mse", "rtn")
 
 
 def pack_nibbles(codes: np.ndarray) -> np.ndarray:
