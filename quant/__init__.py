@@ -18,13 +18,19 @@ _PUBLIC = {
 __all__ = sorted(_PUBLIC)
 
 
+#: the submodules, reachable as attributes (``quant.int8.ZERO_POINT``) as when this package imported them all
+_SUBMODULES = ("bf16", "gptq", "hadamard", "int4", "int8", "rows", "scales")
+
+
 def __getattr__(name):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'quant' has no attribute {name!r}")
     import importlib
 
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'quant' has no attribute {name!r}")
     return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)
 
 
 def __dir__():
-    return sorted([*globals(), *_PUBLIC])
+    return sorted({*globals(), *_PUBLIC, *_SUBMODULES})

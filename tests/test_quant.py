@@ -625,3 +625,24 @@ def test_an_all_zero_block_gets_the_scale_one_and_zero_codes():
     q = BlockInt8Weights.quantize(w, 16)
     assert q.scales[:, 0].tolist() == [1.0, 1.0] and q.scales[0, 1] == 1.0
     assert np.array_equal(q.dequantize(), w)
+
+
+def test_the_package_loads_its_modules_on_first_use():
+    """``import quant`` loads no quantizer (the CLI reads quant.scales only); every public name and
+    every submodule still resolves as when the package imported them all."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, quant\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('quant.', 'ml_dtypes'))))\n"
+            "print(quant.int8.ZERO_POINT, quant.int4.ZERO_POINT, quant.BlockInt8Weights is quant.int8.BlockInt8Weights)\n"
+            "print(all(callable(getattr(quant, n)) for n in quant.__all__))\n"
+            "try:\n    quant.nope\nexcept AttributeError as e:\n    print(e)\n")
+    lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == ["[]", "128 8 True", "True", "module 'quant' has no attribute 'nope'"]
+    import quant
+
+    files = {p.stem for p in Path(quant.__file__).parent.glob("*.py")} - {"__init__"}
+    assert set(quant._SUBMODULES) == files  # a new module is reachable as quant.<name> too
+    assert set(quant.__all__) | files <= set(dir(quant))
