@@ -44,8 +44,7 @@ except ImportError:
         class NoArgsIsHelpError(UsageError):  # never raised by such a click
             pass
 
-from quant.scales import SCALE_METHODS
-from quant.scales import SCALE_DTYPES
+from quant.scales import SCALE_DTYPES, SCALE_METHODS
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES

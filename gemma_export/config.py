@@ -35,6 +35,7 @@ def debug_output_name(layer: int, block: str) -> str:
     """The graph output name ``debug.layers.{layer}.{block}`` (``block``: one of :data:`DEBUG_BLOCKS`)."""
     return f"debug.layers.{layer}.{block}"
 
+
 #: Defaults of transformers' ``Gemma3TextConfig`` (used only where a source omits a field that
 #: transformers itself would default).
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}

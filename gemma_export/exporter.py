@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from quant.scales import SCALE_METHODS
-from quant.scales import SCALE_DTYPES
+from quant.scales import SCALE_DTYPES, SCALE_METHODS
 
 from . import __version__
 from .builder import build_model

@@ -52,9 +52,8 @@ from quant import BF16Weights, BlockInt4Weights, BlockInt8Weights, hadamard_matr
 from quant import int4 as int4_scheme
 from quant.gptq import Hessian
 from quant.rows import first_non_finite
-from quant.scales import SCALE_METHODS
 from quant.int8 import ZERO_POINT
-from quant.scales import Float16RangeError, check_scale_dtype
+from quant.scales import SCALE_METHODS, Float16RangeError, check_scale_dtype
 
 from .calibration import Calibration
 from .checkpoint import TensorRef
