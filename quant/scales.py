@@ -21,7 +21,7 @@ SCALE_DTYPES = ("float32", "float16")
 #: ``--scale-method`` choices, how a block's scale is chosen (the ``method`` of
 #: :meth:`quant.int4.BlockInt4Weights.quantize`): the clipping search (the default) and round to
 #: nearest (clipping ratio 1). Here, beside ``SCALE_DTYPES``, because this module imports numpy only:
-#: the CLI reads both without loading the quantizers (ml_dtypes alone takes 0.5 s to import)
+#: the CLI reads both without loading the quantizers or ml_dtypes
 SCALE_METHODS = ("mse", "rtn")
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
