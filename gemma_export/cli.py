@@ -224,6 +224,9 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
     SIGTERM as :func:`_interrupted`; both end the command. Inside it Ctrl-C raises
     KeyboardInterrupt and SIGTERM :class:`~gemma_export.console.Terminated`
     (:func:`~gemma_export.console.interrupts_raised`), so that writers clean up."""
+    from .staging import MOVED_IN
+
+    moved_in = MOVED_IN.set(None)
     with interrupts_raised():
         try:
             yield
@@ -241,7 +244,11 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
+            if (written := MOVED_IN.get()) is not None:  # after the writer's rename: e.g. while its
+                _interrupted_once_written(*written, exc)  # progress bars closed or its frames returned
             _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
+        finally:
+            MOVED_IN.reset(moved_in)
 
 
 def _checked_threads(ctx: typer.Context, value: Optional[int]) -> Optional[int]:

@@ -5,6 +5,7 @@ parent folders this call created, and leave an existing destination unchanged.""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import hashlib
 import json
@@ -61,6 +62,13 @@ def interrupts_held(deferred: bool = False) -> Iterator[None]:
             raise pending
     if caught:  # now met by the handler it would have met during the block
         signal.raise_signal(caught[0])
+
+
+#: the output :func:`move_into_place` moved in last, and what it is (``(path, "export")``), for a
+#: command whose interrupt lands after that but before the command reports it, wherever the stack
+#: then is (a progress bar closed, a frame returning): the output is complete, and the command must
+#: say so (``cli._reported``). Set inside the block that holds interrupts off, with the rename.
+MOVED_IN: contextvars.ContextVar[tuple[Path, str] | None] = contextvars.ContextVar("moved_in", default=None)
 
 
 @contextlib.contextmanager
@@ -288,10 +296,11 @@ def remove_tree(path: Path) -> str | None:
     return errors[0] if errors else "not removed"
 
 
-def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
+def move_into_place(staging: Path, out_dir: Path, what: str = "output") -> tuple[Path, str] | None:
     """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder, then
     delete the old folder. If the second rename fails the old ``out_dir`` is put back; Ctrl-C cannot
-    stop it between the renames or during the deletion.
+    stop it between the renames or during the deletion. Once ``staging`` is in place,
+    :data:`MOVED_IN` holds ``(out_dir, what)``.
 
     Returns:
         None, or ``(folder, first error)`` when the old folder could not be deleted (e.g. a
@@ -300,6 +309,7 @@ def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
     with interrupts_held():
         if not (out_dir.exists() or out_dir.is_symlink()):
             os.replace(staging, out_dir)
+            MOVED_IN.set((out_dir, what))
             return None
         old = Path(tempfile.mkdtemp(prefix=hidden_prefix(out_dir) + OLD_TAG, dir=out_dir.parent))
         with held_folder(old):  # a killed process leaves it unheld, for remove_stale
@@ -319,6 +329,7 @@ def move_into_place(staging: Path, out_dir: Path) -> tuple[Path, str] | None:
                                       f"previous one back failed too ({_reason(again)}); the previous one is in "
                                       f"{old / out_dir.name}: move it back by hand") from exc
                 raise
+            MOVED_IN.set((out_dir, what))
             problem = remove_tree(old)  # inside: an interrupt here would leave it behind
         return None if problem is None else (old, problem)
 
@@ -542,12 +553,14 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_bytes: int | None = None) -> None:
+def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_bytes: int | None = None,
+                     elsewhere: bool = True) -> None:
     """Refuse, before the slow work, an output that will not fit: ``need_bytes`` (an estimate of the
     files :func:`staged_folder` writes beside ``out_dir``) against the free space of the nearest
     existing folder on ``out_dir``'s path. The old output is replaced only after the new one is
     complete, so its space does not count. With ``largest_file_bytes`` (bytes of its largest file),
-    also against this process's file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``).
+    also against this process's file-size limit (``ulimit -f``, ``RLIMIT_FSIZE``). ``elsewhere``
+    False: the output has no other place to go (a pre-packed copy), and the refusal does not advise one.
 
     Raises:
         OutputError: naming the folder, the bytes needed and free, or the file-size limit.
@@ -572,7 +585,7 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_byt
         need, left = ((f"{need_bytes / 1e6:,.1f} MB", f"{free / 1e6:,.1f} MB") if need_bytes - free >= 100_000
                       else (f"{need_bytes:,} bytes", f"{free:,} bytes"))
         raise OutputError(f"{out_dir}: the {what} needs about {need} and {existing} has {left} free; free some "
-                          "space or choose another folder (nothing was written)")
+                          f"space{' or choose another folder' if elsewhere else ' there'} (nothing was written)")
 
 
 #: files that mark a folder as one of this toolkit's outputs (an export, a bundle)
@@ -781,7 +794,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
                         f"{out_dir}: {'changed' if existed else 'appeared'} while the {what} was being written (a file "
                         f"added, removed or rewritten, or another gemma-export writing to the same folder); the {what} "
                         f"was not moved in and {out_dir} is left as it is now: run again or choose another folder")
-                left = move_into_place(staging, out_dir)
+                left = move_into_place(staging, out_dir, what)
             if left is not None and notify is not None:
                 notify(f"the {what} is in place, but the folder it replaced could not be deleted ({left[1]}); it is "
                        f"left in {left[0]}: remove it by hand")
@@ -849,8 +862,12 @@ def _describe(exc: OSError, folder: Path) -> str:
     # tofile: "8192 requested and 6144 written")
     short = isinstance(exc, BlockingIOError) or (exc.errno is None and "written" in reason)
     if short or exc.errno in _NO_ROOM:
-        reason += ": the disk is full or a file-size limit was reached"
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+        with contextlib.suppress(OSError, TypeError):
+            inodes = os.statvfs(existing)  # f_files 0: a file system without an inode count (btrfs)
+            if exc.errno == errno.ENOSPC and inodes.f_files > 0 and inodes.f_favail == 0:
+                return reason + ": the file system has no free inodes left (`df -i` shows them), whatever space it has"
+        reason += ": the disk is full or a file-size limit was reached"
         with contextlib.suppress(OSError, TypeError):
             # asked after the partial output was deleted, so that "disk full" beside the free space it
             # reports does not read as a contradiction

@@ -131,6 +131,28 @@ def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
 
 
+def test_a_file_system_out_of_inodes_is_named_as_such(tmp_path, monkeypatch):
+    """A helper's tmpfs out of inodes: "the disk is full or a file-size limit was reached" beside
+    629 MB free. With inodes counted and none left the reason says so; a file system that counts
+    none (btrfs: f_files 0) keeps the general reason."""
+    import errno
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    real = os.statvfs(tmp_path)
+    fields = {name: getattr(real, name) for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
+                                                      "f_ffree", "f_favail", "f_flag", "f_namemax")}
+
+    def statvfs(files, favail):
+        return type("Statvfs", (), {**fields, "f_files": files, "f_favail": favail})()
+    monkeypatch.setattr(staging.os, "statvfs", lambda _path: statvfs(5, 0))
+    assert staging._describe(full, tmp_path) == ("No space left on device: the file system has no free inodes left "
+                                                 "(`df -i` shows them), whatever space it has")
+    for files, favail in ((0, 0), (5, 1)):
+        monkeypatch.setattr(staging.os, "statvfs", lambda _path, f=files, a=favail: statvfs(f, a))
+        assert staging._describe(full, tmp_path).startswith("No space left on device: the disk is full or a file-size "
+                                                            "limit was reached; ")
+
+
 def test_file_size_limit_in_a_fresh_process(tiny_dir, tmp_path):
     # RLIMIT_FSIZE makes every write past 100 KB fail with EFBIG (SIGXFSZ ignored): a full disk
     # without privileges, in the real command-line entry point.
@@ -652,9 +674,9 @@ def test_two_writers_finishing_at_once_move_in_one_output_and_refuse_the_other(t
     out = tmp_path / "board"
     slow_move = staging.move_into_place
 
-    def move_slowly(source, destination):
+    def move_slowly(source, destination, what):
         time.sleep(0.3)  # the window between the check and the rename, widened
-        return slow_move(source, destination)
+        return slow_move(source, destination, what)
 
     monkeypatch.setattr(staging, "move_into_place", move_slowly)
     both_checked = threading.Barrier(2)
@@ -878,8 +900,8 @@ def test_an_interrupt_once_the_export_is_in_place_says_it_is_written(tiny_dir, t
     error = Terminated if signal_error == "Terminated" else signal_error
     moved = staging.move_into_place
 
-    def move_then_interrupt(staged, out_dir):
-        moved(staged, out_dir)
+    def move_then_interrupt(staged, out_dir, what):
+        moved(staged, out_dir, what)
         raise error
 
     out = tmp_path / "out"
@@ -892,6 +914,40 @@ def test_an_interrupt_once_the_export_is_in_place_says_it_is_written(tiny_dir, t
                                                       f"(`gemma-export verify {out}` checks it)")
     assert _tree(out) != before and json.loads((out / "manifest.json").read_text())["dtype"] == "bf16"
     assert verify.verify_manifest(out)  # complete
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("signal_error, status", [(KeyboardInterrupt, 130), ("Terminated", 143)])
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_interrupt_as_the_export_returns_says_it_is_written(tiny_dir, tmp_path, monkeypatch, signal_error, status,
+                                                               existing):
+    """A helper's signal 0.5-100 ms after the old folder was deleted (while the progress bars closed
+    and export() returned, outside every block that knew the folder was in place) got "nothing was
+    written (an existing output folder is unchanged)", for a new folder and for a replaced one
+    whose old export was gone."""
+    import gemma_export.exporter as exporter
+    from gemma_export.console import Terminated
+
+    error = Terminated if signal_error == "Terminated" else signal_error
+    out = tmp_path / "out"
+    if existing:
+        assert _export(tiny_dir, out, "fp32").exit_code == 0
+    export = exporter.export
+
+    def export_then_interrupt(*args, **kwargs):
+        export(*args, **kwargs)
+        raise error
+    monkeypatch.setattr(exporter, "export", export_then_interrupt)
+    result = _export(tiny_dir, out, "bf16")
+    assert result.exit_code == status, result.output
+    assert result.stderr.strip().splitlines()[-1] == (f"error: interrupted; the export {out} is written and complete "
+                                                      f"(`gemma-export verify {out}` checks it)")
+    assert json.loads((out / "manifest.json").read_text())["dtype"] == "bf16" and verify.verify_manifest(out)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+    # the next command in the same process starts afresh: an interrupt before its rename is not "written"
+    monkeypatch.setattr(exporter, "export", lambda *args, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt()))
+    result = _export(tiny_dir, tmp_path / "other", "bf16")
+    assert result.exit_code == 130 and "nothing was written" in result.stderr, result.stderr
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
@@ -1056,8 +1112,8 @@ def test_remove_stale_keeps_an_old_copy_only_when_it_may_be_the_only_one(tmp_pat
 def test_an_error_other_than_an_interrupt_after_the_move_is_raised_as_it_is(tiny_dir, tmp_path, monkeypatch):
     moved = staging.move_into_place
 
-    def move_then_fail(staged, out_dir):
-        moved(staged, out_dir)
+    def move_then_fail(staged, out_dir, what):
+        moved(staged, out_dir, what)
         raise RuntimeError("after the move")
 
     monkeypatch.setattr(staging, "move_into_place", move_then_fail)

