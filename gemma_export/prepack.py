@@ -403,7 +403,8 @@ def prepack(model_dir: str | Path, threads: int | None = None,
         factor = (SPACE_FACTOR_BF16 if manifest.get("dtype") == "bf16"
                   else SPACE_FACTOR_FLOAT16_SCALES if scale_dtype == "float16" else SPACE_FACTOR)
         need = int(factor * data.stat().st_size) if data.is_file() else 0
-        check_free_space(out, need, "pre-packed copy", largest_file_bytes=need, elsewhere=False)  # its data file is nearly all of it
+        # its data file is nearly all of it; the copy has no other place than the export's folder
+        check_free_space(out, need, "pre-packed copy", largest_file_bytes=need, elsewhere=False)
         original = OnnxDecoder(model_dir, threads=threads, prepacked=False, huge_pages=False)  # one forward pass
         token_ids = [t for t in CHECK_TOKENS if t < original.vocab_size] or [0]
         ids = np.asarray([token_ids], np.int64)
