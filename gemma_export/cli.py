@@ -479,8 +479,13 @@ PREPACKED_HELP = ("Load the folder's pre-packed copy (written by `gemma-export p
 
 @app.command()
 def generate(
+    ctx: typer.Context,
     model: Path = typer.Option(..., "--model", parser=_path, metavar="<path>", help="An export folder."),
-    prompt: str = typer.Option(..., "--prompt", help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out (an instruction-tuned model such as FunctionGemma answers it; the bundled pre-trained Gemma 3 270M only continues text); FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", show_default=False, help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out (an instruction-tuned model such as FunctionGemma answers it; the bundled pre-trained Gemma 3 270M only continues text); FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
+    prompt_file: Optional[Path] = typer.Option(
+        None, "--prompt-file", parser=_path, metavar="<path>",
+        help="Read the prompt (in place of --prompt) from this UTF-8 text file, as it is, its last newline included: "
+             "--prompt \"$(cat FILE)\" loses a file's trailing newlines, which end a chat turn."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
@@ -505,11 +510,23 @@ def generate(
     \b
       gemma-export generate --model DIR --prompt "..." --json golden.json
       gemma-export parity --model DIR --golden golden.json
+
+    A prompt from a file, e.g. a chat turn ending in a newline:
+
+    \b
+      gemma-export generate --model DIR --prompt-file turn.txt
     """
     from .bench import check_outputs, to_stdout, write_json
     from .runtime import FUNCTION_GEMMA_TOKENS, generate as run
 
+    if (prompt is None) == (prompt_file is None):
+        raise UsageError("Missing option '--prompt' (or '--prompt-file')." if prompt is None else
+                         "--prompt and --prompt-file: give one of them, not both.", ctx)
     with _reported(debug, writes=False):
+        if prompt_file is not None:
+            from .text_files import SMALL_FILE_BYTES, read_text_file
+
+            prompt = read_text_file(prompt_file, "prompt file", whole_limit=SMALL_FILE_BYTES)
         check_outputs(json_out, None, inputs=(model,), report_key="expected_ids")
         chunk = _prefill_chunk(prefill_chunk)
         # the text as it is generated: the prompt, then each new piece; with --json -, stdout holds

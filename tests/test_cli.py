@@ -309,6 +309,29 @@ def test_generate_checks_the_tokenizer_before_creating_the_session(tiny_int8_exp
                              "(--tokenizer TOKENIZER.json), or from a source that carries one\n")
 
 
+def test_a_prompt_file_is_the_prompt_to_its_last_newline(tiny_int8_export, tmp_path):
+    """A board integrator's chat turn: `--prompt "$(cat turn.txt)"` drops the file's trailing
+    newline, which ends the turn, and gave one id fewer than the file holds."""
+    turn = tmp_path / "turn.txt"
+    turn.write_bytes("\ufeffab c\n\n".encode())  # a byte-order mark (dropped) and two trailing newlines
+    from_file = _run("generate", "--model", tiny_int8_export, "--prompt-file", turn, "--max-new-tokens", "3",
+                     "--json", tmp_path / "file.json")
+    given = _run("generate", "--model", tiny_int8_export, "--prompt", "ab c\n\n", "--max-new-tokens", "3",
+                 "--json", tmp_path / "given.json")
+    assert from_file.exit_code == 0 and given.exit_code == 0, from_file.output + given.output
+    golden = json.loads((tmp_path / "file.json").read_text())
+    assert golden["prompt"] == "ab c\n\n" and golden == json.loads((tmp_path / "given.json").read_text())
+    stripped = _run("generate", "--model", tiny_int8_export, "--prompt", "ab c", "--max-new-tokens", "3", "--json",
+                    tmp_path / "stripped.json")
+    assert stripped.exit_code == 0
+    assert json.loads((tmp_path / "stripped.json").read_text())["prompt_ids"] == golden["prompt_ids"][:-1]  # no "\n\n"
+    turn.write_bytes(b"ab \xff")
+    result = _run("generate", "--model", tiny_int8_export, "--prompt-file", turn)
+    assert (result.exit_code, result.stderr) == (2, f"error: {turn}: expected UTF-8 text, found byte 0xff at offset 3\n")
+    result = _run("generate", "--model", tiny_int8_export, "--prompt-file", tmp_path / "nosuch.txt")
+    assert (result.exit_code, result.stderr) == (2, f"error: {tmp_path / 'nosuch.txt'}: no such prompt file\n")
+
+
 def test_verify_names_a_missing_folder_and_a_file(tmp_path):
     result = _run("verify", tmp_path / "typo")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
@@ -407,7 +430,10 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
 
 @pytest.mark.parametrize("args, message", [
     (["--dtype", "int3"], "error: Invalid value for '--dtype': 'int3' is not one of 'fp32', 'bf16', 'int8', 'int4'."),
-    (["generate", "--model", "m"], "error: Missing option '--prompt'. (see 'gemma-export generate --help')"),
+    (["generate", "--model", "m"], "error: Missing option '--prompt' (or '--prompt-file'). "
+                                   "(see 'gemma-export generate --help')"),
+    (["generate", "--model", "m", "--prompt", "hi", "--prompt-file", "p.txt"],
+     "error: --prompt and --prompt-file: give one of them, not both. (see 'gemma-export generate --help')"),
     # the folder given without --model (a fresh user's slip): the message says how to give it
     (["generate", "m", "--prompt", "hi"], "error: Missing option '--model'. Give the export folder as --model DIR. "
                                           "(see 'gemma-export generate --help')"),
