@@ -332,6 +332,25 @@ def test_a_prompt_file_is_the_prompt_to_its_last_newline(tiny_int8_export, tmp_p
     assert (result.exit_code, result.stderr) == (2, f"error: {tmp_path / 'nosuch.txt'}: no such prompt file\n")
 
 
+def test_onnxruntime_telemetry_is_off_unless_the_user_turned_it_on(tiny_int8_export, tmp_path):
+    """onnxruntime 1.29+ on Linux uploads usage telemetry and writes a device id and a 3 MB event
+    cache into ~/.cache/Microsoft (found while a helper ran the commands with a read-only HOME:
+    onnxruntime warned that it could not write there). The toolkit sets ORT_DISABLE_TELEMETRY=1
+    before onnxruntime loads, and keeps the user's own value."""
+    code = ("import os, sys\nfrom gemma_export.runtime import OnnxDecoder\n"
+            "decoder = OnnxDecoder(sys.argv[1])\nprint(os.environ['ORT_DISABLE_TELEMETRY'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
+    for given, expected in ((None, "1"), ("0", "0")):
+        home = tmp_path / f"home-{given}"
+        home.mkdir()
+        run_env = {**env, "HOME": str(home), **({"ORT_DISABLE_TELEMETRY": given} if given else {})}
+        done = subprocess.run([sys.executable, "-c", code, str(tiny_int8_export)], capture_output=True, text=True,
+                              env=run_env, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, expected), done.stderr
+        if given is None:
+            assert not (home / ".cache" / "Microsoft").exists(), sorted(home.rglob("*"))
+
+
 def test_verify_names_a_missing_folder_and_a_file(tmp_path):
     result = _run("verify", tmp_path / "typo")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr

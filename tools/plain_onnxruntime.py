@@ -34,6 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
+# onnxruntime 1.29+ on Linux uploads usage telemetry and keeps a device id and an event cache in
+# ~/.cache/Microsoft unless this is set before it is imported; a value set by the user is kept
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
 #: rows a sliding layer's buffer keeps beyond its window - 1 (one drop per this many decode steps)
 SLIDING_ROOM = 64
 #: the longest prompt step, as ``gemma-export generate`` (int8 logits move with the step's length)
