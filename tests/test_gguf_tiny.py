@@ -3,6 +3,7 @@ tensors and the tied table all come back as transformers expects."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -385,21 +386,29 @@ def test_a_damaged_cached_gguf_is_assembled_again_and_never_left_half_written(mo
     monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
     target.write_bytes(b"GGUF" + bytes(1000))
     assert bundled_gguf_path() == target
-    assert bundled.assemble(target) == target  # the package's own sha256 check passes
     assert os.listdir(target.parent) == ["g.gguf"]
-    assert target.stat().st_size == sum(path.stat().st_size for path in bundled.chunk_paths())
+    digest = hashlib.sha256()
+    with target.open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    assert digest.hexdigest() == bundled.EXPECTED_SHA256
 
     # stopped while joining the chunks, or the disk full: nothing under the final name, no partial file
     real = bundled.assemble
     target.unlink()
 
+    written = []
+
     def stopped(output_path=None, overwrite=False, error=KeyboardInterrupt()):
-        Path(output_path).write_bytes(b"GGUF" + bytes(100))
+        written.append(Path(output_path))
+        written[-1].write_bytes(b"GGUF" + bytes(100))
         raise error
     monkeypatch.setattr(bundled, "assemble", stopped)
     with pytest.raises(KeyboardInterrupt):
         bundled_gguf_path()
     assert os.listdir(target.parent) == []
+    # joined beside the final name, hidden, never under it
+    assert written[-1].parent == target.parent and written[-1].name.startswith(".g.gguf.")
     full = OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(bundled, "assemble", lambda output_path=None, overwrite=False: stopped(output_path, error=full))
     with pytest.raises(OutputError) as caught:
