@@ -15,19 +15,21 @@ Python API (each command of the CLI, with typed results)::
 
 Every error raised on bad input is a :class:`GemmaExportError` (subclasses below); the CLI prints
 its message on one line and exits with status 2.
+
+Importing the package sets ``ORT_DISABLE_TELEMETRY=1`` in the process's environment when it is not
+set (onnxruntime's telemetry off), so import it before onnxruntime.
 """
 
 import os as _os
 
 __version__ = "0.1.0"
 
-#: onnxruntime 1.29 and newer on Linux send usage telemetry to Microsoft and keep a device id and an
-#: event cache under ~/.cache/Microsoft (3 MB here after a day of runs) unless this variable is set
-#: before onnxruntime is first imported. A board with a small flash and no business calling out
-#: should do neither: the toolkit turns it off for its own process (and the processes it starts),
-#: and keeps a value the user set (``ORT_DISABLE_TELEMETRY=0`` leaves onnxruntime's default).
-TELEMETRY_SWITCH = "ORT_DISABLE_TELEMETRY"
-_os.environ.setdefault(TELEMETRY_SWITCH, "1")
+# onnxruntime 1.29 and newer on Linux send usage telemetry to Microsoft and keep a device id and an
+# event cache under ~/.cache/Microsoft (3 MB here after a day of runs) unless this variable is set
+# before onnxruntime is first imported. A board with a small flash and no business calling out
+# should do neither: the toolkit turns it off for its own process (and the processes it starts),
+# and keeps a value the user set (ORT_DISABLE_TELEMETRY=0 leaves onnxruntime's default).
+_os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 #: public name → (module, attribute): imported on first use, so that ``gemma-export --help`` and
 #: ``import gemma_export`` stay fast (the quantizers and onnxruntime load only when needed)

@@ -244,8 +244,10 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
-            if (written := MOVED_IN.get()) is not None:  # after the writer's rename: e.g. while its
-                _interrupted_once_written(*written, exc)  # progress bars closed or its frames returned
+            # after the rename of the command's own output (e.g. while its progress bars closed or its
+            # frames returned); a command that does not write one (quality's scratch fp32 export) is not asked
+            if writes and (written := MOVED_IN.get()) is not None:
+                _interrupted_once_written(*written, exc)
             _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
         finally:
             MOVED_IN.reset(moved_in)
@@ -484,8 +486,8 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", show_default=False, help="Text to continue (<bos> is added unless the text starts with it). Special-token text such as <start_of_turn> becomes that control token, as in transformers, so a chat turn can be written out (an instruction-tuned model such as FunctionGemma answers it; the bundled pre-trained Gemma 3 270M only continues text); FunctionGemma's function-calling tokens (<start_function_declaration> ...) exist in its own tokenizer only, and a note names any that this export's tokenizer reads as plain text."),
     prompt_file: Optional[Path] = typer.Option(
         None, "--prompt-file", parser=_path, metavar="<path>",
-        help="Read the prompt (in place of --prompt) from this UTF-8 text file, as it is, its last newline included: "
-             "--prompt \"$(cat FILE)\" loses a file's trailing newlines, which end a chat turn."),
+        help="Read the prompt (in place of --prompt) from this UTF-8 text file ('-' = stdin), as it is, its last "
+             "newline included: --prompt \"$(cat FILE)\" loses a file's trailing newlines, which end a chat turn."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
@@ -524,9 +526,10 @@ def generate(
                          "--prompt and --prompt-file: give one of them, not both.", ctx)
     with _reported(debug, writes=False):
         if prompt_file is not None:
-            from .text_files import SMALL_FILE_BYTES, read_text_file
+            from .text_files import SMALL_FILE_BYTES, read_standard_input, read_text_file
 
-            prompt = read_text_file(prompt_file, "prompt file", whole_limit=SMALL_FILE_BYTES)
+            prompt = (read_standard_input("prompt") if str(prompt_file) == "-" else
+                      read_text_file(prompt_file, "prompt file", whole_limit=SMALL_FILE_BYTES))
         check_outputs(json_out, None, inputs=(model,), report_key="expected_ids")
         chunk = _prefill_chunk(prefill_chunk)
         # the text as it is generated: the prompt, then each new piece; with --json -, stdout holds

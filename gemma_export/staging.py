@@ -67,7 +67,10 @@ def interrupts_held(deferred: bool = False) -> Iterator[None]:
 #: the output :func:`move_into_place` moved in last, and what it is (``(path, "export")``), for a
 #: command whose interrupt lands after that but before the command reports it, wherever the stack
 #: then is (a progress bar closed, a frame returning): the output is complete, and the command must
-#: say so (``cli._reported``). Set inside the block that holds interrupts off, with the rename.
+#: say so (``cli._reported``, for the commands that write an output of their own). Set inside the
+#: block that holds interrupts off, with the rename. :class:`~gemma_export.errors.OutputWritten`
+#: stays the signal to a Python caller of a writer (raised by :func:`staged_folder` and
+#: :func:`reported_as_written` inside it); this is the command line's for the frames outside it.
 MOVED_IN: contextvars.ContextVar[tuple[Path, str] | None] = contextvars.ContextVar("moved_in", default=None)
 
 
@@ -296,7 +299,7 @@ def remove_tree(path: Path) -> str | None:
     return errors[0] if errors else "not removed"
 
 
-def move_into_place(staging: Path, out_dir: Path, what: str = "output") -> tuple[Path, str] | None:
+def move_into_place(staging: Path, out_dir: Path, what: str) -> tuple[Path, str] | None:
     """Replace ``out_dir`` (if any) by ``staging`` with renames in the same parent folder, then
     delete the old folder. If the second rename fails the old ``out_dir`` is put back; Ctrl-C cannot
     stop it between the renames or during the deletion. Once ``staging`` is in place,
@@ -808,9 +811,12 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
             shutil.rmtree(staging, ignore_errors=True)
             remove_created()
 
+        # asked before the removal, which gives the staging folder's inodes back
+        no_inodes = isinstance(exc, OSError) and _out_of_inodes(exc, out_dir.parent)
         _despite_interrupts(remove)
         if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
-            raise OutputError(f"{out_dir}: writing the {what} failed ({_describe(exc, out_dir.parent)}); nothing was "
+            reason = _describe(exc, out_dir.parent, no_inodes)
+            raise OutputError(f"{out_dir}: writing the {what} failed ({reason}); nothing was "
                               f"written{' and the existing folder is unchanged' if existed else ''}") from None
         raise
 
@@ -854,19 +860,32 @@ def _reason(exc: BaseException) -> str:
     return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
 
 
-def _describe(exc: OSError, folder: Path) -> str:
+def _out_of_inodes(exc: OSError, folder: Path) -> bool:
+    """Whether ``exc`` is ENOSPC on a file system that counts inodes and has none left for
+    ``folder`` (or its nearest existing parent); f_files 0 is one that counts none (btrfs)."""
+    if exc.errno != errno.ENOSPC:
+        return False
+    existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+    try:
+        inodes = os.statvfs(existing)
+    except (OSError, TypeError):
+        return False
+    return inodes.f_files > 0 and inodes.f_favail == 0
+
+
+def _describe(exc: OSError, folder: Path, no_inodes: bool = False) -> str:
     """The reason of a failed write; for a full disk or a size limit, with the free space left on that
-    file system (other reasons, e.g. a folder that refuses changes, say nothing of space)."""
+    file system (other reasons, e.g. a folder that refuses changes, say nothing of space);
+    ``no_inodes`` (:func:`_out_of_inodes`, asked before the partial output was removed): says that
+    the file system ran out of inodes instead."""
     reason = exc.strerror or str(exc)
     # ENOSPC / EFBIG / EDQUOT from the OS, or a short write reported without an errno (numpy's
     # tofile: "8192 requested and 6144 written")
     short = isinstance(exc, BlockingIOError) or (exc.errno is None and "written" in reason)
+    if no_inodes:
+        return reason + ": the file system has no free inodes left (`df -i` shows them), whatever space it has"
     if short or exc.errno in _NO_ROOM:
         existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
-        with contextlib.suppress(OSError, TypeError):
-            inodes = os.statvfs(existing)  # f_files 0: a file system without an inode count (btrfs)
-            if exc.errno == errno.ENOSPC and inodes.f_files > 0 and inodes.f_favail == 0:
-                return reason + ": the file system has no free inodes left (`df -i` shows them), whatever space it has"
         reason += ": the disk is full or a file-size limit was reached"
         with contextlib.suppress(OSError, TypeError):
             # asked after the partial output was deleted, so that "disk full" beside the free space it

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 from pathlib import Path
 
 from .errors import FormatError, SourceNotFoundError
@@ -134,6 +135,40 @@ def read_text_file(path: str | Path, what: str, max_bytes: int | None = None,
     return text
 
 
+def read_standard_input(what: str, max_bytes: int = SMALL_FILE_BYTES) -> str:
+    """Standard input, read to its end as UTF-8 text (a leading byte-order mark dropped), for a file
+    option given as ``-``; ``what`` names it in errors (e.g. ``"prompt"``).
+
+    Raises:
+        FormatError: ``"standard input: expected UTF-8 text, found byte 0x.. at offset N"``, a NUL
+            character, or more than ``max_bytes`` bytes.
+        SourceNotFoundError: standard input is closed or cannot be read (its reason).
+    """
+    try:
+        data = sys.stdin.buffer.read(max_bytes + 1) if sys.stdin is not None else b""
+    except (OSError, ValueError) as exc:  # ValueError: a closed stream
+        reason = getattr(exc, "strerror", None) or exc
+        raise SourceNotFoundError(f"standard input: cannot read the {what}: {reason}") from None
+    if len(data) > max_bytes:
+        raise FormatError(f"standard input: more than {max_bytes:,} bytes; expected a {what} of at most {max_bytes:,}")
+    text = _decoded(data, "standard input")
+    if (at := text.find("\0")) != -1:
+        raise FormatError(f"standard input: holds a NUL character at offset {at:,}; expected text, not binary data")
+    return text
+
+
+def _decoded(data: bytes, name: str | Path) -> str:
+    """``data`` as UTF-8 text without a leading byte-order mark; :func:`_not_utf8` naming ``name``."""
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise _not_utf8(name, exc) from None
+
+
+def _not_utf8(name: str | Path, exc: UnicodeDecodeError) -> FormatError:
+    return FormatError(f"{name}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset {exc.start}")
+
+
 def _read_text(p: Path, what: str, max_bytes: int | None, whole_limit: int | None) -> str:
     try:
         if max_bytes is None:
@@ -151,8 +186,7 @@ def _read_text(p: Path, what: str, max_bytes: int | None, whole_limit: int | Non
                     data = data[:exc.start]
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
-        raise FormatError(f"{p}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} at offset "
-                          f"{exc.start}") from None
+        raise _not_utf8(p, exc) from None
     except OSError as exc:
         raise SourceNotFoundError(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
 

@@ -6,8 +6,7 @@ Each scheme is a small frozen dataclass holding its arrays, with a ``quantize`` 
 """
 
 #: public name → submodule: imported on first use (PEP 562), so that ``quant.scales``' constants (the
-#: CLI's choices) load without the quantizers and ml_dtypes (the CLI imports none of them: ``--help``
-#: stays fast whatever ml_dtypes' import costs; 0.7 took 0.7 s, 2026-12-06)
+#: CLI's choices) load without the quantizers and ml_dtypes: ``gemma-export --help`` imports neither
 _PUBLIC = {
     "BF16Weights": "bf16", "bfloat16_bits_to_float32": "bf16", "float32_to_bfloat16_bits": "bf16",
     "truncate_to_bfloat16_bits": "bf16",

@@ -131,26 +131,40 @@ def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
 
 
-def test_a_file_system_out_of_inodes_is_named_as_such(tmp_path, monkeypatch):
+def test_a_file_system_out_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkeypatch):
     """A helper's tmpfs out of inodes: "the disk is full or a file-size limit was reached" beside
-    629 MB free. With inodes counted and none left the reason says so; a file system that counts
-    none (btrfs: f_files 0) keeps the general reason."""
+    629 MB free. With inodes counted and none left the reason says so (asked before the partial
+    output is removed, which gives inodes back); a file system that counts none (btrfs: f_files 0)
+    keeps the general reason."""
     import errno
 
     full = OSError(errno.ENOSPC, "No space left on device")
     real = os.statvfs(tmp_path)
     fields = {name: getattr(real, name) for name in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail", "f_files",
                                                       "f_ffree", "f_favail", "f_flag", "f_namemax")}
-
-    def statvfs(files, favail):
-        return type("Statvfs", (), {**fields, "f_files": files, "f_favail": favail})()
-    monkeypatch.setattr(staging.os, "statvfs", lambda _path: statvfs(5, 0))
-    assert staging._describe(full, tmp_path) == ("No space left on device: the file system has no free inodes left "
-                                                 "(`df -i` shows them), whatever space it has")
-    for files, favail in ((0, 0), (5, 1)):
-        monkeypatch.setattr(staging.os, "statvfs", lambda _path, f=files, a=favail: statvfs(f, a))
-        assert staging._describe(full, tmp_path).startswith("No space left on device: the disk is full or a file-size "
-                                                            "limit was reached; ")
+    for files, favail, expected in ((5, 0, True), (0, 0, False), (5, 1, False)):
+        monkeypatch.setattr(staging.os, "statvfs", lambda _path, f=files, a=favail: type(
+            "Statvfs", (), {**fields, "f_files": f, "f_favail": a})())
+        assert staging._out_of_inodes(full, tmp_path) is expected
+    monkeypatch.undo()
+    assert staging._describe(full, tmp_path, no_inodes=True) == (
+        "No space left on device: the file system has no free inodes left (`df -i` shows them), whatever space it has")
+    assert staging._describe(full, tmp_path).startswith("No space left on device: the disk is full or a file-size limit "
+                                                        "was reached; ")
+    if not _can_mount():
+        return
+    # a real one: 4 inodes, the root folder taking one, an export needing six
+    disk = tmp_path / "few-inodes"
+    disk.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=4", "tmpfs", str(disk)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    try:
+        result = _export(tiny_dir, disk / "out", "fp32")
+        assert result.exit_code == 2, result.output
+        assert "the file system has no free inodes left (`df -i` shows them)" in result.stderr, result.stderr
+        assert os.listdir(disk) == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
 def test_file_size_limit_in_a_fresh_process(tiny_dir, tmp_path):
@@ -616,7 +630,7 @@ def test_a_failed_second_rename_puts_the_old_output_back(tmp_path):
     out.mkdir()
     (out / "a.txt").write_text("old")
     with pytest.raises(FileNotFoundError):
-        move_into_place(tmp_path / "missing-staging", out)  # the rename of staging onto out fails
+        move_into_place(tmp_path / "missing-staging", out, "export")  # the rename of staging onto out fails
     assert (out / "a.txt").read_text() == "old"
     assert sorted(os.listdir(tmp_path)) == ["out"]  # and the hidden old-copy folder is gone
 
@@ -951,6 +965,23 @@ def test_an_interrupt_as_the_export_returns_says_it_is_written(tiny_dir, tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_an_interrupt_after_a_scratch_export_is_no_written_output(tiny_int8_export, tmp_path, monkeypatch):
+    """A reviewer: `quality --reference fp32` exports fp32 into a temporary folder, and Ctrl-C during
+    its comparison said "the export /tmp/…/fp32 is written and complete" about a folder deleted on
+    the way out. Only a command that writes an output of its own reports one."""
+    import gemma_export.quality as quality
+
+    def scratch_export_then_interrupt(*_args, **_kwargs):
+        scratch = tmp_path / "scratch"
+        scratch.mkdir()
+        staging.move_into_place(scratch, tmp_path / "fp32", "export")  # sets MOVED_IN, as export() does
+        raise KeyboardInterrupt
+    monkeypatch.setattr(quality, "run_quality", scratch_export_then_interrupt)
+    result = CliRunner().invoke(app, ["quality", "--model", str(tiny_int8_export), "--reference", "fp32"])
+    assert result.exit_code == 130, result.output
+    assert "written and complete" not in result.stderr and result.stderr.startswith("error: interrupted"), result.stderr
+
+
 def test_an_interrupt_while_the_summary_prints_says_the_export_is_written(tiny_dir, tmp_path, monkeypatch):
     """Ctrl-C while the summary prints: a helper found exit 130 with 'failed' for a written folder;
     it is an interrupt (130, so that `&&` stops), said with the folder complete."""
@@ -1035,7 +1066,7 @@ def test_a_failed_move_whose_undo_fails_names_where_the_previous_output_is(tmp_p
 
     monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(OutputError) as caught:
-        staging.move_into_place(new, out)
+        staging.move_into_place(new, out, "export")
     monkeypatch.setattr(os, "replace", real)
     old = next(p for p in tmp_path.iterdir() if p.name.startswith(".out.old-"))
     assert str(caught.value) == (f"{out}: moving the new output in failed (Input/output error) and putting the previous "

@@ -325,6 +325,14 @@ def test_a_prompt_file_is_the_prompt_to_its_last_newline(tiny_int8_export, tmp_p
                     tmp_path / "stripped.json")
     assert stripped.exit_code == 0
     assert json.loads((tmp_path / "stripped.json").read_text())["prompt_ids"] == golden["prompt_ids"][:-1]  # no "\n\n"
+    # '-' reads standard input, as --json - writes standard output (a fresh user's expectation)
+    piped = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt-file", "-",
+                                "--max-new-tokens", "3", "--json", str(tmp_path / "piped.json")], input="ab c\n\n")
+    assert piped.exit_code == 0, piped.output
+    assert json.loads((tmp_path / "piped.json").read_text()) == golden
+    piped = runner.invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt-file", "-"], input=b"ab \xff")
+    assert (piped.exit_code, piped.stderr) == (2, "error: standard input: expected UTF-8 text, found byte 0xff at "
+                                                  "offset 3\n")
     turn.write_bytes(b"ab \xff")
     result = _run("generate", "--model", tiny_int8_export, "--prompt-file", turn)
     assert (result.exit_code, result.stderr) == (2, f"error: {turn}: expected UTF-8 text, found byte 0xff at offset 3\n")

