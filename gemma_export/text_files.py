@@ -129,9 +129,14 @@ def read_text_file(path: str | Path, what: str, max_bytes: int | None = None,
             character (binary data), or larger than ``whole_limit``.
     """
     p = require_file(path, what)
-    text = _read_text(p, what, max_bytes, whole_limit)
-    if (at := text.find("\0")) != -1:  # UTF-8, but binary data: a file of zeros passed for real text
-        raise FormatError(f"{p}: holds a NUL character at offset {at:,}; expected text, not binary data")
+    return _without_nul(_read_text(p, what, max_bytes, whole_limit), p)
+
+
+def _without_nul(text: str, name: str | Path) -> str:
+    """``text``, refused (FormatError naming ``name``) when it holds a NUL: UTF-8, but binary data (a
+    file of zeros passed for real text)."""
+    if (at := text.find("\0")) != -1:
+        raise FormatError(f"{name}: holds a NUL character at offset {at:,}; expected text, not binary data")
     return text
 
 
@@ -151,10 +156,7 @@ def read_standard_input(what: str, max_bytes: int = SMALL_FILE_BYTES) -> str:
         raise SourceNotFoundError(f"standard input: cannot read the {what}: {reason}") from None
     if len(data) > max_bytes:
         raise FormatError(f"standard input: more than {max_bytes:,} bytes; expected a {what} of at most {max_bytes:,}")
-    text = _decoded(data, "standard input")
-    if (at := text.find("\0")) != -1:
-        raise FormatError(f"standard input: holds a NUL character at offset {at:,}; expected text, not binary data")
-    return text
+    return _without_nul(_decoded(data, "standard input"), "standard input")
 
 
 def _decoded(data: bytes, name: str | Path) -> str:
