@@ -576,7 +576,7 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_byt
             raise OutputError(f"{out_dir}: the {what} writes a file of about {largest_file_bytes:,} bytes, above this "
                               f"process's file-size limit of {limit:,} bytes (ulimit -f); raise the limit "
                               "(nothing was written)")
-    existing = next((p for p in (out_dir, *out_dir.parents) if p.is_dir()), None)
+    existing = _nearest_folder(out_dir)
     if existing is None:
         return
     try:
@@ -860,12 +860,17 @@ def _reason(exc: BaseException) -> str:
     return (exc.strerror if isinstance(exc, OSError) else None) or str(exc) or type(exc).__name__
 
 
+def _nearest_folder(path: Path) -> Path | None:
+    """``path`` when it is a folder, else its nearest parent that is one (None: none is)."""
+    return next((p for p in (path, *path.parents) if p.is_dir()), None)
+
+
 def _out_of_inodes(exc: OSError, folder: Path) -> bool:
     """Whether ``exc`` is ENOSPC on a file system that counts inodes and has none left for
     ``folder`` (or its nearest existing parent); f_files 0 is one that counts none (btrfs)."""
     if exc.errno != errno.ENOSPC:
         return False
-    existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+    existing = _nearest_folder(folder)
     try:
         inodes = os.statvfs(existing)
     except (OSError, TypeError):
@@ -885,7 +890,7 @@ def _describe(exc: OSError, folder: Path, no_inodes: bool = False) -> str:
     if no_inodes:
         return reason + ": the file system has no free inodes left (`df -i` shows them), whatever space it has"
     if short or exc.errno in _NO_ROOM:
-        existing = next((p for p in (folder, *folder.parents) if p.is_dir()), None)
+        existing = _nearest_folder(folder)
         reason += ": the disk is full or a file-size limit was reached"
         with contextlib.suppress(OSError, TypeError):
             # asked after the partial output was deleted, so that "disk full" beside the free space it

@@ -175,7 +175,7 @@ def _read_text(p: Path, what: str, max_bytes: int | None, whole_limit: int | Non
     try:
         if max_bytes is None:
             if whole_limit is not None:
-                return read_bounded(p, f"a {what}", whole_limit).decode("utf-8").removeprefix("\ufeff")
+                return _decoded(read_bounded(p, f"a {what}", whole_limit), p)
             return p.read_text(encoding="utf-8").removeprefix("\ufeff")
         with open(p, "rb") as f:
             data = f.read(max_bytes + 1)
@@ -186,8 +186,8 @@ def _read_text(p: Path, what: str, max_bytes: int | None, whole_limit: int | Non
             except UnicodeDecodeError as exc:
                 if exc.reason == "unexpected end of data":
                     data = data[:exc.start]
-        return data.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError as exc:
+        return _decoded(data, p)
+    except UnicodeDecodeError as exc:  # read_text's
         raise _not_utf8(p, exc) from None
     except OSError as exc:
         raise SourceNotFoundError(f"{p}: cannot read the {what}: {exc.strerror or exc}") from None
