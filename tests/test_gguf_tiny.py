@@ -385,8 +385,13 @@ def test_a_damaged_cached_gguf_is_assembled_again_and_never_left_half_written(mo
     target.parent.mkdir()
     monkeypatch.setattr(bundled, "default_output_path", lambda base_dir=None: target)
     target.write_bytes(b"GGUF" + bytes(1000))
-    assert bundled_gguf_path() == target
+    previous = os.umask(0o027)
+    try:
+        assert bundled_gguf_path() == target
+    finally:
+        os.umask(previous)
     assert os.listdir(target.parent) == ["g.gguf"]
+    assert target.stat().st_mode & 0o777 == 0o640  # the umask's, not mkstemp's 0600
     digest = hashlib.sha256()
     with target.open("rb") as f:
         while block := f.read(1 << 24):

