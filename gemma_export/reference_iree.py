@@ -229,17 +229,23 @@ def check_reference(mlir_path: str | Path, archive_path: str | Path | None = Non
 
     Raises:
         SourceNotFoundError, FormatError: missing files, an archive that contradicts the MLIR, no
-            re-decode function.
+            public re-decode function or more than one.
     """
     mlir_path = Path(mlir_path)
     module = parse_mlir(mlir_path)  # the files first: a missing file is named before a missing IREE
     archive = Archive(module, Path(archive_path) if archive_path else find_archive(mlir_path))
+    # a private function cannot be called from outside the module (IREE exports only the public ones)
     candidates = [f for f in module.functions
-                  if len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
+                  if f.public and len(f.arguments) == 1 and re.fullmatch(r"1x(\d+)xi32", f.arguments[0])
                   and len(f.results) == 1 and f.results[0] == f"{f.arguments[0].split('x')[1]}xi32"]
     if not candidates:
-        raise FormatError(f"{mlir_path}: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> "
-                          f"(found {', '.join('@' + f.name for f in module.functions) or 'no functions'})")
+        found = ", ".join(("private " if not f.public else "") + "@" + f.name for f in module.functions)
+        raise FormatError(f"{mlir_path}: no public re-decode function tensor<1xSxi32> -> tensor<Sxi32> "
+                          f"(found {found or 'no functions'})")
+    if len(candidates) > 1:
+        raise FormatError(f"{mlir_path}: {len(candidates)} public re-decode functions tensor<1xSxi32> -> "
+                          f"tensor<Sxi32> ({', '.join(f'@{f.name} (line {f.line})' for f in candidates)}); expected "
+                          "one, the reference's (e.g. @gemma): cannot tell which the board runs")
     return module, archive, candidates[0]
 
 

@@ -439,10 +439,10 @@ def test_vocabulary_of_262153_rows_with_added_tokens(tmp_path):
         assert r["greedy_match"]
 
 
-def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
-    # Give layer 1's gate_proj and up_proj (both [128, 64]) each other's tracer ids, in the MLIR
-    # (declarations, bindings, loads) and in the archive (their bytes swapped): IREE still runs the
-    # same model, but a reader that maps by the ids' trace order now takes one for the other.
+def test_ids_that_contradict_the_programs_loads_are_refused_before_anything_is_written(ref_model, tmp_path):
+    """A helper's finding: two globals' loads swapped in the program (the ids kept) exported the
+    model the ids gave, which is not the one IREE runs, without a word; parity failed later. The
+    reader now compares the ids with the order in which the program loads the globals."""
     import re
 
     from jax_reference import trace
@@ -451,19 +451,39 @@ def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
     roles = [role for role, _ in trace(ref_model)]
     gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
     names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
-    swap = {names[0]: names[1], names[1]: names[0]}
     text = mlir.read_text()
-    renamed = re.sub(rf"\b({names[0]}|{names[1]})\b", lambda m: swap[m.group(1)], text)
-    assert renamed != text
-    mlir.write_text(renamed)
-    archive = mlir.with_suffix(".safetensors")
-    data = bytearray(archive.read_bytes())
-    header_bytes = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + header_bytes])
-    (a0, a1), (b0, b1) = (header[n]["data_offsets"] for n in names)
-    start = 8 + header_bytes
-    data[start + a0:start + a1], data[start + b0:start + b1] = data[start + b0:start + b1], data[start + a0:start + a1]
-    archive.write_bytes(bytes(data))
+    swap = {names[0]: names[1], names[1]: names[0]}
+    swapped = re.sub(rf"util\.global\.load @({names[0]}|{names[1]}) ", lambda m: f"util.global.load @{swap[m.group(1)]} ",
+                     text)
+    assert swapped != text
+    mlir.write_text(swapped)
+    before = {p.name: p.read_bytes() for p in mlir.parent.iterdir()}
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    line = next(line for line in result.output.splitlines() if "disagree" in line)
+    assert f"@gemma loads @{names[1]} (key '{names[1]}') where the tracer's ids put @{names[0]} (key '{names[0]}')" in line
+    assert not out.exists() and {p.name: p.read_bytes() for p in mlir.parent.iterdir()} == before
+
+
+def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
+    # Layer 1's gate_proj and up_proj (both [128, 64]) loaded in trace order, but each one's value
+    # used in the other's place: IREE runs another model, and the reader, which maps by the ids and
+    # the loads, cannot see it. Parity must.
+    import re
+
+    from jax_reference import trace
+
+    mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
+    roles = [role for role, _ in trace(ref_model)]
+    gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
+    names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
+    text = mlir.read_text()
+    converts = [re.search(rf"^    (%\w+) = stablehlo\.convert %{n}_raw ", text, re.M) for n in names]
+    results = [m.group(1) for m in converts]
+    for m, result in zip(converts, reversed(results)):  # each convert now defines the other's value
+        text = text.replace(m.group(0), m.group(0).replace(m.group(1), result, 1), 1)
+    mlir.write_text(text)
     out = export(mlir, tmp_path / "out", "fp32").out_dir
     result = _parity("--model", out, "--reference", mlir, "--prompts", prompts_file, "--json", tmp_path / "r.json")
     assert result.exit_code == 1, result.output

@@ -78,8 +78,11 @@ def write_reference(model, folder, dtype="bf16", drop_head=False, edit=None):
             archive[name] = _truncate_bf16(array).reshape(-1)
             lines.append(f'  util.global private @{name} = #flow.parameter.named<"model"::"{name}"> : '
                          f'tensor<{"x".join(map(str, array.shape))}xbf16>')
-    lines += [f"  func.func @gemma(%arg0: tensor<1x{SEQ}xi32>) -> tensor<{SEQ}xi32> {{",
-              "    %0 = util.global.load @t0 : tensor<96x64xbf16>", "    return %r : tensor<24xi32>", "  }", "}"]
+    # the program loads every global, in trace order, as a traced export's does
+    loads = [f"    %{m.group(1)} = util.global.load @{m.group(1)} : tensor<{m.group(2)}>"
+             for m in (re.search(r"@(\w+) = .*: tensor<([^>]*)>", line) for line in lines[1:])]
+    lines += [f"  func.func @gemma(%arg0: tensor<1x{SEQ}xi32>) -> tensor<{SEQ}xi32> {{", *loads,
+              "    return %r : tensor<24xi32>", "  }", "}"]
     if edit:
         edit(lines, archive)
     (folder / "gemma.mlir").write_text("\n".join(lines) + "\n")
@@ -206,8 +209,10 @@ def test_bad_reference_exports_are_named(ref_model, tmp_path, edit, message):
 def test_truncated_trace_is_refused_and_cli_leaves_nothing(ref_model, tmp_path):
     def edit(lines, archive):  # drop the final norm and the head: the trace ends inside a layer
         for _ in range(2):
-            name = lines.pop(-6).split("@")[1].split(" ")[0]
+            last = max(i for i, line in enumerate(lines) if "util.global private" in line)
+            name = lines.pop(last).split("@")[1].split(" ")[0]
             archive.pop(name)
+            lines[:] = [line for line in lines if f"util.global.load @{name} " not in line]
     mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
     out = tmp_path / "out"
     result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
@@ -596,14 +601,24 @@ def test_the_trace_order_is_the_ids_then_the_first_loads_then_the_declarations()
     def g(name, key=None):
         return MlirGlobal(name, "model", key or name, (4,), "bf16", 0)
 
+    where = Path("m.mlir")
     declared = [g("t20"), g("t3"), g("t11")]
     loads = {"t11": 5, "t20": 6, "t3": 7}  # e.g. a helper function loads some first: the ids win
-    assert [x.name for x in _trace_order(declared, loads)] == ["t3", "t11", "t20"]
+    by_function = {"helper": ("t11", "t20"), "gemma": ("t3", "t11", "t20")}
+    assert [x.name for x in _trace_order(declared, loads, where, by_function)] == ["t3", "t11", "t20"]
     keyed = [g("a", "t20"), g("b", "t3"), g("c", "t11")]  # names of no tracer: the keys' ids
-    assert [x.name for x in _trace_order(keyed, {})] == ["b", "c", "a"]
+    assert [x.name for x in _trace_order(keyed, {}, where)] == ["b", "c", "a"]
     free = [g("a", "x"), g("b", "y"), g("c", "z")]
-    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2, "b": 3})] == ["c", "a", "b"]  # no ids: the loads
-    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2})] == ["a", "b", "c"]  # not all loaded: the file's
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2, "b": 3}, where)] == ["c", "a", "b"]  # no ids: the loads
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2}, where)] == ["a", "b", "c"]  # not all loaded: the file's
+    # a helper's finding: a program that uses @t20 where the ids put @t3 was exported as the ids said,
+    # a wrong model; a function that loads every global must load them in the ids' order
+    swapped = {"gemma": ("t20", "t11", "t3")}
+    with pytest.raises(FormatError, match=r"m.mlir: @gemma loads @t20 \(key 't20'\) where the tracer's ids put @t3 "
+                                          r"\(key 't3'\), weight 0 in trace order; the ids and the program disagree"):
+        _trace_order(declared, loads, where, swapped)
+    with pytest.raises(FormatError, match="@gemma loads @a .key 't20'. where the tracer's ids put @b .key 't3'."):
+        _trace_order(keyed, {}, where, {"gemma": ("a", "b", "c")})
 
 
 def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(ref_model, tmp_path):
@@ -648,4 +663,55 @@ def test_a_load_in_a_comment_or_a_string_is_not_a_load(ref_model, tmp_path):
         lines.insert(1, "  // util.global.load @t8 : tensor<64xbf16>")
         lines.insert(2, '  util.global private @doc = "util.global.load @t15" : !util.buffer')
     module = parse_mlir(write_reference(ref_model, tmp_path / "ref", edit=edit))
-    assert list(module.first_loads) == ["t0"]  # the function's one load
+    function = next(f for f in module.functions if f.name == "gemma")
+    assert module.first_loads["t8"] > function.line and "t15" not in module.first_loads
+    assert list(module.function_loads) == ["gemma"] and module.function_loads["gemma"][:2] == ("t0", "t8")
+
+
+def test_a_global_the_program_never_loads_is_left_out_as_iree_leaves_it(ref_model, tmp_path):
+    """A helper's finding: a global declared and in the archive but never loaded (IREE runs such a
+    file) was mapped as a weight, and the export failed blaming the LM head's global."""
+    plain = open_source(write_reference(ref_model, tmp_path / "plain"))
+
+    def edit(lines, archive):
+        lines.insert(2, '  util.global private @t9 = #flow.parameter.named<"model"::"t9"> : tensor<64xbf16>')
+        archive["t9"] = archive["t8"].copy()
+        lines.insert(3, '  util.global private @spare = #flow.parameter.named<"model"::"t8"> : tensor<64xbf16>')
+    extra = open_source(write_reference(ref_model, tmp_path / "extra", edit=edit))
+    assert extra.identity["unused_globals"] == 2 and plain.identity["unused_globals"] == 0
+    assert sorted(extra.tensors) == sorted(plain.tensors)
+    for name, ref in plain.tensors.items():
+        np.testing.assert_array_equal(extra.tensors[name].load(), ref.load(), err_msg=name)
+
+
+def test_the_re_decode_function_is_the_one_public_function_of_its_signature(ref_model, tmp_path):
+    """A helper's finding: a private function with the re-decode signature before @gemma was picked,
+    and IREE (which exports only public functions) then failed with a traceback; two public ones
+    were chosen between silently."""
+    from gemma_export.reference_iree import check_reference
+
+    def helper(visibility):
+        def edit(lines, archive):
+            at = next(i for i, line in enumerate(lines) if "func.func @gemma" in line)
+            lines[at:at] = [f"  func.func {visibility}@helper(%arg0: tensor<1x{SEQ}xi32>) -> tensor<{SEQ}xi32> {{",
+                            f"    %0 = stablehlo.reshape %arg0 : (tensor<1x{SEQ}xi32>) -> tensor<{SEQ}xi32>",
+                            f"    return %0 : tensor<{SEQ}xi32>", "  }"]
+        return edit
+    mlir = write_reference(ref_model, tmp_path / "private", edit=helper("private "))
+    assert check_reference(mlir)[2].name == "gemma"
+    mlir = write_reference(ref_model, tmp_path / "public", edit=helper(""))
+    with pytest.raises(FormatError, match=rf"{mlir}: 2 public re-decode functions tensor<1xSxi32> -> tensor<Sxi32> "
+                                          r"\(@helper \(line \d+\), @gemma \(line \d+\)\); expected one"):
+        check_reference(mlir)
+
+
+def test_a_scale_for_a_global_that_is_not_int8_says_so(ref_model, tmp_path):
+    """A helper's finding: '@t8_scale is tensor<64xf32>; expected ... tensor<64xf32> of an i8 @t8'
+    named the same type twice and not the fault: @t8 is bf16."""
+    def edit(lines, archive):
+        lines.insert(2, '  util.global private @t8_scale = #flow.parameter.named<"model"::"t8_scale"> : tensor<64xf32>')
+        archive["t8_scale"] = np.ones(64, np.float32)
+    mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
+    with pytest.raises(FormatError, match=rf"^{mlir}:3: @t8_scale names @t8 as its int8 weight, but @t8 is "
+                                          r"tensor<64xbf16>; only i8 globals have per-row _scale globals$"):
+        open_source(mlir)

@@ -52,7 +52,7 @@ MAX_MLIR_BYTES = 256 << 20
 _GLOBAL = re.compile(
     r'^\s*util\.global\s+(?:private\s+|public\s+)?(?:mutable\s+)?@([\w$.-]+)\s*=\s*'
     r'#flow\.parameter\.named<"([^"]*)"::"([^"]*)">\s*:\s*tensor<([^>]*)>')
-_FUNC = re.compile(r'^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\((.*?)\)\s*(?:->\s*(.*?))?\s*(?:attributes\b.*)?\{?\s*$')
+_FUNC = re.compile(r'^\s*func\.func\s+(public\s+|private\s+)?@([\w$.-]+)\s*\((.*?)\)\s*(?:->\s*(.*?))?\s*(?:attributes\b.*)?\{?\s*$')
 _TENSOR = re.compile(r"tensor<([^>]*)>")
 _LOAD = re.compile(rb"util\.global\.load\s+(?:immutable\s+)?@([\w$.-]+)")
 _STRING_LITERAL = re.compile(rb'"(?:[^"\\]|\\.)*"')
@@ -77,23 +77,28 @@ class MlirGlobal:
 
 @dataclasses.dataclass(frozen=True)
 class MlirFunction:
-    """A function's signature: argument and result tensor types as written (e.g. ``1x24xi32``)."""
+    """A function's signature: argument and result tensor types as written (e.g. ``1x24xi32``), and
+    whether it can be called from outside the module (MLIR's default; ``private`` cannot)."""
 
     name: str
     arguments: tuple[str, ...]
     results: tuple[str, ...]
     line: int
+    public: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
 class MlirModule:
-    """What :func:`parse_mlir` read: the parameter globals in file order, the public functions, and
-    the line of each global's first ``util.global.load`` (the order the traced program uses them)."""
+    """What :func:`parse_mlir` read: the parameter globals in file order, the functions (public and
+    private), and the line of each global's first ``util.global.load`` (the order the traced program
+    uses them)."""
 
     path: Path
     globals: tuple[MlirGlobal, ...]
     functions: tuple[MlirFunction, ...]
     first_loads: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: per function (None: outside any, e.g. an initializer), the globals in the order it first loads them
+    function_loads: dict[str | None, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 #: the most elements one declared tensor may have (2**40: far above any Gemma table, far below int64)
@@ -139,6 +144,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
     functions: list[MlirFunction] = []
     seen: set[str] = set()
     loads: dict[str, int] = {}  # global name -> line of its first util.global.load
+    in_function: dict[str | None, dict[str, None]] = {}  # function -> the globals it loads, first load first
+    function = None  # the function the lines belong to (a module's functions are not nested)
     depth = 0  # braces open (regions, attribute dictionaries): a whole module closes them all
     last = b""  # the last line of code (comments aside): a whole file ends with a '}'
     with open(path, "rb") as f:
@@ -153,11 +160,16 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 last = code.strip()
             if depth < 0:
                 raise FormatError(f"{path}:{number}: closes a brace that was not opened; not reference MLIR text")
-            if b"util.global" not in raw and b"func.func" not in raw:
+            if b"util.global" not in raw and b"func.func" not in raw and b"util.initializer" not in raw:
                 continue
             load = _LOAD.search(code)  # not one in a comment or a string
             if load:
-                loads.setdefault(load.group(1).decode("utf-8", "replace"), number)
+                loaded = load.group(1).decode("utf-8", "replace")
+                loads.setdefault(loaded, number)
+                in_function.setdefault(function, {}).setdefault(loaded, None)
+                continue
+            if re.match(rb"\s*util\.initializer\b", code):
+                function = None
                 continue
             line = raw.decode("utf-8", errors="replace")
             where = f"{path}:{number}"
@@ -179,8 +191,10 @@ def parse_mlir(path: str | Path) -> MlirModule:
                                   f'#flow.parameter.named<"model"::"tN"> : tensor<...>`, found {line.strip()[:120]!r}')
             m = _FUNC.match(line)
             if m:
-                name, args, results = m.groups()
-                functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")), number))
+                visibility, name, args, results = m.groups()
+                function = name
+                functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")),
+                                              number, (visibility or "").strip() != "private"))
     if not globals_:
         kind = "" if Path(path).suffix == ".mlir" else " (a reference export is its .mlir file, with its archive beside it)"
         raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference "
@@ -190,7 +204,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
     if not last.endswith(b"}"):  # a file without a module around its operations, cut between two of them
         raise FormatError(f"{path}: ends with {last.decode('utf-8', 'replace')[-60:]!r}, not a '}}' closing a module "
                           "or function; the file is cut short")
-    return MlirModule(path, tuple(globals_), tuple(functions), loads)
+    return MlirModule(path, tuple(globals_), tuple(functions), loads,
+                      {f: tuple(names) for f, names in in_function.items()})
 
 
 def find_archive(mlir_path: Path) -> Path:
@@ -294,20 +309,46 @@ class GlobalMap:
     skipped: tuple[MlirGlobal, ...]
     duplicate_table: MlirGlobal | None
     config: GemmaConfig
+    unused: tuple[MlirGlobal, ...] = ()  # declared, never loaded by the program: not part of the model
 
 
-def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int]) -> list[MlirGlobal]:
+def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int], where: Path,
+                 function_loads: dict[str | None, tuple[str, ...]] | None = None) -> list[MlirGlobal]:
     """The globals in trace order, whatever order the file declares them in: the order of the
     tracer's ids ``tN`` (reference-format: sparse and in trace order) of the archive keys, else of
     the names, when every global has one; else the order in which the program first loads them
     (``util.global.load``; a file's line order, which helper functions or initializers can break)
-    when it loads every one; else the file's."""
+    when it loads every one; else the file's.
+
+    ``function_loads`` (:attr:`MlirModule.function_loads`): a function that loads every global (the
+    traced program) must load them in the ids' order.
+
+    Raises:
+        FormatError: a function that loads every global loads them in another order than the ids
+            give (the ids would put one weight where the program uses another: a wrong model).
+    """
     for ids in ([_trace_id(g.key) for g in found], [_trace_id(g.name) for g in found]):
         if all(n is not None for n in ids):
-            return [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
+            ordered = [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
+            _check_load_order(ordered, function_loads or {}, where)
+            return ordered
     if found and all(g.name in first_loads for g in found):
         return sorted(found, key=lambda g: first_loads[g.name])
     return found
+
+
+def _check_load_order(ordered: list[MlirGlobal], function_loads: dict[str | None, tuple[str, ...]], where: Path) -> None:
+    names = {g.name for g in ordered}
+    for function, loaded in function_loads.items():
+        program = [name for name in loaded if name in names]
+        if len(program) != len(ordered):  # a helper that loads some: no order to compare
+            continue
+        for i, (g, name) in enumerate(zip(ordered, program)):
+            if g.name != name:
+                used = next(x for x in ordered if x.name == name)
+                raise FormatError(f"{where}: {'@' + function if function else 'an initializer'} loads @{name} (key "
+                                  f"'{used.key}') where the tracer's ids put @{g.name} (key '{g.key}'), weight {i} in "
+                                  "trace order; the ids and the program disagree, so the weights cannot be mapped")
 
 
 def _trace_id(name: str) -> int | None:
@@ -334,7 +375,11 @@ def map_globals(module: MlirModule) -> GlobalMap:
     scales = {g.name[: -len("_scale")]: g for g in module.globals if g.name.endswith("_scale") and g.name[: -len("_scale")] in by_name}
     for base, sg in scales.items():
         owner = by_name[base]
-        if owner.element_type != "i8" or sg.element_type != "f32" or sg.shape != owner.shape[:1]:
+        if owner.element_type != "i8":
+            raise FormatError(f"{where}:{sg.line}: @{sg.name} names @{base} as its int8 weight, but @{base} is "
+                              f"tensor<{'x'.join(map(str, owner.shape))}x{owner.element_type}>; only i8 globals have "
+                              "per-row _scale globals")
+        if sg.element_type != "f32" or sg.shape != owner.shape[:1]:
             raise FormatError(f"{where}:{sg.line}: @{sg.name} is tensor<{'x'.join(map(str, sg.shape))}x{sg.element_type}>; "
                               f"expected per-row f32 scales tensor<{owner.shape[0]}xf32> of an i8 @{base}")
     # refused here, before any weight is read: scales without an owner (which would otherwise be
@@ -343,7 +388,12 @@ def map_globals(module: MlirModule) -> GlobalMap:
         if g.name.endswith("_scale") and g.name[: -len("_scale")] not in by_name:
             raise FormatError(f"{where}:{g.line}: @{g.name} names no global @{g.name[: -len('_scale')]}; expected "
                               "the per-row scales of an int8 global")
-    order = _trace_order([g for g in module.globals if g not in scales.values()], module.first_loads)
+    weights_and_constants = [g for g in module.globals if g not in scales.values()]
+    # a global the program never loads is not part of the model IREE runs (when the program's loads
+    # were found at all): left out, as IREE leaves it out, rather than mapped to a weight
+    unused = [g for g in weights_and_constants if g.name not in module.first_loads] if module.first_loads else []
+    order = _trace_order([g for g in weights_and_constants if g not in unused], module.first_loads, where,
+                         module.function_loads)
     if not order or len(order[0].shape) != 2:
         raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "
                           f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
@@ -422,7 +472,7 @@ def map_globals(module: MlirModule) -> GlobalMap:
         if g.element_type == "i8" and g.name not in scales:
             raise FormatError(f"{where}:{g.line}: int8 global @{g.name} has no @{g.name}_scale (expected per-row f32 "
                               f"scales tensor<{g.shape[0] if g.shape else '?'}xf32>)")
-    return GlobalMap(weights, scales, tuple(skipped), duplicate, config)
+    return GlobalMap(weights, scales, tuple(skipped), duplicate, config, tuple(unused))
 
 
 #: the largest per-row scale of an int8 weight whose codes (|code| <= 128) times it stay finite in float32
@@ -489,6 +539,7 @@ def read_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     identity = {"kind": "reference-mlir", "path": str(mlir_path.resolve()), "archive": str(archive.path.resolve()),
                 "bytes": mlir_path.stat().st_size + archive.path.stat().st_size,
                 "globals": len(module.globals), "skipped_constants": len(mapped.skipped),
+                "unused_globals": len(mapped.unused),
                 "duplicate_table_collapsed": mapped.duplicate_table is not None and LM_HEAD not in tensors}
     return Checkpoint(config=config, tensors=tensors, tokenizer=None, identity=identity, path=mlir_path,
                       files=(mlir_path, archive.path))
