@@ -111,9 +111,11 @@ def _host_cpu() -> tuple[str, str]:
     return platform.machine(), flags
 
 
-def compile_reference(text: str, cache_dir: Path | None = None, source: str | Path | None = None) -> bytes:
+def compile_reference(text: str, cache_dir: Path | None = None, source: str | Path | None = None,
+                      refresh: bool = False) -> bytes:
     """Compile StableHLO MLIR text for the host CPU (llvm-cpu) to an IREE module; cached.
-    ``source``: the file the text came from, named in IREE's messages in place of ``<stdin>``.
+    ``source``: the file the text came from, named in IREE's messages in place of ``<stdin>``;
+    ``refresh``: compile again and replace the cached module (one that would not load).
 
     Raises:
         GemmaExportError: IREE is missing or rejects the MLIR (first line of its message).
@@ -129,7 +131,7 @@ def compile_reference(text: str, cache_dir: Path | None = None, source: str | Pa
     key = hashlib.sha256("\n".join([text, iree_version, *COMPILE_FLAGS, *_host_cpu()]).encode()).hexdigest()[:32]
     folder = cache_dir or _cache_dir()
     cached = folder / f"{key}.vmfb"
-    if cached.is_file():
+    if cached.is_file() and not refresh:
         return cached.read_bytes()
     try:
         vmfb = compiler.compile_str(text, target_backends=["llvm-cpu"], input_type="stablehlo", extra_args=list(COMPILE_FLAGS))
@@ -144,6 +146,8 @@ def compile_reference(text: str, cache_dir: Path | None = None, source: str | Pa
         with tempfile.NamedTemporaryFile(dir=folder, delete=False, suffix=".partial") as f:
             partial = f.name
             f.write(vmfb)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before it is named: a power cut leaves no empty module
         os.replace(partial, cached)
     except OSError:  # a cache that cannot be written only costs a recompile; leave no partial file
         if partial is not None:
@@ -297,10 +301,18 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
             raise FormatError(f"{mlir_path}: {exc}") from None
     vmfb = compile_reference(text, cache_dir, mlir_path)
     config = runtime.Config("local-task")
+    try:
+        main = runtime.VmModule.copy_buffer(config.vm_instance, vmfb)
+    except (ValueError, RuntimeError):  # a damaged cached module (a cut write, a full disk): compiled again
+        vmfb = compile_reference(text, cache_dir, mlir_path, refresh=True)
+        try:
+            main = runtime.VmModule.copy_buffer(config.vm_instance, vmfb)
+        except (ValueError, RuntimeError) as exc:
+            raise GemmaExportError(f"{mlir_path}: IREE compiled it, but cannot load the module it made: "
+                                   f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
     index = runtime.ParameterIndex()
     index.load(str(archive.path))
     parameters = runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=module.globals[0].scope))
     hal = runtime.create_hal_module(config.vm_instance, config.device)
-    main = runtime.VmModule.copy_buffer(config.vm_instance, vmfb)
     bound = runtime.load_vm_modules(parameters, hal, main, config=config)[-1]
     return ReferenceModel(mlir_path, archive.path, function.name, length, vocab, logits, bound[function.name])

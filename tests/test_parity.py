@@ -328,6 +328,21 @@ def test_reference_paths_that_are_folders_are_named(reference, tiny_int8_export,
     assert result.exit_code == 2 and "gemma.safetensors: is a folder; expected a reference archive" in result.output
 
 
+@pytest.mark.parametrize("damage", [b"", b"\x07" * 4096])
+def test_a_damaged_cached_reference_module_is_compiled_again(reference, tmp_path, damage):
+    """A helper's finding: an empty (or garbled) module in IREE's compile cache made every later
+    parity and bench run fail with IREE's traceback ("FlatBuffer data is not present")."""
+    _, mlir = reference
+    cache = tmp_path / "cache"
+    expected = load_reference(mlir, cache_dir=cache).run([2, 5, 6])
+    (cached,) = cache.glob("*.vmfb")
+    good = cached.read_bytes()
+    cached.write_bytes(damage)
+    model = load_reference(mlir, cache_dir=cache)
+    np.testing.assert_array_equal(model.run([2, 5, 6]), expected)
+    assert cached.read_bytes() == good and list(cache.iterdir()) == [cached]  # replaced, no partial left
+
+
 def test_mlir_iree_rejects_is_named_by_file_and_line(reference, tmp_path):
     # IREE reads the text from its stdin; the message names the file (and the line) instead
     import shutil
