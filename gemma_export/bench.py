@@ -246,10 +246,15 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     if reference is None and reference_weights is not None:
         raise GemmaExportError("--reference-weights applies to --reference, which is not given")
+    reference_vocab = None
     if reference is not None:  # its files, their contents and IREE before the (long) measurement, not after it
-        from .reference_iree import check_reference_options
+        from .reference_iree import check_reference_options, compile_in_child
 
-        check_reference_options(reference, reference_weights)
+        reference_vocab, reference_length = check_reference_options(reference, reference_weights)
+        if reference_length is not None:
+            reference_prompt(reference, reference_length)
+        say(f"reference: compiling {reference} with IREE for this CPU (before the measurement, in a child process)")
+        compile_in_child(reference)  # an MLIR IREE refuses is named now; the module is cached for later
     spec = find_board(board) if board is not None else None
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
@@ -267,6 +272,11 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     tokenizer = load_tokenizer(model_dir)  # kept for the run, as `generate` keeps it
     tokenizer_memory = snapshot() - start
     ids = first_tokens(tokenizer, body, needed_ids)
+    if reference_vocab is not None:  # the ids the reference will be fed must be its tokens
+        fed = ids[:REFERENCE_PROMPT_TOKENS]
+        if outside := [i for i in fed if not 0 <= i < reference_vocab]:
+            raise GemmaExportError(f"{reference}: token id {outside[0]} of the text's first {len(fed)} is outside the "
+                                   f"reference's vocabulary ({reference_vocab} rows); is it the same model as {model_dir}?")
     if len(ids) < lengths[-1]:
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
@@ -329,6 +339,20 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
 REFERENCE_PROMPT_TOKENS = 16
 
 
+def reference_prompt(mlir: str | Path, sequence_length: int) -> int:
+    """Prompt tokens before the timed re-decode loop of a reference of fixed length ``sequence_length``:
+    :data:`REFERENCE_PROMPT_TOKENS`, fewer when that leaves under 4 steps.
+
+    Raises:
+        GemmaExportError: the fixed length leaves no room (under 5).
+    """
+    prompt = min(REFERENCE_PROMPT_TOKENS, sequence_length - 4)
+    if prompt < 1:
+        raise GemmaExportError(f"{mlir}: fixed length {sequence_length} leaves no room to time a re-decode loop "
+                               "(at least 5 positions: a prompt token and 4 steps)")
+    return prompt
+
+
 def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
                    say: Callable[[str], None]) -> dict:
     """Time the reference export's re-decode loop (one whole-graph call per new token) after a
@@ -342,14 +366,11 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
     """
     from .reference_iree import load_reference
 
-    say(f"reference: compiling {mlir} with IREE for this CPU")
+    say(f"reference: loading {mlir} for IREE")
     t0 = time.perf_counter()
     model = load_reference(mlir, archive)
     load_s = time.perf_counter() - t0
-    prompt = min(REFERENCE_PROMPT_TOKENS, model.sequence_length - 4)
-    if prompt < 1:
-        raise GemmaExportError(f"{mlir}: fixed length {model.sequence_length} leaves no room to time a re-decode loop")
-    context = list(ids[:prompt])
+    context = list(ids[:reference_prompt(mlir, model.sequence_length)])
     model.run(context)  # warm-up
     steps = []
     while len(context) < model.sequence_length:

@@ -379,6 +379,34 @@ def first_divergence(export_outputs: dict[str, np.ndarray], reference_outputs: d
 
 
 # ---- the command --------------------------------------------------------------------------------
+#: the sizes a reference's shapes give (:func:`~gemma_export.sources.mlir.map_globals`) that an export
+#: compared with it must share (the vocabulary is compared with the graph's, below)
+ARCHITECTURE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "intermediate_size")
+
+
+def check_same_architecture(reference: str | Path, model_dir: Path) -> None:
+    """Refuse a reference whose shapes give another architecture than the export's manifest: its
+    verdict would be a FAIL of figures, not what it is, a comparison of two different models.
+    Sizes the manifest lacks, or a reference the reader cannot map to Gemma weights, are not
+    compared (the comparison itself then decides).
+
+    Raises:
+        FormatError: a size differs (named, with both values).
+    """
+    from .sources.mlir import map_globals, parse_mlir
+
+    try:
+        config = map_globals(parse_mlir(reference)).config
+    except GemmaExportError:
+        return
+    for field in ARCHITECTURE_FIELDS:
+        ours = manifest_figure(model_dir, field)
+        if ours is not None and getattr(config, field) != ours:
+            raise FormatError(f"{reference}: {field} {getattr(config, field)} (from its globals' shapes) differs from "
+                              f"the export's {ours} ({model_dir}); not the same model")
+
+
 def run_parity(model_dir: str | Path, *, against_transformers: bool = False, reference: str | Path | None = None,
                reference_weights: str | Path | None = None, reference_logits: bool = False,
                golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int | None = None,
@@ -410,7 +438,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         SourceNotFoundError, FormatError: a reference whose files are missing or contradict each
             other (checked before the session, ``reference_iree.check_reference_options``); an unusable export folder, prompts or golden file (see
             :func:`read_prompts`, :func:`read_golden`); an id outside the vocabulary; a manifest that
-            contradicts its graph; a reference of another vocabulary size.
+            contradicts its graph; a reference of another vocabulary size or architecture
+            (:func:`check_same_architecture`).
         NumericError: the export computes NaN or +Inf logits.
         ResourceError: a KV cache would not fit in available memory.
     """
@@ -443,6 +472,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
         ref_vocab, ref_length = check_reference_options(reference, reference_weights)
     model_dir = Path(model_dir)
+    if reference:
+        check_same_architecture(reference, model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
     tokenizer_path = model_dir / "tokenizer.json"

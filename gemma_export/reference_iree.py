@@ -18,6 +18,8 @@ import dataclasses
 import hashlib
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -154,6 +156,33 @@ def compile_reference(text: str, cache_dir: Path | None = None, source: str | Pa
             with contextlib.suppress(OSError):
                 os.unlink(partial)
     return vmfb
+
+
+def compile_in_child(mlir_path: str | Path) -> None:
+    """Compile a reference export's MLIR into the cache of :func:`compile_reference` in a child
+    process, so that a command finds an MLIR IREE refuses before its own slow work, and the
+    compiler's memory (hundreds of MB for the 270M, freed but kept by the allocator) is never this
+    process's. A later :func:`load_reference` of the same file reads the cached module (where the
+    cache cannot be written it compiles again).
+
+    Raises:
+        GemmaExportError: IREE is missing or refuses the MLIR (its message, naming the file and line).
+    """
+    code = "import sys; from gemma_export.reference_iree import _compile_file; _compile_file(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(mlir_path)], capture_output=True, text=True,
+                          errors="replace")
+    if done.returncode:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        raise GemmaExportError(lines[-1] if lines else f"{mlir_path}: IREE's compiler exited with {done.returncode}")
+
+
+def _compile_file(path: str) -> None:
+    """The child process of :func:`compile_in_child`: its error on the last line of stderr, exit 2."""
+    try:
+        compile_reference(Path(path).read_text(encoding="utf-8", errors="replace"), source=path)
+    except GemmaExportError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
 
 
 @dataclasses.dataclass

@@ -487,7 +487,7 @@ def test_bench_refuses_a_bad_reference_and_out_of_vocabulary_prompts_before_timi
                                  "--text", str(text_file), "--reference", str(wrong),
                                  "--reference-weights", str(mlir.with_suffix(".safetensors"))])
     assert result.exit_code == 2, result.output
-    assert "no re-decode function tensor<1xSxi32> -> tensor<Sxi32>" in result.stderr
+    assert "no public re-decode function tensor<1xSxi32> -> tensor<Sxi32>" in result.stderr
     assert "prompt 6 tokens" not in result.output  # nothing was timed
 
     model = tmp_path / "m"
@@ -503,6 +503,40 @@ def test_bench_refuses_a_bad_reference_and_out_of_vocabulary_prompts_before_timi
     assert result.exit_code == 2, result.output
     assert "500" in result.stderr and "does not match its graph" in result.stderr
     assert "prompt 6 tokens" not in result.output
+
+
+@pytest.mark.parametrize("case", ["iree_refuses", "short_length", "smaller_vocabulary"])
+def test_bench_finds_what_the_reference_cannot_run_before_it_measures(tiny_int8_export, tiny_model, text_file,
+                                                                      tmp_path, case):
+    """A helper's findings: a reference IREE refuses (here an unknown operation; the helper's was a
+    byte-order mark), one of a fixed length under 5, or one whose vocabulary lacks the text's ids
+    failed only after the whole measurement, its figures lost."""
+    from conftest import make_tiny_model
+    from jax_reference import SEQ, write_jax_reference
+
+    source = make_tiny_model(vocab_size=40) if case == "smaller_vocabulary" else tiny_model
+    mlir = write_jax_reference(source, tmp_path / "ref", "bf16")
+    text = mlir.read_text()
+    if case == "iree_refuses":
+        body = next(i for i, line in enumerate(text.splitlines()) if line.strip().startswith("func.func @gemma")) + 1
+        lines = text.splitlines()
+        lines.insert(body, "    %bogus = stablehlo.no_such_op : tensor<f32>")
+        text = "\n".join(lines) + "\n"
+        expected = [f"{mlir}:{body + 1}:", "no_such_op"]
+    elif case == "short_length":
+        text = text.replace(f"1x{SEQ}xi32", "1x4xi32").replace(f"tensor<{SEQ}xi32>", "tensor<4xi32>")
+        expected = [f"{mlir}: fixed length 4 leaves no room to time a re-decode loop"]
+    else:
+        expected = [f"{mlir}: token id", "outside the reference's vocabulary (40 rows)"]
+    mlir.write_text(text)
+    result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--prompt-tokens", "6", "--new-tokens", "6",
+                                 "--text", str(text_file), "--reference", str(mlir), "--json", str(tmp_path / "b.json")],
+                           env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and all(part in error[0] for part in expected), result.stderr
+    assert "prompt 6 tokens" not in result.output and "session created" not in result.output  # nothing measured
+    assert not (tmp_path / "b.json").exists()
 
 
 def test_the_growth_counts_the_session_not_the_import_of_onnx_and_onnxruntime(tiny_int8_export, text_file):
@@ -850,6 +884,7 @@ def test_the_reference_ratio_uses_the_shortest_prompts_decode_median(tiny_int8_e
         return {}
 
     monkeypatch.setattr(reference_iree, "check_reference_options", lambda *a: (None, None))
+    monkeypatch.setattr(reference_iree, "compile_in_child", lambda mlir: None)
     monkeypatch.setattr(bench_module, "time_reference", time_reference)
     result = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=9, text=text_file,
                        reference="ref.mlir")

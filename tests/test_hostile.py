@@ -744,7 +744,7 @@ CASES = {
     "parity reference truncated archive": Case(parity_reference(edit_archive=lambda b: b[:-10]), FormatError,
                                                ("gemma.safetensors", "lies outside")),
     "parity reference unknown signature": Case(parity_reference(edit_mlir=lambda t: t.replace("tensor<1x24xi32>", "tensor<1x24xf32>")),
-                                               FormatError, ("gemma.mlir: no re-decode function tensor<1xSxi32> -> tensor<Sxi32> (found @gemma)",)),
+                                               FormatError, ("gemma.mlir: no public re-decode function tensor<1xSxi32> -> tensor<Sxi32> (found @gemma",)),
     "parity reference global without key": Case(parity_reference(edit_mlir=lambda t: t.replace('"model"::"t8"', '"model"::"t8x"')),
                                                 FormatError, ("global @t8 is bound to key 't8x', which",)),
     "parity prompt id outside the vocabulary": Case(export_copy(lambda f: ((f / "p.json").write_text("[[2, 300000]]"),

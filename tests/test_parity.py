@@ -384,6 +384,25 @@ def test_a_prompt_too_long_for_the_reference_is_bad_input(reference, tiny_int8_e
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"]),
+     "num_hidden_layers 2 (from its globals' shapes) differs from the export's 4"),
+    (dict(intermediate_size=96), "intermediate_size 96 (from its globals' shapes) differs from the export's 128"),
+])
+def test_a_reference_of_another_architecture_is_bad_input_not_a_failed_comparison(tiny_int8_export, prompts_file,
+                                                                                   tmp_path, overrides, message):
+    """A helper's finding: parity against a reference of another hidden size or layer count ran and
+    reported FAIL (exit 1, 11% agreement), as if the export were wrong."""
+    from conftest import make_tiny_model
+    from jax_reference import write_jax_reference
+
+    mlir = write_jax_reference(make_tiny_model(**overrides), tmp_path / "ref", "bf16")
+    result = _parity("--model", tiny_int8_export, "--reference", mlir, "--prompts", prompts_file)
+    assert result.exit_code == 2, result.output
+    assert f"error: {mlir}: {message} ({tiny_int8_export}); not the same model" in result.output
+    assert "verdict" not in result.output
+
+
 def test_a_reference_of_another_vocabulary_is_refused_before_anything_loads(tiny_int8_export, tmp_path, monkeypatch):
     from gemma_export import parity, reference_iree, runtime
 

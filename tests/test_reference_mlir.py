@@ -715,3 +715,19 @@ def test_a_scale_for_a_global_that_is_not_int8_says_so(ref_model, tmp_path):
     with pytest.raises(FormatError, match=rf"^{mlir}:3: @t8_scale names @t8 as its int8 weight, but @t8 is "
                                           r"tensor<64xbf16>; only i8 globals have per-row _scale globals$"):
         open_source(mlir)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: b"\xef\xbb\xbf" + text, ": starts with a UTF-8 byte-order mark, which IREE's MLIR parser refuses; "
+                                          "remove its first 3 bytes"),
+    (lambda text: text.replace(b"module", b"mod\0ule", 1), ":1: holds a NUL byte (column 4); not MLIR text"),
+])
+def test_what_irees_parser_refuses_is_refused_before_an_export(ref_model, tmp_path, edit, message):
+    """A helper's finding: an MLIR with a byte-order mark or a NUL byte exported (exit 0), while
+    parity and bench, whose IREE refuses it, failed on the same file (bench after measuring)."""
+    mlir = write_reference(ref_model, tmp_path / "ref")
+    mlir.write_bytes(edit(mlir.read_bytes()))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
+    assert result.exit_code == 2 and f"error: {mlir}{message}" in result.output, result.output
+    assert not out.exists()

@@ -128,7 +128,7 @@ def parse_mlir(path: str | Path) -> MlirModule:
     Raises:
         SourceNotFoundError: no such file.
         FormatError: a safetensors archive given instead, a file over :data:`MAX_MLIR_BYTES` or a
-            line over 1 MiB, a global with a dynamic or unknown tensor type, a global declared twice,
+            line over 1 MiB, a byte-order mark or a NUL byte (which IREE refuses), a global with a dynamic or unknown tensor type, a global declared twice,
             no global at all, or braces that do not balance (a file cut short, or more closed than
             opened).
     """
@@ -154,6 +154,12 @@ def parse_mlir(path: str | Path) -> MlirModule:
             number += 1
             if len(raw) > MAX_LINE_BYTES:
                 raise FormatError(f"{path}:{number}: a line of more than 1 MiB; not reference MLIR text")
+            # what IREE's parser refuses is refused here too, before an export or a measurement
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raise FormatError(f"{path}: starts with a UTF-8 byte-order mark, which IREE's MLIR parser refuses; "
+                                  "remove its first 3 bytes")
+            if b"\0" in raw:
+                raise FormatError(f"{path}:{number}: holds a NUL byte (column {raw.index(bytes(1)) + 1}); not MLIR text")
             code = _STRING_LITERAL.sub(b'""', raw).split(b"//", 1)[0]  # braces in strings and comments do not count
             depth += code.count(b"{") - code.count(b"}")
             if code.strip():
