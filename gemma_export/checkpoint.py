@@ -24,6 +24,24 @@ LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
 
 
+def largest_weight(tensors: Mapping[str, "TensorRef"]) -> str:
+    """``NAME[i, j] = value (ORIGIN)`` of the largest magnitude among ``tensors`` (each read once, in
+    float32): the first suspect when finite weights overflow float32 in a graph.
+
+    Raises:
+        NumericError: a tensor holds NaN or Inf (as :meth:`TensorRef.load`).
+    """
+    best = ("", 0.0, (), "")
+    for name, ref in tensors.items():
+        array = ref.load()
+        if array.size:
+            at = np.unravel_index(int(np.argmax(np.abs(array))), array.shape)
+            if abs(float(array[at])) > abs(best[1]):
+                best = (name, float(array[at]), tuple(int(i) for i in at), ref.origin)
+    name, value, at, origin = best
+    return f"{name}[{', '.join(map(str, at))}] = {value:.3g} ({origin})"
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorRef:
     """One tensor of a source, read on demand.

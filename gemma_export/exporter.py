@@ -21,7 +21,7 @@ from . import __version__
 from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
-from .checkpoint import EMBED, LM_HEAD, Checkpoint
+from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
 from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
@@ -32,7 +32,7 @@ from .memory import peak_rss_bytes
 from .sources import BUNDLED_PACKAGE, bundled_gguf_note, default_output_name, open_source
 from .text_files import first_tokens, non_regular
 from .staging import check_free_space, check_replaceable, file_sha256, folder_state, reported_as_written, staged_folder
-from .verify import count_table_initializers, verify_folder
+from .verify import NonFiniteLogits, count_table_initializers, verify_folder
 from .weights import (DEFAULT_HADAMARD_SIZE, DEFAULT_INT8_BLOCK_SIZE, DEFAULT_TABLE_BLOCK_SIZE, WEIGHT_FORMATS, Int4Format,
                       weight_format)
 
@@ -519,6 +519,10 @@ def export(
         (staging / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config(ckpt), indent=2, sort_keys=True) + "\n")
         try:
             verify_folder(staging)
+        except NonFiniteLogits as exc:  # the source's weights, not the output, are at fault: the suspect named
+            found = str(exc).split(": ", 1)[1].replace(" in the graph", "")
+            raise VerificationError(f"{ckpt.path}: {found}; the source's largest weight is {largest_weight(ckpt.tensors)}; "
+                                    "nothing was written") from None
         except VerificationError as exc:  # named as the output it would have been, not the hidden staging folder
             raise VerificationError(f"{str(exc).replace(str(staging), str(out))}; nothing was written") from None
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)

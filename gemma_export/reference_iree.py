@@ -35,6 +35,8 @@ COMPILE_FLAGS = ("--iree-llvmcpu-target-cpu=host",)
 
 _FUNC_START = re.compile(r"^\s*func\.func\s+(?:public\s+|private\s+)?@([\w$.-]+)\s*\(")
 _RETURN = re.compile(r"^(\s*)(?:func\.)?return\s+(%[\w#.$-]+)\s*:\s*(tensor<[^>]*>)\s*$")
+_DEFINES = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=")
+_VALUE = re.compile(r"%[\w#.$-]+")
 _ARGMAX_INPUT = re.compile(r"(?:stablehlo\.reduce\(|call\s+@[\w$.-]+\()\s*(%[\w#.$-]+)")
 
 
@@ -60,18 +62,35 @@ def _function_lines(lines: list[str], name: str) -> tuple[int, int]:
 def strip_argmax_tail(text: str, function: str, vocab_size: int) -> str:
     """Rewrite ``@function`` to return the float32 logits that feed its argmax.
 
-    The argmax is recognised as the first ``stablehlo.reduce(`` or ``call @f(`` in the function whose
-    first operand is a ``tensor<...x{vocab_size}xf32>``; the function's ``return`` and result type are
-    replaced by that operand and its type (the compiler then drops the dead argmax ops).
+    The argmax is the ``stablehlo.reduce(`` or ``call @f(`` nearest to the returned value, going back
+    through the operations that compute it (breadth first), whose first operand is a
+    ``tensor<...x{vocab_size}xf32>``; the function's ``return`` and result type are replaced by that
+    operand and its type (the compiler then drops the dead argmax ops). Following the returned value
+    keeps another reduction over a dimension of the same size (attention's, when the fixed length
+    equals the vocabulary) from being taken for it.
 
     Raises:
-        FormatError: no such function, no argmax over the vocabulary, or no single ``return``.
+        FormatError: no such function, no argmax over the vocabulary feeding the return, or no
+            single ``return``.
     """
     lines = text.splitlines()
     start, end = _function_lines(lines, function)
     vocab_type = re.compile(rf"tensor<((?:\d+x)*{vocab_size})xf32>")
-    logits = None
+    returns = [i for i in range(start + 1, end) if _RETURN.match(lines[i])]
+    if len(returns) != 1:
+        raise FormatError(f"@{function}: expected one return of a single tensor, found {len(returns)}")
+    defined = {}  # SSA value -> the line that defines it (``%5:2 = ...`` defines %5, used as %5#1)
     for line in lines[start + 1:end]:
+        if (m := _DEFINES.match(line)) is not None:
+            defined.setdefault(m.group(1), line)
+    logits = None
+    queue, seen = [_RETURN.match(lines[returns[0]]).group(2).split("#")[0]], set()
+    while queue and logits is None:
+        value = queue.pop(0)
+        if value in seen or value not in defined:
+            continue
+        seen.add(value)
+        line = defined[value]
         m = _ARGMAX_INPUT.search(line)
         if m and ":" in line:
             operand_types = line.rsplit(":", 1)[1]
@@ -79,11 +98,9 @@ def strip_argmax_tail(text: str, function: str, vocab_size: int) -> str:
             if t and operand_types.lstrip().startswith(("(" + t.group(0), t.group(0))):
                 logits = (m.group(1), t.group(0))
                 break
+        queue += [used.split("#")[0] for used in _VALUE.findall(line.split("=", 1)[1])]
     if logits is None:
         raise FormatError(f"@{function}: no argmax over a tensor<...x{vocab_size}xf32> found; cannot expose the logits")
-    returns = [i for i in range(start + 1, end) if _RETURN.match(lines[i])]
-    if len(returns) != 1:
-        raise FormatError(f"@{function}: expected one return of a single tensor, found {len(returns)}")
     indent = _RETURN.match(lines[returns[0]]).group(1)
     lines[returns[0]] = f"{indent}return {logits[0]} : {logits[1]}"
     head = lines[start]

@@ -74,7 +74,7 @@ def verify_folder(folder: Path) -> None:
 
     Raises:
         VerificationError: naming the file and the failure (a file with several hard links named as
-            such: the checker refuses them), or the first step's non-finite logits.
+            such: the checker refuses them); :class:`NonFiniteLogits` for the first step's NaN or Inf.
     """
     import numpy as np
     import onnx
@@ -96,8 +96,13 @@ def verify_folder(folder: Path) -> None:
     logits = session.run(["logits"], _first_step_feeds(session))[0]
     if not np.isfinite(logits).all():
         bad = logits[~np.isfinite(logits)]
-        raise VerificationError(f"{model_path}: the first step (token id 0 at position 0) computes {bad.size:,} "
-                                f"non-finite logits (e.g. {bad.flat[0]}): a weight overflows float32 in the graph")
+        raise NonFiniteLogits(f"{model_path}: the first step (token id 0 at position 0) computes {bad.size:,} "
+                              f"non-finite logits (e.g. {bad.flat[0]}): a weight overflows float32 in the graph")
+
+
+class NonFiniteLogits(VerificationError):
+    """:func:`verify_folder`'s one-step check found NaN or Inf logits: weights that are finite but
+    overflow float32 in the graph's arithmetic."""
 
 
 def _first_step_feeds(session) -> dict:

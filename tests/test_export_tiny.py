@@ -986,7 +986,8 @@ def test_a_weight_beyond_bf16_range_is_refused_not_stored_as_inf(tmp_path):
 def test_weights_whose_logits_overflow_float32_are_refused_at_export(tmp_path, dtype):
     """A final norm of 3.4e38 is finite, but every logit overflows: the export wrote it and `verify`
     passed it, and each later generation failed (API probe). The export now runs one step and
-    writes nothing."""
+    writes nothing, naming the source and its largest weight (a helper found the output's
+    model.onnx named instead: an existing export there read as if it were broken)."""
     import torch
 
     model = make_tiny_model(seed=3)
@@ -994,9 +995,11 @@ def test_weights_whose_logits_overflow_float32_are_refused_at_export(tmp_path, d
         model.model.norm.weight.fill_(3.4e38)
     src = save_tiny(model, tmp_path / "src")
     out = tmp_path / "out"
-    with pytest.raises(VerificationError, match=rf"^{re.escape(str(out))}/model.onnx: the first step \(token id 0 at "
+    with pytest.raises(VerificationError, match=rf"^{re.escape(str(src))}: the first step \(token id 0 at "
                                                 rf"position 0\) computes 96 non-finite logits \(e.g. nan\): a weight "
-                                                rf"overflows float32 in the graph; nothing was written$"):
+                                                rf"overflows float32; the source's largest weight is model.norm.weight"
+                                                rf"\[0\] = 3.4e\+38 \({re.escape(str(src))}/model.safetensors:"
+                                                rf"model.norm.weight\); nothing was written$"):
         export(src, out, dtype, **({} if dtype == "fp32" else {"block_size": 16, "calibrate": False}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 

@@ -129,6 +129,9 @@ def test_strip_argmax_tail_on_the_tracers_inline_form():
         "    %5 = stablehlo.dot_general %3, %4, contracting_dims = [2] x [1] : (tensor<1x4x8xf32>, tensor<8x10xf32>) -> tensor<1x4x10xf32>",
         "    %6 = stablehlo.reduce(%5 init: %cst) applies stablehlo.maximum across dimensions = [2] : (tensor<1x4x10xf32>, tensor<f32>) -> tensor<1x4xf32>",
         "    %7 = stablehlo.broadcast_in_dim %6, dims = [0, 1] : (tensor<1x4xf32>) -> tensor<1x4x10xf32>",
+        "    %10 = stablehlo.compare  EQ, %5, %7,  FLOAT : (tensor<1x4x10xf32>, tensor<1x4x10xf32>) -> tensor<1x4x10xi1>",
+        "    %11 = stablehlo.select %10, %iota, %big : tensor<1x4x10xi1>, tensor<1x4x10xi32>",
+        "    %9 = stablehlo.reduce(%11 init: %c) applies stablehlo.minimum across dimensions = [2] : (tensor<1x4x10xi32>, tensor<i32>) -> tensor<1x4xi32>",
         "    %8 = stablehlo.reshape %9 : (tensor<1x4xi32>) -> tensor<4xi32>",
         "    return %8 : tensor<4xi32>",
         "  }",
@@ -140,6 +143,24 @@ def test_strip_argmax_tail_on_the_tracers_inline_form():
         strip_argmax_tail(text, "gemma", 11)
     with pytest.raises(FormatError, match="no function @main"):
         strip_argmax_tail(text, "main", 10)
+
+
+def test_strip_argmax_tail_follows_the_returned_value_not_the_first_reduction_of_that_size():
+    """A helper's finding: with a vocabulary equal to the fixed length (24), attention's reduction
+    over ``tensor<4x24x24xf32>``, earlier in the function, was taken for the argmax, and the run
+    failed reshaping its output."""
+    text = "\n".join([
+        "module @gemma {",
+        "  func.func @gemma(%arg0: tensor<1x24xi32>) -> tensor<24xi32> {",
+        "    %1 = stablehlo.reduce(%0 init: %cst) applies stablehlo.maximum across dimensions = [2] : (tensor<4x24x24xf32>, tensor<f32>) -> tensor<4x24xf32>",
+        "    %2 = stablehlo.dot_general %1, %w, contracting_dims = [1] x [0] : (tensor<4x24xf32>, tensor<24x24xf32>) -> tensor<24x24xf32>",
+        "    %3 = call @argmax(%2) : (tensor<24x24xf32>) -> tensor<24xi32>",
+        "    return %3 : tensor<24xi32>",
+        "  }",
+        "}"])
+    stripped = strip_argmax_tail(text, "gemma", 24)
+    assert "    return %2 : tensor<24x24xf32>" in stripped
+    assert "func.func @gemma(%arg0: tensor<1x24xi32>) -> tensor<24x24xf32> {" in stripped
 
 
 @pytest.fixture(scope="module")
