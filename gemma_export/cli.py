@@ -353,7 +353,7 @@ def main(
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
     scale_method: Optional[ScaleMethod] = typer.Option(None, "--scale-method", help="int4 only: how each block's scale is chosen: mse (clipping search, least squared error; the default) or rtn (the block's largest magnitude). The codes are then chosen by GPTQ unless --no-calibrate."),
     calibrate: Optional[bool] = typer.Option(None, "--calibrate/--no-calibrate", help="int8/int4: choose codes by GPTQ on a calibration text's activations (default: on when the source has a tokenizer); --no-calibrate rounds each weight to nearest (int4 scales still follow --scale-method)."),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", parser=_path, metavar="<path>", help="A tokenizer.json, or a folder holding one (with its tokenizer_config.json and special_tokens_map.json), to put in the export instead of the source's: for a reference .mlir, which carries none, or to give FunctionGemma's own tokenizer. Checked against the model's vocabulary; it also tokenizes the calibration text."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", parser=_path, metavar="<path>", help="A tokenizer.json, or a folder holding one (with its tokenizer_config.json, special_tokens_map.json and chat_template.jinja), to put in the export instead of the source's: for a reference .mlir, which carries none, or to give FunctionGemma's own tokenizer. Checked against the model's vocabulary; it also tokenizes the calibration text."),
     calibration_text: Optional[Path] = typer.Option(None, "--calibration-text", parser=_path, metavar="<path>", help="UTF-8 text for --calibrate (default: Python's documentation topics, pydoc_data)."),
     calibration_tokens: Optional[int] = typer.Option(None, "--calibration-tokens", help="Tokens of the calibration text to run (default 4,096; 16 to 16,384; more: better int8/int4 codes, slower export)."),
     all_logits: bool = typer.Option(False, "--all-logits", help="Return logits for every position, not only the last."),
@@ -489,6 +489,11 @@ def generate(
         help="Read the prompt (in place of --prompt) from this UTF-8 text file ('-' = stdin), as it is, its last "
              "newline included: --prompt \"$(cat FILE)\" loses a file's trailing newlines, which end a chat turn."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens to generate at most (at least 1)."),
+    special_tokens: bool = typer.Option(
+        True, "--special-tokens/--no-special-tokens",
+        help="Show the special tokens the model generates in the text (e.g. FunctionGemma's function-call markers, "
+             "where its tokenizer marks them special), or leave them out as transformers' "
+             "decode(skip_special_tokens=True) does. The stop token that ends the generation is never shown."),
     threads: Optional[int] = typer.Option(None, "--threads", callback=_checked_threads, help=THREADS_HELP),
     prefill_chunk: Optional[int] = typer.Option(None, "--prefill-chunk", help=PREFILL_CHUNK_HELP, show_default=False),
     prepacked: Optional[bool] = typer.Option(None, "--prepacked/--no-prepacked", help=PREPACKED_HELP, show_default=False),
@@ -546,7 +551,7 @@ def generate(
 
         try:
             result = run(model, prompt, max_new_tokens=max_new_tokens, threads=threads, prefill_chunk=chunk,
-                         prepacked=prepacked, on_text=show)
+                         prepacked=prepacked, on_text=show, special_tokens=special_tokens)
         finally:
             if started:  # the line ends, also before an error's
                 with contextlib.suppress(StreamError, StreamClosed):
@@ -811,7 +816,8 @@ def quality(
 
     The reference and the export run side by side, 128 positions at a time: on the default text
     (~3,400 tokens) the 270M peaks near 3.8 GB against transformers (up to ~4.2 GB with --reference
-    fp32, while it exports that reference), and takes minutes.
+    fp32, while it exports that reference; ~4.5 GB for a bf16 export, held as float32), and takes
+    minutes.
 
     \b
     Examples:

@@ -440,6 +440,38 @@ def load_hf_config(path: Path) -> GemmaConfig:
     return config_from_hf_dict(raw, str(path))
 
 
+def with_generation_config(config: GemmaConfig, path: Path) -> GemmaConfig:
+    """``config`` with the ``eos_token_id`` of a transformers ``generation_config.json`` added to its
+    stop ids (config.json's first), when that file exists. transformers' ``generate`` stops at the
+    generation config's ids: Gemma 3 270M's and FunctionGemma's ``config.json`` name ``<eos>`` (1)
+    alone, their ``generation_config.json`` ``<eos>`` and ``<end_of_turn>`` (1 and 106).
+
+    Raises:
+        ConfigError: the file is not a readable JSON object, or its ``eos_token_id`` is not token ids
+            within the vocabulary (named).
+    """
+    from .errors import FormatError
+    from .text_files import non_regular, read_bounded
+
+    path = Path(path)
+    if (what := non_regular(path)) is not None:
+        raise ConfigError(f"{path}: is {what}; expected a transformers generation config file or none")
+    if not path.is_file():
+        return config
+    try:
+        raw = json.loads(read_bounded(path, "a generation_config.json").decode("utf-8").removeprefix("\ufeff"))
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a JSON object, found {shown(raw)}")
+    if raw.get("eos_token_id") is None:
+        return config
+    eos = _Fields(raw, str(path)).token_ids("eos_token_id", None, below=config.vocab_size)
+    return dataclasses.replace(config, eos_token_id=tuple(dict.fromkeys((*config.eos_token_id, *eos))))
+
+
 def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bool, where: str) -> GemmaConfig:
     """Build a :class:`GemmaConfig` from the ``gemma3.*`` keys of a llama.cpp GGUF.
 

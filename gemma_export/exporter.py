@@ -390,8 +390,8 @@ def export(
         checkpoint: an already opened source (skips opening ``source``).
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
             right before the source is read.
-        tokenizer: a ``tokenizer.json``, or a folder holding one (its ``tokenizer_config.json`` and
-            ``special_tokens_map.json`` come along), to place in the export instead of the source's:
+        tokenizer: a ``tokenizer.json``, or a folder holding one (its ``tokenizer_config.json``,
+            ``special_tokens_map.json`` and ``chat_template.jinja`` come along), to place in the export instead of the source's:
             for a source without one (a reference ``.mlir``) or with another (FunctionGemma's own
             tokenizer beside the bundled Gemma 3 weights). It also calibrates.
 

@@ -66,7 +66,9 @@ class GenerationResult:
         prompt_ids: token ids of the prompt (with ``<bos>``).
         new_ids: generated ids (stops after an end-of-turn / eos id, which is included).
         text: the new tokens' text as :class:`TextStream` gives it (the tokenizer's decode, except
-            where that decode turns characters before a cut-off byte run into U+FFFD).
+            where that decode turns characters before a cut-off byte run into U+FFFD), special
+            tokens included unless :func:`generate` was told otherwise, never the stop id that
+            ended the generation.
         prefill_ms: time of the prompt's steps (all its chunks) and the pick of the first new token,
             milliseconds.
         decode_ms: time of each following step, milliseconds (the first also gives the prompt's
@@ -1225,7 +1227,7 @@ class TextStream:
     ids): ``decode(ids[prefix:]) - decode(ids[prefix:read])``, the incremental decode of Hugging
     Face's text-generation-inference. A decode that ends in U+FFFD (a character whose bytes are
     not all generated yet, Gemma's byte fallback) waits for up to 3 more ids (UTF-8 takes at most 4
-    bytes a character). An id that adds no text (a special token, skipped) is dropped. The context
+    bytes a character). An id that adds no text (a special token, when they are skipped) is dropped. The context
     is at most :attr:`WINDOW` ids, so a long generation costs linear time, not quadratic.
 
     Where the decode with context does not extend what was shown, the new ids are decoded alone.
@@ -1234,8 +1236,11 @@ class TextStream:
     a generation that ends so has U+FFFD where this text keeps the characters shown before).
 
     Args:
-        tokenizer: a ``tokenizers.Tokenizer``; ids are decoded with ``skip_special_tokens=True``.
+        tokenizer: a ``tokenizers.Tokenizer``.
         emit: called with each piece (a non-empty ``str``).
+        skip_special_tokens: decode as ``tokenizers`` does by default, leaving special tokens out;
+            False (the default) shows them, e.g. FunctionGemma's function-call markers where its
+            tokenizer marks them special.
     """
 
     #: most ids of context decoded beside the new ones
@@ -1243,9 +1248,10 @@ class TextStream:
     #: most ids a character's bytes span (UTF-8)
     MAX_CHARACTER_IDS = 4
 
-    def __init__(self, tokenizer, emit: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer, emit: Callable[[str], None], skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._emit = emit
+        self._skip_special_tokens = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # ids[prefix:read]: context already shown, decoded again beside the new ids
         self._read = 0  # ids before read are shown
@@ -1271,7 +1277,7 @@ class TextStream:
         return self.shown
 
     def _decode(self, start: int, stop: int | None) -> str:
-        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=True)
+        return self._tokenizer.decode(self._ids[start:stop], skip_special_tokens=self._skip_special_tokens)
 
     def _show_new(self, before: str, after: str) -> None:
         """Show what the ids from ``read`` on add (``after`` minus ``before``, or their decode alone
@@ -1287,7 +1293,7 @@ class TextStream:
 
 def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threads: int | None = None,
              prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, prepacked: bool | None = None,
-             on_text: Callable[[str], None] | None = None) -> GenerationResult:
+             on_text: Callable[[str], None] | None = None, special_tokens: bool = True) -> GenerationResult:
     """Tokenize ``prompt`` (``<bos>`` prepended unless it starts with it, :func:`encode_prompt`),
     greedy-decode with onnxruntime, decode the new tokens.
 
@@ -1301,6 +1307,9 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
             was made on this machine from these files).
         on_text: called with each new piece of the decoded text while tokens are generated
             (:class:`TextStream`); the pieces joined are the result's ``text``.
+        special_tokens: show the special tokens the model generates in the text (True, the
+            tokenizer's text of every id), or leave them out (``skip_special_tokens``). The stop id
+            that ends the generation is never shown.
 
     Returns:
         A :class:`GenerationResult` (times in milliseconds).
@@ -1318,7 +1327,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     check_arguments("generate", model_dir=(model_dir, "path"), prompt=(prompt, "str"),
                     max_new_tokens=(max_new_tokens, "int"), threads=(threads, "int?"),
                     prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"),
-                    on_text=(on_text, "callable?"))
+                    on_text=(on_text, "callable?"), special_tokens=(special_tokens, "bool"))
     if max_new_tokens < 1:
         raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
     bad = not_unicode_at(prompt)
@@ -1339,9 +1348,15 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     decoder.check_ids(prompt_ids, "prompt", tokenizer)
     # the text as it is shown, whether or not anyone is shown it (TextStream: a generation that ends
     # inside a character keeps the characters before it, where the tokenizer's whole decode loses them)
-    stream = TextStream(tokenizer, on_text if on_text is not None else (lambda _piece: None))
+    stream = TextStream(tokenizer, on_text if on_text is not None else (lambda _piece: None),
+                        skip_special_tokens=not special_tokens)
+    stops = set(decoder.eos_token_id)  # a stop id ends the generation: it is the last id, and not text
+
+    def on_token(token_id: int) -> None:
+        if token_id not in stops:
+            stream.add(token_id)
     new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk,
-                                                    on_token=stream.add)
+                                                    on_token=on_token)
     text = stream.finish()
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
                             decoder.prepacked_path is not None, decoder.prepacked_note, decoder.dtype,

@@ -183,7 +183,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
                                                                                                 PREPACKED_DIR))
     if extra:
         hint = ("; a tokenizer belongs in the export through --tokenizer (export again with it)"
-                if any(name.startswith("tokenizer") or name == "special_tokens_map.json" for name in extra) else "")
+                if any(name.startswith("tokenizer") or name in ("special_tokens_map.json", "chat_template.jinja")
+                       for name in extra) else "")
         raise VerificationError(f"{folder}: files not in the manifest: {', '.join(extra)}{hint}")
     try:
         model = read_graph(folder / MODEL_FILE)  # once, for the manifest's config and the external data

@@ -234,7 +234,7 @@ def test_export_summary_and_manifest(tiny_dir, tmp_path):
         assert entry["bytes"] == len(data) and entry["sha256"] == hashlib.sha256(data).hexdigest()
     assert set(manifest["files"]) == {"model.onnx", "model.onnx.data", "genai_config.json"}
     # each source file's own sha256 (what sha256sum prints), and one content digest over them all
-    source_files = {"config.json", "model.safetensors"}
+    source_files = {"config.json", "generation_config.json", "model.safetensors"}  # the stop ids come from both configs
     assert set(manifest["source"]["file_sha256"]) == source_files
     lines = "".join(f"{name} {digest}\n" for name, digest in manifest["source"]["file_sha256"].items())
     assert manifest["source"]["sha256"] == hashlib.sha256(lines.encode()).hexdigest()
@@ -1780,3 +1780,38 @@ def test_generate_notes_listed_files_changed_after_the_export(tiny_int8_export, 
     assert edited.stderr.strip().splitlines()[-1] == (
         f"note: genai_config.json in {model} changed after the export (sizes differ from its manifest.json); "
         f"gemma-export verify --model {model} checks every file")
+
+
+@pytest.mark.parametrize("flag", [None, "--special-tokens", "--no-special-tokens"])
+def test_generate_shows_the_special_tokens_the_model_generates_but_not_the_stop(tiny_int8_export, monkeypatch, flag):
+    """A helper's finding: generate's text (and --json's "text") left out every special token, so a
+    FunctionGemma function call printed without its <start_function_call> and <escape> markers, where
+    its tokenizer marks them special, could not be parsed. Now they are shown unless
+    --no-special-tokens; the stop id that ends the generation never is."""
+    from tokenizers import AddedToken
+
+    from gemma_export import runtime
+
+    real = runtime.load_tokenizer
+
+    def with_a_special_marker(model_dir):
+        tokenizer = real(model_dir)
+        tokenizer.add_special_tokens([AddedToken("<unk>", special=True)])  # id 3 marked special
+        return tokenizer
+    monkeypatch.setattr(runtime, "load_tokenizer", with_a_special_marker)
+    scripted = [4, 3, 5, 3, 1]  # "a", the special, "b", the special, <eos> (a stop id)
+
+    def greedy(self, prompt_ids, max_new_tokens, stop_ids=None, prefill_chunk=None, on_token=None):
+        for token_id in scripted:
+            on_token(token_id)
+        return list(scripted), 1.0, [1.0] * (len(scripted) - 1)
+    monkeypatch.setattr(runtime.OnnxDecoder, "greedy", greedy)
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "x", *([flag] if flag else []),
+                  "--json", "-")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["expected_ids"] == scripted
+    tokenizer = with_a_special_marker(tiny_int8_export)
+    shown = tokenizer.decode(scripted[:-1], skip_special_tokens=flag == "--no-special-tokens")
+    assert shown == ("a b" if flag == "--no-special-tokens" else "a <unk> b <unk>")  # this tokenizer joins with spaces
+    assert record["text"] == shown and result.stderr.startswith("x" + shown + "\n")

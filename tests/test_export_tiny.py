@@ -1836,3 +1836,37 @@ def test_a_model_whose_sizes_do_not_fit_blocks_of_16_names_them_not_an_option(tm
         assert not out.exists()
     export(src, tmp_path / "fp32", dtype="fp32")  # as said
     assert (tmp_path / "fp32" / "model.onnx").is_file()
+
+
+def test_a_transformers_folder_gives_its_generation_configs_stop_ids_and_its_chat_template_file(tiny_model, tmp_path):
+    """A FunctionGemma-style folder (a helper's findings): transformers' generate stops at
+    generation_config.json's <end_of_turn> (106), which config.json (eos 1 alone) does not name, and
+    transformers 5 saves the chat template to chat_template.jinja. The export kept neither: its
+    generation ran past the end of a turn, and the template was lost."""
+    from typer.testing import CliRunner
+
+    from conftest import write_char_tokenizer
+    from gemma_export.cli import app
+
+    src = save_tiny(tiny_model, tmp_path / "src")
+    write_char_tokenizer(src)
+    assert json.loads((src / "config.json").read_text())["eos_token_id"] == 1
+    (src / "generation_config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [1, 50]}))
+    template = "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+    (src / "chat_template.jinja").write_text(template)
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["config"]["eos_token_id"] == [1, 50]
+    assert json.loads((out / "genai_config.json").read_text())["model"]["eos_token_id"] == [1, 50]
+    assert (out / "chat_template.jinja").read_text() == template and "chat_template.jinja" in manifest["files"]
+    runner = CliRunner()
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    bundle = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(out), "--out", str(bundle)])
+    assert result.exit_code == 0, result.output
+    assert (bundle / "model" / "chat_template.jinja").read_text() == template
+    assert OnnxDecoder(out, threads=1).eos_token_id == (1, 50)  # generation stops at 50, as transformers' would
+    without = save_tiny(tiny_model, tmp_path / "plain")
+    (without / "generation_config.json").unlink()
+    assert json.loads((export(without, tmp_path / "out-plain", "fp32").out_dir / "manifest.json").read_text()
+                      )["config"]["eos_token_id"] == [1]

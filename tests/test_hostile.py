@@ -369,6 +369,13 @@ CASES = {
     # tokenizer.json beside the weights: copied into the export, used to calibrate
     "tokenizer_config not json": Case(hf_file("tokenizer_config.json", b"{oops"), FormatError,
                                       ("src/tokenizer_config.json: expected a JSON object, found text that is not JSON",)),
+    "chat template not utf-8": Case(hf_file("chat_template.jinja", b"{{ \xff }}"), FormatError,
+                                    ("src/chat_template.jinja: not UTF-8 text (byte 3); expected the model's chat template",)),
+    "generation_config not json": Case(hf_file("generation_config.json", b"{oops"), ConfigError,
+                                       ("src/generation_config.json: cannot read JSON",)),
+    "generation_config eos beyond the vocabulary": Case(
+        hf_file("generation_config.json", b'{"eos_token_id": [1, 500]}'), ConfigError,
+        ("src/generation_config.json: field 'eos_token_id' is 500, expected a token id below the vocabulary's 96 rows",)),
     "special_tokens_map not utf-8": Case(hf_file("special_tokens_map.json", b"\xff\xfe", dtype="int8"), FormatError,
                                          ("src/special_tokens_map.json: expected UTF-8 JSON, found byte 0xff",)),
     "tokenizer_config a list": Case(hf_file("tokenizer_config.json", b"[1]"), FormatError,

@@ -207,3 +207,18 @@ def test_bad_input_is_one_line_naming_the_file(tiny_int8_export, tmp_path, capsy
     assert plain.main(["--model", str(model), *text, "--max-new-tokens", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: {where.format(tmp=tmp_path)}: ") and reason in err and err.count("\n") == 1, err
+
+
+def test_the_script_prints_the_text_generate_shows(tiny_int8_export, tmp_path, capsys):
+    """The same text as `gemma-export generate`: special tokens included, the stop id that ends the
+    generation left out (the script printed tokenizers' default decode, which differs on both)."""
+    from conftest import export_with_config
+    from gemma_export.runtime import generate
+
+    o = 4 + "abcdefghijklmnopqrstuvwxyz".index("o")  # the character tokenizer's id of "o"
+    model = export_with_config(tiny_int8_export, tmp_path / "m", eos_token_id=[1, o])  # "o" stops it
+    result = generate(model, "the fox", max_new_tokens=30, threads=1, prepacked=False)
+    assert result.new_ids[-1] == o and "o" not in result.text  # a stop came, and is not shown
+    capsys.readouterr()
+    assert plain.main(["--model", str(model), "--prompt", "the fox", "--max-new-tokens", "30"]) == 0
+    assert capsys.readouterr().out == "the fox" + result.text + "\n"

@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json == "-":
         print(record)
     else:
-        print(prompt + model.tokenizer.decode(new_ids))
+        # the text as `gemma-export generate` shows it: special tokens included, the stop id left out
+        shown = new_ids[:-1] if new_ids and new_ids[-1] in model.stop else new_ids
+        print(prompt + model.tokenizer.decode(shown, skip_special_tokens=False))
     return 0
 
 

@@ -17,7 +17,7 @@ import ml_dtypes
 from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
-from ..config import load_hf_config
+from ..config import load_hf_config, with_generation_config
 from ..errors import ConfigError, FormatError, shown
 from ..text_files import SMALL_FILE_BYTES, TOKENIZER_FILE_BYTES, non_regular, read_bounded
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
@@ -27,7 +27,11 @@ from .safetensors_header import read_header
 # a dtype numpy knows only once ml_dtypes is imported ("data type 'bfloat16' not understood")
 BFLOAT16 = ml_dtypes.bfloat16
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+#: (transformers 5 saves a chat template to chat_template.jinja, not into tokenizer_config.json)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja")
+#: the stop ids transformers' generate uses (:func:`~gemma_export.config.with_generation_config`)
+GENERATION_CONFIG = "generation_config.json"
 #: tokenizer files copied as they are that must be JSON objects (tokenizer.json is parsed in full)
 JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -159,7 +163,8 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
         FormatError: unreadable safetensors, a duplicated, missing or misshapen tensor.
     """
     folder = Path(folder)
-    config = load_hf_config(folder / "config.json")
+    # the stop ids transformers' generate uses: config.json's and generation_config.json's
+    config = with_generation_config(load_hf_config(folder / "config.json"), folder / GENERATION_CONFIG)
     wanted = set(expected_shapes(config)) | {LM_HEAD}
     tensors: dict[str, TensorRef] = {}
     ignored: list[str] = []
@@ -224,7 +229,8 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
         ignored=tuple(ignored),
-        files=(folder / "config.json", *shards),
+        files=(folder / "config.json", *([folder / GENERATION_CONFIG] if (folder / GENERATION_CONFIG).is_file() else []),
+               *shards),
     )
 
 
@@ -257,6 +263,12 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
         for name in JSON_SIDE_FILES:  # copied beside the export, where transformers and genai parse them
             if name in files:
                 _check_json_object(folder / name, files[name])
+        if "chat_template.jinja" in files:  # a template transformers reads as text
+            try:
+                files["chat_template.jinja"].decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise FormatError(f"{folder / 'chat_template.jinja'}: not UTF-8 text (byte {exc.start:,}); expected "
+                                  "the model's chat template") from None
         if "tokenizer.json" not in files:
             return None
         # copied beside the export and used to calibrate: refused now, not after the slow work
