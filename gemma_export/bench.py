@@ -198,8 +198,10 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         board: a key of ``boards.BOARDS``: sets threads and checks the memory budget.
         text: a text file for prompts (default: ``real_text()``).
         reference, reference_weights: the board team's reference export (``.mlir`` + archive),
-            compiled with IREE for this CPU after the export's figures are taken, and timed the way
-            the board runs it: the fixed-length re-decode graph once per new token, after a prompt
+            checked and compiled with IREE for this CPU before the export is measured (in a child
+            process, into IREE's cache: an MLIR IREE refuses is named before minutes of work, and
+            the compiler's memory is not this process's), loaded after the export's figures are
+            taken, and timed the way the board runs it: the fixed-length re-decode graph once per new token, after a prompt
             of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
             holds its ms/token and the ratio of the export's decode median at the shortest prompt.
         prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step;
@@ -246,15 +248,12 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     if reference is None and reference_weights is not None:
         raise GemmaExportError("--reference-weights applies to --reference, which is not given")
-    reference_vocab = None
+    info = None
     if reference is not None:  # its files, their contents and IREE before the (long) measurement, not after it
-        from .reference_iree import check_reference_options, compile_in_child
+        from .reference_iree import check_reference_options
 
-        reference_vocab, reference_length = check_reference_options(reference, reference_weights)
-        if reference_length is not None:
-            reference_prompt(reference, reference_length)
-        say(f"reference: compiling {reference} with IREE for this CPU (before the measurement, in a child process)")
-        compile_in_child(reference)  # an MLIR IREE refuses is named now; the module is cached for later
+        info = check_reference_options(reference, reference_weights)
+        reference_prompt(reference, info.sequence_length)
     spec = find_board(board) if board is not None else None
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
@@ -272,11 +271,18 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     tokenizer = load_tokenizer(model_dir)  # kept for the run, as `generate` keeps it
     tokenizer_memory = snapshot() - start
     ids = first_tokens(tokenizer, body, needed_ids)
-    if reference_vocab is not None:  # the ids the reference will be fed must be its tokens
+    compile_s = 0.0
+    if info is not None:  # the ids the reference will be fed must be its tokens
         fed = ids[:REFERENCE_PROMPT_TOKENS]
-        if outside := [i for i in fed if not 0 <= i < reference_vocab]:
+        if outside := [i for i in fed if not 0 <= i < info.vocab_size]:
             raise GemmaExportError(f"{reference}: token id {outside[0]} of the text's first {len(fed)} is outside the "
-                                   f"reference's vocabulary ({reference_vocab} rows); is it the same model as {model_dir}?")
+                                   f"reference's vocabulary ({info.vocab_size} rows); is it the same model as {model_dir}?")
+        from .reference_iree import compile_in_child
+
+        say(f"reference: compiling {reference} with IREE for this CPU (before the measurement, in a child process)")
+        t0 = time.perf_counter()
+        compile_in_child(reference)  # an MLIR IREE refuses is named now; the module is cached for later
+        compile_s = time.perf_counter() - t0
     if len(ids) < lengths[-1]:
         raise GemmaExportError(f"{source}: {len(ids)} token{'' if len(ids) == 1 else 's'} (with <bos>), fewer than the "
                                f"longest prompt ({lengths[-1]}); give a longer --text or shorter --prompt-tokens")
@@ -317,8 +323,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     loaded = {"prepacked": str(decoder.prepacked_path) if decoder.prepacked_path else None,
               "prepacked_note": decoder.prepacked_note, "huge_page_bytes": decoder.huge_page_bytes}
     del decoder  # the session's memory goes before IREE compiles and runs the reference (a 1.9 GB board holds one)
-    reference_figures = time_reference(reference, reference_weights, ids, by_prompt[lengths[0]], say) \
-        if reference else None
+    reference_figures = time_reference(reference, reference_weights, ids, by_prompt[lengths[0]], say,
+                                       compile_s=compile_s) if reference else None
     result = BenchResult(
         model=str(model_dir), threads=threads, archive_bytes=archive_bytes(model_dir), session_create_s=create_s,
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
@@ -354,10 +360,11 @@ def reference_prompt(mlir: str | Path, sequence_length: int) -> int:
 
 
 def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[int], export_decode_ms: float,
-                   say: Callable[[str], None]) -> dict:
+                   say: Callable[[str], None], compile_s: float = 0.0) -> dict:
     """Time the reference export's re-decode loop (one whole-graph call per new token) after a
     prompt of ``ids[:min(REFERENCE_PROMPT_TOKENS, S - 4)]`` (16); times in ms, ``export_vs_reference`` =
-    ``export_decode_ms`` / its median.
+    ``export_decode_ms`` / its median; ``compile_and_load_s`` adds ``compile_s`` (the compile
+    :func:`run_bench` ran before the measurement, seconds) to the load.
 
     Raises:
         GemmaExportError: the reference's fixed length S leaves no room for a prompt (S < 5), or
@@ -380,7 +387,7 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
         context.append(int(out[len(context) - 1]))
     per_token = statistics.median(steps)
     say(f"reference: {per_token:.1f} ms/token (re-decode of {model.sequence_length} positions)")
-    return {"mlir": str(mlir), "compile_and_load_s": load_s, "sequence_length": model.sequence_length,
+    return {"mlir": str(mlir), "compile_and_load_s": compile_s + load_s, "sequence_length": model.sequence_length,
             "prompt_tokens": len(context) - len(steps), "new_tokens": len(steps), "ms_per_token_median": per_token,
             "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token}
 

@@ -34,8 +34,10 @@ def largest_weight(tensors: Mapping[str, "TensorRef"]) -> str:
     best = ("", 0.0, (), "")
     for name, ref in tensors.items():
         array = ref.load()
-        if array.size:
-            at = np.unravel_index(int(np.argmax(np.abs(array))), array.shape)
+        if array.size:  # the largest and the smallest, no |array| copy (the table's is 671 MB)
+            low, high = int(np.argmin(array)), int(np.argmax(array))
+            flat = high if abs(float(array.flat[high])) >= abs(float(array.flat[low])) else low
+            at = np.unravel_index(flat, array.shape)
             if abs(float(array[at])) > abs(best[1]):
                 best = (name, float(array[at]), tuple(int(i) for i in at), ref.origin)
     name, value, at, origin = best

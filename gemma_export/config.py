@@ -424,20 +424,30 @@ def load_hf_config(path: Path) -> GemmaConfig:
     Raises:
         ConfigError: unreadable JSON or an invalid configuration (see :func:`config_from_hf_dict`).
     """
-    from .errors import FormatError
-    from .text_files import non_regular, read_bounded
+    from .text_files import non_regular
 
     if (what := non_regular(Path(path))) is not None:
         raise ConfigError(f"{path}: is {what}; a transformers model folder needs its config.json file")
     if not Path(path).is_file():
         raise ConfigError(f"{path}: missing; a transformers model folder needs its config.json")
+    return config_from_hf_dict(_read_json(Path(path), "a config.json"), str(path))
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """The JSON value of a small file (a byte-order mark allowed, as other text files).
+
+    Raises:
+        ConfigError: larger than any config, unreadable, not UTF-8 or not JSON (named).
+    """
+    from .errors import FormatError
+    from .text_files import read_bounded
+
     try:
-        raw = json.loads(read_bounded(path, "a config.json").decode("utf-8").removeprefix("\ufeff"))  # a BOM, as other text files
+        return json.loads(read_bounded(path, what).decode("utf-8").removeprefix("\ufeff"))
     except FormatError as exc:  # larger than any config
         raise ConfigError(str(exc)) from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
-    return config_from_hf_dict(raw, str(path))
 
 
 def with_generation_config(config: GemmaConfig, path: Path) -> GemmaConfig:
@@ -450,23 +460,17 @@ def with_generation_config(config: GemmaConfig, path: Path) -> GemmaConfig:
         ConfigError: the file is not a readable JSON object, or its ``eos_token_id`` is not token ids
             within the vocabulary (named).
     """
-    from .errors import FormatError
-    from .text_files import non_regular, read_bounded
+    from .text_files import non_regular
 
     path = Path(path)
     if (what := non_regular(path)) is not None:
         raise ConfigError(f"{path}: is {what}; expected a transformers generation config file or none")
     if not path.is_file():
         return config
-    try:
-        raw = json.loads(read_bounded(path, "a generation_config.json").decode("utf-8").removeprefix("\ufeff"))
-    except FormatError as exc:
-        raise ConfigError(str(exc)) from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ConfigError(f"{path}: cannot read JSON: {str(exc)[:200]}") from None
+    raw = _read_json(path, "a generation_config.json")
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: expected a JSON object, found {shown(raw)}")
-    if raw.get("eos_token_id") is None:
+    if raw.get("eos_token_id") in (None, []):  # none given (transformers accepts an empty list)
         return config
     eos = _Fields(raw, str(path)).token_ids("eos_token_id", None, below=config.vocab_size)
     return dataclasses.replace(config, eos_token_id=tuple(dict.fromkeys((*config.eos_token_id, *eos))))

@@ -520,9 +520,8 @@ def export(
         try:
             verify_folder(staging)
         except NonFiniteLogits as exc:  # the source's weights, not the output, are at fault: the suspect named
-            found = str(exc).split(": ", 1)[1].replace(" in the graph", "")
-            raise VerificationError(f"{ckpt.path}: {found}; the source's largest weight is {largest_weight(ckpt.tensors)}; "
-                                    "nothing was written") from None
+            raise VerificationError(f"{ckpt.path}: {exc.finding}: a weight overflows float32; the source's largest "
+                                    f"weight is {largest_weight(ckpt.tensors)}; nothing was written") from None
         except VerificationError as exc:  # named as the output it would have been, not the hidden staging folder
             raise VerificationError(f"{str(exc).replace(str(staging), str(out))}; nothing was written") from None
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)

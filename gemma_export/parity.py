@@ -385,20 +385,17 @@ ARCHITECTURE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads"
                        "intermediate_size")
 
 
-def check_same_architecture(reference: str | Path, model_dir: Path) -> None:
+def check_same_architecture(config, reference: str | Path, model_dir: Path) -> None:
     """Refuse a reference whose shapes give another architecture than the export's manifest: its
     verdict would be a FAIL of figures, not what it is, a comparison of two different models.
-    Sizes the manifest lacks, or a reference the reader cannot map to Gemma weights, are not
-    compared (the comparison itself then decides).
+    Sizes the manifest lacks, or a reference the reader cannot map to Gemma weights (``config``
+    None, :class:`~gemma_export.reference_iree.ReferenceInfo`), are not compared: IREE may still
+    run it, and the comparison itself then decides.
 
     Raises:
         FormatError: a size differs (named, with both values).
     """
-    from .sources.mlir import map_globals, parse_mlir
-
-    try:
-        config = map_globals(parse_mlir(reference)).config
-    except GemmaExportError:
+    if config is None:
         return
     for field in ARCHITECTURE_FIELDS:
         ours = manifest_figure(model_dir, field)
@@ -470,10 +467,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     if reference:  # its files, their contents and IREE before the session and the other comparisons
         from .reference_iree import check_reference_options
 
-        ref_vocab, ref_length = check_reference_options(reference, reference_weights)
+        info = check_reference_options(reference, reference_weights)
+        ref_vocab, ref_length = info.vocab_size, info.sequence_length
     model_dir = Path(model_dir)
     if reference:
-        check_same_architecture(reference, model_dir)
+        check_same_architecture(info.config, reference, model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
     tokenizer_path = model_dir / "tokenizer.json"

@@ -22,12 +22,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from .config import GemmaConfig
 from .errors import FormatError, GemmaExportError
-from .sources.mlir import Archive, find_archive, parse_mlir
+from .sources.mlir import Archive, MlirModule, find_archive, map_globals, parse_mlir
 
 PAD_TOKEN_ID = 0
 #: the host CPU: the reference is compiled for the machine that runs the comparison
@@ -186,19 +187,30 @@ def compile_in_child(mlir_path: str | Path) -> None:
         GemmaExportError: IREE is missing or refuses the MLIR (its message, naming the file and line).
     """
     code = "import sys; from gemma_export.reference_iree import _compile_file; _compile_file(sys.argv[1])"
-    done = subprocess.run([sys.executable, "-c", code, str(mlir_path)], capture_output=True, text=True,
-                          errors="replace")
+    # run from the folder that holds this package, so the child imports this very code (not a
+    # gemma_export folder in the caller's working directory); an interrupt kills the child (run())
+    package_parent = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code, str(Path(mlir_path).resolve())], capture_output=True,
+                          text=True, errors="replace", cwd=package_parent)
     if done.returncode:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
+        if done.returncode < 0:  # a signal, e.g. SIGKILL from the kernel's out-of-memory killer
+            raise GemmaExportError(f"{mlir_path}: IREE's compiler (a child process) was killed by signal "
+                                   f"{-done.returncode}; out of memory?")
         raise GemmaExportError(lines[-1] if lines else f"{mlir_path}: IREE's compiler exited with {done.returncode}")
 
 
 def _compile_file(path: str) -> None:
-    """The child process of :func:`compile_in_child`: its error on the last line of stderr, exit 2."""
+    """The child process of :func:`compile_in_child`: its error, naming the file, on the last line of
+    stderr; exit 2."""
     try:
         compile_reference(Path(path).read_text(encoding="utf-8", errors="replace"), source=path)
     except GemmaExportError as exc:
         print(exc, file=sys.stderr)
+        sys.exit(2)
+    except Exception as exc:  # IREE's own failures (e.g. MemoryError), named with the file
+        print(f"{path}: IREE cannot compile it: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
+              file=sys.stderr)
         sys.exit(2)
 
 
@@ -299,12 +311,37 @@ def check_reference(mlir_path: str | Path, archive_path: str | Path | None = Non
     return module, archive, candidates[0]
 
 
-def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> tuple[int, int]:
+class ReferenceInfo(NamedTuple):
+    """What a reference export's files give before it is compiled (:func:`check_reference_options`)."""
+
+    #: rows of its embedding table (the first weight in trace order)
+    vocab_size: int
+    #: the re-decode function's fixed length ``S``
+    sequence_length: int
+    #: the Gemma 3 configuration its globals' shapes give; None when the reader cannot map them
+    config: GemmaConfig | None
+
+
+def reference_config(module: MlirModule) -> GemmaConfig | None:
+    """The configuration :func:`~gemma_export.sources.mlir.map_globals` reads from the globals'
+    shapes, or None when it cannot map them to Gemma 3 weights (IREE may still run the program)."""
+    try:
+        return map_globals(module).config
+    except GemmaExportError:
+        return None
+
+
+def _vocab_size(module: MlirModule, config: GemmaConfig | None) -> int:
+    """Rows of the embedding table: the mapped config's, else the first declared global's."""
+    return config.vocab_size if config is not None else module.globals[0].shape[0]
+
+
+def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> ReferenceInfo:
     """What ``--reference`` and ``--reference-weights`` name, checked before a command's slow work:
     both files exist, :func:`check_reference` reads them, and IREE is installed.
 
     Returns:
-        ``(vocab_size, sequence_length)`` of the reference: its table's rows and its fixed length.
+        A :class:`ReferenceInfo`: the table's rows, the fixed length, the configuration.
 
     Raises:
         SourceNotFoundError, FormatError: as :func:`check_reference`, naming the option's file.
@@ -317,7 +354,8 @@ def check_reference_options(reference: str | Path, reference_weights: str | Path
         require_file(reference_weights, "reference archive (--reference-weights)")
     module, _, function = check_reference(reference, reference_weights)
     _iree()
-    return module.globals[0].shape[0], int(function.arguments[0].split("x")[1])
+    config = reference_config(module)
+    return ReferenceInfo(_vocab_size(module, config), int(function.arguments[0].split("x")[1]), config)
 
 
 def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,
@@ -338,7 +376,7 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     module, archive, function = check_reference(mlir_path, archive_path)
     _, runtime = _iree()
     length = int(function.arguments[0].split("x")[1])
-    vocab = module.globals[0].shape[0]
+    vocab = _vocab_size(module, reference_config(module))
     text = mlir_path.read_text(encoding="utf-8", errors="replace")
     if logits:
         try:

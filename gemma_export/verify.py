@@ -96,13 +96,21 @@ def verify_folder(folder: Path) -> None:
     logits = session.run(["logits"], _first_step_feeds(session))[0]
     if not np.isfinite(logits).all():
         bad = logits[~np.isfinite(logits)]
-        raise NonFiniteLogits(f"{model_path}: the first step (token id 0 at position 0) computes {bad.size:,} "
-                              f"non-finite logits (e.g. {bad.flat[0]}): a weight overflows float32 in the graph")
+        raise NonFiniteLogits(model_path, f"the first step (token id 0 at position 0) computes {bad.size:,} "
+                                          f"non-finite logits (e.g. {bad.flat[0]})")
 
 
 class NonFiniteLogits(VerificationError):
     """:func:`verify_folder`'s one-step check found NaN or Inf logits: weights that are finite but
-    overflow float32 in the graph's arithmetic."""
+    overflow float32 in the graph's arithmetic.
+
+    Attributes:
+        path: the graph that computed them; finding: what the step computed.
+    """
+
+    def __init__(self, path: Path, finding: str):
+        super().__init__(f"{path}: {finding}: a weight overflows float32 in the graph")
+        self.path, self.finding = path, finding
 
 
 def _first_step_feeds(session) -> dict:

@@ -879,14 +879,42 @@ def test_the_reference_ratio_uses_the_shortest_prompts_decode_median(tiny_int8_e
 
     seen = {}
 
-    def time_reference(mlir, weights, ids, ours_ms, say):
+    def time_reference(mlir, weights, ids, ours_ms, say, compile_s=0.0):
         seen["ms"] = ours_ms
         return {}
 
-    monkeypatch.setattr(reference_iree, "check_reference_options", lambda *a: (None, None))
+    monkeypatch.setattr(reference_iree, "check_reference_options", lambda *a: reference_iree.ReferenceInfo(96, 24, None))
     monkeypatch.setattr(reference_iree, "compile_in_child", lambda mlir: None)
     monkeypatch.setattr(bench_module, "time_reference", time_reference)
     result = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=9, text=text_file,
                        reference="ref.mlir")
     # the 4-token prompt's median (the reference runs short prompts), not the median over both prompts
     assert seen["ms"] == result.decode_ms_median_by_prompt[4]
+
+
+def test_the_reference_compile_in_a_child_names_the_file_whatever_stops_it(tmp_path, monkeypatch, capsys):
+    """The child's own failures (IREE raising something of its own, the kernel killing it) are named
+    with the file, as a refusal of the MLIR is."""
+    import subprocess
+
+    from gemma_export import reference_iree
+    from gemma_export.errors import GemmaExportError
+
+    mlir = tmp_path / "gemma.mlir"
+    mlir.write_text("module {}\n")
+
+    def iree_fails(text, cache_dir=None, source=None, refresh=False):
+        raise MemoryError("std::bad_alloc")
+    monkeypatch.setattr(reference_iree, "compile_reference", iree_fails)
+    with pytest.raises(SystemExit) as stopped:
+        reference_iree._compile_file(str(mlir))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"{mlir}: IREE cannot compile it: MemoryError: std::bad_alloc\n"
+
+    def killed(*args, **kwargs):
+        assert kwargs["cwd"] == Path(reference_iree.__file__).resolve().parents[1]  # imports this very package
+        return subprocess.CompletedProcess(args[0], -9, "", "")
+    monkeypatch.setattr(reference_iree.subprocess, "run", killed)
+    with pytest.raises(GemmaExportError, match=rf"^{mlir}: IREE's compiler \(a child process\) was killed by signal 9; "
+                                               "out of memory\\?$"):
+        reference_iree.compile_in_child(mlir)

@@ -1867,6 +1867,17 @@ def test_a_transformers_folder_gives_its_generation_configs_stop_ids_and_its_cha
     assert (bundle / "model" / "chat_template.jinja").read_text() == template
     assert OnnxDecoder(out, threads=1).eos_token_id == (1, 50)  # generation stops at 50, as transformers' would
     without = save_tiny(tiny_model, tmp_path / "plain")
-    (without / "generation_config.json").unlink()
+    (without / "generation_config.json").write_text('{"eos_token_id": []}')  # none given, as transformers reads it
     assert json.loads((export(without, tmp_path / "out-plain", "fp32").out_dir / "manifest.json").read_text()
                       )["config"]["eos_token_id"] == [1]
+
+
+def test_the_largest_weight_is_named_by_magnitude_with_its_index_and_origin():
+    from gemma_export.checkpoint import TensorRef, largest_weight
+
+    a = np.array([[0.5, -2.0], [1.0, 1.5]], np.float32)
+    b = np.array([3.0, -7.25, 7.0], np.float32)
+    tensors = {"a": TensorRef("a", (2, 2), "f:a", lambda: a), "b": TensorRef("b", (3,), "f:b", lambda: b)}
+    assert largest_weight(tensors) == "b[1] = -7.25 (f:b)"  # a negative extreme, by magnitude
+    b[1] = 6.0
+    assert largest_weight(tensors) == "b[2] = 7 (f:b)"

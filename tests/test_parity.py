@@ -432,7 +432,8 @@ def test_a_reference_of_another_vocabulary_is_refused_before_anything_loads(tiny
 
     monkeypatch.setattr(reference_iree, "load_reference", not_now)
     monkeypatch.setattr(runtime.OnnxDecoder, "__init__", not_now)
-    monkeypatch.setattr(reference_iree, "check_reference_options", lambda *args: (262_144, SEQ))
+    monkeypatch.setattr(reference_iree, "check_reference_options",
+                        lambda *args: reference_iree.ReferenceInfo(262_144, SEQ, None))
     mlir = tmp_path / "gemma.mlir"
     mlir.write_text("")
     with pytest.raises(parity.FormatError, match=f"{mlir}: vocabulary 262144 differs from the export's 96"):

@@ -596,29 +596,58 @@ def test_globals_renamed_away_from_tn_map_by_their_archive_keys(ref_model, tmp_p
 
 
 def test_the_trace_order_is_the_ids_then_the_first_loads_then_the_declarations():
-    from gemma_export.sources.mlir import MlirGlobal, _trace_order
+    from gemma_export.sources.mlir import MlirGlobal, _check_load_order, _trace_order
 
     def g(name, key=None):
         return MlirGlobal(name, "model", key or name, (4,), "bf16", 0)
 
-    where = Path("m.mlir")
     declared = [g("t20"), g("t3"), g("t11")]
     loads = {"t11": 5, "t20": 6, "t3": 7}  # e.g. a helper function loads some first: the ids win
-    by_function = {"helper": ("t11", "t20"), "gemma": ("t3", "t11", "t20")}
-    assert [x.name for x in _trace_order(declared, loads, where, by_function)] == ["t3", "t11", "t20"]
+    assert [x.name for x in _trace_order(declared, loads)] == ["t3", "t11", "t20"]
     keyed = [g("a", "t20"), g("b", "t3"), g("c", "t11")]  # names of no tracer: the keys' ids
-    assert [x.name for x in _trace_order(keyed, {}, where)] == ["b", "c", "a"]
+    assert [x.name for x in _trace_order(keyed, {})] == ["b", "c", "a"]
     free = [g("a", "x"), g("b", "y"), g("c", "z")]
-    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2, "b": 3}, where)] == ["c", "a", "b"]  # no ids: the loads
-    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2}, where)] == ["a", "b", "c"]  # not all loaded: the file's
-    # a helper's finding: a program that uses @t20 where the ids put @t3 was exported as the ids said,
-    # a wrong model; a function that loads every global must load them in the ids' order
-    swapped = {"gemma": ("t20", "t11", "t3")}
-    with pytest.raises(FormatError, match=r"m.mlir: @gemma loads @t20 \(key 't20'\) where the tracer's ids put @t3 "
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2, "b": 3})] == ["c", "a", "b"]  # no ids: the loads
+    assert [x.name for x in _trace_order(free, {"c": 1, "a": 2})] == ["a", "b", "c"]  # not all loaded: the file's
+    # a function that loads every weight must load them in the ids' order; a helper that loads some
+    # gives no order to compare
+    where, ordered = Path("m.mlir"), _trace_order(declared, loads)
+    _check_load_order(ordered, {"helper": ("t11", "t20"), "gemma": ("t3", "t11", "t20")}, where)
+    with pytest.raises(FormatError, match=r"^m.mlir: @gemma loads @t20 \(key 't20'\) where the tracer's ids put @t3 "
                                           r"\(key 't3'\), weight 0 in trace order; the ids and the program disagree"):
-        _trace_order(declared, loads, where, swapped)
-    with pytest.raises(FormatError, match="@gemma loads @a .key 't20'. where the tracer's ids put @b .key 't3'."):
-        _trace_order(keyed, {}, where, {"gemma": ("a", "b", "c")})
+        _check_load_order(ordered, {"gemma": ("t20", "t11", "t3")}, where)
+
+
+def test_where_a_constant_is_loaded_does_not_matter_where_a_weight_is_it_does(ref_model, tmp_path):
+    """A reviewer's finding: the load-order check also compared RoPE tables and masks, which the
+    export skips, so a program that loads one of them first (the same program) was refused."""
+    from jax_reference import trace, write_jax_reference
+
+    roles = [role for role, _ in trace(ref_model)]
+    names = [f"t{n * 7 + (n % 3)}" for n in range(len(roles))]
+
+    def first(role, nth=0):
+        return names[[i for i, r in enumerate(roles) if r == role][nth]]
+
+    def moved_to_the_top(folder, name):
+        mlir = write_jax_reference(ref_model, folder, "bf16")
+        lines = mlir.read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if f"util.global.load @{name} " in line)
+        load = lines.pop(at)
+        top = next(i for i, line in enumerate(lines) if "util.global.load" in line)
+        lines.insert(top, load)
+        mlir.write_text("\n".join(lines) + "\n")
+        return mlir
+
+    plain = open_source(write_jax_reference(ref_model, tmp_path / "plain", "bf16"))
+    constant = open_source(moved_to_the_top(tmp_path / "rope", first("cos", 1)))
+    assert sorted(constant.tensors) == sorted(plain.tensors)
+    for name, ref in plain.tensors.items():
+        np.testing.assert_array_equal(constant.tensors[name].load(), ref.load(), err_msg=name)
+    weight = first("o", 1)
+    with pytest.raises(FormatError, match=rf"@gemma loads @{weight} .* where the tracer's ids put @t0 .key 't0'.,"
+                                          r" weight 0 in trace order"):
+        open_source(moved_to_the_top(tmp_path / "o", weight))
 
 
 def test_a_key_missing_from_the_archive_header_is_named_not_the_gap_it_leaves(ref_model, tmp_path):
@@ -673,12 +702,17 @@ def test_a_global_the_program_never_loads_is_left_out_as_iree_leaves_it(ref_mode
     file) was mapped as a weight, and the export failed blaming the LM head's global."""
     plain = open_source(write_reference(ref_model, tmp_path / "plain"))
 
-    def edit(lines, archive):
-        lines.insert(2, '  util.global private @t9 = #flow.parameter.named<"model"::"t9"> : tensor<64xbf16>')
+    def edit(lines, archive):  # declared first, before the table: the table's rows are still the vocabulary
+        lines.insert(1, '  util.global private @t9 = #flow.parameter.named<"model"::"t9"> : tensor<64xbf16>')
         archive["t9"] = archive["t8"].copy()
-        lines.insert(3, '  util.global private @spare = #flow.parameter.named<"model"::"t8"> : tensor<64xbf16>')
-    extra = open_source(write_reference(ref_model, tmp_path / "extra", edit=edit))
+        lines.insert(2, '  util.global private @spare = #flow.parameter.named<"model"::"t8"> : tensor<64xbf16>')
+    mlir = write_reference(ref_model, tmp_path / "extra", edit=edit)
+    extra = open_source(mlir)
     assert extra.identity["unused_globals"] == 2 and plain.identity["unused_globals"] == 0
+    from gemma_export.reference_iree import check_reference_options
+
+    pytest.importorskip("iree.runtime")
+    assert check_reference_options(mlir, None) == (96, SEQ, extra.config)
     assert sorted(extra.tensors) == sorted(plain.tensors)
     for name, ref in plain.tensors.items():
         np.testing.assert_array_equal(extra.tensors[name].load(), ref.load(), err_msg=name)

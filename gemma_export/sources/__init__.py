@@ -102,7 +102,12 @@ def _remove_unheld_partials(target: Path) -> None:
 
 
 def _umask() -> int:
-    """The process's file-creation mask (reading it means setting it; set back at once)."""
+    """The process's file-creation mask: Linux's ``/proc/self/status`` (4.7+), else ``os.umask``,
+    which can only read it by setting it (set back at once)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -229,8 +229,7 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
         identity={"kind": "hf", "path": str(folder.resolve()), "bytes": total_bytes},
         path=folder,
         ignored=tuple(ignored),
-        files=(folder / "config.json", *([folder / GENERATION_CONFIG] if (folder / GENERATION_CONFIG).is_file() else []),
-               *shards),
+        files=(folder / "config.json", *[p for p in [folder / GENERATION_CONFIG] if p.is_file()], *shards),
     )
 
 

@@ -128,9 +128,9 @@ def parse_mlir(path: str | Path) -> MlirModule:
     Raises:
         SourceNotFoundError: no such file.
         FormatError: a safetensors archive given instead, a file over :data:`MAX_MLIR_BYTES` or a
-            line over 1 MiB, a byte-order mark or a NUL byte (which IREE refuses), a global with a dynamic or unknown tensor type, a global declared twice,
-            no global at all, or braces that do not balance (a file cut short, or more closed than
-            opened).
+            line over 1 MiB, a byte-order mark or a NUL byte (which IREE refuses), a global with a
+            dynamic or unknown tensor type, a global declared twice, no global at all, or braces
+            that do not balance (a file cut short, or more closed than opened).
     """
     path = require_file(path, "reference MLIR file")
     if (size := path.stat().st_size) > MAX_MLIR_BYTES:  # the IREE run reads it whole
@@ -318,40 +318,46 @@ class GlobalMap:
     unused: tuple[MlirGlobal, ...] = ()  # declared, never loaded by the program: not part of the model
 
 
-def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int], where: Path,
-                 function_loads: dict[str | None, tuple[str, ...]] | None = None) -> list[MlirGlobal]:
+def _trace_order(found: list[MlirGlobal], first_loads: dict[str, int]) -> list[MlirGlobal]:
     """The globals in trace order, whatever order the file declares them in: the order of the
     tracer's ids ``tN`` (reference-format: sparse and in trace order) of the archive keys, else of
-    the names, when every global has one; else the order in which the program first loads them
-    (``util.global.load``; a file's line order, which helper functions or initializers can break)
-    when it loads every one; else the file's.
-
-    ``function_loads`` (:attr:`MlirModule.function_loads`): a function that loads every global (the
-    traced program) must load them in the ids' order.
-
-    Raises:
-        FormatError: a function that loads every global loads them in another order than the ids
-            give (the ids would put one weight where the program uses another: a wrong model).
-    """
-    for ids in ([_trace_id(g.key) for g in found], [_trace_id(g.name) for g in found]):
-        if all(n is not None for n in ids):
-            ordered = [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
-            _check_load_order(ordered, function_loads or {}, where)
-            return ordered
+    the names, when every global has one (:func:`_ordered_by_ids`); else the order in which the
+    program first loads them (``util.global.load``; a file's line order, which helper functions or
+    initializers can break) when it loads every one; else the file's."""
+    if (ordered := _ordered_by_ids(found)) is not None:
+        return ordered
     if found and all(g.name in first_loads for g in found):
         return sorted(found, key=lambda g: first_loads[g.name])
     return found
 
 
-def _check_load_order(ordered: list[MlirGlobal], function_loads: dict[str | None, tuple[str, ...]], where: Path) -> None:
-    names = {g.name for g in ordered}
+def _ordered_by_ids(found: list[MlirGlobal]) -> list[MlirGlobal] | None:
+    """``found`` sorted by the tracer's ids of the archive keys, else of the names; None when some
+    global has none."""
+    for ids in ([_trace_id(g.key) for g in found], [_trace_id(g.name) for g in found]):
+        if all(n is not None for n in ids):
+            return [g for _, g in sorted(zip(ids, found), key=lambda pair: pair[0])]
+    return None
+
+
+def _check_load_order(weights: list[MlirGlobal], function_loads: dict[str | None, tuple[str, ...]], where: Path) -> None:
+    """A function that loads every one of ``weights`` (the traced program) must first load them in
+    the order given (the tracer's ids'): otherwise the ids put one weight where the program uses
+    another, and an export would be another model than the one IREE runs. Where constants (RoPE
+    tables, masks) are loaded does not matter, and a function that loads only some weights (a
+    helper) gives no order to compare.
+
+    Raises:
+        FormatError: naming the function, the weight it loads and the one the ids put there.
+    """
+    names = {g.name for g in weights}
     for function, loaded in function_loads.items():
         program = [name for name in loaded if name in names]
-        if len(program) != len(ordered):  # a helper that loads some: no order to compare
+        if len(program) != len(weights):
             continue
-        for i, (g, name) in enumerate(zip(ordered, program)):
+        for i, (g, name) in enumerate(zip(weights, program)):
             if g.name != name:
-                used = next(x for x in ordered if x.name == name)
+                used = next(x for x in weights if x.name == name)
                 raise FormatError(f"{where}: {'@' + function if function else 'an initializer'} loads @{name} (key "
                                   f"'{used.key}') where the tracer's ids put @{g.name} (key '{g.key}'), weight {i} in "
                                   "trace order; the ids and the program disagree, so the weights cannot be mapped")
@@ -398,8 +404,7 @@ def map_globals(module: MlirModule) -> GlobalMap:
     # a global the program never loads is not part of the model IREE runs (when the program's loads
     # were found at all): left out, as IREE leaves it out, rather than mapped to a weight
     unused = [g for g in weights_and_constants if g.name not in module.first_loads] if module.first_loads else []
-    order = _trace_order([g for g in weights_and_constants if g not in unused], module.first_loads, where,
-                         module.function_loads)
+    order = _trace_order([g for g in weights_and_constants if g not in unused], module.first_loads)
     if not order or len(order[0].shape) != 2:
         raise FormatError(f"{where}: the first global is not a [vocab, hidden] table (found "
                           f"{list(order[0].shape) if order else 'none'}); not a Gemma reference export")
@@ -459,6 +464,9 @@ def map_globals(module: MlirModule) -> GlobalMap:
                           f"first globals' shapes (hidden {hidden} from @{order[0].name}, {heads} heads and {kv} KV "
                           f"heads of {d} from @{two_d[0].name} and @{two_d[1].name}, intermediate {inter} from "
                           f"@{down.name}), so check those declarations too")
+    if _ordered_by_ids(order) is not None:  # the ids gave the order: the program must use the weights so
+        mapped = {g.name for g in [*weights.values(), *([duplicate] if duplicate is not None else [])]}
+        _check_load_order([g for g in order if g.name in mapped], module.function_loads, where)
     partial = [s.name for s in slots if s.name in weights]
     if partial or final_norm is None or layer == 0:
         raise FormatError(f"{where}: globals end inside layer {layer} or without a final norm "
