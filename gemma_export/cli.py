@@ -794,6 +794,7 @@ def bench(
                        "used (its weights are mapped from disk); --no-prepacked measures the heap", err=True)
         if json_out is not None:
             write_json(result.to_dict(), json_out)
+            _wrote(json_out)
         if plot is not None:
             write_plot([result], plot)
             typer.echo(f"plot: {plot}", err=to_stdout(json_out))
@@ -843,6 +844,15 @@ def quality(
         typer.echo(_elapsed_line(time.monotonic() - started, peak_rss_bytes()), err=True)
         if json_out is not None:
             write_json(report.to_dict(), json_out)
+            _wrote(json_out)
+
+
+def _wrote(json_out: Path) -> None:
+    """Say where a --json report went (on stderr; nothing when it went to stdout, which holds it alone)."""
+    from .bench import to_stdout
+
+    if not to_stdout(json_out):
+        typer.echo(f"wrote {json_out}", err=True)
 
 
 class Against(str, enum.Enum):
@@ -888,6 +898,7 @@ def parity(
         typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         if json_out is not None:
             write_json(report.to_dict(), json_out)
+            _wrote(json_out)
     if not report.passed:
         raise typer.Exit(1)
 

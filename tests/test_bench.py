@@ -219,6 +219,8 @@ def test_bench_times_the_reference_export_under_iree(tiny_int8_export, tiny_mode
     assert ref["ms_per_token_median"] > 0
     assert ref["export_vs_reference"] == pytest.approx(ref["export_decode_ms_median"] / ref["ms_per_token_median"])
     assert f"{ref['export_vs_reference']:.3f}x the reference" in result.stdout
+    assert result.stderr.endswith(f"wrote {out}\n")  # where the report went, as generate --json says
+    assert ref["compile_and_load_s"] > 0 and "in a child process" in result.stderr
 
 
 def test_drop_page_cache_writes_1_after_sync_or_names_the_file(tmp_path, monkeypatch):
