@@ -693,7 +693,7 @@ def _one_model(command: str, given: Optional[Path], model_opt: Optional[Path], w
 
 @app.command(short_help="Show what an archive carries, and tables stored twice.")
 def inspect(
-    path_arg: Optional[Path] = typer.Argument(None, metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's."),
+    path_arg: Optional[Path] = typer.Argument(None, metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's, a transformers folder (or its model.safetensors.index.json) its weights, all shards as one."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
     top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),

@@ -545,7 +545,9 @@ def inspect_path(path: str | Path) -> Report:
     """Inspect an archive (``.onnx``, ``.safetensors``, ``.gguf``, or a reference ``.mlir`` with its
     archive beside it; GGUF and safetensors are told by their first bytes, ONNX and MLIR by the
     suffix). An export folder stands for its ``model.onnx``, a bundle folder for its export's, and
-    any other folder holding exactly one ``.onnx`` file (``dedupe``'s output) for that file.
+    any other folder holding exactly one ``.onnx`` file (``dedupe``'s output) for that file; a
+    transformers folder (no ``.onnx``) for its ``model.safetensors`` or, sharded, for all the shards
+    its ``model.safetensors.index.json`` names (the index file itself too), read as one archive.
 
     Returns:
         A :class:`Report` (:func:`format_report` prints it as the CLI does).
@@ -566,7 +568,12 @@ def inspect_path(path: str | Path) -> Report:
         graphs = sorted(p for p in Path(path).glob("*.onnx") if p.is_file())
         if len(graphs) == 1:
             path = graphs[0]
-    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or a folder with model.onnx or one .onnx)")
+        elif not graphs and ((Path(path) / SHARD_INDEX).is_file() or (Path(path) / "model.safetensors").is_file()):
+            return _inspect_transformers_folder(Path(path))
+    if Path(path).name == SHARD_INDEX and Path(path).is_file():
+        return _inspect_transformers_folder(Path(path).parent)
+    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or a folder with model.onnx or one .onnx, "
+                              "or a transformers folder)")
     try:
         with open(path, "rb") as f:
             magic = f.read(9)
@@ -591,6 +598,26 @@ def inspect_path(path: str | Path) -> Report:
         raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
     with_data = [e for e in entries if e.path is not None or e.inline is not None]
     return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data)
+
+
+#: a sharded transformers folder's index of its safetensors files
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def _inspect_transformers_folder(folder: Path) -> Report:
+    """A transformers folder's weights as one archive: its ``model.safetensors``, or every shard its
+    index names (duplicates found across shards too).
+
+    Raises:
+        FormatError: an unreadable index, a shard that is not a file of the folder, a malformed shard.
+    """
+    from .sources.hf import shard_files
+
+    shards, _ = shard_files(folder)
+    if len(shards) == 1 and shards[0].name == "model.safetensors":
+        return inspect_path(shards[0])
+    entries = [entry for shard in shards for entry in _safetensors_entries(shard)]
+    return Report(str(folder / SHARD_INDEX), "safetensors", entries, find_duplicates(entries), {}, None)
 
 
 def _is_shared_table(ops: list[str]) -> bool:

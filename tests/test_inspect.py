@@ -618,3 +618,38 @@ def test_duplicates_are_searched_from_64_kib_on(tmp_path, nbytes, found):
     path = tmp_path / "small.safetensors"
     save_file({"a": values, "b": values.copy()}, str(path))
     assert _groups(inspect_path(path)) == ([("identical bytes", ("a", "b"))] if found else [])
+
+
+def test_a_transformers_folder_is_inspected_as_its_weights_sharded_or_not(tmp_path):
+    """A FunctionGemma helper's note: `inspect` refused a transformers folder ("is a folder") and a
+    sharded one's index ("not an ONNX, safetensors ..."); only a single shard could be read."""
+    from conftest import make_tiny_model
+
+    model = make_tiny_model(vocab_size=400)  # a 102 kB table: duplicates are looked for from 64 KiB
+    single = tmp_path / "single"
+    model.save_pretrained(single)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="120KB")
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    whole = inspect_path(single)
+    assert whole.path == str(single / "model.safetensors") and whole.format == "safetensors"
+    for given in (sharded, sharded / "model.safetensors.index.json"):
+        report = inspect_path(given)
+        assert report.path == str(sharded / "model.safetensors.index.json") and report.format == "safetensors"
+        assert sorted((t.name, t.shape) for t in report.tensors) == sorted((t.name, t.shape) for t in whole.tensors)
+        assert report.total_bytes == whole.total_bytes and report.duplicates == whole.duplicates == []
+    # the same values stored twice, in two shards: found across them
+    table = index["weight_map"]["model.embed_tokens.weight"]
+    other = next(v for v in index["weight_map"].values() if v != table)
+    from safetensors.numpy import load_file
+
+    copy = load_file(str(sharded / other))
+    copy["lm_head.weight"] = load_file(str(sharded / table))["model.embed_tokens.weight"]
+    save_file(copy, str(sharded / other))
+    index["weight_map"]["lm_head.weight"] = other
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (group,) = inspect_path(sharded).duplicates
+    assert sorted(group.names) == ["lm_head.weight", "model.embed_tokens.weight"]
+    result = CliRunner().invoke(app, ["inspect", str(sharded)])
+    assert result.exit_code == 0 and "one table stored 2 times" in result.output, result.output

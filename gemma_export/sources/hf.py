@@ -97,7 +97,7 @@ def _hf_name(key: str) -> str | None:
     return None
 
 
-def _shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
+def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     """The safetensors files of a transformers folder and, for a sharded one, its index's
     ``weight_map`` (tensor name → shard file name; None for a single file).
 
@@ -169,7 +169,7 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
     tensors: dict[str, TensorRef] = {}
     ignored: list[str] = []
     total_bytes = 0
-    shards, weight_map = _shard_files(folder)
+    shards, weight_map = shard_files(folder)
     index = folder / "model.safetensors.index.json"
     for shard in shards:
         total_bytes += shard.stat().st_size
