@@ -201,8 +201,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
             checked and compiled with IREE for this CPU before the export is measured (in a child
             process, into IREE's cache: an MLIR IREE refuses is named before minutes of work, and
             the compiler's memory is not this process's), loaded after the export's figures are
-            taken, and timed the way the board runs it: the fixed-length re-decode graph once per new token, after a prompt
-            of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
+            taken, and timed the way the board runs it: the fixed-length re-decode graph once per
+            new token, after a prompt of the shortest length that leaves room (at most 16 tokens). ``result.reference`` then
             holds its ms/token and the ratio of the export's decode median at the shortest prompt.
         prefill_chunk: feed each prompt in steps of at most this many tokens (None: one step;
             default :data:`~gemma_export.runtime.DEFAULT_PREFILL_CHUNK`, llama.cpp's default batch).

@@ -391,9 +391,10 @@ def export(
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
             right before the source is read.
         tokenizer: a ``tokenizer.json``, or a folder holding one (its ``tokenizer_config.json``,
-            ``special_tokens_map.json`` and ``chat_template.jinja`` come along), to place in the export instead of the source's:
-            for a source without one (a reference ``.mlir``) or with another (FunctionGemma's own
-            tokenizer beside the bundled Gemma 3 weights). It also calibrates.
+            ``special_tokens_map.json`` and ``chat_template.jinja`` come along), to place in the
+            export instead of the source's: for a source without one (a reference ``.mlir``) or with
+            another (FunctionGemma's own tokenizer beside the bundled Gemma 3 weights). It also
+            calibrates.
 
     Returns:
         An :class:`ExportResult`. The folder holds ``model.onnx``, ``model.onnx.data``, the tokenizer

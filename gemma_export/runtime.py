@@ -1227,8 +1227,9 @@ class TextStream:
     ids): ``decode(ids[prefix:]) - decode(ids[prefix:read])``, the incremental decode of Hugging
     Face's text-generation-inference. A decode that ends in U+FFFD (a character whose bytes are
     not all generated yet, Gemma's byte fallback) waits for up to 3 more ids (UTF-8 takes at most 4
-    bytes a character). An id that adds no text (a special token, when they are skipped) is dropped. The context
-    is at most :attr:`WINDOW` ids, so a long generation costs linear time, not quadratic.
+    bytes a character). An id that adds no text (a special token, when they are skipped) is
+    dropped. The context is at most :attr:`WINDOW` ids, so a long generation costs linear time, not
+    quadratic.
 
     Where the decode with context does not extend what was shown, the new ids are decoded alone.
     That happens at a run of byte pieces that ends in bytes that are not UTF-8: ``tokenizers``
