@@ -559,6 +559,7 @@ def inspect_path(path: str | Path) -> Report:
     """
     check_arguments("inspect_path", path=(path, "path"))
     from .manifest import is_bundle
+    from .sources.hf import SHARD_INDEX, WEIGHTS_FILE
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
         path = Path(path) / BUNDLE_MODEL_DIR
@@ -568,7 +569,7 @@ def inspect_path(path: str | Path) -> Report:
         graphs = sorted(p for p in Path(path).glob("*.onnx") if p.is_file())
         if len(graphs) == 1:
             path = graphs[0]
-        elif not graphs and ((Path(path) / SHARD_INDEX).is_file() or (Path(path) / "model.safetensors").is_file()):
+        elif not graphs and ((Path(path) / SHARD_INDEX).is_file() or (Path(path) / WEIGHTS_FILE).is_file()):
             return _inspect_transformers_folder(Path(path))
     if Path(path).name == SHARD_INDEX and Path(path).is_file():
         return _inspect_transformers_folder(Path(path).parent)
@@ -600,10 +601,6 @@ def inspect_path(path: str | Path) -> Report:
     return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data)
 
 
-#: a sharded transformers folder's index of its safetensors files
-SHARD_INDEX = "model.safetensors.index.json"
-
-
 def _inspect_transformers_folder(folder: Path) -> Report:
     """A transformers folder's weights as one archive: its ``model.safetensors``, or every shard its
     index names (duplicates found across shards too).
@@ -611,10 +608,10 @@ def _inspect_transformers_folder(folder: Path) -> Report:
     Raises:
         FormatError: an unreadable index, a shard that is not a file of the folder, a malformed shard.
     """
-    from .sources.hf import shard_files
+    from .sources.hf import SHARD_INDEX, WEIGHTS_FILE, shard_files
 
     shards, _ = shard_files(folder)
-    if len(shards) == 1 and shards[0].name == "model.safetensors":
+    if len(shards) == 1 and shards[0].name == WEIGHTS_FILE:
         return inspect_path(shards[0])
     entries = [entry for shard in shards for entry in _safetensors_entries(shard)]
     return Report(str(folder / SHARD_INDEX), "safetensors", entries, find_duplicates(entries), {}, None)

@@ -464,13 +464,12 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     if against_transformers:
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
     ref_vocab = ref_length = None
+    model_dir = Path(model_dir)
     if reference:  # its files, their contents and IREE before the session and the other comparisons
         from .reference_iree import check_reference_options
 
         info = check_reference_options(reference, reference_weights)
         ref_vocab, ref_length = info.vocab_size, info.sequence_length
-    model_dir = Path(model_dir)
-    if reference:
         check_same_architecture(info.config, reference, model_dir)
     check_export_folder(model_dir)
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named

@@ -209,9 +209,13 @@ def _compile_file(path: str) -> None:
         print(exc, file=sys.stderr)
         sys.exit(2)
     except Exception as exc:  # IREE's own failures (e.g. MemoryError), named with the file
-        print(f"{path}: IREE cannot compile it: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}",
-              file=sys.stderr)
+        print(f"{path}: IREE cannot compile it: {type(exc).__name__}: {_first_line(exc)}", file=sys.stderr)
         sys.exit(2)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, at most 200 characters ("" when it has none)."""
+    return str(exc).splitlines()[0][:200] if str(exc) else ""
 
 
 @dataclasses.dataclass
@@ -331,9 +335,12 @@ def reference_config(module: MlirModule) -> GemmaConfig | None:
         return None
 
 
-def _vocab_size(module: MlirModule, config: GemmaConfig | None) -> int:
-    """Rows of the embedding table: the mapped config's, else the first declared global's."""
-    return config.vocab_size if config is not None else module.globals[0].shape[0]
+def _reference_info(module: MlirModule, function) -> ReferenceInfo:
+    """The :class:`ReferenceInfo` of a checked reference (:func:`check_reference`'s module and
+    re-decode function): the table's rows from the mapped config, else the first declared global's."""
+    config = reference_config(module)
+    vocab = config.vocab_size if config is not None else module.globals[0].shape[0]
+    return ReferenceInfo(vocab, int(function.arguments[0].split("x")[1]), config)
 
 
 def check_reference_options(reference: str | Path, reference_weights: str | Path | None) -> ReferenceInfo:
@@ -354,8 +361,7 @@ def check_reference_options(reference: str | Path, reference_weights: str | Path
         require_file(reference_weights, "reference archive (--reference-weights)")
     module, _, function = check_reference(reference, reference_weights)
     _iree()
-    config = reference_config(module)
-    return ReferenceInfo(_vocab_size(module, config), int(function.arguments[0].split("x")[1]), config)
+    return _reference_info(module, function)
 
 
 def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None, *, logits: bool = False,
@@ -375,8 +381,7 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
     mlir_path = Path(mlir_path)
     module, archive, function = check_reference(mlir_path, archive_path)
     _, runtime = _iree()
-    length = int(function.arguments[0].split("x")[1])
-    vocab = _vocab_size(module, reference_config(module))
+    vocab, length, _ = _reference_info(module, function)
     text = mlir_path.read_text(encoding="utf-8", errors="replace")
     if logits:
         try:
@@ -393,7 +398,7 @@ def load_reference(mlir_path: str | Path, archive_path: str | Path | None = None
             main = runtime.VmModule.copy_buffer(config.vm_instance, vmfb)
         except (ValueError, RuntimeError) as exc:
             raise GemmaExportError(f"{mlir_path}: IREE compiled it, but cannot load the module it made: "
-                                   f"{str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}") from None
+                                   f"{_first_line(exc) or type(exc).__name__}") from None
     index = runtime.ParameterIndex()
     index.load(str(archive.path))
     parameters = runtime.create_io_parameters_module(config.vm_instance, index.create_provider(scope=module.globals[0].scope))

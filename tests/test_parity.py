@@ -501,12 +501,10 @@ def test_ids_that_contradict_the_programs_loads_are_refused_before_anything_is_w
     reader now compares the ids with the order in which the program loads the globals."""
     import re
 
-    from jax_reference import trace
+    from jax_reference import global_of
 
     mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
-    roles = [role for role, _ in trace(ref_model)]
-    gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
-    names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
+    names = [global_of(ref_model, "gate", 1), global_of(ref_model, "up", 1)]  # layer 1's, both [128, 64]
     text = mlir.read_text()
     swap = {names[0]: names[1], names[1]: names[0]}
     swapped = re.sub(rf"util\.global\.load @({names[0]}|{names[1]}) ", lambda m: f"util.global.load @{swap[m.group(1)]} ",
@@ -528,12 +526,10 @@ def test_a_wrong_mapping_is_caught(ref_model, prompts_file, tmp_path):
     # the loads, cannot see it. Parity must.
     import re
 
-    from jax_reference import trace
+    from jax_reference import global_of
 
     mlir = write_jax_reference(ref_model, tmp_path / "ref", "bf16")
-    roles = [role for role, _ in trace(ref_model)]
-    gate, up = [i for i, r in enumerate(roles) if r == "gate"][1], [i for i, r in enumerate(roles) if r == "up"][1]
-    names = [f"t{n * 7 + (n % 3)}" for n in (gate, up)]
+    names = [global_of(ref_model, "gate", 1), global_of(ref_model, "up", 1)]
     text = mlir.read_text()
     converts = [re.search(rf"^    (%\w+) = stablehlo\.convert %{n}_raw ", text, re.M) for n in names]
     results = [m.group(1) for m in converts]

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import make_tiny_model, reference_logits, write_char_tokenizer
-from jax_reference import save_flat_archive
+from jax_reference import global_name, save_flat_archive
 from gemma_export.cli import app
 from gemma_export.errors import FormatError
 from gemma_export.exporter import export
@@ -64,7 +64,7 @@ def write_reference(model, folder, dtype="bf16", drop_head=False, edit=None):
     items = _trace(model)[:-1] if drop_head else _trace(model)
     lines, archive = ["module @gemma {"], {}
     for n, (_, array) in enumerate(items):
-        name = f"t{n * 7 + (n % 3)}"  # sparse, increasing
+        name = global_name(n)  # sparse, increasing
         if dtype == "int8" and array.ndim == 2:
             scale = np.abs(array).max(axis=1) / 127
             scale[scale == 0] = 1
@@ -621,13 +621,7 @@ def test_the_trace_order_is_the_ids_then_the_first_loads_then_the_declarations()
 def test_where_a_constant_is_loaded_does_not_matter_where_a_weight_is_it_does(ref_model, tmp_path):
     """A reviewer's finding: the load-order check also compared RoPE tables and masks, which the
     export skips, so a program that loads one of them first (the same program) was refused."""
-    from jax_reference import trace, write_jax_reference
-
-    roles = [role for role, _ in trace(ref_model)]
-    names = [f"t{n * 7 + (n % 3)}" for n in range(len(roles))]
-
-    def first(role, nth=0):
-        return names[[i for i, r in enumerate(roles) if r == role][nth]]
+    from jax_reference import global_of, write_jax_reference
 
     def moved_to_the_top(folder, name):
         mlir = write_jax_reference(ref_model, folder, "bf16")
@@ -640,11 +634,11 @@ def test_where_a_constant_is_loaded_does_not_matter_where_a_weight_is_it_does(re
         return mlir
 
     plain = open_source(write_jax_reference(ref_model, tmp_path / "plain", "bf16"))
-    constant = open_source(moved_to_the_top(tmp_path / "rope", first("cos", 1)))
+    constant = open_source(moved_to_the_top(tmp_path / "rope", global_of(ref_model, "cos", 1)))
     assert sorted(constant.tensors) == sorted(plain.tensors)
     for name, ref in plain.tensors.items():
         np.testing.assert_array_equal(constant.tensors[name].load(), ref.load(), err_msg=name)
-    weight = first("o", 1)
+    weight = global_of(ref_model, "o", 1)
     with pytest.raises(FormatError, match=rf"@gemma loads @{weight} .* where the tracer's ids put @t0 .key 't0'.,"
                                           r" weight 0 in trace order"):
         open_source(moved_to_the_top(tmp_path / "o", weight))

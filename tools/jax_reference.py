@@ -64,6 +64,19 @@ def trace(model) -> list[tuple[str, np.ndarray]]:
     return items
 
 
+
+def global_name(n: int) -> str:
+    """The name (and archive key) of the ``n``-th global in trace order: sparse, increasing ``tN``,
+    like the tracer's ids."""
+    return f"t{n * 7 + (n % 3)}"
+
+
+def global_of(model, role: str, nth: int = 0) -> str:
+    """The name of the ``nth`` global of ``role`` (one of :func:`trace`'s roles, e.g. ``"gate"``) in
+    the reference :func:`write_jax_reference` writes for ``model``."""
+    return global_name([i for i, (r, _) in enumerate(trace(model)) if r == role][nth])
+
+
 def gemma_forward(config, roles: list[str]):
     """The Gemma 3 forward over arguments in trace order (``roles``), in jax.numpy, float32."""
     import jax
@@ -152,7 +165,7 @@ def write_jax_reference(model, folder: Path, dtype: str = "bf16") -> Path:
     assert len(args) == len(items) + 1, "lowering changed the argument list"
     globals_, loads, archive = [], [], {}
     for n, ((arg, arg_type), (_, array)) in enumerate(zip(args[1:], items)):
-        name = f"t{n * 7 + (n % 3)}"  # sparse, increasing, like the tracer's ids
+        name = global_name(n)
         if dtype == "int8" and array.ndim == 2:
             q, scale = _quantize_rows(array)
             archive[name], archive[name + "_scale"] = q.reshape(-1), scale

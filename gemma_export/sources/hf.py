@@ -32,6 +32,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja")
 #: the stop ids transformers' generate uses (:func:`~gemma_export.config.with_generation_config`)
 GENERATION_CONFIG = "generation_config.json"
+#: a transformers folder's weights: one file, or shards named by an index (:func:`shard_files`)
+WEIGHTS_FILE, SHARD_INDEX = "model.safetensors", "model.safetensors.index.json"
 #: tokenizer files copied as they are that must be JSON objects (tokenizer.json is parsed in full)
 JSON_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
@@ -104,8 +106,8 @@ def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
     Raises:
         FormatError: an unreadable index, a shard that is not a file of the folder, or neither file.
     """
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
+    single = folder / WEIGHTS_FILE
+    index = folder / SHARD_INDEX
     if single.is_file():
         return [single], None
     if index.is_file():
@@ -170,7 +172,7 @@ def read_hf_folder(folder: Path, tokenizer: bool = True) -> Checkpoint:
     ignored: list[str] = []
     total_bytes = 0
     shards, weight_map = shard_files(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / SHARD_INDEX
     for shard in shards:
         total_bytes += shard.stat().st_size
         read_header(shard)  # named errors for a corrupt header before the library reads it
