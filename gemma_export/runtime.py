@@ -551,6 +551,8 @@ class OnnxDecoder:
         self.check_length(positions)
         ids = np.asarray([list(prompt_ids)], dtype=np.int64)
         cache = KVCache(self, 1, positions, max_step=len(prompt_ids) if prefill_chunk is None else prefill_chunk)
+        # one logits buffer for every decode step (not a new 1 MB array each; 1–2 MB less held)
+        out = np.empty((1, 1, self.vocab_size), np.float32) if isinstance(self.vocab_size, int) else None
         new_ids: list[int] = []
         timings: list[float] = []
         position = 0
@@ -560,7 +562,7 @@ class OnnxDecoder:
             for first in range(0, ids.shape[1], chunk):
                 part = ids[:, first:first + chunk]
                 end = position + part.shape[1]
-                logits = cache.step(part, np.ones((1, end), np.int64), np.arange(position, end, dtype=np.int64)[None])
+                logits = cache.step(part, np.ones((1, end), np.int64), np.arange(position, end, dtype=np.int64)[None], out)
                 position = end
             token = picked_token(logits[0, -1], len(new_ids), model=self.graph_path)
             timings.append((time.perf_counter() - start) * 1e3)
@@ -1065,12 +1067,15 @@ class KVCache:
         self.arrays[name] = array  # our reference keeps the memory alive as long as the binding
         return array
 
-    def _drop_out_of_window_rows(self, past: int, seq: int) -> None:
+    def _drop_out_of_window_rows(self, past: int, seq: int) -> bool:
         # The sliding buffers hold positions sliding_start … past − 1; keep the last window − 1 of them
         # (all a query of this or a later step can see), at the front of a buffer sized for this step.
+        # True when buffers were replaced by smaller ones (the first drop after a prompt's step): the
+        # step then trims the heap, where glibc would keep them (4.8 MB: real int8 export, 512-token prompt).
         held = past - self.sliding_start
         keep = min(held, self.sliding_window - 1)
         rows = self._rows(seq)
+        shrunk = False
         for name in self._sliding:
             old = self.arrays[name]
             kept = old[:, :, held - keep:held]
@@ -1078,18 +1083,25 @@ class KVCache:
                 old[:, :, :keep] = kept  # numpy copies overlapping ranges correctly
             else:
                 self._bind(name, rows)[:, :, :keep] = kept
+                shrunk = shrunk or rows < old.shape[2]
         self.sliding_start = past - keep
+        return shrunk
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+             out: np.ndarray | None = None) -> np.ndarray:
         """Run one step and append its keys/values. Shapes as :meth:`OnnxDecoder.forward` (each step's
         ``attention_mask`` longer than the last by the step's length: past + sequence); returns
-        logits float32 ``[B, 1 or S, vocab]`` (an array the caller owns). A step of several tokens
-        after a past needs ``B`` = 1 (onnxruntime's GroupQueryAttention refuses it otherwise).
+        logits float32 ``[B, 1 or S, vocab]`` (an array the caller owns, or ``out``). A step of
+        several tokens after a past needs ``B`` = 1 (onnxruntime's GroupQueryAttention refuses it
+        otherwise).
 
         Args:
             input_ids: int64 ``[B, S]``.
             attention_mask: int64 ``[B, past + S]`` (1: a real token, 0: left padding).
             position_ids: int64 ``[B, S]``.
+            out: for a one-token step, a C-contiguous float32 ``[B, 1, vocab]`` array that
+                onnxruntime writes the logits into and that is returned (a decode loop then reuses
+                one buffer instead of a new 1 MB array per token); ignored by longer steps.
 
         Raises:
             GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``, or
@@ -1097,9 +1109,15 @@ class KVCache:
                 written; a shorter one rewinds: the step's rows replace those from ``past`` on,
                 refused where its first query would need rows a sliding layer has dropped, those
                 before ``past - sliding_window + 1``); shapes that disagree with each other or with
-                ``batch_size``.
+                ``batch_size``; an ``out`` of another shape or dtype, or not C-contiguous.
             onnxruntime's own exceptions, unwrapped (e.g. an id outside the vocabulary).
         """
+        if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
+                                    and out.shape == (self.batch_size, 1, self.decoder.vocab_size)):
+            raise GemmaExportError(f"KV cache: out must be a C-contiguous float32 array [{self.batch_size}, 1, "
+                                   f"{self.decoder.vocab_size}], found "
+                                   + (f"{out.dtype} {list(out.shape)}{'' if out.flags.c_contiguous else ', not C-contiguous'}"
+                                      if isinstance(out, np.ndarray) else type(out).__name__))
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape or attention_mask.ndim != 2 or \
                 input_ids.shape[0] != self.batch_size or attention_mask.shape[0] != self.batch_size:
             raise GemmaExportError(f"KV cache: expected input_ids and position_ids [{self.batch_size}, S] and "
@@ -1120,10 +1138,14 @@ class KVCache:
         if not self.shared:
             logits, self._past = self.decoder.forward(input_ids, attention_mask, position_ids, self._past)
             self.positions = total
+            if out is not None and seq == 1:
+                out[...] = logits
+                return out
             return logits
         import onnxruntime as ort
 
         b = self._binding
+        shrunk = False
         if self._sliding:
             past = total - seq
             held = past - self.sliding_start
@@ -1131,7 +1153,7 @@ class KVCache:
             # held (e.g. after a long prompt in one step, so decode does not read it all again)
             rows = self.arrays[next(iter(self._sliding))].shape[2]
             if held + seq > rows or held > self.sliding_window - 1 + SLIDING_ROOM:
-                self._drop_out_of_window_rows(past, seq)
+                shrunk = self._drop_out_of_window_rows(past, seq)
             # an overridable initializer: IO binding takes it as an OrtValue only (bind_cpu_input
             # looks among the required inputs); the array backs the value until the next step
             self._start = np.asarray(self.sliding_start, np.int64)
@@ -1141,7 +1163,7 @@ class KVCache:
         b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         logits = None
         if seq == 1 and isinstance(self.decoder.vocab_size, int):  # [B, 1, vocab] for every export: a new array of ours
-            logits = np.empty((input_ids.shape[0], 1, self.decoder.vocab_size), np.float32)
+            logits = np.empty((input_ids.shape[0], 1, self.decoder.vocab_size), np.float32) if out is None else out
             b.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         else:  # a prompt's step: [B, 1 or S, vocab] (--all-logits), so onnxruntime allocates it
             b.bind_output("logits")
@@ -1149,9 +1171,10 @@ class KVCache:
         self._after_prompt = seq > 1
         if release:  # the first decode step after a prompt: the prompt's activation memory goes back
             self.decoder.session.run_with_iobinding(b, _arena_shrinkage())
-            release_free_heap()
         else:
             self.decoder.session.run_with_iobinding(b)
+        if release or shrunk:  # ... and so do sliding buffers replaced by smaller ones
+            release_free_heap()
         self.positions = total
         if logits is not None:  # no copy and no get_outputs() (an OrtValue per bound output: 37 here)
             return logits

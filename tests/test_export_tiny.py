@@ -572,6 +572,78 @@ def test_each_step_returns_logits_the_caller_owns(tiny_dir, tmp_path):
     assert len({k[0, 0].argmax() for k in kept}) > 1 or not np.array_equal(kept[1], kept[2])  # not one array reused
 
 
+def test_a_step_writes_its_logits_into_the_callers_buffer(fp32_all, tiny_int8_export):
+    """``out`` receives a one-token step's logits and is returned (the same memory each step, so a
+    decode loop allocates one buffer); the logits equal a step's own array; a prompt's step ignores
+    it; a buffer of another shape, dtype or layout is refused in one line before the step runs."""
+    from gemma_export.runtime import KVCache
+
+    for folder in (fp32_all, tiny_int8_export):
+        decoder = OnnxDecoder(folder)
+        ids = _ids(batch=2, seq=10, seed=11)
+        mask = np.ones_like(ids)
+        own, into = KVCache(decoder, 2, 10), KVCache(decoder, 2, 10)
+        out = np.full((2, 1, decoder.vocab_size), np.nan, np.float32)
+        prompt = into.step(ids[:, :6], mask[:, :6], np.tile(np.arange(6), (2, 1)), out)
+        assert not np.shares_memory(prompt, out) and np.isnan(out).all()
+        assert np.array_equal(prompt, own.step(ids[:, :6], mask[:, :6], np.tile(np.arange(6), (2, 1))))
+        for position in range(6, 10):
+            args = ids[:, position:position + 1], mask[:, :position + 1], np.full((2, 1), position)
+            expected = own.step(*args)
+            assert into.step(*args, out=out) is out
+            assert np.array_equal(out, expected) and not np.array_equal(out[0], out[1])
+        for bad, found in [(np.empty((1, 1, decoder.vocab_size), np.float32), f"float32 \\[1, 1, {decoder.vocab_size}\\]"),
+                           (np.empty((2, 1, decoder.vocab_size), np.float64), "float64"),
+                           (np.empty((2, 2, decoder.vocab_size), np.float32)[:, :1], "not C-contiguous"),
+                           ([0.0], "list")]:
+            with pytest.raises(GemmaExportError, match=f"out must be a C-contiguous float32 array \\[2, 1, "
+                                                       f"{decoder.vocab_size}\\], found .*{found}"):
+                into.step(ids[:, 9:10], mask, np.full((2, 1), 9), out=bad)
+        assert into.positions == 10
+
+
+def test_greedy_decodes_into_one_logits_buffer(tiny_int8_export, monkeypatch):
+    """Every one-token step of ``greedy`` gets the same ``out`` array (1 MB on the real 270M, not a
+    new one per token); the ids are those of steps that each return their own array."""
+    from gemma_export import runtime
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    expected = decoder.greedy([2, 17, 33, 52], 6, stop_ids=[])[0]
+    step, seen = runtime.KVCache.step, []
+
+    def recording(self, input_ids, attention_mask, position_ids, out=None):
+        seen.append((input_ids.shape[1], None if out is None else id(out)))
+        return step(self, input_ids, attention_mask, position_ids, out)
+
+    monkeypatch.setattr(runtime.KVCache, "step", recording)
+    assert decoder.greedy([2, 17, 33, 52], 6, stop_ids=[])[0] == expected
+    assert [n for n, _ in seen] == [4, 1, 1, 1, 1, 1]
+    assert len({o for n, o in seen if n == 1}) == 1 and None not in {o for _, o in seen}
+
+
+def test_replacing_the_sliding_buffers_by_smaller_ones_trims_the_heap(tiny_int8_export, monkeypatch):
+    """Sliding buffers sized for a prompt's step (here a chunk of 100: 105 rows) are replaced by
+    smaller ones at the first drop (5 + 64 rows), and that step gives the freed heap back, as the
+    first step after the prompt does; no other step trims."""
+    from gemma_export import runtime
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    assert decoder.sliding_window == 6
+    trims: list[int] = []
+    cache = runtime.KVCache(decoder, 1, 120, max_step=100)
+    monkeypatch.setattr(runtime, "release_free_heap", lambda: trims.append(cache.positions))
+    ids = _ids(batch=1, seq=90, seed=3)
+    cache.step(ids[:, :60], np.ones((1, 60), np.int64), np.arange(60)[None])
+    rows = [cache.arrays["past_key_values.0.key"].shape[2]]
+    for position in range(60, 90):
+        cache.step(ids[:, position:position + 1], np.ones((1, position + 1), np.int64), np.full((1, 1), position))
+        rows.append(cache.arrays["past_key_values.0.key"].shape[2])
+    assert rows[0] == 105 and rows[-1] == 5 + runtime.SLIDING_ROOM
+    shrink = next(i for i, r in enumerate(rows) if r < 105)  # the decode step whose drop replaced the buffers
+    # trims recorded before each step's positions are updated: the first decode step's, then the shrinking one's
+    assert trims == [60, 60 + shrink - 1], (trims, rows)
+
+
 @pytest.mark.parametrize("batch, steps", [(2, [1] * 200), (1, [37, 1, 1, 5, 80, *[1] * 77]), (2, [150, *[1] * 100])],
                          ids=["one-by-one", "mixed", "long-prompt"])
 def test_sliding_layers_drop_rows_outside_the_window(tiny_model, fp32_all, batch, steps):
