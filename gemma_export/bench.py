@@ -11,7 +11,9 @@ What is measured, in one process and in this order:
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
    of issue #2) and after everything (the 512-token prefill's working memory included);
-4. peak resident memory (``VmHWM``), archive size.
+4. peak resident memory (``VmHWM``), archive size;
+5. the CPU time other processes took while 2. ran (``/proc/stat``), so that a run on a busy
+   machine says so.
 
 Decode medians and p90 exclude the first ``WARMUP_STEPS`` steps of each prompt. The figures are
 machine-dependent; compare ratios measured in the same run.
@@ -116,6 +118,9 @@ class BenchResult:
             baseline.
         machine: where the figures were measured, e.g. ``"x86_64, 2 CPUs"`` (``--board`` sets threads
             and the memory budget; the times stay this machine's).
+        other_cpus: CPUs' worth of work that other processes did while the prompts and decode steps
+            were timed (:func:`other_cpus`; None where ``/proc/stat`` is unavailable). From
+            :data:`BUSY_OTHER_CPUS` on, the report says the times are not the model's alone.
     """
 
     model: str
@@ -149,6 +154,7 @@ class BenchResult:
     anon_tokenizer_bytes: int = 0
     rss_tokenizer_bytes: int = 0
     machine: str = ""
+    other_cpus: float | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -305,6 +311,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
+    cpu_before = cpu_seconds()
     for n in lengths:
         # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
         _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[], prefill_chunk=prefill_chunk)
@@ -316,6 +323,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median {by_prompt[n]:.1f} ms/token")
         if short is None:
             short = snapshot() - before
+    others = other_cpus(cpu_before, cpu_seconds())
     after = snapshot() - before
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
@@ -335,7 +343,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         board_headroom_bytes=spec.headroom_bytes if spec else None,
         board_fits=fits_board(spec, peak) if spec else None,
-        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs",
+        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs", other_cpus=others,
         **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
     return result
@@ -420,6 +428,37 @@ def _room(memory_bytes: int, peak_bytes: int, whose: str) -> str:
     return f"exceeds {whose} {memory_bytes / 1e9:.1f} GB by {-left / 1e6:,.0f} MB"
 
 
+#: the kernel's CPU time counters, all CPUs together (first line ``cpu  user nice system idle ...``)
+PROC_STAT = Path("/proc/stat")
+#: other processes' CPU use during the measurement (CPUs' worth) from which the report warns
+BUSY_OTHER_CPUS = 0.2
+
+
+def cpu_seconds() -> tuple[float, float, float] | None:
+    """``(busy, own, wall)`` seconds: CPU time every CPU spent on work (``/proc/stat``: user, nice,
+    system, irq, softirq and steal, in ``USER_HZ`` ticks), this process's own CPU time (every thread,
+    ``os.times``), and a monotonic clock. The differences of two readings give the CPU time other
+    processes took in between (:func:`other_cpus`). None where ``/proc/stat`` cannot be read or parsed
+    (not Linux)."""
+    try:
+        fields = PROC_STAT.read_text().split("\n", 1)[0].split()
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
+        ticks = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / ticks, own.user + own.system, time.monotonic()
+
+
+def other_cpus(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float | None:
+    """How many CPUs' worth of work processes other than this one did between two
+    :func:`cpu_seconds` readings (``(Δbusy − Δown) / Δwall``; 0.0 for an idle machine, 1.0 for one
+    other busy core; never negative). None without both readings or without time between them."""
+    if before is None or after is None or after[2] <= before[2]:
+        return None
+    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]))
+
+
 def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask where the system has one, else all)."""
     try:
@@ -449,6 +488,11 @@ def format_result(r: BenchResult) -> str:
         + (f"; only {timed} timed step{'' if timed == 1 else 's'} per prompt (--new-tokens {WARMUP_STEPS + FEW_TIMED_STEPS} "
            "or more for steadier figures)" if r.new_tokens is not None and (timed := r.new_tokens - WARMUP_STEPS) < FEW_TIMED_STEPS
            else ""),
+        *([f"other work       other processes used {r.other_cpus:.2f} of the machine's {os.cpu_count() or 1} CPUs while "
+           "the prompts and steps were timed" + ("" if r.other_cpus < BUSY_OTHER_CPUS else
+                                                 ": these times are not this model's alone; measure again on an "
+                                                 "idle machine, or compare ratios taken in one run")]
+          if r.other_cpus is not None else []),
         f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",
