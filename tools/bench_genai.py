@@ -83,6 +83,17 @@ def main() -> None:
         raise GemmaExportError(f"--contexts {max(contexts)}: the prompt text has only {len(ids)} tokens")
     from gemma_export.prepack import status
 
+    from gemma_export.bench import cpu_seconds, other_cpus
+
+    others: list[float] = []
+
+    def watch(measure, *margs):  # the measurement, and how busy other processes kept the machine meanwhile
+        before = cpu_seconds()
+        result = measure(*margs)
+        if (used := other_cpus(before, cpu_seconds())) is not None:
+            others.append(used)
+        return result
+
     print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
           "| ours pre-packed ms/token | pre-packed ÷ genai |")
     print("|---|---|---|---|---|---|---|")
@@ -91,18 +102,20 @@ def main() -> None:
         for context in contexts:
             cold()
             try:
-                theirs = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
+                theirs = watch(genai_decode_ms, genai_dir, ids, context, args.steps, args.threads)
             except RuntimeError as exc:  # onnxruntime-genai's own errors (e.g. the model's max length)
                 raise GemmaExportError(f"onnxruntime-genai on {genai_dir}: {exc}") from None
             cold()
-            ours = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
+            ours = watch(our_decode_ms, our_dir, ids, context, args.steps, args.threads)
             cold()
             if packed:
-                mapped = our_decode_ms(our_dir, ids, context, args.steps, args.threads, True)
+                mapped = watch(our_decode_ms, our_dir, ids, context, args.steps, args.threads, True)
                 copy = f"{mapped:.1f} | {mapped / theirs:.2f}"
             else:  # no copy to time: say so instead of a nan
                 copy = "no copy (`gemma-export prepack`) | —"
             print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {copy} |", flush=True)
+    print(f"\nother processes' CPU use during the {len(others)} measurements: {min(others):.2f}–{max(others):.2f} CPUs"
+          if others else "\nother processes' CPU use: not measured here (no /proc/stat)")
 
 
 if __name__ == "__main__":

@@ -218,6 +218,25 @@ def check_llama_runs(gguf: Path) -> None:
                      "the llama.cpp rows")
 
 
+def watched(measure, *args) -> dict:
+    """``measure(*args)``'s row, with ``other_cpus``: the CPUs' worth of work other processes did
+    while it ran (``gemma_export.bench.other_cpus``; None without ``/proc/stat``)."""
+    from gemma_export.bench import cpu_seconds, other_cpus
+
+    before = cpu_seconds()
+    row = measure(*args)
+    row["other_cpus"] = other_cpus(before, cpu_seconds())
+    return row
+
+
+def other_work_line(rows: dict) -> str:
+    """One line: how busy the machine was with other work while each system ran."""
+    figures = [f"{name} {r['other_cpus']:.2f}" for name, r in rows.items() if r.get("other_cpus") is not None]
+    if not figures:
+        return "other processes' CPU use: not measured here (no /proc/stat)"
+    return "other processes' CPU use while each system ran (CPUs): " + ", ".join(figures)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
@@ -260,9 +279,9 @@ def main() -> None:
         check_llama_runs(q4)
         q8 = q8_0_gguf(q4)
         cold()
-        rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q8_0"] = watched(bench_llama, q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
         cold()
-        rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q4_K_M"] = watched(bench_llama, q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
     from gemma_export.prepack import status
@@ -274,16 +293,17 @@ def main() -> None:
             runs.append((f"{name} pre-packed", True))
         for label, prepacked in runs:
             cold()
-            rows[f"ours {label}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads,
-                                               prepacked)
+            rows[f"ours {label}"] = watched(bench_onnx, Path(folder), ids, contexts, args.new_tokens, args.prefill,
+                                            args.threads, prepacked)
             rows[f"ours {label}"]["archive_bytes"] = archive
     if args.reference:
         cold()
-        rows[REFERENCE_ROW] = bench_reference(args.reference, ids)
+        rows[REFERENCE_ROW] = watched(bench_reference, args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)
     print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
     print("\n".join(summary_lines(rows, contexts, bandwidth)))
+    print(other_work_line(rows))
     if args.plot:
         write_plot(rows, args.plot)
         print(f"plot: {args.plot}")
