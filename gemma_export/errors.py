@@ -79,6 +79,10 @@ _ARGUMENT_KINDS = {
     "path": (lambda v: (isinstance(v, os.PathLike) or (isinstance(v, str) and v != "")) and not _holds_nul(v),
              "a path (str or os.PathLike)"),
     "ints": (lambda v: isinstance(v, (list, tuple)) and all(map(is_whole_number, v)), "a list or tuple of ints"),
+    # token ids: each id is checked against the vocabulary later (runtime.check_token_ids); a set or a
+    # dict would be iterated in an order of its own, a generator used up
+    "ids": (lambda v: isinstance(v, (list, tuple)) or (getattr(v, "ndim", None) == 1 and hasattr(v, "__len__")),
+            "a list, tuple or 1-D array of token ids"),
     "callable": (callable, "a callable"),
 }
 
@@ -102,8 +106,9 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
     Args:
         function: the API function, for the message (e.g. ``export``).
         arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path`` (not
-            empty, no NUL character), ``ints`` (a list or tuple of ints), ``callable``, each with a
-            trailing ``?`` to allow None.
+            empty, no NUL character), ``ints`` (a list or tuple of ints), ``ids`` (a list, tuple or
+            1-D array; its ids are checked elsewhere), ``callable``, each with a trailing ``?`` to
+            allow None.
 
     Raises:
         ConfigError: ``"export(): block_size must be an int, found str '32'"``, the first that fails.

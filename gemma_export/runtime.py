@@ -481,24 +481,25 @@ class OnnxDecoder:
         if len(token_ids) == 0:
             raise GemmaExportError("prefill_outputs: no token ids; give at least one (e.g. <bos>, id 2)")
         self.check_length(len(token_ids))
-        self.check_ids(token_ids, "prefill_outputs")
+        self.check_ids(token_ids, "prefill_outputs", tokenized=False)
         ids = np.asarray([list(token_ids)], np.int64)
         feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], self.empty_cache(1))
         values = self.session.run(list(names), feeds)
         return dict(zip(names, values))
 
-    def check_ids(self, ids: Sequence[int], what: str, tokenizer=None) -> None:
+    def check_ids(self, ids: Sequence[int], what: str, tokenizer=None, tokenized: bool = True) -> None:
         """Raises FormatError naming the folder and ``what`` (e.g. ``prompt``) when an id lies outside
         the graph's vocabulary (onnxruntime's Gather would fail with an index error mid-run instead).
 
-        With ``tokenizer``, the message gives the id's piece too.
+        With ``tokenizer``, the message gives the id's piece too. ``tokenized``: the ids came from the
+        export's tokenizer, and the message says it does not match the graph (False: the caller's ids).
 
         Raises:
             FormatError: the first id that is no integer or not in ``0 … vocab_size - 1``
                 (:func:`check_token_ids`).
         """
         check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
-                        "; the tokenizer beside the export does not match its graph", tokenizer)
+                        "; the tokenizer beside the export does not match its graph" if tokenized else "", tokenizer)
 
     def check_length(self, total_tokens: int) -> None:
         """Raises GemmaExportError when a sequence of ``total_tokens`` tokens (positions) would exceed
@@ -539,13 +540,14 @@ class OnnxDecoder:
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
+        check_arguments("greedy", prompt_ids=(prompt_ids, "ids"))
         if len(prompt_ids) == 0:
             raise GemmaExportError("greedy: the prompt has no token ids; give at least one (e.g. <bos>, id 2)")
         check_new_tokens(max_new_tokens, "greedy")
         check_arguments("greedy", stop_ids=(stop_ids, "ints?"), prefill_chunk=(prefill_chunk, "int?"),
                         on_token=(on_token, "callable?"))
         check_prefill_chunk(prefill_chunk)
-        self.check_ids(prompt_ids, "prompt")
+        self.check_ids(prompt_ids, "prompt", tokenized=False)
         stop = set(self.eos_token_id if stop_ids is None else stop_ids)
         positions = positions_needed(len(prompt_ids), max_new_tokens)
         self.check_length(positions)
@@ -599,6 +601,9 @@ class OnnxDecoder:
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         check_new_tokens(max_new_tokens, "greedy_batch")
+        check_arguments("greedy_batch", prompts=(prompts, "ids"))
+        for row, prompt in enumerate(prompts):
+            check_arguments("greedy_batch", **{f"prompts[{row}]": (prompt, "ids")})
         batch = len(prompts)
         if batch == 0:
             return []
@@ -606,7 +611,7 @@ class OnnxDecoder:
             raise GemmaExportError(f"greedy_batch: prompt #{empty[0]} of the batch has no tokens; each row needs at least "
                                    "one (its <bos>)")
         for row, prompt in enumerate(prompts):  # onnxruntime's Gather takes -5 as the 5th row from the end
-            self.check_ids(prompt, f"greedy_batch: prompt #{row}")
+            self.check_ids(prompt, f"greedy_batch: prompt #{row}", tokenized=False)
         longest = max(len(p) for p in prompts)
         capacity = positions_needed(longest, max_new_tokens)
         self.check_length(capacity)
@@ -637,10 +642,18 @@ class OnnxDecoder:
         texts, :meth:`teacher_forced_chunks` gives the same rows a chunk at a time.
 
         Raises:
-            GemmaExportError, FormatError, ResourceError: as :meth:`teacher_forced_chunks`.
+            GemmaExportError, FormatError, ResourceError: as :meth:`teacher_forced_chunks`;
+                ResourceError also when the rows would not fit in available memory.
         """
+        check_arguments("teacher_forced_logits", token_ids=(token_ids, "ids"))
         if not len(token_ids):
             return np.empty((0, self.vocab_size), np.float32)
+        need = len(token_ids) * self.vocab_size * 4
+        available = memory.available_bytes()
+        if available is not None and need > available:  # numpy's MemoryError would come after the KV cache
+            raise ResourceError(f"teacher_forced_logits: {len(token_ids):,} rows of {self.vocab_size:,} float32 logits need "
+                                f"{need / 1e9:,.1f} GB, more than the {available / 1e9:,.1f} GB this machine has "
+                                "available; use teacher_forced_chunks")
         ((_, rows),) = self.teacher_forced_chunks(token_ids, len(token_ids))  # one chunk: the whole matrix
         return rows
 
@@ -657,10 +670,11 @@ class OnnxDecoder:
             FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
+        check_arguments("teacher_forced_chunks", token_ids=(token_ids, "ids"))
         if not _is_integer(chunk) or chunk < 1:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
         self.check_length(len(token_ids))
-        self.check_ids(token_ids, "teacher-forced ids")
+        self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
@@ -1009,15 +1023,20 @@ class KVCache:
             if a step is longer.
 
     Raises:
-        GemmaExportError: ``capacity`` < 1.
+        ConfigError: ``decoder`` is no :class:`OnnxDecoder`, or a count is no int.
+        GemmaExportError: ``batch_size``, ``capacity`` or ``max_step`` < 1.
         ResourceError: the buffers (``2 · batch · kv_heads · head_dim`` float32 per row, per layer)
             would need more memory than the machine has available (``MemAvailable``): a length the
             model's config does not cap, e.g. ``--max-new-tokens 100000000``.
     """
 
     def __init__(self, decoder: OnnxDecoder, batch_size: int, capacity: int, max_step: int = DEFAULT_PREFILL_CHUNK):
-        if capacity < 1:
-            raise GemmaExportError(f"KV cache capacity must be >= 1 token, found {capacity}")
+        if not isinstance(decoder, OnnxDecoder):
+            raise ConfigError(f"KVCache(): decoder must be an OnnxDecoder, found {type(decoder).__name__}")
+        check_arguments("KVCache", batch_size=(batch_size, "int"), capacity=(capacity, "int"), max_step=(max_step, "int"))
+        for name, value in (("batch_size", batch_size), ("capacity", capacity), ("max_step", max_step)):
+            if value < 1:
+                raise GemmaExportError(f"KV cache: {name} must be >= 1, found {value}")
         self.decoder, self.capacity, self.batch_size = decoder, capacity, batch_size
         #: positions the cache holds (the past of the next step)
         self.positions = 0
@@ -1036,8 +1055,10 @@ class KVCache:
         need = 2 * row_bytes * (full_layers * capacity + len(sliding_layers) * sliding_rows)
         available = memory.available_bytes()
         if available is not None and need > available:
-            raise ResourceError(f"KV cache: {capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, more "
-                                f"than the {available / 1e9:,.1f} GB this machine has available; ask for fewer tokens")
+            rows = f"{batch_size:,} sequences × " if batch_size > 1 else ""
+            fewer = "fewer sequences or tokens" if batch_size > 1 else "fewer tokens"
+            raise ResourceError(f"KV cache: {rows}{capacity:,} positions (prompt + new tokens) need {need / 1e9:,.1f} GB, "
+                                f"more than the {available / 1e9:,.1f} GB this machine has available; ask for {fewer}")
         if not self.shared:
             self._past = decoder.empty_cache(batch_size)
             return
@@ -1109,29 +1130,49 @@ class KVCache:
                 written; a shorter one rewinds: the step's rows replace those from ``past`` on,
                 refused where its first query would need rows a sliding layer has dropped, those
                 before ``past - sliding_window + 1``); shapes that disagree with each other or with
-                ``batch_size``; an ``out`` of another shape or dtype, or not C-contiguous.
-            onnxruntime's own exceptions, unwrapped (e.g. an id outside the vocabulary).
+                ``batch_size``, no token, an ``attention_mask`` shorter than the step, several tokens
+                after a past with ``B`` > 1; arrays that do not hold integers (a float would be
+                truncated); an ``out`` of another shape or dtype, not C-contiguous or read-only.
+            FormatError: an id outside ``0 … vocab_size - 1`` (onnxruntime's Gather would read -1 as
+                the last row; :func:`check_token_ids`).
+            onnxruntime's own exceptions, unwrapped.
         """
         if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
+                                    and out.flags.writeable
                                     and out.shape == (self.batch_size, 1, self.decoder.vocab_size)):
-            raise GemmaExportError(f"KV cache: out must be a C-contiguous float32 array [{self.batch_size}, 1, "
+            # onnxruntime writes through the pointer whatever numpy's flags say: a read-only map would crash
+            raise GemmaExportError(f"KV cache: out must be a writeable C-contiguous float32 array [{self.batch_size}, 1, "
                                    f"{self.decoder.vocab_size}], found "
                                    + (f"{out.dtype} {list(out.shape)}{'' if out.flags.c_contiguous else ', not C-contiguous'}"
+                                      f"{'' if out.flags.writeable else ', read-only'}"
                                       if isinstance(out, np.ndarray) else type(out).__name__))
+        input_ids, attention_mask, position_ids = (
+            _integer_array(name, value) for name, value in
+            (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)))
         if input_ids.ndim != 2 or position_ids.shape != input_ids.shape or attention_mask.ndim != 2 or \
                 input_ids.shape[0] != self.batch_size or attention_mask.shape[0] != self.batch_size:
             raise GemmaExportError(f"KV cache: expected input_ids and position_ids [{self.batch_size}, S] and "
                                    f"attention_mask [{self.batch_size}, past + S], found {list(input_ids.shape)}, "
                                    f"{list(position_ids.shape)} and {list(attention_mask.shape)}")
         total, seq = attention_mask.shape[1], input_ids.shape[1]
+        if seq == 0:
+            raise GemmaExportError("KV cache: a step needs at least one token, found input_ids "
+                                   f"{list(input_ids.shape)}")
+        if total < seq:
+            raise GemmaExportError(f"KV cache: attention_mask covers {total} position{'' if total == 1 else 's'} (past + "
+                                   f"sequence), fewer than the step's {seq} tokens")
+        if seq > 1 and total > seq and self.batch_size > 1:
+            raise GemmaExportError(f"KV cache: a step of {seq} tokens after a past needs batch 1 (onnxruntime's "
+                                   f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
+        check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
         if total > self.positions + seq:
             raise GemmaExportError(f"KV cache: attention_mask covers {total} positions, but the cache holds "
                                    f"{self.positions} and the step adds {seq}: at most {self.positions + seq}")
         # a rewound step's first query sees the sliding_window - 1 positions before it: they must still be held
         if self.sliding_start > 0 and total - seq - (self.sliding_window - 1) < self.sliding_start:
             raise GemmaExportError(f"KV cache: a step from position {total - seq} needs the sliding layers' rows from "
-                                   f"position {total - seq - (self.sliding_window - 1)}, but they hold only those from "
-                                   f"{self.sliding_start} (the earlier ones were dropped)")
+                                   f"position {max(0, total - seq - (self.sliding_window - 1))}, but they hold only those "
+                                   f"from {self.sliding_start} (the earlier ones were dropped)")
         if total > self.capacity:
             raise GemmaExportError(f"KV cache: a step of {total} tokens (past + sequence) exceeds the cache "
                                    f"capacity of {self.capacity}")
@@ -1158,9 +1199,9 @@ class KVCache:
             # looks among the required inputs); the array backs the value until the next step
             self._start = np.asarray(self.sliding_start, np.int64)
             b.bind_ortvalue_input(SLIDING_CACHE_START, ort.OrtValue.ortvalue_from_numpy(self._start))
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask, dtype=np.int64))
-        b.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        b.bind_cpu_input("input_ids", input_ids)  # int64 and contiguous (_integer_array)
+        b.bind_cpu_input("attention_mask", attention_mask)
+        b.bind_cpu_input("position_ids", position_ids)
         logits = None
         if seq == 1 and isinstance(self.decoder.vocab_size, int):  # [B, 1, vocab] for every export: a new array of ours
             logits = np.empty((input_ids.shape[0], 1, self.decoder.vocab_size), np.float32) if out is None else out
@@ -1180,6 +1221,20 @@ class KVCache:
             return logits
         # OrtValue.numpy() is a view of onnxruntime's output memory, reused by the next run: copy.
         return np.array(b.get_outputs()[0].numpy(), copy=True)
+
+
+def _integer_array(name: str, value) -> np.ndarray:
+    """``value`` as a C-contiguous int64 array, refusing what is not integers: onnxruntime would be fed
+    2.9 as 2 (``np.ascontiguousarray(..., dtype=np.int64)`` truncates). Booleans are taken for a mask.
+
+    Raises:
+        GemmaExportError: ``"KV cache: input_ids must hold integers, found float64"``.
+    """
+    array = np.asarray(value)
+    if array.dtype.kind not in ("iu" + ("b" if name == "attention_mask" else "")):
+        raise GemmaExportError(f"KV cache: {name} must hold integers (int64), found {array.dtype}"
+                               + (f" ({array.ravel()[0].item()!r} first)" if array.size else ""))
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1359,14 +1414,16 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")
     check_export_folder(model_dir)
     tokenizer = load_tokenizer(model_dir)  # before the (slow, memory-heavy) session
-    prompt_ids = encode_prompt(tokenizer, prompt)
+    limit = manifest_figure(model_dir, "max_position_embeddings")
+    # a prompt longer than the model takes is refused after tokenizing a prefix, not the whole text
+    prompt_ids = encode_prompt(tokenizer, prompt, limit, f"{model_dir}: the prompt")
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")
     needed = positions_needed(len(prompt_ids), max_new_tokens)
     # before the (slow) session, as bench; OnnxDecoder checks the manifest's figure against the graph
     # and greedy checks the length again
-    check_positions(model_dir, needed, manifest_figure(model_dir, "max_position_embeddings"))
+    check_positions(model_dir, needed, limit)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     # named by its piece too (e.g. an added token of the tokenizer the table has no row for)
     decoder.check_ids(prompt_ids, "prompt", tokenizer)

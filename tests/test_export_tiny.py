@@ -592,14 +592,18 @@ def test_a_step_writes_its_logits_into_the_callers_buffer(fp32_all, tiny_int8_ex
             expected = own.step(*args)
             assert into.step(*args, out=out) is out
             assert np.array_equal(out, expected) and not np.array_equal(out[0], out[1])
+        read_only = np.zeros((2, 1, decoder.vocab_size), np.float32)
+        read_only.flags.writeable = False  # onnxruntime would write through it (a read-only map: SIGSEGV)
         for bad, found in [(np.empty((1, 1, decoder.vocab_size), np.float32), f"float32 \\[1, 1, {decoder.vocab_size}\\]"),
                            (np.empty((2, 1, decoder.vocab_size), np.float64), "float64"),
                            (np.empty((2, 2, decoder.vocab_size), np.float32)[:, :1], "not C-contiguous"),
+                           (read_only, "read-only"),
+                           (np.frombuffer(bytes(8 * decoder.vocab_size), np.float32).reshape(2, 1, -1), "read-only"),
                            ([0.0], "list")]:
-            with pytest.raises(GemmaExportError, match=f"out must be a C-contiguous float32 array \\[2, 1, "
+            with pytest.raises(GemmaExportError, match=f"out must be a writeable C-contiguous float32 array \\[2, 1, "
                                                        f"{decoder.vocab_size}\\], found .*{found}"):
                 into.step(ids[:, 9:10], mask, np.full((2, 1), 9), out=bad)
-        assert into.positions == 10
+        assert into.positions == 10 and not read_only.any()
 
 
 def test_greedy_decodes_into_one_logits_buffer(tiny_int8_export, monkeypatch):
@@ -1953,3 +1957,78 @@ def test_the_largest_weight_is_named_by_magnitude_with_its_index_and_origin():
     assert largest_weight(tensors) == "b[1] = -7.25 (f:b)"  # a negative extreme, by magnitude
     b[1] = 6.0
     assert largest_weight(tensors) == "b[2] = 7 (f:b)"
+
+
+def test_a_kv_cache_step_refuses_inputs_onnxruntime_would_misread(tiny_int8_export):
+    """An API probe's findings: floats were truncated (2.9 fed as 2), -1 read as the last row, an
+    empty step, a mask shorter than the step and several tokens after a past at batch 2 reached
+    onnxruntime (tracebacks a page long). Each is one line now, and the cache stays usable."""
+    from gemma_export import runtime
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    cache = runtime.KVCache(decoder, 1, 16)
+    first = cache.step([[2, 5, 7]], [[1, 1, 1]], [[0, 1, 2]])  # lists of ints are arrays of ints
+    fresh = runtime.KVCache(decoder, 1, 16)
+    assert np.array_equal(first, fresh.step(np.array([[2, 5, 7]]), np.ones((1, 3), bool), np.arange(3)[None]))
+    one = np.ones((1, 4), np.int64)
+    for args, error, message in [
+            (([[2.9]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found float64 \(2\.9 first\)$"),
+            (([[9]], one, np.array([[3.0]])), GemmaExportError, r"^KV cache: position_ids must hold integers \(int64\), found float64"),
+            (([[9]], np.full((1, 4), 0.5), [[3]]), GemmaExportError, r"^KV cache: attention_mask must hold integers"),
+            (([["a"]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found <U1"),
+            (([[-1]], one, [[3]]), FormatError, r"^KV cache: input_ids: token id -1 is outside the export's vocabulary \(0 to 95\)$"),
+            (([[96]], one, [[3]]), FormatError, r"token id 96 is outside"),
+            ((np.zeros((1, 0), np.int64), np.ones((1, 3), np.int64), np.zeros((1, 0), np.int64)), GemmaExportError,
+             r"^KV cache: a step needs at least one token, found input_ids \[1, 0\]$"),
+            (([[9, 9]], np.ones((1, 1), np.int64), [[3, 4]]), GemmaExportError,
+             r"^KV cache: attention_mask covers 1 position \(past \+ sequence\), fewer than the step's 2 tokens$")]:
+        with pytest.raises(error, match=message):
+            cache.step(*args)
+    batch = runtime.KVCache(decoder, 2, 16)
+    batch.step(np.full((2, 3), 5), np.ones((2, 3), np.int64), np.tile(np.arange(3), (2, 1)))
+    with pytest.raises(GemmaExportError, match=r"^KV cache: a step of 2 tokens after a past needs batch 1 \(onnxruntime's "
+                                               r"GroupQueryAttention\), found batch 2; feed the batch one token a step$"):
+        batch.step(np.full((2, 2), 5), np.ones((2, 5), np.int64), np.tile(np.arange(3, 5), (2, 1)))
+    # nothing was written: the next steps give what a cache that never saw the refused ones gives
+    assert np.array_equal(cache.step([[9]], one, [[3]]), fresh.step([[9]], one, [[3]]))
+
+
+def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_int8_export, monkeypatch):
+    from gemma_export import memory, runtime
+    from gemma_export.errors import ResourceError
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    for call, message in [
+            (lambda: runtime.KVCache(None, 1, 10), r"^KVCache\(\): decoder must be an OnnxDecoder, found NoneType$"),
+            (lambda: runtime.KVCache(decoder, 1, None), r"^KVCache\(\): capacity must be an int, found NoneType None$"),
+            (lambda: runtime.KVCache(decoder, 1, 2.5), r"^KVCache\(\): capacity must be an int, found float 2\.5$"),
+            (lambda: runtime.KVCache(decoder, 1, 10, max_step=None), r"^KVCache\(\): max_step must be an int"),
+            (lambda: decoder.greedy(None, 3), r"^greedy\(\): prompt_ids must be a list, tuple or 1-D array of token ids, "
+                                              r"found NoneType None$"),
+            (lambda: decoder.greedy({2, 5}, 3), r"^greedy\(\): prompt_ids must be a list, tuple or 1-D array of token ids, found set"),
+            (lambda: decoder.greedy(iter([2, 5]), 3), r"found list_iterator"),
+            (lambda: decoder.greedy_batch(None, 3), r"^greedy_batch\(\): prompts must be a list"),
+            (lambda: decoder.greedy_batch([[2], {2: "a"}], 3), r"^greedy_batch\(\): prompts\[1\] must be a list, tuple or 1-D "
+                                                                r"array of token ids, found dict"),
+            (lambda: decoder.teacher_forced_logits(None), r"^teacher_forced_logits\(\): token_ids must be"),
+            (lambda: next(decoder.teacher_forced_chunks({2})), r"^teacher_forced_chunks\(\): token_ids must be")]:
+        with pytest.raises(ConfigError, match=message):
+            call()
+    for batch_size, capacity, max_step, name in [(0, 10, 1, "batch_size"), (-1, 10, 1, "batch_size"), (1, 0, 1, "capacity"),
+                                                  (1, 10, 0, "max_step")]:
+        with pytest.raises(GemmaExportError, match=rf"^KV cache: {name} must be >= 1, found "):
+            runtime.KVCache(decoder, batch_size, capacity, max_step=max_step)
+    # the caller's ids are not the tokenizer's: no word about a tokenizer that does not match
+    with pytest.raises(FormatError, match=r"prompt: token id -1 is outside the export's vocabulary \(0 to 95\)$"):
+        decoder.greedy([2, -1], 3)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 10_000)
+    with pytest.raises(ResourceError, match=r"^KV cache: 3 sequences × 9 positions \(prompt \+ new tokens\) need .* ask for "
+                                            r"fewer sequences or tokens$"):
+        decoder.greedy_batch([[2]] * 3, 9)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 100)
+    with pytest.raises(ResourceError, match=r"^KV cache: 9 positions \(prompt \+ new tokens\) need .* ask for fewer tokens$"):
+        decoder.greedy([2], 9)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 96 * 4 * 50)
+    with pytest.raises(ResourceError, match=r"^teacher_forced_logits: 51 rows of 96 float32 logits need 0\.0 GB, more than "
+                                            r"the 0\.0 GB this machine has available; use teacher_forced_chunks$"):
+        decoder.teacher_forced_logits([2] * 51)

@@ -692,8 +692,13 @@ CASES = {
                              ("is a folder; expected", "or a folder with model.onnx or one .onnx")),
     "manifest not an object (generate)": Case(export_copy(_write("manifest.json", b"[1]"), _generate), FormatError,
                                               ("manifest.json", "unreadable manifest")),
-    "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
-                                      GemmaExportError, ("model: a sequence of 432 tokens", "exceeds the model's max_position_embeddings 256")),
+    "prompt past max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 115,
+                                                                              "--max-new-tokens", "32"]),
+                                      GemmaExportError, ("model: a sequence of 262 tokens", "exceeds the model's max_position_embeddings 256")),
+    # refused after tokenizing a prefix (a 22.5 MB prompt given to generate() took 47.6 s and 2.2 GB to be refused)
+    "prompt longer than max positions": Case(export_copy(lambda f: None, lambda f: ["generate", "--model", f, "--prompt", "ab" * 200]),
+                                             GemmaExportError, ("model: the prompt: more than 256 tokens, the model's "
+                                                                "max_position_embeddings; give a shorter prompt",)),
     # other commands
     "inspect garbage": Case(plain(lambda w: ["inspect", w / "x.bin"], _file("x.bin", b"\x00" * 64)), FormatError, ("x.bin: not an ONNX, safetensors, GGUF or reference MLIR file",)),
     "inspect onnx garbage": Case(plain(lambda w: ["inspect", w / "m.onnx"], _file("m.onnx", b"\xff" * 64)), FormatError,
