@@ -1282,9 +1282,11 @@ def load_tokenizer(model_dir: str | Path):
         SourceNotFoundError: no such folder (or a file, or a bundle folder).
         GemmaExportError: the path is not valid UTF-8.
         FormatError: the folder has no readable ``tokenizer.json``.
+        ConfigError: ``model_dir`` is no path (None, a number, ``""``, which would be the current folder).
     """
     from .tokenizer import read_tokenizer_json
 
+    check_arguments("load_tokenizer", model_dir=(model_dir, "path"))
     model_dir = Path(model_dir)
     require_folder(model_dir, "tokenizer.json")
     path = model_dir / "tokenizer.json"

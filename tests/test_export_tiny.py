@@ -2011,7 +2011,10 @@ def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_in
             (lambda: decoder.greedy_batch([[2], {2: "a"}], 3), r"^greedy_batch\(\): prompts\[1\] must be a list, tuple or 1-D "
                                                                 r"array of token ids, found dict"),
             (lambda: decoder.teacher_forced_logits(None), r"^teacher_forced_logits\(\): token_ids must be"),
-            (lambda: next(decoder.teacher_forced_chunks({2})), r"^teacher_forced_chunks\(\): token_ids must be")]:
+            (lambda: next(decoder.teacher_forced_chunks({2})), r"^teacher_forced_chunks\(\): token_ids must be"),
+            (lambda: runtime.load_tokenizer(""), r"^load_tokenizer\(\): model_dir must be a path \(str or os\.PathLike\), "
+                                                 r"found an empty str$"),
+            (lambda: runtime.load_tokenizer(5), r"^load_tokenizer\(\): model_dir must be a path")]:
         with pytest.raises(ConfigError, match=message):
             call()
     for batch_size, capacity, max_step, name in [(0, 10, 1, "batch_size"), (-1, 10, 1, "batch_size"), (1, 0, 1, "capacity"),
