@@ -311,19 +311,19 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
-    cpu_before = cpu_seconds()
-    for n in lengths:
-        # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
-        _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[], prefill_chunk=prefill_chunk)
-        for step, ms in enumerate(decode_ms):
-            if step >= WARMUP_STEPS:
-                timed.append(ms)
-                curve.append((n + step + 1, ms))
-        by_prompt[n] = statistics.median(decode_ms[WARMUP_STEPS:])
-        say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median {by_prompt[n]:.1f} ms/token")
-        if short is None:
-            short = snapshot() - before
-    others = other_cpus(cpu_before, cpu_seconds())
+    with OtherWork() as other:  # other processes' CPU use while the prompts and steps are timed
+        for n in lengths:
+            # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
+            _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[],
+                                                         prefill_chunk=prefill_chunk)
+            for step, ms in enumerate(decode_ms):
+                if step >= WARMUP_STEPS:
+                    timed.append(ms)
+                    curve.append((n + step + 1, ms))
+            by_prompt[n] = statistics.median(decode_ms[WARMUP_STEPS:])
+            say(f"prompt {n} tokens: prefill {prefill_ms[n]:.0f} ms, decode median {by_prompt[n]:.1f} ms/token")
+            if short is None:
+                short = snapshot() - before
     after = snapshot() - before
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
@@ -343,7 +343,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
         board_headroom_bytes=spec.headroom_bytes if spec else None,
         board_fits=fits_board(spec, peak) if spec else None,
-        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs", other_cpus=others,
+        prefill_chunk=prefill_chunk, machine=f"{platform.machine() or 'unknown'}, {usable_cpus()} CPUs", other_cpus=other.cpus,
         **loaded, reference=reference_figures, new_tokens=new_tokens,
         decode_ms_median_by_prompt=by_prompt)
     return result
@@ -388,16 +388,18 @@ def time_reference(mlir: str | Path, archive: str | Path | None, ids: Sequence[i
     context = list(ids[:reference_prompt(mlir, model.sequence_length)])
     model.run(context)  # warm-up
     steps = []
-    while len(context) < model.sequence_length:
-        t = time.perf_counter()
-        out = model.run(context)
-        steps.append((time.perf_counter() - t) * 1e3)
-        context.append(int(out[len(context) - 1]))
+    with OtherWork() as other:
+        while len(context) < model.sequence_length:
+            t = time.perf_counter()
+            out = model.run(context)
+            steps.append((time.perf_counter() - t) * 1e3)
+            context.append(int(out[len(context) - 1]))
     per_token = statistics.median(steps)
     say(f"reference: {per_token:.1f} ms/token (re-decode of {model.sequence_length} positions)")
     return {"mlir": str(mlir), "compile_and_load_s": compile_s + load_s, "sequence_length": model.sequence_length,
             "prompt_tokens": len(context) - len(steps), "new_tokens": len(steps), "ms_per_token_median": per_token,
-            "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token}
+            "export_decode_ms_median": export_decode_ms, "export_vs_reference": export_decode_ms / per_token,
+            "other_cpus": other.cpus}
 
 
 def fits_board(spec, peak_rss_bytes: int) -> bool:
@@ -442,6 +444,9 @@ def cpu_seconds() -> tuple[float, float, float] | None:
     (not Linux)."""
     try:
         fields = PROC_STAT.read_text().split("\n", 1)[0].split()
+        if fields[0] != "cpu":
+            return None
+        # guest and guest_nice (fields 9, 10) are already counted in user and nice
         user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
         ticks = os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
@@ -453,10 +458,32 @@ def cpu_seconds() -> tuple[float, float, float] | None:
 def other_cpus(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float | None:
     """How many CPUs' worth of work processes other than this one did between two
     :func:`cpu_seconds` readings (``(Δbusy − Δown) / Δwall``; 0.0 for an idle machine, 1.0 for one
-    other busy core; never negative). None without both readings or without time between them."""
+    other busy core). Both counters tick at ``USER_HZ`` (10 ms), so a window of a second or more
+    gives a figure to 0.01–0.02 CPUs; a small negative difference is that rounding and counts as 0.
+    None without both readings, without time between them, or where ``/proc/stat`` counted clearly
+    less than this process used (a container's virtualized ``/proc/stat``: the figure would mean
+    nothing)."""
     if before is None or after is None or after[2] <= before[2]:
         return None
-    return max(0.0, ((after[0] - before[0]) - (after[1] - before[1])) / (after[2] - before[2]))
+    busy, own, wall = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    if busy - own < -0.05 * wall - 0.02:  # more than the ticks' rounding
+        return None
+    return max(0.0, (busy - own) / wall)
+
+
+class OtherWork:
+    """``with OtherWork() as other: …`` — afterwards ``other.cpus`` is what :func:`other_cpus` gives
+    for the block (None where it cannot be measured). Put it around the timed work only: a model's
+    load from disk makes the kernel work for this process in ways ``/proc/stat`` books as others'."""
+
+    cpus: float | None = None
+
+    def __enter__(self) -> "OtherWork":
+        self._before = cpu_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpus = other_cpus(self._before, cpu_seconds())
 
 
 def usable_cpus() -> int:

@@ -81,10 +81,31 @@ _ARGUMENT_KINDS = {
     "ints": (lambda v: isinstance(v, (list, tuple)) and all(map(is_whole_number, v)), "a list or tuple of ints"),
     # token ids: each id is checked against the vocabulary later (runtime.check_token_ids); a set or a
     # dict would be iterated in an order of its own, a generator used up
-    "ids": (lambda v: isinstance(v, (list, tuple)) or (getattr(v, "ndim", None) == 1 and hasattr(v, "__len__")),
-            "a list, tuple or 1-D array of token ids"),
+    "ids": (lambda v: _is_sequence(v, 1), "a sequence (list, tuple, 1-D array) of token ids"),
+    # prompts of token ids (each row checked as "ids")
+    "prompts": (lambda v: _is_sequence(v, 2), "a sequence (list, tuple, 2-D array) of prompts"),
     "callable": (callable, "a callable"),
 }
+
+
+def _is_sequence(value, ndim: int) -> bool:
+    """A ``Sequence`` (list, tuple, range …; not a str or bytes) or an array (numpy, torch) of
+    ``ndim`` dimensions: what an id list, or a list of them, may be."""
+    import collections.abc
+
+    if hasattr(value, "ndim") and hasattr(value, "__len__"):
+        return value.ndim == ndim
+    return isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _found(value) -> str:
+    """How :func:`check_arguments` shows a value it refuses: its type and a one-line, bounded repr
+    (an array as its dtype and shape: numpy's repr spans lines)."""
+    if isinstance(value, str) and value == "":
+        return "an empty str"
+    if hasattr(value, "dtype") and getattr(value, "ndim", 0) >= 1:  # an array, not a numpy scalar
+        return f"{type(value).__name__} {value.dtype} {list(value.shape)}"
+    return f"{type(value).__name__} {' '.join(repr(value).split()):.40}"
 
 
 def _holds_nul(path) -> bool:
@@ -106,9 +127,9 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
     Args:
         function: the API function, for the message (e.g. ``export``).
         arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path`` (not
-            empty, no NUL character), ``ints`` (a list or tuple of ints), ``ids`` (a list, tuple or
-            1-D array; its ids are checked elsewhere), ``callable``, each with a trailing ``?`` to
-            allow None.
+            empty, no NUL character), ``ints`` (a list or tuple of ints), ``ids`` (a sequence or 1-D
+            array; its ids are checked elsewhere), ``prompts`` (a sequence or 2-D array of them),
+            ``callable``, each with a trailing ``?`` to allow None.
 
     Raises:
         ConfigError: ``"export(): block_size must be an int, found str '32'"``, the first that fails.
@@ -120,7 +141,7 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
         base = kind.rstrip("?")
         test, expected = _ARGUMENT_KINDS[base]
         if not test(value):
-            found = "an empty str" if isinstance(value, str) and value == "" else f"{type(value).__name__} {value!r:.40}"
+            found = _found(value)
             if base == "path" and isinstance(value, (str, os.PathLike)) and _holds_nul(value):
                 found += " (a NUL character, which no path can hold)"
             elif base == "path" and isinstance(getattr(value, "out_dir", None), os.PathLike):

@@ -534,7 +534,8 @@ class OnnxDecoder:
         Raises:
             GemmaExportError: an empty prompt, a negative ``max_new_tokens``, ``prefill_chunk`` < 1,
                 or the sequence exceeds ``max_position_embeddings``.
-            ConfigError: ``max_new_tokens`` or ``prefill_chunk`` that is no int, ``stop_ids`` that is no list or
+            ConfigError: ``prompt_ids`` that is no sequence or 1-D array (a set, a dict, an iterator),
+                ``max_new_tokens`` or ``prefill_chunk`` that is no int, ``stop_ids`` that is no list or
                 tuple of ints, ``on_token`` that is not callable.
             FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
             NumericError: the export computes NaN or +Inf logits (:func:`picked_token`).
@@ -595,13 +596,15 @@ class OnnxDecoder:
             GemmaExportError: an empty prompt (nothing to continue; :meth:`greedy` refuses it too), a
                 negative ``max_new_tokens``, or the longest prompt plus the new tokens exceed
                 ``max_position_embeddings``.
+            ConfigError: ``prompts`` that is no sequence or 2-D array, or a prompt that is no
+                sequence or 1-D array of ids.
             FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`;
                 onnxruntime's ``Gather`` would read -5 as the fifth row from the end).
             NumericError: a row's picked logit is NaN or +Inf (:func:`picked_token`, naming the prompt).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         check_new_tokens(max_new_tokens, "greedy_batch")
-        check_arguments("greedy_batch", prompts=(prompts, "ids"))
+        check_arguments("greedy_batch", prompts=(prompts, "prompts"))
         for row, prompt in enumerate(prompts):
             check_arguments("greedy_batch", **{f"prompts[{row}]": (prompt, "ids")})
         batch = len(prompts)
@@ -622,9 +625,10 @@ class OnnxDecoder:
             mask[row, longest - len(prompt):] = 1
         positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         cache = KVCache(self, batch, capacity, max_step=longest)
+        logits = np.empty((batch, 1, self.vocab_size), np.float32) if isinstance(self.vocab_size, int) else None
         out: list[list[int]] = [[] for _ in prompts]
         for _ in range(max_new_tokens):
-            last = cache.step(ids, mask, positions)[:, -1]
+            last = cache.step(ids, mask, positions, logits)[:, -1]
             tokens = np.asarray([picked_token(row, len(out[0]), f"prompt #{n}", self.graph_path)
                                  for n, row in enumerate(last)], np.int64)
             for row, token in enumerate(tokens):
@@ -648,6 +652,8 @@ class OnnxDecoder:
         check_arguments("teacher_forced_logits", token_ids=(token_ids, "ids"))
         if not len(token_ids):
             return np.empty((0, self.vocab_size), np.float32)
+        self.check_length(len(token_ids))
+        self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
         need = len(token_ids) * self.vocab_size * 4
         available = memory.available_bytes()
         if available is not None and need > available:  # numpy's MemoryError would come after the KV cache
@@ -665,6 +671,7 @@ class OnnxDecoder:
             is reused for the next chunk, so a caller that keeps rows must copy them.
 
         Raises (a generator: when iteration starts, before any step):
+            ConfigError: ``token_ids`` that is no sequence or 1-D array (a set, an iterator).
             ValueError: ``chunk`` < 1.
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings``.
             FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
@@ -679,9 +686,9 @@ class OnnxDecoder:
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
             count = min(chunk, len(token_ids) - start)
-            for row, position in enumerate(range(start, start + count)):
-                rows[row] = cache.step(np.asarray([[token_ids[position]]], np.int64),
-                                       np.ones((1, position + 1), np.int64), np.asarray([[position]], np.int64))[0, -1]
+            for row, position in enumerate(range(start, start + count)):  # onnxruntime writes each row in place
+                cache.step(np.asarray([[token_ids[position]]], np.int64), np.ones((1, position + 1), np.int64),
+                           np.asarray([[position]], np.int64), out=rows[row].reshape(1, 1, -1))
             yield start, rows[:count]
 
 
@@ -1012,7 +1019,9 @@ class KVCache:
     The first one-token step after a longer one (a prompt, or its last chunk) runs with
     :data:`ARENA_SHRINKAGE` and then trims the heap, so the prompt's activation buffers, which
     onnxruntime's arena would otherwise keep for the session, go back to the kernel (55 MB after a
-    512-token prompt of the real int8 export; 2026-12-04). Other graphs get the numpy round trip of
+    512-token prompt of the real int8 export; 2026-12-04). So does a step whose drop replaces the
+    sliding buffers by smaller ones (sized for a prompt's step before: 4.8 MB glibc kept after a
+    512-token prompt of the same export; 2026-12-07). Other graphs get the numpy round trip of
     :meth:`OnnxDecoder.forward`.
 
     Args:
@@ -1120,9 +1129,10 @@ class KVCache:
             input_ids: int64 ``[B, S]``.
             attention_mask: int64 ``[B, past + S]`` (1: a real token, 0: left padding).
             position_ids: int64 ``[B, S]``.
-            out: for a one-token step, a C-contiguous float32 ``[B, 1, vocab]`` array that
-                onnxruntime writes the logits into and that is returned (a decode loop then reuses
-                one buffer instead of a new 1 MB array per token); ignored by longer steps.
+            out: a writeable C-contiguous float32 ``[B, 1, vocab]`` array that a one-token step's
+                logits are written into (by onnxruntime, or copied for graphs without shared KV
+                buffers) and that is returned: a decode loop then reuses one buffer instead of a
+                new 1 MB array per token. Checked on every step; a longer step returns its own array.
 
         Raises:
             GemmaExportError: ``attention_mask`` (past + sequence) is longer than ``capacity``, or
@@ -1224,17 +1234,26 @@ class KVCache:
 
 
 def _integer_array(name: str, value) -> np.ndarray:
-    """``value`` as a C-contiguous int64 array, refusing what is not integers: onnxruntime would be fed
-    2.9 as 2 (``np.ascontiguousarray(..., dtype=np.int64)`` truncates). Booleans are taken for a mask.
+    """``value`` as a C-contiguous int64 array, refusing what onnxruntime would be fed as another
+    number (``np.ascontiguousarray(..., dtype=np.int64)`` truncates 2.9 to 2). ``input_ids`` must hold
+    integers, as :func:`check_token_ids` asks of every id list; ``attention_mask`` and
+    ``position_ids`` may also be booleans or whole-valued floats (``np.ones((1, n))`` is float64).
 
     Raises:
-        GemmaExportError: ``"KV cache: input_ids must hold integers, found float64"``.
+        GemmaExportError: e.g. ``"KV cache: position_ids must hold integers (int64), found float64
+            2.5 at [0, 1]"``, naming the first value that is not one.
     """
     array = np.asarray(value)
-    if array.dtype.kind not in ("iu" + ("b" if name == "attention_mask" else "")):
-        raise GemmaExportError(f"KV cache: {name} must hold integers (int64), found {array.dtype}"
-                               + (f" ({array.ravel()[0].item()!r} first)" if array.size else ""))
-    return np.ascontiguousarray(array, dtype=np.int64)
+    kind = array.dtype.kind
+    if kind in "iu" or (name != "input_ids" and kind == "b"):
+        return np.ascontiguousarray(array, dtype=np.int64)
+    if name != "input_ids" and kind == "f" and np.array_equal(array, np.trunc(array)):  # NaN and inf are not whole
+        return np.ascontiguousarray(array, dtype=np.int64)
+    found = f"{array.dtype}"
+    if kind == "f" and array.size:
+        at = np.unravel_index(int(np.flatnonzero(array != np.trunc(array))[0]) if name != "input_ids" else 0, array.shape)
+        found += f" {array[at].item()!r} at {list(map(int, at))}"
+    raise GemmaExportError(f"KV cache: {name} must hold integers (int64), found {found}")
 
 
 @functools.lru_cache(maxsize=None)

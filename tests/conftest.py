@@ -128,6 +128,23 @@ def text_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def encoded_lengths(monkeypatch) -> list[int]:
+    """The lengths (characters) of every text ``tokenizers.Tokenizer.encode`` is given during the
+    test, in order: a prompt refused for its length must be tokenized only a prefix at a time."""
+    from tokenizers import Tokenizer
+
+    lengths: list[int] = []
+    encode = Tokenizer.encode
+
+    def recording(self, sequence, *args, **kwargs):
+        lengths.append(len(sequence))
+        return encode(self, sequence, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "encode", recording)
+    return lengths
+
+
 def export_with_config(export: Path, dest: Path, **config) -> Path:
     """A copy of ``export`` at ``dest`` whose manifest's ``config`` has the given fields changed (the
     graph is untouched): how a hand-edited manifest is made in the tests."""

@@ -274,7 +274,7 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
             decoder.greedy(prompts[0], bad)
     # a bare id was a TypeError from set(); a string of digits stopped on nothing
     for bad, found in ((106, "int 106"), ("106", "str '106'"),
-                       (np.array([106]), r"ndarray array\(\[106\]\) \(a numpy array: pass stop_ids.tolist\(\)\)"),
+                       (np.array([106]), r"ndarray int64 \[1\] \(a numpy array: pass stop_ids.tolist\(\)\)"),
                        ([1, np.int64(106)], r"list \[1, np.int64\(106\)\] \(numpy integers: pass \[int\(i\) for i in "
                                             r"stop_ids\]\)")):
         with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list or tuple of ints or None, found {found}$"):
@@ -578,8 +578,9 @@ def test_a_step_writes_its_logits_into_the_callers_buffer(fp32_all, tiny_int8_ex
     it; a buffer of another shape, dtype or layout is refused in one line before the step runs."""
     from gemma_export.runtime import KVCache
 
-    for folder in (fp32_all, tiny_int8_export):
+    for folder, shared in ((fp32_all, True), (tiny_int8_export, True), (tiny_int8_export, False)):
         decoder = OnnxDecoder(folder)
+        decoder.shares_kv_buffer = shared  # False: the numpy round trip of forward(), its logits copied into out
         ids = _ids(batch=2, seq=10, seed=11)
         mask = np.ones_like(ids)
         own, into = KVCache(decoder, 2, 10), KVCache(decoder, 2, 10)
@@ -612,8 +613,9 @@ def test_greedy_decodes_into_one_logits_buffer(tiny_int8_export, monkeypatch):
     from gemma_export import runtime
 
     decoder = OnnxDecoder(tiny_int8_export)
-    expected = decoder.greedy([2, 17, 33, 52], 6, stop_ids=[])[0]
     step, seen = runtime.KVCache.step, []
+    monkeypatch.setattr(runtime.KVCache, "step", lambda self, i, m, p, out=None: step(self, i, m, p))  # own arrays
+    expected = decoder.greedy([2, 17, 33, 52], 6, stop_ids=[])[0]
 
     def recording(self, input_ids, attention_mask, position_ids, out=None):
         seen.append((input_ids.shape[1], None if out is None else id(out)))
@@ -1407,9 +1409,9 @@ def test_batched_greedy_counts_positions_over_real_tokens_only(fp32_all, monkeyp
     seen = []
     step = KVCache.step
 
-    def spy(self, input_ids, attention_mask, position_ids):
+    def spy(self, input_ids, attention_mask, position_ids, out=None):
         seen.append((np.array(position_ids).tolist(), np.array(attention_mask).tolist()))
-        return step(self, input_ids, attention_mask, position_ids)
+        return step(self, input_ids, attention_mask, position_ids, out)
 
     monkeypatch.setattr(KVCache, "step", spy)
     OnnxDecoder(fp32_all).greedy_batch([[2, 5, 6, 7], [2, 9]], 3)
@@ -1972,9 +1974,13 @@ def test_a_kv_cache_step_refuses_inputs_onnxruntime_would_misread(tiny_int8_expo
     assert np.array_equal(first, fresh.step(np.array([[2, 5, 7]]), np.ones((1, 3), bool), np.arange(3)[None]))
     one = np.ones((1, 4), np.int64)
     for args, error, message in [
-            (([[2.9]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found float64 \(2\.9 first\)$"),
-            (([[9]], one, np.array([[3.0]])), GemmaExportError, r"^KV cache: position_ids must hold integers \(int64\), found float64"),
-            (([[9]], np.full((1, 4), 0.5), [[3]]), GemmaExportError, r"^KV cache: attention_mask must hold integers"),
+            (([[2.0]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found float64 2\.0 at "
+                                                       r"\[0, 0\]$"),  # as every id list: greedy refuses 2.0 too
+            (([[9]], one, np.array([[3.5]])), GemmaExportError,
+             r"^KV cache: position_ids must hold integers \(int64\), found float64 3\.5 at \[0, 0\]$"),
+            (([[9]], np.array([[1, 1, 1, 0.5]]), [[3]]), GemmaExportError,
+             r"^KV cache: attention_mask must hold integers \(int64\), found float64 0\.5 at \[0, 3\]$"),
+            (([[9]], one, [[np.nan]]), GemmaExportError, r"position_ids must hold integers \(int64\), found float64 nan"),
             (([["a"]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found <U1"),
             (([[-1]], one, [[3]]), FormatError, r"^KV cache: input_ids: token id -1 is outside the export's vocabulary \(0 to 95\)$"),
             (([[96]], one, [[3]]), FormatError, r"token id 96 is outside"),
@@ -1989,8 +1995,9 @@ def test_a_kv_cache_step_refuses_inputs_onnxruntime_would_misread(tiny_int8_expo
     with pytest.raises(GemmaExportError, match=r"^KV cache: a step of 2 tokens after a past needs batch 1 \(onnxruntime's "
                                                r"GroupQueryAttention\), found batch 2; feed the batch one token a step$"):
         batch.step(np.full((2, 2), 5), np.ones((2, 5), np.int64), np.tile(np.arange(3, 5), (2, 1)))
-    # nothing was written: the next steps give what a cache that never saw the refused ones gives
-    assert np.array_equal(cache.step([[9]], one, [[3]]), fresh.step([[9]], one, [[3]]))
+    # nothing was written: the next steps give what a cache that never saw the refused ones gives; a
+    # mask or positions of whole-valued floats or booleans (np.ones is float64) are integers
+    assert np.array_equal(cache.step([[9]], np.ones((1, 4)), np.array([[3.0]])), fresh.step([[9]], one, [[3]]))
 
 
 def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_int8_export, monkeypatch):
@@ -2003,13 +2010,15 @@ def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_in
             (lambda: runtime.KVCache(decoder, 1, None), r"^KVCache\(\): capacity must be an int, found NoneType None$"),
             (lambda: runtime.KVCache(decoder, 1, 2.5), r"^KVCache\(\): capacity must be an int, found float 2\.5$"),
             (lambda: runtime.KVCache(decoder, 1, 10, max_step=None), r"^KVCache\(\): max_step must be an int"),
-            (lambda: decoder.greedy(None, 3), r"^greedy\(\): prompt_ids must be a list, tuple or 1-D array of token ids, "
-                                              r"found NoneType None$"),
-            (lambda: decoder.greedy({2, 5}, 3), r"^greedy\(\): prompt_ids must be a list, tuple or 1-D array of token ids, found set"),
+            (lambda: decoder.greedy(None, 3), r"^greedy\(\): prompt_ids must be a sequence \(list, tuple, 1-D array\) of "
+                                              r"token ids, found NoneType None$"),
+            (lambda: decoder.greedy({2, 5}, 3), r"^greedy\(\): prompt_ids must be a sequence .* of token ids, found set"),
             (lambda: decoder.greedy(iter([2, 5]), 3), r"found list_iterator"),
-            (lambda: decoder.greedy_batch(None, 3), r"^greedy_batch\(\): prompts must be a list"),
-            (lambda: decoder.greedy_batch([[2], {2: "a"}], 3), r"^greedy_batch\(\): prompts\[1\] must be a list, tuple or 1-D "
-                                                                r"array of token ids, found dict"),
+            (lambda: decoder.greedy(np.array([[2, 5]]), 3), r"found ndarray int64 \[1, 2\]$"),  # one line, not numpy's repr
+            (lambda: decoder.greedy_batch(None, 3), r"^greedy_batch\(\): prompts must be a sequence \(list, tuple, 2-D "
+                                                    r"array\) of prompts, found NoneType None$"),
+            (lambda: decoder.greedy_batch([[2], {2: "a"}], 3), r"^greedy_batch\(\): prompts\[1\] must be a sequence \(list, "
+                                                                r"tuple, 1-D array\) of token ids, found dict"),
             (lambda: decoder.teacher_forced_logits(None), r"^teacher_forced_logits\(\): token_ids must be"),
             (lambda: next(decoder.teacher_forced_chunks({2})), r"^teacher_forced_chunks\(\): token_ids must be"),
             (lambda: runtime.load_tokenizer(""), r"^load_tokenizer\(\): model_dir must be a path \(str or os\.PathLike\), "
@@ -2021,6 +2030,9 @@ def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_in
                                                   (1, 10, 0, "max_step")]:
         with pytest.raises(GemmaExportError, match=rf"^KV cache: {name} must be >= 1, found "):
             runtime.KVCache(decoder, batch_size, capacity, max_step=max_step)
+    # sequences and arrays of ids are ids: a range, a 2-D array of prompts
+    assert decoder.greedy(range(2, 5), 3)[0] == decoder.greedy([2, 3, 4], 3)[0]
+    assert decoder.greedy_batch(np.array([[2, 5], [2, 7]]), 3) == decoder.greedy_batch([[2, 5], [2, 7]], 3)
     # the caller's ids are not the tokenizer's: no word about a tokenizer that does not match
     with pytest.raises(FormatError, match=r"prompt: token id -1 is outside the export's vocabulary \(0 to 95\)$"):
         decoder.greedy([2, -1], 3)
@@ -2035,3 +2047,15 @@ def test_the_runtime_api_refuses_arguments_of_the_wrong_kind_in_one_line(tiny_in
     with pytest.raises(ResourceError, match=r"^teacher_forced_logits: 51 rows of 96 float32 logits need 0\.0 GB, more than "
                                             r"the 0\.0 GB this machine has available; use teacher_forced_chunks$"):
         decoder.teacher_forced_logits([2] * 51)
+
+
+def test_generate_refuses_a_prompt_past_the_positions_after_tokenizing_a_prefix(tiny_int8_export, encoded_lengths):
+    """A runtime probe's finding: generate() tokenized a 22.5 MB prompt whole (47.6 s, 2.2 GB) before
+    refusing it. Only prefixes are tokenized now (a 1 MB prompt here; max_position_embeddings 256)."""
+    from gemma_export import runtime
+
+    encoded = encoded_lengths
+    with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(tiny_int8_export))}: the prompt: more than 256 tokens, the "
+                                               r"model's max_position_embeddings; give a shorter prompt$"):
+        runtime.generate(tiny_int8_export, "the quick brown fox " * 50_000, 4)
+    assert encoded and max(encoded) <= 8 * 258 * 2, encoded

@@ -947,20 +947,11 @@ def test_cosine_is_the_mean_over_rows_of_the_angle_cosine():
 
 @pytest.mark.parametrize("kind", ["prompts", "golden"])
 def test_a_prompt_beyond_the_positions_is_refused_before_it_is_tokenized_whole(tiny_int8_export, tmp_path,
-                                                                              monkeypatch, kind):
+                                                                              encoded_lengths, kind):
     """A 1 MB prompt line (probe finding: 10 MB took 4 GB, 300 MB was killed for memory): refused by
     its token count against max_position_embeddings (256 here) after tokenizing a prefix only."""
-    from tokenizers import Tokenizer
-
     text = "the quick brown fox " * 50_000
-    encoded = []
-    encode = Tokenizer.encode
-
-    def recording(self, sequence, *args, **kwargs):
-        encoded.append(len(sequence))
-        return encode(self, sequence, *args, **kwargs)
-
-    monkeypatch.setattr(Tokenizer, "encode", recording)
+    encoded = encoded_lengths
     if kind == "prompts":
         (tmp_path / "p.txt").write_text(text + "\n")
         args, what = ["--prompts", tmp_path / "p.txt", "--against", "transformers"], f"{tmp_path / 'p.txt'}: prompt #0"

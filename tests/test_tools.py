@@ -446,21 +446,14 @@ def test_the_side_by_side_summary_gives_each_export_its_ratios_to_q8_0_the_floor
     assert without[2] == "| ours int8 | 8.0 | – | 9.0 | – | 400 | – |"
 
 
-def test_the_side_by_side_rows_say_how_busy_other_processes_kept_the_machine(monkeypatch):
-    """Each system's row carries the CPUs' worth of other processes' work while it ran (from two
-    ``/proc/stat`` readings around it), and the run ends with one line of them."""
+def test_the_side_by_side_run_ends_with_other_processes_cpu_use_per_system():
+    """The last line names each system's ``other_cpus`` (measured around its timed steps by
+    ``gemma_export.bench.OtherWork``), or says it could not be measured."""
     import bench_side_by_side
-    from gemma_export import bench
 
-    readings = iter([(10.0, 1.0, 100.0), (16.0, 2.0, 102.0), (20.0, 3.0, 110.0), (21.0, 3.5, 111.0)])
-    monkeypatch.setattr(bench, "cpu_seconds", lambda: next(readings))
-    rows = {"llama.cpp Q8_0": bench_side_by_side.watched(lambda a, b: {"decode_ms": {16: a + b}}, 1.0, 2.0),
-            "ours int8": bench_side_by_side.watched(lambda: {"decode_ms": {16: 9.0}})}
-    assert rows["llama.cpp Q8_0"] == {"decode_ms": {16: 3.0}, "other_cpus": 2.5}  # (6 − 1) s over 2 s
-    assert rows["ours int8"]["other_cpus"] == 0.5
-    assert bench_side_by_side.other_work_line(rows) == ("other processes' CPU use while each system ran (CPUs): "
+    rows = {"llama.cpp Q8_0": {"decode_ms": {16: 3.0}, "other_cpus": 2.5}, "ours int8": {"decode_ms": {16: 9.0}, "other_cpus": 0.5},
+            "reference (IREE, re-decode)": {"decode_ms": {64: 70.0}, "other_cpus": None}}
+    assert bench_side_by_side.other_work_line(rows) == ("other processes' CPU use while each system was timed (CPUs): "
                                                         "llama.cpp Q8_0 2.50, ours int8 0.50")
-    monkeypatch.setattr(bench, "cpu_seconds", lambda: None)
-    row = bench_side_by_side.watched(lambda: {"decode_ms": {}})
-    assert row["other_cpus"] is None
-    assert bench_side_by_side.other_work_line({"x": row}) == "other processes' CPU use: not measured here (no /proc/stat)"
+    assert bench_side_by_side.other_work_line({"x": {"other_cpus": None}}) == \
+        "other processes' CPU use: not measured here (no /proc/stat)"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
+from gemma_export.bench import OtherWork  # noqa: E402
 
 
 def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
@@ -37,19 +38,21 @@ def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threa
     generator = og.Generator(model, params)
     generator.append_tokens(ids[:context])
     times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        generator.generate_next_token()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[3:])
+    with OtherWork() as other:
+        for _ in range(steps):
+            start = time.perf_counter()
+            generator.generate_next_token()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[3:]), other.cpus
 
 
 def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int, prepacked: bool = False) -> float:
     from gemma_export.runtime import OnnxDecoder
 
     decoder = OnnxDecoder(folder, threads=threads, prepacked=prepacked)
-    _, _, decode = decoder.greedy(ids[:context], steps + 1, stop_ids=[])
-    return statistics.median(decode[3:])
+    with OtherWork() as other:
+        _, _, decode = decoder.greedy(ids[:context], steps + 1, stop_ids=[])
+    return statistics.median(decode[3:]), other.cpus
 
 
 def main() -> None:
@@ -83,17 +86,7 @@ def main() -> None:
         raise GemmaExportError(f"--contexts {max(contexts)}: the prompt text has only {len(ids)} tokens")
     from gemma_export.prepack import status
 
-    from gemma_export.bench import cpu_seconds, other_cpus
-
-    others: list[float] = []
-
-    def watch(measure, *margs):  # the measurement, and how busy other processes kept the machine meanwhile
-        before = cpu_seconds()
-        result = measure(*margs)
-        if (used := other_cpus(before, cpu_seconds())) is not None:
-            others.append(used)
-        return result
-
+    others: list[str] = []  # other processes' CPU use per row
     print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
           "| ours pre-packed ms/token | pre-packed ÷ genai |")
     print("|---|---|---|---|---|---|---|")
@@ -102,20 +95,22 @@ def main() -> None:
         for context in contexts:
             cold()
             try:
-                theirs = watch(genai_decode_ms, genai_dir, ids, context, args.steps, args.threads)
+                theirs, genai_other = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
             except RuntimeError as exc:  # onnxruntime-genai's own errors (e.g. the model's max length)
                 raise GemmaExportError(f"onnxruntime-genai on {genai_dir}: {exc}") from None
             cold()
-            ours = watch(our_decode_ms, our_dir, ids, context, args.steps, args.threads)
+            ours, our_other = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
+            figures = [genai_other, our_other]
             cold()
             if packed:
-                mapped = watch(our_decode_ms, our_dir, ids, context, args.steps, args.threads, True)
+                mapped, mapped_other = our_decode_ms(our_dir, ids, context, args.steps, args.threads, True)
+                figures.append(mapped_other)
                 copy = f"{mapped:.1f} | {mapped / theirs:.2f}"
             else:  # no copy to time: say so instead of a nan
                 copy = "no copy (`gemma-export prepack`) | —"
             print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {copy} |", flush=True)
-    print(f"\nother processes' CPU use during the {len(others)} measurements: {min(others):.2f}–{max(others):.2f} CPUs"
-          if others else "\nother processes' CPU use: not measured here (no /proc/stat)")
+            others.append(f"{name} @{context} " + " / ".join("—" if f is None else f"{f:.2f}" for f in figures))
+    print("\nother processes' CPU use while each was timed (CPUs; genai / ours / ours pre-packed): " + ", ".join(others))
 
 
 if __name__ == "__main__":

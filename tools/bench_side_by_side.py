@@ -69,48 +69,53 @@ def read_bandwidth_gbps(size_bytes: int = 1 << 30, repeats: int = 5, threads: in
 
 def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int,
                prepacked: bool | None = None) -> dict:
+    from gemma_export.bench import OtherWork
     from gemma_export.runtime import KVCache, OnnxDecoder
 
     dec = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
-    prompt = np.asarray([ids[:prefill]], np.int64)
-    cache = KVCache(dec, 1, prefill)
-    start = time.perf_counter()
-    cache.step(prompt, np.ones_like(prompt), np.arange(prefill)[None])
-    prefill_ms = (time.perf_counter() - start) * 1e3
-    decode = {}
-    for context in contexts:
-        prompt = np.asarray([ids[:context]], np.int64)
-        cache = KVCache(dec, 1, context + new_tokens)  # shared past/present buffers for our exports
-        cache.step(prompt, np.ones_like(prompt), np.arange(context)[None])
-        steps = []
-        for i in range(new_tokens):
-            pos = context + i
-            start = time.perf_counter()
-            cache.step(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]))
-            steps.append((time.perf_counter() - start) * 1e3)
-        decode[context] = statistics.median(steps[3:])
-    return {"prefill_ms": prefill_ms, "decode_ms": decode}
+    with OtherWork() as other:  # from the first timed step on, not the load
+        prompt = np.asarray([ids[:prefill]], np.int64)
+        cache = KVCache(dec, 1, prefill)
+        start = time.perf_counter()
+        cache.step(prompt, np.ones_like(prompt), np.arange(prefill)[None])
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        decode = {}
+        for context in contexts:
+            prompt = np.asarray([ids[:context]], np.int64)
+            cache = KVCache(dec, 1, context + new_tokens)  # shared past/present buffers for our exports
+            cache.step(prompt, np.ones_like(prompt), np.arange(context)[None])
+            steps = []
+            for i in range(new_tokens):
+                pos = context + i
+                start = time.perf_counter()
+                cache.step(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]))
+                steps.append((time.perf_counter() - start) * 1e3)
+            decode[context] = statistics.median(steps[3:])
+    return {"prefill_ms": prefill_ms, "decode_ms": decode, "other_cpus": other.cpus}
 
 
 def bench_llama(gguf: Path, ids: list[int], contexts: list[int], new_tokens: int, prefill: int, threads: int) -> dict:
     from llama_cpp import Llama
 
+    from gemma_export.bench import OtherWork
+
     llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads,
                 n_ctx=max(prefill, max(contexts) + new_tokens) + 8, n_batch=512, verbose=False)
-    start = time.perf_counter()
-    llm.eval(ids[:prefill])
-    prefill_ms = (time.perf_counter() - start) * 1e3
-    decode = {}
-    for context in contexts:
-        llm.reset()
-        llm.eval(ids[:context])
-        steps = []
-        for i in range(new_tokens):
-            start = time.perf_counter()
-            llm.eval([ids[context + i]])
-            steps.append((time.perf_counter() - start) * 1e3)
-        decode[context] = statistics.median(steps[3:])
-    return {"prefill_ms": prefill_ms, "decode_ms": decode}
+    with OtherWork() as other:  # from the first timed step on, not the load
+        start = time.perf_counter()
+        llm.eval(ids[:prefill])
+        prefill_ms = (time.perf_counter() - start) * 1e3
+        decode = {}
+        for context in contexts:
+            llm.reset()
+            llm.eval(ids[:context])
+            steps = []
+            for i in range(new_tokens):
+                start = time.perf_counter()
+                llm.eval([ids[context + i]])
+                steps.append((time.perf_counter() - start) * 1e3)
+            decode[context] = statistics.median(steps[3:])
+    return {"prefill_ms": prefill_ms, "decode_ms": decode, "other_cpus": other.cpus}
 
 
 def bench_reference(mlir: Path, ids: list[int]) -> dict:
@@ -119,7 +124,7 @@ def bench_reference(mlir: Path, ids: list[int]) -> dict:
 
     figures = time_reference(mlir, None, ids, float("nan"), lambda _msg: None)
     return {"prefill_ms": float("nan"), "decode_ms": {figures["sequence_length"]: figures["ms_per_token_median"]},
-            "fixed_length": figures["sequence_length"]}
+            "fixed_length": figures["sequence_length"], "other_cpus": figures["other_cpus"]}
 
 
 def write_plot(rows: dict, path: Path) -> None:
@@ -218,23 +223,13 @@ def check_llama_runs(gguf: Path) -> None:
                      "the llama.cpp rows")
 
 
-def watched(measure, *args) -> dict:
-    """``measure(*args)``'s row, with ``other_cpus``: the CPUs' worth of work other processes did
-    while it ran (``gemma_export.bench.other_cpus``; None without ``/proc/stat``)."""
-    from gemma_export.bench import cpu_seconds, other_cpus
-
-    before = cpu_seconds()
-    row = measure(*args)
-    row["other_cpus"] = other_cpus(before, cpu_seconds())
-    return row
-
-
 def other_work_line(rows: dict) -> str:
-    """One line: how busy the machine was with other work while each system ran."""
+    """One line: how busy other processes kept the machine while each system's steps were timed
+    (``other_cpus`` of each row, :class:`gemma_export.bench.OtherWork`)."""
     figures = [f"{name} {r['other_cpus']:.2f}" for name, r in rows.items() if r.get("other_cpus") is not None]
     if not figures:
         return "other processes' CPU use: not measured here (no /proc/stat)"
-    return "other processes' CPU use while each system ran (CPUs): " + ", ".join(figures)
+    return "other processes' CPU use while each system was timed (CPUs): " + ", ".join(figures)
 
 
 def main() -> None:
@@ -279,9 +274,9 @@ def main() -> None:
         check_llama_runs(q4)
         q8 = q8_0_gguf(q4)
         cold()
-        rows["llama.cpp Q8_0"] = watched(bench_llama, q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
         cold()
-        rows["llama.cpp Q4_K_M"] = watched(bench_llama, q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
     from gemma_export.prepack import status
@@ -293,12 +288,12 @@ def main() -> None:
             runs.append((f"{name} pre-packed", True))
         for label, prepacked in runs:
             cold()
-            rows[f"ours {label}"] = watched(bench_onnx, Path(folder), ids, contexts, args.new_tokens, args.prefill,
-                                            args.threads, prepacked)
+            rows[f"ours {label}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads,
+                                               prepacked)
             rows[f"ours {label}"]["archive_bytes"] = archive
     if args.reference:
         cold()
-        rows[REFERENCE_ROW] = watched(bench_reference, args.reference, ids)
+        rows[REFERENCE_ROW] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)
     print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
