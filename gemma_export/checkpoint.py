@@ -168,6 +168,15 @@ class Tokenizer:
         return self._parsed
 
 
+def _fingerprint(path: Path) -> tuple[int, int, int] | None:
+    """``(size, st_mtime_ns, st_ino)`` of a file, or None when it cannot be read (gone)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A model ready to export.
@@ -183,6 +192,8 @@ class Checkpoint:
         ignored: names of the source's tensors that belong to no part of a Gemma 3 model this
             toolkit knows (not the text decoder, not a multimodal checkpoint's vision tower or
             projector), which the export leaves out and notes.
+        opened: each of :attr:`files`' ``(size, modification time in ns, inode)`` when the
+            checkpoint was made (:meth:`check_unchanged`); taken then unless given.
     """
 
     config: GemmaConfig
@@ -192,6 +203,26 @@ class Checkpoint:
     path: Path
     files: tuple[Path, ...] = ()
     ignored: tuple[str, ...] = ()
+    opened: tuple[tuple[int, int, int] | None, ...] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.opened is None:  # dataclasses.replace keeps the first one
+            object.__setattr__(self, "opened", tuple(map(_fingerprint, self.files)))
+
+    def check_unchanged(self) -> None:
+        """Raises FormatError when one of :attr:`files` was written, replaced or removed since the
+        checkpoint was made (its size, modification time or inode differ): the config and the weights
+        read before would then be another model than the one its sha256 describes.
+
+        Raises:
+            FormatError: ``"{file}: changed while it was exported (...); export again"``.
+        """
+        for path, before in zip(self.files, self.opened):
+            now = _fingerprint(path)
+            if now != before:
+                what = "removed" if now is None else "written or replaced"
+                raise FormatError(f"{path}: {what} while it was exported (size, modification time or inode changed); "
+                                  "the export would not be the model the file holds now, so none was written: export again")
 
     def file_sha256s(self) -> dict[str, str]:
         """File name → hex sha256 of each of :attr:`files`, in their order (what ``sha256sum``

@@ -23,7 +23,8 @@ from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
-from .errors import ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments
+from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments,
+                     printable_path)
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
 from .prepack import busy as prepack_busy, derived_copy
@@ -428,6 +429,9 @@ def export(
     if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
         raise ConfigError(f"export(): checkpoint must be a Checkpoint (open_source's) or None, found "
                           f"{type(checkpoint).__name__} {checkpoint!r:.40}")
+    if checkpoint is not None and source is not None and Path(source).resolve() != checkpoint.path.resolve():
+        raise ConfigError(f"export(): source {printable_path(source)} and checkpoint (opened from "
+                          f"{printable_path(checkpoint.path)}) are two models; give one of them")
     _check_options(dtype, block_size, table_block_size, hadamard_size, table_dtype, symmetric, scale_method, calibrate,
                    calibration_text, calibration_tokens, activation_residual, scale_dtype)
     scale_method = scale_method or "mse"
@@ -476,7 +480,9 @@ def export(
     # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one,
     # and the activation residual's graph, which a user compares with the plain int8 one
     name += "-activation-residual" * activation_residual + "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
-    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(source, name)
+    # the default folder is named after the model exported: a checkpoint given opened, its own source
+    named = ckpt.path if checkpoint is not None and source is None else source
+    out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(named, name)
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if status is not None and not replacing_told:
@@ -566,9 +572,13 @@ def _write_manifest(folder: Path, ckpt: Checkpoint, dtype: str, quantization: di
 
     Returns:
         file name → size in bytes, the manifest included.
+
+    Raises:
+        FormatError: a source file changed since the checkpoint was opened (:meth:`Checkpoint.check_unchanged`).
     """
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir())}
     source_digests = ckpt.file_sha256s()
+    ckpt.check_unchanged()  # the digests are of the files the export read: none changed since they were opened
     manifest = {
         "format": "onnx",
         "dtype": dtype,

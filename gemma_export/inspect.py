@@ -622,7 +622,12 @@ def _is_shared_table(ops: list[str]) -> bool:
 
 
 def format_report(report: Report, top: int = 10) -> str:
-    """The human-readable report printed by ``gemma-export inspect``."""
+    """The human-readable report printed by ``gemma-export inspect``; ``top``: the largest tensors listed.
+
+    Raises:
+        ConfigError: ``top`` is no int.
+    """
+    check_arguments("format_report", top=(top, "int"))
     def gib(n: int) -> str:
         # the unit the value reaches once rounded (1,048,575 B is "1.0 MiB", not "1024.0 KiB"); small
         # tensors (ids, shapes) are not "0.0 MiB"

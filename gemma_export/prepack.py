@@ -30,8 +30,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .errors import FormatError, GemmaExportError, OutputError, VerificationError
-from .onnx_files import DATA_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
+from .errors import (FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError,
+                     check_arguments)
+from .onnx_files import DATA_FILE, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST
 from .manifest import read_manifest
 from .text_files import FileRefused, non_regular, read_bounded
 from .staging import (OLD_TAG, STAGING_TAG, check_free_space, entry_refused, file_sha256, flocked, hidden_prefix,
@@ -91,7 +92,11 @@ LEFTOVER_PREFIXES = tuple(hidden_prefix(Path(PREPACKED_DIR)) + tag for tag in (S
 
 def leftovers(model_dir: str | Path) -> list[Path]:
     """Hidden folders an interrupted or killed ``prepack`` left in ``model_dir`` (its staging folder,
-    the copy it was replacing, a copy being removed). ``prepack`` and ``prepack --remove`` delete them."""
+    the copy it was replacing, a copy being removed). ``prepack`` and ``prepack --remove`` delete them.
+
+    Raises:
+        ConfigError: ``model_dir`` is no path."""
+    check_arguments("leftovers", model_dir=(model_dir, "path"))
     folder = Path(model_dir)
     if not folder.is_dir():
         return []
@@ -190,7 +195,14 @@ class PrepackStatus:
 
 def status(model_dir: str | Path) -> PrepackStatus:
     """Check ``<model_dir>/prepacked/`` against this machine and the export's files (cheap: sizes and
-    modification times; ``verify`` checks the sha256 of every file)."""
+    modification times; ``verify`` checks the sha256 of every file).
+
+    Raises:
+        ConfigError: ``model_dir`` is no path.
+        SourceNotFoundError: ``model_dir`` is missing or a file (a graph folder without a manifest,
+            another exporter's, is checked: it has no copy).
+    """
+    _export_folder(model_dir, "status")
     folder = Path(model_dir) / PREPACKED_DIR
 
     def unusable(where: Path, detail: str, damaged_record: bool = False) -> PrepackStatus:
@@ -265,10 +277,17 @@ SAVE_PREPACKED = {
 }
 
 
-def _export_folder(model_dir: Path) -> None:
+def _export_folder(model_dir: Path, function: str | None = None, manifest: bool = False) -> None:
+    """Refuse a ``model_dir`` that is no folder or a bundle folder; with ``function`` (the caller's
+    name, for the message) also one that is no path, and with ``manifest`` one without
+    ``manifest.json``."""
     from .manifest import require_folder
 
-    require_folder(model_dir, MODEL_FILE)
+    if function is not None:
+        check_arguments(function, model_dir=(model_dir, "path"))
+    require_folder(Path(model_dir), MODEL_FILE)
+    if manifest and not (Path(model_dir) / MANIFEST_FILE).is_file():
+        raise SourceNotFoundError(f"{Path(model_dir) / MANIFEST_FILE}: missing; not a gemma-export folder")
 
 
 #: a leftover where no lock can be taken: it may be a running prepack's staging folder
@@ -318,7 +337,11 @@ def _folder_lock(model_dir: Path, exclusive: bool = True) -> Iterator[bool | Non
 
 def busy(model_dir: str | Path) -> bool | None:
     """Whether a ``prepack`` or ``prepack --remove`` is working on ``model_dir`` right now; None
-    when no lock can be taken there, so it cannot be told (a file system without locks)."""
+    when no lock can be taken there, so it cannot be told (a file system without locks).
+
+    Raises:
+        ConfigError: ``model_dir`` is no path."""
+    check_arguments("busy", model_dir=(model_dir, "path"))
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         return False
@@ -380,12 +403,15 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             failed (nothing is kept; an older copy stays); another prepack runs on the folder, or a
             leftover lies there that no lock can tell from a running prepack's.
         GemmaExportError: ``threads`` outside 1 … 4 × this machine's CPUs (before any progress line).
+        ConfigError: an argument of the wrong kind (``model_dir`` no path, ``threads`` no int,
+            ``progress`` not callable).
     """
     import shutil
 
     from .verify import verify_manifest
     from .runtime import _CANNOT_LOAD, OnnxDecoder, check_threads, create_session
 
+    check_arguments("prepack", model_dir=(model_dir, "path"), threads=(threads, "int?"), progress=(progress, "callable?"))
     say = progress or (lambda _msg: None)
     model_dir = Path(model_dir)
     start = time.perf_counter()
@@ -460,7 +486,11 @@ def verify(model_dir: str | Path) -> str:
     Raises:
         VerificationError: ``prepacked`` holds something else; a recorded file differs (a copy the
             runtime could load with wrong weights). The message says how to rebuild or remove it.
+        ConfigError: ``model_dir`` is no path.
+        SourceNotFoundError: ``model_dir`` is missing, a file, or not an export: a mistyped folder
+            is not "no copy, nothing to check".
     """
+    _export_folder(model_dir, "verify", manifest=True)
     model_dir = Path(model_dir)
     folder = model_dir / PREPACKED_DIR
     fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
@@ -502,11 +532,13 @@ def remove(model_dir: str | Path, progress: Callable[[str], None] | None = None)
     --remove`` deletes) and is named.
 
     Raises:
+        ConfigError: ``model_dir`` is no path, ``progress`` not callable.
         SourceNotFoundError: ``model_dir`` is missing or a file.
         OutputError: ``prepacked`` is not such a copy (left untouched), or no permission, saying
             whether the copy is unchanged or partly deleted, and where its rest is; another prepack
             runs on the folder, or a leftover lies there that no lock can tell from a running one's.
     """
+    check_arguments("remove", model_dir=(model_dir, "path"), progress=(progress, "callable?"))
     model_dir = Path(model_dir)
     _export_folder(model_dir)
     with _folder_lock(model_dir) as locked:

@@ -61,7 +61,7 @@ def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> 
     return len(dims) >= 1 and vocab_size in (dims[0], dims[-1]) and (n == vocab_size * hidden_size or packed)
 
 
-def verify_folder(folder: Path) -> None:
+def verify_folder(folder: str | Path) -> None:
     """Check an export folder: the ONNX checker on the path, an onnxruntime session load, and one
     step of token id 0 at position 0 whose logits must be finite (weights that are finite but
     overflow float32 inside the graph, e.g. a norm weight of 3e38, would otherwise export and
@@ -79,6 +79,8 @@ def verify_folder(folder: Path) -> None:
     import numpy as np
     import onnx
 
+    check_arguments("verify_folder", folder=(folder, "path"))
+    folder = Path(folder)  # a str too, as verify_manifest takes
     model_path = folder / MODEL_FILE
     try:
         onnx.checker.check_model(str(model_path), full_check=False)

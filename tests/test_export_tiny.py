@@ -2059,3 +2059,67 @@ def test_generate_refuses_a_prompt_past_the_positions_after_tokenizing_a_prefix(
                                                r"model's max_position_embeddings; give a shorter prompt$"):
         runtime.generate(tiny_int8_export, "the quick brown fox " * 50_000, 4)
     assert encoded and max(encoded) <= 8 * 258 * 2, encoded
+
+
+@pytest.mark.parametrize("edit", ["config rewritten", "weights replaced"])
+def test_a_source_changed_while_it_is_exported_is_refused_and_nothing_written(tiny_dir, tmp_path, edit):
+    """An API probe's finding: a config edited mid-export was recorded in the manifest by its new
+    sha256, so parity compared the export with another model (FAIL, top-1 0.83) and nothing said
+    why. The source's files are fingerprinted when opened and checked when their digests are taken."""
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    config = source / "config.json"
+
+    def change(done, total, name):
+        if done == 2:
+            if edit == "config rewritten":
+                config.write_text(config.read_text().replace('"sliding_window": 6', '"sliding_window": 7'))
+            else:  # the same bytes under a new inode, as a sync tool or `cp` to a temporary and `mv` leave them
+                shutil.copyfile(source / "model.safetensors", tmp_path / "copy")
+                os.replace(tmp_path / "copy", source / "model.safetensors")
+
+    changed = "config.json" if edit == "config rewritten" else "model.safetensors"
+    with pytest.raises(FormatError, match=rf"^{re.escape(str(source / changed))}: written or replaced while it was "
+                                          r"exported \(size, modification time or inode changed\); the export would not "
+                                          r"be the model the file holds now, so none was written: export again$"):
+        export(source, tmp_path / "out", "fp32", progress=change)
+    assert not (tmp_path / "out").exists() and sorted(os.listdir(tmp_path)) == ["src"]
+    export(source, tmp_path / "out", "fp32")  # unchanged during this one
+
+
+def test_an_opened_checkpoint_names_the_default_folder_and_a_second_source_is_refused(tiny_dir, tmp_path, monkeypatch):
+    """An API probe's finding: export(checkpoint=...) without a source wrote to the bundled model's
+    folder name (gemma-3-270m-onnx-fp32, replacing an export there), and a source other than the
+    checkpoint's only named the folder."""
+    from gemma_export.sources import open_source
+
+    source = tmp_path / "tiny-src"
+    shutil.copytree(tiny_dir, source)
+    monkeypatch.chdir(tmp_path)
+    opened = open_source(source)
+    assert export(checkpoint=opened, dtype="fp32").out_dir == tmp_path / "tiny-src-onnx-fp32"
+    assert export(source, dtype="bf16", checkpoint=opened).out_dir == tmp_path / "tiny-src-onnx-bf16"  # the same source
+    with pytest.raises(ConfigError, match=rf"^export\(\): source {re.escape(str(tiny_dir))} and checkpoint \(opened from "
+                                          rf"{re.escape(str(source))}\) are two models; give one of them$"):
+        export(tiny_dir, dtype="fp32", checkpoint=opened)
+    assert sorted(os.listdir(tmp_path)) == ["tiny-src", "tiny-src-onnx-bf16", "tiny-src-onnx-fp32"]
+
+
+def test_small_api_argument_checks_of_inspect_verify_and_export(tiny_int8_export, tiny_dir, tmp_path):
+    """An API probe's findings: ``format_report(top=None)`` and ``verify_folder(str)`` were raw
+    TypeErrors; a numpy bool was shown as "found bool", which read as a contradiction."""
+    from gemma_export.inspect import format_report, inspect_path
+    from gemma_export.verify import verify_folder
+
+    report = inspect_path(tiny_int8_export)
+    for top in (None, "3"):
+        with pytest.raises(ConfigError, match=r"^format_report\(\): top must be an int, found "):
+            format_report(report, top=top)
+    assert [sum(line.endswith("%") for line in format_report(report, top=n).splitlines()) for n in (3, 10)] == [3, 10]
+    verify_folder(str(tiny_int8_export))  # a str, as verify_manifest takes
+    with pytest.raises(ConfigError, match=r"^verify_folder\(\): folder must be a path"):
+        verify_folder(None)
+    with pytest.raises(ConfigError, match=r"^export\(\): symmetric must be True or False, found bool np\.True_ \(a numpy "
+                                          r"bool: pass bool\(symmetric\)\)$"):
+        export(tiny_dir, tmp_path / "x", "int4", symmetric=np.True_)
+    assert not (tmp_path / "x").exists()

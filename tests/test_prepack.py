@@ -698,3 +698,37 @@ def test_dedupe_refuses_a_pre_packed_graph_in_one_line(export_copy, tmp_path):
                      "(gemma-export prepack), onnxruntime's packed weights for one machine, which store the table once "
                      "already; dedupe rewrites models of other tools (give their .onnx)"]
     assert not out.exists()
+
+
+def test_the_prepack_functions_refuse_arguments_of_the_wrong_kind_and_folders_that_are_no_export(export_copy, tmp_path):
+    """An API probe's findings: None, bytes and numbers were raw TypeErrors, ``""`` the current
+    folder, ``threads="2"`` a failed comparison after the manifest check, and ``verify`` of a
+    mistyped or foreign folder returned "" as for an export without a copy."""
+    from gemma_export.errors import ConfigError, SourceNotFoundError
+
+    before = sorted(os.listdir(export_copy))
+    for call, message in [
+            (lambda: prepack_module.prepack(None), r"^prepack\(\): model_dir must be a path \(str or os\.PathLike\), found NoneType None$"),
+            (lambda: prepack_module.prepack(b"/x"), r"^prepack\(\): model_dir must be a path .*, found bytes b'/x'$"),
+            (lambda: prepack_module.prepack(""), r"^prepack\(\): model_dir must be a path .*, found an empty str$"),
+            (lambda: prepack_module.prepack(export_copy, threads="2"), r"^prepack\(\): threads must be an int or None, found str '2'$"),
+            (lambda: prepack_module.prepack(export_copy, progress=5), r"^prepack\(\): progress must be a callable or None, found int 5$"),
+            (lambda: prepack_module.remove(export_copy, progress=5), r"^remove\(\): progress must be a callable or None"),
+            (lambda: prepack_module.status(None), r"^status\(\): model_dir must be a path"),
+            (lambda: prepack_module.verify(3), r"^verify\(\): model_dir must be a path .*, found int 3$"),
+            (lambda: prepack_module.leftovers(None), r"^leftovers\(\): model_dir must be a path"),
+            (lambda: prepack_module.busy(b"/x"), r"^busy\(\): model_dir must be a path")]:
+        with pytest.raises(ConfigError, match=message):
+            call()
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.onnx").write_bytes(b"")
+    for call, message in [
+            (lambda: prepack_module.verify(tmp_path / "typo"), rf"^{tmp_path / 'typo'}: no such export folder"),
+            (lambda: prepack_module.verify(foreign), rf"^{foreign / 'manifest.json'}: missing; not a gemma-export folder$"),
+            (lambda: prepack_module.status(tmp_path / "typo"), rf"^{tmp_path / 'typo'}: no such export folder"),
+            (lambda: prepack_module.status(export_copy / "model.onnx"), r"model\.onnx: .*expected"),
+    ]:
+        with pytest.raises(SourceNotFoundError, match=message):
+            call()
+    assert sorted(os.listdir(export_copy)) == before and prepack_module.verify(export_copy) == ""  # no copy: nothing to say
