@@ -1247,11 +1247,14 @@ def _integer_array(name: str, value) -> np.ndarray:
     kind = array.dtype.kind
     if kind in "iu" or (name != "input_ids" and kind == "b"):
         return np.ascontiguousarray(array, dtype=np.int64)
-    if name != "input_ids" and kind == "f" and np.array_equal(array, np.trunc(array)):  # NaN and inf are not whole
-        return np.ascontiguousarray(array, dtype=np.int64)
+    if kind == "f":
+        with np.errstate(invalid="ignore"):
+            fractional = ~np.isfinite(array) | (array != np.trunc(array))  # NaN and ±inf are no whole numbers
+        if name != "input_ids" and not fractional.any():
+            return np.ascontiguousarray(array, dtype=np.int64)
     found = f"{array.dtype}"
     if kind == "f" and array.size:
-        at = np.unravel_index(int(np.flatnonzero(array != np.trunc(array))[0]) if name != "input_ids" else 0, array.shape)
+        at = np.unravel_index(int(np.flatnonzero(fractional)[0]) if name != "input_ids" else 0, array.shape)
         found += f" {array[at].item()!r} at {list(map(int, at))}"
     raise GemmaExportError(f"KV cache: {name} must hold integers (int64), found {found}")
 

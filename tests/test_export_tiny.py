@@ -1981,6 +1981,8 @@ def test_a_kv_cache_step_refuses_inputs_onnxruntime_would_misread(tiny_int8_expo
             (([[9]], np.array([[1, 1, 1, 0.5]]), [[3]]), GemmaExportError,
              r"^KV cache: attention_mask must hold integers \(int64\), found float64 0\.5 at \[0, 3\]$"),
             (([[9]], one, [[np.nan]]), GemmaExportError, r"position_ids must hold integers \(int64\), found float64 nan"),
+            (([[9]], np.array([[1, 1, 1, np.inf]]), [[3]]), GemmaExportError,
+             r"^KV cache: attention_mask must hold integers \(int64\), found float64 inf at \[0, 3\]$"),
             (([["a"]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found <U1"),
             (([[-1]], one, [[3]]), FormatError, r"^KV cache: input_ids: token id -1 is outside the export's vocabulary \(0 to 95\)$"),
             (([[96]], one, [[3]]), FormatError, r"token id 96 is outside"),
