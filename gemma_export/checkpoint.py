@@ -171,7 +171,7 @@ class Tokenizer:
 def _fingerprint(path: Path) -> tuple[int, int, int] | None:
     """``(size, st_mtime_ns, st_ino)`` of a file, or None when it cannot be read (gone)."""
     try:
-        st = path.stat()
+        st = Path(path).stat()
     except OSError:
         return None
     return st.st_size, st.st_mtime_ns, st.st_ino

@@ -146,7 +146,8 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
                 found += " (a NUL character, which no path can hold)"
             elif base == "path" and isinstance(getattr(value, "out_dir", None), os.PathLike):
                 found = f"{type(value).__name__} (pass its out_dir)"  # export()'s result for its folder
-            if base == "bool" and type(value).__module__ == "numpy":  # numpy.bool (named bool in numpy 2): no bool
+            if base == "bool" and type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+                # numpy's scalar bool (named bool in numpy 2), which is no Python bool
                 found += f" (a numpy bool: pass bool({name}))"
             if base == "int" and _is_other_integer(value):
                 found += f" (a numpy integer: pass int({name}))"  # it would reach the manifest's JSON as is

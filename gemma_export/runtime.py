@@ -1249,7 +1249,8 @@ def _integer_array(name: str, value) -> np.ndarray:
         return np.ascontiguousarray(array, dtype=np.int64)
     if kind == "f":
         with np.errstate(invalid="ignore"):
-            fractional = ~np.isfinite(array) | (array != np.trunc(array))  # NaN and ±inf are no whole numbers
+            # NaN, ±inf and what int64 cannot hold are no whole numbers here (a cast would wrap them)
+            fractional = ~np.isfinite(array) | (array != np.trunc(array)) | (np.abs(array) >= 2.0**63)
         if name != "input_ids" and not fractional.any():
             return np.ascontiguousarray(array, dtype=np.int64)
     found = f"{array.dtype}"

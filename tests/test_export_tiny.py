@@ -1983,6 +1983,8 @@ def test_a_kv_cache_step_refuses_inputs_onnxruntime_would_misread(tiny_int8_expo
             (([[9]], one, [[np.nan]]), GemmaExportError, r"position_ids must hold integers \(int64\), found float64 nan"),
             (([[9]], np.array([[1, 1, 1, np.inf]]), [[3]]), GemmaExportError,
              r"^KV cache: attention_mask must hold integers \(int64\), found float64 inf at \[0, 3\]$"),
+            (([[9]], one, [[1e20]]), GemmaExportError,  # int64 would wrap it to -2**63
+             r"^KV cache: position_ids must hold integers \(int64\), found float64 1e\+20 at \[0, 0\]$"),
             (([["a"]], one, [[3]]), GemmaExportError, r"^KV cache: input_ids must hold integers \(int64\), found <U1"),
             (([[-1]], one, [[3]]), FormatError, r"^KV cache: input_ids: token id -1 is outside the export's vocabulary \(0 to 95\)$"),
             (([[96]], one, [[3]]), FormatError, r"token id 96 is outside"),
@@ -2124,4 +2126,6 @@ def test_small_api_argument_checks_of_inspect_verify_and_export(tiny_int8_export
     with pytest.raises(ConfigError, match=r"^export\(\): symmetric must be True or False, found bool np\.True_ \(a numpy "
                                           r"bool: pass bool\(symmetric\)\)$"):
         export(tiny_dir, tmp_path / "x", "int4", symmetric=np.True_)
+    with pytest.raises(ConfigError, match=r"^export\(\): symmetric must be True or False, found int64 np\.int64\(1\)$"):
+        export(tiny_dir, tmp_path / "x", "int4", symmetric=np.int64(1))  # no bool hint for another numpy value
     assert not (tmp_path / "x").exists()
