@@ -660,7 +660,7 @@ class OnnxDecoder:
             raise ResourceError(f"teacher_forced_logits: {len(token_ids):,} rows of {self.vocab_size:,} float32 logits need "
                                 f"{need / 1e9:,.1f} GB, more than the {available / 1e9:,.1f} GB this machine has "
                                 "available; use teacher_forced_chunks")
-        ((_, rows),) = self.teacher_forced_chunks(token_ids, len(token_ids))  # one chunk: the whole matrix
+        ((_, rows),) = self._teacher_forced_rows(token_ids, len(token_ids))  # one chunk: the whole matrix, ids checked above
         return rows
 
     def teacher_forced_chunks(self, token_ids: Sequence[int], chunk: int = CHUNK_ROWS):
@@ -682,6 +682,10 @@ class OnnxDecoder:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
         self.check_length(len(token_ids))
         self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
+        yield from self._teacher_forced_rows(token_ids, chunk)
+
+    def _teacher_forced_rows(self, token_ids: Sequence[int], chunk: int):
+        # teacher_forced_chunks' rows, for ids its callers checked
         cache = KVCache(self, 1, max(1, len(token_ids)), max_step=1)
         rows = np.empty((min(chunk, len(token_ids)), self.vocab_size), np.float32)
         for start in range(0, len(token_ids), chunk):
