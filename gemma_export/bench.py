@@ -10,7 +10,9 @@ What is measured, in one process and in this order:
 2. for each prompt length (shortest first): a prefill of that many tokens of real text (ms), then
    ``new_tokens`` greedy decode steps through the KV cache (ms per step, with the context length);
 3. memory after the shortest prompt and its decode steps (the "session + a few decode steps" figure
-   of issue #2) and after everything (the 512-token prefill's working memory included);
+   of issue #2) and after everything (the 512-token prefill's working memory included), both once
+   each generation's KV cache is freed; and memory in use at each prompt's last step, its cache
+   live (the largest of these: read once per prompt, outside the timed steps);
 4. peak resident memory (``VmHWM``), archive size;
 5. the CPU time other processes took while 2. ran (``/proc/stat``), so that a run on a busy
    machine says so.
@@ -100,6 +102,10 @@ class BenchResult:
         anon_growth_short_bytes, rss_growth_short_bytes: growth of ``Anonymous`` and ``Rss``
             (``/proc/self/smaps_rollup``) over session creation, the shortest prompt and its steps.
         anon_growth_bytes, rss_growth_bytes: the same after every prompt length.
+        anon_in_use_bytes, rss_in_use_bytes: growth at the last decode step of the prompt where
+            ``Anonymous`` was largest, that generation's KV cache live (None: not measured). The
+            two figures above come after each cache is freed.
+        in_use_prompt_tokens: that prompt's length.
         peak_rss_bytes: the process's peak resident memory.
         text_source: where the prompts' text came from.
         board, board_memory_bytes: the ``--board`` and its memory budget (None without one).
@@ -155,6 +161,9 @@ class BenchResult:
     rss_tokenizer_bytes: int = 0
     machine: str = ""
     other_cpus: float | None = None
+    anon_in_use_bytes: int | None = None
+    rss_in_use_bytes: int | None = None
+    in_use_prompt_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -311,11 +320,20 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     timed: list[float] = []
     curve: list[tuple[int, float]] = []
     short = None
+    in_use = []  # growth at each prompt's last step, its KV cache live
+    picked: list[int] = []
+
+    def at_last_step(token: int) -> None:  # greedy's on_token, called outside the timed steps
+        picked.append(token)
+        if len(picked) == new_tokens + 1:
+            in_use.append((snapshot() - before, n))  # n: the prompt being decoded (the loop below)
+
     with OtherWork() as other:  # other processes' CPU use while the prompts and steps are timed
         for n in lengths:
+            picked.clear()
             # the prefill yields the first token, then ``new_tokens`` decode steps (step i at context n + i + 1)
             _, prefill_ms[n], decode_ms = decoder.greedy(ids[:n], new_tokens + 1, stop_ids=[],
-                                                         prefill_chunk=prefill_chunk)
+                                                         prefill_chunk=prefill_chunk, on_token=at_last_step)
             for step, ms in enumerate(decode_ms):
                 if step >= WARMUP_STEPS:
                     timed.append(ms)
@@ -325,6 +343,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
             if short is None:
                 short = snapshot() - before
     after = snapshot() - before
+    live, live_prompt = max(in_use, key=lambda m: m[0].anonymous_bytes) if in_use else (None, None)
     median = statistics.median(timed)
     p90 = float(np.percentile(timed, 90))
     peak = peak_rss_bytes()
@@ -338,6 +357,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
         prefill_ms=prefill_ms, decode_ms_median=median, decode_ms_p90=p90, tokens_per_s=1e3 / median,
         decode_curve=curve, anon_growth_short_bytes=short.anonymous_bytes, rss_growth_short_bytes=short.rss_bytes,
         anon_growth_bytes=after.anonymous_bytes, rss_growth_bytes=after.rss_bytes, peak_rss_bytes=peak,
+        anon_in_use_bytes=live.anonymous_bytes if live else None, rss_in_use_bytes=live.rss_bytes if live else None,
+        in_use_prompt_tokens=live_prompt,
         anon_libraries_bytes=libraries.anonymous_bytes, rss_libraries_bytes=libraries.rss_bytes,
         anon_tokenizer_bytes=tokenizer_memory.anonymous_bytes, rss_tokenizer_bytes=tokenizer_memory.rss_bytes,
         text_source=source, board=board, board_memory_bytes=spec.memory_bytes if spec else None,
@@ -526,6 +547,10 @@ def format_result(r: BenchResult) -> str:
         *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous "
            f"{r.anon_growth_bytes / 1e6:,.0f} MB ({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB "
            f"({r.rss_growth_bytes / a:.2f}x)"] if len(r.prefill_ms) > 1 else []),  # one prompt: the line above
+        *([f"in use           at the last step after the {r.in_use_prompt_tokens}-token prompt, its KV cache live: "
+           f"Anonymous {r.anon_in_use_bytes / 1e6:,.0f} MB ({r.anon_in_use_bytes / a:.2f}x), "
+           f"Rss {r.rss_in_use_bytes / 1e6:,.0f} MB ({r.rss_in_use_bytes / a:.2f}x)"]
+          if r.anon_in_use_bytes is not None else []),
         "libraries        " + (f"importing onnx and onnxruntime took Anonymous {r.anon_libraries_bytes / 1e6:,.0f} MB, "
                                f"Rss {r.rss_libraries_bytes / 1e6:,.0f} MB, before the baseline of the growth above"
                                if r.rss_libraries_bytes >= 1_000_000 else "onnx and onnxruntime were imported before this run"),

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import io
 import json
+import mmap
 import operator
 import os
 import re
@@ -1005,6 +1006,28 @@ def check_prefill_chunk(prefill_chunk: int | None) -> None:
                                f"at once), found {prefill_chunk}")
 
 
+def kv_buffer(shape: tuple[int, ...]) -> np.ndarray:
+    """A zero-filled float32 array of ``shape`` in a private anonymous memory map of its own
+    (``mmap.mmap(-1, …)``), for a :class:`KVCache` buffer.
+
+    Its pages are taken from the kernel when first written and go back when the array (and every
+    view of it) is freed. A heap array of this size (``np.empty``) may stay in glibc's heap once
+    freed: after a 512-token prompt and 128 steps of the real int8 export, the freed cache's 21.6 MB
+    did, and were Anonymous memory of the process until a trim (2026-12-07).
+
+    Raises:
+        ResourceError: the kernel refuses the map (``ENOMEM``).
+    """
+    count = int(np.prod(shape, dtype=np.int64))
+    # private: a shared map (mmap's default) would be shmem, counted under Rss but not Anonymous
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    try:
+        region = mmap.mmap(-1, max(count, 1) * 4, **private)
+    except OSError as exc:
+        raise ResourceError(f"KV cache: a buffer of {count * 4:,} bytes cannot be mapped ({exc.strerror or exc})") from None
+    return np.frombuffer(region, np.float32, count).reshape(shape)
+
+
 class KVCache:
     """The KV cache of one generation with an :class:`OnnxDecoder`, and the step that uses it.
 
@@ -1020,12 +1043,12 @@ class KVCache:
     step instead of the whole past, and their memory stops growing with the context (Gemma 3 270M at
     32,768 positions: 3 full layers × 64 MB, 15 sliding × 1.2 MB, against 18 × 64 MB). The logits
     are those of the whole cache: a dropped row is masked out by the window on every later step.
-    The first one-token step after a longer one (a prompt, or its last chunk) runs with
-    :data:`ARENA_SHRINKAGE` and then trims the heap, so the prompt's activation buffers, which
+    Every buffer is a memory map of its own (:func:`kv_buffer`): a buffer replaced by a drop, and
+    the whole cache when it is freed, go back to the kernel at once, and rows no step reached yet
+    take no memory. The first one-token step after a longer one (a prompt, or its last chunk) runs
+    with :data:`ARENA_SHRINKAGE` and then trims the heap, so the prompt's activation buffers, which
     onnxruntime's arena would otherwise keep for the session, go back to the kernel (55 MB after a
-    512-token prompt of the real int8 export; 2026-12-04). So does a step whose drop replaces the
-    sliding buffers by smaller ones (sized for a prompt's step before: 4.8 MB glibc kept after a
-    512-token prompt of the same export; 2026-12-07). Other graphs get the numpy round trip of
+    512-token prompt of the real int8 export; 2026-12-04). Other graphs get the numpy round trip of
     :meth:`OnnxDecoder.forward`.
 
     Args:
@@ -1094,22 +1117,20 @@ class KVCache:
         import onnxruntime as ort
 
         b, heads, d = self._shape
-        array = np.empty((b, heads, rows, d), np.float32)
+        array = kv_buffer((b, heads, rows, d))
         buffer = ort.OrtValue.ortvalue_from_numpy(array)  # the same memory, not a copy
         self._binding.bind_ortvalue_input(name, buffer)
         self._binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), buffer)
         self.arrays[name] = array  # our reference keeps the memory alive as long as the binding
         return array
 
-    def _drop_out_of_window_rows(self, past: int, seq: int) -> bool:
+    def _drop_out_of_window_rows(self, past: int, seq: int) -> None:
         # The sliding buffers hold positions sliding_start … past − 1; keep the last window − 1 of them
-        # (all a query of this or a later step can see), at the front of a buffer sized for this step.
-        # True when buffers were replaced by smaller ones (the first drop after a prompt's step): the
-        # step then trims the heap, where glibc would keep them (4.8 MB: real int8 export, 512-token prompt).
+        # (all a query of this or a later step can see), at the front of a buffer sized for this step
+        # (a replaced buffer's map is unmapped when `old` goes: nothing stays in the heap).
         held = past - self.sliding_start
         keep = min(held, self.sliding_window - 1)
         rows = self._rows(seq)
-        shrunk = False
         for name in self._sliding:
             old = self.arrays[name]
             kept = old[:, :, held - keep:held]
@@ -1117,9 +1138,7 @@ class KVCache:
                 old[:, :, :keep] = kept  # numpy copies overlapping ranges correctly
             else:
                 self._bind(name, rows)[:, :, :keep] = kept
-                shrunk = shrunk or rows < old.shape[2]
         self.sliding_start = past - keep
-        return shrunk
 
     def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
              out: np.ndarray | None = None) -> np.ndarray:
@@ -1200,7 +1219,6 @@ class KVCache:
         import onnxruntime as ort
 
         b = self._binding
-        shrunk = False
         if self._sliding:
             past = total - seq
             held = past - self.sliding_start
@@ -1208,7 +1226,7 @@ class KVCache:
             # held (e.g. after a long prompt in one step, so decode does not read it all again)
             rows = self.arrays[next(iter(self._sliding))].shape[2]
             if held + seq > rows or held > self.sliding_window - 1 + SLIDING_ROOM:
-                shrunk = self._drop_out_of_window_rows(past, seq)
+                self._drop_out_of_window_rows(past, seq)
             # an overridable initializer: IO binding takes it as an OrtValue only (bind_cpu_input
             # looks among the required inputs); the array backs the value until the next step
             self._start = np.asarray(self.sliding_start, np.int64)
@@ -1226,10 +1244,9 @@ class KVCache:
         self._after_prompt = seq > 1
         if release:  # the first decode step after a prompt: the prompt's activation memory goes back
             self.decoder.session.run_with_iobinding(b, _arena_shrinkage())
+            release_free_heap()
         else:
             self.decoder.session.run_with_iobinding(b)
-        if release or shrunk:  # ... and so do sliding buffers replaced by smaller ones
-            release_free_heap()
         self.positions = total
         if logits is not None:  # no copy and no get_outputs() (an OrtValue per bound output: 37 here)
             return logits

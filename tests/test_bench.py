@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -769,6 +770,11 @@ def test_the_summary_gives_each_growth_as_a_ratio_of_the_archive_and_the_boards_
                                  text_source="t", board="sl2610", board_memory_bytes=1_900_000_000)
     text = bench_module.format_result(r)
     assert "Anonymous 50 MB (0.50x archive), Rss 150 MB (1.50x)" in text
+    assert "in use" not in text  # not measured
+    live = bench_module.format_result(dataclasses.replace(r, anon_in_use_bytes=61_000_000, rss_in_use_bytes=172_000_000,
+                                                          in_use_prompt_tokens=16))
+    assert ("in use           at the last step after the 16-token prompt, its KV cache live: Anonymous 61 MB (0.61x), "
+            "Rss 172 MB (1.72x)") in live.splitlines()
     assert "board sl2610: peak leaves 0 MB of its 1.9 GB" in text  # all of it used: "leaves 0", not "exceeds by 0"
 
 
@@ -978,3 +984,26 @@ def test_bench_says_when_other_processes_took_cpu_time(tiny_int8_export, text_fi
     assert f"other work       other processes used 0.05 of the machine's {os.cpu_count()} CPUs while the prompts and " \
            "steps were timed" in quiet
     assert not any(x.startswith("other work") for x in bench_module.format_result(dataclasses.replace(r, other_cpus=None)).splitlines())
+
+
+def test_the_memory_in_use_is_read_after_each_prompts_last_step_with_its_cache_live(tiny_int8_export, text_file,
+                                                                                  monkeypatch):
+    """bench reads the growth in use once per prompt, after its last decode step (the KV cache then
+    holds the prompt and every step), and reports the prompt where it was largest. Here a fake
+    snapshot counts the steps run so far: 1 prompt step + 7 decode steps per prompt."""
+    from gemma_export import runtime
+    from gemma_export.memory import MemorySnapshot
+
+    steps = [0]
+    step = runtime.KVCache.step
+
+    def counted(self, *args, **kwargs):
+        steps[0] += 1
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.KVCache, "step", counted)
+    monkeypatch.setattr(bench_module, "snapshot", lambda: MemorySnapshot(rss_bytes=10 * steps[0], anonymous_bytes=1000 * steps[0]))
+    r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=7, text=text_file)
+    assert steps[0] == 16
+    assert (r.anon_in_use_bytes, r.rss_in_use_bytes, r.in_use_prompt_tokens) == (16_000, 160, 8)
+    assert r.anon_growth_short_bytes == 8_000  # the growth figures: after each generation

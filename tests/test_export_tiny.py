@@ -627,27 +627,42 @@ def test_greedy_decodes_into_one_logits_buffer(tiny_int8_export, monkeypatch):
     assert len({o for n, o in seen if n == 1}) == 1 and None not in {o for _, o in seen}
 
 
-def test_replacing_the_sliding_buffers_by_smaller_ones_trims_the_heap(tiny_int8_export, monkeypatch):
+def _map_of(array: np.ndarray):
+    # the object whose memory a KV buffer views (the end of its chain of bases)
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return array.obj if isinstance(array, memoryview) else array
+
+
+def test_a_replaced_sliding_buffer_goes_back_to_the_kernel_and_only_the_prompt_trims(tiny_int8_export, monkeypatch):
     """Sliding buffers sized for a prompt's step (here a chunk of 100: 105 rows) are replaced by
-    smaller ones at the first drop (5 + 64 rows), and that step gives the freed heap back, as the
-    first step after the prompt does; no other step trims."""
+    smaller ones at the first drop (5 + SLIDING_ROOM rows). Each buffer is a memory map of its own:
+    the replaced ones are unmapped at that step (nothing, not the binding, keeps them), so only the
+    first step after the prompt trims the heap."""
+    import mmap
+    import weakref
+
     from gemma_export import runtime
 
     decoder = OnnxDecoder(tiny_int8_export)
     assert decoder.sliding_window == 6
     trims: list[int] = []
     cache = runtime.KVCache(decoder, 1, 120, max_step=100)
+    assert all(isinstance(_map_of(a), mmap.mmap) for a in cache.arrays.values())
     monkeypatch.setattr(runtime, "release_free_heap", lambda: trims.append(cache.positions))
     ids = _ids(batch=1, seq=90, seed=3)
     cache.step(ids[:, :60], np.ones((1, 60), np.int64), np.arange(60)[None])
+    first = {name: weakref.ref(_map_of(a)) for name, a in cache.arrays.items()}
     rows = [cache.arrays["past_key_values.0.key"].shape[2]]
     for position in range(60, 90):
         cache.step(ids[:, position:position + 1], np.ones((1, position + 1), np.int64), np.full((1, 1), position))
         rows.append(cache.arrays["past_key_values.0.key"].shape[2])
+        if rows[-1] < 105:
+            break
     assert rows[0] == 105 and rows[-1] == 5 + runtime.SLIDING_ROOM
-    shrink = next(i for i, r in enumerate(rows) if r < 105)  # the decode step whose drop replaced the buffers
-    # trims recorded before each step's positions are updated: the first decode step's, then the shrinking one's
-    assert trims == [60, 60 + shrink - 1], (trims, rows)
+    gone = sorted(name for name, ref in first.items() if ref() is None)
+    assert gone == sorted(cache._sliding), gone  # the sliding layers' old maps, and only theirs
+    assert trims == [60], (trims, rows)  # trims recorded before the step's positions are updated
 
 
 @pytest.mark.parametrize("batch, steps", [(2, [1] * 200), (1, [37, 1, 1, 5, 80, *[1] * 77]), (2, [150, *[1] * 100])],

@@ -261,6 +261,29 @@ def test_peak_resident_memory_remembers_what_was_freed():
     assert int(done.stdout) >= 150_000_000, done.stderr
 
 
+def test_a_kv_buffer_is_anonymous_memory_once_written_and_none_once_freed():
+    """A KV-cache buffer (``runtime.kv_buffer``) takes memory as its rows are written, counts as
+    Anonymous (a shared map would be shmem: Rss only), and goes back to the kernel when freed,
+    without a heap trim."""
+    from gemma_export.runtime import kv_buffer
+
+    if memory.snapshot().anonymous_bytes == 0:
+        pytest.skip("no /proc/self/smaps_rollup here")
+    before = memory.snapshot()
+    buffer = kv_buffer((1, 2, 4096, 1024))  # 32 MiB of float32
+    assert buffer.shape == (1, 2, 4096, 1024) and buffer.dtype == np.float32 and buffer.flags.writeable
+    assert not buffer.any()  # zero-filled
+    buffer[:, :, :1024] = 1.0  # a quarter of the rows written
+    quarter = memory.snapshot() - before
+    assert 7 * MIB < quarter.anonymous_bytes < 10 * MIB, quarter
+    buffer[...] = 1.0
+    whole = memory.snapshot() - before
+    assert whole.anonymous_bytes > 31 * MIB and whole.rss_bytes > 31 * MIB, whole
+    del buffer
+    freed = memory.snapshot() - before
+    assert freed.anonymous_bytes < 2 * MIB, freed
+
+
 # Mutation review (thirteenth session)
 
 def test_a_snapshot_reads_rss_and_anonymous_into_their_own_fields(monkeypatch):
