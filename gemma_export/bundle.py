@@ -247,13 +247,13 @@ loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many 
 #: and from the heap, and how much the copy raises the peak (`bench --board sl2610 --prompt-tokens 512
 #: --new-tokens 128` on x86-64, the default exports of the real 270M)
 QUANTIZED_MEMORY_FIGURES = {
-    "int8": {"growth": "about 0.02 × the model after a short prompt and 0.11–0.12 × after a 512-token one, "
-                       "against 1.08 × and 1.17 × without it (the default int8 export on x86-64, 2026-12-05 and "
-                       "2026-12-06)",
+    "int8": {"growth": "about 0.02 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
+                       "with the KV cache in use, against 1.08 × and 1.15 × without it (the default int8 export on "
+                       "x86-64, 2026-12-05 and 2026-12-07)",
              "peak_rise": "90–185 MB"},
-    "int4": {"growth": "0.17–0.18 × the model after a 512-token prompt, against 1.37–1.39 × without it (the "
-                       "default int4 export on x86-64, three sessions on 2026-12-06; peak 657–658 MB with it, "
-                       "585 MB without)",
+    "int4": {"growth": "0.16 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
+                       "1.35 × without it (the default int4 export on x86-64, 2026-12-07; peak 651 MB with it, "
+                       "578 MB without)",
              "peak_rise": "about 70 MB"},
 }
 
