@@ -519,6 +519,7 @@ def format_result(r: BenchResult) -> str:
     """A human-readable summary of a ``BenchResult``."""
     a = r.archive_bytes
     steps = f" and its {r.new_tokens} decode steps" if r.new_tokens else ""
+    freed = ", the KV cache freed" if r.anon_in_use_bytes is not None else ""
     lines = [
         f"model            {r.model} ({a / 1e6:,.1f} MB archive, {r.threads} thread{'' if r.threads == 1 else 's'})",
         f"session creation {r.session_create_s:.2f} s",
@@ -541,15 +542,15 @@ def format_result(r: BenchResult) -> str:
                                                  ": these times are not this model's alone; measure again on an "
                                                  "idle machine, or compare ratios taken in one run")]
           if r.other_cpus is not None else []),
-        f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
+        f"memory growth    after the {min(r.prefill_ms)}-token prompt{steps}{freed}: Anonymous {r.anon_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.anon_growth_short_bytes / a:.2f}x archive), Rss {r.rss_growth_short_bytes / 1e6:,.0f} MB "
         f"({r.rss_growth_short_bytes / a:.2f}x)",
-        *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}: Anonymous "
+        *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}{freed}: Anonymous "
            f"{r.anon_growth_bytes / 1e6:,.0f} MB ({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB "
            f"({r.rss_growth_bytes / a:.2f}x)"] if len(r.prefill_ms) > 1 else []),  # one prompt: the line above
         *([f"in use           at the last step after the {r.in_use_prompt_tokens}-token prompt, its KV cache live: "
-           f"Anonymous {r.anon_in_use_bytes / 1e6:,.0f} MB ({r.anon_in_use_bytes / a:.2f}x), "
-           f"Rss {r.rss_in_use_bytes / 1e6:,.0f} MB ({r.rss_in_use_bytes / a:.2f}x)"]
+           f"Anonymous {r.anon_in_use_bytes / 1e6:,.1f} MB ({r.anon_in_use_bytes / a:.3f}x archive), "
+           f"Rss {r.rss_in_use_bytes / 1e6:,.1f} MB ({r.rss_in_use_bytes / a:.3f}x)"]
           if r.anon_in_use_bytes is not None else []),
         "libraries        " + (f"importing onnx and onnxruntime took Anonymous {r.anon_libraries_bytes / 1e6:,.0f} MB, "
                                f"Rss {r.rss_libraries_bytes / 1e6:,.0f} MB, before the baseline of the growth above"

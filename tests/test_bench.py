@@ -156,7 +156,7 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
     assert "measured on this machine" in bench_module.format_result(one)
     assert bench_module.format_result(one).endswith(f"({machine}), with 1 thread")
     assert figures["new_tokens"] == 6
-    assert "after the 5-token prompt and its 6 decode steps: Anonymous" in result.stdout  # what the growth covers
+    assert "after the 5-token prompt and its 6 decode steps, the KV cache freed: Anonymous" in result.stdout  # what the growth covers
 
 
 def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_file, monkeypatch):
@@ -773,8 +773,12 @@ def test_the_summary_gives_each_growth_as_a_ratio_of_the_archive_and_the_boards_
     assert "in use" not in text  # not measured
     live = bench_module.format_result(dataclasses.replace(r, anon_in_use_bytes=61_000_000, rss_in_use_bytes=172_000_000,
                                                           in_use_prompt_tokens=16))
-    assert ("in use           at the last step after the 16-token prompt, its KV cache live: Anonymous 61 MB (0.61x), "
-            "Rss 172 MB (1.72x)") in live.splitlines()
+    assert ("in use           at the last step after the 16-token prompt, its KV cache live: Anonymous 61.0 MB "
+            "(0.610x archive), Rss 172.0 MB (1.720x)") in live.splitlines()
+    # three decimals: 1.1535 x is not shown as the 1.15 x it exceeds
+    over = bench_module.format_result(dataclasses.replace(r, anon_in_use_bytes=115_350_000, rss_in_use_bytes=0,
+                                                          in_use_prompt_tokens=16))
+    assert "Anonymous 115.3 MB (1.153x archive)" in over
     assert "board sl2610: peak leaves 0 MB of its 1.9 GB" in text  # all of it used: "leaves 0", not "exceeds by 0"
 
 

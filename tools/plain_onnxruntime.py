@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import mmap
 import os
 import sys
 from pathlib import Path
@@ -185,7 +186,13 @@ def shared_step(model: Model, capacity: int, max_step: int):
         return min(capacity, model.window - 1 + max(step_len, SLIDING_ROOM))
 
     def bind(name: str, rows: int) -> np.ndarray:
-        array = np.zeros((1, model.kv_shape[0], rows, model.kv_shape[1]), np.float32)
+        # a private anonymous map of its own: a replaced buffer, and the cache after the generation,
+        # go back to the kernel when freed (a heap array may stay in glibc's heap; a shared map,
+        # mmap's default, would be shmem, outside the process's Anonymous memory)
+        count = model.kv_shape[0] * rows * model.kv_shape[1]
+        private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+        array = np.frombuffer(mmap.mmap(-1, count * 4, **private), np.float32, count).reshape(
+            1, model.kv_shape[0], rows, model.kv_shape[1])
         value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the array's memory
         binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(name.replace("past_key_values.", "present.", 1), value)
