@@ -325,8 +325,8 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
 
     def at_last_step(token: int) -> None:  # greedy's on_token, called outside the timed steps
         picked.append(token)
-        if len(picked) == new_tokens + 1:
-            in_use.append((snapshot() - before, n))  # n: the prompt being decoded (the loop below)
+        if len(picked) == new_tokens + 1 and (now := snapshot()).rss_bytes:  # Rss 0: no /proc to read
+            in_use.append((now - before, n))  # n: the prompt being decoded (the loop below)
 
     with OtherWork() as other:  # other processes' CPU use while the prompts and steps are timed
         for n in lengths:
@@ -548,7 +548,8 @@ def format_result(r: BenchResult) -> str:
         *([f"                 after all prompts{' and their steps' if r.new_tokens else ''}{freed}: Anonymous "
            f"{r.anon_growth_bytes / 1e6:,.0f} MB ({r.anon_growth_bytes / a:.2f}x), Rss {r.rss_growth_bytes / 1e6:,.0f} MB "
            f"({r.rss_growth_bytes / a:.2f}x)"] if len(r.prefill_ms) > 1 else []),  # one prompt: the line above
-        *([f"in use           at the last step after the {r.in_use_prompt_tokens}-token prompt, its KV cache live: "
+        *([f"in use           at the last step after the {r.in_use_prompt_tokens}-token prompt, its KV cache live"
+           + (" (the largest of the prompts')" if len(r.prefill_ms) > 1 else "") + ": "
            f"Anonymous {r.anon_in_use_bytes / 1e6:,.1f} MB ({r.anon_in_use_bytes / a:.3f}x archive), "
            f"Rss {r.rss_in_use_bytes / 1e6:,.1f} MB ({r.rss_in_use_bytes / a:.3f}x)"]
           if r.anon_in_use_bytes is not None else []),

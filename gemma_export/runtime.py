@@ -16,10 +16,12 @@ import dataclasses
 import functools
 import io
 import json
+import math
 import mmap
 import operator
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -1010,21 +1012,28 @@ def kv_buffer(shape: tuple[int, ...]) -> np.ndarray:
     """A zero-filled float32 array of ``shape`` in a private anonymous memory map of its own
     (``mmap.mmap(-1, …)``), for a :class:`KVCache` buffer.
 
-    Its pages are taken from the kernel when first written and go back when the array (and every
-    view of it) is freed. A heap array of this size (``np.empty``) may stay in glibc's heap once
-    freed: after a 512-token prompt and 128 steps of the real int8 export, the freed cache's 21.6 MB
-    did, and were Anonymous memory of the process until a trim (2026-12-07).
+    Its pages are taken from the kernel when first written (per 4 KiB page, or per 2 MiB where
+    transparent huge pages are on for all memory) and go back when the array (and every view of it)
+    is freed. A heap array of this size (``np.empty``) may stay in glibc's heap once freed: after a
+    512-token prompt and 128 steps of the real int8 export, the freed cache's 21.6 MB did, and were
+    Anonymous memory of the process until a trim (2026-12-07).
 
     Raises:
-        ResourceError: the kernel refuses the map (``ENOMEM``).
+        ResourceError: the buffer is larger than this platform can address, or the kernel refuses
+            the map (``ENOMEM``).
     """
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # Python ints: no int64 wrap-around
+    size = max(count, 1) * 4
+    if size > sys.maxsize:
+        raise ResourceError(f"KV cache: a buffer of {size:,} bytes is more than this platform can address "
+                            f"({sys.maxsize:,}); ask for fewer sequences or tokens")
     # private: a shared map (mmap's default) would be shmem, counted under Rss but not Anonymous
     private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
     try:
-        region = mmap.mmap(-1, max(count, 1) * 4, **private)
-    except OSError as exc:
-        raise ResourceError(f"KV cache: a buffer of {count * 4:,} bytes cannot be mapped ({exc.strerror or exc})") from None
+        region = mmap.mmap(-1, size, **private)
+    except (OSError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ResourceError(f"KV cache: a buffer of {size:,} bytes cannot be mapped ({reason})") from None
     return np.frombuffer(region, np.float32, count).reshape(shape)
 
 
@@ -1044,7 +1053,7 @@ class KVCache:
     32,768 positions: 3 full layers × 64 MB, 15 sliding × 1.2 MB, against 18 × 64 MB). The logits
     are those of the whole cache: a dropped row is masked out by the window on every later step.
     Every buffer is a memory map of its own (:func:`kv_buffer`): a buffer replaced by a drop, and
-    the whole cache when it is freed, go back to the kernel at once, and rows no step reached yet
+    the whole cache when it is freed, go back to the kernel at once, and pages no step wrote yet
     take no memory. The first one-token step after a longer one (a prompt, or its last chunk) runs
     with :data:`ARENA_SHRINKAGE` and then trims the heap, so the prompt's activation buffers, which
     onnxruntime's arena would otherwise keep for the session, go back to the kernel (55 MB after a

@@ -992,11 +992,22 @@ def test_bench_says_when_other_processes_took_cpu_time(tiny_int8_export, text_fi
 
 def test_the_memory_in_use_is_read_after_each_prompts_last_step_with_its_cache_live(tiny_int8_export, text_file,
                                                                                   monkeypatch):
-    """bench reads the growth in use once per prompt, after its last decode step (the KV cache then
-    holds the prompt and every step), and reports the prompt where it was largest. Here a fake
-    snapshot counts the steps run so far: 1 prompt step + 7 decode steps per prompt."""
+    """bench reads the growth in use once per prompt, after its last decode step, while that
+    generation's KV cache is alive, and reports the prompt where it was largest; its other growth
+    figures come after each cache is freed. Here a fake snapshot counts the bytes of the KV buffers
+    alive and the steps run (1 prompt step + 7 decode steps per prompt)."""
+    import weakref
+
     from gemma_export import runtime
     from gemma_export.memory import MemorySnapshot
+
+    buffers: list = []
+    make = runtime.kv_buffer
+
+    def recorded(shape):
+        array = make(shape)
+        buffers.append((weakref.ref(array), array.nbytes))
+        return array
 
     steps = [0]
     step = runtime.KVCache.step
@@ -1005,9 +1016,27 @@ def test_the_memory_in_use_is_read_after_each_prompts_last_step_with_its_cache_l
         steps[0] += 1
         return step(self, *args, **kwargs)
 
+    def fake_snapshot():
+        live = sum(nbytes for ref, nbytes in buffers if ref() is not None)
+        return MemorySnapshot(rss_bytes=1 + steps[0], anonymous_bytes=live)
+
+    monkeypatch.setattr(runtime, "kv_buffer", recorded)
     monkeypatch.setattr(runtime.KVCache, "step", counted)
-    monkeypatch.setattr(bench_module, "snapshot", lambda: MemorySnapshot(rss_bytes=10 * steps[0], anonymous_bytes=1000 * steps[0]))
+    monkeypatch.setattr(bench_module, "snapshot", fake_snapshot)
     r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4, 8), new_tokens=7, text=text_file)
-    assert steps[0] == 16
-    assert (r.anon_in_use_bytes, r.rss_in_use_bytes, r.in_use_prompt_tokens) == (16_000, 160, 8)
-    assert r.anon_growth_short_bytes == 8_000  # the growth figures: after each generation
+    assert steps[0] == 16 and len(buffers) >= 2 * 4  # two generations of 4 layers' key and value buffers
+    second = sum(nbytes for _, nbytes in buffers[len(buffers) // 2:])  # the 8-token prompt's cache, no drop here
+    assert (r.anon_in_use_bytes, r.rss_in_use_bytes, r.in_use_prompt_tokens) == (second, 16, 8)
+    assert r.anon_growth_short_bytes == r.anon_growth_bytes == 0  # each cache freed when its generation ended
+    assert "its KV cache live (the largest of the prompts'): Anonymous" in bench_module.format_result(r)
+
+
+def test_a_figure_bench_could_not_read_is_none_not_zero(tiny_int8_export, text_file, monkeypatch):
+    """Without /proc/self/smaps_rollup (snapshots of zeros) the memory in use is not measured: None,
+    and no "in use" line."""
+    from gemma_export import memory
+
+    monkeypatch.setattr(memory, "_kb_fields", lambda path: {})
+    r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4,), new_tokens=5, text=text_file)
+    assert (r.anon_in_use_bytes, r.rss_in_use_bytes, r.in_use_prompt_tokens) == (None, None, None)
+    assert "in use" not in bench_module.format_result(r)

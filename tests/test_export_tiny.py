@@ -665,6 +665,25 @@ def test_a_replaced_sliding_buffer_goes_back_to_the_kernel_and_only_the_prompt_t
     assert trims == [60], (trims, rows)  # trims recorded before the step's positions are updated
 
 
+def test_greedy_keeps_its_kv_buffers_while_it_decodes_and_frees_them_when_it_returns(tiny_int8_export, monkeypatch):
+    """Every map a generation's cache made is alive at its last token and gone (unmapped) once
+    ``greedy`` returns: nothing keeps a finished generation's cache."""
+    import weakref
+
+    from gemma_export import runtime
+
+    made: list = []
+    make = runtime.kv_buffer
+    monkeypatch.setattr(runtime, "kv_buffer", lambda shape: made.append(weakref.ref(_map_of(a := make(shape)))) or a)
+    decoder = OnnxDecoder(tiny_int8_export)
+    alive_at_last: list[int] = []
+    new_ids, _, _ = decoder.greedy([2, 17, 33, 52], 6, stop_ids=[],
+                                   on_token=lambda t: alive_at_last.append(sum(ref() is not None for ref in made)))
+    assert len(new_ids) == 6 and len(made) == 2 * decoder.num_hidden_layers
+    assert alive_at_last == [len(made)] * 6
+    assert [ref() for ref in made] == [None] * len(made)
+
+
 @pytest.mark.parametrize("batch, steps", [(2, [1] * 200), (1, [37, 1, 1, 5, 80, *[1] * 77]), (2, [150, *[1] * 100])],
                          ids=["one-by-one", "mixed", "long-prompt"])
 def test_sliding_layers_drop_rows_outside_the_window(tiny_model, fp32_all, batch, steps):

@@ -264,24 +264,49 @@ def test_peak_resident_memory_remembers_what_was_freed():
 def test_a_kv_buffer_is_anonymous_memory_once_written_and_none_once_freed():
     """A KV-cache buffer (``runtime.kv_buffer``) takes memory as its rows are written, counts as
     Anonymous (a shared map would be shmem: Rss only), and goes back to the kernel when freed,
-    without a heap trim."""
-    from gemma_export.runtime import kv_buffer
+    without a heap trim. The case where a heap array would not: glibc's mmap threshold raised by
+    freeing a 24 MiB array, then an 8 MiB buffer (``np.empty`` left 7.7 MiB in the heap). A fresh
+    process, so that no earlier test's heap is reused; huge pages off for the map, so that a quarter
+    written is a quarter resident."""
+    import json
+    import subprocess
+    import sys
 
     if memory.snapshot().anonymous_bytes == 0:
         pytest.skip("no /proc/self/smaps_rollup here")
-    before = memory.snapshot()
-    buffer = kv_buffer((1, 2, 4096, 1024))  # 32 MiB of float32
-    assert buffer.shape == (1, 2, 4096, 1024) and buffer.dtype == np.float32 and buffer.flags.writeable
-    assert not buffer.any()  # zero-filled
-    buffer[:, :, :1024] = 1.0  # a quarter of the rows written
-    quarter = memory.snapshot() - before
-    assert 7 * MIB < quarter.anonymous_bytes < 10 * MIB, quarter
-    buffer[...] = 1.0
-    whole = memory.snapshot() - before
-    assert whole.anonymous_bytes > 31 * MIB and whole.rss_bytes > 31 * MIB, whole
-    del buffer
-    freed = memory.snapshot() - before
-    assert freed.anonymous_bytes < 2 * MIB, freed
+    code = """
+import json, mmap
+import numpy as np
+from gemma_export import memory
+from gemma_export.runtime import kv_buffer
+big = np.ones(3 << 20)  # 24 MiB: glibc maps it apart, and freeing it raises its mmap threshold
+big[::512] = 2.0
+del big
+before = memory.snapshot()
+buffer = kv_buffer((1, 2, 1024, 1024))  # 8 MiB of float32
+region = buffer
+while isinstance(region, np.ndarray):
+    region = region.base
+region = region.obj if isinstance(region, memoryview) else region
+if isinstance(region, mmap.mmap) and hasattr(mmap, "MADV_NOHUGEPAGE"):
+    region.madvise(mmap.MADV_NOHUGEPAGE)
+del region
+facts = [list(buffer.shape), str(buffer.dtype), buffer.flags.writeable, bool(buffer.any())]
+buffer[:, :, :256] = 1.0  # a quarter of the rows written
+quarter = memory.snapshot() - before
+buffer[...] = 1.0
+whole = memory.snapshot() - before
+del buffer
+freed = memory.snapshot() - before
+print(json.dumps([facts, quarter.anonymous_bytes, whole.anonymous_bytes, whole.rss_bytes, freed.anonymous_bytes]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    facts, quarter, whole, whole_rss, freed = json.loads(done.stdout)
+    assert facts == [[1, 2, 1024, 1024], "float32", True, False]  # writeable and zero-filled
+    assert 1.5 * MIB < quarter < 3 * MIB, quarter
+    assert whole > 7.5 * MIB and whole_rss > 7.5 * MIB, (whole, whole_rss)
+    assert freed < 1 * MIB, freed
 
 
 # Mutation review (thirteenth session)
