@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,6 +148,15 @@ def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int
     (lambda m: m["config"].pop("head_dim"), "{manifest}: field 'config.head_dim' is missing"),
     (lambda m: m["config"].update(max_position_embeddings=40),
      "{model}: 97 prompt tokens and 4 new ones take 100 positions, more than the model's max_position_embeddings 40"),
+    # a tester's hand edits: a traceback, onnxruntime's own errors, or a message without the field
+    (lambda m: m["config"].update(num_hidden_layers="x"),
+     "{manifest}: field 'config.num_hidden_layers' must be an integer >= 1, found \"x\""),
+    (lambda m: m["config"].update(eos_token_id=None),
+     "{manifest}: field 'config.eos_token_id' must be a token id or a non-empty list of them, found null"),
+    (lambda m: m["config"].update(num_hidden_layers=3, layer_types=m["config"]["layer_types"][:3]),
+     "{manifest}: field 'config.num_hidden_layers' is 3, but {model}/model.onnx has 4 layers' past_key_values inputs"),
+    (lambda m: m["config"].update(num_hidden_layers=5),
+     "{manifest}: field 'config.layer_types' has 4 entries, 'config.num_hidden_layers' is 5"),
 ])
 def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export, tmp_path, capsys, edit, message):
     """Probe findings: a manifest without config printed "error: DIR: 'config'", and a run past
@@ -222,3 +232,44 @@ def test_the_script_prints_the_text_generate_shows(tiny_int8_export, tmp_path, c
     capsys.readouterr()
     assert plain.main(["--model", str(model), "--prompt", "the fox", "--max-new-tokens", "30"]) == 0
     assert capsys.readouterr().out == "the fox" + result.text + "\n"
+
+
+def test_a_tokenizer_it_cannot_read_is_named(tiny_int8_export, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    text = (model / "tokenizer.json").read_text()
+    (model / "tokenizer.json").write_text(text[:len(text) // 2])
+    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {model / 'tokenizer.json'}: not a tokenizer the tokenizers library reads (")
+    assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--json", "/proc/version"], "error: /proc/version: cannot write in /proc ("),
+    (["--json", "/proc/ids.json"], "error: /proc/ids.json: cannot write in /proc ("),
+])
+def test_a_json_file_its_folder_cannot_take_is_refused_before_the_run(tiny_int8_export, capsys, monkeypatch, args, message):
+    """A tester's finding: /proc/version (0 bytes, like an empty record) passed the check and the write
+    failed after the generation."""
+    if not Path("/proc/version").exists():
+        pytest.skip("no /proc here")
+    monkeypatch.setattr(plain, "Model", lambda *a, **k: pytest.fail("the model was loaded before --json was checked"))
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", *args]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, message", [(["--json", ""], "--json: empty"), (["--model", ""], "--model: empty")])
+def test_empty_paths_are_refused_not_read_as_the_current_folder(tiny_int8_export, capsys, args, message):
+    argv = ["--model", str(tiny_int8_export), "--prompt", "a", *args]
+    with pytest.raises(SystemExit) as exit_:
+        plain.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_help_shows_the_usage_examples(capsys):
+    with pytest.raises(SystemExit):
+        plain.main(["--help"])
+    out = capsys.readouterr().out
+    assert "python tools/plain_onnxruntime.py --model gemma-3-270m-onnx-int8 --prompt" in out and "--mode" in out

@@ -457,3 +457,298 @@ def test_the_side_by_side_run_ends_with_other_processes_cpu_use_per_system():
                                                         "llama.cpp Q8_0 2.50, ours int8 0.50")
     assert bench_side_by_side.other_work_line({"x": {"other_cpus": None}}) == \
         "other processes' CPU use: not measured here (no /proc/stat)"
+
+
+# tools, part A (nineteenth session) ------------------------------------------------------------------
+# make_reference_export.py, bench_export.py, bench_inspect.py, genai_anchor.py and jax_reference.py:
+# bad output paths refused up front naming the option, both reference files or neither, the child's
+# own error line, and genai_anchor's derived folders, cleanup, damaged kept folder and versions.
+
+
+def _slow_work_refused(*_args, **_kwargs):
+    raise AssertionError("the slow work started")
+
+
+def _main_refuses(module, monkeypatch, capsys, argv: list[str]) -> str:
+    """Run ``module.main()`` with ``argv``; it must stop with argparse's status 2, before any work.
+    Returns its last stderr line."""
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def _no_reference_work(monkeypatch):
+    import jax_reference
+
+    import gemma_export.quality
+    import gemma_export.sources
+
+    monkeypatch.setattr(gemma_export.sources, "open_source", _slow_work_refused)
+    monkeypatch.setattr(gemma_export.quality, "transformers_model", _slow_work_refused)
+    monkeypatch.setattr(jax_reference, "write_jax_reference", _slow_work_refused)
+
+
+def test_make_reference_export_refuses_a_folder_named_like_its_output_before_the_work(tmp_path, monkeypatch):
+    # it ran ~19 s, then failed on a temporary path with the new archive already moved in
+    import make_reference_export
+
+    from gemma_export.errors import GemmaExportError
+
+    out = tmp_path / "R"
+    (out / "gemma.mlir").mkdir(parents=True)
+    (out / "gemma.mlir" / "inner").write_text("keep")
+    (out / "gemma.safetensors").write_text("OLD")
+    _no_reference_work(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["make_reference_export.py", "--out", str(out), "--dtype", "int8"])
+    with pytest.raises(GemmaExportError, match=f"^--out {out}: {out / 'gemma.mlir'} is a folder; expected a file"):
+        make_reference_export.main()
+    assert (out / "gemma.safetensors").read_text() == "OLD" and (out / "gemma.mlir" / "inner").read_text() == "keep"
+    assert sorted(os.listdir(out)) == ["gemma.mlir", "gemma.safetensors"]
+
+
+@pytest.mark.parametrize("old", [True, False])
+def test_make_reference_export_keeps_the_old_pair_when_the_second_file_cannot_move_in(tmp_path, monkeypatch, old):
+    import jax_reference
+    import make_reference_export
+
+    import gemma_export.quality
+    import gemma_export.sources
+
+    out = tmp_path / "ref"
+    if old:
+        out.mkdir()
+        (out / "gemma.mlir").write_text("old mlir")
+        (out / "gemma.safetensors").write_text("old archive")
+
+    def write(model, folder, dtype):
+        (folder / "gemma.mlir").write_text("new mlir")
+        (folder / "gemma.safetensors").write_text("new archive")
+        return folder / "gemma.mlir"
+
+    def refused(move):  # the .mlir's move from the scratch folder fails (as a folder of its name made it)
+        def moved(src, dst, *a, **k):
+            if Path(src).name == "gemma.mlir" and Path(src).parent.name.startswith(".reference-export-"):
+                raise OSError(5, "Input/output error", str(dst))
+            return move(src, dst, *a, **k)
+        return moved
+
+    monkeypatch.setattr(gemma_export.sources, "open_source", lambda source: None)
+    monkeypatch.setattr(gemma_export.quality, "transformers_model", lambda checkpoint: None)
+    monkeypatch.setattr(jax_reference, "write_jax_reference", write)
+    monkeypatch.setattr(os, "replace", refused(os.replace))
+    monkeypatch.setattr(os, "rename", refused(os.rename))
+    monkeypatch.setattr(sys, "argv", ["make_reference_export.py", "--out", str(out)])
+    with pytest.raises(OSError, match="Input/output error"):
+        make_reference_export.main()
+    if old:  # the old pair, nothing else: no new archive beside the old .mlir
+        assert (out / "gemma.mlir").read_text() == "old mlir"
+        assert (out / "gemma.safetensors").read_text() == "old archive"
+        assert sorted(os.listdir(out)) == ["gemma.mlir", "gemma.safetensors"]
+    else:  # the folder this run made goes, with no new archive alone in it
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("out, found", [
+    ("/proc", "/proc: expected a folder that takes new files; it refuses them"),
+    ("/proc/x", "/proc/x: expected a folder that can be created; /proc refuses new entries"),
+    ("{tmp}/a-file/sub", "a-file/sub: expected a folder that can be created, but {tmp}/a-file is a file"),
+])
+def test_make_reference_export_checks_that_out_takes_new_files_first(tmp_path, monkeypatch, capsys, out, found):
+    # --out /proc ran 10.9 s and named a temporary path; /sys/kernel blamed /sys, "written beside it"
+    import make_reference_export
+
+    (tmp_path / "a-file").write_text("x")
+    _no_reference_work(monkeypatch)
+    line = _main_refuses(make_reference_export, monkeypatch, capsys, ["--out", out.format(tmp=tmp_path)])
+    assert line.startswith("make_reference_export.py: error: argument --out: ") and found.format(tmp=tmp_path) in line
+    assert os.listdir(tmp_path) == ["a-file"]
+
+
+@pytest.mark.skipif(not Path("/usr/bin/time").exists(), reason="needs GNU time")
+def test_bench_export_reports_the_exports_own_error_not_gnu_times_figure(tmp_path, monkeypatch):
+    # the last stderr line was GNU time's %M (a number), not the child's `error: ...`
+    import bench_export
+
+    from gemma_export.errors import GemmaExportError
+
+    (tmp_path / "int4").write_text("a file where the export's folder goes")
+    monkeypatch.setattr(sys, "argv", ["bench_export.py", "--dtypes", "int4", "--workdir", str(tmp_path)])
+    with pytest.raises(GemmaExportError) as failed:
+        bench_export.main()
+    assert str(failed.value).endswith(f"failed (exit 2): error: {tmp_path / 'int4' / 'model'}: cannot create the "
+                                      f"export folder: {tmp_path / 'int4'} is a file, not a folder"), failed.value
+    assert os.listdir(tmp_path) == ["int4"]
+
+
+@pytest.mark.parametrize("script", ["bench_export", "bench_inspect"])
+@pytest.mark.parametrize("workdir, found", [
+    ("/proc", "/proc: expected a folder that takes new files; it refuses them (No such file or directory)"),
+    ("/proc/x", "/proc/x: expected a folder that can be created; /proc refuses new entries (No such file or "
+                "directory)"),
+])
+def test_bench_scripts_check_their_workdir_first(monkeypatch, capsys, script, workdir, found):
+    # bench_export: "error: /proc/x: No such file or directory"; bench_inspect wrote "writing
+    # /proc/table-three-times.safetensors ..." and a traceback after building 1.18 GB of arrays
+    import importlib
+
+    module = importlib.import_module(script)
+    if script == "bench_inspect":
+        monkeypatch.setattr(module, "write_archive", _slow_work_refused)
+    else:
+        monkeypatch.setattr(module, "_run", _slow_work_refused)
+    line = _main_refuses(module, monkeypatch, capsys, ["--workdir", workdir])
+    assert line == f"{script}.py: error: argument --workdir: {found}"
+
+
+def _fake_genai_python(folder: Path, versions: str = "0.15.2 4.57.1", builder: str = "exit 1") -> Path:
+    """A stand-in for the venv's python: the probe prints PROBE_OK and ``versions``; the builder
+    (``-m builder -i HF -o OUT -p P -e cpu -c CACHE``) logs its arguments, then runs ``builder``."""
+    import genai_anchor
+
+    fake = folder / "python"
+    fake.write_text("#!/bin/sh\n"
+                    f"if [ \"$1\" = -c ]; then touch '{folder}/probed'; echo '{genai_anchor.PROBE_OK} {versions}'; "
+                    "exit 0; fi\n"
+                    f"echo \"$@\" > '{folder}/builder-args'\n"
+                    f"{builder}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+def _complete_hf(folder: Path, cut: int = 0) -> Path:
+    import genai_anchor
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    save_file({"w": np.arange(64, dtype=np.float32)}, str(folder / "model.safetensors"))
+    if cut:
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[:-cut])
+    (folder / genai_anchor.COMPLETE_MARKER).write_text("")
+    return folder
+
+
+def test_genai_anchor_resolves_out_so_its_derived_folders_are_siblings(tmp_path, monkeypatch):
+    # --out . made the names "-hf" and "-cache" (args.out.name was ""): a 1.1 GB "-hf/" inside
+    import genai_anchor
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools, builder='mkdir -p "$6" && echo {} > "$6/genai_config.json"')
+    (tmp_path / "work").mkdir()
+    _complete_hf(tmp_path / "work-hf")
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
+    monkeypatch.chdir(tmp_path / "work")
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", "."])
+    genai_anchor.main()
+    args = (tools / "builder-args").read_text().split()
+    assert args[args.index("-i") + 1] == str(tmp_path / "work-hf")
+    assert args[args.index("-o") + 1] == str(tmp_path / "work")
+    assert args[args.index("-c") + 1] == str(tmp_path / "work-cache")
+    assert os.listdir(tmp_path / "work") == ["genai_config.json"]
+
+
+@pytest.mark.parametrize("out, found", [
+    ("/proc/x", "/proc/x: expected a folder that can be created; /proc refuses new entries"),
+    ("{tmp}/emptyfile/sub", "emptyfile/sub: expected a folder that can be created, but {tmp}/emptyfile is a file"),
+    ("{tmp}/o2", "o2: the transformers folder is written beside it, and {tmp}/o2-hf: is a file, expected a folder"),
+    ("{tmp}/o3", "o3: the builder's cache is written beside it, and {tmp}/o3-cache: is a file, expected a folder"),
+])
+def test_genai_anchor_checks_out_and_its_derived_folders_before_the_probe(tmp_path, monkeypatch, capsys, out, found):
+    # the errors named the derived "-hf" path, after the ~4 s probe (and /proc/x-hf after writing nothing)
+    import genai_anchor
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools)
+    for name in ("emptyfile", "o2-hf", "o3-cache"):
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
+    line = _main_refuses(genai_anchor, monkeypatch, capsys, ["--python", str(fake), "--out", out.format(tmp=tmp_path)])
+    assert line.startswith("genai_anchor.py: error: argument --out: ") and found.format(tmp=tmp_path) in line, line
+    assert not (tools / "probed").exists()
+    assert sorted(os.listdir(tmp_path)) == ["emptyfile", "o2-hf", "o3-cache", "tools"]
+
+
+def test_genai_anchor_removes_what_it_created_when_the_builder_fails(tmp_path, monkeypatch):
+    # empty g/ and g-cache/ were left behind; a complete g-hf/ stays for the next try
+    import genai_anchor
+
+    from gemma_export.errors import GemmaExportError
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools, builder='mkdir -p "$6" "${12}"; exit 1')
+    _complete_hf(tmp_path / "g-hf")
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", str(tmp_path / "g")])
+    with pytest.raises(GemmaExportError, match="builder failed"):
+        genai_anchor.main()
+    assert sorted(os.listdir(tmp_path)) == ["g-hf", "tools"]
+
+
+def test_genai_anchor_removes_the_transformers_folder_it_did_not_complete(tmp_path, monkeypatch):
+    import genai_anchor
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools)
+
+    def interrupted(folder):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"part of 1 GB")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", interrupted)
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", str(tmp_path / "g")])
+    with pytest.raises(KeyboardInterrupt):
+        genai_anchor.main()
+    assert os.listdir(tmp_path) == ["tools"]
+
+
+@pytest.mark.parametrize("cut", [0, 40])
+def test_genai_anchor_writes_a_damaged_kept_folder_again(tmp_path, monkeypatch, capsys, cut):
+    # a g-hf/ marked complete with a truncated model.safetensors was reused, and every retry failed alike
+    import genai_anchor
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools, builder='mkdir -p "$6" && echo {} > "$6/genai_config.json"')
+    hf = _complete_hf(tmp_path / "g-hf", cut=cut)
+    rewritten = []
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", lambda folder: rewritten.append(folder) or folder)
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", str(tmp_path / "g")])
+    genai_anchor.main()
+    assert rewritten == ([hf] if cut else [])
+    assert ("is damaged" in capsys.readouterr().err) == bool(cut)
+
+
+def test_genai_anchor_refuses_a_python_with_transformers_5_before_writing(tmp_path, monkeypatch):
+    import genai_anchor
+
+    from gemma_export.errors import GemmaExportError
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = _fake_genai_python(tools, versions="0.18.0 5.0.0")
+    monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", str(tmp_path / "g")])
+    with pytest.raises(GemmaExportError, match=rf"^--python {fake}: has onnxruntime-genai 0.18.0 with transformers "
+                                               r"5.0.0; its builder fails on transformers 5 configs"):
+        genai_anchor.main()
+    assert sorted(os.listdir(tools)) == ["probed", "python"] and os.listdir(tmp_path) == ["tools"]
+
+
+def test_jax_reference_help_is_help_and_other_arguments_an_error():
+    import subprocess
+
+    helped = subprocess.run([sys.executable, str(TOOLS / "jax_reference.py"), "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "run tools/make_reference_export.py --help" in helped.stdout, helped
+    for argv in (["-h"], ["--out", "x"]):
+        done = subprocess.run([sys.executable, str(TOOLS / "jax_reference.py"), *argv], capture_output=True, text=True)
+        if argv == ["-h"]:
+            assert done.returncode == 0
+        else:
+            assert done.returncode == 2 and done.stderr.startswith("error: tools/jax_reference.py is a module")

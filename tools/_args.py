@@ -260,3 +260,27 @@ def run(main: Callable[[], int | None]) -> None:
         print("error: interrupted", file=sys.stderr)
         sys.exit(130)
     sys.exit(status or 0)
+
+
+def writable_dir(value: str) -> Path:
+    """A folder to write files into (:func:`new_dir`), checked before any work: an existing folder
+    that takes new files, or a new path whose nearest existing parent is a folder that does
+    (:func:`~gemma_export.staging.entry_refused`: /proc, a read-only mount, permissions).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the path, what was expected and what was found.
+    """
+    from gemma_export.staging import entry_refused
+
+    path = new_dir(value)
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # "/" at the latest
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created, but {existing} is a file")
+    reason = entry_refused(existing)
+    if reason is not None:
+        if existing == path.absolute():
+            raise argparse.ArgumentTypeError(f"{path}: expected a folder that takes new files; it refuses them "
+                                             f"({reason})")
+        raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created; {existing} refuses new "
+                                         f"entries ({reason})")
+    return path

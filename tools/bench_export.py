@@ -24,13 +24,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import int_range, new_dir, run, thread_count  # noqa: E402
+from _args import int_range, run, thread_count, writable_dir  # noqa: E402
 
 from gemma_export.bench import WARMUP_STEPS  # noqa: E402
 from gemma_export.config import DTYPES  # noqa: E402
 
 #: the short prompt every dtype is measured with (tokens), before --prompt-tokens
 SHORT_PROMPT = 16
+
+#: how GNU time's line with the peak resident memory (KiB) starts (``-f``), told apart from the step's own
+PEAK_LINE = "gnu-time-peak-kib="
+
+#: GNU time's own lines about a step that failed (``Command exited with non-zero status 2``)
+GNU_TIME_LINES = ("Command exited with non-zero status", "Command terminated by signal")
 
 
 def _dtypes(value: str) -> list[str]:
@@ -45,12 +51,19 @@ def _dtypes(value: str) -> list[str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    """Run a step; its own error line (the toolkit's ``error: ...``) is what a failure reports."""
+    """Run a step; its own last line on stderr (the toolkit's ``error: ...``; GNU time's lines left
+    out) is what a failure reports.
+
+    Raises:
+        GemmaExportError: naming the command, its exit status and that line.
+    """
     from gemma_export.errors import GemmaExportError
 
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        own = [line for line in proc.stderr.strip().splitlines()
+               if not line.startswith(PEAK_LINE) and not line.startswith(GNU_TIME_LINES)]
+        last = (own or ["no output"])[-1]
         raise GemmaExportError(f"{' '.join(cmd[:6])} ... failed (exit {proc.returncode}): {last}")
     return proc
 
@@ -72,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32", "bf16", "int8"],
                         help="comma-separated: fp32, bf16, int8, int4 (default fp32,bf16,int8)")
-    parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-bench"),
+    parser.add_argument("--workdir", type=writable_dir, default=Path("/tmp/gx-bench"),
                         help="where the exports and bench.json go (default /tmp/gx-bench)")
     parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--prompt-tokens", type=int_range(SHORT_PROMPT + 1, 8192), default=512,
@@ -89,9 +102,9 @@ def main() -> None:
     for dtype in args.dtypes:
         out = args.workdir / dtype / "model"
         t0 = time.perf_counter()
-        proc = _run(["/usr/bin/time", "-f", "%M", sys.executable, "-m", "gemma_export.cli", "--dtype", dtype, "--out", str(out)])
+        proc = _run(["/usr/bin/time", "-f", f"{PEAK_LINE}%M", sys.executable, "-m", "gemma_export.cli", "--dtype", dtype, "--out", str(out)])
         export_s = time.perf_counter() - t0
-        peak_kb = int(proc.stderr.strip().splitlines()[-1])
+        peak_kb = int(proc.stderr.strip().splitlines()[-1].removeprefix(PEAK_LINE))
         time.sleep(5)  # let the kernel write back the fresh data file (dirty pages skew Rss)
         subprocess.run(["sync"], check=False)
         archive = (out / "model.onnx").stat().st_size + (out / "model.onnx.data").stat().st_size

@@ -76,7 +76,7 @@ def main() -> None:
     from gemma_export.bench import real_text
     from gemma_export.runtime import load_tokenizer
 
-    from gemma_export.errors import GemmaExportError
+    from gemma_export.errors import GemmaExportError, first_line
 
     pairs = [(name, str(genai_dir), str(our_dir))
              for name, (genai_dir, our_dir) in unique_names(parser, "--pair", args.pair).items()]
@@ -86,18 +86,21 @@ def main() -> None:
         raise GemmaExportError(f"--contexts {max(contexts)}: the prompt text has only {len(ids)} tokens")
     from gemma_export.prepack import status
 
+    copies = {our_dir: status(our_dir) for _, _, our_dir in pairs}  # copies made here by `gemma-export prepack`
+    for name, _, our_dir in pairs:  # a copy that cannot be used is named, not passed over in silence
+        if copies[our_dir].path is None and copies[our_dir].problem:
+            print(f"{name}: the pre-packed copy of {our_dir} is not timed: {copies[our_dir].problem}", flush=True)
     others: list[str] = []  # other processes' CPU use per row
-    print("| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
-          "| ours pre-packed ms/token | pre-packed ÷ genai |")
-    print("|---|---|---|---|---|---|---|")
+    header = ["| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
+              "| ours pre-packed ms/token | pre-packed ÷ genai |", "|---|---|---|---|---|---|---|"]
     for name, genai_dir, our_dir in pairs:
-        packed = status(our_dir).path is not None  # a copy made here by `gemma-export prepack`
+        packed = copies[our_dir].path is not None
         for context in contexts:
             cold()
             try:
                 theirs, genai_other = genai_decode_ms(genai_dir, ids, context, args.steps, args.threads)
-            except RuntimeError as exc:  # onnxruntime-genai's own errors (e.g. the model's max length)
-                raise GemmaExportError(f"onnxruntime-genai on {genai_dir}: {exc}") from None
+            except RuntimeError as exc:  # onnxruntime-genai's own errors (e.g. the model's max length), a page long
+                raise GemmaExportError(f"onnxruntime-genai on {genai_dir}: {first_line(exc)[:300]}") from None
             cold()
             ours, our_other = our_decode_ms(our_dir, ids, context, args.steps, args.threads)
             figures = [genai_other, our_other]
@@ -106,8 +109,13 @@ def main() -> None:
                 mapped, mapped_other = our_decode_ms(our_dir, ids, context, args.steps, args.threads, True)
                 figures.append(mapped_other)
                 copy = f"{mapped:.1f} | {mapped / theirs:.2f}"
+            elif copies[our_dir].problem:  # named above the table
+                copy = "copy not usable (see above) | —"
             else:  # no copy to time: say so instead of a nan
                 copy = "no copy (`gemma-export prepack`) | —"
+            if header:  # printed with the first row: a first pair that fails leaves no table behind
+                print("\n".join(header))
+                header = []
             print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {copy} |", flush=True)
             others.append(f"{name} @{context} " + " / ".join("—" if f is None else f"{f:.2f}" for f in figures))
     print("\nother processes' CPU use while each was timed (CPUs; genai / ours / ours pre-packed): " + ", ".join(others))

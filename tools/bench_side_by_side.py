@@ -179,17 +179,41 @@ def summary_lines(rows: dict, contexts: list[int], bandwidth_gbps: float) -> lis
     return lines
 
 
-def q8_0_gguf(source: Path) -> Path:
-    """A Q8_0 GGUF requantized from ``source`` with llama.cpp's quantizer (made once)."""
+def q8_0_gguf(source: Path, vocab: int | None = None) -> Path:
+    """A Q8_0 GGUF requantized from ``source`` with llama.cpp's quantizer, made once next to it. A
+    file already there is checked as ``--gguf`` files are (:func:`check_gguf_model`) and made again
+    when it is damaged (e.g. cut short by an interrupted run); the new one is written under a
+    temporary name and renamed, so no half-written file takes the name.
+
+    Raises:
+        GemmaExportError: llama.cpp could not requantize ``source``, or its output does not check.
+    """
+    import os
+    import tempfile
+
     import llama_cpp
 
+    from gemma_export.errors import GemmaExportError
+
     target = source.with_name(source.stem.replace("q4_k_m", "q8_0") + ".gguf")
-    if not target.exists():
+    if target.exists():
+        try:
+            check_gguf_model(target, vocab)
+            return target
+        except GemmaExportError as exc:
+            print(f"{target}: made again, the one there does not check ({exc})", flush=True)
+    handle, scratch = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(handle)
+    try:
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
         params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params) != 0:
-            raise RuntimeError(f"llama.cpp could not requantize {source} to Q8_0")
+        if llama_cpp.llama_model_quantize(str(source).encode(), scratch.encode(), params) != 0:
+            raise GemmaExportError(f"llama.cpp could not requantize {source} to Q8_0 ({target})")
+        check_gguf_model(Path(scratch), vocab)
+        os.replace(scratch, target)
+    finally:
+        Path(scratch).unlink(missing_ok=True)
     return target
 
 
@@ -221,6 +245,32 @@ def check_llama_runs(gguf: Path) -> None:
     raise SystemExit(f"error: llama.cpp (llama-cpp-python) {how} evaluating two tokens of {gguf}; on a CPU that "
                      "reports AMX, rebuild it without AMX as this script's --help shows, or uninstall it to skip "
                      "the llama.cpp rows")
+
+
+def planned_runs(parser: argparse.ArgumentParser, models: dict[str, Path], mode: str, status) -> list[tuple]:
+    """``(row label, export folder, prepacked)`` of every timing of our exports, in order: each export
+    from the heap (``mode`` "off" or "both") or as the runtime picks ("auto"), and with "both" again
+    from its pre-packed copy when one is usable here. A copy that exists but cannot be used is named
+    with its reason (``status``: :func:`gemma_export.prepack.status`), not skipped in silence.
+
+    Raises:
+        SystemExit: (``parser.error``) two timings would get the same label, e.g. ``a=X`` and
+            ``"a pre-packed=Y"`` (the second would overwrite the first's row).
+    """
+    runs: list[tuple] = []
+    for name, folder in models.items():
+        runs.append((f"ours {name}", folder, None if mode == "auto" else False))
+        if mode == "both":
+            copy = status(folder)
+            if copy.path is not None:
+                runs.append((f"ours {name} pre-packed", folder, True))
+            elif copy.problem:
+                print(f"ours {name}: its pre-packed copy is not timed: {copy.problem}", flush=True)
+    labels = [label for label, _, _ in runs]
+    if clash := next((label for label in labels if labels.count(label) > 1), None):
+        parser.error(f"--models: two timings would both be labelled {clash!r} (a name and another name's "
+                     "pre-packed copy); rename one")
+    return runs
 
 
 def other_work_line(rows: dict) -> str:
@@ -262,6 +312,9 @@ def main() -> None:
         _iree()
     contexts = args.contexts
     models = unique_names(parser, "--models", args.models)
+    from gemma_export.prepack import status
+
+    runs = planned_runs(parser, models, args.prepacked, status)
     positions = max(args.prefill, max(contexts) + args.new_tokens)
     ids = real_text_ids(Path(next(iter(models.values()))), positions)
     vocab = check_exports_fit(models, ids, positions)  # before llama.cpp loads anything
@@ -272,25 +325,17 @@ def main() -> None:
         q4 = bundled_gguf_path()
         check_gguf_model(q4, vocab)
         check_llama_runs(q4)
-        q8 = q8_0_gguf(q4)
+        q8 = q8_0_gguf(q4, vocab)
         cold()
         rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
         cold()
         rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
-    from gemma_export.prepack import status
-
-    for name, folder in models.items():
-        archive = sum((Path(folder) / f).stat().st_size for f in ("model.onnx", "model.onnx.data"))
-        runs = {"auto": [(name, None)], "off": [(name, False)]}.get(args.prepacked, [(name, False)])
-        if args.prepacked == "both" and status(folder).path is not None:
-            runs.append((f"{name} pre-packed", True))
-        for label, prepacked in runs:
-            cold()
-            rows[f"ours {label}"] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads,
-                                               prepacked)
-            rows[f"ours {label}"]["archive_bytes"] = archive
+    for label, folder, prepacked in runs:
+        cold()
+        rows[label] = bench_onnx(Path(folder), ids, contexts, args.new_tokens, args.prefill, args.threads, prepacked)
+        rows[label]["archive_bytes"] = sum((Path(folder) / f).stat().st_size for f in ("model.onnx", "model.onnx.data"))
     if args.reference:
         cold()
         rows[REFERENCE_ROW] = bench_reference(args.reference, ids)

@@ -11,7 +11,10 @@ transformers 4.x (as the board team found), so it runs from its own virtual envi
 
 Step 1 (this interpreter): write the bundled weights as a transformers 4.x folder (config.json,
 model.safetensors in float32, the tokenizer) beside the output, as OUT-hf/ (1.07 GB; kept, so a
-second precision reuses it; delete it when done). Step 2 (the venv): run the builder on it.
+second precision reuses it once its model.safetensors is checked whole; delete it when done). Step 2
+(the venv): run the builder on it, with OUT-cache/ beside the output. --out, OUT-hf and OUT-cache are
+checked first, and --python is refused when it has transformers 5; when the builder fails, the
+folders this run created go (OUT-hf stays once complete).
 """
 
 from __future__ import annotations
@@ -19,15 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import existing_file, genai_output, run  # noqa: E402
+from _args import existing_file, genai_output, run, writable_dir  # noqa: E402
 
-#: what the probe of --python prints when onnxruntime-genai's builder imports
+#: what the probe of --python prints when onnxruntime-genai's builder imports, followed by the
+#: versions of onnxruntime-genai and transformers there (:data:`PROBE`)
 PROBE_OK = "onnxruntime_genai builder ok"
+
+#: the probe of --python: the builder imports; then PROBE_OK and the two versions on one line
+PROBE = ("import onnxruntime_genai, onnxruntime_genai.models.builder, transformers; "
+         f"print({PROBE_OK!r}, getattr(onnxruntime_genai, '__version__', '?'), transformers.__version__)")
+
+#: the first transformers major version the builder fails on (its configs; see above)
+TRANSFORMERS_REFUSED = 5
 
 
 #: written last into the transformers folder: its absence marks a folder an interrupted run left
@@ -67,11 +79,77 @@ def write_hf_folder(folder: Path) -> Path:
     return folder
 
 
+def siblings(out: Path) -> tuple[Path, Path]:
+    """The transformers folder and the builder's cache written beside ``out`` (resolved):
+    ``OUT-hf`` and ``OUT-cache``."""
+    return out.parent / (out.name + "-hf"), out.parent / (out.name + "-cache")
+
+
+def output_folder(value: str) -> Path:
+    """``--out``: a folder for the builder (:func:`genai_output`) that takes new files or can be
+    created (:func:`writable_dir`), resolved so that ``OUT-hf`` and ``OUT-cache`` are names beside it
+    (``.`` has none), and both of them folders that take new files or can be created: checked
+    before the probe of --python and the 1 GB folder.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the path, what was expected and what was found.
+    """
+    path = genai_output(value)
+    writable_dir(value)
+    out = path.resolve()
+    if out == out.parent:
+        raise argparse.ArgumentTypeError(f"{path}: expected a folder inside another one (OUT-hf and OUT-cache are "
+                                         "written beside it), found the root")
+    for sibling, what in zip(siblings(out), ("the transformers folder", "the builder's cache")):
+        try:
+            writable_dir(str(sibling))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
+    return out
+
+
+def hf_damage(folder: Path) -> str | None:
+    """Why a transformers folder marked complete cannot be reused, or None: its ``model.safetensors``
+    is there but its header does not parse or does not cover the file's size (a file cut short),
+    as ``safetensors.safe_open`` reads it (no tensor is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    model = folder / "model.safetensors"
+    if not model.exists():
+        return None
+    try:
+        with safe_open(str(model), "numpy"):
+            return None
+    except (SafetensorError, OSError) as exc:
+        return f"{model}: {exc}"
+
+
+def check_versions(python: Path, printed: str) -> None:
+    """Refuse a --python whose probe printed (after :data:`PROBE_OK`) a transformers version the
+    builder fails on (>= :data:`TRANSFORMERS_REFUSED`), and say the versions found otherwise.
+
+    Raises:
+        GemmaExportError: naming --python and the versions found.
+    """
+    from gemma_export.errors import GemmaExportError
+
+    versions = printed.split()
+    if len(versions) != 2:  # a stand-in that prints PROBE_OK alone: nothing to check
+        return
+    genai, transformers = versions
+    major = transformers.split(".")[0]
+    if major.isdigit() and int(major) >= TRANSFORMERS_REFUSED:
+        raise GemmaExportError(f"--python {python}: has onnxruntime-genai {genai} with transformers {transformers}; "
+                               f"its builder fails on transformers {TRANSFORMERS_REFUSED} configs: expected "
+                               f"transformers>=4.50,<{TRANSFORMERS_REFUSED} there (see --help)")
+    print(f"--python {python}: onnxruntime-genai {genai}, transformers {transformers}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python", required=True, type=existing_file,
                         help="the venv's python with onnxruntime-genai 0.15.2 (see above)")
-    parser.add_argument("--out", type=genai_output, required=True,
+    parser.add_argument("--out", type=output_folder, required=True,
                         help="folder for genai's model: new, empty, or an earlier output of this script")
     parser.add_argument("--precision", default="int4", choices=["int4", "fp32"],
                         help="int4 (block 32, round to nearest) or fp32 (default int4)")
@@ -80,23 +158,37 @@ def main() -> None:
 
     if not os.access(args.python, os.X_OK):
         raise GemmaExportError(f"--python {args.python}: not executable")
-    probe = subprocess.run([str(args.python), "-c", f"import onnxruntime_genai.models.builder; print({PROBE_OK!r})"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0 or probe.stdout.strip() != PROBE_OK:  # before the 1 GB folder is written
-        last = (probe.stderr.strip().splitlines() or [f"it printed {probe.stdout.strip()[:60]!r}, exit status "
+    probe = subprocess.run([str(args.python), "-c", PROBE], capture_output=True, text=True)
+    printed = probe.stdout.strip()
+    if probe.returncode != 0 or not (printed == PROBE_OK or printed.startswith(PROBE_OK + " ")):  # before the 1 GB
+        last = (probe.stderr.strip().splitlines() or [f"it printed {printed[:60]!r}, exit status "
                                                        f"{probe.returncode}"])[-1]
         raise GemmaExportError(f"--python {args.python}: not a Python that imports onnxruntime_genai's builder: {last}")
-    hf_folder = args.out.parent / (args.out.name + "-hf")
-    hf = hf_folder if (hf_folder / COMPLETE_MARKER).is_file() else write_hf_folder(hf_folder)
-    cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
-           "-p", args.precision, "-e", "cpu", "-c", str(args.out.parent / (args.out.name + "-cache"))]
-    print(" ".join(cmd), flush=True)
-    status = subprocess.run(cmd).returncode
-    if status != 0:
-        raise GemmaExportError(f"onnxruntime-genai's builder failed (exit status {status}; its output is above); "
-                               f"{hf} is kept for the next try")
-    if not (args.out / "genai_config.json").is_file():
-        raise GemmaExportError(f"onnxruntime-genai's builder exited 0 but wrote no {args.out / 'genai_config.json'}")
+    check_versions(args.python, printed[len(PROBE_OK):])
+    hf_folder, cache = siblings(args.out)
+    created = [folder for folder in (args.out, hf_folder, cache) if not folder.exists()]
+    try:
+        complete = (hf_folder / COMPLETE_MARKER).is_file()
+        damage = hf_damage(hf_folder) if complete else None
+        if damage is not None:
+            print(f"{hf_folder} is damaged ({damage}); writing it again", file=sys.stderr, flush=True)
+        hf = hf_folder if complete and damage is None else write_hf_folder(hf_folder)
+        cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
+               "-p", args.precision, "-e", "cpu", "-c", str(cache)]
+        print(" ".join(cmd), flush=True)
+        status = subprocess.run(cmd).returncode
+        if status != 0:
+            raise GemmaExportError(f"onnxruntime-genai's builder failed (exit status {status}; its output is above); "
+                                   f"{hf} is kept for the next try")
+        if not (args.out / "genai_config.json").is_file():
+            raise GemmaExportError(f"onnxruntime-genai's builder exited 0 but wrote no "
+                                   f"{args.out / 'genai_config.json'}")
+    except BaseException:
+        # what this run created goes; the transformers folder stays only when complete (it is reused)
+        for folder in created:
+            if folder != hf_folder or not (hf_folder / COMPLETE_MARKER).is_file():
+                shutil.rmtree(folder, ignore_errors=True)
+        raise
     print(f"wrote {args.out}")
 
 

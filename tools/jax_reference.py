@@ -205,5 +205,10 @@ def save_flat_archive(archive: dict[str, np.ndarray], path: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    sys.exit("tools/jax_reference.py is a module (the tests and tools/make_reference_export.py import it); "
-             "run tools/make_reference_export.py --help")
+    NOTE = ("tools/jax_reference.py is a module (the tests and tools/make_reference_export.py import it); "
+            "run tools/make_reference_export.py --help")
+    if sys.argv[1:] in (["--help"], ["-h"]):  # help: the note, status 0
+        print(NOTE)
+        sys.exit(0)
+    print(f"error: {NOTE}", file=sys.stderr)  # not a script: bad input, status 2 as the scripts'
+    sys.exit(2)

@@ -31,6 +31,7 @@ import json
 import mmap
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,11 @@ class Model:
         # resident memory (2026-12-06): 663.7 MB, against 734.8 MB without the trim and 914.8 MB
         # with the tokenizer loaded after the session; from the pre-packed copy 840 MB, against
         # 1,036 MB without the trim (the copy's weights are mapped: nothing reuses that freed heap)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001 - tokenizers raises its own exception type
+            raise FolderError(f"{folder / 'tokenizer.json'}: not a tokenizer the tokenizers library reads "
+                              f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
         _give_back_free_heap()
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only: the load's expected sliding_cache_start warning stays quiet
@@ -93,6 +98,11 @@ class Model:
         sliding = "sliding_cache_start" in names
         self.sliding = {i for i, kind in enumerate(config["layer_types"]) if kind == "sliding_attention"} if sliding else set()
         self.window = config["sliding_window"]
+        cache = {i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")}
+        expected = {f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")}
+        if cache != expected:  # a hand-edited manifest, or another graph
+            raise FolderError(f"{folder / 'manifest.json'}: field 'config.num_hidden_layers' is {self.layers}, but "
+                              f"{graph} has {len(cache) // 2} layers' past_key_values inputs")
 
     def encode(self, text: str) -> list[int]:
         """The prompt's ids with exactly one ``<bos>`` first (tokenizer.json adds it; text that
@@ -113,8 +123,31 @@ CONFIG_FIELDS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "bos_to
                  "layer_types", "sliding_window")
 
 
-class ManifestError(ValueError):
+class FolderError(ValueError):
+    """A file of the export folder that this script cannot use; the message starts with its path."""
+
+
+class ManifestError(FolderError):
     """An export's manifest.json that this script cannot use; the message starts with its path."""
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: what each field of :data:`CONFIG_FIELDS` must hold, as a check and its description
+CONFIG_KINDS = {
+    "num_hidden_layers": (_is_count, "an integer >= 1"), "num_key_value_heads": (_is_count, "an integer >= 1"),
+    "head_dim": (_is_count, "an integer >= 1"), "sliding_window": (_is_count, "an integer >= 1"),
+    "bos_token_id": (_is_id, "a token id (integer >= 0)"),
+    "eos_token_id": (lambda v: _is_id(v) or (isinstance(v, list) and v != [] and all(map(_is_id, v))),
+                     "a token id or a non-empty list of them"),
+    "layer_types": (lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v), "a list of strings"),
+}
 
 
 def _config(path: Path) -> dict:
@@ -133,6 +166,13 @@ def _config(path: Path) -> dict:
     missing = [name for name in CONFIG_FIELDS if name not in config]
     if missing:
         raise ManifestError(f"{path}: field 'config.{missing[0]}' is missing")
+    for name in CONFIG_FIELDS:
+        check, kind = CONFIG_KINDS[name]
+        if not check(config[name]):
+            raise ManifestError(f"{path}: field 'config.{name}' must be {kind}, found {json.dumps(config[name])[:60]}")
+    if len(config["layer_types"]) != config["num_hidden_layers"]:
+        raise ManifestError(f"{path}: field 'config.layer_types' has {len(config['layer_types'])} entries, "
+                            f"'config.num_hidden_layers' is {config['num_hidden_layers']}")
     return config
 
 
@@ -236,8 +276,7 @@ def generate(model: Model, prompt_ids: list[int], max_new_tokens: int, mode: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="an export folder (model.onnx, tokenizer.json, manifest.json)")
     text = parser.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="text to continue")
@@ -270,12 +309,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {line}" if where is None else f"error: {where}: {line}", file=sys.stderr)
         return 1
 
+    if args.model == "":
+        parser.error("--model: empty; give an export folder")
+    if args.json == "":
+        parser.error("--json: empty; give a file name, or '-' for standard output")
     if args.json and args.json != "-":  # before the run: a path that cannot take the ids costs nothing
         out = Path(args.json)
         if not out.parent.is_dir():
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
         if out.exists() and not _earlier_record(out):
             return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
+        try:  # the folder takes new files (/proc and /sys do not, whatever their files' sizes say)
+            handle, probe = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+            os.close(handle)
+            os.unlink(probe)
+        except OSError as e:
+            return fail(args.json, OSError(e.errno, f"cannot write in {out.parent} ({e.strerror})"))
     try:
         # bytes, not read_text: its universal newlines would turn a file's CRLF into "\n"; a leading
         # byte-order mark (Windows editors write one) is not text: both as `gemma-export generate --prompt-file`
@@ -285,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(args.prompt_file, e)
     try:
         model = Model(args.model, args.threads, args.prepacked)
-    except ManifestError as e:  # names the manifest itself
+    except FolderError as e:  # names the file itself
         return fail(None, e)
     except Exception as e:  # noqa: BLE001 - onnxruntime's and tokenizers' own error types
         return fail(args.model, e)

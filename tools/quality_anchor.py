@@ -26,6 +26,18 @@ def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
     return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
 
 
+def gguf_labels(parser: argparse.ArgumentParser, paths: list[Path]) -> dict[Path, str]:
+    """Each ``--gguf`` file's row label: ``llama.cpp NAME``, or the path as given where two files
+    share a name (one row each). The same file given twice is an error (``parser.error``)."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        if (same := seen.get(path.resolve())) is not None:
+            parser.error(f"--gguf: {path} is {same} again; give each file once")
+        seen[path.resolve()] = path
+    names = [path.name for path in paths]
+    return {path: f"llama.cpp {path.name if names.count(path.name) == 1 else path}" for path in paths}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", required=True, type=named(our_export), metavar="NAME=EXPORT_DIR",
@@ -37,11 +49,11 @@ def main() -> None:
     args = parser.parse_args()
     from gemma_export.bench import real_text
     from gemma_export.errors import GemmaExportError
-    from gemma_export.quality import compare_logits, first_tokens, manifest_source, transformers_logits
+    from gemma_export.quality import compare_logits, first_tokens, manifest_checkpoint, manifest_source, transformers_logits
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
-    from gemma_export.sources import open_source
 
     models = unique_names(parser, "--models", args.models)
+    labels = gguf_labels(parser, args.gguf)
     sources = {manifest_source(Path(folder)) for folder in models.values()}
     if len(sources) != 1:
         raise GemmaExportError(f"--models were exported from different sources ({', '.join(sorted(sources))}); "
@@ -56,14 +68,17 @@ def main() -> None:
     vocab = check_exports_fit(models, ids, len(ids))
     for path in args.gguf:  # before the (slow) reference and exports are scored
         check_gguf_model(path, vocab)
-    ref = transformers_logits(open_source(sources.pop()), ids)  # fp32 on the exports' own source weights
+    # the exports' own source weights, each export's record of them checked (a file changed since an
+    # export, or replaced by another model at the same path, would make figures against other weights)
+    checkpoint = [manifest_checkpoint(Path(folder)) for folder in models.values()][0]
+    ref = transformers_logits(checkpoint, ids)  # fp32
     rows = {}
     for name, folder in models.items():
         rows[f"ours {name}"] = compare_logits(ref, OnnxDecoder(folder).teacher_forced_logits(ids), ids)
         print(name, rows[f"ours {name}"], flush=True)
     for path in args.gguf:
-        rows[f"llama.cpp {path.name}"] = compare_logits(ref, llama_logits(path, ids), ids)
-        print(path.name, rows[f"llama.cpp {path.name}"], flush=True)
+        rows[labels[path]] = compare_logits(ref, llama_logits(path, ids), ids)
+        print(labels[path], rows[labels[path]], flush=True)
     print(f"\n{len(ids)} tokens of {where}, reference transformers fp32\n")
     print("| model | top-1 agreement | top-1 past 512 | mean KL (nats/token) | perplexity (reference "
           f"{next(iter(rows.values())).reference_perplexity:.2f}) |")

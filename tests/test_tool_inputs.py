@@ -1,0 +1,156 @@
+"""tools/bench_side_by_side.py, tools/bench_genai.py and tools/quality_anchor.py on input a tester got
+wrong (nineteenth session): labels that collide, a damaged llama.cpp file or pre-packed copy, a
+source changed since the export. Each case gave a wrong table or a traceback before."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import bench_genai
+import bench_side_by_side
+import quality_anchor
+from conftest import write_char_tokenizer
+from gemma_export.errors import FormatError, GemmaExportError
+from gemma_export.prepack import PrepackStatus
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tool")
+    parser.exit = lambda status=0, message=None: (_ for _ in ()).throw(SystemExit(message))  # keep the message
+    return parser
+
+
+def test_a_label_that_is_another_exports_pre_packed_row_is_refused(tmp_path):
+    """`a=X "a pre-packed=Y"`: Y's heap timing replaced X's pre-packed row in the table."""
+    usable = lambda folder: PrepackStatus(folder / "prepacked" / "model.onnx", "", folder / "prepacked")  # noqa: E731
+    models = {"a": tmp_path / "x", "a pre-packed": tmp_path / "y"}
+    with pytest.raises(SystemExit, match="two timings would both be labelled 'ours a pre-packed'"):
+        bench_side_by_side.planned_runs(_parser(), models, "both", usable)
+    # without copies, or with the heap only, the same names do not collide
+    assert [label for label, _, _ in bench_side_by_side.planned_runs(_parser(), models, "off", usable)] == \
+        ["ours a", "ours a pre-packed"]
+
+
+def test_a_pre_packed_copy_that_cannot_be_used_is_named_not_skipped(tmp_path, capsys):
+    def damaged(folder):
+        return PrepackStatus(None, f"{folder}/prepacked/prepacked.json: field 'machine' missing", folder / "prepacked")
+
+    def absent(folder):
+        return PrepackStatus(None, "", folder / "prepacked")
+
+    runs = bench_side_by_side.planned_runs(_parser(), {"a": tmp_path}, "both", damaged)
+    assert runs == [("ours a", tmp_path, False)]
+    assert capsys.readouterr().out == (f"ours a: its pre-packed copy is not timed: {tmp_path}/prepacked/prepacked.json: "
+                                       "field 'machine' missing\n")
+    assert bench_side_by_side.planned_runs(_parser(), {"a": tmp_path}, "both", absent) == [("ours a", tmp_path, False)]
+    assert capsys.readouterr().out == ""  # no copy at all: nothing to say
+
+
+def _fake_llama_cpp(monkeypatch, writes: bytes | None):
+    """llama_cpp with a quantizer that writes ``writes`` to its output (None: it fails)."""
+    calls = []
+
+    def quantize(source, target, params):
+        calls.append(Path(target.decode()))
+        if writes is None:
+            Path(target.decode()).write_bytes(b"half")
+            return 1
+        Path(target.decode()).write_bytes(writes)
+        return 0
+
+    module = types.SimpleNamespace(llama_model_quantize_default_params=lambda: types.SimpleNamespace(),
+                                   LLAMA_FTYPE_MOSTLY_Q8_0=7, llama_model_quantize=quantize)
+    monkeypatch.setitem(sys.modules, "llama_cpp", module)
+    return calls
+
+
+def _fake_check(path: Path, vocab):
+    if path.read_bytes() != b"good":
+        raise FormatError(f"{path}: not a whole GGUF")
+
+
+def test_a_damaged_q8_0_file_is_made_again_and_a_new_one_never_half_written(tmp_path, monkeypatch):
+    """A Q8_0 GGUF cut short (an interrupted run) was reused by every later run, each ending in a
+    llama.cpp traceback."""
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    target = tmp_path / "gemma-3-270m-q8_0.gguf"
+    target.write_bytes(b"goo")  # cut short
+    calls = _fake_llama_cpp(monkeypatch, b"good")
+    assert bench_side_by_side.q8_0_gguf(source, 262144) == target and target.read_bytes() == b"good"
+    assert len(calls) == 1 and calls[0].parent == tmp_path and calls[0] != target  # written under another name
+    assert bench_side_by_side.q8_0_gguf(source, 262144) == target and len(calls) == 1  # a good one is kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name, target.name]
+
+
+def test_a_failed_q8_0_requantization_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    _fake_llama_cpp(monkeypatch, None)
+    with pytest.raises(GemmaExportError, match="llama.cpp could not requantize"):
+        bench_side_by_side.q8_0_gguf(source, 262144)
+    assert [p.name for p in tmp_path.iterdir()] == [source.name]
+
+
+def test_gguf_files_of_one_name_get_a_row_each_and_one_file_twice_is_refused(tmp_path):
+    """Two files named gemma-3-270m-q8_0.gguf made one row, with the second file's figures."""
+    (tmp_path / "sub").mkdir()
+    first, second = tmp_path / "m.gguf", tmp_path / "sub" / "m.gguf"
+    first.write_bytes(b"GGUF1")
+    second.write_bytes(b"GGUF2")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF3")
+    labels = quality_anchor.gguf_labels(_parser(), [first, second, other])
+    assert labels == {first: f"llama.cpp {first}", second: f"llama.cpp {second}", other: "llama.cpp other.gguf"}
+    (tmp_path / "link.gguf").symlink_to(first)
+    with pytest.raises(SystemExit, match=f"--gguf: {tmp_path / 'link.gguf'} is {first} again"):
+        quality_anchor.gguf_labels(_parser(), [first, tmp_path / "link.gguf"])
+
+
+def test_quality_anchor_refuses_a_source_changed_since_the_export(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The source the manifest names had been replaced: the table came out against other weights."""
+    from gemma_export.exporter import export
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    model = export(source, tmp_path / "int8", "int8", block_size=16).out_dir
+    (source / "config.json").write_text((source / "config.json").read_text() + "\n")  # same values, other bytes
+    monkeypatch.setattr(sys, "argv", ["quality_anchor.py", "--models", f"a={model}", "--tokens", "16"])
+    with pytest.raises(GemmaExportError, match="it changed since the export"):
+        quality_anchor.main()
+
+
+def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure(tiny_int8_export, tmp_path,
+                                                                                 monkeypatch, capsys):
+    genai = tmp_path / "genai"
+    genai.mkdir()
+    (genai / "genai_config.json").write_text("{}")
+    ours = tmp_path / "ours"
+    shutil.copytree(tiny_int8_export, ours)
+    (ours / "prepacked").mkdir()
+    (ours / "prepacked" / "prepacked.json").write_text("{")  # damaged
+    monkeypatch.setattr(bench_genai, "our_decode_ms", lambda *a, **k: (4.0, None))
+    monkeypatch.setattr(bench_genai, "genai_decode_ms", lambda *a: (5.0, None))
+    monkeypatch.setattr(sys, "argv", ["bench_genai.py", "--pair", f"a={genai},{ours}", "--contexts", "4", "--steps", "4"])
+    bench_genai.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"a: the pre-packed copy of {ours} is not timed: {ours / 'prepacked'}")
+    assert out[3] == "| a | 4 | 5.0 | 4.0 | 0.80 | copy not usable (see above) | — |"
+
+    def failing(*a):
+        raise RuntimeError("Exception during initialization: file_length out of bounds\n" + "detail " * 200)
+
+    monkeypatch.setattr(bench_genai, "genai_decode_ms", failing)
+    with pytest.raises(GemmaExportError) as error:
+        bench_genai.main()
+    assert str(error.value) == f"onnxruntime-genai on {genai}: Exception during initialization: file_length out of bounds"
+    assert "| precision" not in capsys.readouterr().out  # no table header left without rows
