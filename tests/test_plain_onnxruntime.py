@@ -157,6 +157,10 @@ def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int
      "{manifest}: field 'config.num_hidden_layers' is 3, but {model}/model.onnx has 4 layers' past_key_values inputs"),
     (lambda m: m["config"].update(num_hidden_layers=5),
      "{manifest}: field 'config.layer_types' has 4 entries, 'config.num_hidden_layers' is 5"),
+    (lambda m: m["config"].update(max_position_embeddings="x"),
+     "{manifest}: field 'config.max_position_embeddings' must be an integer >= 1 (or absent), found \"x\""),
+    (lambda m: m["config"].update(head_dim=m["config"]["head_dim"] * 2),
+     "{manifest}: field 'config.head_dim' is {head_dim2}, but {model}/model.onnx's past_key_values.0.key has {head_dim}"),
 ])
 def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export, tmp_path, capsys, edit, message):
     """Probe findings: a manifest without config printed "error: DIR: 'config'", and a run past
@@ -167,7 +171,9 @@ def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export
     edit(manifest)
     (model / "manifest.json").write_text(json.dumps(manifest))
     assert plain.main(["--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 1
-    assert capsys.readouterr().err == "error: " + message.format(manifest=model / "manifest.json", model=model) + "\n"
+    head_dim = json.loads((tiny_int8_export / "manifest.json").read_text())["config"]["head_dim"]
+    expected = message.format(manifest=model / "manifest.json", model=model, head_dim=head_dim, head_dim2=2 * head_dim)
+    assert capsys.readouterr().err == "error: " + expected + "\n"
 
 
 def test_one_stop_id_as_a_number_and_threads_beyond_the_machine(tiny_int8_export, tmp_path, capsys):
@@ -246,7 +252,7 @@ def test_a_tokenizer_it_cannot_read_is_named(tiny_int8_export, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--json", "/proc/version"], "error: /proc/version: cannot write in /proc ("),
+    (["--json", "/proc/version"], "error: /proc/version: cannot be written ("),
     (["--json", "/proc/ids.json"], "error: /proc/ids.json: cannot write in /proc ("),
 ])
 def test_a_json_file_its_folder_cannot_take_is_refused_before_the_run(tiny_int8_export, capsys, monkeypatch, args, message):
@@ -260,9 +266,11 @@ def test_a_json_file_its_folder_cannot_take_is_refused_before_the_run(tiny_int8_
     assert err.startswith(message) and err.count("\n") == 1, err
 
 
-@pytest.mark.parametrize("args, message", [(["--json", ""], "--json: empty"), (["--model", ""], "--model: empty")])
+@pytest.mark.parametrize("args, message", [(["--json", ""], "--json: empty"), (["--model", ""], "--model: empty"),
+                                           (["--prompt-file", ""], "--prompt-file: empty")])
 def test_empty_paths_are_refused_not_read_as_the_current_folder(tiny_int8_export, capsys, args, message):
-    argv = ["--model", str(tiny_int8_export), "--prompt", "a", *args]
+    text = [] if "--prompt-file" in args else ["--prompt", "a"]
+    argv = ["--model", str(tiny_int8_export), *text, *args]
     with pytest.raises(SystemExit) as exit_:
         plain.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -273,3 +281,10 @@ def test_the_help_shows_the_usage_examples(capsys):
         plain.main(["--help"])
     out = capsys.readouterr().out
     assert "python tools/plain_onnxruntime.py --model gemma-3-270m-onnx-int8 --prompt" in out and "--mode" in out
+
+
+def test_a_json_file_name_of_up_to_255_bytes_is_written(tiny_int8_export, tmp_path, capsys):
+    """The folder's probe file took the record's name plus 10 characters: names of 246-255 bytes failed."""
+    out = tmp_path / ("a" * 250 + ".json")
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--max-new-tokens", "2", "--json", str(out)]) == 0
+    assert set(json.loads(out.read_text())) == {"prompt_ids", "expected_ids", "prefill_chunk"}

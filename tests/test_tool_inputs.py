@@ -154,3 +154,69 @@ def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure
         bench_genai.main()
     assert str(error.value) == f"onnxruntime-genai on {genai}: Exception during initialization: file_length out of bounds"
     assert "| precision" not in capsys.readouterr().out  # no table header left without rows
+
+
+# From a review of the fixes above
+
+def test_a_requantized_file_that_does_not_check_is_refused_and_not_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    _fake_llama_cpp(monkeypatch, b"bad")
+    with pytest.raises(FormatError, match="not a whole GGUF"):
+        bench_side_by_side.q8_0_gguf(source, 262144)
+    assert [p.name for p in tmp_path.iterdir()] == [source.name]
+
+
+def test_a_killed_runs_partial_q8_0_file_is_removed_and_the_new_file_is_an_ordinary_one(tmp_path, monkeypatch):
+    """A killed run left a hidden 0600 temporary of up to 290 MB per run; the file it made was 0600."""
+    import os
+
+    from gemma_export.sources import current_umask
+
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    leftover = tmp_path / ".gemma-3-270m-q8_0.gguf.abc123.partial"
+    leftover.write_bytes(b"half")
+    _fake_llama_cpp(monkeypatch, b"good")
+    target = bench_side_by_side.q8_0_gguf(source, 262144)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.name, target.name]
+    assert os.stat(target).st_mode & 0o777 == 0o666 & ~current_umask()
+
+
+def test_a_workdir_through_a_link_to_nothing_is_refused_first(tmp_path):
+    """mkdir failed on it after the work ("File exists")."""
+    import _args
+
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for value in (tmp_path / "dangling", tmp_path / "dangling" / "sub"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path / 'dangling'} is a link to "
+                                                             f"{tmp_path / 'nowhere'}, which does not exist"):
+            _args.writable_dir(str(value))
+    (tmp_path / "nowhere").mkdir()
+    assert _args.writable_dir(str(tmp_path / "dangling" / "sub")) == tmp_path / "dangling" / "sub"
+
+
+def test_genai_anchor_keeps_a_linked_out_and_its_folders_beside_the_link(tmp_path):
+    """Resolving --out followed a link, and the kept OUT-hf beside the link was written again elsewhere."""
+    import genai_anchor
+
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "disk" / "g").mkdir()
+    (tmp_path / "g").symlink_to(tmp_path / "disk" / "g")
+    out = genai_anchor.output_folder(str(tmp_path / "g"))
+    assert out == tmp_path / "g"
+    assert genai_anchor.siblings(out) == (tmp_path / "g-hf", tmp_path / "g-cache")
+
+
+def test_bench_inspect_reads_a_kept_archive_in_a_folder_that_takes_no_new_files(tmp_path, monkeypatch, capsys):
+    """A read-only --workdir holding the archive was refused, though the archive is only read."""
+    import bench_inspect
+
+    (tmp_path / "table-three-times.safetensors").write_bytes(b"kept")
+    monkeypatch.setattr(bench_inspect, "writable_dir", lambda value: pytest.fail("the kept archive's folder was checked"))
+    monkeypatch.setattr(bench_inspect, "write_archive", lambda path: pytest.fail("the kept archive was written again"))
+    monkeypatch.setattr(sys, "argv", ["bench_inspect.py", "--workdir", str(tmp_path), "--runs", "1"])
+    with pytest.raises(GemmaExportError, match="gemma-export inspect failed on it"):  # a 4-byte stand-in
+        bench_inspect.main()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -273,6 +274,10 @@ def writable_dir(value: str) -> Path:
     from gemma_export.staging import entry_refused
 
     path = new_dir(value)
+    for part in (path.absolute(), *path.absolute().parents):
+        if part.is_symlink() and not part.exists():  # mkdir would fail on it after the work
+            raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created; {part} is a link to "
+                                             f"{os.readlink(part)}, which does not exist")
     existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # "/" at the latest
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created, but {existing} is a file")

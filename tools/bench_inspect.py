@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import int_range, run, writable_dir  # noqa: E402
+from _args import int_range, new_dir, run, writable_dir  # noqa: E402
 
 VOCAB, HIDDEN = 262_144, 640
 
@@ -75,15 +75,19 @@ def write_archive(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=writable_dir, default=Path("/tmp/gx-inspect"),
+    parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-inspect"),
                         help="where the 1.18 GB archive is written once and kept (default /tmp/gx-inspect)")
     parser.add_argument("--runs", type=int_range(1, 100), default=3, help="inspect runs; medians are reported (default 3)")
     args = parser.parse_args()
     from gemma_export.errors import GemmaExportError
 
-    args.workdir.mkdir(parents=True, exist_ok=True)
     archive = args.workdir / "table-three-times.safetensors"
     if not archive.exists():
+        try:  # before the 1.18 GB table is built: a kept archive is only read, so a read-only folder may hold one
+            writable_dir(str(args.workdir))
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"argument --workdir: {exc}")
+        args.workdir.mkdir(parents=True, exist_ok=True)
         print(f"writing {archive} ...", file=sys.stderr)
         write_archive(archive)
     size = archive.stat().st_size

@@ -183,7 +183,8 @@ def q8_0_gguf(source: Path, vocab: int | None = None) -> Path:
     """A Q8_0 GGUF requantized from ``source`` with llama.cpp's quantizer, made once next to it. A
     file already there is checked as ``--gguf`` files are (:func:`check_gguf_model`) and made again
     when it is damaged (e.g. cut short by an interrupted run); the new one is written under a
-    temporary name and renamed, so no half-written file takes the name.
+    hidden, locked ``.NAME.*.partial`` name and renamed once it checks, so no half-written file takes
+    the name, and partial files no process holds (a killed run's) are removed first.
 
     Raises:
         GemmaExportError: llama.cpp could not requantize ``source``, or its output does not check.
@@ -194,6 +195,8 @@ def q8_0_gguf(source: Path, vocab: int | None = None) -> Path:
     import llama_cpp
 
     from gemma_export.errors import GemmaExportError
+    from gemma_export.sources import PARTIAL_SUFFIX, current_umask, remove_unheld_partials
+    from gemma_export.staging import flocked
 
     target = source.with_name(source.stem.replace("q4_k_m", "q8_0") + ".gguf")
     if target.exists():
@@ -202,16 +205,19 @@ def q8_0_gguf(source: Path, vocab: int | None = None) -> Path:
             return target
         except GemmaExportError as exc:
             print(f"{target}: made again, the one there does not check ({exc})", flush=True)
-    handle, scratch = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    remove_unheld_partials(target)  # what a killed run left (one still writing holds its lock)
+    handle, scratch = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX, dir=target.parent)
     os.close(handle)
     try:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
-        params.allow_requantize = True
-        if llama_cpp.llama_model_quantize(str(source).encode(), scratch.encode(), params) != 0:
-            raise GemmaExportError(f"llama.cpp could not requantize {source} to Q8_0 ({target})")
-        check_gguf_model(Path(scratch), vocab)
-        os.replace(scratch, target)
+        with flocked(Path(scratch)):
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+            params.allow_requantize = True
+            if llama_cpp.llama_model_quantize(str(source).encode(), scratch.encode(), params) != 0:
+                raise GemmaExportError(f"llama.cpp could not requantize {source} to Q8_0 ({target})")
+            check_gguf_model(Path(scratch), vocab)
+            os.chmod(scratch, 0o666 & ~current_umask())  # mkstemp made it 0600; an ordinary file, as llama.cpp writes
+            os.replace(scratch, target)
     finally:
         Path(scratch).unlink(missing_ok=True)
     return target

@@ -87,8 +87,8 @@ def siblings(out: Path) -> tuple[Path, Path]:
 
 def output_folder(value: str) -> Path:
     """``--out``: a folder for the builder (:func:`genai_output`) that takes new files or can be
-    created (:func:`writable_dir`), resolved so that ``OUT-hf`` and ``OUT-cache`` are names beside it
-    (``.`` has none), and both of them folders that take new files or can be created: checked
+    created (:func:`writable_dir`), made absolute (links kept) so that ``OUT-hf`` and ``OUT-cache``
+    are names beside it (``.`` has none), and both of them folders that take new files or can be created: checked
     before the probe of --python and the 1 GB folder.
 
     Raises:
@@ -96,7 +96,7 @@ def output_folder(value: str) -> Path:
     """
     path = genai_output(value)
     writable_dir(value)
-    out = path.resolve()
+    out = Path(os.path.abspath(path))  # "." gets its name; a link is kept, as its OUT-hf beside it
     if out == out.parent:
         raise argparse.ArgumentTypeError(f"{path}: expected a folder inside another one (OUT-hf and OUT-cache are "
                                          "written beside it), found the root")

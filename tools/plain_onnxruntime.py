@@ -103,6 +103,11 @@ class Model:
         if cache != expected:  # a hand-edited manifest, or another graph
             raise FolderError(f"{folder / 'manifest.json'}: field 'config.num_hidden_layers' is {self.layers}, but "
                               f"{graph} has {len(cache) // 2} layers' past_key_values inputs")
+        shape = next(i.shape for i in self.session.get_inputs() if i.name == "past_key_values.0.key")
+        for field, size, dim in (("num_key_value_heads", self.kv_shape[0], shape[1]), ("head_dim", self.kv_shape[1], shape[3])):
+            if isinstance(dim, int) and dim != size:  # [batch, kv heads, positions, head_dim]
+                raise FolderError(f"{folder / 'manifest.json'}: field 'config.{field}' is {size}, but {graph}'s "
+                                  f"past_key_values.0.key has {dim}")
 
     def encode(self, text: str) -> list[int]:
         """The prompt's ids with exactly one ``<bos>`` first (tokenizer.json adds it; text that
@@ -170,6 +175,10 @@ def _config(path: Path) -> dict:
         check, kind = CONFIG_KINDS[name]
         if not check(config[name]):
             raise ManifestError(f"{path}: field 'config.{name}' must be {kind}, found {json.dumps(config[name])[:60]}")
+    limit = config.get("max_position_embeddings")
+    if limit is not None and not _is_count(limit):
+        raise ManifestError(f"{path}: field 'config.max_position_embeddings' must be an integer >= 1 (or absent), "
+                            f"found {json.dumps(limit)[:60]}")
     if len(config["layer_types"]) != config["num_hidden_layers"]:
         raise ManifestError(f"{path}: field 'config.layer_types' has {len(config['layer_types'])} entries, "
                             f"'config.num_hidden_layers' is {config['num_hidden_layers']}")
@@ -311,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.model == "":
         parser.error("--model: empty; give an export folder")
+    if args.prompt_file is not None and str(args.prompt_file) in ("", "."):
+        parser.error("--prompt-file: empty (or '.', a folder); give a text file")
     if args.json == "":
         parser.error("--json: empty; give a file name, or '-' for standard output")
     if args.json and args.json != "-":  # before the run: a path that cannot take the ids costs nothing
@@ -319,12 +330,18 @@ def main(argv: list[str] | None = None) -> int:
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
         if out.exists() and not _earlier_record(out):
             return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
-        try:  # the folder takes new files (/proc and /sys do not, whatever their files' sizes say)
-            handle, probe = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-            os.close(handle)
-            os.unlink(probe)
-        except OSError as e:
-            return fail(args.json, OSError(e.errno, f"cannot write in {out.parent} ({e.strerror})"))
+        if out.exists():  # an earlier record, replaced in place: it opens for writing (opened to append, not changed)
+            try:
+                open(out, "ab").close()
+            except OSError as e:
+                return fail(args.json, OSError(e.errno, f"cannot be written ({e.strerror})"))
+        else:
+            try:  # the folder takes new files (/proc and /sys do not, whatever their files' sizes say)
+                handle, probe = tempfile.mkstemp(prefix=".plain-", dir=out.parent)
+                os.close(handle)
+                os.unlink(probe)
+            except OSError as e:
+                return fail(args.json, OSError(e.errno, f"cannot write in {out.parent} ({e.strerror})"))
     try:
         # bytes, not read_text: its universal newlines would turn a file's CRLF into "\n"; a leading
         # byte-order mark (Windows editors write one) is not text: both as `gemma-export generate --prompt-file`

@@ -65,7 +65,7 @@ def bundled_gguf_path() -> Path:
             return Path(assemble(target))  # checks the sha256 of the cached file
         except FileExistsError:  # damaged (a truncated first run of the package itself): joined again below
             pass
-    _remove_unheld_partials(target)
+    remove_unheld_partials(target)
     partial = None
     try:
         handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=PARTIAL_SUFFIX, dir=target.parent)
@@ -73,7 +73,7 @@ def bundled_gguf_path() -> Path:
         partial = Path(name)
         with flocked(partial):  # a later run removes it only once no process holds it
             assemble(partial, overwrite=True)
-            partial.chmod(0o666 & ~_umask())  # mkstemp made it 0600; an ordinary file, as the package writes it
+            partial.chmod(0o666 & ~current_umask())  # mkstemp made it 0600; an ordinary file, as the package writes it
             os.replace(partial, target)
     except ValueError:  # the package's own check of what it joined
         raise FormatError(f"{BUNDLED_PACKAGE}: its chunks do not join into the GGUF its sha256 names; "
@@ -92,7 +92,7 @@ def bundled_gguf_path() -> Path:
 PARTIAL_SUFFIX = ".partial"
 
 
-def _remove_unheld_partials(target: Path) -> None:
+def remove_unheld_partials(target: Path) -> None:
     """Remove the ``.NAME.*.partial`` files beside ``target`` that no process holds: what a run killed
     while it joined the chunks left (one holding its lock is still joining them)."""
     for leftover in target.parent.glob(f".{target.name}.*{PARTIAL_SUFFIX}"):
@@ -101,7 +101,7 @@ def _remove_unheld_partials(target: Path) -> None:
                 leftover.unlink()
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's file-creation mask: Linux's ``/proc/self/status`` (4.7+), else ``os.umask``,
     which can only read it by setting it (set back at once)."""
     with contextlib.suppress(OSError, ValueError):
