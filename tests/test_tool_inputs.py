@@ -220,3 +220,18 @@ def test_bench_inspect_reads_a_kept_archive_in_a_folder_that_takes_no_new_files(
     monkeypatch.setattr(sys, "argv", ["bench_inspect.py", "--workdir", str(tmp_path), "--runs", "1"])
     with pytest.raises(GemmaExportError, match="gemma-export inspect failed on it"):  # a 4-byte stand-in
         bench_inspect.main()
+
+
+def test_bench_exports_default_workdir_is_checked_as_a_given_one(monkeypatch, capsys):
+    """Only a --workdir given was checked up front; the default (/tmp/gx-bench) went unchecked."""
+    import bench_export
+
+    def refused(value):
+        raise argparse.ArgumentTypeError(f"{value}: checked")
+
+    monkeypatch.setattr(bench_export, "writable_dir", refused)
+    monkeypatch.setattr(bench_export, "_run", lambda *a, **k: pytest.fail("the slow work started"))
+    monkeypatch.setattr(sys, "argv", ["bench_export.py", "--dtypes", "int8"])
+    with pytest.raises(SystemExit) as stop:
+        bench_export.main()
+    assert stop.value.code == 2 and "argument --workdir: /tmp/gx-bench: checked" in capsys.readouterr().err

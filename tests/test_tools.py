@@ -417,8 +417,7 @@ def test_genai_anchor_says_when_the_builder_fails_or_writes_nothing(tmp_path, bu
                     f"if [ \"$1\" = -c ]; then echo '{genai_anchor.PROBE_OK}'; exit 0; fi\n"
                     f"exit {builder_status}\n")
     fake.chmod(0o755)
-    (tmp_path / "g-hf").mkdir()
-    (tmp_path / "g-hf" / genai_anchor.COMPLETE_MARKER).write_text("")  # an earlier run's: not written again
+    _complete_hf(tmp_path / "g-hf")  # an earlier run's: not written again
     done = subprocess.run([sys.executable, str(TOOLS / "genai_anchor.py"), "--python", str(fake), "--out",
                            str(tmp_path / "g")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert done.returncode == 2, done.stderr
@@ -708,15 +707,18 @@ def test_genai_anchor_removes_the_transformers_folder_it_did_not_complete(tmp_pa
     assert os.listdir(tmp_path) == ["tools"]
 
 
-@pytest.mark.parametrize("cut", [0, 40])
+@pytest.mark.parametrize("cut", [0, 40, "missing"])
 def test_genai_anchor_writes_a_damaged_kept_folder_again(tmp_path, monkeypatch, capsys, cut):
-    # a g-hf/ marked complete with a truncated model.safetensors was reused, and every retry failed alike
+    # a g-hf/ marked complete with a truncated (or, since a review, a missing) model.safetensors was
+    # reused, and every retry failed alike
     import genai_anchor
 
     tools = tmp_path / "tools"
     tools.mkdir()
     fake = _fake_genai_python(tools, builder='mkdir -p "$6" && echo {} > "$6/genai_config.json"')
-    hf = _complete_hf(tmp_path / "g-hf", cut=cut)
+    hf = _complete_hf(tmp_path / "g-hf", cut=0 if cut == "missing" else cut)
+    if cut == "missing":
+        (hf / "model.safetensors").unlink()
     rewritten = []
     monkeypatch.setattr(genai_anchor, "write_hf_folder", lambda folder: rewritten.append(folder) or folder)
     monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", str(fake), "--out", str(tmp_path / "g")])

@@ -85,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32", "bf16", "int8"],
                         help="comma-separated: fp32, bf16, int8, int4 (default fp32,bf16,int8)")
-    parser.add_argument("--workdir", type=writable_dir, default=Path("/tmp/gx-bench"),
+    parser.add_argument("--workdir", type=writable_dir, default="/tmp/gx-bench",  # a str: checked as given ones are
                         help="where the exports and bench.json go (default /tmp/gx-bench)")
     parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--prompt-tokens", type=int_range(SHORT_PROMPT + 1, 8192), default=512,

@@ -110,13 +110,13 @@ def output_folder(value: str) -> Path:
 
 def hf_damage(folder: Path) -> str | None:
     """Why a transformers folder marked complete cannot be reused, or None: its ``model.safetensors``
-    is there but its header does not parse or does not cover the file's size (a file cut short),
+    is missing, or its header does not parse or does not cover the file's size (a file cut short),
     as ``safetensors.safe_open`` reads it (no tensor is loaded)."""
     from safetensors import SafetensorError, safe_open
 
     model = folder / "model.safetensors"
     if not model.exists():
-        return None
+        return f"{model}: missing"
     try:
         with safe_open(str(model), "numpy"):
             return None
