@@ -288,3 +288,18 @@ def test_a_json_file_name_of_up_to_255_bytes_is_written(tiny_int8_export, tmp_pa
     out = tmp_path / ("a" * 250 + ".json")
     assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--max-new-tokens", "2", "--json", str(out)]) == 0
     assert set(json.loads(out.read_text())) == {"prompt_ids", "expected_ids", "prefill_chunk"}
+
+
+def test_a_graph_that_declares_no_cache_shape_still_runs(tiny_int8_export, tmp_path, capsys):
+    """The heads / head_dim check read shape[1] of an undeclared shape ([]): "list index out of range"."""
+    import onnx
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    graph = onnx.load(str(model / "model.onnx"), load_external_data=False)
+    for value in graph.graph.input:
+        if value.name.startswith("past_key_values."):
+            value.type.tensor_type.ClearField("shape")
+    onnx.save(graph, str(model / "model.onnx"))
+    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["expected_ids"]) == 2

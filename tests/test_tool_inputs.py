@@ -235,3 +235,41 @@ def test_bench_exports_default_workdir_is_checked_as_a_given_one(monkeypatch, ca
     with pytest.raises(SystemExit) as stop:
         bench_export.main()
     assert stop.value.code == 2 and "argument --workdir: /tmp/gx-bench: checked" in capsys.readouterr().err
+
+
+# From a review of the last fixes
+
+def test_genai_anchor_finds_the_folder_of_link_dot_dot_as_the_kernel_does(tmp_path):
+    import genai_anchor
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "elsewhere" / "sub").mkdir(parents=True)
+    (tmp_path / "work" / "lnk").symlink_to(tmp_path / "elsewhere" / "sub")
+    out = genai_anchor.output_folder(str(tmp_path / "work" / "lnk" / ".." / "g"))
+    assert out == tmp_path / "elsewhere" / "g"  # not work/g: "lnk/.." is the link target's parent
+
+
+def test_a_partial_q8_0_file_another_run_holds_is_left_alone(tmp_path, monkeypatch):
+    from gemma_export.staging import flocked
+
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    busy = tmp_path / ".gemma-3-270m-q8_0.gguf.other1.partial"
+    busy.write_bytes(b"being written")
+    _fake_llama_cpp(monkeypatch, b"good")
+    locked_while_written = []
+    quantize = sys.modules["llama_cpp"].llama_model_quantize
+
+    def checking(source_path, target, params):  # another run's view of our partial file: held
+        status = quantize(source_path, target, params)
+        with flocked(Path(target.decode())) as free:
+            locked_while_written.append(not free)
+        return status
+
+    sys.modules["llama_cpp"].llama_model_quantize = checking
+    with flocked(busy) as held:
+        assert held
+        bench_side_by_side.q8_0_gguf(source, 262144)
+    assert busy.read_bytes() == b"being written"  # held by its run: not removed
+    assert locked_while_written == [True]  # ours held too, so another run leaves it alone

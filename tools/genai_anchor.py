@@ -96,7 +96,10 @@ def output_folder(value: str) -> Path:
     """
     path = genai_output(value)
     writable_dir(value)
-    out = Path(os.path.abspath(path))  # "." gets its name; a link is kept, as its OUT-hf beside it
+    # a name of its own ("." has none), and the folder it is in as the kernel finds it ("link/.." is the
+    # link target's parent); a link named as --out is kept, as the OUT-hf beside it
+    out = (Path(os.path.realpath(path)) if path.name in ("", ".", "..")
+           else Path(os.path.realpath(path.parent)) / path.name)
     if out == out.parent:
         raise argparse.ArgumentTypeError(f"{path}: expected a folder inside another one (OUT-hf and OUT-cache are "
                                          "written beside it), found the root")

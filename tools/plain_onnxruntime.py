@@ -104,8 +104,9 @@ class Model:
             raise FolderError(f"{folder / 'manifest.json'}: field 'config.num_hidden_layers' is {self.layers}, but "
                               f"{graph} has {len(cache) // 2} layers' past_key_values inputs")
         shape = next(i.shape for i in self.session.get_inputs() if i.name == "past_key_values.0.key")
-        for field, size, dim in (("num_key_value_heads", self.kv_shape[0], shape[1]), ("head_dim", self.kv_shape[1], shape[3])):
-            if isinstance(dim, int) and dim != size:  # [batch, kv heads, positions, head_dim]
+        dims = shape if len(shape) == 4 else [None] * 4  # [batch, kv heads, positions, head_dim]; [] when undeclared
+        for field, size, dim in (("num_key_value_heads", self.kv_shape[0], dims[1]), ("head_dim", self.kv_shape[1], dims[3])):
+            if isinstance(dim, int) and dim != size:
                 raise FolderError(f"{folder / 'manifest.json'}: field 'config.{field}' is {size}, but {graph}'s "
                                   f"past_key_values.0.key has {dim}")
 
