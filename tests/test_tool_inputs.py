@@ -75,12 +75,18 @@ def _fake_check(path: Path, vocab):
         raise FormatError(f"{path}: not a whole GGUF")
 
 
+def _q4_source(folder: Path, monkeypatch) -> Path:
+    """A stand-in for the bundled Q4_K_M GGUF in ``folder``, with the GGUF check faked (:func:`_fake_check`)."""
+    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
+    source = folder / "gemma-3-270m-q4_k_m.gguf"
+    source.write_bytes(b"q4")
+    return source
+
+
 def test_a_damaged_q8_0_file_is_made_again_and_a_new_one_never_half_written(tmp_path, monkeypatch):
     """A Q8_0 GGUF cut short (an interrupted run) was reused by every later run, each ending in a
     llama.cpp traceback."""
-    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
-    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
-    source.write_bytes(b"q4")
+    source = _q4_source(tmp_path, monkeypatch)
     target = tmp_path / "gemma-3-270m-q8_0.gguf"
     target.write_bytes(b"goo")  # cut short
     calls = _fake_llama_cpp(monkeypatch, b"good")
@@ -91,9 +97,7 @@ def test_a_damaged_q8_0_file_is_made_again_and_a_new_one_never_half_written(tmp_
 
 
 def test_a_failed_q8_0_requantization_leaves_no_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
-    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
-    source.write_bytes(b"q4")
+    source = _q4_source(tmp_path, monkeypatch)
     _fake_llama_cpp(monkeypatch, None)
     with pytest.raises(GemmaExportError, match="llama.cpp could not requantize"):
         bench_side_by_side.q8_0_gguf(source, 262144)
@@ -159,9 +163,7 @@ def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure
 # From a review of the fixes above
 
 def test_a_requantized_file_that_does_not_check_is_refused_and_not_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
-    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
-    source.write_bytes(b"q4")
+    source = _q4_source(tmp_path, monkeypatch)
     _fake_llama_cpp(monkeypatch, b"bad")
     with pytest.raises(FormatError, match="not a whole GGUF"):
         bench_side_by_side.q8_0_gguf(source, 262144)
@@ -174,9 +176,7 @@ def test_a_killed_runs_partial_q8_0_file_is_removed_and_the_new_file_is_an_ordin
 
     from gemma_export.sources import current_umask
 
-    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
-    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
-    source.write_bytes(b"q4")
+    source = _q4_source(tmp_path, monkeypatch)
     leftover = tmp_path / ".gemma-3-270m-q8_0.gguf.abc123.partial"
     leftover.write_bytes(b"half")
     _fake_llama_cpp(monkeypatch, b"good")
@@ -252,9 +252,7 @@ def test_genai_anchor_finds_the_folder_of_link_dot_dot_as_the_kernel_does(tmp_pa
 def test_a_partial_q8_0_file_another_run_holds_is_left_alone(tmp_path, monkeypatch):
     from gemma_export.staging import flocked
 
-    monkeypatch.setattr(bench_side_by_side, "check_gguf_model", _fake_check)
-    source = tmp_path / "gemma-3-270m-q4_k_m.gguf"
-    source.write_bytes(b"q4")
+    source = _q4_source(tmp_path, monkeypatch)
     busy = tmp_path / ".gemma-3-270m-q8_0.gguf.other1.partial"
     busy.write_bytes(b"being written")
     _fake_llama_cpp(monkeypatch, b"good")
