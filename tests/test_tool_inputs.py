@@ -271,3 +271,20 @@ def test_a_partial_q8_0_file_another_run_holds_is_left_alone(tmp_path, monkeypat
         bench_side_by_side.q8_0_gguf(source, 262144)
     assert busy.read_bytes() == b"being written"  # held by its run: not removed
     assert locked_while_written == [True]  # ours held too, so another run leaves it alone
+
+
+def test_bench_exports_table_gives_the_growth_after_and_in_use():
+    """bench's figures after a generation no longer hold the freed KV cache (nineteenth session):
+    the table names them as such and adds the figure in use, the cache live."""
+    import bench_export
+
+    row = {"dtype": "int8", "archive_bytes": 286_000_000, "export_s": 55.0, "export_peak_rss_bytes": 1_375_000_000,
+           "anon_growth_short_bytes": 308_000_000, "rss_growth_short_bytes": 507_000_000,
+           "anon_growth_bytes": 309_000_000, "anon_in_use_bytes": 330_500_000, "optimized_table_initializers": 1,
+           "prefill_ms": {"512": 310.0}, "decode_ms_median": 10.2}
+    header, rule, line = bench_export.table_lines([row], 512)
+    assert "cache freed" in header and "in use at the long prompt's last step, cache live" in header
+    assert header.count("|") == rule.count("|") == line.count("|")
+    assert line == ("| int8 | 286.0 | 55 | 1375 | 308 MB (1.077×) | 507 MB (1.773×) | 309 MB (1.080×) "
+                    "| 330 MB (1.156×) | 1 | 310 | 10.2 |")
+    assert "| —" in bench_export.table_lines([{**row, "anon_in_use_bytes": None}], 512)[2]

@@ -81,6 +81,29 @@ def _optimized_tables(model_dir: Path) -> int:
                               check=True).stdout.split()[-1])
 
 
+def table_lines(rows: list[dict], prompt_tokens: int) -> list[str]:
+    """The Markdown table of ``rows`` (one per dtype: the export's figures and its ``bench`` JSON):
+    sizes, export time and peak, memory growth after the generations (their KV caches freed) and in
+    use at the long prompt's last step (the cache live; "—" where bench could not read it), the
+    optimized graph's table initializers, prefill and decode times."""
+    def grew(value, archive):
+        return "—" if value is None else f"{value / 1e6:.0f} MB ({value / archive:.3f}×)"
+
+    lines = ["| dtype | archive MB | export s | export peak RSS MB | Anonymous growth, session + 16-token prompt + "
+             "decode, cache freed (× archive) | Rss growth, same (× archive) | Anonymous growth after the long "
+             "prompt too, cache freed | Anonymous in use at the long prompt's last step, cache live "
+             "| V×H initializers after ORT optimization | prefill ms (long prompt) | decode ms/token (median) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = r["archive_bytes"]
+        lines.append(f"| {r['dtype']} | {a / 1e6:.1f} | {r['export_s']:.0f} | {r['export_peak_rss_bytes'] / 1e6:.0f} "
+                     f"| {grew(r['anon_growth_short_bytes'], a)} | {grew(r['rss_growth_short_bytes'], a)} "
+                     f"| {grew(r['anon_growth_bytes'], a)} | {grew(r.get('anon_in_use_bytes'), a)} "
+                     f"| {r['optimized_table_initializers']} | {r['prefill_ms'][str(prompt_tokens)]:.0f} "
+                     f"| {r['decode_ms_median']:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32", "bf16", "int8"],
@@ -117,18 +140,8 @@ def main() -> None:
                      "export_peak_rss_bytes": peak_kb * 1024, **measured})
         print(json.dumps(rows[-1]), flush=True)
     (args.workdir / "bench.json").write_text(json.dumps(rows, indent=2))
-    print("\n| dtype | archive MB | export s | export peak RSS MB | Anonymous growth, session + 16-token prompt + "
-          "decode (× archive) | Rss growth, same (× archive) | Anonymous growth after the long prompt too "
-          "| V×H initializers after ORT optimization | prefill ms (long prompt) | decode ms/token (median) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        a = r["archive_bytes"]
-        long_prefill = r["prefill_ms"][str(args.prompt_tokens)]
-        print(f"| {r['dtype']} | {a / 1e6:.1f} | {r['export_s']:.0f} | {r['export_peak_rss_bytes'] / 1e6:.0f} "
-              f"| {r['anon_growth_short_bytes'] / 1e6:.0f} MB ({r['anon_growth_short_bytes'] / a:.2f}×) "
-              f"| {r['rss_growth_short_bytes'] / 1e6:.0f} MB ({r['rss_growth_short_bytes'] / a:.2f}×) "
-              f"| {r['anon_growth_bytes'] / 1e6:.0f} MB ({r['anon_growth_bytes'] / a:.2f}×) "
-              f"| {r['optimized_table_initializers']} | {long_prefill:.0f} | {r['decode_ms_median']:.1f} |")
+    print("\n" + "\n".join(table_lines(rows, args.prompt_tokens)))
+
 
 if __name__ == "__main__":
     run(main)
