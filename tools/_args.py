@@ -274,11 +274,12 @@ def writable_dir(value: str) -> Path:
     from gemma_export.staging import entry_refused
 
     path = new_dir(value)
-    for part in (path.absolute(), *path.absolute().parents):
-        if part.is_symlink() and not part.exists():  # mkdir would fail on it after the work
-            raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created; {part} is a link to "
-                                             f"{os.readlink(part)}, which does not exist")
-    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())  # "/" at the latest
+    for existing in (path.absolute(), *path.absolute().parents):  # up to the nearest that exists ("/" at the latest)
+        if existing.exists():
+            break
+        if existing.is_symlink():  # a link to nothing: mkdir would fail on it after the work
+            raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created; {existing} is a link to "
+                                             f"{os.readlink(existing)}, which does not exist")
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: expected a folder that can be created, but {existing} is a file")
     reason = entry_refused(existing)

@@ -98,12 +98,12 @@ class Model:
         sliding = "sliding_cache_start" in names
         self.sliding = {i for i, kind in enumerate(config["layer_types"]) if kind == "sliding_attention"} if sliding else set()
         self.window = config["sliding_window"]
-        cache = {i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")}
+        cache = {i.name: i.shape for i in self.session.get_inputs() if i.name.startswith("past_key_values.")}
         expected = {f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")}
-        if cache != expected:  # a hand-edited manifest, or another graph
+        if set(cache) != expected:  # a hand-edited manifest, or another graph
             raise FolderError(f"{folder / 'manifest.json'}: field 'config.num_hidden_layers' is {self.layers}, but "
                               f"{graph} has {len(cache) // 2} layers' past_key_values inputs")
-        shape = next(i.shape for i in self.session.get_inputs() if i.name == "past_key_values.0.key")
+        shape = cache["past_key_values.0.key"]
         dims = shape if len(shape) == 4 else [None] * 4  # [batch, kv heads, positions, head_dim]; [] when undeclared
         for field, size, dim in (("num_key_value_heads", self.kv_shape[0], dims[1]), ("head_dim", self.kv_shape[1], dims[3])):
             if isinstance(dim, int) and dim != size:
@@ -329,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.json)
         if not out.parent.is_dir():
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
-        if out.exists() and not _earlier_record(out):
-            return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
         if out.exists():  # an earlier record, replaced in place: it opens for writing (opened to append, not changed)
+            if not _earlier_record(out):
+                return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
             try:
                 open(out, "ab").close()
             except OSError as e:

@@ -70,8 +70,8 @@ def main() -> None:
         check_gguf_model(path, vocab)
     # the exports' own source weights, each export's record of them checked (a file changed since an
     # export, or replaced by another model at the same path, would make figures against other weights)
-    checkpoint = [manifest_checkpoint(Path(folder)) for folder in models.values()][0]
-    ref = transformers_logits(checkpoint, ids)  # fp32
+    checkpoints = [manifest_checkpoint(Path(folder)) for folder in models.values()]
+    ref = transformers_logits(checkpoints[0], ids)  # fp32; one source path for all (checked above)
     rows = {}
     for name, folder in models.items():
         rows[f"ours {name}"] = compare_logits(ref, OnnxDecoder(folder).teacher_forced_logits(ids), ids)
