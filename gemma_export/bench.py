@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .boards import BOARDS, DEFAULT_THREADS, board as find_board
-from .errors import BudgetExceeded, GemmaExportError, check_arguments
+from .errors import BudgetExceeded, ConfigError, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK
@@ -254,15 +254,15 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     model_dir = Path(model_dir)
     lengths = sorted(set(int(n) for n in prompt_tokens))
     if not lengths or lengths[0] <= 0:
-        raise GemmaExportError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
+        raise ConfigError(f"--prompt-tokens: expected positive lengths, found {list(prompt_tokens)}")
     if len(lengths) != len(prompt_tokens):  # one run per length: a repeat would be measured once, silently
         repeated = sorted(n for n, count in collections.Counter(int(n) for n in prompt_tokens).items() if count > 1)
-        raise GemmaExportError(f"--prompt-tokens: each length once; {', '.join(map(str, repeated))} given more than once")
+        raise ConfigError(f"--prompt-tokens: each length once; {', '.join(map(str, repeated))} given more than once")
     check_prefill_chunk(prefill_chunk)  # before the session is created
     if new_tokens <= WARMUP_STEPS:
-        raise GemmaExportError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
+        raise ConfigError(f"--new-tokens: expected more than {WARMUP_STEPS} (warm-up steps), found {new_tokens}")
     if reference is None and reference_weights is not None:
-        raise GemmaExportError("--reference-weights applies to --reference, which is not given")
+        raise ConfigError("--reference-weights applies to --reference, which is not given")
     info = None
     if reference is not None:  # its files, their contents and IREE before the (long) measurement, not after it
         from .reference_iree import check_reference_options

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from .errors import GemmaExportError
+from .errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,8 @@ def board(name: str) -> Board:
     """The board called ``name`` (a key of :data:`BOARDS`).
 
     Raises:
-        GemmaExportError: ``name`` is not a known board (the message lists the known ones).
+        ConfigError: ``name`` is not a known board (the message lists the known ones).
     """
     if name not in BOARDS:
-        raise GemmaExportError(f"--board: unknown board {name!r}; known: {', '.join(BOARDS)}")
+        raise ConfigError(f"--board: unknown board {name!r}; known: {', '.join(BOARDS)}")
     return BOARDS[name]

@@ -49,7 +49,7 @@ from quant.scales import SCALE_DTYPES, SCALE_METHODS
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .console import StreamClosed, StreamError, Terminated, interrupts_raised
-from .errors import GemmaExportError, OutputWritten, os_error_line
+from .errors import ConfigError, GemmaExportError, OutputWritten, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
 BENCH_BOARD_HELP = "; ".join(
@@ -780,7 +780,7 @@ def bench(
                 raise ValueError
             lengths = [int(x) for x in prompt_tokens.split(",")]  # "8,,9" and "8," are refused, not read as 8,9
         except ValueError:
-            raise GemmaExportError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
+            raise ConfigError(f"--prompt-tokens: expected comma-separated integers, found {prompt_tokens!r}") from None
         if prepacked and huge_pages is not None:  # the copy's weights are mapped from disk, not packed on the heap
             raise typer.BadParameter("applies to weights packed on the heap, and --prepacked maps them from disk; "
                                      "give one or the other", param_hint="'--huge-pages' / '--no-huge-pages'")

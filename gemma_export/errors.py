@@ -78,7 +78,8 @@ _ARGUMENT_KINDS = {
     "str": (lambda v: isinstance(v, str), "a str"),
     "path": (lambda v: (isinstance(v, os.PathLike) or (isinstance(v, str) and v != "")) and not _holds_nul(v),
              "a path (str or os.PathLike)"),
-    "ints": (lambda v: isinstance(v, (list, tuple)) and all(map(is_whole_number, v)), "a list or tuple of ints"),
+    "ints": (lambda v: isinstance(v, (list, tuple, range)) and all(map(is_whole_number, v)),
+             "a list, tuple or range of ints"),
     # token ids: each id is checked against the vocabulary later (runtime.check_token_ids); a set or a
     # dict would be iterated in an order of its own, a generator used up
     "ids": (lambda v: _is_sequence(v, 1), "a sequence (list, tuple, 1-D array) of token ids"),
@@ -127,7 +128,7 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
     Args:
         function: the API function, for the message (e.g. ``export``).
         arguments: name → ``(value, kind)``, kind one of ``int``, ``bool``, ``str``, ``path`` (not
-            empty, no NUL character), ``ints`` (a list or tuple of ints), ``ids`` (a sequence or 1-D
+            empty, no NUL character), ``ints`` (a list, tuple or range of ints), ``ids`` (a sequence or 1-D
             array; its ids are checked elsewhere), ``prompts`` (a sequence or 2-D array of them),
             ``callable``, each with a trailing ``?`` to allow None.
 
@@ -201,7 +202,9 @@ class FormatError(GemmaExportError):
 
 
 class ConfigError(GemmaExportError):
-    """A model configuration is missing a field, contradicts itself or names an unsupported model."""
+    """A model configuration is missing a field, contradicts itself or names an unsupported model; or
+    an argument (a command-line option, or its keyword in the Python API) has the wrong type, is out
+    of range or conflicts with another."""
 
 
 class NumericError(GemmaExportError):

@@ -29,7 +29,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from .config import DTYPES
-from .errors import FormatError, GemmaExportError, check_arguments, is_whole_number, shown
+from .errors import ConfigError, FormatError, GemmaExportError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
 from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, positions_needed
 from .text_files import SMALL_FILE_BYTES, not_unicode_at, read_text_file
@@ -456,11 +456,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         option = "--reference-weights" if reference_weights else "--reference-logits"
         raise GemmaExportError(f"{option} applies to --reference, which is not given")
     if new_tokens is not None and not against_transformers:
-        raise GemmaExportError("--new-tokens applies to --against transformers; a golden entry generates as many "
+        raise ConfigError("--new-tokens applies to --against transformers; a golden entry generates as many "
                                "tokens as it expects, and --reference runs its fixed length")
     new_tokens = DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens
     if new_tokens < 1:
-        raise GemmaExportError(f"--new-tokens must be >= 1, found {new_tokens}")
+        raise ConfigError(f"--new-tokens must be >= 1, found {new_tokens}")
     if against_transformers:
         require_transformers("; or compare with --golden FILE or --reference REF.mlir only")
     ref_vocab = ref_length = None

@@ -29,7 +29,7 @@ import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number
+from .errors import ConfigError, GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -486,7 +486,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         check_export_folder(Path(reference))
     model_dir = Path(model_dir)
     if tokens is not None and tokens < 2:
-        raise GemmaExportError(f"--tokens: expected at least 2, found {tokens}")
+        raise ConfigError(f"--tokens: expected at least 2, found {tokens}")
     # without --tokens, tokenize no further than one token past what the model can take (a huge
     # --text is refused after a prefix, not after tokenizing all of it), and read no more of the
     # file than those tokens can take up, as bench does (a 1 GB --text held 2 GB to score 20 tokens)
@@ -568,7 +568,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                 last = time.monotonic()
                 say(f"{done:,} of {len(ids):,} positions")
         metrics = comparison.result()
-    return QualityReport(str(model_dir), reference, source, metrics)
+    return QualityReport(str(model_dir), str(reference), source, metrics)  # a Path given stays JSON-ready
 
 
 def other_model_notes(model_dir: Path, reference_dir: Path) -> list[str]:

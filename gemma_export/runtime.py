@@ -993,7 +993,7 @@ def check_threads(threads: int | None) -> None:
         return
     limit = 4 * (os.cpu_count() or 1)
     if not 1 <= threads <= limit:
-        raise GemmaExportError(f"--threads {threads}: expected 1 to {limit} (4 x this machine's "
+        raise ConfigError(f"--threads {threads}: expected 1 to {limit} (4 x this machine's "
                                f"{os.cpu_count() or 1} CPUs)")
 
 
@@ -1004,7 +1004,7 @@ def check_prefill_chunk(prefill_chunk: int | None) -> None:
         GemmaExportError: ``prefill_chunk`` < 1.
     """
     if prefill_chunk is not None and prefill_chunk < 1:
-        raise GemmaExportError(f"--prefill-chunk must be >= 1 token (0 on the command line: the whole prompt "
+        raise ConfigError(f"--prefill-chunk must be >= 1 token (0 on the command line: the whole prompt "
                                f"at once), found {prefill_chunk}")
 
 
@@ -1463,7 +1463,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
                     prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"),
                     on_text=(on_text, "callable?"), special_tokens=(special_tokens, "bool"))
     if max_new_tokens < 1:
-        raise GemmaExportError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
+        raise ConfigError(f"--max-new-tokens must be >= 1, found {max_new_tokens}")
     bad = not_unicode_at(prompt)
     if bad is not None:  # bytes that were not UTF-8 arrive from argv as lone surrogates
         raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")

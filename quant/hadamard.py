@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .rows import is_integer
+from .rows import check_real, is_integer
 
 
 def hadamard_matrix(n: int) -> np.ndarray:
@@ -45,14 +45,21 @@ def rotate_blocks(x: np.ndarray, n: int) -> np.ndarray:
     ``H v``. Shapes: ``[..., K]`` → ``[..., K]`` float32, ``K`` a multiple of ``n``.
 
     For a weight ``W [out, K]``, ``rotate_blocks(W, n)`` is ``W Hᵀ`` (H symmetric), the weight
-    that consumes rotated activations ``H x``. Applying it twice is the identity.
+    that consumes rotated activations ``H x``. Applying it twice is the identity. Each output is a
+    sum of ``n`` inputs over ``√n``, so values near float32's largest can become ±Inf: the caller
+    checks (the exporter names the tensor, ``gemma_export.weights``).
 
     Raises:
-        ValueError: ``n`` is not a power of two (:func:`hadamard_matrix`), or ``K`` is not a multiple
+        ValueError: ``n`` is not a power of two (:func:`hadamard_matrix`), ``x`` is 0-d, holds
+            complex numbers or objects (:func:`quant.rows.check_real`), or ``K`` is not a multiple
             of ``n``.
     """
     h = hadamard_matrix(n)
-    x = np.asarray(x, dtype=np.float32)
+    x = np.asarray(x)
+    check_real(x)
+    if x.ndim == 0:
+        raise ValueError("expected an array with a last axis to rotate, found a 0-d value")
+    x = x.astype(np.float32, copy=False)
     k = x.shape[-1]
     if k % n:
         raise ValueError(f"last axis {k} is not a multiple of the Hadamard size {n}")

@@ -35,7 +35,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import as_hessian, gptq_codes
-from .rows import block_count, row_chunks
+from .rows import as_weight, block_count, check_real, row_chunks
 from .scales import SCALE_METHODS, Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 8
@@ -136,6 +136,27 @@ def _dequantize_codes(codes, scale, zp):
     return (codes.astype(np.float32) - zp[..., None].astype(np.float32)) * scale[..., None]
 
 
+def _channel_weights(channel_weights, k: int) -> np.ndarray:
+    """``channel_weights`` as float32 ``[K]``, refused by name unless ``k`` real values ≥ 0 that are
+    finite in float32 (a 1e300 is named as given, not as the Inf it would become)."""
+    given = np.asarray(channel_weights)
+    try:
+        check_real(given)
+    except ValueError as error:
+        raise ValueError(f"channel_weights: {error}") from None
+    if given.shape != (k,):
+        raise ValueError(f"channel_weights must be {k} finite values >= 0, found shape {given.shape}")
+    with np.errstate(over="ignore"):
+        h = given.astype(np.float32)
+    bad = ~(np.isfinite(h) & (h >= 0))
+    if bad.any():
+        index = int(np.flatnonzero(bad)[0])
+        beyond = " (beyond float32's range)" if np.isfinite(given[index]) and given[index] >= 0 else ""
+        raise ValueError(f"channel_weights must be {k} finite values >= 0, found {given[index]} at index "
+                         f"{index}{beyond}")
+    return h
+
+
 def _search_scales(blocks: np.ndarray, symmetric: bool, ratios, h, float16: bool = False):
     """The clipping search: per block, the (scale, zero point) of ``ratios`` with the least
     :func:`_error`; ties keep the earlier ratio. The block extremes are found once, and only the
@@ -188,7 +209,9 @@ class BlockInt4Weights:
         Args:
             w: float ``[N, K]`` (PyTorch ``[out_features, in_features]``, or the ``[vocab, hidden]``
                 table), any float dtype; read as float32 4,096 rows at a time.
-            block_size: even, divides K.
+            block_size: even, divides K. onnxruntime's ``MatMulNBits`` and ``GatherBlockQuantized``
+                run powers of two >= 16 only; the exporter refuses others (``--block-size``), the
+                round trip here takes any.
             symmetric: fixed zero point 8 (True) or a stored 4-bit zero point per block.
             method: ``"rtn"`` (clipping ratio 1) or ``"mse"`` (least weighted squared error over
                 ``CLIP_RATIOS``).
@@ -214,6 +237,7 @@ class BlockInt4Weights:
                 ``[K, K]``, NaN or Inf in it, or a matrix :func:`quant.gptq.inverse_cholesky` cannot
                 factor.
         """
+        w = as_weight(w)
         nb = block_count(w.shape, block_size, even=True)
         if not isinstance(symmetric, (bool, np.bool_)):  # "no" would be true
             raise ValueError(f"symmetric must be True or False, found {symmetric!r}")
@@ -222,19 +246,14 @@ class BlockInt4Weights:
         check_scale_dtype(scale_dtype)
         n, k = w.shape
         h = None
+        if hessian is not None:
+            hessian = as_hessian(hessian)  # a nested list too; gptq_codes below takes the same object
         if channel_weights is None and hessian is not None and hessian.shape == (k, k):
-            matrix = as_hessian(hessian).matrix
-            if not np.isfinite(matrix).all():  # named as the Hessian, not as the channel weights taken from it
+            if not np.isfinite(hessian.matrix).all():  # named as the Hessian, not as the channel weights taken from it
                 raise ValueError("the Hessian holds NaN or Inf")
-            channel_weights = np.maximum(np.diagonal(matrix), 0.0)
+            channel_weights = np.maximum(np.diagonal(hessian.matrix), 0.0)
         if channel_weights is not None:
-            h = np.asarray(channel_weights, np.float32)
-            if h.shape != (k,):
-                raise ValueError(f"channel_weights must be {k} finite values >= 0, found shape {h.shape}")
-            if not np.isfinite(h).all() or (h < 0).any():
-                bad = int(np.flatnonzero(~(np.isfinite(h) & (h >= 0)))[0])
-                raise ValueError(f"channel_weights must be {k} finite values >= 0, found {h[bad]} at index {bad}")
-            h = h.reshape(nb, block_size)
+            h = _channel_weights(channel_weights, k).reshape(nb, block_size)
         # With a Hessian only the scales (and zero points) come from this pass; GPTQ writes the codes.
         data = np.empty((n, nb, block_size // 2), np.uint8) if hessian is None else None
         scales = np.empty((n, nb), np.float32)

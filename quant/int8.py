@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import gptq_codes
-from .rows import block_count, row_chunks
+from .rows import as_weight, block_count, row_chunks
 from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 128
@@ -61,7 +61,9 @@ class BlockInt8Weights:
 
         Args:
             w: float ``[N, K]``, any float dtype; read as float32 8,192 rows at a time.
-            block_size: elements per scale along K; > 0 and dividing K.
+            block_size: elements per scale along K; > 0 and dividing K. onnxruntime's ``MatMulNBits``
+                runs powers of two >= 16 only; the exporter refuses others (``--block-size``), the
+                round trip here takes any.
             hessian: None (round to nearest), or float ``[K, K]`` / :class:`quant.gptq.Hessian` (GPTQ codes,
                 codes limited to [1, 255], i.e. q in [-127, 127]).
             scale_dtype: ``"float32"``, or ``"float16"``: each scale is first moved to float16's grid,
@@ -80,6 +82,7 @@ class BlockInt8Weights:
                 float16's range with ``"float16"``, or an unusable ``hessian`` (not ``[K, K]``, not
                 finite, or not factorable after damping: :func:`quant.gptq.inverse_cholesky`).
         """
+        w = as_weight(w)
         nb = block_count(w.shape, block_size)
         check_scale_dtype(scale_dtype)
         n = w.shape[0]

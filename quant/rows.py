@@ -61,6 +61,12 @@ def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> 
     return k // block_size
 
 
+def as_weight(w):
+    """``w`` itself when it has a ``shape`` (an array, or a lazy tensor read by row slices), else
+    ``np.asarray(w)``: a nested list is a weight too, not an ``AttributeError``."""
+    return w if hasattr(w, "shape") else np.asarray(w)
+
+
 def float_rows(w, start: int, count: int) -> np.ndarray:
     """``w[start:start + count]`` as float32 (``w``: an array or any row-sliceable object).
 

@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import sys
 import time
 import shutil
@@ -177,6 +178,23 @@ def test_bench_fails_when_the_board_budget_is_exceeded(tiny_int8_export, text_fi
     assert result.exit_code == 1
     assert "peak resident memory 70 MB leaves 30 MB of the tinyboard's 0.1 GB; at least 50 MB must stay free" in result.output
     assert "decode           median" in result.output  # the figures are shown before the verdict
+
+
+def test_run_bench_takes_a_range_and_names_bad_values_as_config_errors(tiny_int8_export, text_file):
+    """``prompt_tokens: Sequence[int]`` refused a range; range and conflict errors are ConfigError,
+    as the type errors are (they were the base class)."""
+    from gemma_export.errors import ConfigError
+
+    r = run_bench(tiny_int8_export, threads=1, prompt_tokens=range(4, 9, 4), new_tokens=WARMUP_STEPS + 1,
+                  text=text_file)
+    assert list(r.prefill_ms) == [4, 8]
+    for kwargs, message in [(dict(prompt_tokens=range(0, 2)), "--prompt-tokens: expected positive lengths, found [0, 1]"),
+                            (dict(new_tokens=WARMUP_STEPS), f"--new-tokens: expected more than {WARMUP_STEPS}"),
+                            (dict(board="pi5"), "--board: unknown board 'pi5'"),
+                            (dict(threads=0), "--threads 0: expected 1 to ")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            run_bench(tiny_int8_export, **{"threads": 1, "text": text_file, "prompt_tokens": (4,),
+                                           "new_tokens": WARMUP_STEPS + 1, **kwargs})
 
 
 @pytest.mark.parametrize("args, message", [

@@ -277,7 +277,7 @@ def test_batched_greedy_with_left_padding_equals_one_by_one(fp32_all):
                        (np.array([106]), r"ndarray int64 \[1\] \(a numpy array: pass stop_ids.tolist\(\)\)"),
                        ([1, np.int64(106)], r"list \[1, np.int64\(106\)\] \(numpy integers: pass \[int\(i\) for i in "
                                             r"stop_ids\]\)")):
-        with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list or tuple of ints or None, found {found}$"):
+        with pytest.raises(GemmaExportError, match=rf"^greedy\(\): stop_ids must be a list, tuple or range of ints or None, found {found}$"):
             decoder.greedy(prompts[0], 2, stop_ids=bad)
     with pytest.raises(GemmaExportError, match=r"^greedy_batch: max_new_tokens must be >= 0, found -1$"):
         decoder.greedy_batch([], -1)  # refused even with no prompts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -188,10 +189,11 @@ def test_bad_hessians_are_named(hessian, message):
         inverse_cholesky(hessian)
 
 
-@pytest.mark.parametrize("damp", [0.0, -0.01, float("nan")])
+@pytest.mark.parametrize("damp", [0.0, -0.01, float("nan"), float("inf"), "0.01", True])
 def test_a_damping_that_is_not_positive_is_refused(damp):
-    # λ = damp · mean(diag H) must be > 0: with 0 a rank-deficient H would not be invertible
-    with pytest.raises(ValueError, match="damp must be > 0"):
+    # λ = damp · mean(diag H) must be > 0: with 0 a rank-deficient H would not be invertible. A string
+    # raised TypeError, and Inf was reported as a Hessian that is not positive definite.
+    with pytest.raises(ValueError, match=rf"^damp must be a finite number > 0, found {re.escape(repr(damp))}$"):
         inverse_cholesky(np.eye(4), damp=damp)
 
 

@@ -1004,11 +1004,11 @@ def test_an_export_result_given_for_its_folder_is_named_with_the_fix(tiny_int8_e
      "run_parity(): against_transformers must be True or False, found str 'yes'"),
     ("run_quality", ("{model}",), dict(tokens="128"), "run_quality(): tokens must be an int or None, found str '128'"),
     ("run_bench", ("{model}",), dict(prompt_tokens="16,128"),
-     "run_bench(): prompt_tokens must be a list or tuple of ints, found str '16,128'"),
+     "run_bench(): prompt_tokens must be a list, tuple or range of ints, found str '16,128'"),
     ("run_bench", ("{model}",), dict(prompt_tokens=(16, 128.0)),
-     "run_bench(): prompt_tokens must be a list or tuple of ints, found tuple (16, 128.0)"),
+     "run_bench(): prompt_tokens must be a list, tuple or range of ints, found tuple (16, 128.0)"),
     ("run_bench", ("{model}",), dict(prompt_tokens=[np.int64(16)]),
-     "run_bench(): prompt_tokens must be a list or tuple of ints, found list [np.int64(16)] "
+     "run_bench(): prompt_tokens must be a list, tuple or range of ints, found list [np.int64(16)] "
      "(numpy integers: pass [int(i) for i in prompt_tokens])"),
     ("write_bundle", ("{model}", ""), {}, "write_bundle(): out_dir must be a path (str or os.PathLike), found an empty str"),
     ("verify_manifest", (5,), {}, "verify_manifest(): folder must be a path (str or os.PathLike), found int 5"),

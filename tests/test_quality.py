@@ -263,6 +263,17 @@ def test_quality_never_builds_a_whole_logit_matrix(tiny_int8_export, text_file, 
             assert report.metrics.top1_agreement == 1.0 and report.metrics.max_abs_logit_diff == 0.0
 
 
+def test_a_reference_given_as_a_path_stays_json_ready(tiny_int8_export, text_file):
+    """``reference`` may be a Path; the report kept it as one, and ``to_dict()`` (documented as
+    JSON-ready) then failed in ``json.dumps``."""
+    from pathlib import Path
+
+    from gemma_export import quality
+
+    report = quality.run_quality(tiny_int8_export, reference=Path(tiny_int8_export), text=text_file, tokens=20)
+    assert json.loads(json.dumps(report.to_dict()))["reference"] == str(tiny_int8_export)
+
+
 @pytest.mark.parametrize("side", ["reference", "export"])
 def test_non_finite_logits_are_named_not_scored(side):
     """NaN logits made KL and perplexity NaN and max |dlogit| 0 (max(0.0, nan)), with exit 0."""

@@ -646,3 +646,108 @@ def test_the_package_loads_its_modules_on_first_use():
     files = {p.stem for p in Path(quant.__file__).parent.glob("*.py")} - {"__init__"}
     assert set(quant._SUBMODULES) == files  # a new module is reachable as quant.<name> too
     assert set(quant.__all__) | files <= set(dir(quant))
+
+
+# ---- the public helpers' inputs (a breaker of the Python API, twentieth session) -----------------
+
+@pytest.mark.parametrize("bits, message", [
+    (np.array([-16512]), r"^bfloat16 bit pattern -16512 at index \[0\] is outside 0\.\.65535$"),  # wrapped to -1.0
+    (np.array([[1, 0x13F80]]), r"^bfloat16 bit pattern 81792 at index \[0, 1\] is outside 0\.\.65535$"),  # 1.0
+    (np.array([16256.9]), r"^expected bfloat16 bit patterns as uint16, found float64$"),  # truncated to 1.0
+])
+def test_bfloat16_bits_that_are_no_uint16_are_refused(bits, message):
+    from quant import bfloat16_bits_to_float32
+
+    with pytest.raises(ValueError, match=message):
+        bfloat16_bits_to_float32(bits)
+
+
+def test_bfloat16_bits_in_a_wider_integer_type_read_as_their_value():
+    from quant import bfloat16_bits_to_float32
+
+    out = bfloat16_bits_to_float32(np.array([[0x3F80, 0xBF80]], np.int64))
+    assert out.dtype == np.float32 and out.tolist() == [[1.0, -1.0]]
+    assert bfloat16_bits_to_float32(np.uint16(0x4000)) == 2.0
+
+
+@pytest.mark.parametrize("helper", ["float32_to_bfloat16_bits", "truncate_to_bfloat16_bits"])
+def test_bf16_helpers_refuse_complex_values_and_keep_float64_overflow_as_inf(helper):
+    """numpy would drop the imaginary part with only a warning; a float64 beyond float32's range is
+    the documented ±Inf (BF16Weights.quantize refuses it instead)."""
+    import quant
+
+    convert = getattr(quant, helper)
+    with pytest.raises(ValueError, match=r"^expected real numbers, found complex128$"):
+        convert(np.array([1 + 2j]))
+    assert convert(np.array([1e300, -1e300])).tolist() == [0x7F80, 0xFF80]
+    assert convert(np.float32(1.0)).shape == ()
+
+
+def test_rotate_blocks_refuses_a_0d_value_and_complex_values():
+    with pytest.raises(ValueError, match=r"^expected an array with a last axis to rotate, found a 0-d value$"):
+        quant_rotate(np.float32(1.0), 1)
+    with pytest.raises(ValueError, match=r"^expected real numbers, found complex128$"):
+        quant_rotate(np.ones((1, 16), complex), 16)
+    out = quant_rotate([[1.0, 1.0]], 2)  # a list, and float64 in: float32 out
+    assert out.dtype == np.float32 and np.allclose(out, [[np.sqrt(2), 0.0]])
+
+
+def quant_rotate(x, n):
+    from quant import rotate_blocks
+
+    return rotate_blocks(x, n)
+
+
+def test_a_nested_list_is_a_weight_and_a_hessian_too():
+    """The docstrings take any object with a shape and row slices; a list raised AttributeError."""
+    from quant import BlockInt4Weights
+
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((3, 64)).astype(np.float32)
+    x = rng.standard_normal((256, 64))
+    h = x.T @ x  # correlated inputs: GPTQ's codes differ from round-to-nearest
+    for cls in (BlockInt8Weights, BlockInt4Weights):
+        from_list = cls.quantize(w.tolist(), 32)
+        from_array = cls.quantize(w, 32)
+        assert np.array_equal(from_list.data, from_array.data) and np.array_equal(from_list.scales, from_array.scales)
+        with_list = cls.quantize(w, 32, hessian=h.tolist())
+        with_array = cls.quantize(w, 32, hessian=h)
+        assert np.array_equal(with_list.data, with_array.data), cls.__name__
+        assert not np.array_equal(with_array.data, from_array.data), cls.__name__  # the Hessian was used
+
+
+@pytest.mark.parametrize("channel_weights, message", [
+    (np.full(64, 1e300), r"^channel_weights must be 64 finite values >= 0, found 1e\+300 at index 0 "
+                         r"\(beyond float32's range\)$"),
+    ("abc", r"^channel_weights: expected real numbers, found <U3$"),
+    (np.r_[np.ones(63), -2.0], r"^channel_weights must be 64 finite values >= 0, found -2.0 at index 63$"),
+    (np.ones(32), r"^channel_weights must be 64 finite values >= 0, found shape \(32,\)$"),
+])
+def test_bad_channel_weights_are_named_as_given(channel_weights, message):
+    from quant import BlockInt4Weights
+
+    with pytest.raises(ValueError, match=message):
+        BlockInt4Weights.quantize(np.ones((2, 64), np.float32), 16, channel_weights=channel_weights)
+
+
+def test_a_complex_hessian_is_refused_not_cast():
+    with pytest.raises(ValueError, match=r"^the Hessian: expected real numbers, found complex128$"):
+        BlockInt8Weights.quantize(np.ones((2, 64), np.float32), 16, hessian=np.eye(64, dtype=complex))
+
+
+def test_inverse_cholesky_takes_a_numpy_damp_and_leaves_its_input_alone():
+    from quant.gptq import inverse_cholesky
+
+    h = np.diag([4.0, 0.0, 1.0])
+    kept = h.copy()
+    u = inverse_cholesky(h, damp=np.float32(0.5))
+    assert np.array_equal(h, kept)  # the dead channel's edit is made on a copy
+    # (H + λ I)⁻¹ with the dead diagonal set to 1 and λ = 0.5 · mean(4, 1, 1) = 1: diag 1/5, 1/2, 1/2
+    assert np.allclose(u.T @ u, np.diag([0.2, 0.5, 0.5]), atol=1e-6)
+
+
+def test_rotate_hessian_refuses_a_matrix_that_is_not_square():
+    from quant.gptq import rotate_hessian
+
+    with pytest.raises(ValueError, match=r"^expected a square Hessian, found shape \(4, 8\)$"):
+        rotate_hessian(np.ones((4, 8)), 2)
