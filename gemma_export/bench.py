@@ -194,7 +194,8 @@ def drop_page_cache() -> None:
 
 
 def archive_bytes(model_dir: Path) -> int:
-    """Bytes of an export's ONNX archive: ``model.onnx`` and its external data (``model.onnx.data``)."""
+    """Bytes of an export's ONNX archive: every file of ``model_dir`` (not its sub-folders' files) whose
+    name starts with ``model.onnx``, i.e. ``model.onnx`` and its external data ``model.onnx.data``."""
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith(MODEL_FILE))
 
 

@@ -248,7 +248,7 @@ loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many 
 #: --new-tokens 128` on x86-64, the default exports of the real 270M)
 QUANTIZED_MEMORY_FIGURES = {
     "int8": {"growth": "about 0.02 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
-                       "with the KV cache in use, against 1.08 × and 1.15 × without it (the default int8 export on "
+                       "with the KV cache in use, against 1.08 × and 1.154 × without it (the default int8 export on "
                        "x86-64, 2026-12-05 and 2026-12-07)",
              "peak_rise": "90–185 MB"},
     "int4": {"growth": "0.16 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
@@ -316,8 +316,12 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         progress: called with a line as each step starts (copying, building the wheel) and for each
             folder a killed earlier bundle left beside ``out_dir`` that is removed.
 
+    Returns:
+        A :class:`BundleResult`: ``out_dir`` and every file written, its path relative to
+        ``out_dir`` → bytes (``total_bytes`` sums them).
+
     Raises:
-        GemmaExportError: unknown board; the export fails verification (``VerificationError``) or
+        GemmaExportError: unknown board (``ConfigError``); the export fails verification (``VerificationError``) or
             has no ``tokenizer.json`` (``FormatError``: the board's commands need it);
             ``out_dir`` is unusable (``OutputError``); the wheel cannot be found or built.
     """

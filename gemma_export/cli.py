@@ -347,7 +347,7 @@ def main(
     source: Optional[Path] = typer.Option(None, "--source", parser=_path, metavar="<path>", help="transformers folder, .gguf file, or a reference export .mlir (archive beside it); default: the bundled real Gemma 3 270M."),
     out: Optional[Path] = typer.Option(None, "--out", parser=_path, metavar="<path>", help="Output folder (default ./<model>-onnx-<dtype>: gemma-3-270m for the bundled weights, else the source's folder or file name without its extension and a GGUF's quantization tag, so the bundled GGUF given as --source lands in the same folder as no --source; int4 with --table-dtype int8: <model>-onnx-int4-table-int8; --activation-residual, --all-logits and --debug-outputs add -activation-residual, -all-logits and -debug-outputs)."),
     block_size: Optional[int] = typer.Option(None, "--block-size", help="int8/int4 block size of layer weights (power of two >= 16; default 32)."),
-    table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: ~12% faster decode, +11% KL, docs/quality.md)."),
+    table_block_size: Optional[int] = typer.Option(None, "--table-block-size", help="Block size of the shared embedding table / LM head (default 128 for an int8 table, 32 for int4; int4 with 128: about 7% faster decode, +11% KL, README, Figures)."),
     hadamard: Optional[int] = typer.Option(None, "--hadamard", help="int8/int4: Hadamard rotation size folded into the weights to spread activation outliers (default 64; 0 = off)."),
     table_dtype: Optional[TableDType] = typer.Option(None, "--table-dtype", help="int4 only: the shared table's codes: int4 (the default, like the layers) or int8 (layers stay int4)."),
     asymmetric: bool = typer.Option(False, "--asymmetric", help="int4 only: a 4-bit zero point per block instead of the fixed 8."),
@@ -604,7 +604,7 @@ def prepack(
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
     reclaim) drops by about the archive's size (int8, the growth as bench counts it, after a short
     prompt: about 1.08 x -> 0.02 x the archive, 2026-12-05; at the last of 128 steps after a
-    512-token prompt, the KV cache in use: 1.15 x -> 0.09 x, 2026-12-07). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    512-token prompt, the KV cache in use: 1.154 x -> 0.092 x, 2026-12-07). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs 2-2.2 x the data file on disk (4 x for bf16, up to 2.44 x with --scale-dtype float16); refused below 2.3 x (4.1 x, 2.6 x) free.
 

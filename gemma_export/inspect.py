@@ -120,13 +120,18 @@ class Report:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of all tensors as stored on disk (:attr:`TensorEntry.nbytes`)."""
         return sum(t.nbytes for t in self.tensors)
 
     @property
     def total_elements(self) -> int:
+        """Values of all tensors, block formats unpacked (two 4-bit codes per byte count as two;
+        :attr:`TensorEntry.elements`)."""
         return sum(t.elements for t in self.tensors)
 
     def bytes_by_dtype(self) -> dict[str, int]:
+        """Stored bytes per dtype, named as the file's format names it (ONNX: ``"UINT8"``,
+        ``"FLOAT"``, ...), the largest first."""
         out: dict[str, int] = collections.Counter()
         for t in self.tensors:
             out[t.dtype] += t.nbytes

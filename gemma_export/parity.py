@@ -457,7 +457,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         raise GemmaExportError(f"{option} applies to --reference, which is not given")
     if new_tokens is not None and not against_transformers:
         raise ConfigError("--new-tokens applies to --against transformers; a golden entry generates as many "
-                               "tokens as it expects, and --reference runs its fixed length")
+                          "tokens as it expects, and --reference runs its fixed length")
     new_tokens = DEFAULT_NEW_TOKENS if new_tokens is None else new_tokens
     if new_tokens < 1:
         raise ConfigError(f"--new-tokens must be >= 1, found {new_tokens}")

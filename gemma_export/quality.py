@@ -449,7 +449,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             export of the same source, made in a temporary folder) or the path of an export folder.
         text: a text file (default: the Python license, ``bench.real_text``).
         tokens: use the first ``tokens`` tokens (default: all; at least 2 needed).
-        threads: onnxruntime intra-op threads.
+        threads: onnxruntime intra-op threads, 1 to 4 × this machine's CPUs (None: onnxruntime's
+            default).
         prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
             (the graph used is reported through ``progress``).
 
@@ -458,7 +459,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
 
     Raises:
         GemmaExportError: unusable folder, source or text; torch/transformers missing for
-            ``transformers``; fewer than 2 tokens; a reference export of another vocabulary size.
+            ``transformers``; a reference export of another vocabulary size.
+        ConfigError: fewer than 2 ``tokens``; ``threads`` out of range; an argument of the wrong type.
         SourceNotFoundError: (``transformers``, ``fp32``) the export's source is gone or changed
             since the export (:func:`manifest_checkpoint`).
         FormatError: a text id outside either model's vocabulary, or a folder :class:`OnnxDecoder`

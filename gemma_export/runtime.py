@@ -987,25 +987,25 @@ def check_threads(threads: int | None) -> None:
     every intra-op thread up front, so 100,000 of them exhaust memory before anything runs).
 
     Raises:
-        GemmaExportError: ``threads`` < 1 or above that limit.
+        ConfigError: ``threads`` < 1 or above that limit.
     """
     if threads is None:
         return
     limit = 4 * (os.cpu_count() or 1)
     if not 1 <= threads <= limit:
         raise ConfigError(f"--threads {threads}: expected 1 to {limit} (4 x this machine's "
-                               f"{os.cpu_count() or 1} CPUs)")
+                          f"{os.cpu_count() or 1} CPUs)")
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
     """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step).
 
     Raises:
-        GemmaExportError: ``prefill_chunk`` < 1.
+        ConfigError: ``prefill_chunk`` < 1.
     """
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ConfigError(f"--prefill-chunk must be >= 1 token (0 on the command line: the whole prompt "
-                               f"at once), found {prefill_chunk}")
+                          f"at once), found {prefill_chunk}")
 
 
 def kv_buffer(shape: tuple[int, ...]) -> np.ndarray:
