@@ -729,11 +729,20 @@ def _pyplot():
     return plt
 
 
-def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None) -> None:
+def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequence[str] | None = None,
+               before_rename: Callable[[], None] | None = None) -> None:
     """ms/token against context length, one line per result (needs matplotlib).
 
     Written whole or not at all, as :func:`write_json`: a temporary file beside ``path`` is renamed
     over it.
+
+    Args:
+        results: the runs to draw.
+        path: the image file (its suffix names the format: ``.png``).
+        labels: a legend entry per result (default: each model folder's name).
+        before_rename: called once the image is written in full, before it replaces ``path``; if it
+            raises, ``path`` is left as it was (``bench --json J --plot P`` writes J there: both
+            files or neither, where the image's own write is the one likelier to fail).
 
     Raises:
         GemmaExportError: matplotlib is not installed.
@@ -752,15 +761,17 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
     fig.tight_layout()
     path = Path(path)
     try:
-        _write_whole(path, lambda temporary: fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png"), "--plot")
+        _write_whole(path, lambda temporary: fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png"), "--plot",
+                     before_rename)
     finally:
         plt.close(fig)
 
 
-def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None:
+def _write_whole(path: Path, write: Callable[[Path], None], option: str,
+                 before_rename: Callable[[], None] | None = None) -> None:
     """``write`` a temporary file beside ``path`` (beside the file a symbolic link names, so the
-    link stays), then rename it over ``path``: whole or not at all. Whatever stops it (a full disk,
-    Ctrl-C) removes the temporary file.
+    link stays), call ``before_rename`` if given, then rename it over ``path``: whole or not at all.
+    Whatever stops it (a full disk, Ctrl-C, ``before_rename`` raising) removes the temporary file.
 
     Raises:
         OutputError: an ``OSError`` while writing, naming ``option`` and the file.
@@ -775,12 +786,17 @@ def _write_whole(path: Path, write: Callable[[Path], None], option: str) -> None
     prefix = f"{hidden_prefix(path)}tmp-"
     _remove_dead_temporaries(path.parent, prefix)
     temporary = path.with_name(f"{prefix}{os.getpid()}")
+    ours = True  # False while before_rename runs: its errors name its own file, not this one
     try:
         write(temporary)
+        if before_rename is not None:
+            ours = False
+            before_rename()
+            ours = True
         os.replace(temporary, path)
     except BaseException as exc:
         temporary.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
+        if ours and isinstance(exc, OSError):
             raise OutputError(f"{option} {path}: cannot write: {exc.strerror or exc}") from None
         raise
 

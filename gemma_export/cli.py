@@ -793,11 +793,14 @@ def bench(
         if huge_pages is not None and result.prepacked:
             typer.echo(f"note: --{'' if huge_pages else 'no-'}huge-pages did nothing: the folder's pre-packed copy was "
                        "used (its weights are mapped from disk); --no-prepacked measures the heap", err=True)
+        report = (lambda: write_json(result.to_dict(), json_out)) if json_out is not None else None
+        if plot is not None:  # the JSON is written once the image is, before it is renamed into place: both or neither
+            write_plot([result], plot, before_rename=report)
+        elif report is not None:
+            report()
         if json_out is not None:
-            write_json(result.to_dict(), json_out)
             _wrote(json_out)
         if plot is not None:
-            write_plot([result], plot)
             typer.echo(f"plot: {plot}", err=to_stdout(json_out))
         check_board_budget(result)  # after the figures are shown and saved; exits 1 (BudgetExceeded)
 

@@ -173,7 +173,7 @@ def resized_files(model_dir: Path) -> list[str]:
         try:
             if (model_dir / name).stat().st_size != recorded:
                 changed.append(name)
-        except OSError:  # missing: named by the step that reads it, if any does
+        except (OSError, ValueError):  # missing, or a NUL in the name: named by the step that reads it, if any does
             continue
     return changed
 

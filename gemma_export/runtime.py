@@ -394,6 +394,11 @@ class OnnxDecoder:
             self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
             if not isinstance(self.head_dim, int):
                 raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
+        if not isinstance(self.num_key_value_heads, int):  # the KV cache's buffers are sized from it
+            self.num_key_value_heads = _genai_decoder_config(self.model_dir).get("num_key_value_heads")
+            if not is_whole_number(self.num_key_value_heads) or self.num_key_value_heads <= 0:
+                raise FormatError(f"{path}: past_key_values.0.key has a symbolic kv-heads dimension and no "
+                                  "genai_config.json says num_key_value_heads")
         self.vocab_size = next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1]
         if not isinstance(self.vocab_size, int):  # symbolic: the table's rows, else the manifest's or genai's config
             configured = (self.manifest.get("config", {}).get("vocab_size")

@@ -19,7 +19,7 @@ from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dt
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import create_session, sliding_layers_from
+from .runtime import check_decoder_contract, create_session, sliding_layers_from
 from .staging import check_listed_file, listed_files
 from .text_files import non_regular
 
@@ -93,9 +93,13 @@ def verify_folder(folder: str | Path) -> None:
         raise VerificationError(f"{model_path}: ONNX checker failed: {exc}") from None
     try:
         session = create_session(model_path)
+        # the inputs and outputs generate, bench, quality and parity feed and read: a graph that loads
+        # but breaks them would pass here and fail on the board
+        check_decoder_contract(model_path, {i.name: i for i in session.get_inputs()}, session.get_outputs())
+        feeds = _first_step_feeds(model_path, session)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
-    logits = session.run(["logits"], _first_step_feeds(session))[0]
+    logits = session.run(["logits"], feeds)[0]
     if not np.isfinite(logits).all():
         bad = logits[~np.isfinite(logits)]
         raise NonFiniteLogits(model_path, f"the first step (token id 0 at position 0) computes {bad.size:,} "
@@ -115,15 +119,24 @@ class NonFiniteLogits(VerificationError):
         self.path, self.finding = path, finding
 
 
-def _first_step_feeds(session) -> dict:
+def _first_step_feeds(model_path: Path, session) -> dict:
     """The feeds of one step of token id 0 at position 0 with an empty cache, for ``session``'s
-    declared inputs."""
+    declared inputs (:func:`~gemma_export.runtime.check_decoder_contract` passed).
+
+    Raises:
+        FormatError: a cache input's kv-heads or ``head_dim`` is symbolic (an export of this toolkit
+            declares both), naming the input.
+    """
     import numpy as np
 
     feeds = {}
     for node in session.get_inputs():
         if node.name.startswith("past_key_values."):
             _, heads, _, head_dim = node.shape
+            for what, dim in (("kv-heads", heads), ("head_dim", head_dim)):
+                if not isinstance(dim, int):
+                    raise FormatError(f"{model_path}: input {node.name} has a symbolic {what} dimension {dim!r}; "
+                                      "an export of this toolkit declares it as a number")
             feeds[node.name] = np.zeros((1, heads, 0, head_dim), np.float32)
         else:  # input_ids, attention_mask, position_ids: [1, 1]
             feeds[node.name] = np.full((1, 1), 1 if node.name == "attention_mask" else 0, np.int64)

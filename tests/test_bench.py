@@ -769,6 +769,45 @@ def test_ctrl_c_while_a_report_is_written_leaves_no_temporary(tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == [target.name]
 
 
+def test_bench_writes_its_json_and_plot_both_or_neither(tiny_int8_export, text_file, tmp_path, monkeypatch):
+    """A break-it run: the JSON report was written (or an earlier one replaced) before the plot
+    failed on a full disk, and the command exited 2 with the new report in place."""
+    report, picture = tmp_path / "report.json", tmp_path / "curve.png"
+    report.write_text('{"decode_ms_median": 1.0}')
+    old_plot = b"\x89PNG\r\n\x1a\nthe previous plot"  # an earlier plot: a PNG's signature
+    picture.write_bytes(old_plot)
+    args = ["bench", "--model", str(tiny_int8_export), "--threads", "1", "--prompt-tokens", "4",
+            "--new-tokens", str(WARMUP_STEPS + 1), "--text", str(text_file), "--json", str(report), "--plot", str(picture)]
+    monkeypatch.setattr(bench_module, "_pyplot",
+                        lambda: _fake_pyplot(_FakeFigure(b"half a pl", OSError(28, "No space left on device"))))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and f"--plot {picture}: cannot write: No space left on device" in result.output
+    assert f"wrote {report}" not in result.output
+    assert report.read_text() == '{"decode_ms_median": 1.0}' and picture.read_bytes() == old_plot
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png", "report.json"]
+    monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(_FakeFigure(b"new plot", None)))
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(report.read_text())["prefill_ms"]) == ["4"] and picture.read_bytes() == b"new plot"
+    assert f"wrote {report}" in result.output and f"plot: {picture}" in result.output
+
+
+def test_a_plot_whose_companion_write_fails_is_not_renamed_into_place(tmp_path, monkeypatch):
+    """``before_rename`` raising (the JSON's own error, named as the JSON's) leaves the old plot."""
+    from gemma_export.errors import OutputError
+
+    picture = tmp_path / "curve.png"
+    picture.write_bytes(b"the previous plot")
+    monkeypatch.setattr(bench_module, "_pyplot", lambda: _fake_pyplot(_FakeFigure(b"new plot", None)))
+
+    def report_fails():
+        raise OutputError("--json r.json: cannot write: Read-only file system")
+    with pytest.raises(OutputError, match=r"^--json r\.json: cannot write"):
+        bench_module.write_plot([_result_for_plot()], picture, before_rename=report_fails)
+    assert picture.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
+
+
 def test_a_plot_replaces_the_file_a_link_names_and_keeps_the_link(tmp_path, monkeypatch):
     target = tmp_path / "plots" / "curve.png"
     target.parent.mkdir()

@@ -402,6 +402,26 @@ def test_verify_detects_changed_missing_and_extra_files(tiny_dir, tmp_path):
     assert result.exit_code == 2 and "genai_config.json: not a regular file (a FIFO" in result.stderr
 
 
+def test_a_listed_name_holding_nul_does_not_end_generate_in_a_traceback(tiny_int8_export, tmp_path):
+    """A break-it run: ``generate`` printed its text, then failed in ``resized_files``' stat
+    (ValueError: embedded null byte); verify names such a file as missing."""
+    import json
+    import shutil
+
+    from gemma_export.manifest import resized_files
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"]["a\u0000b"] = {"bytes": 10, "sha256": "0" * 64}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with open(folder / "genai_config.json", "a") as f:
+        f.write(" ")
+    assert resized_files(folder) == ["genai_config.json"]
+    result = _run("generate", "--model", folder, "--prompt", "the", "--max-new-tokens", "2")
+    assert result.exit_code == 0 and "note: genai_config.json in " in result.stderr, result.output
+
+
 def test_python_api_from_readme(tiny_dir, tiny_int8_export, tmp_path):
     # the README's snippet: `from gemma_export import export, generate` gives the functions, and they work
     import importlib

@@ -2143,6 +2143,61 @@ def test_an_opened_checkpoint_names_the_default_folder_and_a_second_source_is_re
     assert sorted(os.listdir(tmp_path)) == ["tiny-src", "tiny-src-onnx-bf16", "tiny-src-onnx-fp32"]
 
 
+def _symbolic_heads(model):
+    for value in model.graph.input:
+        if value.name.startswith("past_key_values."):
+            value.type.tensor_type.shape.dim[1].dim_param = "heads"
+
+
+def _extra_input(model):
+    model.graph.input.append(onnx.helper.make_tensor_value_info("foo", onnx.TensorProto.FLOAT, [1]))
+
+
+def _int32_positions(model):
+    next(v for v in model.graph.input if v.name == "position_ids").type.tensor_type.elem_type = onnx.TensorProto.INT32
+
+
+def _logits_only(model):
+    del model.graph.output[1:]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_symbolic_heads, r"input past_key_values\.0\.key has a symbolic kv-heads dimension 'heads'; an export of this "
+                      r"toolkit declares it as a number"),
+    (_extra_input, r"input foo is not the decoder contract \(input_ids, "),
+    (_int32_positions, r"input position_ids is tensor\(int32\); expected tensor\(int64\)"),
+    (_logits_only, r"output present\.0\.key is missing; expected logits and present"),
+])
+def test_verify_checks_the_inputs_and_outputs_the_commands_use(tiny_int8_export, tmp_path, edit, message):
+    """A break-it run: each graph loaded in onnxruntime and failed verify's one step with a traceback,
+    or (present.* gone) passed verify and was bundled for the board, where no command could run it."""
+    from gemma_export.verify import verify_folder
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in ("model.onnx", "model.onnx.data"):
+        shutil.copyfile(tiny_int8_export / name, folder / name)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    edit(model)
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(VerificationError, match=rf"^{re.escape(str(folder / 'model.onnx'))}: {message}"):
+        verify_folder(folder)
+
+
+def test_a_symbolic_kv_head_count_is_read_from_genai_config_or_named(tmp_path):
+    """It reached the KV cache's sizes as a string: a TypeError in every run-time command."""
+    folder = _one_layer_graph(tmp_path / "m")
+    model = onnx.load(str(folder / "model.onnx"))
+    _symbolic_heads(model)
+    onnx.save(model, str(folder / "model.onnx"))
+    with pytest.raises(FormatError, match=r"model\.onnx: past_key_values\.0\.key has a symbolic kv-heads dimension and "
+                                          r"no genai_config\.json says num_key_value_heads$"):
+        OnnxDecoder(folder)
+    (folder / "genai_config.json").write_text(json.dumps({"model": {"decoder": {"num_key_value_heads": 1}}}))
+    decoder = OnnxDecoder(folder)
+    assert decoder.num_key_value_heads == 1 and decoder.greedy([2, 5], 2)[0] == [5, 5]
+
+
 def test_small_api_argument_checks_of_inspect_verify_and_export(tiny_int8_export, tiny_dir, tmp_path):
     """An API probe's findings: ``format_report(top=None)`` and ``verify_folder(str)`` were raw
     TypeErrors; a numpy bool was shown as "found bool", which read as a contradiction."""
