@@ -48,7 +48,7 @@ from quant.scales import SCALE_DTYPES, SCALE_METHODS
 
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
-from .console import StreamClosed, StreamError, Terminated, interrupts_raised
+from .console import StreamClosed, StreamError, interrupt_exit_status, interrupts_raised
 from .errors import ConfigError, GemmaExportError, OutputWritten, os_error_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
@@ -157,12 +157,12 @@ class _Group(TyperGroup):
             interrupt = exc.__cause__ or exc.__context__
             if isinstance(interrupt, KeyboardInterrupt):
                 _interrupted(ctx.invoked_subcommand in WRITING_COMMANDS,
-                             signal_exit=143 if isinstance(interrupt, Terminated) else 130)
+                             signal_exit=interrupt_exit_status(interrupt))
             raise
         except KeyboardInterrupt as exc:  # outside a command's body, while it prints what it did: its
             # work is finished (or never began); typer would exit 130 without a word, 143 included
             _say_error("error: interrupted")
-            raise typer.Exit(143 if isinstance(exc, Terminated) else 130) from None
+            raise typer.Exit(interrupt_exit_status(exc)) from None
 
 
 app = typer.Typer(
@@ -222,7 +222,7 @@ MAX_ERROR_CHARS = 500
 def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
     """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C and
     SIGTERM as :func:`_interrupted`; both end the command. Inside it Ctrl-C raises
-    KeyboardInterrupt and SIGTERM :class:`~gemma_export.console.Terminated`
+    KeyboardInterrupt and SIGTERM or SIGHUP :class:`~gemma_export.console.Terminated`
     (:func:`~gemma_export.console.interrupts_raised`), so that writers clean up."""
     from .staging import MOVED_IN
 
@@ -248,7 +248,7 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             # frames returned); a command that does not write one (quality's scratch fp32 export) is not asked
             if writes and (written := MOVED_IN.get()) is not None:
                 _interrupted_once_written(*written, exc)
-            _interrupted(writes, 143 if isinstance(exc, Terminated) else 130)
+            _interrupted(writes, interrupt_exit_status(exc))
         finally:
             MOVED_IN.reset(moved_in)
 
@@ -267,10 +267,10 @@ def _checked_threads(ctx: typer.Context, value: Optional[int]) -> Optional[int]:
 
 
 def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
-    """Ctrl-C or SIGTERM: one line and the shell's exit status for the signal (130 for SIGINT, 143
-    for SIGTERM); writers have cleaned up. ``writes``: the command writes output (its message then
+    """Ctrl-C, SIGTERM or SIGHUP: one line and the shell's exit status for the signal (130 for SIGINT, 143
+    for SIGTERM, 129 for SIGHUP); writers have cleaned up. ``writes``: the command writes output (its message then
     says that nothing was written)."""
-    _say_error("error: interrupted; nothing was written (an existing output folder is unchanged)" if writes
+    _say_error("error: interrupted; nothing was written (an existing output is unchanged)" if writes
                else "error: interrupted")
     raise typer.Exit(signal_exit)
 
@@ -290,7 +290,7 @@ def _interrupted_once_written(path: Path, what: str, signal: BaseException | Non
     it did): one line that says the output is complete, and 130 or 143 as for any interrupt."""
     check = f" (`gemma-export verify {path}` checks it)" if what in ("export", "bundle") else ""
     _say_error(f"error: interrupted; the {what} {path} is written and complete{check}")
-    raise typer.Exit(143 if isinstance(signal, Terminated) else 130)
+    raise typer.Exit(interrupt_exit_status(signal))
 
 
 def _list_files(files: dict[str, int], width: int) -> None:
@@ -366,6 +366,12 @@ def main(
 ) -> None:
     """Export Gemma 3 / FunctionGemma to ONNX with one shared tied-embedding table (the examples
     are in the module docstring, which ``--help`` shows)."""
+    try:
+        os.getcwd()  # every command resolves paths against it; a deleted one failed as "No such file or directory"
+    except FileNotFoundError:
+        _say_error("error: the current folder no longer exists (it was removed while the shell stood in it); "
+                   "cd into an existing folder and run again")
+        raise typer.Exit(2) from None
     if ctx.invoked_subcommand is not None:
         _refuse_export_options(ctx)
         return

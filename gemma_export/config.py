@@ -179,6 +179,9 @@ class GemmaConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"{where}: head_dim must be even for rotate-half RoPE, found {self.head_dim}")
+        if self.head_dim % 8:  # refused by onnxruntime only when the session is created, after the slow work
+            raise ConfigError(f"{where}: head_dim must be a multiple of 8 for onnxruntime's GroupQueryAttention, "
+                              f"which the graph uses; found {self.head_dim}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"{where}: layer_types has {len(self.layer_types)} entries but num_hidden_layers is "

@@ -36,8 +36,24 @@ from .errors import GemmaExportError
 PIPE_CLOSED_EXIT = 128 + 13
 
 
+#: signals that end a command as Ctrl-C does, with the same clean-up: SIGTERM (``kill``, a timeout)
+#: and SIGHUP (the terminal or SSH session closed); an export stopped by either left its staging
+#: folder when SIGHUP kept its default
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C would be so that the same clean-up runs; exits 143 (128 + 15)."""
+    """SIGTERM or SIGHUP (:data:`TERMINATING_SIGNALS`), raised where Ctrl-C would be so that the
+    same clean-up runs; exits 128 + the signal's number (143, 129)."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__()
+        self.signum = signum
+
+
+def interrupt_exit_status(exc: KeyboardInterrupt) -> int:
+    """The shell's exit status for an interrupt: 128 + the signal's number (130 for Ctrl-C)."""
+    return 128 + (exc.signum if isinstance(exc, Terminated) else signal.SIGINT)
 
 
 class StreamError(GemmaExportError):
@@ -126,14 +142,14 @@ def _interrupted_while_loading(signum, _frame) -> None:
     os._exit(128 + signum)
 
 
-def _raise_terminated(_signum, _frame) -> None:
-    raise Terminated
+def _raise_terminated(signum, _frame) -> None:
+    raise Terminated(signum)
 
 
 def _ignore_interrupts() -> None:
-    """SIGINT and SIGTERM ignored from here on (main thread only; elsewhere nothing changes)."""
+    """SIGINT, SIGTERM and SIGHUP ignored from here on (main thread only; elsewhere nothing changes)."""
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
             signal.signal(sig, signal.SIG_IGN)
 
 
@@ -147,8 +163,9 @@ def main() -> None:
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored one stays ignored
             signal.signal(signal.SIGINT, _interrupted_while_loading)
-        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _interrupted_while_loading)
+        for sig in TERMINATING_SIGNALS:
+            if signal.getsignal(sig) == signal.SIG_DFL:  # nohup's ignored SIGHUP stays ignored
+                signal.signal(sig, _interrupted_while_loading)
     streams = [_CheckedStream(sys.stdout, 1), _CheckedStream(sys.stderr, 2)]
     sys.stdout, sys.stderr = streams
     try:
@@ -161,7 +178,7 @@ def main() -> None:
     except KeyboardInterrupt as exc:  # one that landed as the command ended, before they were ignored
         _ignore_interrupts()  # a second one (a double press) as this process ends is ignored too
         _say_interrupted()
-        raise SystemExit(143 if isinstance(exc, Terminated) else 130) from None
+        raise SystemExit(interrupt_exit_status(exc)) from None
     except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None
     except StreamError as exc:  # raised outside a command's body (e.g. --version, verify's result line)
@@ -190,11 +207,13 @@ def interrupts_raised() -> Iterator[None]:
         return
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    embedded = signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    if embedded or signal.getsignal(signal.SIGTERM) is _interrupted_while_loading:
-        signal.signal(signal.SIGTERM, _raise_terminated)
+    embedded = [sig for sig in TERMINATING_SIGNALS if signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in TERMINATING_SIGNALS:
+        if sig in embedded or signal.getsignal(sig) is _interrupted_while_loading:
+            signal.signal(sig, _raise_terminated)
     try:
         yield
     finally:
-        if embedded and signal.getsignal(signal.SIGTERM) is _raise_terminated:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in embedded:
+            if signal.getsignal(sig) is _raise_terminated:
+                signal.signal(sig, signal.SIG_DFL)

@@ -161,6 +161,14 @@ def check_arguments(function: str, **arguments: tuple[object, str]) -> None:
             raise ConfigError(f"{function}(): {name} must be {expected}, found {found}")
 
 
+def reworded(exc: "GemmaExportError", message: str) -> "GemmaExportError":
+    """An error of ``exc``'s kind with ``message`` (e.g. ``exc``'s own with the option that gave the
+    file added): the first class among ``exc``'s bases that this module defines, whose constructor
+    takes the message alone (a subclass elsewhere, such as ``text_files.FileRefused``, takes more)."""
+    kind = next(cls for cls in type(exc).__mro__ if cls.__module__ == __name__)
+    return kind(message)
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (onnxruntime's run a page long), or its type's name when
     it has none."""

@@ -11,6 +11,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,7 +25,7 @@ from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
 from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments,
-                     printable_path)
+                     printable_path, reworded)
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
 from .prepack import busy as prepack_busy, derived_copy
@@ -460,7 +461,8 @@ def export(
     replacing_told = False
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         if early:
-            replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
+            replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status,
+                                             None if source is None else os.path.realpath(source))
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}{bundled_gguf_note()})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if ckpt.ignored and status is not None:
@@ -475,6 +477,12 @@ def export(
         ckpt = dataclasses.replace(ckpt, tokenizer=given_tokenizer)
     if status is not None and ckpt.tokenizer is not None:
         _note_small_tokenizer(ckpt, tokenizer_dir if given_tokenizer is not None else Path(ckpt.path), status)
+        if given_tokenizer is None and "tokenizer.json" in ckpt.tokenizer.files:  # the source's own: told, not refused
+            folder = Path(ckpt.path).is_dir()  # else a GGUF, whose tokenizer is built from its metadata
+            own = Path(ckpt.path) if folder else Path(ckpt.path).parent
+            named = own / "tokenizer.json" if folder else f"{ckpt.path}'s tokenizer"
+            if (wrong := _bos_mismatch(ckpt.tokenizer.parsed(own), ckpt.config, named)) is not None:
+                status(f"note: {wrong}; calibration, generate and the board's prompts get these ids")
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
     name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
     # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one,
@@ -486,7 +494,7 @@ def export(
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if status is not None and not replacing_told:
-        _tell_replacing(out, checked_state, status)
+        _tell_replacing(out, checked_state, status, ckpt.identity.get("path"))
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_block = block_size_for(ckpt, block_size, default=WEIGHT_FORMATS[dtype].default_block_size)
@@ -621,18 +629,23 @@ def _note_small_tokenizer(ckpt: Checkpoint, where: Path, status: Callable[[str],
                "decode to nothing (a tokenizer of another model?)")
 
 
-def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None]) -> bool:
+def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None], source: str | None = None) -> bool:
     """Tell ``status`` that ``out`` holds an earlier export, when its :func:`folder_state` ``state``
     has entries (a non-empty folder that the checks accepted is an export), and what its manifest
     says it holds (``"an earlier int8 export (32 weights per scale …, GPTQ codes)"``: options
-    such as ``--block-size`` or ``--no-calibrate`` do not change the default folder); whether it told."""
+    such as ``--block-size`` or ``--no-calibrate`` do not change the default folder), and its source
+    when that is another than ``source`` (this export's resolved path; None: not compared; the
+    default folder is named after the source's file name, which two models may share); whether it told."""
     if not state or len(state) <= 1:
         return False
     try:
         manifest = read_manifest(out)
     except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
         manifest = {}
-    status(f"{out} holds an earlier {export_description(manifest) or 'export'}; it is replaced once this one is "
+    recorded = manifest.get("source", {}).get("path") if isinstance(manifest.get("source"), dict) else None
+    other = (f" of another source ({recorded})" if isinstance(recorded, str) and source is not None
+             and os.path.realpath(recorded) != source else "")
+    status(f"{out} holds an earlier {export_description(manifest) or 'export'}{other}; it is replaced once this one is "
            "written and checked")
     return True
 
@@ -684,15 +697,23 @@ def _check_given_tokenizer(tokenizer, path: Path, config) -> list[tuple[str, int
     try:
         check_tokenizer_vocab(parsed, config.vocab_size, path)
     except (FormatError, ConfigError) as exc:
-        raise type(exc)(f"{exc} (--tokenizer)") from None
-    # a prompt must get exactly the model's <bos> in front, and nothing else (generate and calibration rely on it)
-    plain = parsed.encode("a", add_special_tokens=False).ids
-    got = parsed.encode("a").ids
-    if got != [config.bos_token_id, *plain]:
-        raise FormatError(f"{path}: turns the prompt 'a' into ids {got}; expected the model's <bos> (bos_token_id "
-                          f"{config.bos_token_id}) and then {plain}, as Gemma's own tokenizer does (--tokenizer)")
+        raise reworded(exc, f"{exc} (--tokenizer)") from None
+    if (wrong := _bos_mismatch(parsed, config, path)) is not None:
+        raise FormatError(f"{wrong} (--tokenizer)")
     added = parsed.get_added_tokens_decoder()
     return sorted(((token.content, i) for i, token in added.items() if i >= config.vocab_size), key=lambda item: item[1])
+
+
+def _bos_mismatch(parsed, config, path: Path) -> str | None:
+    """None when ``parsed`` (a ``tokenizers.Tokenizer``) puts exactly the model's ``<bos>`` before a
+    prompt, as Gemma's own tokenizer does (generate and calibration rely on it); else what it does
+    instead, naming ``path``."""
+    plain = parsed.encode("a", add_special_tokens=False).ids
+    got = parsed.encode("a").ids
+    if got == [config.bos_token_id, *plain]:
+        return None
+    return (f"{path}: turns the prompt 'a' into ids {got}; expected the model's <bos> (bos_token_id "
+            f"{config.bos_token_id}) and then {plain}, as Gemma's own tokenizer does")
 
 
 def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,

@@ -29,7 +29,8 @@ import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import ConfigError, GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number
+from .errors import (ConfigError, GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number,
+                     reworded)
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -417,8 +418,8 @@ def manifest_checkpoint(model_dir: Path):
     try:
         checkpoint = open_source(path, tokenizer="tokenizer" not in record)  # the export's own tokenizer is used
     except (FormatError, ConfigError, SourceNotFoundError) as exc:  # name the manifest, which gave the path
-        raise type(exc)(f"{manifest}: field 'source.path' names {path}, which does not open as the export's "
-                        f"source ({exc})") from None
+        raise reworded(exc, f"{manifest}: field 'source.path' names {path}, which does not open as the export's "
+                            f"source ({exc})") from None
     where = f"{manifest}: the export's source {path}"
     if isinstance(recorded, int) and checkpoint.identity.get("bytes") != recorded:
         raise SourceNotFoundError(f"{where} has {checkpoint.identity.get('bytes'):,} bytes now and had "

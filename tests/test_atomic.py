@@ -241,7 +241,7 @@ def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tm
         result = _export(tiny_dir, out, "fp32")
         assert result.exit_code == 130
         assert result.stderr.strip().splitlines()[-1] == (
-            "error: interrupted; nothing was written (an existing output folder is unchanged)")
+            "error: interrupted; nothing was written (an existing output is unchanged)")
     else:
         with pytest.raises(RuntimeError):
             exporter.export(tiny_dir, out, "fp32")
@@ -249,11 +249,12 @@ def test_interrupt_or_crash_after_writing_keeps_the_existing_output(tiny_dir, tm
     assert _tree(tmp_path) == before
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL])
 def test_signal_during_an_export(tiny_dir, tmp_path, signum):
-    """A real SIGINT (Ctrl-C) or SIGTERM (timeout, kill) delivered while the export process is
-    between writing and verifying; SIGKILL cannot be caught and leaves the staging folder, which
-    the next export to the same place removes."""
+    """A real SIGINT (Ctrl-C), SIGTERM (timeout, kill) or SIGHUP (the terminal closed; it left the
+    staging folder until the twentieth session) delivered while the export process is between
+    writing and verifying; SIGKILL cannot be caught and leaves the staging folder, which the next
+    export to the same place removes."""
     marker = tmp_path / "written"
     script = textwrap.dedent(f"""
         import pathlib, sys, time
@@ -271,7 +272,7 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
     # give the child the default disposition, as a terminal's foreground process has.
     proc = subprocess.Popen([sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out), "--dtype", "fp32"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: [signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGHUP)])
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
@@ -298,7 +299,7 @@ def test_signal_during_an_export(tiny_dir, tmp_path, signum):
         assert sorted(os.listdir(tmp_path)) == ["out", "written"]  # the killed run's staging folder is gone
         assert f"removed {staging}, left by an earlier gemma-export" in said  # and the user is told
         return
-    assert proc.returncode == 128 + signum, stderr  # the shell's status for that signal: 130 or 143
+    assert proc.returncode == 128 + signum, stderr  # the shell's status for that signal: 130, 143 or 129
     assert "error: interrupted; nothing was written" in stderr and "Traceback" not in stderr
     assert sorted(os.listdir(tmp_path)) == ["written"]  # no output, no staging folder
 

@@ -277,3 +277,30 @@ def test_a_broken_link_is_named_as_one_not_as_a_missing_file(export_copy, tmp_pa
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert f"{link}: a broken link (to {tmp_path / 'moved' / 'golden.json'}); expected {expected}" in result.output
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "chat_template.jinja"])
+def test_an_oversized_tokenizer_side_file_of_a_source_is_one_line(tiny_dir, tmp_path, name):
+    """A break-it run: the refusal (``text_files.FileRefused``) was re-raised as ``type(exc)(message)``,
+    which that class's constructor does not take: a TypeError traceback, exit 1."""
+    from conftest import write_char_tokenizer
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    size = SMALL_FILE_BYTES + 1
+    _sparse(source / name, size)
+    result = _run("--source", source, "--dtype", "fp32", "--out", tmp_path / "out")
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert (f"{source / name}: {size:,} bytes; expected a tokenizer side file of at most {SMALL_FILE_BYTES:,}"
+            in result.output)
+    assert not (tmp_path / "out").exists()
+
+
+def test_reworded_keeps_the_toolkit_class_of_a_subclass_with_its_own_constructor(tmp_path):
+    from gemma_export.errors import FormatError, SourceNotFoundError, reworded
+    from gemma_export.text_files import FileRefused
+
+    again = reworded(FileRefused(tmp_path / "a.json", "too big"), "a.json: too big (--tokenizer)")
+    assert type(again) is FormatError and str(again) == "a.json: too big (--tokenizer)"
+    assert type(reworded(SourceNotFoundError("x"), "y")) is SourceNotFoundError

@@ -183,6 +183,14 @@ def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
     empty.mkdir()
     result = _run("--source", tiny_dir, "--out", empty, "--dtype", "fp32")
     assert result.exit_code == 0 and "holds an earlier export" not in result.stderr
+    # another source into the same folder (two GGUFs named model.gguf share the default folder's name):
+    # the note names the earlier one's source, from its manifest
+    other = tmp_path / "other-src"
+    shutil.copytree(tiny_dir, other)
+    result = _run("--source", other, "--out", empty, "--dtype", "fp32")
+    assert result.exit_code == 0, result.output
+    assert (f"{empty} holds an earlier fp32 export of another source ({tiny_dir.resolve()}); it is replaced once this "
+            "one is written and checked") in result.stderr
 
 
 @pytest.mark.parametrize("edit", ["flip a byte", "truncate"])
@@ -1218,16 +1226,16 @@ def test_sigterm_while_the_export_command_imports_is_an_interrupt_with_its_statu
     import sys
     import types
 
-    from gemma_export import cli
+    from gemma_export.console import Terminated
 
     class Stopping(types.ModuleType):
         def __getattr__(self, name):
-            raise cli.Terminated  # what the SIGTERM handler raises, here inside `from tqdm import tqdm`
+            raise Terminated  # what the SIGTERM handler raises, here inside `from tqdm import tqdm`
 
     monkeypatch.setitem(sys.modules, "tqdm", Stopping("tqdm"))
     result = _run("--source", tiny_dir, "--out", tmp_path / "out", "--dtype", "fp32")
     assert result.exit_code == 143
-    assert result.stderr.strip() == "error: interrupted; nothing was written (an existing output folder is unchanged)"
+    assert result.stderr.strip() == "error: interrupted; nothing was written (an existing output is unchanged)"
     assert not (tmp_path / "out").exists()
 
 
@@ -1835,3 +1843,43 @@ def test_generate_shows_the_special_tokens_the_model_generates_but_not_the_stop(
     shown = tokenizer.decode(scripted[:-1], skip_special_tokens=flag == "--no-special-tokens")
     assert shown == ("a b" if flag == "--no-special-tokens" else "a <unk> b <unk>")  # this tokenizer joins with spaces
     assert record["text"] == shown and result.stderr.startswith("x" + shown + "\n")
+
+
+@pytest.mark.parametrize("command", [["verify"], ["--dtype", "fp32", "--out"]])
+def test_a_deleted_current_folder_is_named_not_a_bare_no_such_file(tiny_int8_export, tmp_path, monkeypatch, command):
+    """A break-it run: from a folder removed under the shell, an export with absolute paths failed
+    with "error: No such file or directory", naming nothing."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    target = tiny_int8_export if command == ["verify"] else tmp_path / "out"
+    result = _run(*command, target)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == ("error: the current folder no longer exists (it was removed while the shell stood "
+                                     "in it); cd into an existing folder and run again")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sources_own_tokenizer_without_the_models_bos_is_noted(tiny_dir, tmp_path):
+    """A break-it run: a source whose tokenizer.json adds no <bos> exported and calibrated without a
+    word, while the same file given as --tokenizer is refused."""
+    import json
+
+    from conftest import write_char_tokenizer
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    result = _run("--source", source, "--out", tmp_path / "good", "--dtype", "fp32")
+    assert result.exit_code == 0 and "<bos>" not in result.stderr, result.output
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    tokenizer["post_processor"] = None
+    (source / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = _run("--source", source, "--out", tmp_path / "out", "--dtype", "fp32")
+    assert result.exit_code == 0, result.output
+    assert (f"note: {source / 'tokenizer.json'}: turns the prompt 'a' into ids [4]; expected the model's <bos> "
+            "(bos_token_id 2) and then [4], as Gemma's own tokenizer does; calibration, generate and the board's "
+            "prompts get these ids") in result.stderr
+    result = _run("--source", tiny_dir, "--tokenizer", source / "tokenizer.json", "--out", tmp_path / "t", "--dtype", "fp32")
+    assert result.exit_code == 2 and "as Gemma's own tokenizer does (--tokenizer)" in result.stderr

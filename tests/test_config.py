@@ -189,6 +189,16 @@ def test_an_odd_head_dim_is_refused(head_dim):
         config_from_hf_dict({**V4, "head_dim": head_dim}, "c")
 
 
+@pytest.mark.parametrize("head_dim", [4, 12, 18])
+def test_a_head_dim_groupqueryattention_cannot_run_is_refused_before_the_work(head_dim):
+    """A break-it run: an even head_dim that is no multiple of 8 exported (and calibrated) in full,
+    then onnxruntime refused the graph's GroupQueryAttention with a traceback."""
+    with pytest.raises(ConfigError, match=rf"^c: head_dim must be a multiple of 8 for onnxruntime's GroupQueryAttention, "
+                                          rf"which the graph uses; found {head_dim}$"):
+        config_from_hf_dict({**V4, "head_dim": head_dim}, "c")
+    assert config_from_hf_dict({**V4, "head_dim": 24}, "c").head_dim == 24
+
+
 def test_a_config_json_with_a_byte_order_mark_is_read(tmp_path):
     # hostile-found: refused with Python's "decode using utf-8-sig" while other text files strip the mark
     import json

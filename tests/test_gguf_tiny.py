@@ -4,6 +4,7 @@ tensors and the tied table all come back as transformers expects."""
 from __future__ import annotations
 
 import hashlib
+import re
 import os
 from pathlib import Path
 
@@ -329,6 +330,34 @@ def test_a_block_tensor_name_other_than_a_known_weight_is_refused(name):
         _hf_name(name, Path("m.gguf"))
     assert _hf_name("blk.12.attn_q.weight", Path("m.gguf")) == ("model.layers.12.self_attn.q_proj.weight", False)
     assert _hf_name("blk.3.post_ffw_norm.weight", Path("m.gguf")) == ("model.layers.3.post_feedforward_layernorm.weight", True)
+
+
+@pytest.mark.parametrize("name", ["output_norm.bias", "token_embd.scale", "output.bias"])
+def test_a_top_level_tensor_of_a_known_part_is_refused(name):
+    """A break-it run: ``output_norm.bias`` was left out without a word (the transformers path
+    refuses ``model.norm.bias``: leaving it out would change the output)."""
+    from pathlib import Path
+
+    from gemma_export.errors import FormatError
+    from gemma_export.sources.gguf import _hf_name
+
+    with pytest.raises(FormatError, match=rf"^m\.gguf: unexpected tensor '{re.escape(name)}': not a weight of the Gemma 3 "
+                                          r"text decoder \(expected token_embd\.weight, output_norm\.weight, "
+                                          r"output\.weight and blk\.\*\); leaving it out would change the model's output$"):
+        _hf_name(name, Path("m.gguf"))
+
+
+def test_a_tensor_of_no_known_part_is_left_out_and_noted(tiny_gguf, tmp_path):
+    """``rope_freqs.weight`` (another architecture's) was dropped in silence; now the export says so,
+    as for a transformers folder's unknown tensors."""
+    model, _, _ = tiny_gguf
+    path = tmp_path / "extra.gguf"
+    write_tiny_gguf(model, path, extra=lambda w: w.add_tensor("rope_freqs.weight", np.ones(8, np.float32)))
+    ckpt = open_source(path)
+    assert ckpt.ignored == ("rope_freqs.weight",)
+    said = []
+    export(path, tmp_path / "out", "fp32", status=said.append)
+    assert f"note: {ckpt.path}: 1 tensor(s) of no part of Gemma 3 were left out (rope_freqs.weight)" in said
 
 
 def test_a_gguf_sources_own_tokenizer_is_not_read_when_another_is_given(tiny_gguf, tmp_path):

@@ -45,16 +45,22 @@ _TOP_NAMES: dict[str, tuple[str, bool]] = {
 
 
 def _hf_name(gguf_name: str, path: Path) -> tuple[str, bool] | None:
-    """transformers name and is-norm flag of a GGUF tensor name; None for a name outside ``blk.*``
-    that the graph does not use.
+    """transformers name and is-norm flag of a GGUF tensor name; None for a name of no part of the
+    text decoder (left out, and the export notes it, as for a transformers folder).
 
     Raises:
         FormatError: a ``blk.*`` name that is not ``blk.<layer>.<known block tensor>.weight`` with
-            the layer in plain ASCII digits (``blk.00.…`` would be a second name for ``blk.0.…``).
+            the layer in plain ASCII digits (``blk.00.…`` would be a second name for ``blk.0.…``); a
+            tensor of the embedding, the final norm or the output head other than their ``.weight``
+            (``output_norm.bias``): leaving it out would change the model's output.
     """
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
+    if parts[0] in ("token_embd", "output_norm", "output"):
+        raise FormatError(f"{path}: unexpected tensor '{gguf_name}': not a weight of the Gemma 3 text decoder "
+                          f"(expected {', '.join(_TOP_NAMES)} and blk.*); leaving it out would change the model's "
+                          "output")
     if parts[0] != "blk":
         return None
     index = parts[1] if len(parts) > 1 else ""
@@ -167,9 +173,11 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     file_bytes = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
 
     tensors: dict[str, TensorRef] = {}
+    ignored: list[str] = []
     for t in header.tensors:
         mapped = _hf_name(t.name, path)  # one transformers name per GGUF name: the header has no repeats
         if mapped is None:
+            ignored.append(t.name)
             continue
         name, is_norm = mapped
         data, qtype = _tensor_data(file_bytes, t)
@@ -232,6 +240,7 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     return Checkpoint(
         config=config,
         tensors=tensors,
+        ignored=tuple(ignored),
         tokenizer=Tokenizer(build_tokenizer) if has_tokenizer else None,
         identity={"kind": "gguf", "path": str(path.resolve()), "bytes": path.stat().st_size,
                   # recorded as the file says them when they have their spec's types (string, uint32)

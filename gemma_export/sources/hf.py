@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..checkpoint import EMBED, FINAL_NORM, LM_HEAD, Checkpoint, Tokenizer, TensorRef, expected_shapes, resolve_lm_head, validate_tensors
 from ..config import load_hf_config, with_generation_config
-from ..errors import ConfigError, FormatError, shown
+from ..errors import ConfigError, FormatError, reworded, shown
 from ..text_files import SMALL_FILE_BYTES, TOKENIZER_FILE_BYTES, non_regular, read_bounded
 from ..tokenizer import check_tokenizer_vocab, read_tokenizer_json
 from .safetensors_header import read_header
@@ -277,5 +277,5 @@ def read_tokenizer_folder(folder: Path, vocab_size: int | None, option: str | No
         if vocab_size is not None:
             check_tokenizer_vocab(parsed, vocab_size, folder / "tokenizer.json")
     except (FormatError, ConfigError) as exc:
-        raise type(exc)(f"{exc}{given}") from None
+        raise reworded(exc, f"{exc}{given}") from None
     return Tokenizer(lambda: files, parsed)
