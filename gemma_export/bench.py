@@ -438,10 +438,13 @@ def check_board_budget(result: BenchResult) -> None:
     spec = BOARDS[result.board]
     if not fits_board(spec, result.peak_rss_bytes):
         board = f"the {result.board}'s"
+        budget = spec.memory_bytes - spec.headroom_bytes
+        over_mb = (result.peak_rss_bytes - budget) / 1e6
         raise BudgetExceeded(
             f"{result.model}: peak resident memory {result.peak_rss_bytes / 1e6:,.0f} MB "
             f"{_room(spec.memory_bytes, result.peak_rss_bytes, board)}; at least {spec.headroom_bytes / 1e6:.0f} MB "
-            "must stay free")
+            f"must stay free, so the model may use {budget / 1e6:,.0f} MB: "
+            + (f"{over_mb:,.0f} MB over" if over_mb >= 0.5 else "less than 1 MB over"))
 
 
 def _room(memory_bytes: int, peak_bytes: int, whose: str) -> str:

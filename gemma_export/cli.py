@@ -266,6 +266,14 @@ def _checked_threads(ctx: typer.Context, value: Optional[int]) -> Optional[int]:
     return value
 
 
+def _at_least_zero(ctx: typer.Context, param: typer.CallbackParam, value: int) -> int:
+    """A count option checked while the command line is parsed, in the commands' own one-line
+    wording (``--top -1: expected 0 or more``), not click's range message."""
+    if value < 0:
+        _fail(ConfigError(f"{param.opts[0]} {value}: expected 0 or more"), bool(ctx.params.get("debug")))
+    return value
+
+
 def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
     """Ctrl-C, SIGTERM or SIGHUP: one line and the shell's exit status for the signal (130 for SIGINT, 143
     for SIGTERM, 129 for SIGHUP); writers have cleaned up. ``writes``: the command writes output (its message then
@@ -701,7 +709,7 @@ def _one_model(command: str, given: Optional[Path], model_opt: Optional[Path], w
 def inspect(
     path_arg: Optional[Path] = typer.Argument(None, metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's, a transformers folder (or its model.safetensors.index.json) its weights, all shards as one."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
-    top: int = typer.Option(10, "--top", min=0, help="How many of the largest tensors to list."),
+    top: int = typer.Option(10, "--top", callback=_at_least_zero, help="How many of the largest tensors to list (0: none)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:

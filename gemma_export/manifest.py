@@ -13,7 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from .config import DTYPES, FULL, SLIDING
+from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
@@ -218,6 +218,11 @@ _MANIFEST_FIELDS = {
        for name in ("final_logit_softcapping", "attn_logit_softcapping")},
     **{("config", name): ("a positive finite number", _positive_number) for name in ("rope_theta", "rope_local_base_freq")},
     ("kv_cache", "past_present_share_buffer"): ("true or false", lambda v: isinstance(v, bool)),
+    # what the bundle README and `verify` report from these; the graph does not show them
+    (None, "format"): ("'onnx'", lambda v: v == "onnx"),
+    ("kv_cache", "layout"): ("'BNSH' (the caches' [batch, kv heads, positions, head_dim])", lambda v: v == "BNSH"),
+    ("quantization", "calibration"): ("an object (GPTQ's record) or null (round to nearest)",
+                                      lambda v: v is None or isinstance(v, dict)),
 }
 
 #: what ``config.layer_types`` may hold (transformers' Gemma 3 names)
@@ -251,8 +256,8 @@ def check_manifest_fields(manifest: dict, path: str | Path, config_required: boo
         raise FormatError(f"{path}: field 'quantization' must be an object or null, found "
                           f"{shown(manifest['quantization'])}")
     for (section, name), (expected, ok) in _MANIFEST_FIELDS.items():
-        scope = manifest.get(section, {}) if section else manifest
-        if name in scope and not ok(scope[name]):
+        scope = manifest.get(section) if section else manifest
+        if isinstance(scope, dict) and name in scope and not ok(scope[name]):  # a null quantization: no fields
             field = f"{section}.{name}" if section else name
             raise FormatError(f"{path}: field {field!r} must be {expected}, found {shown(scope[name])}")
     # each layer type's RoPE record (transformers 5): an object whose rope_theta, if any, is positive
@@ -348,6 +353,12 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
                               f"(ids 0 to {vocab_size - 1:,})")
     if dtype is not None and "dtype" in manifest and manifest["dtype"] != dtype:
         raise FormatError(f"{path}: field 'dtype' is {shown(manifest['dtype'])}, but the graph stores {dtype} weights")
+    if dtype is not None and "quantization" in manifest:  # the bundle README and export notes describe it
+        blockwise = dtype in QUANTIZED_DTYPES
+        if blockwise != isinstance(manifest["quantization"], dict):
+            expected = "an object (its block sizes, scales, calibration)" if blockwise else "null"
+            raise FormatError(f"{path}: field 'quantization' is {shown(manifest['quantization'])}, but the graph "
+                              f"stores {dtype} weights: expected {expected}")
 
     def differs(recorded, actual) -> bool:  # JSON 0 is not false, nor 32.0 a block size
         return type(recorded) is not type(actual) or recorded != actual

@@ -29,8 +29,8 @@ import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import (ConfigError, GemmaExportError, NumericError, SourceNotFoundError, check_arguments, is_whole_number,
-                     reworded)
+from .errors import (ConfigError, GemmaExportError, NumericError, OutputError, SourceNotFoundError, check_arguments,
+                     is_whole_number, reworded, shown)
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -366,13 +366,14 @@ def _manifest_source_record(model_dir: Path) -> dict:
 
     manifest = model_dir / MANIFEST_FILE
     loaded = read_manifest(model_dir)
-    try:
-        record = loaded["source"]
-        path = record["path"]
-    except (KeyError, TypeError):
-        record, path = None, None
+    record = loaded.get("source")
+    if not isinstance(record, dict) or "path" not in record:
+        raise SourceNotFoundError(f"{manifest}: no field 'source.path' (the export's source); the reference needs "
+                                  "that source")
+    path = record["path"]
     if not isinstance(path, str) or not path.strip():
-        raise SourceNotFoundError(f"{manifest}: missing or without source.path; the reference needs the export's source")
+        raise SourceNotFoundError(f"{manifest}: field 'source.path' must be the export's source path (a non-empty "
+                                  f"string), found {shown(path)}; the reference needs that source")
     if not Path(path).exists():
         raise SourceNotFoundError(f"{manifest}: the export's source {path} no longer exists")
     return record
@@ -543,8 +544,12 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                         last_line = time.monotonic()
                         say(f"reference: {done} of {total} tensors written")
 
-                ref_dir = export(source_checkpoint.path, Path(tmp) / "fp32", "fp32", checkpoint=source_checkpoint,
-                                 progress=written, status=lambda msg: say(f"reference: {msg}")).out_dir
+                try:
+                    ref_dir = export(source_checkpoint.path, Path(tmp) / "fp32", "fp32", checkpoint=source_checkpoint,
+                                     progress=written, status=lambda msg: say(f"reference: {msg}")).out_dir
+                except OutputError as exc:  # no option names that folder: say which setting does
+                    raise OutputError(f"{exc} (the temporary folder of --reference fp32, in {tempfile.gettempdir()}: "
+                                      "set TMPDIR to put it on a disk with room)") from None
                 say(f"reference: fp32 export written in {time.monotonic() - started:.0f} s")
             else:
                 say(f"reference: the export in {reference}")

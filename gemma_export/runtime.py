@@ -185,7 +185,7 @@ def check_new_tokens(max_new_tokens: int, where: str) -> None:
         raise GemmaExportError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
 
 
-def _genai_model_config(model_dir: Path) -> dict:
+def genai_model_config(model_dir: Path) -> dict:
     """The ``model`` object of an onnxruntime-genai ``genai_config.json`` (``vocab_size``,
     ``eos_token_id``, ``decoder``); ``{}`` when the folder has none. Read only for what a folder of
     another tool lacks in a manifest.
@@ -210,7 +210,7 @@ def _genai_model_config(model_dir: Path) -> dict:
 
 
 def _genai_decoder_config(model_dir: Path) -> dict:
-    decoder = _genai_model_config(model_dir).get("decoder")
+    decoder = genai_model_config(model_dir).get("decoder")
     return decoder if isinstance(decoder, dict) else {}
 
 
@@ -402,7 +402,7 @@ class OnnxDecoder:
         self.vocab_size = next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1]
         if not isinstance(self.vocab_size, int):  # symbolic: the table's rows, else the manifest's or genai's config
             configured = (self.manifest.get("config", {}).get("vocab_size")
-                          or _genai_model_config(self.model_dir).get("vocab_size"))
+                          or genai_model_config(self.model_dir).get("vocab_size"))
             self.vocab_size = table_rows or configured
             if not is_whole_number(self.vocab_size) or self.vocab_size <= 0:
                 raise FormatError(f"{path}: the logits output has a symbolic vocabulary dimension and neither "
@@ -422,7 +422,7 @@ class OnnxDecoder:
         self.shares_kv_buffer = isinstance(kv_cache, dict) and kv_cache.get("past_present_share_buffer") is True
         eos = self.manifest.get("config", {}).get("eos_token_id")
         if eos is None:  # a folder of another tool: onnxruntime-genai's config names its stop ids
-            genai = _genai_model_config(self.model_dir)
+            genai = genai_model_config(self.model_dir)
             eos = genai.get("eos_token_id", DEFAULT_STOP_TOKEN_IDS)
             if "eos_token_id" in genai and not is_token_ids(eos):
                 raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.eos_token_id' must be "

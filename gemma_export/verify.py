@@ -19,9 +19,10 @@ from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dt
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
-from .runtime import check_decoder_contract, create_session, sliding_layers_from
+from .runtime import check_decoder_contract, create_session, genai_model_config, sliding_layers_from
 from .staging import check_listed_file, listed_files
 from .text_files import non_regular
+from .tokenizer import read_tokenizer_json
 
 
 def count_table_initializers(model_path: Path, vocab_size: int, hidden_size: int) -> int:
@@ -169,7 +170,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         SourceNotFoundError: no such folder (or a file, or a bundle folder), or no manifest in it.
         GemmaExportError: the folder's path is not valid UTF-8.
         VerificationError: naming the first file that differs and how; an unreadable or malformed
-            manifest, graph or sliding-window metadata; files the manifest does not list (a
+            manifest, graph, sliding-window metadata, ``tokenizer.json`` or ``genai_config.json``;
+            a ``manifest.json`` that is a link; files the manifest does not list (a
             ``prepacked/`` copy excepted); leftovers of an interrupted ``prepack``, or a ``prepack``
             running on the folder.
         OSError: a listed file cannot be read while hashing it (permissions, I/O error).
@@ -180,6 +182,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     require_folder(folder, MANIFEST_FILE)
     if (what := non_regular(manifest_path)) is not None:
         raise VerificationError(f"{manifest_path}: is {what}; expected the export's manifest file")
+    if manifest_path.is_symlink():  # as every listed file: a link's target can change under the checksums
+        raise VerificationError(f"{manifest_path}: is a link; an export folder holds regular files only")
     if not manifest_path.is_file():
         # the folder by its full name when given as "." (the message would otherwise read "manifest.json")
         raise SourceNotFoundError(f"{shown_folder(folder) / MANIFEST_FILE}: missing; not a gemma-export folder")
@@ -228,5 +232,11 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     unlisted = sorted(set(locations) - set(expected))
     if unlisted:
         raise VerificationError(f"{folder / MODEL_FILE}: external data in {', '.join(unlisted)}, which the manifest does not list")
+    try:  # files whose checksums match but that no reader takes: generate's tokenizer, the board's genai config
+        if "tokenizer.json" in expected:
+            read_tokenizer_json(folder / "tokenizer.json")
+        genai_model_config(folder)
+    except FormatError as exc:
+        raise VerificationError(str(exc)) from None
     verify_folder(folder)
     return {name: size for name, (size, _) in expected.items()}

@@ -497,7 +497,7 @@ def test_foreign_output_is_refused_before_the_source_is_read(tiny_dir, tmp_path,
     (["bench", "--model", "m", "--threads", "-3"], "error: --threads -3: expected 1 to "),
     (["quality", "--model", "m", "--threads", "100000"], "error: --threads 100000: expected 1 to "),
     (["nosuch"], "error: No such command 'nosuch'. (see 'gemma-export --help')"),
-    (["inspect", "--top", "-1", "x"], "error: Invalid value for '--top'"),
+    (["inspect", "--top", "-1", "x"], "error: --top -1: expected 0 or more"),  # click's range wording before
     (["--dtype"], "error: Option '--dtype' requires an argument. (see 'gemma-export --help')"),
     # click raises this one without a context: it pointed at the group's help (fresh-user finding)
     (["generate", "--model", "m", "--prompt"], "error: Option '--prompt' requires an argument. "
@@ -1883,3 +1883,63 @@ def test_a_sources_own_tokenizer_without_the_models_bos_is_noted(tiny_dir, tmp_p
             "prompts get these ids") in result.stderr
     result = _run("--source", tiny_dir, "--tokenizer", source / "tokenizer.json", "--out", tmp_path / "t", "--dtype", "fp32")
     assert result.exit_code == 2 and "as Gemma's own tokenizer does (--tokenizer)" in result.stderr
+
+
+def _relisted(folder, name, content: bytes):
+    """``name`` in ``folder`` rewritten with ``content``, and its manifest entry made to match."""
+    import hashlib
+    import json
+
+    (folder / name).write_bytes(content)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: m.update(quantization=None), "{manifest}: field 'quantization' is null, but the graph stores int8 weights: "
+                                            "expected an object (its block sizes, scales, calibration)"),
+    (lambda m: m["quantization"].update(calibration=5), "{manifest}: field 'quantization.calibration' must be an object "
+                                                        "(GPTQ's record) or null (round to nearest), found 5"),
+    (lambda m: m.update(format="gguf"), "{manifest}: field 'format' must be 'onnx', found \"gguf\""),
+    (lambda m: m["kv_cache"].update(layout="BSNH"), "{manifest}: field 'kv_cache.layout' must be 'BNSH' (the caches' "
+                                                    "[batch, kv heads, positions, head_dim]), found \"BSNH\""),
+    ("tokenizer.json", "{folder}/tokenizer.json: not a readable tokenizer ("),
+    ("genai_config.json", "{folder}/genai_config.json: unreadable onnxruntime-genai configuration ("),
+    ("link", "{manifest}: is a link; an export folder holds regular files only"),
+])
+def test_verify_refuses_what_its_checksums_let_through(tiny_int8_export, tmp_path, edit, message):
+    """A break-it run: each of these passed verify (and went into a bundle) while the bundle README
+    described it wrongly or generate and the board's onnxruntime-genai could not read it."""
+    import json
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_int8_export, folder)
+    manifest = folder / "manifest.json"
+    if edit == "link":
+        kept = tmp_path / "kept-manifest.json"
+        manifest.rename(kept)
+        manifest.symlink_to(kept)
+    elif isinstance(edit, str):
+        _relisted(folder, edit, b"{not json")
+    else:
+        fields = json.loads(manifest.read_text())
+        edit(fields)
+        manifest.write_text(json.dumps(fields))
+    result = _run("verify", folder)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: " + message.format(manifest=manifest, folder=folder)), result.stderr
+
+
+def test_an_fp32_export_whose_manifest_records_quantization_is_refused(tmp_path, tiny_dir):
+    import json
+
+    out = tmp_path / "fp32"
+    assert _run("--source", tiny_dir, "--out", out, "--dtype", "fp32").exit_code == 0
+    fields = json.loads((out / "manifest.json").read_text())
+    assert "quantization" not in fields and _run("verify", out).exit_code == 0
+    fields["quantization"] = {"block_size": 32}
+    (out / "manifest.json").write_text(json.dumps(fields))
+    result = _run("verify", out)
+    assert result.exit_code == 2 and (f"{out / 'manifest.json'}: field 'quantization' is {{\"block_size\": 32}}, but the "
+                                      "graph stores fp32 weights: expected null") in result.stderr

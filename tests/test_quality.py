@@ -296,11 +296,17 @@ def test_a_source_path_that_is_not_text_is_named(tiny_int8_export, tmp_path):
     model = tmp_path / "m"
     shutil.copytree(tiny_int8_export, model)
     manifest = json.loads((model / "manifest.json").read_text())
-    for value in (7, None, ["a"], ""):
+    for value, found in ((7, "7"), (None, "null"), (["a"], '["a"]'), ("", '""')):
         manifest["source"]["path"] = value
         (model / "manifest.json").write_text(json.dumps(manifest))
-        with pytest.raises(SourceNotFoundError, match="missing or without source.path"):
+        with pytest.raises(SourceNotFoundError, match=re.escape(
+                f"manifest.json: field 'source.path' must be the export's source path (a non-empty string), found "
+                f"{found}; the reference needs that source")):  # "missing or without source.path" for a 7 (break-it run)
             manifest_source(model)
+    del manifest["source"]["path"]
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SourceNotFoundError, match=r"manifest\.json: no field 'source\.path' \(the export's source\)"):
+        manifest_source(model)
 
 
 def test_a_source_path_that_does_not_open_names_the_manifest_field(tiny_int8_export, tmp_path):
@@ -723,3 +729,17 @@ def test_a_manifest_that_is_no_json_is_called_unreadable_not_missing(tiny_int8_e
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"error: {broken / 'manifest.json'}: unreadable manifest: Expecting property name")
     assert result.stderr.count("\n") == 1 and "missing" not in result.stderr
+
+
+def test_a_full_temporary_folder_for_the_fp32_reference_names_tmpdir(tiny_int8_export, text_file, monkeypatch):
+    """A break-it run: the refusal named a temporary folder no option chooses."""
+    from gemma_export import exporter, quality
+    from gemma_export.errors import OutputError
+
+    def full(folder, needed, what):
+        raise OutputError(f"{folder}: the {what} needs {needed:,} bytes and the disk has 0.2 MB free; free some space "
+                          "or choose another folder")
+    monkeypatch.setattr(exporter, "check_free_space", full)
+    with pytest.raises(OutputError, match=r"; free some space or choose another folder \(the temporary folder of "
+                                          r"--reference fp32, in .+: set TMPDIR to put it on a disk with room\)$"):
+        quality.run_quality(tiny_int8_export, "fp32", text=text_file, tokens=20)
