@@ -83,7 +83,8 @@ def test_default_output_names(tmp_path):
     assert default_output_name(link, "fp32") == "gemma-3-270m-it-onnx-fp32"
     assert default_output_name(None, "int8") == "gemma-3-270m-onnx-int8"
     for given, expected in (("x-q4_k_m.gguf", "x"), ("model.GGUF", "model"), ("m-IQ4_XS.gguf", "m"),
-                            ("m.f16.gguf", "m"), (".gguf", "model"), ("ref.mlir", "ref"), ("my-gemma", "my-gemma")):
+                            ("m.f16.gguf", "m"), (".gguf", "model"), ("ref.mlir", "ref"), ("REF.MLIR", "REF"),
+                            ("my-gemma", "my-gemma")):
         assert default_output_name(tmp_path / given, "int4") == f"{expected}-onnx-int4"
 
 

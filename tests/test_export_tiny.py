@@ -240,6 +240,19 @@ def test_a_sharded_index_that_disagrees_with_its_shards_is_refused(tiny_dir, tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("index, found", [([1], "[1]"), ("weights", '"weights"')])
+def test_a_shard_index_that_is_no_json_object_is_named(tiny_dir, tmp_path, index, found):
+    """A break-it run: a JSON list read as "list indices must be integers or slices, not str"."""
+    src = tmp_path / "sharded"
+    src.mkdir()
+    shutil.copy(tiny_dir / "config.json", src / "config.json")
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FormatError) as caught:
+        export(src, tmp_path / "out", "fp32")
+    assert str(caught.value) == (f"{src / 'model.safetensors.index.json'}: cannot read 'weight_map': expected a JSON "
+                                 f"object, found {found}")
+
+
 def test_transformers_4x_config_form(tiny_model, tiny_dir, tmp_path):
     src = tmp_path / "v4"
     src.mkdir()

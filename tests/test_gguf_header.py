@@ -77,7 +77,10 @@ def test_truncated(tmp_path, good, cut):
 
 @pytest.mark.parametrize("patch, words", [
     (lambda b: b"GGUX" + b[4:], "bad magic"),
-    (lambda b: b[:4] + struct.pack("<I", 7) + b[8:], "GGUF version 7"),
+    (lambda b: b[:4] + struct.pack("<I", 7) + b[8:], "GGUF version 7, expected 2 or 3"),
+    # a break-it run: big-endian (gguf-py's --bigendian) read as "version 50331648" and nothing more
+    (lambda b: b[:4] + struct.pack(">I", 3) + b[8:], "GGUF version 50331648, expected 2 or 3 (read the other way round "
+                                                     "it is 3: a big-endian GGUF"),
     (lambda b: b[:8] + struct.pack("<Q", 2**62) + b[16:], "tensors / "),
     (lambda b: b[:16] + struct.pack("<Q", 2**62) + b[24:], "metadata entries"),
     (lambda b: b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 2**40), "limit"),

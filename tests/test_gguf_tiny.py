@@ -212,6 +212,9 @@ UP = "blk.0.ffn_up.weight"
     ("alignment not uint32", None, lambda w: w.add_bool("general.alignment", True), None,
      "general.alignment has value type 7, expected 4 (uint32)"),
     ("second name for a layer", None, None, {UP: "blk.00.ffn_up.weight"}, "unexpected tensor 'blk.00.ffn_up.weight'"),
+    # named as the GGUF names it too (a break-it run: only the transformers name was given)
+    ("a layer weight missing", None, None, {UP: "unused.ffn_up"},
+     f"missing tensor 'model.layers.0.mlp.up_proj.weight' ({UP} in the GGUF)"),
     ("layer beyond block_count", None, lambda w: w.add_tensor("blk.6.ffn_up.weight", np.zeros((128, 64), np.float32)),
      None, "unexpected tensor 'blk.6.ffn_up.weight': gemma3.block_count is 6"),
     ("integer weights", None, lambda w: w.add_tensor(UP, np.zeros((128, 64), np.int32)), {UP: "unused.ffn_up"},

@@ -192,7 +192,7 @@ def open_source(source: str | Path | None, tokenizer: bool = True) -> Checkpoint
         magic = f.read(4)
     if magic == b"GGUF" or path.suffix == ".gguf":
         return read_gguf(path, tokenizer=tokenizer)
-    if path.suffix == ".mlir":
+    if path.suffix.lower() == ".mlir":  # GEMMA.MLIR as well: MLIR text has no magic to tell it by
         return read_reference(path)
     if path.suffix == ".safetensors":
         beside = sorted(p.name for p in path.parent.glob("*.mlir"))
@@ -226,7 +226,7 @@ def default_output_name(source: str | Path | None, variant: str) -> str:
     name = path.name if path.name not in ("", ".", "..") else path.resolve().name
     if name.lower().endswith(".gguf"):
         name = _GGUF_TYPE_SUFFIX.sub("", name[:-5]) or name[:-5]
-    else:
-        name = name.removesuffix(".mlir")
+    elif name.lower().endswith(".mlir"):
+        name = name[:-5]
     name = name.strip("-_. ")
     return f"{name or 'model'}-onnx-{variant}"

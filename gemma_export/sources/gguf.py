@@ -11,6 +11,7 @@ transformers names and llama.cpp's ``+1`` on every RMSNorm weight (``convert_hf_
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 import numpy as np
@@ -70,6 +71,22 @@ def _hf_name(gguf_name: str, path: Path) -> tuple[str, bool] | None:
         return f"model.layers.{int(index)}.{suffix}.weight", is_norm
     raise FormatError(f"{path}: unexpected tensor '{gguf_name}': expected blk.<layer>.<name>.weight with <name> one "
                       f"of {', '.join(_BLOCK_NAMES)}")
+
+
+def _in_gguf_names(message: str) -> str:
+    """``message`` with each quoted transformers tensor name followed by the GGUF's name for it
+    (``'model.layers.2.mlp.up_proj.weight' (blk.2.ffn_up.weight in the GGUF)``), unless the
+    message shows that name already."""
+    top = {hf: gguf_name for gguf_name, (hf, _) in _TOP_NAMES.items()}
+    block = {suffix: gguf_name for gguf_name, (suffix, _) in _BLOCK_NAMES.items()}
+
+    def named(match: re.Match) -> str:
+        hf = match[1]
+        layer = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", hf)
+        gguf_name = top.get(hf) or (f"blk.{layer[1]}.{block[layer[2]]}.weight" if layer and layer[2] in block else None)
+        shown_already = gguf_name is None or gguf_name in message  # e.g. as the tensor's origin "file:blk.0.…"
+        return match[0] if shown_already else f"{match[0]} ({gguf_name} in the GGUF)"
+    return re.sub(r"'((?:model|lm_head)\.[\w.]+)'", named, message)
 
 
 def _check_dequantizable(path: Path, info: GGUFTensorInfo, data, qtype) -> None:
@@ -198,7 +215,10 @@ def read_gguf(path: Path, tokenizer: bool = True) -> Checkpoint:
     if beyond:
         raise FormatError(f"{path}: unexpected tensor {tensors[beyond[0]].origin.rsplit(':', 1)[-1]!r}: "
                           f"gemma3.block_count is {config.num_hidden_layers}")
-    validate_tensors(config, tensors, str(path))
+    try:
+        validate_tensors(config, tensors, str(path))
+    except FormatError as exc:  # its messages use transformers' names: the user's file has the GGUF's
+        raise FormatError(_in_gguf_names(str(exc))) from None
     resolve_lm_head(config, tensors, str(path))
 
     llama = tokenizer and fields.get("tokenizer.ggml.model") == "llama"

@@ -133,7 +133,10 @@ def read_gguf_header(path: Path) -> GGUFHeader:
             raise FormatError(f"{path}: bad magic {bytes(data[:4])!r}, expected b'GGUF'")
         version = c.unpack("<I", "version")
         if version not in (2, 3):
-            raise FormatError(f"{path}: GGUF version {version}, expected 2 or 3")
+            swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+            other_order = (f" (read the other way round it is {swapped}: a big-endian GGUF, which this reader does "
+                           "not take; llama.cpp's gguf-py writes little-endian by default)") if swapped in (2, 3) else ""
+            raise FormatError(f"{path}: GGUF version {version}, expected 2 or 3{other_order}")
         n_tensors, n_meta = c.unpack("<Q", "tensor count"), c.unpack("<Q", "metadata count")
         if n_tensors > MAX_TENSORS or n_meta > MAX_METADATA:
             raise FormatError(f"{path}: {n_tensors} tensors / {n_meta} metadata entries, limits {MAX_TENSORS} / {MAX_METADATA}")

@@ -112,7 +112,10 @@ def shard_files(folder: Path) -> tuple[list[Path], dict[str, str] | None]:
         return [single], None
     if index.is_file():
         try:
-            weight_map = json.loads(read_bounded(index, "a shard index").decode("utf-8"))["weight_map"]
+            parsed = json.loads(read_bounded(index, "a shard index").decode("utf-8"))
+            if not isinstance(parsed, dict):
+                raise TypeError(f"expected a JSON object, found {shown(parsed)}")
+            weight_map = parsed["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError("expected an object mapping tensor names to shard file names")
             names = sorted(set(weight_map.values()))
