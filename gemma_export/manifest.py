@@ -325,11 +325,14 @@ def export_description(manifest: dict) -> str:
 
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
                                  dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
-                                 quantization: dict | None = None, outputs: dict | None = None) -> None:
+                                 quantization: dict | None = None, outputs: dict | None = None,
+                                 sizes: tuple[int | None, int | None] = (None, None)) -> None:
     """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
     ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
     ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
-    :func:`graph_kv_dims`; None: not checked), ``config.bos_token_id`` and ``config.pad_token_id``
+    :func:`graph_kv_dims`; None: not checked), ``config.hidden_size`` and ``config.intermediate_size``
+    the weights' (``sizes``, :func:`graph_sizes`; ``verify``'s tie check and ``parity --reference``'s
+    architecture check read them), ``config.bos_token_id`` and ``config.pad_token_id``
     lie inside the vocabulary, and ``dtype`` is the weights the graph stores
     (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it), and each figure of the
     ``quantization`` record that the graph shows (``quantization``: :func:`~gemma_export.onnx_files.graph_quantization`;
@@ -344,7 +347,8 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
     """
     config = manifest.get("config", {})  # an object: check_manifest_fields comes first
     for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers),
-                          ("num_key_value_heads", kv_dims[0]), ("head_dim", kv_dims[1])):
+                          ("num_key_value_heads", kv_dims[0]), ("head_dim", kv_dims[1]),
+                          ("hidden_size", sizes[0]), ("intermediate_size", sizes[1])):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
     for field in ("bos_token_id", "pad_token_id"):
@@ -423,6 +427,22 @@ def graph_kv_dims(model) -> tuple[int | None, int | None]:
     return tuple(d.dim_value if d.HasField("dim_value") else None for d in (dims[1], dims[3]))
 
 
+def graph_sizes(model) -> tuple[int | None, int | None]:
+    """``(hidden_size, intermediate_size)`` of an export's ``onnx.ModelProto`` from the initializers
+    this toolkit's builder names: ``model.norm.weight`` ``[hidden]``, and layer 0's fused
+    ``mlp.gate_up_proj.weight``, ``[hidden, 2 · intermediate]`` in float graphs and
+    ``[2 · intermediate, blocks, bytes]`` in block-quantized ones (``MatMulNBits``' ``B``); None
+    where a graph has no such initializer (another tool's)."""
+    dims = {t.name: list(t.dims) for t in model.graph.initializer
+            if t.name in ("model.norm.weight", "model.layers.0.mlp.gate_up_proj.weight")}
+    norm = dims.get("model.norm.weight", [])
+    gate_up = dims.get("model.layers.0.mlp.gate_up_proj.weight", [])
+    hidden = norm[0] if len(norm) == 1 else None
+    fused = {2: gate_up[1:2], 3: gate_up[:1]}.get(len(gate_up), [])
+    intermediate = fused[0] // 2 if fused and fused[0] % 2 == 0 else None
+    return hidden, intermediate
+
+
 def check_manifest_against_model(manifest: dict, path: str | Path, model) -> None:
     """:func:`check_manifest_against_graph` with every figure read from ``model``, an export's
     ``onnx.ModelProto`` (external data not loaded): the vocabulary from the logits' width, else the
@@ -435,7 +455,8 @@ def check_manifest_against_model(manifest: dict, path: str | Path, model) -> Non
     """
     vocab, layers = graph_vocab_and_layers(model)
     check_manifest_against_graph(manifest, path, vocab or graph_table_rows(model), layers, graph_dtype(model),
-                                 graph_kv_dims(model), graph_quantization(model), graph_output_options(model))
+                                 graph_kv_dims(model), graph_quantization(model), graph_output_options(model),
+                                 graph_sizes(model))
 
 
 def check_manifest_matches_graph(model_dir: str | Path) -> None:

@@ -1904,6 +1904,10 @@ def _relisted(folder, name, content: bytes):
     (lambda m: m.update(format="gguf"), "{manifest}: field 'format' must be 'onnx', found \"gguf\""),
     (lambda m: m["kv_cache"].update(layout="BSNH"), "{manifest}: field 'kv_cache.layout' must be 'BNSH' (the caches' "
                                                     "[batch, kv heads, positions, head_dim]), found \"BSNH\""),
+    # verify's tie check and parity --reference's architecture check read these two
+    (lambda m: m["config"].update(hidden_size=32), "{manifest}: field 'config.hidden_size' is 32, but the graph has 64"),
+    (lambda m: m["config"].update(intermediate_size=4), "{manifest}: field 'config.intermediate_size' is 4, but the graph "
+                                                        "has 128"),
     ("tokenizer.json", "{folder}/tokenizer.json: not a readable tokenizer ("),
     ("genai_config.json", "{folder}/genai_config.json: unreadable onnxruntime-genai configuration ("),
     ("link", "{manifest}: is a link; an export folder holds regular files only"),
