@@ -250,7 +250,7 @@ QUANTIZED_MEMORY_FIGURES = {
     "int8": {"growth": "about 0.02 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
                        "with the KV cache in use, against 1.08 × and 1.154 × without it (the default int8 export on "
                        "x86-64, 2026-12-05 and 2026-12-07)",
-             "peak_rise": "90–185 MB"},
+             "peak_rise": "90–186 MB"},
     "int4": {"growth": "0.16 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
                        "1.35 × without it (the default int4 export on x86-64, 2026-12-07; peak 651 MB with it, "
                        "578 MB without)",

@@ -220,8 +220,8 @@ MAX_ERROR_CHARS = 500
 
 @contextlib.contextmanager
 def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
-    """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C and
-    SIGTERM as :func:`_interrupted`; both end the command. Inside it Ctrl-C raises
+    """A command's body: the toolkit's errors as one ``error:`` line (:func:`_fail`), Ctrl-C,
+    SIGTERM and SIGHUP as :func:`_interrupted`; both end the command. Inside it Ctrl-C raises
     KeyboardInterrupt and SIGTERM or SIGHUP :class:`~gemma_export.console.Terminated`
     (:func:`~gemma_export.console.interrupts_raised`), so that writers clean up."""
     from .staging import MOVED_IN
@@ -266,18 +266,22 @@ def _checked_threads(ctx: typer.Context, value: Optional[int]) -> Optional[int]:
     return value
 
 
-def _at_least_zero(ctx: typer.Context, param: typer.CallbackParam, value: int) -> int:
-    """A count option checked while the command line is parsed, in the commands' own one-line
-    wording (``--top -1: expected 0 or more``), not click's range message."""
-    if value < 0:
-        _fail(ConfigError(f"{param.opts[0]} {value}: expected 0 or more"), bool(ctx.params.get("debug")))
+def _checked_top(ctx: typer.Context, value: int) -> int:
+    """``inspect --top`` checked while the command line is parsed (``inspect.check_top``), before the
+    file is read, in the commands' one-line wording rather than click's range message."""
+    from .inspect import check_top
+
+    try:
+        check_top("inspect", value)
+    except GemmaExportError as exc:
+        _fail(exc, bool(ctx.params.get("debug")))
     return value
 
 
 def _interrupted(writes: bool = True, signal_exit: int = 130) -> None:
-    """Ctrl-C, SIGTERM or SIGHUP: one line and the shell's exit status for the signal (130 for SIGINT, 143
-    for SIGTERM, 129 for SIGHUP); writers have cleaned up. ``writes``: the command writes output (its message then
-    says that nothing was written)."""
+    """Ctrl-C, SIGTERM or SIGHUP: one line and the shell's exit status for the signal (130 for
+    SIGINT, 143 for SIGTERM, 129 for SIGHUP); writers have cleaned up. ``writes``: the command
+    writes output (its message then says that nothing was written)."""
     _say_error("error: interrupted; nothing was written (an existing output is unchanged)" if writes
                else "error: interrupted")
     raise typer.Exit(signal_exit)
@@ -294,8 +298,9 @@ def _reporting_written(path: Path, what: str) -> Iterator[None]:
 
 
 def _interrupted_once_written(path: Path, what: str, signal: BaseException | None) -> None:
-    """Ctrl-C or SIGTERM (``signal``) once the output was in place (while the command reported what
-    it did): one line that says the output is complete, and 130 or 143 as for any interrupt."""
+    """Ctrl-C, SIGTERM or SIGHUP (``signal``) once the output was in place (while the command
+    reported what it did): one line that says the output is complete, and 130, 143 or 129 as for any
+    interrupt."""
     check = f" (`gemma-export verify {path}` checks it)" if what in ("export", "bundle") else ""
     _say_error(f"error: interrupted; the {what} {path} is written and complete{check}")
     raise typer.Exit(interrupt_exit_status(signal))
@@ -383,7 +388,7 @@ def main(
     if ctx.invoked_subcommand is not None:
         _refuse_export_options(ctx)
         return
-    with _reported(debug):  # Ctrl-C or SIGTERM during the imports (up to a second) is an interrupt too
+    with _reported(debug):  # Ctrl-C, SIGTERM or SIGHUP during the imports (up to a second) is an interrupt too
         from tqdm import tqdm
 
         from .bench import archive_bytes
@@ -709,7 +714,7 @@ def _one_model(command: str, given: Optional[Path], model_opt: Optional[Path], w
 def inspect(
     path_arg: Optional[Path] = typer.Argument(None, metavar="PATH", parser=_path, help="An .onnx (with its external data), .safetensors, .gguf, or reference .mlir file (its archive beside it); an export folder means its model.onnx, a bundle folder its export's, a transformers folder (or its model.safetensors.index.json) its weights, all shards as one."),
     model_opt: Optional[Path] = typer.Option(None, "--model", parser=_path, metavar="<path>", help="The same, as the other commands take it."),
-    top: int = typer.Option(10, "--top", callback=_at_least_zero, help="How many of the largest tensors to list (0: none)."),
+    top: int = typer.Option(10, "--top", callback=_checked_top, help="How many of the largest tensors to list (0: none)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     debug: bool = typer.Option(False, "--debug", is_eager=True, help="Show tracebacks."),
 ) -> None:

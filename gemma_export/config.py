@@ -177,11 +177,9 @@ class GemmaConfig:
                 f"{where}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim % 2:
-            raise ConfigError(f"{where}: head_dim must be even for rotate-half RoPE, found {self.head_dim}")
-        if self.head_dim % 8:  # refused by onnxruntime only when the session is created, after the slow work
-            raise ConfigError(f"{where}: head_dim must be a multiple of 8 for onnxruntime's GroupQueryAttention, "
-                              f"which the graph uses; found {self.head_dim}")
+        if self.head_dim % 8:  # onnxruntime refuses it only when the graph first runs, after the slow work
+            raise ConfigError(f"{where}: head_dim must be a multiple of 8 (even for rotate-half RoPE, and a multiple "
+                              f"of 8 for onnxruntime's GroupQueryAttention, which the graph uses); found {self.head_dim}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
                 f"{where}: layer_types has {len(self.layer_types)} entries but num_hidden_layers is "

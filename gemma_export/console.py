@@ -3,10 +3,10 @@
 It wraps :data:`gemma_export.cli.app` for what happens outside any one command, and imports nothing
 heavy itself:
 
-- Ctrl-C or SIGTERM while the libraries load (numpy, ml_dtypes, onnx, and each command's own
+- Ctrl-C, SIGTERM or SIGHUP while the libraries load (numpy, ml_dtypes, onnx, and each command's own
   imports: about half a second, before any file is written) ends with ``error: interrupted`` and
-  exit status 130 or 143, not a traceback or numpy's "ImportError: ... failed to import" that the
-  interrupted import turns into. Each command's body (``cli._reported``) takes both signals back
+  exit status 130, 143 or 129, not a traceback or numpy's "ImportError: ... failed to import" that
+  the interrupted import turns into. Each command's body (``cli._reported``) takes the signals back
   (:func:`interrupts_raised`) before it writes anything, and cleans up as before.
 - Standard output or standard error that cannot be written (``> /dev/full``, a full disk, a closed
   descriptor) ends the command with ``error: cannot write to standard output: <reason>`` (shown
@@ -16,7 +16,7 @@ heavy itself:
   141 (128 + SIGPIPE, as a shell tool killed by the signal) when a write finds it gone. Output that
   the reader stopped taking in the middle of one large write can end with status 0 instead: Python
   reports that write as complete.
-- Once the command has ended, Ctrl-C and SIGTERM are ignored: the exit status is the command's
+- Once the command has ended, Ctrl-C, SIGTERM and SIGHUP are ignored: the exit status is the command's
   (a signal while Python unwound the command's exit gave a traceback and status 1).
 """
 

@@ -245,7 +245,7 @@ class BudgetExceeded(ResourceError):
 
 
 class OutputWritten(KeyboardInterrupt):
-    """Ctrl-C or SIGTERM (the ``__cause__``) once an output was moved into place: the output is
+    """Ctrl-C, SIGTERM or SIGHUP (the ``__cause__``) once an output was moved into place: the output is
     complete, so the command must not say that nothing was written.
 
     Attributes:

@@ -24,8 +24,8 @@ from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
-from .errors import (ConfigError, FormatError, OutputError, SourceNotFoundError, VerificationError, check_arguments,
-                     printable_path, reworded)
+from .errors import (ConfigError, FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError,
+                     check_arguments, printable_path, reworded)
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
 from .prepack import busy as prepack_busy, derived_copy
@@ -461,8 +461,7 @@ def export(
     replacing_told = False
     if status is not None and checkpoint is None and (source is None or Path(source).exists()):  # else open_source says so
         if early:
-            replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status,
-                                             None if source is None else os.path.realpath(source))
+            replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}{bundled_gguf_note()})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
     if ckpt.ignored and status is not None:
@@ -494,7 +493,9 @@ def export(
     _check_destination(out, ckpt, replaceable_checked=early)
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if status is not None and not replacing_told:
-        _tell_replacing(out, checked_state, status, ckpt.identity.get("path"))
+        _tell_replacing(out, checked_state, status, ckpt.identity)
+    elif status is not None and (other := _other_source(out, ckpt.identity)) is not None:  # told before the read
+        status(f"note: the export being replaced in {out} was made from another source ({other})")
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
         layer_block = block_size_for(ckpt, block_size, default=WEIGHT_FORMATS[dtype].default_block_size)
@@ -629,25 +630,40 @@ def _note_small_tokenizer(ckpt: Checkpoint, where: Path, status: Callable[[str],
                "decode to nothing (a tokenizer of another model?)")
 
 
-def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None], source: str | None = None) -> bool:
+def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None], identity: dict | None = None) -> bool:
     """Tell ``status`` that ``out`` holds an earlier export, when its :func:`folder_state` ``state``
     has entries (a non-empty folder that the checks accepted is an export), and what its manifest
     says it holds (``"an earlier int8 export (32 weights per scale …, GPTQ codes)"``: options
     such as ``--block-size`` or ``--no-calibrate`` do not change the default folder), and its source
-    when that is another than ``source`` (this export's resolved path; None: not compared; the
-    default folder is named after the source's file name, which two models may share); whether it told."""
+    when :func:`_other_source` finds it another than ``identity``'s (the source being exported,
+    ``Checkpoint.identity``; None before it is read); whether it told."""
     if not state or len(state) <= 1:
         return False
     try:
         manifest = read_manifest(out)
     except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
         manifest = {}
-    recorded = manifest.get("source", {}).get("path") if isinstance(manifest.get("source"), dict) else None
-    other = (f" of another source ({recorded})" if isinstance(recorded, str) and source is not None
-             and os.path.realpath(recorded) != source else "")
-    status(f"{out} holds an earlier {export_description(manifest) or 'export'}{other}; it is replaced once this one is "
-           "written and checked")
+    other = _other_source(out, identity) if identity is not None else None
+    status(f"{out} holds an earlier {export_description(manifest) or 'export'}"
+           f"{f' of another source ({other})' if other else ''}; it is replaced once this one is written and checked")
     return True
+
+
+def _other_source(out: Path, identity: dict) -> str | None:
+    """The source path ``out``'s manifest records, when it is another model than ``identity``'s (the
+    source being exported, ``Checkpoint.identity``): another path and another size or kind. The
+    default folder is named after the source's file name, which two models may share (two
+    ``model.gguf``); the same file under another path (the bundled GGUF in another user's cache) is
+    the same source. None when not another, or when ``out`` records none."""
+    try:
+        recorded = read_manifest(out).get("source")
+    except (GemmaExportError, OSError):  # none, or unreadable: nothing to compare
+        return None
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("path"), str):
+        return None
+    same_path = os.path.realpath(recorded["path"]) == os.path.realpath(str(identity.get("path", "")))
+    same_file = recorded.get("bytes") == identity.get("bytes") and recorded.get("kind") == identity.get("kind")
+    return None if same_path or same_file else recorded["path"]
 
 
 #: Below this many calibration tokens an export notes that GPTQ's statistics are thin: on the real

@@ -23,7 +23,7 @@ import numpy as np
 from quant.bf16 import bfloat16_bits_to_float32, float32_to_bfloat16_bits, truncate_to_bfloat16_bits
 from quant.int4 import unpack_nibbles
 
-from .errors import FormatError, SourceNotFoundError, check_arguments
+from .errors import ConfigError, FormatError, SourceNotFoundError, check_arguments
 from .onnx_files import BUNDLE_MODEL_DIR, MODEL_FILE
 from .text_files import require_file
 
@@ -138,6 +138,12 @@ class Report:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def to_dict(self, top: int) -> dict:
+        """The report as JSON-ready data (``inspect --json``), with the ``top`` largest tensors.
+
+        Raises:
+            ConfigError: ``top`` is no int, or negative (:func:`check_top`).
+        """
+        check_top("Report.to_dict", top)
         largest = sorted(self.tensors, key=lambda t: -t.nbytes)[:top]
         return {
             "path": self.path, "format": self.format, "tensors": len(self.tensors),
@@ -597,7 +603,7 @@ def inspect_path(path: str | Path) -> Report:
     elif path.suffix == ".onnx":
         kind = "onnx"
         entries, consumers, dequantize = _onnx_entries(path)
-    elif path.suffix == ".mlir":
+    elif path.suffix.lower() == ".mlir":  # as open_source reads it
         kind = "mlir"
         entries, no_data = _mlir_entries(path)
     else:
@@ -626,13 +632,26 @@ def _is_shared_table(ops: list[str]) -> bool:
     return any(o in ("Gather", "GatherBlockQuantized") for o in ops) and any(o in ("MatMul", "MatMulNBits", "Gemm") for o in ops)
 
 
+def check_top(function: str, top: int) -> None:
+    """Refuse a ``top`` (how many of the largest tensors to list) that is no int or is negative: a
+    slice ``[:-1]`` listed every tensor but the smallest.
+
+    Raises:
+        ConfigError: ``"--top -1: expected 0 or more"`` (the command line's name: ``inspect --top``).
+    """
+    check_arguments(function, top=(top, "int"))
+    if top < 0:
+        raise ConfigError(f"--top {top}: expected 0 or more")
+
+
 def format_report(report: Report, top: int = 10) -> str:
     """The human-readable report printed by ``gemma-export inspect``; ``top``: the largest tensors listed.
 
     Raises:
-        ConfigError: ``top`` is no int.
+        ConfigError: ``top`` is no int, or negative (:func:`check_top`).
     """
-    check_arguments("format_report", top=(top, "int"))
+    check_top("format_report", top)
+
     def gib(n: int) -> str:
         # the unit the value reaches once rounded (1,048,575 B is "1.0 MiB", not "1024.0 KiB"); small
         # tensors (ids, shapes) are not "0.0 MiB"

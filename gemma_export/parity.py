@@ -245,7 +245,7 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
 
     bare = isinstance(data, list) and data and all(is_whole_number(i) for i in data)
     if prompts_file is not None and not bare:
-        raise GemmaExportError(f"--prompts: with --golden alone the golden entries carry their own prompts ({path}); "
+        raise ConfigError(f"--prompts: with --golden alone the golden entries carry their own prompts ({path}); "
                                "--prompts applies to --against transformers and --reference")
     if bare:
         if not prompts:
@@ -253,9 +253,9 @@ def read_golden(path: str | Path, prompts: list[tuple[str | None, list[int]]], t
                               "tokenizer.json for the default prompts; give --prompts with token ids (a JSON list of "
                               "id lists), or write the golden file as objects with prompt_ids and expected_ids")
         if prompts_file is not None and len(prompts) > 1:
-            raise GemmaExportError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
-                                   f"{prompts_file} gives {len(prompts)}: give a --prompts file holding that prompt "
-                                   "alone, or write the golden file as objects with prompt_ids and expected_ids")
+            raise ConfigError(f"--prompts: {path} is a bare list of expected ids, which belongs to one prompt; "
+                              f"{prompts_file} gives {len(prompts)}: give a --prompts file holding that prompt "
+                              "alone, or write the golden file as objects with prompt_ids and expected_ids")
         return [GoldenEntry(prompts[0][1], ids(data, "the expected ids"), DEFAULT_PREFILL_CHUNK, prompts[0][0])]
     entries = [data] if isinstance(data, dict) else data
     if not isinstance(entries, list) or not entries or not all(isinstance(e, dict) for e in entries):
@@ -450,11 +450,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     say = progress or (lambda _msg: None)
     if not (against_transformers or reference or golden):
-        raise GemmaExportError("parity: nothing to compare; give --against transformers, --reference or --golden "
-                               "(in Python: against_transformers=True, reference= or golden=)")
+        raise ConfigError("parity: nothing to compare; give --against transformers, --reference or --golden "
+                          "(in Python: against_transformers=True, reference= or golden=)")
     if not reference and (reference_weights or reference_logits):
         option = "--reference-weights" if reference_weights else "--reference-logits"
-        raise GemmaExportError(f"{option} applies to --reference, which is not given")
+        raise ConfigError(f"{option} applies to --reference, which is not given")
     if new_tokens is not None and not against_transformers:
         raise ConfigError("--new-tokens applies to --against transformers; a golden entry generates as many "
                           "tokens as it expects, and --reference runs its fixed length")

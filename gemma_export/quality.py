@@ -437,7 +437,7 @@ def graph_line(decoder) -> str:
     """Which graph an :class:`~gemma_export.runtime.OnnxDecoder` loaded, for progress output."""
     if decoder.prepacked_path is not None:
         return f"graph: {decoder.prepacked_path} (pre-packed copy)"
-    return f"graph: {decoder.model_dir / 'model.onnx'}" + (f" ({decoder.prepacked_note})" if decoder.prepacked_note else "")
+    return f"graph: {decoder.model_dir / 'model.onnx'}" + (f"; {decoder.prepacked_note}" if decoder.prepacked_note else "")
 
 
 def run_quality(model_dir: str | Path, reference: str = "transformers", text: str | Path | None = None,

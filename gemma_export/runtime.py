@@ -174,15 +174,15 @@ def check_positions(model_dir: str | Path, total_tokens: int, max_position_embed
 
 
 def check_new_tokens(max_new_tokens: int, where: str) -> None:
-    """Raises GemmaExportError ``"{where}: max_new_tokens must be >= 0, found N"`` for a negative count
+    """Raises ConfigError ``"{where}: max_new_tokens must be >= 0, found N"`` for a negative count
     (ConfigError for one that is no int, :func:`~gemma_export.errors.check_arguments`).
 
     Raises:
-        GemmaExportError: as above.
+        ConfigError: as above.
     """
     check_arguments(where, max_new_tokens=(max_new_tokens, "int"))
     if max_new_tokens < 0:
-        raise GemmaExportError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
+        raise ConfigError(f"{where}: max_new_tokens must be >= 0, found {max_new_tokens}")
 
 
 def genai_model_config(model_dir: Path) -> dict:
@@ -392,8 +392,9 @@ class OnnxDecoder:
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
         if not isinstance(self.head_dim, int):  # symbolic (onnxruntime-genai graphs): its config has it
             self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
-            if not isinstance(self.head_dim, int):
-                raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says it")
+            if not is_whole_number(self.head_dim) or self.head_dim <= 0:  # as the kv heads below (true was an int)
+                raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says "
+                                  "head_size")
         if not isinstance(self.num_key_value_heads, int):  # the KV cache's buffers are sized from it
             self.num_key_value_heads = _genai_decoder_config(self.model_dir).get("num_key_value_heads")
             if not is_whole_number(self.num_key_value_heads) or self.num_key_value_heads <= 0:

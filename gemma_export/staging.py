@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
+from .console import TERMINATING_SIGNALS
 from .errors import FormatError, OutputError, OutputWritten, VerificationError, check_utf8_path, is_sha256, shown
 from .onnx_files import BUNDLE_MANIFEST, MANIFEST_FILE
 from .text_files import non_regular, read_bounded
@@ -28,7 +29,8 @@ from .text_files import non_regular, read_bounded
 
 @contextlib.contextmanager
 def interrupts_held(deferred: bool = False) -> Iterator[None]:
-    """Hold SIGINT/SIGTERM off for a block that must not stop halfway (two renames); a signal that
+    """Hold SIGINT, SIGTERM and SIGHUP (:data:`~gemma_export.console.TERMINATING_SIGNALS`) off for a
+    block that must not stop halfway (two renames); a signal that
     arrives meanwhile is dropped, since the block completes the output anyway, or, ``deferred``,
     raised once the block has ended (for a block that precedes the work, such as a probe: the
     command still stops). An ignored signal stays ignored. Each handler is restored even when a
@@ -41,7 +43,7 @@ def interrupts_held(deferred: bool = False) -> Iterator[None]:
     caught: list[int] = []
     holder = (lambda signum, _frame: caught.append(signum)) if deferred else signal.SIG_IGN
     try:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *TERMINATING_SIGNALS):
             # recorded before it is changed: a signal that lands right after the change (its handler
             # runs between two bytecodes) must not find it changed and unrecorded
             previous[sig] = signal.getsignal(sig)

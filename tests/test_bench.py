@@ -808,6 +808,14 @@ def test_a_plot_whose_companion_write_fails_is_not_renamed_into_place(tmp_path, 
     assert picture.read_bytes() == b"the previous plot"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
 
+    def standard_output_fails():  # an OSError of its own (e.g. --json - into a closed pipe): not the plot's
+        raise OSError(30, "Read-only file system")
+    with pytest.raises(OSError) as raised:
+        bench_module.write_plot([_result_for_plot()], picture, before_rename=standard_output_fails)
+    assert not isinstance(raised.value, OutputError) and "--plot" not in str(raised.value)
+    assert picture.read_bytes() == b"the previous plot"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curve.png"]
+
 
 def test_a_plot_replaces_the_file_a_link_names_and_keeps_the_link(tmp_path, monkeypatch):
     target = tmp_path / "plots" / "curve.png"

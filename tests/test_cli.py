@@ -183,14 +183,19 @@ def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
     empty.mkdir()
     result = _run("--source", tiny_dir, "--out", empty, "--dtype", "fp32")
     assert result.exit_code == 0 and "holds an earlier export" not in result.stderr
-    # another source into the same folder (two GGUFs named model.gguf share the default folder's name):
-    # the note names the earlier one's source, from its manifest
-    other = tmp_path / "other-src"
-    shutil.copytree(tiny_dir, other)
+    # another model into the same folder: the note names the earlier one's source, from its manifest,
+    # once --out is known before the read and again after it (the sources are compared once both are known)
+    from conftest import make_tiny_model, save_tiny
+
+    other = save_tiny(make_tiny_model(seed=5, intermediate_size=96), tmp_path / "other-src")
     result = _run("--source", other, "--out", empty, "--dtype", "fp32")
     assert result.exit_code == 0, result.output
-    assert (f"{empty} holds an earlier fp32 export of another source ({tiny_dir.resolve()}); it is replaced once this "
-            "one is written and checked") in result.stderr
+    assert (f"note: the export being replaced in {empty} was made from another source ({tiny_dir.resolve()})"
+            in result.stderr)
+    same = tmp_path / "same-src"  # a copy of a model is the same source under another path: no note
+    shutil.copytree(other, same)
+    result = _run("--source", same, "--out", empty, "--dtype", "fp32")
+    assert result.exit_code == 0 and "another source" not in result.stderr, result.output
 
 
 @pytest.mark.parametrize("edit", ["flip a byte", "truncate"])

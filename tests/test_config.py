@@ -184,18 +184,14 @@ def test_gguf_rope_factor_applies_only_with_linear_scaling():
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.sliding_window) == (2, 1, 16, 8)
 
 
-@pytest.mark.parametrize("head_dim", [255, 17])
-def test_an_odd_head_dim_is_refused(head_dim):
-    with pytest.raises(ConfigError, match=f"head_dim must be even for rotate-half RoPE, found {head_dim}"):
-        config_from_hf_dict({**V4, "head_dim": head_dim}, "c")
-
-
-@pytest.mark.parametrize("head_dim", [4, 12, 18])
-def test_a_head_dim_groupqueryattention_cannot_run_is_refused_before_the_work(head_dim):
-    """A break-it run: an even head_dim that is no multiple of 8 exported (and calibrated) in full,
-    then onnxruntime refused the graph's GroupQueryAttention with a traceback."""
-    with pytest.raises(ConfigError, match=rf"^c: head_dim must be a multiple of 8 for onnxruntime's GroupQueryAttention, "
-                                          rf"which the graph uses; found {head_dim}$"):
+@pytest.mark.parametrize("head_dim", [255, 17, 4, 12, 18])
+def test_a_head_dim_rope_or_groupqueryattention_cannot_take_is_refused_before_the_work(head_dim):
+    """Odd: rotate-half RoPE cannot split it. Even but no multiple of 8 (a break-it run): the export
+    (and calibration) ran in full, then onnxruntime's GroupQueryAttention refused the graph's first
+    step with a traceback."""
+    with pytest.raises(ConfigError, match=rf"^c: head_dim must be a multiple of 8 \(even for rotate-half RoPE, and a "
+                                          rf"multiple of 8 for onnxruntime's GroupQueryAttention, which the graph "
+                                          rf"uses\); found {head_dim}$"):
         config_from_hf_dict({**V4, "head_dim": head_dim}, "c")
     assert config_from_hf_dict({**V4, "head_dim": 24}, "c").head_dim == 24
 

@@ -2162,6 +2162,12 @@ def _symbolic_heads(model):
             value.type.tensor_type.shape.dim[1].dim_param = "heads"
 
 
+def _symbolic_head_dim(model):
+    for value in model.graph.input:
+        if value.name.startswith("past_key_values."):
+            value.type.tensor_type.shape.dim[3].dim_param = "head_dim"
+
+
 def _extra_input(model):
     model.graph.input.append(onnx.helper.make_tensor_value_info("foo", onnx.TensorProto.FLOAT, [1]))
 
@@ -2177,6 +2183,8 @@ def _logits_only(model):
 @pytest.mark.parametrize("edit, message", [
     (_symbolic_heads, r"input past_key_values\.0\.key has a symbolic kv-heads dimension 'heads'; an export of this "
                       r"toolkit declares it as a number"),
+    (_symbolic_head_dim, r"input past_key_values\.0\.key has a symbolic head_dim dimension 'head_dim'; an export of "
+                         r"this toolkit declares it as a number"),
     (_extra_input, r"input foo is not the decoder contract \(input_ids, "),
     (_int32_positions, r"input position_ids is tensor\(int32\); expected tensor\(int64\)"),
     (_logits_only, r"output present\.0\.key is missing; expected logits and present"),

@@ -215,6 +215,8 @@ UP = "blk.0.ffn_up.weight"
     # named as the GGUF names it too (a break-it run: only the transformers name was given)
     ("a layer weight missing", None, None, {UP: "unused.ffn_up"},
      f"missing tensor 'model.layers.0.mlp.up_proj.weight' ({UP} in the GGUF)"),
+    ("the final norm missing", None, None, {"output_norm.weight": "unused.norm"},
+     "missing tensor 'model.norm.weight' (output_norm.weight in the GGUF)"),
     ("layer beyond block_count", None, lambda w: w.add_tensor("blk.6.ffn_up.weight", np.zeros((128, 64), np.float32)),
      None, "unexpected tensor 'blk.6.ffn_up.weight': gemma3.block_count is 6"),
     ("integer weights", None, lambda w: w.add_tensor(UP, np.zeros((128, 64), np.int32)), {UP: "unused.ffn_up"},
@@ -361,6 +363,34 @@ def test_a_tensor_of_no_known_part_is_left_out_and_noted(tiny_gguf, tmp_path):
     said = []
     export(path, tmp_path / "out", "fp32", status=said.append)
     assert f"note: {ckpt.path}: 1 tensor(s) of no part of Gemma 3 were left out (rope_freqs.weight)" in said
+
+
+def test_replacing_the_default_folder_of_another_gguf_of_the_same_name_says_so(tiny_gguf, tmp_path, monkeypatch):
+    """Two GGUFs named model.gguf share the default folder: the second replaced the first's export
+    with only "holds an earlier fp32 export" (a break-it run); the same file under another path
+    (the bundled GGUF in another user's cache) is the same source, and is not called another."""
+    model, _, _ = tiny_gguf
+    first, second, copy = (tmp_path / name / "model.gguf" for name in ("a", "b", "c"))
+    for path in (first, second, copy):
+        path.parent.mkdir()
+    write_tiny_gguf(model, first)
+    write_tiny_gguf(make_tiny_model(seed=3, num_hidden_layers=6, intermediate_size=96, head_dim=16,
+                                    query_pre_attn_scalar=16,
+                                    layer_types=["sliding_attention"] * 5 + ["full_attention"]), second)
+    copy.write_bytes(second.read_bytes())
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    said = []
+    assert export(first, None, "fp32", status=said.append).out_dir == work / "model-onnx-fp32"
+    said = []
+    export(second, None, "fp32", status=said.append)
+    assert (f"{work / 'model-onnx-fp32'} holds an earlier fp32 export of another source ({first.resolve()}); it is "
+            "replaced once this one is written and checked") in said
+    said = []
+    export(copy, None, "fp32", status=said.append)
+    assert f"{work / 'model-onnx-fp32'} holds an earlier fp32 export; it is replaced once this one is written and checked" \
+        in said
 
 
 def test_a_gguf_sources_own_tokenizer_is_not_read_when_another_is_given(tiny_gguf, tmp_path):

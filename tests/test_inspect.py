@@ -653,3 +653,18 @@ def test_a_transformers_folder_is_inspected_as_its_weights_sharded_or_not(tmp_pa
     assert sorted(group.names) == ["lm_head.weight", "model.embed_tokens.weight"]
     result = CliRunner().invoke(app, ["inspect", str(sharded)])
     assert result.exit_code == 0 and "one table stored 2 times" in result.output, result.output
+
+
+def test_a_negative_top_is_refused_by_the_api_as_by_the_command(tiny_int8_export):
+    """A review: only the command line checked --top; format_report(report, -1) and to_dict(-1)
+    listed every tensor but the smallest (a [:-1] slice)."""
+    from gemma_export.errors import ConfigError
+    from gemma_export.inspect import format_report, inspect_path
+
+    report = inspect_path(tiny_int8_export)
+    for call in (lambda: format_report(report, -1), lambda: report.to_dict(-1)):
+        with pytest.raises(ConfigError, match=r"^--top -1: expected 0 or more$"):
+            call()
+    assert report.to_dict(0)["largest"] == []
+    assert not any(line.endswith("%") for line in format_report(report, 0).splitlines())  # no tensor rows
+    assert sum(line.endswith("%") for line in format_report(report, 2).splitlines()) == 2

@@ -743,3 +743,19 @@ def test_a_full_temporary_folder_for_the_fp32_reference_names_tmpdir(tiny_int8_e
     with pytest.raises(OutputError, match=r"; free some space or choose another folder \(the temporary folder of "
                                           r"--reference fp32, in .+: set TMPDIR to put it on a disk with room\)$"):
         quality.run_quality(tiny_int8_export, "fp32", text=text_file, tokens=20)
+
+
+def test_the_graph_line_gives_the_copys_note_without_nested_parentheses():
+    """A fresh user's note: "graph: m/model.onnx (pre-packed copy … not used (--no-prepacked))"."""
+    import types
+    from pathlib import Path
+
+    from gemma_export.quality import graph_line
+
+    decoder = types.SimpleNamespace(prepacked_path=None, model_dir=Path("m"),
+                                    prepacked_note="pre-packed copy m/prepacked not used (--no-prepacked)")
+    assert graph_line(decoder) == "graph: m/model.onnx; pre-packed copy m/prepacked not used (--no-prepacked)"
+    assert graph_line(types.SimpleNamespace(prepacked_path=None, model_dir=Path("m"), prepacked_note="")) == \
+        "graph: m/model.onnx"
+    copy = types.SimpleNamespace(prepacked_path=Path("m/prepacked/model.onnx"), model_dir=Path("m"), prepacked_note="x")
+    assert graph_line(copy) == "graph: m/prepacked/model.onnx (pre-packed copy)"

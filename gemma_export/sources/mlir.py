@@ -202,7 +202,7 @@ def parse_mlir(path: str | Path) -> MlirModule:
                 functions.append(MlirFunction(name, tuple(_TENSOR.findall(args)), tuple(_TENSOR.findall(results or "")),
                                               number, (visibility or "").strip() != "private"))
     if not globals_:
-        kind = "" if Path(path).suffix == ".mlir" else " (a reference export is its .mlir file, with its archive beside it)"
+        kind = "" if Path(path).suffix.lower() == ".mlir" else " (a reference export is its .mlir file, with its archive beside it)"
         raise FormatError(f"{path}: no util.global bound to a #flow.parameter.named parameter; not a reference "
                           f"export{kind}")
     if depth:
