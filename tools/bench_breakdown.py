@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 from _args import int_range, our_export, run, thread_count  # noqa: E402
 from bench_side_by_side import real_text_ids  # noqa: E402  (the same real text as the side-by-side tables)
+from gemma_export.config import QUANTIZED_DTYPES
 from gemma_export.onnx_files import graph_dtype
 
 #: the prompt is prefilled in one step; longer ones only measure attention's memory, not decode
@@ -77,11 +78,14 @@ def make_variant(model_dir: Path, out_dir: Path, which: str, vocab_size: int) ->
     model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
     count = replace_matmulnbits(model, which, vocab_size)
     onnx.save(model, str(out_dir / "model.onnx"))
-    # the manifest's dtype must be what the graph stores (runtime checks it): with every
-    # MatMulNBits replaced, the variant holds no quantized weights
+    # the manifest's dtype must be what the graph stores, and its quantization record null for a
+    # float graph (runtime checks both): with every MatMulNBits replaced, the variant holds no
+    # quantized weights
     manifest_path = out_dir / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["dtype"] = graph_dtype(model)
+    if manifest["dtype"] not in QUANTIZED_DTYPES and "quantization" in manifest:
+        manifest["quantization"] = None
     manifest_path.write_text(json.dumps(manifest, indent=2))
     return count
 
