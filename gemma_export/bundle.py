@@ -195,7 +195,10 @@ exported by gemma-export {__version__}. Every file of this folder is listed with
 Ubuntu ship as `python3-venv`; the toolkit's dependencies, onnxruntime included, come from PyPI as
 {spec.wheel_requirements}: `ldd --version` shows the board's glibc):
 
-    python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel}
+    python3 -m venv ~/gx && ~/gx/bin/pip install --force-reinstall --no-deps ./{wheel} && ~/gx/bin/pip install ./{wheel}
+
+(The first `pip install` replaces a toolkit an earlier bundle installed: its version number is the
+same while the code may differ, and pip would keep the old one. The second brings the dependencies.)
 
 No network on the board? On a machine with one (any OS or CPU), from this folder, download the
 same wheels for the board's Python (about 70 MB) into a folder beside it, not inside it (`verify`
@@ -208,7 +211,7 @@ pip download --only-binary=:all: {platforms} --python-version {spec.python} --im
 Copy `gx-wheels` to the board as `~/wheels`, then install from it instead:
 
 ```sh
-python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
+python3 -m venv ~/gx && ~/gx/bin/pip install --force-reinstall --no-deps ./{wheel} && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel}
 ```
 
 From inside this folder, check every file against `{BUNDLE_MANIFEST}` and the model, {prepack_step}then

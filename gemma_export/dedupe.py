@@ -45,7 +45,10 @@ class DedupeResult:
 def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value, index: int) -> None:
     """Replace ``MatMul(a, tableᵀ)`` by ``Reshape(Gemm(Reshape(a, [-1, H]), table, transB=1))``; the
     new nodes and constants are named after the MatMul and ``index`` (unique per rewrite: MatMuls
-    may have no name)."""
+    may have no name). A MatMul inside a subgraph (an ``If`` branch) is rewritten there, reading the
+    table from the main graph (ONNX's outer scope). Gemm without a third input and Slice with its
+    bounds as inputs need opset 11 (the caller checks).
+    """
     a = matmul.inputs[0]
     vocab, hidden = (int(d) for d in table.shape)
     name = f"{matmul.name or 'matmul'}/{index}"
@@ -63,11 +66,11 @@ def _gemm_for_matmul(graph: ir.Graph, matmul: ir.Node, table: ir.Value, index: i
     gemm = ir.node("Gemm", [flat.outputs[0], table], {"transB": 1}, name=f"{name}/dedupe_gemm")
     result = ir.node("Reshape", [gemm.outputs[0], out_shape.outputs[0]], name=f"{name}/dedupe_unflat")
     new_nodes = [shape, lead, out_shape, flat, gemm, result]
-    graph.insert_before(matmul, new_nodes)
+    matmul.graph.insert_before(matmul, new_nodes)  # its own graph: the main one or a subgraph
     old = matmul.outputs[0]
     keep_name = old.name
     old.replace_all_uses_with(result.outputs[0], replace_graph_outputs=True)
-    graph.remove(matmul, safe=True)
+    matmul.graph.remove(matmul, safe=True)
     result.outputs[0].name = keep_name
     result.outputs[0].type, result.outputs[0].shape = old.type, old.shape
 
@@ -157,7 +160,7 @@ def _max_difference(x: np.ndarray, y: np.ndarray) -> float:
 
 def _refuse_near_duplicates(report) -> None:
     """Refuse two 2-D float tables (same shape, or one the other's transpose) whose values differ
-    by at most 1% of the first one's range without being identical: merging them would change the
+    by at most 1% of their range without being identical: merging them would change the
     model. Compared in blocks of rows (a few MiB at a time), never whole.
 
     Raises:
@@ -171,13 +174,14 @@ def _refuse_near_duplicates(report) -> None:
             if a.shape not in (b.shape, b.shape[::-1]) or a.shape[0] == a.shape[1]:
                 continue
             largest, difference = _largest_and_difference(a, b, transposed=a.shape != b.shape)
-            if difference <= 1e-2 * (largest or 1.0):
+            if difference <= 1e-2 * largest:  # two all-zero tables are identical bytes, merged above
                 raise FormatError(f"{report.path}: '{a.name}' and '{b.name}' are close but not identical "
                                   "(max difference ≤ 1% of their range); refusing to merge them")
 
 
 def _largest_and_difference(a, b, transposed: bool) -> tuple[float, float]:
-    """``(max |a|, max |a - b|)`` (``b.T`` when ``transposed``) for ``a [R, C]``, read in row blocks."""
+    """``(max(|a|, |b|), max |a - b|)`` (``b.T`` when ``transposed``) for ``a [R, C]``, read in row
+    blocks. Both tables' range: an all-zero ``a`` made any small table "close" to it."""
     rows, cols = a.shape
     step = max(1, CHUNK_BYTES // (cols * 8))  # the float64 block is the largest temporary
     largest = difference = 0.0
@@ -185,7 +189,7 @@ def _largest_and_difference(a, b, transposed: bool) -> tuple[float, float]:
         block = slice(start, start + step)
         x = read_block(a, block, slice(None)).astype(np.float64)
         y = read_block(b, slice(None), block).T if transposed else read_block(b, block, slice(None))
-        largest = max(largest, float(np.abs(x).max()))
+        largest = max(largest, float(np.abs(x).max()), float(np.abs(y).max()))
         difference = max(difference, float(np.abs(x - y).max()))
     return largest, difference
 
@@ -251,16 +255,34 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
                 return n
         return names[0]
 
+    opset = model.opset_imports.get("", 0)
+
+    def gemm_for_matmul(matmul: ir.Node, table: ir.Value) -> None:
+        nonlocal rewritten
+        if opset < 11:  # Gemm's third input optional and Slice's bounds as inputs: opset 11 on
+            raise FormatError(f"{in_path}: imports ONNX opset {opset}; dedupe rewrites MatMul into Gemm and Slice as "
+                              "opset 11 defines them (convert the model with onnx.version_converter first)")
+        _gemm_for_matmul(graph, matmul, table, rewritten)
+        rewritten += 1
+
+    merged_into: dict[str, str] = {}  # a copy removed by an earlier group → the table kept for it
     for group in report.duplicates:
         if group.kind not in ("identical bytes", "transposed"):
             raise FormatError(f"{in_path}: {', '.join(group.names)} hold one table in two precisions ({group.kind}); "
                               "merging them would change the model's outputs; refusing")
-        keep_name = lookup_first(list(group.names))
+        # one table three times (A, its copy B, its transpose D) is two groups that share A
+        names = list(dict.fromkeys(merged_into.get(n, n) for n in group.names))
+        if len(names) < 2:
+            continue
+        keep_name = lookup_first(names)
         keep = inits[keep_name]
-        for name in group.names:
+        for name in names:
             if name == keep_name:
                 continue
             copy = inits[name]
+            if copy.is_graph_output():
+                raise FormatError(f"{in_path}: '{name}' (a copy of '{keep_name}') is also an output of the graph, "
+                                  "which must keep giving it; not rewritten")
             if group.kind == "identical bytes" and copy.shape == keep.shape:
                 copy.replace_all_uses_with(keep)
             elif group.kind == "transposed":
@@ -268,12 +290,14 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
                     if use.node.op_type != "MatMul" or use.idx != 1:
                         raise FormatError(f"{in_path}: '{name}' (a transposed copy of '{keep_name}') feeds "
                                           f"{use.node.op_type}; only MatMul can be rewritten")
-                    _gemm_for_matmul(graph, use.node, keep, rewritten)
-                    rewritten += 1
+                    gemm_for_matmul(use.node, keep)
             else:
                 raise FormatError(f"{in_path}: '{name}' holds the bytes of '{keep_name}' in another shape; not rewritten")
+            if copy in graph.inputs:  # an initializer listed as an input too (IR < 4 exporters): both go
+                graph.inputs.remove(copy)
             del inits[name]
             removed.append(name)
+            merged_into[name] = keep_name
 
     # one table shared through a Transpose feeding MatMul (folded into a copy by onnxruntime)
     for name, value in list(inits.items()):
@@ -281,13 +305,15 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
             t = use.node
             if t.op_type != "Transpose" or len(value.shape) != 2 or value.const_value.nbytes < MIN_DUPLICATE_BYTES:
                 continue
+            perm = t.attributes.get("perm")
+            if perm is not None and list(perm.as_ints()) != [1, 0]:  # [0, 1] transposes nothing
+                continue
             users = list(t.outputs[0].uses())
             # a transposed table that is also a graph output stays: the graph must still give it
             if users and all(u.node.op_type == "MatMul" and u.idx == 1 for u in users) and not t.outputs[0].is_graph_output():
                 for u in users:
-                    _gemm_for_matmul(graph, u.node, value, rewritten)
-                    rewritten += 1
-                graph.remove(t, safe=True)
+                    gemm_for_matmul(u.node, value)
+                t.graph.remove(t, safe=True)
 
     if not removed and not rewritten:
         raise FormatError(f"{in_path}: no duplicated table and no Transpose-shared table found; nothing to do")

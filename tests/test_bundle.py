@@ -55,7 +55,10 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     assert f"wrote {out} ({total / 1e6:,.1f} MB); on the board" in result.stdout
     readme = (out / "README.md").read_text()
-    assert f"python3 -m venv ~/gx && ~/gx/bin/pip install ./{wheel.name}" in readme
+    # the toolkit itself reinstalled first: an earlier bundle's wheel of the same version number was kept
+    # by pip (a break-it run), and the board ran the old code
+    assert (f"python3 -m venv ~/gx && ~/gx/bin/pip install --force-reinstall --no-deps ./{wheel.name} && "
+            f"~/gx/bin/pip install ./{wheel.name}") in readme
     assert "Python 3.12" in readme and "glibc 2.28 or newer" in readme
     # the offline route, each command whole on one line of a fenced block (to copy), never indented:
     # tools/aarch64/try_bundle.sh runs every indented line on a board whose Python (3.13 under
@@ -63,7 +66,8 @@ def test_bundle_layout_and_checksums(tiny_int8_export, wheel, tmp_path):
     lines = readme.splitlines()
     assert (f"pip download --only-binary=:all: --platform manylinux_2_28_aarch64 --platform manylinux2014_aarch64 "
             f"--python-version 3.12 --implementation cp -d ../gx-wheels ./{wheel.name}") in lines  # not inside: verify
-    offline_install = f"python3 -m venv ~/gx && ~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}"
+    offline_install = (f"python3 -m venv ~/gx && ~/gx/bin/pip install --force-reinstall --no-deps ./{wheel.name} && "
+                       f"~/gx/bin/pip install --no-index --find-links ~/wheels ./{wheel.name}")
     assert offline_install in lines and lines[lines.index(offline_install) - 1] == "```sh"
     assert not [line for line in lines if line.startswith("    ") and "wheels" in line]
     assert "gemma-export generate --model model --threads 2" in readme

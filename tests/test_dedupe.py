@@ -413,3 +413,116 @@ def test_dedupe_replaces_only_an_empty_folder(tmp_path):
     (out / "notes.txt").unlink()  # an empty folder is replaced
     assert CliRunner().invoke(app, ["dedupe", str(src), "--out", str(out)]).exit_code == 0
     assert (out / "model.onnx").is_file()
+
+
+# ---- a break-it run of the twentieth session -------------------------------------------------------
+
+def _mean(rows: str, out: str):
+    """``out [b, H]``: the mean over positions of ``rows [b, s, H]`` (Gemm takes rank 2)."""
+    return helper.make_node("ReduceMean", [rows], [out], axes=[1], keepdims=0)
+
+
+def _table(seed=3):
+    return np.random.default_rng(seed).standard_normal((V, H)).astype(np.float32)
+
+
+def test_one_table_three_times_is_stored_once(tmp_path):
+    """A, its copy B (read by the lookup) and D = Aᵀ: the copies' group removed A, and the transposed
+    group then looked A up (KeyError)."""
+    table = _table()
+    nodes = [helper.make_node("Gather", ["B", "input_ids"], ["emb"]), _mean("emb", "x"),
+             helper.make_node("Gemm", ["x", "A"], ["a"], transB=1),
+             helper.make_node("MatMul", ["x", "D"], ["d"]), helper.make_node("Add", ["a", "d"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"A": table, "B": table.copy(), "D": table.T.copy()}))
+    assert result.exit_code == 0, result.output
+    assert "removed 2 initializer(s) (A, D)" in result.stdout and "rewrote 1 MatMul(s)" in result.stdout
+    assert _optimized_tables(tmp_path / "out" / "model.onnx", tmp_path, V * H) == 1
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)
+
+
+def test_a_copy_that_is_a_graph_output_is_refused_in_one_line(tmp_path):
+    table = _table()
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["emb"]), _mean("emb", "x"),
+             helper.make_node("Gemm", ["x", "L"], ["logits"], transB=1)]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.copy()}, outputs=("logits", "L")))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {src}: 'L' (a copy of 'E') is also an output of the graph, which must "
+                                     "keep giving it; not rewritten")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("shared", ["transposed copy", "Transpose"])
+def test_a_head_inside_an_if_branch_is_rewritten_there(tmp_path, shared):
+    """Merged decoders put the head in If branches: the rewrite inserted its nodes into the main
+    graph beside a MatMul of the subgraph (ValueError)."""
+    table = _table()
+    branch_nodes = ([helper.make_node("MatMul", ["x", "Lt"], ["y"])] if shared == "transposed copy" else
+                    [helper.make_node("Transpose", ["E"], ["Et"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Et"], ["y"])])
+    branch = helper.make_graph(branch_nodes, "head", [], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["z"])], "none", [],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]),
+             helper.make_node("ReduceSum", ["input_ids"], ["total"], keepdims=0),
+             helper.make_node("Cast", ["total"], ["cond"], to=TensorProto.BOOL),
+             helper.make_node("If", ["cond"], ["logits"], then_branch=branch, else_branch=other)]
+    tables = {"E": table} | ({"Lt": table.T.copy()} if shared == "transposed copy" else {})
+    src, result = _dedupe(tmp_path, _graph(nodes, tables))
+    assert result.exit_code == 0, result.output
+    assert "rewrote 1 MatMul(s)" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)
+
+
+def test_an_initializer_listed_as_an_input_too_is_removed_from_both(tmp_path):
+    """IR-3 style models list initializers as graph inputs: the copy's input stayed, and onnxruntime
+    asked for it ("Required inputs (['L']) are missing")."""
+    table = _table()
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["emb"]), _mean("emb", "x"),
+             helper.make_node("Gemm", ["x", "L"], ["logits"], transB=1)]
+    graph = _graph(nodes, {"E": table, "L": table.copy()})
+    graph.input.extend([helper.make_tensor_value_info(n, TensorProto.FLOAT, [V, H]) for n in ("E", "L")])
+    src, result = _dedupe(tmp_path, graph)
+    assert result.exit_code == 0, result.output
+    kept = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    assert [i.name for i in kept.input] == ["input_ids", "E"]
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)
+
+
+def test_a_model_below_opset_11_is_refused_before_the_rewrite(tmp_path):
+    table = _table()
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("MatMul", ["x", "Lt"], ["logits"])]
+    (tmp_path / "in").mkdir()
+    src = tmp_path / "in" / "model.onnx"
+    model = helper.make_model(_graph(nodes, {"E": table, "Lt": table.T.copy()}), opset_imports=[helper.make_opsetid("", 9)])
+    onnx.save(model, str(src), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    result = CliRunner().invoke(app, ["dedupe", str(src), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (f"error: {src}: imports ONNX opset 9; dedupe rewrites MatMul into Gemm and Slice "
+                                     "as opset 11 defines them (convert the model with onnx.version_converter first)")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("order", ["zero first", "zero second"])
+def test_an_all_zero_table_is_not_close_to_a_small_one(tmp_path, order):
+    """A zero table compared against 1% of its own range (0) read as "1% of 1.0": a table of 1e-3
+    values was called close to it, and the real duplicate left alone, in one declaration order."""
+    table = _table()
+    zero, small = np.zeros((V, H), np.float32), np.full((V, H), 1e-3, np.float32)
+    pair = {"Z": zero, "S": small} if order == "zero first" else {"S": small, "Z": zero}
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["emb"]), _mean("emb", "x"),
+             helper.make_node("Gemm", ["x", "L"], ["logits"], transB=1),
+             helper.make_node("Gather", ["Z", "input_ids"], ["z"]), helper.make_node("Gather", ["S", "input_ids"], ["s"]),
+             helper.make_node("Add", ["z", "s"], ["zs"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": table, "L": table.copy(), **pair}, outputs=("logits", "zs")))
+    assert result.exit_code == 0, result.output
+    assert "removed 1 initializer(s) (L)" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)
+
+
+def test_a_transpose_that_keeps_the_axes_is_not_taken_for_a_shared_head(tmp_path):
+    """Transpose(perm=[0, 1]) of a square table was rewritten as a transposition; dedupe's own check
+    then refused the result ("outputs changed by 54.2")."""
+    square = np.random.default_rng(4).standard_normal((512, 512)).astype(np.float32)  # 1 MiB: large enough to share
+    nodes = [helper.make_node("Gather", ["E", "input_ids"], ["x"]), helper.make_node("Transpose", ["E"], ["Et"], perm=[0, 1]),
+             helper.make_node("MatMul", ["x", "Et"], ["logits"])]
+    src, result = _dedupe(tmp_path, _graph(nodes, {"E": square}))
+    assert result.exit_code == 2 and "nothing to do" in result.stderr, result.output

@@ -4,6 +4,7 @@ report naming a layer broken on purpose."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 
@@ -168,9 +169,11 @@ def debug_export(tiny_dir, tmp_path_factory):
     return export(tiny_dir, tmp_path_factory.mktemp("dbg") / "fp32", "fp32", debug_outputs=True).out_dir
 
 
-def _break(folder, name: str):
+def _break(folder, name: str, change=None):
     """Negate the first quarter of one float32 initializer of an export in place (a layer broken on
-    purpose; scaling all of it would vanish in the RMSNorm that follows every projection)."""
+    purpose; scaling all of it would vanish in the RMSNorm that follows every projection), and record
+    the data file's new sha256 in the manifest: an export that computes wrongly, as a builder bug
+    would make it (parity refuses files that differ from their manifest before it compares)."""
     model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
     tensor = next(t for t in model.graph.initializer if t.name == name)
     info = {e.key: e.value for e in tensor.external_data}
@@ -178,9 +181,17 @@ def _break(folder, name: str):
     with open(folder / info["location"], "r+b") as f:
         f.seek(offset)
         values = np.frombuffer(f.read(length), np.float32).copy()
-        values[: len(values) // 4] *= -1
+        if change is None:
+            values[: len(values) // 4] *= -1
+        else:  # ``change(values)``: the new first values
+            head = change(values)
+            values[: len(head)] = head
         f.seek(offset)
         f.write(values.tobytes())
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / info["location"]).read_bytes()
+    manifest["files"][info["location"]]["sha256"] = hashlib.sha256(data).hexdigest()
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize("layer, block, weight", [
@@ -216,6 +227,38 @@ def test_divergence_names_the_broken_layer(debug_export, prompts_file, tmp_path,
 def int8_debug_export(tiny_dir, tmp_path_factory):
     # no tokenizer in tiny_dir: round-to-nearest codes (no GPTQ), as an export without --calibrate
     return export(tiny_dir, tmp_path_factory.mktemp("dbg8") / "int8", "int8", block_size=16, debug_outputs=True).out_dir
+
+
+def test_a_file_changed_since_the_export_is_refused_before_the_comparison(debug_export, prompts_file, tmp_path):
+    """A break-it run: a weight changed after the export (the manifest not updated) gave logits
+    0.03 off, a KL of 1.9e-5 under fp32's 1e-4 then, and PASS; verify named the file at once."""
+    import shutil
+
+    changed = tmp_path / "changed"
+    shutil.copytree(debug_export, changed)
+    manifest = (changed / "manifest.json").read_bytes()
+    _break(changed, "model.layers.2.mlp.down_proj.weight")
+    (changed / "manifest.json").write_bytes(manifest)  # the manifest as the export wrote it
+    result = _parity("--model", changed, "--against", "transformers", "--prompts", prompts_file)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == f"error: {changed / 'model.onnx.data'}: sha256 differs from the manifest"
+    intact = _parity("--model", debug_export, "--against", "transformers", "--prompts", prompts_file)
+    assert intact.exit_code == 0 and "the export's files match its manifest (sha256)" in intact.stderr
+
+
+def test_a_small_error_in_an_fp32_export_fails(debug_export, prompts_file, tmp_path):
+    """fp32 must match exactly: 0.03 added to 128 weights of one projection (logits ~0.05 off, KL
+    ~2e-5) passed the 1e-4 KL limit fp32 had; intact fp32 exports give ~1e-13 here and ~1e-10 on
+    real text (docs/parity.md)."""
+    import shutil
+
+    nudged = tmp_path / "nudged"
+    shutil.copytree(debug_export, nudged)
+    _break(nudged, "model.layers.2.mlp.down_proj.weight", lambda values: values[:128] + np.float32(0.03))
+    result = _parity("--model", nudged, "--against", "transformers", "--prompts", prompts_file, "--json", tmp_path / "r.json")
+    assert result.exit_code == 1 and "verdict: FAIL" in result.stdout, result.output
+    kl = next(c for c in json.loads((tmp_path / "r.json").read_text())["checks"] if c["threshold"].startswith("<="))
+    assert 1e-6 < kl["measured"] < 1e-4 and not kl["passed"]  # a small error, which the old limit let through
 
 
 def test_a_damaged_int8_export_fails_the_int8_limits(int8_debug_export, prompts_file, tmp_path):
