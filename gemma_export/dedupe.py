@@ -248,12 +248,20 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
     removed: list[str] = []
     rewritten = 0
 
-    def lookup_first(names):
-        # keep the copy a Gather reads (the [vocab, hidden] layout), else the first
-        for n in names:
-            if any(u.node.op_type in ("Gather", "GatherBlockQuantized") for u in inits[n].uses()):
-                return n
-        return names[0]
+    def rewritable(name: str) -> bool:  # a transposed copy only MatMul reads as its right-hand side
+        return all(u.node.op_type == "MatMul" and u.idx == 1 for u in inits[name].uses())
+
+    def lookup_first(names, kind):
+        # keep the copy a Gather reads (the [vocab, hidden] layout), else the first; of transposed
+        # copies, one whose other copies can all be rewritten (the declaration order decided before)
+        gathered = [n for n in names if any(u.node.op_type in ("Gather", "GatherBlockQuantized")
+                                            for u in inits[n].uses())]
+        candidates = gathered + [n for n in names if n not in gathered]
+        if kind == "transposed":
+            for n in candidates:
+                if all(rewritable(other) for other in names if other != n):
+                    return n
+        return candidates[0]
 
     opset = model.opset_imports.get("", 0)
 
@@ -274,7 +282,7 @@ def dedupe(in_path: str | Path, out_dir: str | Path, progress: Callable[[str], N
         names = list(dict.fromkeys(merged_into.get(n, n) for n in group.names))
         if len(names) < 2:
             continue
-        keep_name = lookup_first(names)
+        keep_name = lookup_first(names, group.kind)
         keep = inits[keep_name]
         for name in names:
             if name == keep_name:

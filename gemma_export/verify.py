@@ -171,11 +171,13 @@ def check_listed_files_against(folder: Path, expected: dict[str, tuple[int, str]
 
 def check_export_checksums(folder: Path) -> bool:
     """The sha256 of every file ``folder``'s ``manifest.json`` lists, for a command whose verdict
-    rests on the numbers (``parity``): a damaged weight gave logits close enough to pass. No manifest
-    (a folder of another tool): nothing to check, False; True once checked.
+    rests on the numbers (``parity``): a damaged weight gave logits close enough to pass. No manifest,
+    or one without a ``files`` listing (a folder of another tool): nothing to check, False; True once
+    checked.
 
     Raises:
-        VerificationError: an unreadable manifest, or the first listed file that differs.
+        VerificationError: an unreadable manifest, a ``files`` listing that is malformed, or the first
+            listed file that differs.
     """
     if not (folder / MANIFEST_FILE).is_file():
         return False
@@ -183,6 +185,8 @@ def check_export_checksums(folder: Path) -> bool:
         manifest = read_manifest(folder)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
+    if "files" not in manifest:
+        return False
     check_listed_files_against(folder, listed_files(manifest.get("files"), folder / MANIFEST_FILE, nested=False))
     return True
 

@@ -526,3 +526,19 @@ def test_a_transpose_that_keeps_the_axes_is_not_taken_for_a_shared_head(tmp_path
              helper.make_node("MatMul", ["x", "Et"], ["logits"])]
     src, result = _dedupe(tmp_path, _graph(nodes, {"E": square}))
     assert result.exit_code == 2 and "nothing to do" in result.stderr, result.output
+
+
+@pytest.mark.parametrize("order", ["Gemm's first", "MatMul's first"])
+def test_the_copy_kept_is_one_whose_copies_can_be_rewritten_whatever_the_order(tmp_path, order):
+    """A review: with no lookup, the first declared table was kept; when that was the transposed one,
+    its copy read by Gemm(transB=1) could not be rewritten, and the model was refused."""
+    table = _table()
+    nodes = [helper.make_node("Gather", ["ids_table", "input_ids"], ["emb"]), _mean("emb", "x"),
+             helper.make_node("Gemm", ["x", "A"], ["a"], transB=1), helper.make_node("MatMul", ["x", "D"], ["d"]),
+             helper.make_node("Add", ["a", "d"], ["logits"])]
+    pair = {"A": table, "D": table.T.copy()} if order == "Gemm's first" else {"D": table.T.copy(), "A": table}
+    ids_table = np.random.default_rng(9).standard_normal((V, H)).astype(np.float32)  # another table: no lookup of A
+    src, result = _dedupe(tmp_path, _graph(nodes, {"ids_table": ids_table, **pair}))
+    assert result.exit_code == 0, result.output
+    assert "removed 1 initializer(s) (D)" in result.stdout and "rewrote 1 MatMul(s)" in result.stdout
+    _same_outputs(src, tmp_path / "out" / "model.onnx", V)

@@ -229,21 +229,44 @@ def int8_debug_export(tiny_dir, tmp_path_factory):
     return export(tiny_dir, tmp_path_factory.mktemp("dbg8") / "int8", "int8", block_size=16, debug_outputs=True).out_dir
 
 
-def test_a_file_changed_since_the_export_is_refused_before_the_comparison(debug_export, prompts_file, tmp_path):
+@pytest.mark.parametrize("changed_file", ["model.onnx.data", "genai_config.json"])
+def test_a_file_changed_since_the_export_is_refused_before_the_comparison(debug_export, prompts_file, tmp_path,
+                                                                          changed_file):
     """A break-it run: a weight changed after the export (the manifest not updated) gave logits
-    0.03 off, a KL of 1.9e-5 under fp32's 1e-4 then, and PASS; verify named the file at once."""
+    0.03 off, a KL of 1.9e-5 under fp32's 1e-4 then, and PASS; verify named the file at once.
+    Every listed file is checked, not the weights alone."""
     import shutil
 
     changed = tmp_path / "changed"
     shutil.copytree(debug_export, changed)
     manifest = (changed / "manifest.json").read_bytes()
-    _break(changed, "model.layers.2.mlp.down_proj.weight")
+    if changed_file == "model.onnx.data":
+        _break(changed, "model.layers.2.mlp.down_proj.weight")
+    else:  # one byte, the same size
+        text = (changed / changed_file).read_bytes()
+        (changed / changed_file).write_bytes(text[:-1] + (b" " if text[-1:] != b" " else b"\n"))
     (changed / "manifest.json").write_bytes(manifest)  # the manifest as the export wrote it
     result = _parity("--model", changed, "--against", "transformers", "--prompts", prompts_file)
     assert result.exit_code == 2, result.output
-    assert result.stderr.strip() == f"error: {changed / 'model.onnx.data'}: sha256 differs from the manifest"
+    assert result.stderr.strip() == f"error: {changed / changed_file}: sha256 differs from the manifest"
     intact = _parity("--model", debug_export, "--against", "transformers", "--prompts", prompts_file)
     assert intact.exit_code == 0 and "the export's files match its manifest (sha256)" in intact.stderr
+
+
+def test_a_manifest_of_another_tool_is_no_listing_to_check(tiny_int8_export, tmp_path):
+    """A review: a folder whose manifest.json another tool wrote (no 'files') was refused by the
+    checksum pass ("field 'files' must be an object"), where parity had compared it before."""
+    import shutil
+
+    from gemma_export.verify import check_export_checksums
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_int8_export, foreign)
+    assert check_export_checksums(foreign) is True
+    (foreign / "manifest.json").write_text(json.dumps({"name": "some other tool", "version": 2}))
+    assert check_export_checksums(foreign) is False
+    (foreign / "manifest.json").unlink()
+    assert check_export_checksums(foreign) is False
 
 
 def test_a_small_error_in_an_fp32_export_fails(debug_export, prompts_file, tmp_path):
