@@ -477,9 +477,9 @@ def export(
     if status is not None and ckpt.tokenizer is not None:
         _note_small_tokenizer(ckpt, tokenizer_dir if given_tokenizer is not None else Path(ckpt.path), status)
         if given_tokenizer is None and "tokenizer.json" in ckpt.tokenizer.files:  # the source's own: told, not refused
-            folder = Path(ckpt.path).is_dir()  # else a GGUF, whose tokenizer is built from its metadata
-            own = Path(ckpt.path) if folder else Path(ckpt.path).parent
-            named = own / "tokenizer.json" if folder else f"{ckpt.path}'s tokenizer"
+            is_folder = Path(ckpt.path).is_dir()  # else a GGUF, whose tokenizer is built from its metadata
+            own = Path(ckpt.path) if is_folder else Path(ckpt.path).parent
+            named = own / "tokenizer.json" if is_folder else f"{ckpt.path}'s tokenizer"
             if (wrong := _bos_mismatch(ckpt.tokenizer.parsed(own), ckpt.config, named)) is not None:
                 status(f"note: {wrong}; calibration, generate and the board's prompts get these ids")
     # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
@@ -494,7 +494,8 @@ def export(
     checked_state = folder_state(out)  # what was checked: a change during the slow work stops the move
     if status is not None and not replacing_told:
         _tell_replacing(out, checked_state, status, ckpt.identity)
-    elif status is not None and (other := _other_source(out, ckpt.identity)) is not None:  # told before the read
+    elif status is not None and (other := _other_source(_earlier_manifest(out), ckpt.identity)) is not None:
+        # "holds an earlier export" was told before the read, when the source was not yet known
         status(f"note: the export being replaced in {out} was made from another source ({other})")
     if quantized:  # block sizes against the model's dims before the (slow) calibration pass
         rotation = 0 if hadamard_size == 0 else block_size_for(ckpt, hadamard_size, None, DEFAULT_HADAMARD_SIZE, "--hadamard")
@@ -643,22 +644,28 @@ def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None
         manifest = read_manifest(out)
     except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
         manifest = {}
-    other = _other_source(out, identity) if identity is not None else None
+    other = _other_source(manifest, identity) if identity is not None else None
     status(f"{out} holds an earlier {export_description(manifest) or 'export'}"
            f"{f' of another source ({other})' if other else ''}; it is replaced once this one is written and checked")
     return True
 
 
-def _other_source(out: Path, identity: dict) -> str | None:
-    """The source path ``out``'s manifest records, when it is another model than ``identity``'s (the
-    source being exported, ``Checkpoint.identity``): another path and another size or kind. The
-    default folder is named after the source's file name, which two models may share (two
-    ``model.gguf``); the same file under another path (the bundled GGUF in another user's cache) is
-    the same source. None when not another, or when ``out`` records none."""
+def _earlier_manifest(out: Path) -> dict:
+    """The manifest of the export ``out`` holds; ``{}`` when there is none or it cannot be read
+    (nothing to compare)."""
     try:
-        recorded = read_manifest(out).get("source")
-    except (GemmaExportError, OSError):  # none, or unreadable: nothing to compare
-        return None
+        return read_manifest(out)
+    except (GemmaExportError, OSError):
+        return {}
+
+
+def _other_source(manifest: dict, identity: dict) -> str | None:
+    """The source path an earlier export's ``manifest`` records, when it is another model than
+    ``identity``'s (the source being exported, ``Checkpoint.identity``): another path and another
+    size or kind. The default folder is named after the source's file name, which two models may
+    share (two ``model.gguf``); the same file under another path (the bundled GGUF in another user's
+    cache) is the same source. None when not another, or when the manifest records none."""
+    recorded = manifest.get("source")
     if not isinstance(recorded, dict) or not isinstance(recorded.get("path"), str):
         return None
     same_path = os.path.realpath(recorded["path"]) == os.path.realpath(str(identity.get("path", "")))

@@ -390,16 +390,11 @@ class OnnxDecoder:
         self._input_names = tuple(inputs)
         self.num_hidden_layers = check_decoder_contract(path, inputs, self.session.get_outputs())
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
-        if not isinstance(self.head_dim, int):  # symbolic (onnxruntime-genai graphs): its config has it
-            self.head_dim = _genai_decoder_config(self.model_dir).get("head_size")
-            if not is_whole_number(self.head_dim) or self.head_dim <= 0:  # as the kv heads below (true was an int)
-                raise FormatError(f"{path}: past_key_values.0.key has a symbolic head_dim and no genai_config.json says "
-                                  "head_size")
-        if not isinstance(self.num_key_value_heads, int):  # the KV cache's buffers are sized from it
-            self.num_key_value_heads = _genai_decoder_config(self.model_dir).get("num_key_value_heads")
-            if not is_whole_number(self.num_key_value_heads) or self.num_key_value_heads <= 0:
-                raise FormatError(f"{path}: past_key_values.0.key has a symbolic kv-heads dimension and no "
-                                  "genai_config.json says num_key_value_heads")
+        # symbolic in onnxruntime-genai graphs: their config has them (the KV cache's buffers are sized from them)
+        if not isinstance(self.head_dim, int):
+            self.head_dim = self._genai_dimension(path, "head_size", "head_dim")
+        if not isinstance(self.num_key_value_heads, int):
+            self.num_key_value_heads = self._genai_dimension(path, "num_key_value_heads", "kv-heads dimension")
         self.vocab_size = next(o for o in self.session.get_outputs() if o.name == "logits").shape[-1]
         if not isinstance(self.vocab_size, int):  # symbolic: the table's rows, else the manifest's or genai's config
             configured = (self.manifest.get("config", {}).get("vocab_size")
@@ -429,6 +424,18 @@ class OnnxDecoder:
                 raise FormatError(f"{self.model_dir / 'genai_config.json'}: field 'model.eos_token_id' must be "
                                   f"{TOKEN_IDS}, found {shown(eos)}")
         self.eos_token_id = (eos,) if isinstance(eos, int) else tuple(eos)
+
+    def _genai_dimension(self, path: Path, key: str, what: str) -> int:
+        """A dimension of the cache inputs the graph leaves symbolic (``what``, for the message), from
+        ``genai_config.json``'s ``model.decoder.<key>``.
+
+        Raises:
+            FormatError: no positive integer there (``true`` is no size).
+        """
+        value = _genai_decoder_config(self.model_dir).get(key)
+        if not is_whole_number(value) or value <= 0:
+            raise FormatError(f"{path}: past_key_values.0.key has a symbolic {what} and no genai_config.json says {key}")
+        return value
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
         """Zero-length ``past_key_values.*`` for a prefill step: float32
