@@ -42,6 +42,50 @@ class Board:
         major, minor, arch = match.groups()
         return f"{arch} wheels, which need glibc {major}.{minor} or newer"
 
+    def wheel_tag_problem(self, filename: str) -> str | None:
+        """Why pip on the board would refuse a wheel of this file name, or None when its tags fit.
+
+        The name is ``NAME-VERSION[-BUILD]-PYTHON-ABI-PLATFORM.whl`` (PEP 427; each tag may hold
+        several, joined by dots). The board's pip takes a Python tag ``py3``, ``py3N`` (N up to the
+        board's minor version) or ``cpXY`` of its own version with the ABI ``none``, ``abi3`` or its
+        own; a platform ``any``, one of :attr:`platforms`, ``linux_ARCH``, or
+        ``manylinux_X_Y_ARCH`` with a glibc no newer than the first platform's (PEP 600). A name
+        whose parts cannot be read is reported as such.
+        """
+        parts = filename[:-len(".whl")].split("-") if filename.endswith(".whl") else []
+        if len(parts) not in (5, 6):
+            return f"the name '{filename}' is not NAME-VERSION-PYTHON-ABI-PLATFORM.whl"
+        python_tags, abi_tags, platform_tags = (tag.split(".") for tag in parts[-3:])
+        major, minor = self.python.split(".")
+        own = f"cp{major}{minor}"
+        fits_python = any(
+            tag == f"py{major}" or tag == own
+            or (re.fullmatch(rf"py{major}(\d+)", tag) is not None and int(tag[len(major) + 2:]) <= int(minor))
+            for tag in python_tags)
+        if not fits_python:
+            return (f"its Python tag '{parts[-3]}' is not one the board's CPython {self.python} installs "
+                    f"(py{major}, py{major}N or {own})")
+        if not any(tag in ("none", "abi3", own) for tag in abi_tags):
+            return f"its ABI tag '{parts[-2]}' is not one the board's CPython {self.python} installs (none, abi3, {own})"
+        newest = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", self.platforms[0]) if self.platforms else None
+
+        def fits(tag: str) -> bool:
+            if tag == "any" or tag in self.platforms:
+                return True
+            if newest is None:
+                return False
+            glibc, arch = (int(newest.group(1)), int(newest.group(2))), newest.group(3)
+            if tag == f"linux_{arch}":
+                return True
+            match = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+            return match is not None and match.group(3) == arch and (int(match.group(1)), int(match.group(2))) <= glibc
+
+        if not any(fits(tag) for tag in platform_tags):
+            older = (f", or another {newest.group(3)} manylinux tag of glibc {newest.group(1)}.{newest.group(2)} or "
+                     "older" if newest else "")
+            return f"its platform tag '{parts[-1]}' is not one the board installs (any, {', '.join(self.platforms)}{older})"
+        return None
+
 
 BOARDS = {
     "sl2610": Board(

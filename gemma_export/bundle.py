@@ -272,15 +272,23 @@ and raises the peak further). On x86-64 a bf16 export's `bench --board sl2610` p
 one to compare."""
 
 
-def _check_wheel(wheel: Path) -> None:
+def _check_wheel(wheel: Path, spec: Board) -> None:
     """A wheel is a zip archive; this one must hold the toolkit (``gemma_export/__init__.py``), every
-    member must decompress to its recorded CRC, and its ``*.dist-info/METADATA`` must name the version
-    in the file name (``gemma_export-VERSION-...whl``), which the bundle's README installs.
+    member must decompress to its recorded CRC, its ``*.dist-info/METADATA`` must name the version
+    in the file name (``gemma_export-VERSION-...whl``), which the bundle's README installs, and that
+    version must be this toolkit's (``BUNDLE.json`` records it as the version that wrote the
+    bundle, and this version checked the export); the file name's tags must be ones the board's pip
+    installs (:meth:`~gemma_export.boards.Board.wheel_tag_problem`).
 
     Raises:
         FormatError: not a zip archive, one without the package or its metadata, a damaged member,
-            or a version that differs from the file name's.
+            a version that differs from the file name's or from this toolkit's, or tags the board
+            cannot install.
     """
+    problem = spec.wheel_tag_problem(wheel.name)  # from the name alone: before the archive is read
+    if problem is not None:
+        raise FormatError(f"{wheel}: {problem}; build the wheel with `pip wheel --no-deps` from this toolkit's "
+                          "sources, or leave out --wheel and bundle builds it")
     import zipfile
 
     try:
@@ -304,6 +312,10 @@ def _check_wheel(wheel: Path) -> None:
     if version != named:
         raise FormatError(f"{wheel}: its METADATA says version {version!r}, its file name {named!r}; pip refuses "
                           "such a wheel")
+    if version != __version__:  # the board would run other code than what checked the export
+        raise FormatError(f"{wheel}: gemma_export version {version}, but this toolkit, which checks the export and "
+                          f"writes {BUNDLE_MANIFEST}, is {__version__}; pass a wheel of {__version__}, or leave out "
+                          "--wheel and bundle builds it")
 
 
 def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None,
@@ -357,7 +369,7 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
         wheel = require_file(wheel, "wheel (--wheel)")
         if not wheel.name.startswith("gemma_export-") or wheel.suffix != ".whl":
             raise SourceNotFoundError(f"{wheel}: expected a gemma_export-*.whl file, found the name '{wheel.name}'")
-        _check_wheel(wheel)
+        _check_wheel(wheel, spec)
     # the model's files, its manifest, the wheel (one built here is ~0.2 MB) and the README and listing
     wheel_bytes = wheel.stat().st_size if wheel is not None else WHEEL_BYTES_ESTIMATE
     check_free_space(out, sum(files.values()) + (model_dir / MANIFEST_FILE).stat().st_size + wheel_bytes + 10**5,
@@ -472,5 +484,13 @@ def verify_bundle(folder: str | Path) -> dict[str, int]:
     if listing["board"] not in BOARDS:  # bundle writes only boards it knows, and its README is for that board
         raise VerificationError(f"{listing_path}: field 'board' is {shown(listing['board'])}, expected one of "
                                 f"{', '.join(BOARDS)}")
+    # the README installs the wheel beside it: its version is the one that wrote the bundle
+    wheels = sorted(name for name in expected if "/" not in name and name.startswith("gemma_export-")
+                    and name.endswith(".whl"))
+    versions = {name.split("-")[1] for name in wheels if name.count("-") >= 2}
+    if versions and versions != {listing["gemma_export_version"]}:
+        raise VerificationError(f"{listing_path}: field 'gemma_export_version' is "
+                                f"{shown(listing['gemma_export_version'])}, but the folder's wheel "
+                                f"{', '.join(wheels)} is version {', '.join(sorted(versions))}")
     verify_manifest(folder / BUNDLE_MODEL_DIR)
     return {name: size for name, (size, _) in expected.items()}

@@ -148,11 +148,14 @@ class GemmaConfig:
         return d
 
     # ---- validation -----------------------------------------------------------------------------
-    def validate(self, where: str) -> "GemmaConfig":
+    def validate(self, where: str, names: Mapping[str, str] | None = None) -> "GemmaConfig":
         """Check that the fields agree with each other.
 
         Args:
             where: the source file, named in messages.
+            names: field → the key the source file holds it under (a GGUF's
+                ``gemma3.attention.head_count`` for ``num_attention_heads``), for the messages; a
+                field not in it is named as transformers names it.
 
         Returns:
             ``self``, so a constructor call can end with ``.validate(where)``.
@@ -160,6 +163,9 @@ class GemmaConfig:
         Raises:
             ConfigError: naming ``where`` (the file) and the contradicting fields.
         """
+        def named(field: str) -> str:
+            return (names or {}).get(field, field)
+
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
@@ -167,18 +173,18 @@ class GemmaConfig:
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{where}: field '{name}' must be a positive integer, found {shown(value)}")
+                raise ConfigError(f"{where}: field '{named(name)}' must be a positive integer, found {shown(value)}")
         for name, ids in (("eos_token_id", self.eos_token_id), ("bos_token_id", (self.bos_token_id,)),
                           ("pad_token_id", (self.pad_token_id,))):
             if max(ids) >= self.vocab_size:
                 raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {self.vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
-                f"{where}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
+                f"{where}: {named('num_attention_heads')} ({self.num_attention_heads}) is not a multiple of "
+                f"{named('num_key_value_heads')} ({self.num_key_value_heads})"
             )
         if self.head_dim % 8:  # onnxruntime refuses it only when the graph first runs, after the slow work
-            raise ConfigError(f"{where}: head_dim must be a multiple of 8 (even for rotate-half RoPE, and a multiple "
+            raise ConfigError(f"{where}: {named('head_dim')} must be a multiple of 8 (even for rotate-half RoPE, and a multiple "
                               f"of 8 for onnxruntime's GroupQueryAttention, which the graph uses); found {self.head_dim}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ConfigError(
@@ -534,4 +540,8 @@ def config_from_gguf_metadata(meta: Mapping[str, Any], vocab_rows: int, tied: bo
         bos_token_id=tokens.token_ids("bos_token_id", BOS_TOKEN_ID, below=vocab_rows)[0],
         eos_token_id=tuple(dict.fromkeys((eos, eot))),
         pad_token_id=tokens.token_ids("padding_token_id", PAD_TOKEN_ID, below=vocab_rows)[0],
-    ).validate(where)
+    ).validate(where, names={field: "gemma3." + key for field, key in (
+        ("num_attention_heads", "attention.head_count"), ("num_key_value_heads", "attention.head_count_kv"),
+        ("head_dim", "attention.key_length"), ("hidden_size", "embedding_length"),
+        ("intermediate_size", "feed_forward_length"), ("num_hidden_layers", "block_count"),
+        ("max_position_embeddings", "context_length"), ("sliding_window", "attention.sliding_window"))})

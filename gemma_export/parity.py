@@ -10,7 +10,8 @@ Per prompt:
   ``--debug-outputs`` export, the first layer and sub-block (attention or MLP) whose output departs
   from transformers' beyond the tolerance (relative max error ``max|Δ| / max|reference|``).
 * reference (IREE): the prompt padded with 0 to the reference's fixed length; the reference's
-  argmax token at every position against the export's (teacher-forced through the KV cache); its
+  argmax token at every position against the export's (teacher-forced through the KV cache), scored
+  over the prompt's positions (the board never reads the padding's: reported apart); its
   greedy tokens by re-decoding (the board's loop) against the export's; with ``logits`` (argmax tail
   stripped) also max |Δlogit|.
 * golden: the export's greedy ids against the expected ids: exact match or first mismatch.
@@ -72,7 +73,8 @@ class PromptParity:
         prompt_ids: its token ids (with ``<bos>`` when tokenized).
         transformers: ``positions``, ``max_abs_logit_diff`` (logits), ``cosine`` (mean over rows),
             ``top1_agreement`` (a share), ``kl_mean`` (nats/token), ``first_top1_difference``.
-        reference: see ``_against_reference``: agreement by position, near-tie mismatches (positions),
+        reference: see ``_against_reference``: agreement over the prompt's positions (scored) and the
+            padding's, agreement by position, near-tie mismatches (positions),
             greedy ids of both, and ``max_abs_logit_diff`` when the reference returns logits.
         golden: ``entry``, ``expected_ids``, ``export_ids``, ``match``, ``first_mismatch``, ``dtype`` (of
             the export that wrote the entry, when the golden file says; else None).
@@ -175,7 +177,12 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
         elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
-            raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: {shown(item)}")
+            # one prompt's ids given as the whole list: each id read as a prompt
+            bare = items and all(is_whole_number(i) for i in items)
+            hint = (f"; the file holds one list of {len(items)} numbers: for one prompt of ids, wrap it in a list "
+                    f"([{shown(items)}])" if bare else "")
+            raise FormatError(f"{path}: prompt #{n} is neither text nor a non-empty list of token ids: "
+                              f"{shown(item)}{hint}")
     if not prompts:
         raise FormatError(f"{path}: no prompts")
     return prompts
@@ -586,9 +593,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         if ref_model is not None:
             entry.reference = _against_reference(decoder, ref_model, ids)
             if entry.reference.get("positions"):
-                agree = np.asarray(entry.reference["agreement_by_position"], bool)
-                agree[entry.reference["near_tie_mismatches"]] = True  # a tie either way is not a departure
-                pooled_ref.append(agree)
+                pooled_ref.append(scored_reference_agreement(entry.reference))
         results.append(entry)
     for n, g in enumerate(golden_pairs):
         expected = g.expected_ids
@@ -632,6 +637,16 @@ def _checks(pooled: list, pooled_ref: list[np.ndarray], results: list[PromptPari
     return checks
 
 
+def scored_reference_agreement(reference: dict) -> np.ndarray:
+    """The positions of one prompt that count towards the reference check: bool, shape
+    ``(prompt_positions,)``, True where the export's token equals the reference's or the two
+    differ at a near-tie (a tie either way is no departure). The padding's positions are left out:
+    the board never reads them. ``reference`` is :func:`_against_reference`'s result."""
+    agree = np.asarray(reference["agreement_by_position"], bool)
+    agree[reference["near_tie_mismatches"]] = True
+    return agree[:reference["prompt_positions"]]
+
+
 def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
     length = ref_model.sequence_length  # prompts are shorter (checked in run_parity)
     padded = ids + [0] * (length - len(ids))
@@ -643,9 +658,15 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
     near_tie = (top2[:, 1] - top2[:, 0]) < NEAR_TIE
     greedy_ref = ref_model.greedy(ids, length - len(ids))
     greedy_ours, _, _ = decoder.greedy(ids, len(greedy_ref), stop_ids=())
-    result = {"positions": length, "agreement": float(agree.mean()), "agreement_by_position": agree.tolist(),
+    # the board reads the positions whose inputs are the prompt (the last one gives the first new
+    # token); after them come padding ids it never reads (its loop writes each new token over the
+    # padding and re-runs): those are reported, not scored
+    scored = agree[:len(ids)]
+    result = {"positions": length, "prompt_positions": len(ids), "agreement": float(scored.mean()),
+              "padding_agreement": float(agree[len(ids):].mean()) if length > len(ids) else None,
+              "agreement_by_position": agree.tolist(),
               "near_tie_mismatches": np.flatnonzero(~agree & near_tie).tolist(),
-              "first_mismatch": int(np.flatnonzero(~agree)[0]) if not agree.all() else None,
+              "first_mismatch": int(np.flatnonzero(~scored)[0]) if not scored.all() else None,
               "reference_greedy_ids": greedy_ref, "export_greedy_ids": greedy_ours,
               "greedy_match": greedy_ref == greedy_ours,
               # the first generated token (counting from 0) where the two greedy runs part, None when equal
@@ -681,9 +702,13 @@ def format_report(report: ParityReport) -> str:
             r = p.reference
             first = "none" if r["first_mismatch"] is None else str(r["first_mismatch"])
             extra = f", max|dlogit| {r['max_abs_logit_diff']:.3g}" if "max_abs_logit_diff" in r else ""
-            ties = f" ({len(r['near_tie_mismatches'])} at near-ties)" if r["near_tie_mismatches"] else ""
-            lines.append(f"  reference (IREE): tokens equal at {sum(r['agreement_by_position'])}/{r['positions']} "
-                         f"positions, first mismatch: {first}{ties}; greedy "
+            scored = r["prompt_positions"]
+            ties = sum(1 for i in r["near_tie_mismatches"] if i < scored)
+            ties = f" ({ties} at near-ties)" if ties else ""
+            padding = r["agreement_by_position"][scored:]
+            padding = f"; padding {sum(padding)}/{len(padding)} (not scored)" if padding else ""
+            lines.append(f"  reference (IREE): tokens equal at {sum(r['agreement_by_position'][:scored])}/{scored} "
+                         f"prompt positions, first mismatch: {first}{ties}{padding}; greedy "
                          + ("identical" if r["greedy_match"] else
                             f"differs from generated token {r['greedy_first_difference']} (counting from 0)")
                          + f" ({len(r['reference_greedy_ids'])} tokens){extra}")

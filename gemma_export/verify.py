@@ -15,7 +15,8 @@ from .config import SLIDING_CACHE_START
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_arguments, shown_folder
 from .manifest import (check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers, read_manifest,
                        require_folder)
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype, read_graph
+from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
+                         read_graph)
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
@@ -219,7 +220,13 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
         raise VerificationError(f"{manifest_path}: is a link; an export folder holds regular files only")
     if not manifest_path.is_file():
         # the folder by its full name when given as "." (the message would otherwise read "manifest.json")
-        raise SourceNotFoundError(f"{shown_folder(folder) / MANIFEST_FILE}: missing; not a gemma-export folder")
+        shown_path = shown_folder(folder) / MANIFEST_FILE
+        if (folder / BUNDLE_MODEL_DIR / MANIFEST_FILE).is_file():  # a board folder that lost its listing
+            raise SourceNotFoundError(f"{shown_folder(folder) / BUNDLE_MANIFEST}: missing, though "
+                                      f"{BUNDLE_MODEL_DIR}/{MANIFEST_FILE} is there as in a board folder of `bundle`; "
+                                      f"verify the export alone with `gemma-export verify "
+                                      f"{shown_folder(folder) / BUNDLE_MODEL_DIR}`, or write the bundle again")
+        raise SourceNotFoundError(f"{shown_path}: missing; not a gemma-export folder")
     try:
         manifest = read_manifest(folder)
     except FormatError as exc:

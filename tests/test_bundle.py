@@ -229,6 +229,57 @@ def test_a_wheel_whose_name_and_metadata_disagree_is_refused(tiny_int8_export, w
     assert not out.exists()
 
 
+@pytest.mark.parametrize("tags, message", [
+    ("py3-none-win_amd64", "its platform tag 'win_amd64' is not one the board installs (any, manylinux_2_28_aarch64, "
+                           "manylinux2014_aarch64, or another aarch64 manylinux tag of glibc 2.28 or older)"),
+    ("cp312-cp312-manylinux_2_31_aarch64", "its platform tag 'manylinux_2_31_aarch64' is not one the board installs"),
+    ("cp312-cp312-manylinux_2_28_x86_64", "its platform tag 'manylinux_2_28_x86_64' is not one the board installs"),
+    ("cp311-cp311-manylinux_2_28_aarch64", "its Python tag 'cp311' is not one the board's CPython 3.12 installs "
+                                           "(py3, py3N or cp312)"),
+    ("py313-none-any", "its Python tag 'py313' is not one the board's CPython 3.12 installs"),
+    ("py3-cp311-any", "its ABI tag 'cp311' is not one the board's CPython 3.12 installs (none, abi3, cp312)"),
+])
+def test_a_wheel_the_board_cannot_install_is_refused(tiny_int8_export, wheel, tmp_path, tags, message):
+    """A wheel for another platform or Python was bundled; pip refused it on the board."""
+    version = wheel.name.split("-")[1]
+    fake = tmp_path / f"gemma_export-{version}-{tags}.whl"
+    _renamed_wheel(wheel, fake)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    assert result.exit_code == 2 and f"{fake}: {message}" in result.output, result.output
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("tags", ["py2.py3-none-any", "cp312-abi3-manylinux_2_17_aarch64.manylinux2014_aarch64",
+                                  "py311-none-linux_aarch64"])
+def test_a_wheel_tagged_for_the_board_is_bundled(tiny_int8_export, wheel, tmp_path, tags):
+    version = wheel.name.split("-")[1]
+    fake = tmp_path / f"gemma_export-{version}-{tags}.whl"
+    _renamed_wheel(wheel, fake)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    assert result.exit_code == 0, result.output
+    assert (out / fake.name).read_bytes() == wheel.read_bytes()
+
+
+def test_a_wheel_of_another_version_is_refused(tiny_int8_export, wheel, tmp_path):
+    """BUNDLE.json records the version that wrote it; a wheel of another version ran other code on the board."""
+    version = wheel.name.split("-")[1]
+    fake = tmp_path / "gemma_export-9.9.9-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(fake, "w") as target:
+        for info in source.infolist():
+            data = source.read(info)
+            if info.filename.endswith(".dist-info/METADATA"):
+                data = data.replace(f"Version: {version}".encode(), b"Version: 9.9.9")
+            target.writestr(info.filename, data)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    assert result.exit_code == 2, result.output
+    assert (f"{fake}: gemma_export version 9.9.9, but this toolkit, which checks the export and writes BUNDLE.json, "
+            f"is {version}") in result.output
+    assert not out.exists()
+
+
 def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_path):
     out = tmp_path / "board"
     out.mkdir()
@@ -415,7 +466,12 @@ def _edit_listing(out, **fields):
     (lambda out: _edit_listing(out, board="xyz"), "BUNDLE.json: field 'board' is \"xyz\", expected one of sl2610"),
     (lambda out: _edit_listing(out, gemma_export_version=None),
      "BUNDLE.json: field 'gemma_export_version' must be the version that wrote it (a string), found null"),
+    (lambda out: _edit_listing(out, gemma_export_version="9.9.9"),
+     "BUNDLE.json: field 'gemma_export_version' is \"9.9.9\", but the folder's wheel gemma_export-"),
     (lambda out: (out / "BUNDLE.json").write_text("[]"), "BUNDLE.json: expected a JSON object, found []"),
+    # the listing deleted: named, not "manifest.json: missing; not a gemma-export folder"
+    (lambda out: (out / "BUNDLE.json").unlink(), "BUNDLE.json: missing, though model/manifest.json is there as in a "
+                                                 "board folder of `bundle`; verify the export alone with"),
     (lambda out: shutil.rmtree(out / "model"), "board/model/genai_config.json: listed in BUNDLE.json but missing"),
     (lambda out: (out / "extra_dir").symlink_to(out.parent), ": files not in BUNDLE.json: extra_dir"),
     # what a killed `prepack` on the board leaves in model/ is prepack's to name, not an unlisted file

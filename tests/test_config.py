@@ -157,6 +157,21 @@ def test_gguf_metadata_without_a_required_key_is_refused(key):
         config_from_gguf_metadata(meta, 16, True, "m.gguf")
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"gemma3.attention.head_count": 3, "gemma3.attention.head_count_kv": 2},
+     "m.gguf: gemma3.attention.head_count (3) is not a multiple of gemma3.attention.head_count_kv (2)"),
+    ({"gemma3.attention.key_length": 12, "gemma3.attention.value_length": 12},
+     "m.gguf: gemma3.attention.key_length must be a multiple of 8"),
+])
+def test_gguf_field_contradictions_name_the_gguf_keys(edit, message):
+    """A GGUF's header holds no num_attention_heads: its messages named transformers' fields."""
+    from gemma_export.config import config_from_gguf_metadata
+
+    with pytest.raises(ConfigError) as caught:
+        config_from_gguf_metadata({**GGUF_META, **edit}, 16, True, "m.gguf")
+    assert str(caught.value).startswith(message)
+
+
 def test_gguf_attention_scale_follows_llama_cpp_by_model_size():
     # llama.cpp scales Gemma 3 27B (62 layers) by hidden / heads (5376 / 32 = 168, transformers'
     # query_pre_attn_scalar for it) and every other size by head_dim

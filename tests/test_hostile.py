@@ -750,6 +750,11 @@ CASES = {
     "parity prompts of another kind": Case(export_copy(_write("p.json", b'[{"x": 1}]'),
                                                        _parity_golden("p.json", "--prompts", "p.json")),
                                            FormatError, ("p.json: prompt #0 is neither text nor a non-empty list of token ids",)),
+    "parity prompts one bare id list": Case(export_copy(_write("p.json", b'[2, 818, 5279]'),
+                                                        _parity_golden("p.json", "--prompts", "p.json")),
+                                            FormatError, ("p.json: prompt #0 is neither text nor a non-empty list of "
+                                                          "token ids: 2; the file holds one list of 3 numbers: for one "
+                                                          "prompt of ids, wrap it in a list ([[2, 818, 5279]])",)),
     "parity reference not mlir": Case(export_copy(_write("ref.mlir", b"module {}\n"),
                                                   lambda f: ["parity", "--model", f, "--reference", f / "ref.mlir"]),
                                       FormatError, ("ref.mlir", "no util.global")),

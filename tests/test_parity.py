@@ -848,10 +848,50 @@ def test_the_reference_comparison_names_the_first_of_several_mismatches(tiny_int
             return greedy[:max_new_tokens]
 
     r = _against_reference(decoder, Reference(), ids)
-    assert r["positions"] == length and r["agreement"] == 0.75
+    # scored: the prompt's 3 positions (one miss); the padding's 5 (one miss) reported apart
+    assert r["positions"] == length and r["prompt_positions"] == 3
+    assert r["agreement"] == pytest.approx(2 / 3) and r["padding_agreement"] == pytest.approx(4 / 5)
     assert r["agreement_by_position"] == [i not in (2, 6) for i in range(length)]
     assert r["first_mismatch"] == 2
     assert r["greedy_match"] and r["export_greedy_ids"] == greedy
+
+
+def test_the_reference_check_scores_the_prompt_positions_not_the_padding(tiny_int8_export):
+    """The board never reads the positions after the prompt (padding ids): a 6-token prompt whose greedy
+    run matched IREE's token for token failed 17 / 24 when they were scored."""
+    from gemma_export.parity import THRESHOLDS, Check, _against_reference, _checks, scored_reference_agreement
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    ids, length = [2, 10, 20], 12
+    ours = decoder.teacher_forced_logits(ids + [0] * (length - len(ids))).argmax(-1)
+    greedy, _, _ = decoder.greedy(ids, length - len(ids), stop_ids=())
+
+    def compared(theirs):
+        class Reference:
+            sequence_length, vocab_size, returns_logits = length, 96, False
+
+            def run(self, token_ids):
+                return theirs
+
+            def greedy(self, token_ids, max_new_tokens):
+                return greedy[:max_new_tokens]
+
+        return _against_reference(decoder, Reference(), ids)
+
+    padding_only = ours.copy()
+    padding_only[3:] = (padding_only[3:] + 1) % 96  # every padding position differs
+    r = compared(padding_only)
+    assert r["agreement"] == 1.0 and r["padding_agreement"] == 0.0 and r["first_mismatch"] is None
+    assert scored_reference_agreement(r).tolist() == [True, True, True]
+    check = _checks([], [scored_reference_agreement(r)], [], THRESHOLDS["int8"])
+    assert [(c.name, c.measured, c.passed) for c in check] == [
+        ("tokens equal to the reference's (near-ties excepted)", 1.0, True)]
+    in_prompt = ours.copy()
+    in_prompt[1] = (in_prompt[1] + 1) % 96  # one of the prompt's three positions differs
+    r = compared(in_prompt)
+    assert r["agreement"] == pytest.approx(2 / 3) and r["padding_agreement"] == 1.0 and r["first_mismatch"] == 1
+    check = _checks([], [scored_reference_agreement(r)], [], THRESHOLDS["int8"])
+    assert isinstance(check[0], Check) and check[0].measured == pytest.approx(2 / 3) and not check[0].passed
 
 
 def test_the_reference_greedy_loop_stops_at_its_fixed_length_and_at_a_stop_id(reference):
@@ -969,7 +1009,7 @@ class _FixedReference:
 
 
 def test_the_reference_comparison_counts_only_near_ties_as_such_and_the_largest_difference_either_way():
-    from gemma_export.parity import NEAR_TIE, _against_reference
+    from gemma_export.parity import NEAR_TIE, _against_reference, scored_reference_agreement
 
     ours = np.array([[0.0, 1.0, 0.5],      # agrees
                      [0.2, 0.205, 0.0],    # differs: ours 1 by 0.005, a near tie
@@ -981,8 +1021,10 @@ def test_the_reference_comparison_counts_only_near_ties_as_such_and_the_largest_
     theirs[2] = [0.0, 0.15, 0.1]
     assert NEAR_TIE < 0.05
     result = _against_reference(_FixedDecoder(ours, [5, 6]), _FixedReference(theirs, [5, 6]), [2, 7])
-    assert result["agreement"] == 0.5 and result["agreement_by_position"] == [True, False, False, True]
+    assert result["agreement_by_position"] == [True, False, False, True]
+    assert result["prompt_positions"] == 2 and result["agreement"] == 0.5 and result["padding_agreement"] == 0.5
     assert result["near_tie_mismatches"] == [1] and result["first_mismatch"] == 1
+    assert scored_reference_agreement(result).tolist() == [True, True]  # the near-tie is no departure
     assert result["max_abs_logit_diff"] == pytest.approx(0.3, abs=1e-6)
     assert result["greedy_match"] and result["reference_greedy_ids"] == [5, 6]
     assert result["greedy_first_difference"] is None
@@ -994,13 +1036,14 @@ def test_the_table_names_the_generated_token_where_greedy_parts():
     """'greedy differs' alone sent the reader to the JSON's two id lists to find where."""
     from gemma_export.parity import ParityReport, PromptParity, format_report
 
-    reference = {"positions": 4, "agreement_by_position": [True, True, False, True], "near_tie_mismatches": [],
-                 "first_mismatch": 2, "reference_greedy_ids": [5, 6, 8, 9], "export_greedy_ids": [5, 6, 7, 9],
-                 "greedy_match": False, "greedy_first_difference": 2, "agreement": 0.75}
+    reference = {"positions": 6, "prompt_positions": 2, "agreement_by_position": [True, False, True, False, True, True],
+                 "near_tie_mismatches": [], "first_mismatch": 1, "reference_greedy_ids": [5, 6, 8, 9],
+                 "export_greedy_ids": [5, 6, 7, 9], "greedy_match": False, "greedy_first_difference": 2,
+                 "agreement": 0.5, "padding_agreement": 0.75}
     report = ParityReport(model="m", dtype="int8", prompts=[PromptParity(prompt="p", prompt_ids=[2, 7],
                                                                          reference=reference)], checks=[])
-    assert ("reference (IREE): tokens equal at 3/4 positions, first mismatch: 2; greedy differs from generated token 2 "
-            "(counting from 0) (4 tokens)") in format_report(report)
+    assert ("reference (IREE): tokens equal at 1/2 prompt positions, first mismatch: 1; padding 3/4 (not scored); "
+            "greedy differs from generated token 2 (counting from 0) (4 tokens)") in format_report(report)
 
 
 def test_cosine_is_the_mean_over_rows_of_the_angle_cosine():
