@@ -545,6 +545,13 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     if check_export_checksums(model_dir):
         say("the export's files match its manifest (sha256)")
+    from .prepack import PREPACKED_DIR, verify as verify_prepacked
+
+    # the pre-packed copy the session may load instead of the files above, against its own record
+    # (a copy damaged at the same size and time loads: onnxruntime checks only some of its bytes)
+    if prepacked is not False and (model_dir / PREPACKED_DIR).exists():
+        if note := verify_prepacked(model_dir):
+            say(note)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     dtype = decoder.dtype  # the graph's weights (a manifest that says otherwise was refused)

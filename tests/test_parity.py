@@ -253,6 +253,37 @@ def test_a_file_changed_since_the_export_is_refused_before_the_comparison(debug_
     assert intact.exit_code == 0 and "the export's files match its manifest (sha256)" in intact.stderr
 
 
+def test_a_prepacked_copy_changed_since_prepack_is_refused_before_the_comparison(tiny_int8_export, tmp_path):
+    """parity hashed the export's listed files, not the pre-packed copy the session loads in their
+    place: a copy damaged at the same size and time gave the verdict on other weights."""
+    import os
+    import shutil
+
+    from gemma_export.prepack import prepack
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8_export, folder)
+    prepack(folder)
+    decoder = OnnxDecoder(folder)
+    prompt = [2, 7, 8, 9]
+    expected, _, _ = decoder.greedy(prompt, 4, stop_ids=())
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps({"prompt_ids": prompt, "expected_ids": expected}))
+    intact = _parity("--model", folder, "--golden", golden)
+    assert intact.exit_code == 0 and "prepacked: 2 files match prepacked.json" in intact.stderr, intact.output
+    data = folder / "prepacked" / "model.onnx.data"
+    stat = data.stat()
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the runtime's size-and-time check passes
+    result = _parity("--model", folder, "--golden", golden)
+    assert result.exit_code == 2, result.output
+    assert f"{data}: sha256 differs from prepacked.json" in result.stderr
+    without = _parity("--model", folder, "--golden", golden, "--no-prepacked")  # the copy is not read: not checked
+    assert without.exit_code == 0, without.output
+
+
 def test_a_manifest_of_another_tool_is_no_listing_to_check(tiny_int8_export, tmp_path):
     """A review: a folder whose manifest.json another tool wrote (no 'files') was refused by the
     checksum pass ("field 'files' must be an object"), where parity had compared it before."""
