@@ -598,6 +598,12 @@ def generate(
     typer.echo(f"[{len(result.prompt_ids)} prompt token{'' if len(result.prompt_ids) == 1 else 's'}, {len(result.new_ids)} new; prefill {result.prefill_ms:.0f} ms"
                f"{timing}; {'pre-packed copy' if result.prepacked else 'weights packed while loading, no pre-packed copy'}; "
                f"peak memory {_mb(peak_rss_bytes())}]", err=True)
+    from .bench import BUSY_OTHER_CPUS
+
+    if result.other_cpus is not None and result.other_cpus >= BUSY_OTHER_CPUS:  # as bench warns
+        typer.echo(f"note: other processes used {result.other_cpus:.2f} of the machine's {os.cpu_count() or 1} CPUs "
+                   "while the prompt and steps ran: these times are not this model's alone (gemma-export bench "
+                   "measures them)", err=True)
     if json_out is not None and not to_stdout(json_out):
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked and prepacked is not False:  # not for the user's own choice
@@ -899,13 +905,17 @@ def parity(
 ) -> None:
     """Check an export against transformers, the reference MLIR export (IREE) and golden token
     files; print per-prompt figures, the first diverging layer (with --debug-outputs exports) and a
-    pass/fail verdict. Exit status: 0 pass, 1 fail, 2 bad input.
+    pass/fail verdict. Exit status: 0 pass, 1 fail, 2 bad input. Without --reference or --golden it
+    compares with transformers, which needs torch and transformers (pip install -e '.[test]'); the
+    reference needs the iree extra; golden files need neither.
 
     \b
     Examples:
-      gemma-export parity --model gemma-3-270m-onnx-int8 --against transformers
+      gemma-export parity --model gemma-3-270m-onnx-int8
       gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
           --reference-weights gemma.safetensors --prompts ids.json
+      gemma-export generate --model gemma-3-270m-onnx-int8 --prompt Hi \\
+          --json golden.json
       gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json \\
           --json parity.json
     """

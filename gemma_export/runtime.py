@@ -81,6 +81,9 @@ class GenerationResult:
         dtype: the graph's weights (``fp32``, ``bf16``, ``int8``, ``int4``).
         unknown_tokens: control-token-like text of the prompt (``<start_of_turn>``, …) that this
             tokenizer reads as plain text (:func:`unknown_control_tokens`).
+        other_cpus: CPUs' worth of work other processes did while the prompt and the steps ran
+            (:func:`gemma_export.bench.other_cpus`; the session's creation left out), None where it
+            cannot be measured: the times are this model's alone only when it is near 0.
     """
 
     prompt_ids: list[int]
@@ -92,6 +95,7 @@ class GenerationResult:
     prepacked_note: str = ""
     dtype: str = ""
     unknown_tokens: list[str] = dataclasses.field(default_factory=list)
+    other_cpus: float | None = None
 
 
 #: text that looks like a Gemma / FunctionGemma control token: <start_of_turn>, <end_function_call>, <escape>
@@ -1504,9 +1508,12 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     def on_token(token_id: int) -> None:
         if token_id not in stops:
             stream.add(token_id)
-    new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk,
-                                                    on_token=on_token)
+    from .bench import OtherWork  # bench imports this module
+
+    with OtherWork() as other:  # the timed steps only, as bench measures it
+        new_ids, prefill_ms, decode_ms = decoder.greedy(prompt_ids, max_new_tokens, prefill_chunk=prefill_chunk,
+                                                        on_token=on_token)
     text = stream.finish()
     return GenerationResult(prompt_ids, new_ids, text, prefill_ms, decode_ms,
                             decoder.prepacked_path is not None, decoder.prepacked_note, decoder.dtype,
-                            unknown_control_tokens(tokenizer, prompt))
+                            unknown_control_tokens(tokenizer, prompt), other.cpus)

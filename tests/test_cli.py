@@ -1077,6 +1077,34 @@ def test_generate_reports_the_median_decode_step_after_the_first(tiny_int8_expor
             "pre-packed copy; peak memory 689.4 MB]\n") in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("cpus, noted", [(1.37, True), (0.2, True), (0.19, False), (None, False)])
+def test_generate_notes_other_work_while_it_ran_as_bench_does(tiny_int8_export, monkeypatch, cpus, noted):
+    """A fresh user: generate said 6.2 ms/token, then 25-36 ms/token beside other work, without a
+    word; bench said the machine was busy."""
+    from gemma_export import bench
+
+    class Busy:  # what OtherWork measured around the prompt and steps
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.cpus = cpus
+
+    monkeypatch.setattr(bench, "OtherWork", Busy)
+    result = _run("generate", "--model", tiny_int8_export, "--prompt", "x", "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    note = (f"note: other processes used {cpus or 0:.2f} of the machine's {os.cpu_count() or 1} CPUs while the prompt "
+            "and steps ran: these times are not this model's alone (gemma-export bench measures them)")
+    assert (note in result.stderr) is noted, result.stderr
+
+
+def test_generate_measures_other_work_around_its_steps(tiny_int8_export):
+    from gemma_export import generate
+
+    result = generate(tiny_int8_export, "the fox", max_new_tokens=3)
+    assert isinstance(result.other_cpus, float) and result.other_cpus >= 0.0  # Linux: /proc/stat is there
+
+
 def test_a_tokenizer_of_another_model_is_refused_and_added_tokens_beyond_the_table_are_named(tiny_dir, tmp_path):
     tok = _tokenizer_folder(tmp_path / "tok")
     data = json.loads((tok / "tokenizer.json").read_text())
