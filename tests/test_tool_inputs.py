@@ -288,3 +288,66 @@ def test_bench_exports_table_gives_the_growth_after_and_in_use():
     assert line == ("| int8 | 286.0 | 55 | 1375 | 308 MB (1.077×) | 507 MB (1.773×) | 309 MB (1.080×) "
                     "| 330 MB (1.156×) | 1 | 310 | 10.2 |")
     assert "| —" in bench_export.table_lines([{**row, "anon_in_use_bytes": None}], 512)[2]
+
+
+def test_an_interrupt_llama_cpp_swallows_ends_the_run_after_it():
+    """Ctrl-C while llama.cpp requantized: the interrupt was raised in llama-cpp-python's log
+    callback, whose exception ctypes drops; the whole benchmark ran on and exited 0."""
+    import os
+    import signal
+    import time
+
+    before = signal.getsignal(signal.SIGINT)
+    went_on = []
+    with pytest.raises(KeyboardInterrupt):
+        with bench_side_by_side.interrupts_after_llama():
+            try:  # a callback that runs while the signal arrives: ctypes prints and drops its exception
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+            went_on.append(True)  # llama.cpp returns normally
+    assert went_on and signal.getsignal(signal.SIGINT) is before
+    with bench_side_by_side.interrupts_after_llama():  # no interrupt: nothing raised
+        pass
+
+
+@pytest.mark.parametrize("value, message", [
+    ("16,128,16", "16 given twice in '16,128,16'"),
+    ("1,1,2,2", "1, 2 given twice in '1,1,2,2'"),
+])
+def test_a_context_given_twice_is_refused(value, message):
+    """--contexts 1,1 timed twice, the second figure replacing the first, with duplicate table columns."""
+    from _args import int_list
+
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{message}$"):
+        int_list(1, 8192)(value)
+    assert int_list(1, 8192)("16,128,512") == [16, 128, 512]
+
+
+@pytest.mark.parametrize("name, message", [("plot.xyz", "expected a .png file name, found .xyz suffix"),
+                                           ("plot", "expected a .png file name, found no suffix")])
+def test_a_plot_that_is_no_png_is_refused_before_the_run(tmp_path, name, message):
+    """--plot plot.xyz failed in matplotlib after the whole benchmark; --plot plot wrote plot.png
+    while the run printed 'plot: plot'."""
+    from _args import plot_file
+
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        plot_file(str(tmp_path / name))
+
+
+def test_a_reference_that_is_no_reference_export_is_refused_before_any_timing(tiny_int8_export, tmp_path, monkeypatch,
+                                                                              capsys):
+    """A .mlir that is no reference export was named only after llama.cpp and every export had been timed."""
+    (tmp_path / "fake.mlir").write_text("garbage")
+    (tmp_path / "fake.safetensors").write_bytes(b"x")
+    timed = []
+    monkeypatch.setattr(bench_side_by_side, "bench_onnx", lambda *a, **k: timed.append(a))
+    monkeypatch.setattr(bench_side_by_side, "bench_llama", lambda *a, **k: timed.append(a))
+    monkeypatch.setattr(sys, "argv", ["bench_side_by_side.py", "--models", f"a={tiny_int8_export}", "--reference",
+                                      str(tmp_path / "fake.mlir"), "--contexts", "4", "--new-tokens", "4",
+                                      "--prefill", "4", "--prepacked", "off"])
+    with pytest.raises(SystemExit) as exited:
+        bench_side_by_side.run(bench_side_by_side.main)
+    assert exited.value.code == 2 and not timed
+    assert "fake.mlir: no util.global bound to a #flow.parameter.named parameter" in capsys.readouterr().err

@@ -155,8 +155,12 @@ def writable_file(value: str) -> Path:
 
 
 def plot_file(value: str) -> Path:
-    """A ``--plot`` file (:func:`writable_file`), with matplotlib importable."""
+    """A ``--plot`` file (:func:`writable_file`) named ``.png``, as ``gemma-export bench --plot``
+    takes it (another suffix failed in matplotlib after the whole run, and none wrote ``NAME.png``
+    under a name the run did not print), with matplotlib importable."""
     path = writable_file(value)
+    if path.suffix.lower() != ".png":
+        raise argparse.ArgumentTypeError(f"{path}: expected a .png file name, found {path.suffix or 'no'} suffix")
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
@@ -210,7 +214,11 @@ def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
         parts = [p.strip() for p in value.split(",")]
         if not value.strip() or not all(parts):
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, found {value!r}")
-        return [one(p) for p in parts]
+        numbers = [one(p) for p in parts]
+        twice = sorted({n for n in numbers if numbers.count(n) > 1})
+        if twice:  # each would be timed twice, the second figure replacing the first
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {value!r}")
+        return numbers
     return parse
 
 

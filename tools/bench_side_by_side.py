@@ -26,6 +26,8 @@ after a reboot: timings otherwise depend on how long each file has sat in the ca
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import statistics
 import sys
 import time
@@ -223,6 +225,28 @@ def q8_0_gguf(source: Path, vocab: int | None = None) -> Path:
     return target
 
 
+@contextlib.contextmanager
+def interrupts_after_llama():
+    """Ctrl-C inside llama.cpp's work ends the run once llama.cpp returns. Python raises the
+    interrupt in whatever Python code runs next, and during llama.cpp's quantizer or loader that is
+    llama-cpp-python's log callback, whose exceptions ctypes prints and drops: the run went on and
+    exited 0. The interrupt is noted and raised again after the block; one outside a callback ends
+    it at once, as before."""
+    noted = []
+
+    def interrupted(signum, frame):
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if noted:
+        raise KeyboardInterrupt
+
+
 #: what the llama.cpp probe runs in its own process: load a GGUF and evaluate two tokens
 LLAMA_PROBE = ("import sys; from llama_cpp import Llama; "
                "Llama(model_path=sys.argv[1], n_threads=1, n_ctx=16, verbose=False).eval([2, 2])")
@@ -312,10 +336,10 @@ def main() -> None:
 
     cold = drop_page_cache if args.cold else (lambda: None)
     cold()  # fails early, before any timing, when not permitted
-    if args.reference:  # IREE missing: say so now, not after the other systems have run
-        from gemma_export.reference_iree import _iree
+    if args.reference:  # a file IREE cannot run, or IREE missing: said now, not after the other systems ran
+        from gemma_export.reference_iree import check_reference_options
 
-        _iree()
+        check_reference_options(args.reference, None)
     contexts = args.contexts
     models = unique_names(parser, "--models", args.models)
     from gemma_export.prepack import status
@@ -331,11 +355,12 @@ def main() -> None:
         q4 = bundled_gguf_path()
         check_gguf_model(q4, vocab)
         check_llama_runs(q4)
-        q8 = q8_0_gguf(q4, vocab)
-        cold()
-        rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
-        cold()
-        rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
+        with interrupts_after_llama():
+            q8 = q8_0_gguf(q4, vocab)
+            cold()
+            rows["llama.cpp Q8_0"] = bench_llama(q8, ids, contexts, args.new_tokens, args.prefill, args.threads)
+            cold()
+            rows["llama.cpp Q4_K_M"] = bench_llama(q4, ids, contexts, args.new_tokens, args.prefill, args.threads)
     except ImportError:
         print("llama-cpp-python not installed: llama.cpp rows skipped")
     for label, folder, prepacked in runs:
