@@ -137,7 +137,7 @@ def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int
     monkeypatch.setattr(plain, "Model", lambda *a, **k: pytest.fail("the model was loaded before --json was checked"))
     for target, reason in ((data, "exists and is not a record this script wrote; not replaced"),
                            (tmp_path / "no" / "out.json", f"folder {tmp_path / 'no'} does not exist")):
-        assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--json", str(target)]) == 1
+        assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--json", str(target)]) == 2
         assert capsys.readouterr().err == f"error: {target}: {reason}\n"
     assert data.read_bytes() == b"\x00weights" * 100
 
@@ -161,6 +161,16 @@ def test_json_never_replaces_another_file_and_is_checked_before_the_run(tiny_int
      "{manifest}: field 'config.max_position_embeddings' must be an integer >= 1 (or absent), found \"x\""),
     (lambda m: m["config"].update(head_dim=m["config"]["head_dim"] * 2),
      "{manifest}: field 'config.head_dim' is {head_dim2}, but {model}/model.onnx's past_key_values.0.key has {head_dim}"),
+    # a tester's hand edits (twenty-first session): other tokens without a word, or onnxruntime's error mid-run
+    (lambda m: m["config"].update(sliding_window=1),
+     "{manifest}: field 'config.sliding_window' is 1, but {model}/model.onnx was built with {window}"),
+    (lambda m: m["config"].update(layer_types=m["config"]["layer_types"][::-1]),
+     "{manifest}: field 'config.layer_types' makes layers [{reversed_sliding}] sliding, but {model}/model.onnx was "
+     "built with sliding layers {sliding}"),
+    (lambda m: m["config"].update(bos_token_id=999999),
+     "{manifest}: field 'config.bos_token_id' holds 999999, outside {model}/model.onnx's vocabulary of 96 ids"),
+    (lambda m: m["config"].update(eos_token_id=[1, 96]),
+     "{manifest}: field 'config.eos_token_id' holds 96, outside {model}/model.onnx's vocabulary of 96 ids"),
 ])
 def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export, tmp_path, capsys, edit, message):
     """Probe findings: a manifest without config printed "error: DIR: 'config'", and a run past
@@ -170,10 +180,46 @@ def test_a_manifest_it_cannot_use_or_too_long_a_run_is_one_line(tiny_int8_export
     manifest = json.loads((model / "manifest.json").read_text())
     edit(manifest)
     (model / "manifest.json").write_text(json.dumps(manifest))
-    assert plain.main(["--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 1
-    head_dim = json.loads((tiny_int8_export / "manifest.json").read_text())["config"]["head_dim"]
-    expected = message.format(manifest=model / "manifest.json", model=model, head_dim=head_dim, head_dim2=2 * head_dim)
+    assert plain.main(["--model", str(model), "--prompt", PROMPT, "--max-new-tokens", "4"]) == 2
+    config = json.loads((tiny_int8_export / "manifest.json").read_text())["config"]
+    head_dim, types = config["head_dim"], config["layer_types"]
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    reversed_sliding = [i for i, kind in enumerate(types[::-1]) if kind == "sliding_attention"]
+    assert sliding != reversed_sliding  # the edit changes which layers slide
+    expected = message.format(manifest=model / "manifest.json", model=model, head_dim=head_dim, head_dim2=2 * head_dim,
+                              window=config["sliding_window"], sliding=",".join(map(str, sliding)),
+                              reversed_sliding=", ".join(map(str, reversed_sliding)))
     assert capsys.readouterr().err == "error: " + expected + "\n"
+
+
+def test_a_json_path_that_is_a_folder_is_named_as_one(tiny_int8_export, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(plain, "Model", lambda *a, **k: pytest.fail("the model was loaded before --json was checked"))
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--json", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: is a folder; expected a file to write the ids to\n"
+
+
+def test_ctrl_c_is_one_line_and_status_130(tiny_int8_export, tmp_path):
+    """Ctrl-C printed onnxruntime's (or the read's) traceback, where every other tool says 'interrupted'."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fifo = tmp_path / "prompt"
+    os.mkfifo(fifo)  # the script waits in the prompt's read until the test interrupts it
+    script = Path(__file__).resolve().parents[1] / "tools" / "plain_onnxruntime.py"
+    proc = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_int8_export), "--prompt-file", str(fifo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wchan = Path(f"/proc/{proc.pid}/wchan")
+    deadline = time.monotonic() + 60
+    # the kernel function it waits in: opening a FIFO no one writes (wait_for_partner), or reading it
+    while time.monotonic() < deadline and not any(
+            word in (wchan.read_text() if wchan.exists() else "fifo") for word in ("partner", "fifo", "pipe")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err == "error: interrupted\n" and out == "", err
 
 
 def test_one_stop_id_as_a_number_and_threads_beyond_the_machine(tiny_int8_export, tmp_path, capsys):
@@ -199,18 +245,20 @@ def test_the_pre_packed_copy_gives_the_same_ids(tiny_int8_export, tmp_path, caps
         assert plain.main(["--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "20", "--json", "-", *flag]) == 0
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0] == runs[1]
-    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--prepacked"]) == 1  # no copy there
-    assert capsys.readouterr().err.startswith("error: ")
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--prepacked"]) == 2  # no copy there
+    assert capsys.readouterr().err == (f"error: {tiny_int8_export / 'prepacked' / 'model.onnx'}: no pre-packed copy; "
+                                       f"`gemma-export prepack --model {tiny_int8_export}` makes one on this machine "
+                                       "(or leave out --prepacked)\n")
 
 
 @pytest.mark.parametrize("case, where, reason", [
-    ("no manifest", "{tmp}/manifest.json", "No such file or directory"),
+    ("no manifest", "{tmp}", "no manifest.json; not an export folder of gemma-export"),
     ("no graph", "{tmp}/model.onnx", "No such file or directory"),
     ("no prompt file", "{tmp}/absent.txt", "No such file or directory"),
     ("json in a missing folder", "{tmp}/no/out.json", "does not exist"),
 ])
 def test_bad_input_is_one_line_naming_the_file(tiny_int8_export, tmp_path, capsys, case, where, reason):
-    """Probe of the script: one error line naming the file, status 1, no traceback."""
+    """Probe of the script: one error line naming the file, status 2 (bad input, as every tool), no traceback."""
     model, text = tmp_path, ["--prompt", "a"]
     if case == "no graph":
         shutil.copy(tiny_int8_export / "manifest.json", tmp_path)
@@ -220,7 +268,7 @@ def test_bad_input_is_one_line_naming_the_file(tiny_int8_export, tmp_path, capsy
         text = ["--prompt-file", str(tmp_path / "absent.txt")]
     if case == "json in a missing folder":
         text += ["--json", str(tmp_path / "no" / "out.json")]
-    assert plain.main(["--model", str(model), *text, "--max-new-tokens", "2"]) == 1
+    assert plain.main(["--model", str(model), *text, "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {where.format(tmp=tmp_path)}: ") and reason in err and err.count("\n") == 1, err
 
@@ -245,7 +293,7 @@ def test_a_tokenizer_it_cannot_read_is_named(tiny_int8_export, tmp_path, capsys)
     shutil.copytree(tiny_int8_export, model)
     text = (model / "tokenizer.json").read_text()
     (model / "tokenizer.json").write_text(text[:len(text) // 2])
-    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2"]) == 1
+    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {model / 'tokenizer.json'}: not a tokenizer the tokenizers library reads (")
     assert err.count("\n") == 1, err
@@ -261,7 +309,7 @@ def test_a_json_file_its_folder_cannot_take_is_refused_before_the_run(tiny_int8_
     if not Path("/proc/version").exists():
         pytest.skip("no /proc here")
     monkeypatch.setattr(plain, "Model", lambda *a, **k: pytest.fail("the model was loaded before --json was checked"))
-    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", *args]) == 1
+    assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
 

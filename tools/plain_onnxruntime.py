@@ -66,9 +66,14 @@ class Model:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
+        if folder.is_dir() and not (folder / "manifest.json").exists():  # another tool's folder, e.g. genai's
+            raise FolderError(f"{folder}: no manifest.json; not an export folder of gemma-export")
         config = _config(folder / "manifest.json")
         # the pre-packed copy (`gemma-export prepack`) holds the same graph with this CPU's packed weights
         graph = folder / "prepacked" / "model.onnx" if prepacked else folder / "model.onnx"
+        if prepacked and not graph.is_file():
+            raise FolderError(f"{graph}: no pre-packed copy; `gemma-export prepack --model {folder}` makes one on "
+                              "this machine (or leave out --prepacked)")
         for needed in (graph, folder / "tokenizer.json"):  # named here: the libraries' errors leave the name out
             if not needed.is_file():
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(needed))
@@ -109,6 +114,22 @@ class Model:
             if isinstance(dim, int) and dim != size:
                 raise FolderError(f"{folder / 'manifest.json'}: field 'config.{field}' is {size}, but {graph}'s "
                                   f"past_key_values.0.key has {dim}")
+        # what the graph was built with (gemma-export records it in the graph's metadata): a manifest
+        # edited by hand changed the sliding schedule, and so the tokens, without a word
+        built = self.session.get_modelmeta().custom_metadata_map
+        recorded = built.get("gemma_export.sliding_window")
+        if recorded is not None and recorded != str(self.window):
+            raise FolderError(f"{folder / 'manifest.json'}: field 'config.sliding_window' is {self.window}, but "
+                              f"{graph} was built with {recorded}")
+        layers = built.get("gemma_export.sliding_layers")
+        if sliding and layers is not None and layers != ",".join(map(str, sorted(self.sliding))):
+            raise FolderError(f"{folder / 'manifest.json'}: field 'config.layer_types' makes layers "
+                              f"{sorted(self.sliding)} sliding, but {graph} was built with sliding layers {layers}")
+        vocab = self.session.get_outputs()[0].shape[-1]  # logits: [batch, positions, vocabulary]
+        for field, ids in (("bos_token_id", {self.bos}), ("eos_token_id", self.stop)):
+            if isinstance(vocab, int) and max(ids) >= vocab:  # the lookup would fail in onnxruntime, mid-run
+                raise FolderError(f"{folder / 'manifest.json'}: field 'config.{field}' holds {max(ids)}, outside "
+                                  f"{graph}'s vocabulary of {vocab} ids")
 
     def encode(self, text: str) -> list[int]:
         """The prompt's ids with exactly one ``<bos>`` first (tokenizer.json adds it; text that
@@ -317,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip()
         line = reason.splitlines()[0] if reason else type(error).__name__
         print(f"error: {line}" if where is None else f"error: {where}: {line}", file=sys.stderr)
-        return 1
+        return 2  # bad input, as the toolkit's commands and the other tools
 
     if args.model == "":
         parser.error("--model: empty; give an export folder")
@@ -329,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.json)
         if not out.parent.is_dir():
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
+        if out.is_dir():
+            return fail(args.json, IsADirectoryError("is a folder; expected a file to write the ids to"))
         if out.exists():  # an earlier record, replaced in place: it opens for writing (opened to append, not changed)
             if not _earlier_record(out):
                 return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
@@ -390,4 +413,8 @@ def _earlier_record(path: Path) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for it; the --json file is written last
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
