@@ -764,14 +764,14 @@ def write_plot(results: Sequence[BenchResult], path: str | Path, labels: Sequenc
     fig.tight_layout()
     path = Path(path)
     try:
-        _write_whole(path, lambda temporary: fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png"), "--plot",
+        write_whole_file(path, lambda temporary: fig.savefig(temporary, dpi=120, format=path.suffix[1:] or "png"), "--plot",
                      before_rename)
     finally:
         plt.close(fig)
 
 
-def _write_whole(path: Path, write: Callable[[Path], None], option: str,
-                 before_rename: Callable[[], None] | None = None) -> None:
+def write_whole_file(path: Path, write: Callable[[Path], None], option: str,
+                     before_rename: Callable[[], None] | None = None) -> None:
     """``write`` a temporary file beside ``path`` (beside the file a symbolic link names, so the
     link stays), call ``before_rename`` if given, then rename it over ``path``: whole or not at all.
     Whatever stops it (a full disk, Ctrl-C, ``before_rename`` raising) removes the temporary file.
@@ -858,4 +858,4 @@ def write_json(data: dict, path: str | Path | None) -> None:
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
         return
-    _write_whole(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), "--json")
+    write_whole_file(path, lambda temporary: temporary.write_text(text, encoding="utf-8"), "--json")

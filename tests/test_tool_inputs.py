@@ -351,3 +351,14 @@ def test_a_reference_that_is_no_reference_export_is_refused_before_any_timing(ti
         bench_side_by_side.run(bench_side_by_side.main)
     assert exited.value.code == 2 and not timed
     assert "fake.mlir: no util.global bound to a #flow.parameter.named parameter" in capsys.readouterr().err
+
+
+def test_an_output_that_is_a_loop_of_links_is_refused_in_one_line(tmp_path):
+    """new_file() raised RuntimeError on a loop of symbolic links: a traceback and exit 1."""
+    from _args import new_file, writable_file
+
+    loop = tmp_path / "loop.json"
+    loop.symlink_to(loop)
+    for check in (new_file, writable_file):
+        with pytest.raises(argparse.ArgumentTypeError, match="loop.json: a loop of symbolic links, expected a file name"):
+            check(str(loop))

@@ -644,7 +644,8 @@ def test_genai_anchor_resolves_out_so_its_derived_folders_are_siblings(tmp_path,
     genai_anchor.main()
     args = (tools / "builder-args").read_text().split()
     assert args[args.index("-i") + 1] == str(tmp_path / "work-hf")
-    assert args[args.index("-o") + 1] == str(tmp_path / "work")
+    built = Path(args[args.index("-o") + 1])  # a staging folder beside it, which replaces it once complete
+    assert built.parent == tmp_path and built.name.startswith(".work.staging-")
     assert args[args.index("-c") + 1] == str(tmp_path / "work-cache")
     assert os.listdir(tmp_path / "work") == ["genai_config.json"]
 

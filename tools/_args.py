@@ -39,7 +39,11 @@ def new_file(value: str) -> Path:
     path = _path(value)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: is a folder, expected a file name")
-    if not path.resolve().parent.is_dir():
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError):  # a loop of symbolic links (RuntimeError before Python 3.13)
+        raise argparse.ArgumentTypeError(f"{path}: a loop of symbolic links, expected a file name") from None
+    if not resolved.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{path}: its folder {path.parent} does not exist")
     return path
 
@@ -265,9 +269,11 @@ def run(main: Callable[[], int | None]) -> None:
         print(f"error: this script needs the Python module {missing!r}, which cannot be imported here ({exc}); "
               f"see the script's --help for how to install it", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # SIGTERM and SIGHUP as well, where the script raises them (interrupts_raised)
+        from gemma_export.console import interrupt_exit_status
+
         print("error: interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(interrupt_exit_status(exc))
     sys.exit(status or 0)
 
 

@@ -12,14 +12,18 @@ transformers 4.x (as the board team found), so it runs from its own virtual envi
 Step 1 (this interpreter): write the bundled weights as a transformers 4.x folder (config.json,
 model.safetensors in float32, the tokenizer) beside the output, as OUT-hf/ (1.07 GB; kept, so a
 second precision reuses it once its model.safetensors is checked whole; delete it when done). Step 2
-(the venv): run the builder on it, with OUT-cache/ beside the output. --out, OUT-hf and OUT-cache are
-checked first, and --python is refused when it has transformers 5; when the builder fails, the
+(the venv): run the builder on it into a staging folder beside the output (.OUT.staging-*), with
+OUT-cache/ beside the output too; only a complete build replaces OUT, so a failed or interrupted one
+(Ctrl-C, SIGTERM) leaves an earlier OUT as it was. --out, OUT-hf and OUT-cache are checked first (an
+OUT-hf of other files, and any of the three inside an export of gemma-export, are refused), and
+--python is refused when it has transformers 5; when the builder fails, the staging folder and the
 folders this run created go (OUT-hf stays once complete).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -45,17 +49,23 @@ TRANSFORMERS_REFUSED = 5
 #: written last into the transformers folder: its absence marks a folder an interrupted run left
 COMPLETE_MARKER = ".complete"
 
+#: written first into the transformers folder: it marks the folder as this script's, so that one an
+#: interrupted run left is written again; a folder of other files (neither marker) is refused
+WRITER_MARKER = ".genai_anchor"
+
 
 def write_hf_folder(folder: Path) -> Path:
-    """The bundled checkpoint as a transformers 4.x ``Gemma3ForCausalLM`` folder (float32), ending
-    with :data:`COMPLETE_MARKER` (a folder without it is written again)."""
+    """The bundled checkpoint as a transformers 4.x ``Gemma3ForCausalLM`` folder (float32), starting
+    with :data:`WRITER_MARKER` and ending with :data:`COMPLETE_MARKER` (a folder without it is
+    written again); every file has the mode the umask gives."""
     from safetensors.numpy import save_file
 
-    from gemma_export.sources import open_source
+    from gemma_export.sources import current_umask, open_source
 
     ckpt = open_source(None)
     c = ckpt.config
     folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITER_MARKER).write_text("")
     (folder / COMPLETE_MARKER).unlink(missing_ok=True)
     config = {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": c.vocab_size,
@@ -72,7 +82,9 @@ def write_hf_folder(folder: Path) -> Path:
         "final_logit_softcapping": None, "attn_logit_softcapping": None, "attention_bias": False,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({name: ref.load() for name, ref in ckpt.tensors.items()}, str(folder / "model.safetensors"))
+    model = folder / "model.safetensors"
+    save_file({name: ref.load() for name, ref in ckpt.tensors.items()}, str(model))
+    model.chmod(0o666 & ~current_umask())  # save_file creates it 0600; an ordinary file, as the others here
     for name, content in (ckpt.tokenizer.files if ckpt.tokenizer else {}).items():
         (folder / name).write_bytes(content)
     (folder / COMPLETE_MARKER).write_text("")
@@ -85,15 +97,28 @@ def siblings(out: Path) -> tuple[Path, Path]:
     return out.parent / (out.name + "-hf"), out.parent / (out.name + "-cache")
 
 
+def foreign_files(folder: Path) -> list[str]:
+    """The names in ``folder`` (sorted) when it holds any and no marker of this script
+    (:data:`WRITER_MARKER`, or :data:`COMPLETE_MARKER`, which earlier versions wrote alone): the
+    user's own files, which writing the transformers folder there would replace. Else []."""
+    if not folder.is_dir() or any((folder / marker).is_file() for marker in (WRITER_MARKER, COMPLETE_MARKER)):
+        return []
+    return sorted(path.name for path in folder.iterdir())
+
+
 def output_folder(value: str) -> Path:
     """``--out``: a folder for the builder (:func:`genai_output`) that takes new files or can be
     created (:func:`writable_dir`), made absolute (links kept) so that ``OUT-hf`` and ``OUT-cache``
-    are names beside it (``.`` has none), and both of them folders that take new files or can be created: checked
-    before the probe of --python and the 1 GB folder.
+    are names beside it (``.`` has none), and both of them folders that take new files or can be created;
+    none of the three inside an output of gemma-export (its manifest lists every file in it), and
+    ``OUT-hf`` new, empty or this script's (:func:`foreign_files`): checked before the probe of
+    --python and the 1 GB folder.
 
     Raises:
         argparse.ArgumentTypeError: naming the path, what was expected and what was found.
     """
+    from gemma_export.staging import enclosing_output
+
     path = genai_output(value)
     writable_dir(value)
     # a name of its own ("." has none), and the folder it is in as the kernel finds it ("link/.." is the
@@ -108,6 +133,18 @@ def output_folder(value: str) -> Path:
             writable_dir(str(sibling))
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
+    for folder in (out, *siblings(out)):
+        enclosing = enclosing_output(folder)
+        if enclosing is not None:
+            raise argparse.ArgumentTypeError(f"{path}: {folder} would be inside {enclosing}, an output of gemma-export "
+                                             "whose manifest lists every file in it (verify fails on any other); "
+                                             "give an --out outside it")
+    hf_folder = siblings(out)[0]
+    if found := foreign_files(hf_folder):
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise argparse.ArgumentTypeError(f"{path}: the transformers folder written beside it would replace the files "
+                                         f"in {hf_folder} ({shown}), which this script did not write (no "
+                                         f"{COMPLETE_MARKER} there): move that folder away or give another --out")
     return out
 
 
@@ -125,6 +162,18 @@ def hf_damage(folder: Path) -> str | None:
             return None
     except (SafetensorError, OSError) as exc:
         return f"{model}: {exc}"
+
+
+def transformers_folder(folder: Path) -> Path:
+    """``folder`` when marked complete and whole (:func:`hf_damage`), else ``folder`` written again
+    by :func:`write_hf_folder` (saying why when it was there)."""
+    complete = (folder / COMPLETE_MARKER).is_file()
+    damage = hf_damage(folder) if complete else None
+    if damage is not None:
+        print(f"{folder} is damaged ({damage}); writing it again", file=sys.stderr, flush=True)
+    elif not complete and (folder / WRITER_MARKER).is_file():
+        print(f"{folder} was left incomplete by an earlier run; writing it again", file=sys.stderr, flush=True)
+    return folder if complete and damage is None else write_hf_folder(folder)
 
 
 def check_versions(python: Path, printed: str) -> None:
@@ -153,11 +202,14 @@ def main() -> None:
     parser.add_argument("--python", required=True, type=existing_file,
                         help="the venv's python with onnxruntime-genai 0.15.2 (see above)")
     parser.add_argument("--out", type=output_folder, required=True,
-                        help="folder for genai's model: new, empty, or an earlier output of this script")
+                        help="folder for genai's model: new, empty, or an earlier output of this script "
+                             "(replaced only by a complete build)")
     parser.add_argument("--precision", default="int4", choices=["int4", "fp32"],
                         help="int4 (block 32, round to nearest) or fp32 (default int4)")
     args = parser.parse_args()
+    from gemma_export.console import interrupts_raised
     from gemma_export.errors import GemmaExportError
+    from gemma_export.staging import staged_folder
 
     if not os.access(args.python, os.X_OK):
         raise GemmaExportError(f"--python {args.python}: not executable")
@@ -169,29 +221,30 @@ def main() -> None:
         raise GemmaExportError(f"--python {args.python}: not a Python that imports onnxruntime_genai's builder: {last}")
     check_versions(args.python, printed[len(PROBE_OK):])
     hf_folder, cache = siblings(args.out)
-    created = [folder for folder in (args.out, hf_folder, cache) if not folder.exists()]
-    try:
-        complete = (hf_folder / COMPLETE_MARKER).is_file()
-        damage = hf_damage(hf_folder) if complete else None
-        if damage is not None:
-            print(f"{hf_folder} is damaged ({damage}); writing it again", file=sys.stderr, flush=True)
-        hf = hf_folder if complete and damage is None else write_hf_folder(hf_folder)
-        cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(args.out),
-               "-p", args.precision, "-e", "cpu", "-c", str(cache)]
-        print(" ".join(cmd), flush=True)
-        status = subprocess.run(cmd).returncode
-        if status != 0:
-            raise GemmaExportError(f"onnxruntime-genai's builder failed (exit status {status}; its output is above); "
-                                   f"{hf} is kept for the next try")
-        if not (args.out / "genai_config.json").is_file():
-            raise GemmaExportError(f"onnxruntime-genai's builder exited 0 but wrote no "
-                                   f"{args.out / 'genai_config.json'}")
-    except BaseException:
-        # what this run created goes; the transformers folder stays only when complete (it is reused)
-        for folder in created:
-            if folder != hf_folder or not (hf_folder / COMPLETE_MARKER).is_file():
-                shutil.rmtree(folder, ignore_errors=True)
-        raise
+    created = [folder for folder in (hf_folder, cache) if not folder.exists()]
+    # the builder writes a staging folder that replaces OUT (the folder a link names) once it is
+    # complete; SIGTERM cleans up as Ctrl-C does
+    with interrupts_raised():
+        try:
+            with staged_folder(Path(os.path.realpath(args.out)), "onnxruntime-genai model",
+                               notify=functools.partial(print, file=sys.stderr, flush=True)) as staging:
+                hf = transformers_folder(hf_folder)
+                cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(staging),
+                       "-p", args.precision, "-e", "cpu", "-c", str(cache)]
+                print(" ".join(cmd), flush=True)
+                status = subprocess.run(cmd).returncode
+                if status != 0:
+                    raise GemmaExportError(f"onnxruntime-genai's builder failed (exit status {status}; its output is "
+                                           f"above); {hf} is kept for the next try")
+                if not (staging / "genai_config.json").is_file():
+                    raise GemmaExportError(f"onnxruntime-genai's builder exited 0 but wrote no "
+                                           f"{args.out / 'genai_config.json'}")
+        except BaseException:
+            # what this run created goes; the transformers folder stays only when complete (it is reused)
+            for folder in created:
+                if folder != hf_folder or not (hf_folder / COMPLETE_MARKER).is_file():
+                    shutil.rmtree(folder, ignore_errors=True)
+            raise
     print(f"wrote {args.out}")
 
 

@@ -15,22 +15,32 @@ first ``--tokens`` tokens of real text (the Python license). ``dump`` runs greed
 prompt and teacher-forced logits over the text through the KV cache. ``compare`` reports, per
 prompt, whether the greedy tokens are identical, and over the text: top-1 agreement, max |Δlogit|
 and mean KL (``gemma_export.quality.compare_logits``). Exit status 1 when the greedy tokens differ
-or top-1 agreement is below ``--min-top1`` (default 0.995).
+or top-1 agreement is below ``--min-top1`` (default 0.995); 2 for bad input.
+
+Each output (``prepare --out``, ``dump --out``, ``compare --json``) is checked before the work: a
+folder that takes new files, not one of the command's inputs, not inside the export folder or any
+other output of gemma-export, and either new or an earlier output of the same kind (:data:`OUTPUTS`;
+anything else is not replaced). It is written whole or not at all: a temporary file beside it is
+renamed over it, and an interrupt or a full disk leaves the earlier file as it was.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+import zipfile
+import zlib
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _args import existing_dir, existing_file, float_range, int_range, new_file, run, thread_count  # noqa: E402
+from _args import existing_dir, existing_file, float_range, int_range, run, thread_count, writable_file  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -44,6 +54,7 @@ def prepare(args: argparse.Namespace) -> None:
     from gemma_export.bench import real_text
     from gemma_export.runtime import load_tokenizer
 
+    check_output(args.out, "--out", "ids", inputs=(args.text,), model=args.model)
     tokenizer = load_tokenizer(args.model)
     text, source = real_text(args.text)
     ids = tokenizer.encode(text).ids[: args.tokens]
@@ -52,7 +63,7 @@ def prepare(args: argparse.Namespace) -> None:
         sys.exit(2)
     payload = {"prompts": [tokenizer.encode(p).ids for p in PROMPTS], "prompt_texts": PROMPTS,
                "text": ids, "text_source": source, "new_tokens": args.new_tokens}
-    Path(args.out).write_text(json.dumps(payload))
+    write_whole(args.out, "--out", lambda temporary: temporary.write_text(json.dumps(payload)))
     print(f"wrote {args.out}: {len(PROMPTS)} prompts, {len(ids)} text tokens from {source}")
 
 
@@ -64,6 +75,7 @@ def dump(args: argparse.Namespace) -> None:
     def id_list(value) -> bool:
         return isinstance(value, list) and len(value) > 0 and all(is_whole_number(i) and i >= 0 for i in value)
 
+    check_output(args.out, "--out", "dump", inputs=(args.ids,), model=args.model)
     try:
         payload = json.loads(Path(args.ids).read_text(encoding="utf-8"))
         _ = payload["prompts"], payload["text"], payload["new_tokens"]
@@ -90,10 +102,15 @@ def dump(args: argparse.Namespace) -> None:
         times.extend(decode_ms)
     t0 = time.perf_counter()
     logits = decoder.teacher_forced_logits(payload["text"])
-    np.savez(args.out, logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
-             machine=platform.machine(), decode_ms_median=float(np.median(times)),
-             prepacked=str(decoder.prepacked_path or ""),
-             teacher_forced_s=time.perf_counter() - t0)
+    arrays = dict(logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
+                  machine=platform.machine(), decode_ms_median=float(np.median(times)),
+                  prepacked=str(decoder.prepacked_path or ""), teacher_forced_s=time.perf_counter() - t0)
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "wb") as f:  # a file object: given a name, numpy would append .npz to the temporary one
+            np.savez(f, **arrays)
+
+    write_whole(args.out, "--out", write)
     graph = f"; pre-packed copy {decoder.prepacked_path}" if decoder.prepacked_path else ""
     print(f"{platform.machine()}: wrote {args.out} (decode median {np.median(times):.1f} ms/token{graph})")
 
@@ -103,19 +120,16 @@ def compare(args: argparse.Namespace) -> None:
 
     from gemma_export.errors import FormatError
 
-    def load(path: Path):
-        try:
-            dump = np.load(path)
-            _ = [dump[key] for key in ("logits", "greedy", "text", "machine", "decode_ms_median")]
-            return dump
-        except (ValueError, OSError, KeyError):
-            raise FormatError(f"{path}: not a dump written by `parity.py dump` (.npz with logits, greedy, text)") from None
-
-    a, b = load(args.a), load(args.b)
+    if args.json is not None:
+        check_output(args.json, "--json", "report", inputs=(args.a, args.b))
+    a, b = load_dump(args.a), load_dump(args.b)
     if not np.array_equal(a["text"], b["text"]) or a["greedy"].shape != b["greedy"].shape:
         print("error: the two dumps were made from different token ids or prompts (run dump with the same --ids)",
               file=sys.stderr)
         sys.exit(2)
+    if a["logits"].shape != b["logits"].shape:
+        raise FormatError(f"{args.a} and {args.b}: logits over {a['logits'].shape[1]:,} and {b['logits'].shape[1]:,} "
+                          "words, the vocabularies of two exports; compare dumps of one export")
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
     m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
@@ -124,19 +138,20 @@ def compare(args: argparse.Namespace) -> None:
               "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])],
               **m.to_dict()}
     print(json.dumps(report, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json is not None:
+        write_whole(args.json, "--json", lambda temporary: temporary.write_text(json.dumps(report, indent=2) + "\n"))
     if not all(same) or m.top1_agreement < args.min_top1:
         sys.exit(1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", description="Tokenize the prompts and the text on this machine into an ids file "
                        "for `dump`. Example: parity.py prepare --model gemma-3-270m-onnx-int8 --out ids.json")
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder (its tokenizer is used)")
-    p.add_argument("--out", required=True, type=new_file, help="the ids file to write (JSON)")
+    p.add_argument("--out", required=True, type=writable_file,
+                   help="the ids file to write (JSON; a new file or one prepare wrote)")
     p.add_argument("--tokens", type=int_range(1, 32768), default=256, help="teacher-forced text tokens (default 256)")
     p.add_argument("--new-tokens", type=int_range(2, 4096), default=16,
                    help="greedy tokens per prompt (default 16; at least 2, so that a decode step is timed)")
@@ -147,7 +162,8 @@ def main() -> None:
                        "--out x86.npz")
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder")
     p.add_argument("--ids", required=True, type=existing_file, help="the file `prepare` wrote")
-    p.add_argument("--out", required=True, type=npz_file, help="the dump to write (a .npz file name)")
+    p.add_argument("--out", required=True, type=npz_file,
+                   help="the dump to write (a .npz file name; a new file or an earlier dump)")
     p.add_argument("--threads", type=thread_count, default=2, help="intra-op threads (default 2)")
     p.add_argument("--optimization", choices=("all", "basic"), default="all",
                    help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
@@ -156,11 +172,12 @@ def main() -> None:
                        "below --min-top1. Example: parity.py compare x86.npz arm.npz --json report.json")
     p.add_argument("a", type=existing_file, help="a dump (.npz)")
     p.add_argument("b", type=existing_file, help="another dump of the same ids")
-    p.add_argument("--json", default=None, type=new_file, help="also write the report here")
+    p.add_argument("--json", default=None, type=writable_file,
+                   help="also write the report here (a new file or an earlier report)")
     p.add_argument("--min-top1", type=float_range(0.0, 1.0), default=0.995,
                    help="top-1 agreement below this exits 1 (default 0.995)")
     p.set_defaults(run=compare)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.run(args)
 
 
@@ -171,11 +188,165 @@ def _number_or_null(value) -> float | None:
 
 
 def npz_file(value: str) -> Path:
-    """A .npz file name to write (numpy would append .npz to any other name)."""
-    path = new_file(value)
+    """A .npz file name to write (:func:`_args.writable_file`): what `compare` reads is a .npz archive."""
+    path = writable_file(value)
     if path.suffix != ".npz":
         raise argparse.ArgumentTypeError(f"{path}: expected a file name ending in .npz")
     return path
+
+
+#: the arrays of a dump that ``compare`` reads: (numpy dtype kinds, dimensions, what it must hold)
+DUMP_ARRAYS = {
+    "logits": ("f", 2, "float [T, V]"),
+    "greedy": ("iu", 2, "integer [prompts, new tokens]"),
+    "text": ("iu", 1, "integer [T]"),
+    "machine": ("U", 0, "a string"),
+    "decode_ms_median": ("fiu", 0, "a number"),
+}
+
+
+def load_dump(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a dump (:data:`DUMP_ARRAYS`), each checked for its kind and dimensions, and
+    ``logits`` against ``text``: a row per id, and a column for every id.
+
+    Raises:
+        FormatError: ``"{path}: not a dump written by `parity.py dump` (expected ...; found ...)"``.
+    """
+    from gemma_export.errors import FormatError, shown
+
+    def refused(found: str) -> FormatError:
+        return FormatError(f"{path}: not a dump written by `parity.py dump` (expected .npz with "
+                           f"{', '.join(DUMP_ARRAYS)}; found {found})")
+
+    try:
+        loaded = np.load(path, mmap_mode="r")  # mapped: a large .npy named by mistake is not read whole
+    except EOFError:
+        raise refused("an empty file") from None
+    except zipfile.BadZipFile as exc:
+        raise refused(f"a damaged zip archive: {exc}") from None
+    except ValueError:  # pickled data, or bytes numpy does not know
+        raise refused("a file numpy does not read") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise refused(f"one array (.npy), {loaded.dtype} {list(loaded.shape)}")
+    arrays = {}
+    with loaded:
+        for name, (kinds, ndim, what) in DUMP_ARRAYS.items():
+            if name not in loaded.files:
+                raise refused(f"no {name!r} array")
+            try:
+                array = loaded[name]
+            except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:  # a damaged member
+                raise refused(f"{name!r} cannot be read: {exc}") from None
+            if array.dtype.kind not in kinds or array.ndim != ndim:
+                found = shown(array.item()) if array.ndim == 0 and array.dtype.kind != "O" else \
+                    f"{array.dtype} {list(array.shape)}"
+                raise refused(f"{name!r} is {found}, expected {what}")
+            arrays[name] = array
+    (rows, vocab), text = arrays["logits"].shape, arrays["text"]
+    if rows != len(text):
+        raise refused(f"{rows:,} rows of logits for {len(text):,} text ids")
+    if len(text) and not 0 <= text.min() <= text.max() < vocab:
+        raise refused(f"text ids {text.min()} to {text.max()}, outside the logits' {vocab:,} columns")
+    return arrays
+
+
+def _json_with(*keys: str) -> Callable[[Path], str | None]:
+    """What a file holds instead of a JSON object with ``keys`` (None when it is one)."""
+    def other(path: Path) -> str | None:
+        size = path.stat().st_size
+        if size > JSON_OUTPUT_LIMIT_BYTES:
+            return f"{size:,} bytes, more than this script writes"
+        try:
+            value = json.loads(path.read_bytes())
+        except (ValueError, RecursionError):  # not UTF-8 (a ValueError too), not JSON
+            return "a file that is not JSON"
+        missing = [key for key in keys if not (isinstance(value, dict) and key in value)]
+        return f"JSON without {missing[0]!r}" if missing else None
+    return other
+
+
+def _npz_with(*names: str) -> Callable[[Path], str | None]:
+    """What a file holds instead of a .npz archive with arrays ``names`` (None when it is one); only
+    its zip directory is read."""
+    def other(path: Path) -> str | None:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                members = set(archive.namelist())
+        except (zipfile.BadZipFile, EOFError):
+            return "a file that is not a .npz archive"
+        missing = [name for name in names if f"{name}.npy" not in members]
+        return f"a .npz without {missing[0]!r}" if missing else None
+    return other
+
+
+#: an ids file or a report larger than this is not one this script wrote (32,768 ids take ~200 KB)
+JSON_OUTPUT_LIMIT_BYTES = 64 << 20
+#: what each command writes, and what an existing file holds instead of an earlier one (None: it
+#: is one, and may be replaced); an empty file counts as one too, as tools/plain_onnxruntime.py's
+OUTPUTS: dict[str, tuple[str, Callable[[Path], str | None]]] = {
+    "ids": ("an ids file `parity.py prepare` wrote (JSON with prompts, text and new_tokens)",
+            _json_with("prompts", "text", "new_tokens")),
+    "dump": ("a dump `parity.py dump` wrote (.npz with logits, greedy and text)",
+             _npz_with("logits", "greedy", "text")),
+    "report": ("a report `parity.py compare` wrote (JSON with machines and greedy_identical)",
+               _json_with("machines", "greedy_identical")),
+}
+
+
+def check_output(path: Path, option: str, kind: str, inputs=(), model: Path | None = None) -> None:
+    """Refuse, before any work, an output ``path`` (given as ``option``) that would lose something:
+    one of ``inputs`` itself, a file inside the export folder ``model`` or inside any other output of
+    gemma-export (its manifest would no longer list every file in it), or an existing file that is
+    not an earlier output of ``kind`` (:data:`OUTPUTS`). Whether its folder takes new files is
+    checked at parsing (``_args.writable_file``).
+
+    Raises:
+        OutputError: ``"{option} {path}: ..."``, naming the input, the folder or what the file holds.
+    """
+    from gemma_export.errors import OutputError
+    from gemma_export.staging import enclosing_output
+    from gemma_export.text_files import non_regular
+
+    target = path.resolve()
+    for given in inputs:
+        if given is not None and (target == given.resolve() or _same_file(path, given)):
+            raise OutputError(f"{option} {path}: is the input {given}; write it elsewhere")
+    if model is not None and model.resolve() in target.parents:
+        raise OutputError(f"{option} {path}: is inside the export folder {model}; write it elsewhere")
+    enclosing = enclosing_output(target)
+    if enclosing is not None:
+        raise OutputError(f"{option} {path}: is inside {enclosing}, an output of gemma-export whose manifest would no "
+                          "longer list every file in it; write it elsewhere")
+    if not (path.exists() or path.is_symlink()):
+        return
+    what, other = OUTPUTS[kind]
+    try:
+        found = non_regular(path) or (None if path.stat().st_size == 0 else other(path))
+    except OSError as exc:
+        found = f"a file that cannot be read ({exc.strerror or exc})"
+    if found is not None:
+        raise OutputError(f"{option} {path}: exists and is not {what}; found {found}; not replaced")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (a hard link too); False when either is missing."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def write_whole(path: Path, option: str, write: Callable[[Path], None]) -> None:
+    """``write`` a temporary file beside ``path``, then rename it over ``path``: whole or not at all.
+    A failure or an interrupt removes the temporary file and leaves an earlier ``path`` as it was
+    (the toolkit's writer of ``--json`` reports, ``gemma_export.bench``).
+
+    Raises:
+        OutputError: the file cannot be written (a full disk, permissions), naming ``option`` and it.
+    """
+    from gemma_export.bench import write_whole_file
+
+    write_whole_file(path, write, option)
 
 
 if __name__ == "__main__":
