@@ -459,6 +459,9 @@ def _room(memory_bytes: int, peak_bytes: int, whose: str) -> str:
 PROC_STAT = Path("/proc/stat")
 #: other processes' CPU use during the measurement (CPUs' worth) from which the report warns
 BUSY_OTHER_CPUS = 0.2
+#: the shortest window :func:`other_cpus` gives a figure for, seconds: the counters tick every 10 ms,
+#: so one tick over a 30 ms `generate` read as 0.33 CPUs (a tester saw 5.92 of 2 CPUs)
+OTHER_CPUS_MIN_SECONDS = 1.0
 
 
 def cpu_seconds() -> tuple[float, float, float] | None:
@@ -485,15 +488,16 @@ def other_cpus(before: tuple[float, float, float] | None, after: tuple[float, fl
     :func:`cpu_seconds` readings (``(Δbusy − Δown) / Δwall``; 0.0 for an idle machine, 1.0 for one
     other busy core). Both counters tick at ``USER_HZ`` (10 ms), so a window of a second or more
     gives a figure to 0.01–0.02 CPUs; a small negative difference is that rounding and counts as 0.
-    None without both readings, without time between them, or where ``/proc/stat`` counted clearly
-    less than this process used (a container's virtualized ``/proc/stat``: the figure would mean
-    nothing)."""
-    if before is None or after is None or after[2] <= before[2]:
+    None without both readings, over less than :data:`OTHER_CPUS_MIN_SECONDS`, or where
+    ``/proc/stat`` counted clearly less than this process used (a container's virtualized
+    ``/proc/stat``: the figure would mean nothing). Never more than the machine's other CPUs'
+    worth can be, ``os.cpu_count()``."""
+    if before is None or after is None or after[2] - before[2] < OTHER_CPUS_MIN_SECONDS:
         return None
     busy, own, wall = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     if busy - own < -0.05 * wall - 0.02:  # more than the ticks' rounding
         return None
-    return max(0.0, (busy - own) / wall)
+    return min(max(0.0, (busy - own) / wall), float(os.cpu_count() or 1))
 
 
 class OtherWork:
@@ -694,14 +698,17 @@ def _under_dev_or_proc(path: str | Path) -> bool:
 
 def _kept_file(path: Path, option: str, report_key: str | None = None) -> str | None:
     """Why an existing regular file must not be overwritten by ``option`` (``"is not ..."``), or None
-    when it may be: an empty file, or what an earlier run wrote (JSON text under
+    when it may be: an empty file, or what an earlier run wrote, unless no one may write it (JSON text under
     ``REPORT_LIMIT_BYTES`` that is not one of a model folder's own files, ``MODEL_JSON_FILES``, and,
     given ``report_key``, a JSON object with that key, for ``--json``; a PNG image for ``--plot``).
     So the export's source weights, a model's ``config.json``, a prompts list or someone's notes,
     named by mistake, are kept."""
     report = "a JSON report" if option == "--json" else "a PNG image"
     try:
-        size = path.stat().st_size
+        found = path.stat()
+        if not found.st_mode & 0o222:  # the rename would replace it whatever its mode (for root, too)
+            return f"is write-protected (mode {stat.S_IMODE(found.st_mode):o})"
+        size = found.st_size
         if size == 0:
             return None
         if option == "--json" and path.name in MODEL_JSON_FILES:

@@ -554,7 +554,9 @@ def generate(
 
             prompt = (read_standard_input("prompt") if str(prompt_file) == "-" else
                       read_text_file(prompt_file, "prompt file", whole_limit=SMALL_FILE_BYTES))
-        check_outputs(json_out, None, inputs=(model,), report_key="expected_ids")
+        # the prompt file too: --json over it replaced the prompt with a golden entry
+        check_outputs(json_out, None, inputs=(model, *([prompt_file] if prompt_file not in (None, Path("-")) else [])),
+                      report_key="expected_ids")
         chunk = _prefill_chunk(prefill_chunk)
         # the text as it is generated: the prompt, then each new piece; with --json -, stdout holds
         # the JSON alone and the text goes to stderr. Written before the --json file, so one that

@@ -123,6 +123,10 @@ def check_no_leftovers(model_dir: Path) -> None:
                                 "to clean it up")
 
 
+#: how a copy this user cannot read (a stat or read refused, e.g. EACCES) is described
+UNREADABLE = "cannot be read"
+
+
 def _ownership(folder: Path) -> tuple[str, dict | None]:
     """``(problem, record)``: problem is "" when ``folder`` (``<export>/prepacked``) is absent or a
     copy this module wrote (a real folder holding our ``prepacked.json`` and nothing but the copy's
@@ -131,21 +135,23 @@ def _ownership(folder: Path) -> tuple[str, dict | None]:
         return "", None
     if folder.is_symlink() or not folder.is_dir():
         return f"is {'a link' if folder.is_symlink() else 'not a folder'}", None
-    if (what := non_regular(folder / PREPACKED_MANIFEST)) is not None:  # a FIFO would block the read
-        return f"has a {PREPACKED_MANIFEST} that is {what}", None
-    if not (folder / PREPACKED_MANIFEST).is_file():
-        return f"has no {PREPACKED_MANIFEST}", None
-    try:
-        record = json.loads(read_bounded(folder / PREPACKED_MANIFEST, "a pre-packed copy's record").decode("utf-8"))
-    except FileRefused as exc:  # larger than any record
-        return f"has a {PREPACKED_MANIFEST} that cannot be read ({exc.reason})", None
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        reason = "not UTF-8 JSON" if isinstance(exc, ValueError) else str(exc)
-        return f"has a {PREPACKED_MANIFEST} that cannot be read ({reason})", None
-    if not (isinstance(record, dict) and record.get("format") == FORMAT):
-        return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\"", None
-    foreign = sorted(p.name for p in folder.iterdir()
-                     if p.name not in (MODEL_FILE, DATA_FILE, PREPACKED_MANIFEST) or p.is_symlink() or not p.is_file())
+    try:  # a folder another user made without read or search rights for this one (EACCES on every stat)
+        if (what := non_regular(folder / PREPACKED_MANIFEST)) is not None:  # a FIFO would block the read
+            return f"has a {PREPACKED_MANIFEST} that is {what}", None
+        if not (folder / PREPACKED_MANIFEST).is_file():
+            return f"has no {PREPACKED_MANIFEST}", None
+        try:
+            record = json.loads(read_bounded(folder / PREPACKED_MANIFEST, "a pre-packed copy's record").decode("utf-8"))
+        except FileRefused as exc:  # larger than any record
+            return f"has a {PREPACKED_MANIFEST} that cannot be read ({exc.reason})", None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return f"has a {PREPACKED_MANIFEST} that cannot be read (not UTF-8 JSON)", None
+        if not (isinstance(record, dict) and record.get("format") == FORMAT):
+            return f"has a {PREPACKED_MANIFEST} without \"format\": \"{FORMAT}\"", None
+        foreign = sorted(p.name for p in folder.iterdir()
+                         if p.name not in (MODEL_FILE, DATA_FILE, PREPACKED_MANIFEST) or p.is_symlink() or not p.is_file())
+    except OSError as exc:
+        return f"{UNREADABLE} ({exc.strerror or exc})", None
     return (f"holds files gemma-export did not write ({', '.join(foreign)})", None) if foreign else ("", record)
 
 
@@ -186,6 +192,8 @@ class PrepackStatus:
         if self.path is not None:
             return f"pre-packed copy {self.folder} (made on this machine)"
         if self.problem:
+            if self.detail.startswith(UNREADABLE):  # another user's copy: neither prepack nor this user can fix it
+                return f"{self.problem}; not used (its owner can make it readable to this user, or remove it)"
             if owned_problem(self.folder):  # not a copy prepack wrote: prepack will not replace it either
                 return (f"{self.problem}; not used (it is not a copy gemma-export wrote: move {self.folder} away, "
                         f"then `gemma-export prepack --model {self.folder.parent}` makes a new one)")
@@ -237,9 +245,12 @@ def status(model_dir: str | Path) -> PrepackStatus:
         if not (isinstance(entry, dict) and type(entry.get("bytes")) is int and entry["bytes"] >= 0
                 and type(entry.get("mtime_ns")) is int):
             return unusable(record_path, f"files[{name!r}] needs integer 'bytes' (>= 0) and 'mtime_ns'", True)
-        if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
-            return unusable(path, f"recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
-        stat = path.stat()
+        try:
+            if name not in (MODEL_FILE, DATA_FILE) or not path.is_file():
+                return unusable(path, f"recorded in {PREPACKED_MANIFEST} but missing or not part of a copy")
+            stat = path.stat()
+        except OSError as exc:  # no search right on the folder for this user
+            return unusable(path, f"{UNREADABLE} ({exc.strerror or exc})")
         if stat.st_size != entry["bytes"]:
             return unusable(path, f"{stat.st_size:,} bytes, {PREPACKED_MANIFEST} recorded {entry['bytes']:,}")
         if stat.st_mtime_ns != entry["mtime_ns"]:

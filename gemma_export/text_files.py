@@ -149,8 +149,11 @@ def read_standard_input(what: str, max_bytes: int = SMALL_FILE_BYTES) -> str:
             character, or more than ``max_bytes`` bytes.
         SourceNotFoundError: standard input is closed or cannot be read (its reason).
     """
+    if sys.stdin is None:  # the process was started with standard input closed (`<&-`): no text, not ""
+        raise SourceNotFoundError(f"standard input: closed, so there is no {what} to read (`-` reads the {what} from "
+                                  "standard input: pipe or redirect it in)")
     try:
-        data = sys.stdin.buffer.read(max_bytes + 1) if sys.stdin is not None else b""
+        data = sys.stdin.buffer.read(max_bytes + 1)
     except (OSError, ValueError) as exc:  # ValueError: a closed stream
         reason = getattr(exc, "strerror", None) or exc
         raise SourceNotFoundError(f"standard input: cannot read the {what}: {reason}") from None

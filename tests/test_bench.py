@@ -318,6 +318,13 @@ def test_json_and_plot_overwrite_a_previous_report_but_no_other_file(tiny_int8_e
         assert (f"--json {prompts}: exists and is JSON but not an earlier report of this command (no top-level key "
                 "'expected_ids'); refusing to overwrite it") in result.output
         assert prompts.read_text() == other
+    # an earlier report made read-only: the rename replaced it (mode 644 after), whatever its mode
+    report.write_text('{"expected_ids": [5], "old": 1}')
+    report.chmod(0o444)
+    result = runner.invoke(app, generate + ["--json", str(report)])
+    assert result.exit_code == 2, result.output
+    assert f"--json {report}: exists and is write-protected (mode 444); refusing to overwrite it" in result.output
+    assert report.read_text() == '{"expected_ids": [5], "old": 1}' and report.stat().st_mode & 0o777 == 0o444
     picture = tmp_path / "notes.png"
     picture.write_text("my notes")
     result = runner.invoke(app, ["bench", "--model", str(tiny_int8_export), "--plot", str(picture)])
@@ -1027,6 +1034,10 @@ def test_other_processes_cpu_time_is_read_from_proc_stat(tmp_path, monkeypatch):
     assert other((10.0, 2.0, 100.0), (10.5, 4.0, 102.0)) is None  # /proc/stat missed most of our own time
     assert other(None, (1.0, 1.0, 1.0)) is None and other((1.0, 1.0, 1.0), None) is None
     assert other((1.0, 1.0, 5.0), (2.0, 1.0, 5.0)) is None  # no time between the readings
+    # a tester: one 10 ms tick over a 30 ms generate read as 0.33 CPUs, and 5.92 of 2 CPUs was printed
+    assert other((10.0, 2.0, 100.0), (10.2, 2.0, 100.03)) is None
+    assert other((10.0, 2.0, 100.0), (11.0, 2.0, 100.99)) is None  # under a second
+    assert other((10.0, 2.0, 100.0), (10.0 + 100 * 1.0, 2.0, 101.0)) == float(os.cpu_count() or 1)  # capped
 
 
 def test_bench_says_when_other_processes_took_cpu_time(tiny_int8_export, text_file, monkeypatch):

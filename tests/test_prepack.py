@@ -732,3 +732,24 @@ def test_the_prepack_functions_refuse_arguments_of_the_wrong_kind_and_folders_th
         with pytest.raises(SourceNotFoundError, match=message):
             call()
     assert sorted(os.listdir(export_copy)) == before and prepack_module.verify(export_copy) == ""  # no copy: nothing to say
+
+
+def test_a_copy_this_user_cannot_read_is_skipped_with_a_note(export_copy, monkeypatch):
+    """A copy made by root with umask 077 (its folder 700): generate and quality ended in
+    'prepacked/prepacked.json: Permission denied' where a damaged copy is skipped with a note."""
+    prepack_module.prepack(export_copy)
+    real = prepack_module.non_regular
+
+    def denied(path):
+        if path.parent.name == "prepacked":  # what stat gives without search rights on the folder
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(prepack_module, "non_regular", denied)
+    found = prepack_module.status(export_copy)
+    assert found.path is None and found.reason == (f"{export_copy / 'prepacked'}: cannot be read (Permission denied); not "
+                                                   "used (its owner can make it readable to this user, or remove it)")
+    decoder = OnnxDecoder(export_copy)
+    assert decoder.prepacked_path is None and "cannot be read (Permission denied)" in decoder.prepacked_note
+    result = _run("generate", "--model", export_copy, "--prompt", "a", "--max-new-tokens", "2")
+    assert result.exit_code == 0 and "cannot be read (Permission denied)" in result.stderr, result.output
