@@ -138,6 +138,7 @@ def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure
     genai = tmp_path / "genai"
     genai.mkdir()
     (genai / "genai_config.json").write_text("{}")
+    shutil.copy(tiny_int8_export / "model.onnx", genai)  # int8 weights, as ours (the pair's precision is checked)
     ours = tmp_path / "ours"
     shutil.copytree(tiny_int8_export, ours)
     (ours / "prepacked").mkdir()
@@ -362,3 +363,81 @@ def test_an_output_that_is_a_loop_of_links_is_refused_in_one_line(tmp_path):
     for check in (new_file, writable_file):
         with pytest.raises(argparse.ArgumentTypeError, match="loop.json: a loop of symbolic links, expected a file name"):
             check(str(loop))
+
+
+def test_bench_export_checks_its_reports_and_the_texts_length_before_the_first_export(monkeypatch, tmp_path):
+    """A tester: a folder where WORKDIR/bench.json goes failed the run after 4 min 23 s of export and
+    bench; --prompt-tokens 8192 (the text has 3,439) failed in the bench step, after the export."""
+    import types
+
+    import bench_export
+
+    monkeypatch.setattr(bench_export.shutil, "which", lambda name: name)  # GNU time "installed"
+    monkeypatch.setattr(bench_export, "_run", lambda *a, **k: pytest.fail("the slow work started"))
+    (tmp_path / "int8" / "bench.json").mkdir(parents=True)
+    monkeypatch.setattr(sys, "argv", ["bench_export.py", "--dtypes", "int4,int8", "--workdir", str(tmp_path)])
+    with pytest.raises(GemmaExportError, match=f"^{tmp_path / 'int8' / 'bench.json'}: is a folder, where this script "
+                                               "writes a report$"):
+        bench_export.main()
+    (tmp_path / "tok").mkdir()
+    tokenizer = write_char_tokenizer(tmp_path / "tok") / "tokenizer.json"
+    checkpoint = types.SimpleNamespace(tokenizer=types.SimpleNamespace(files={"tokenizer.json": tokenizer.read_bytes()}))
+    monkeypatch.setattr("gemma_export.sources.open_source", lambda path: checkpoint)
+    monkeypatch.setattr("gemma_export.bench.real_text", lambda path: ("the fox ran", "LICENSE.txt"))
+    bench_export.check_text_length(12)  # <bos> and 11 characters
+    with pytest.raises(GemmaExportError, match=r"^--prompt-tokens 13: the bench step prompts with LICENSE.txt, which has "
+                                               r"12 tokens \(with <bos>\); give at most 12$"):
+        bench_export.check_text_length(13)
+
+
+def test_bench_genai_refuses_a_pair_of_two_precisions(tiny_dir, tiny_int8_export, tmp_path, monkeypatch, capsys):
+    """`--pair fp32=GENAI_FP32,OUR_INT4` printed a row of 0.11 with no word."""
+    from gemma_export.exporter import export
+
+    genai = tmp_path / "genai"
+    genai.mkdir()
+    (genai / "genai_config.json").write_text("{}")
+    fp32 = export(tiny_dir, tmp_path / "fp32", "fp32").out_dir
+    shutil.copy(fp32 / "model.onnx", genai)  # float32 weights
+    monkeypatch.setattr(bench_genai, "our_decode_ms", lambda *a, **k: pytest.fail("timed"))
+    monkeypatch.setattr(bench_genai, "genai_decode_ms", lambda *a: pytest.fail("timed"))
+    monkeypatch.setattr(sys, "argv", ["bench_genai.py", "--pair", f"fp32={genai},{tiny_int8_export}", "--contexts", "4",
+                                      "--steps", "4"])
+    with pytest.raises(SystemExit) as stop:
+        bench_genai.main()
+    assert stop.value.code == 2
+    assert (f"--pair fp32: {genai} holds fp32 weights and {tiny_int8_export} int8; a pair compares one precision"
+            in capsys.readouterr().err)
+
+
+def test_check_wheels_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    """Ctrl-C during pip's download printed a traceback (selectors.py ... KeyboardInterrupt)."""
+    import runpy
+    import subprocess
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "run", interrupted)  # the script's pip download, where Ctrl-C lands
+    monkeypatch.setattr(sys, "argv", ["check_wheels.py", "--python", "3.12"])
+    script = Path(__file__).resolve().parents[1] / "tools" / "aarch64" / "check_wheels.py"
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(script), run_name="__main__")
+    assert stop.value.code == 130 and capsys.readouterr().err == "error: interrupted\n"
+
+
+def test_bench_inspect_keeps_its_archive_at_the_umasks_mode(tmp_path, monkeypatch):
+    """safetensors' save_file makes its file 0600: the kept 1.18 GB archive was unreadable to others."""
+    import os
+
+    import bench_inspect
+
+    monkeypatch.setattr(bench_inspect, "VOCAB", 8)
+    monkeypatch.setattr(bench_inspect, "HIDDEN", 32)
+    old = os.umask(0o022)
+    try:
+        bench_inspect.write_archive(tmp_path / "table-three-times.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "table-three-times.safetensors").stat().st_mode & 0o777 == 0o644
+    assert not list(tmp_path.glob("*.partial"))

@@ -9,7 +9,9 @@ Needs GNU time (``/usr/bin/time``, Debian package ``time``) for the exports' pea
 is a full export of the real model (about a minute) plus a benchmark (a few minutes).
 
 Each export and each measurement runs in its own process so that memory figures do not mix.
-Prints a Markdown table (paste into docs/benchmarks.md) and writes bench.json in the workdir.
+Prints a Markdown table (paste into docs/benchmarks.md) and writes bench.json in the workdir; per
+dtype, WORKDIR/DTYPE/ holds the export (model/), its bench.json and optimized.onnx (onnxruntime's
+optimized graph, read to count the table initializers after its optimizations).
 Figures are machine-dependent: compare ratios measured in one run.
 """
 
@@ -104,6 +106,30 @@ def table_lines(rows: list[dict], prompt_tokens: int) -> list[str]:
     return lines
 
 
+def check_text_length(prompt_tokens: int) -> None:
+    """Refuse, before any export, a ``--prompt-tokens`` longer than the real text the bench step
+    prompts with (the Python license: 3,439 tokens with the bundled tokenizer), which that step
+    would refuse after the export.
+
+    Raises:
+        GemmaExportError: naming the text, its tokens and the option.
+    """
+    from tokenizers import Tokenizer
+
+    from gemma_export.bench import real_text
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.sources import open_source
+
+    text, source = real_text(None)
+    checkpoint = open_source(None)  # the bundled model's tokenizer, as the exports will carry it
+    if checkpoint.tokenizer is None or "tokenizer.json" not in checkpoint.tokenizer.files:
+        return  # the bench step checks it
+    tokens = len(Tokenizer.from_str(checkpoint.tokenizer.files["tokenizer.json"].decode("utf-8")).encode(text).ids)
+    if tokens < prompt_tokens:
+        raise GemmaExportError(f"--prompt-tokens {prompt_tokens}: the bench step prompts with {source}, which has "
+                               f"{tokens:,} tokens (with <bos>); give at most {tokens:,}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", type=_dtypes, default=["fp32", "bf16", "int8"],
@@ -120,6 +146,11 @@ def main() -> None:
 
     if shutil.which("/usr/bin/time") is None:
         raise GemmaExportError("/usr/bin/time: not found; install GNU time (Debian: apt-get install time)")
+    # what each step writes, before the first export (a folder there failed the run after minutes)
+    for report in (args.workdir / "bench.json", *(args.workdir / dtype / "bench.json" for dtype in args.dtypes)):
+        if report.is_dir():
+            raise GemmaExportError(f"{report}: is a folder, where this script writes a report")
+    check_text_length(args.prompt_tokens)
     args.workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for dtype in args.dtypes:

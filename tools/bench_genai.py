@@ -80,6 +80,13 @@ def main() -> None:
 
     pairs = [(name, str(genai_dir), str(our_dir))
              for name, (genai_dir, our_dir) in unique_names(parser, "--pair", args.pair).items()]
+    from gemma_export.onnx_files import graph_dtype, read_graph
+
+    for name, genai_dir, our_dir in pairs:  # genai fp32 against our int4 gave a row of 0.11, no word
+        theirs, ours = (graph_dtype(read_graph(Path(d) / "model.onnx")) for d in (genai_dir, our_dir))
+        if theirs != ours:
+            parser.error(f"--pair {name}: {genai_dir} holds {theirs} weights and {our_dir} {ours}; a pair compares "
+                         "one precision")
     contexts = args.contexts
     ids = load_tokenizer(pairs[0][2]).encode(real_text(None)[0]).ids
     if max(contexts) > len(ids):

@@ -68,8 +68,11 @@ def write_archive(path: Path) -> None:
     rows = BlockInt8Weights.quantize(table, HIDDEN)  # one block per row: the reference's per-row int8
     q = (rows.data.reshape(VOCAB, HIDDEN).astype(np.int16) - ZERO_POINT).astype(np.int8)
     scale = rows.scales.reshape(-1)
+    from gemma_export.sources import current_umask
+
     tmp = path.with_suffix(".partial")
     save_file({"t0": table, "t2044": bf16, "t2051": q, "t2051_scale": scale}, str(tmp))
+    tmp.chmod(0o666 & ~current_umask())  # save_file creates it 0600; a kept file gets the umask's mode
     tmp.rename(path)
 
 

@@ -92,4 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # one line and the shell's status, as the other tools (pip's download is its child)
+        print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
