@@ -610,9 +610,15 @@ def generate(
         typer.echo(f"wrote {json_out} (a golden file: gemma-export parity --model {model} --golden {json_out})", err=True)
     if result.prepacked_note and not result.prepacked and prepacked is not False:  # not for the user's own choice
         typer.echo(f"note: {result.prepacked_note}", err=True)
+    _note_changed_files(model)
+
+
+def _note_changed_files(model: Path) -> None:
+    """A note on stderr when files of the export ``model`` differ in size from its manifest: the
+    command ran, but not with the files exported (a tokenizer changed moves every figure)."""
     from .manifest import resized_files
 
-    if changed := resized_files(model):  # ran, but not with the files exported
+    if changed := resized_files(model):
         typer.echo(f"note: {', '.join(changed)} in {model} changed after the export (sizes differ from its "
                    f"manifest.json); gemma-export verify --model {model} checks every file", err=True)
 
@@ -873,6 +879,7 @@ def quality(
         typer.echo(format_report(report), err=to_stdout(json_out))  # with --json -, stdout holds the JSON alone
         # both models and their logits are held at once: the peak is far above one model's (~3.7 GB, 270M int8 + fp32)
         typer.echo(_elapsed_line(time.monotonic() - started, peak_rss_bytes()), err=True)
+        _note_changed_files(model)  # its tokenizer.json tokenized the text (a tester's shuffled one: no word)
         if json_out is not None:
             write_json(report.to_dict(), json_out)
             _wrote(json_out)

@@ -109,6 +109,8 @@ class Report:
             ``Gather``-like and ``MatMul``-like both).
         no_data: why no tensor data was read (a reference ``.mlir`` without its archive): sizes
             are then the declared ones and duplicates were not searched; None when it was read.
+        note: what the tensors leave out, "" when nothing: a pre-packed copy's data file also holds
+            onnxruntime's packed weights, which the graph does not list.
     """
 
     path: str
@@ -117,6 +119,7 @@ class Report:
     duplicates: list[DuplicateGroup]
     consumers: dict[str, list[str]]
     no_data: str | None = None
+    note: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -154,7 +157,7 @@ class Report:
             "duplicates": [{"kind": d.kind, "names": list(d.names), "bytes_each": d.nbytes_each,
                             "wasted_bytes": d.wasted_bytes} for d in self.duplicates],
             "consumers": self.consumers,
-            "duplicates_searched": self.no_data is None, "no_data": self.no_data,
+            "duplicates_searched": self.no_data is None, "no_data": self.no_data, "note": self.note,
         }
 
 
@@ -609,7 +612,22 @@ def inspect_path(path: str | Path) -> Report:
     else:
         raise FormatError(f"{path}: not an ONNX, safetensors, GGUF or reference MLIR file (first bytes {magic[:4]!r})")
     with_data = [e for e in entries if e.path is not None or e.inline is not None]
-    return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data)
+    return Report(str(path), kind, entries, find_duplicates(with_data, dequantize), consumers, no_data,
+                  _prepacked_note(path, entries) if kind == "onnx" else "")
+
+
+def _prepacked_note(graph: Path, entries: list[TensorEntry]) -> str:
+    """For the graph of a pre-packed copy (``gemma-export prepack``): how many bytes of its data file
+    are onnxruntime's packed weights, which no tensor of the graph lists ("" for other graphs)."""
+    from .manifest import is_prepacked_copy
+    from .onnx_files import DATA_FILE
+
+    data = graph.parent / DATA_FILE
+    if not is_prepacked_copy(graph.parent) or not data.is_file():
+        return ""
+    packed = data.stat().st_size - sum(e.nbytes for e in entries if e.path is not None)
+    return (f"a pre-packed copy: {data.name} also holds about {packed:,} bytes of onnxruntime's packed weights for this "
+            "machine, which the graph lists as no tensor (inspect the export itself for its weights)")
 
 
 def _inspect_transformers_folder(folder: Path) -> Report:
@@ -682,7 +700,9 @@ def format_report(report: Report, top: int = 10) -> str:
         lines.append(f"duplicates: not searched, no data was read ({report.no_data})")
     else:
         lines.append("duplicates: none")
-    if report.consumers:
+    if report.note:
+        lines.append(f"note: {report.note}")
+    if report.consumers and top > 0:  # "--top 0": no list, and no heading over an empty one
         shown_count = min(top, len(report.tensors))
         lines.append(f"consumers of the largest {shown_count} initializer{'' if shown_count == 1 else 's'}:")
         for t in sorted(report.tensors, key=lambda t: -t.nbytes)[:top]:

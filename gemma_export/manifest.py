@@ -326,13 +326,16 @@ def export_description(manifest: dict) -> str:
 def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: int, num_hidden_layers: int,
                                  dtype: str | None = None, kv_dims: tuple[int | None, int | None] = (None, None),
                                  quantization: dict | None = None, outputs: dict | None = None,
-                                 sizes: tuple[int | None, int | None] = (None, None)) -> None:
+                                 sizes: tuple[int | None, int | None] = (None, None),
+                                 attention_heads: int | None = None) -> None:
     """Check that the manifest describes the graph beside it: ``config.vocab_size`` and
     ``config.num_hidden_layers`` equal the graph's (logits width, ``past_key_values.{i}.key`` inputs),
     ``config.num_key_value_heads`` and ``config.head_dim`` the cache's dimensions (``kv_dims``,
     :func:`graph_kv_dims`; None: not checked), ``config.hidden_size`` and ``config.intermediate_size``
     the weights' (``sizes``, :func:`graph_sizes`; ``verify``'s tie check and ``parity --reference``'s
-    architecture check read them), ``config.bos_token_id`` and ``config.pad_token_id``
+    architecture check read them), ``config.num_attention_heads`` the attention's (``attention_heads``,
+    :func:`graph_attention_heads`), ``config.layer_types`` one entry per layer,
+    ``config.bos_token_id`` and ``config.pad_token_id``
     lie inside the vocabulary, and ``dtype`` is the weights the graph stores
     (``onnx_files.graph_dtype``; ``parity`` picks its thresholds by it), and each figure of the
     ``quantization`` record that the graph shows (``quantization``: :func:`~gemma_export.onnx_files.graph_quantization`;
@@ -348,9 +351,14 @@ def check_manifest_against_graph(manifest: dict, path: str | Path, vocab_size: i
     config = manifest.get("config", {})  # an object: check_manifest_fields comes first
     for field, actual in (("vocab_size", vocab_size), ("num_hidden_layers", num_hidden_layers),
                           ("num_key_value_heads", kv_dims[0]), ("head_dim", kv_dims[1]),
-                          ("hidden_size", sizes[0]), ("intermediate_size", sizes[1])):
+                          ("hidden_size", sizes[0]), ("intermediate_size", sizes[1]),
+                          ("num_attention_heads", attention_heads)):
         if isinstance(actual, int) and field in config and config[field] != actual:
             raise FormatError(f"{path}: field 'config.{field}' is {shown(config[field])}, but the graph has {actual:,}")
+    types = config.get("layer_types")
+    if isinstance(types, list) and isinstance(num_hidden_layers, int) and len(types) != num_hidden_layers:
+        raise FormatError(f"{path}: field 'config.layer_types' has {len(types)} entries, but the graph has "
+                          f"{num_hidden_layers:,} layers")
     for field in ("bos_token_id", "pad_token_id"):
         if isinstance(vocab_size, int) and is_whole_number(config.get(field)) and config[field] >= vocab_size:
             raise FormatError(f"{path}: field 'config.{field}' is {config[field]:,}, outside the graph's vocabulary "
@@ -456,7 +464,16 @@ def check_manifest_against_model(manifest: dict, path: str | Path, model) -> Non
     vocab, layers = graph_vocab_and_layers(model)
     check_manifest_against_graph(manifest, path, vocab or graph_table_rows(model), layers, graph_dtype(model),
                                  graph_kv_dims(model), graph_quantization(model), graph_output_options(model),
-                                 graph_sizes(model))
+                                 graph_sizes(model), graph_attention_heads(model))
+
+
+def graph_attention_heads(model) -> int | None:
+    """The query heads of an export's ``onnx.ModelProto``: the ``num_heads`` attribute its
+    ``GroupQueryAttention`` nodes share; None without such nodes, or when they differ (another
+    tool's graph)."""
+    heads = {next((a.i for a in node.attribute if a.name == "num_heads"), None)
+             for node in model.graph.node if node.op_type == "GroupQueryAttention"}
+    return heads.pop() if len(heads) == 1 and None not in heads else None
 
 
 def check_manifest_matches_graph(model_dir: str | Path) -> None:

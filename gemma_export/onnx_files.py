@@ -256,12 +256,12 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
     ``(value, where the graph shows it)``:
 
     - ``block_size``: the layers' ``MatMulNBits`` ``block_size`` (weights per scale);
-    - ``table_block_size`` and, int4, ``table_dtype`` (``int4``/``int8``): the head's ``MatMulNBits``,
+    - ``table_block_size`` and ``table_dtype`` (``int4``/``int8``): the head's ``MatMulNBits``,
       the one whose codes the lookup of ``input_ids`` also reads (the tied table), else the one
       whose ``N`` is the logits' width (an untied head); the layers are the other ones;
     - ``scale_dtype`` (``float32``/``float16``): the data type of the initializers that hold the
       scales (read directly, or through ``Cast``/``Identity``);
-    - ``symmetric`` (int4): True when no layer ``MatMulNBits`` takes zero points;
+    - ``symmetric``: True when no layer ``MatMulNBits`` takes zero points;
     - ``activation_residual``: True when every layer ``MatMulNBits`` output is split in two along the
       batch axis (``Split`` axis 0: the doubled rows of ``--activation-residual``);
     - ``hadamard_size``: the size of the square rotation a ``MatMul`` reads from an initializer, 0 when
@@ -303,13 +303,12 @@ def graph_quantization(model) -> dict[str, tuple[object, str]]:
     if len(head) == 1:
         found["table_block_size"] = (attribute(head[0], "block_size"),
                                      f"the head's MatMulNBits has block_size {attribute(head[0], 'block_size')}")
-        if 4 in {attribute(n, "bits") for n in layers}:
-            bits = attribute(head[0], "bits")
-            found["table_dtype"] = (f"int{bits}", f"the head's MatMulNBits has bits {bits}")
+        bits = attribute(head[0], "bits")  # int8 exports record no table_dtype; one that does is checked too
+        found["table_dtype"] = (f"int{bits}", f"the head's MatMulNBits has bits {bits}")
     scales = [traced_initializer(n.input[2], initializers, produced_by) for n in matmuls]
     if all(t is not None for t in scales) and (dtype := only(_SCALE_DTYPES.get(t.data_type) for t in scales)):
         found["scale_dtype"] = (dtype, f"the MatMulNBits scales are stored as {dtype}")
-    if layers and 4 in {attribute(n, "bits") for n in layers}:
+    if layers:  # int8 exports are symmetric and record no such field; a hand-edited one is checked
         zero_points = {len(n.input) >= 4 and n.input[3] != "" for n in layers}
         if len(zero_points) == 1:
             symmetric = not zero_points.pop()

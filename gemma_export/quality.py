@@ -6,7 +6,8 @@ over a 262,144-word vocabulary is 3.6 GB of float32 per model, so ``gemma-export
 reference and the export side by side and holds only a chunk of each):
 
 - top-1 agreement: share of rows whose argmax is equal (overall and past position ``sliding_window``,
-  512 in Gemma 3 270M, where the local layers start to drop tokens);
+  512 in Gemma 3 270M, where the local layers start to drop tokens: the window the graph was built
+  with, :func:`model_sliding_window`);
 - mean KL(reference ‖ model) in nats per token, ``sum_v p_v (log p_v - log q_v)`` with
   ``p``/``q`` the softmax of the reference/model row;
 - max |Δlogit|;
@@ -14,13 +15,15 @@ reference and the export side by side and holds only a chunk of each):
   ``r[argmax r] - r[argmax q]`` over the disagreeing rows (small: every miss was a near-tie), and
   the median absolute change of the reference's top-1 − top-2 logit gap, ``|(q_a - q_b) - (r_a - r_b)|``
   with ``a``/``b`` the reference's two best words (how far the export moves close calls);
-- perplexity of each on the text, ``exp(mean_i -log q(ids[i+1] | row i))``.
+- perplexity of each on the text, ``exp(mean_i -log q(ids[i+1] | row i))`` (None when it exceeds
+  float64's range, so that ``--json`` stays JSON).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Sequence
@@ -28,9 +31,9 @@ from typing import Sequence
 import numpy as np
 
 from .checkpoint import EMBED, LM_HEAD
-from .config import GEMMA3_270M_SLIDING_WINDOW
-from .errors import (ConfigError, GemmaExportError, NumericError, OutputError, SourceNotFoundError, check_arguments,
-                     is_whole_number, reworded, shown)
+from .config import GEMMA3_270M_SLIDING_WINDOW, SLIDING
+from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, SourceNotFoundError,
+                     check_arguments, is_whole_number, reworded, shown)
 from .runtime import CHUNK_ROWS
 from .text_files import first_tokens
 
@@ -45,17 +48,19 @@ class QualityMetrics:
     ``p``/``q`` the softmax of the reference's/model's row ``i``. Perplexity is ``exp`` of the mean
     negative log-likelihood of the next token over the ``tokens - 1`` rows that have one, as in
     transformers' guide "Perplexity of fixed-length models" (``tokens`` ≥ 2: :class:`LogitComparison`
-    refuses fewer).
+    refuses fewer); None when that ``exp`` exceeds float64's range (a mean above ~709.8 nats/token,
+    logits in the thousands): a number JSON has (``null``) rather than ``Infinity``, which strict
+    parsers refuse.
     """
 
     tokens: int
     top1_agreement: float
-    sliding_window: int  # positions; the split below
+    sliding_window: int | None  # positions; the split below; None: not known for this model
     top1_agreement_past_window: float | None  # rows from ``sliding_window`` on; None when there are none
     kl_mean: float  # nats/token
     max_abs_logit_diff: float
-    perplexity: float
-    reference_perplexity: float
+    perplexity: float | None  # None: beyond float64 (above ~1.8e308)
+    reference_perplexity: float | None
     first_disagreement: int | None  # first row whose argmax differs
     disagreements: int = 0  # rows whose argmax differs
     disagreement_margin_max: float | None = None  # logits; max over those rows of r[argmax r] - r[argmax q]
@@ -64,6 +69,79 @@ class QualityMetrics:
     def to_dict(self) -> dict:
         """The fields as a JSON-ready dict (``--json``)."""
         return dataclasses.asdict(self)
+
+
+def _perplexity(nll: np.ndarray) -> float | None:
+    """``exp`` of the mean of float64 ``nll`` (nats), or None when it exceeds float64's range (a mean
+    above ``log(1.8e308)`` ≈ 709.8): ``math.exp`` raises there, where ``np.exp`` warns and gives inf."""
+    try:
+        return math.exp(float(nll.mean()))
+    except OverflowError:
+        return None
+
+
+def _described(value) -> str:
+    """A value a function refuses, for its message: an array as its type, dtype and shape, anything
+    else as its type and its ``reprlib`` repr (a few items of each level: a logit row is 262,144 wide)."""
+    import reprlib
+
+    if isinstance(value, np.ndarray):
+        return f"{type(value).__name__} {value.dtype} {list(value.shape)}"
+    text = reprlib.repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _token_ids(function: str, token_ids, vocab_size: int | None = None) -> np.ndarray:
+    """``token_ids`` as int64 ``[T]``, each id checked to lie in ``0 … vocab_size - 1`` (only ``>= 0``
+    when ``vocab_size`` is None): a negative id would index the logits from the end and score the
+    wrong word. O(T), not O(T·V).
+
+    Raises:
+        ConfigError: not a sequence or 1-D array of ints (a nested list, floats, bools), or an id
+            outside the vocabulary, naming ``function``, the position and the id.
+    """
+    check_arguments(function, token_ids=(token_ids, "ids"))
+    try:
+        given = np.asarray(token_ids)
+    except (ValueError, TypeError):  # a ragged nested list
+        given = None
+    if given is None or given.ndim != 1 or (given.size and given.dtype.kind not in "iu"):
+        raise ConfigError(f"{function}(): token_ids must be a sequence (list, tuple, 1-D array) of ints, found "
+                          f"{_described(token_ids)}")
+    ids = given.astype(np.int64)  # a uint64 beyond int64 wraps negative: refused below with the id given
+    if ids.size:
+        limit = vocab_size if vocab_size is not None else np.iinfo(np.int64).max
+        bad = np.flatnonzero((ids < 0) | (ids >= limit))
+        if len(bad):
+            words = f"0 to {vocab_size - 1}, the logits' {vocab_size:,} words" if vocab_size is not None else "0 or more"
+            raise ConfigError(f"{function}(): token_ids[{bad[0]}] must be a word of the vocabulary ({words}), found "
+                              f"{given[bad[0]]}")
+    return ids
+
+
+def _check_sliding_window(function: str, sliding_window) -> None:
+    """``sliding_window`` is a positive int (positions) or None (not known).
+
+    Raises:
+        ConfigError: naming ``function`` and the value.
+    """
+    check_arguments(function, sliding_window=(sliding_window, "int?"))
+    if sliding_window is not None and sliding_window < 1:
+        raise ConfigError(f"{function}(): sliding_window must be at least 1 (positions) or None (not known), found "
+                          f"{sliding_window}")
+
+
+def _check_logits(function: str, **matrices) -> None:
+    """Each of ``matrices`` (name → value) is a float numpy array ``[rows, V]`` with ``V`` ≥ 1; its
+    values are not read here (the NaN/Inf check is :meth:`LogitComparison.add`'s).
+
+    Raises:
+        ConfigError: naming ``function``, the argument and what it is.
+    """
+    for name, value in matrices.items():
+        if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.ndim == 2 and value.shape[1] >= 1):
+            raise ConfigError(f"{function}(): {name} must be a float numpy array [rows, V] with V >= 1 words, found "
+                              f"{_described(value)}")
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -105,20 +183,26 @@ class LogitComparison:
     matrices never have to exist in full.
 
     Args:
-        token_ids: the teacher-forced ids (length T); row ``i`` predicts ``token_ids[i + 1]``.
-        sliding_window: the model's ``sliding_window`` (positions): top-1 agreement is also reported
-            over the rows from there on, where the local layers no longer see the whole text.
+        token_ids: the teacher-forced ids (length T, each ≥ 0; checked against the vocabulary when
+            the first rows are added); row ``i`` predicts ``token_ids[i + 1]``.
+        sliding_window: the model's ``sliding_window`` (positions, ≥ 1): top-1 agreement is also
+            reported over the rows from there on, where the local layers no longer see the whole
+            text; None when it is not known (no such split is reported).
 
     The per-row state is float64 / bool ``[T]`` (a few bytes per token); the formulas are those of
     the module docstring and :class:`QualityMetrics`.
 
     Raises:
         GemmaExportError: fewer than 2 tokens (no row predicts a next token).
+        ConfigError: ``token_ids`` not a sequence of ints ≥ 0, or ``sliding_window`` not an int ≥ 1
+            or None.
     """
 
-    def __init__(self, token_ids: Sequence[int], sliding_window: int = GEMMA3_270M_SLIDING_WINDOW):
-        self.ids = np.asarray(token_ids, dtype=np.int64)
+    def __init__(self, token_ids: Sequence[int], sliding_window: int | None = GEMMA3_270M_SLIDING_WINDOW):
+        self.ids = _token_ids("LogitComparison", token_ids)
+        _check_sliding_window("LogitComparison", sliding_window)
         self.sliding_window = sliding_window
+        self.vocab_size: int | None = None  # V, from the first rows added
         n = len(self.ids)
         if n < 2:  # no row predicts a next token: perplexity would be the mean of nothing (NaN)
             raise GemmaExportError(f"logits: comparing needs at least 2 tokens (a row predicts the next), found {n}")
@@ -132,19 +216,30 @@ class LogitComparison:
 
         Args:
             start: index of the first row; must be the number of rows added so far.
-            reference: the reference's logits ``[rows, V]`` (any float dtype, used as float32).
+            reference: the reference's logits ``[rows, V]`` (a numpy array of any float dtype, used as
+                float32).
             logits: the model's logits, same shape.
 
         Raises:
-            GemmaExportError: the shapes differ, or the rows are not the next ones expected.
+            ConfigError: ``start`` not an int; ``reference`` or ``logits`` not a float numpy array
+                ``[rows, V ≥ 1]``; (the first rows) a token id ≥ V.
+            GemmaExportError: the shapes differ (from each other, or V from the earlier rows'), or
+                the rows are not the next ones expected.
             NumericError: a row of either holds NaN or Inf (naming which and the row; the figures
                 would otherwise come out as NaN, or as a max |Δlogit| of 0).
         """
+        check_arguments("LogitComparison.add", start=(start, "int"))
+        _check_logits("LogitComparison.add", reference=reference, logits=logits)
         n = len(self.ids)
-        if reference.shape != logits.shape or reference.ndim != 2 or start != self.rows_seen \
-                or start + reference.shape[0] > n:
+        width = self.vocab_size or reference.shape[1]
+        if reference.shape != logits.shape or start != self.rows_seen or start + reference.shape[0] > n \
+                or reference.shape[1] != width:
             raise GemmaExportError(f"logits: expected rows {self.rows_seen}… of two [T, V] matrices with T = {n} "
-                                   f"tokens, found rows {start}… of {list(reference.shape)} and {list(logits.shape)}")
+                                   f"tokens{f' and V = {width}' if self.vocab_size else ''}, found rows {start}… of "
+                                   f"{list(reference.shape)} and {list(logits.shape)}")
+        if self.vocab_size is None:  # every id, once: the targets index the rows, the first id is in the text
+            _token_ids("LogitComparison.add", self.ids, reference.shape[1])
+            self.vocab_size = reference.shape[1]
         for side, values in (("reference", reference), ("export", logits)):
             broken = ~np.isfinite(values).all(axis=-1)
             if broken.any():
@@ -183,13 +278,14 @@ class LogitComparison:
         if self.rows_seen != n:
             raise GemmaExportError(f"logits: {self.rows_seen} of {n} rows compared")
         wrong = np.flatnonzero(~self.agree)
+        window = self.sliding_window
         return QualityMetrics(
             tokens=n, top1_agreement=float(self.agree.mean()),
-            sliding_window=self.sliding_window,
-            top1_agreement_past_window=(float(self.agree[self.sliding_window:].mean())
-                                        if n > self.sliding_window else None),
+            sliding_window=window,
+            top1_agreement_past_window=(float(self.agree[window:].mean())
+                                        if window is not None and n > window else None),
             kl_mean=float(self.kl.mean()), max_abs_logit_diff=self.max_diff,
-            perplexity=float(np.exp(self.nll.mean())), reference_perplexity=float(np.exp(self.ref_nll.mean())),
+            perplexity=_perplexity(self.nll), reference_perplexity=_perplexity(self.ref_nll),
             first_disagreement=int(wrong[0]) if len(wrong) else None,
             disagreements=len(wrong),
             disagreement_margin_max=float(self.margin[wrong].max()) if len(wrong) else None,
@@ -197,23 +293,31 @@ class LogitComparison:
 
 
 def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = CHUNK_ROWS,
-                   sliding_window: int = GEMMA3_270M_SLIDING_WINDOW) -> QualityMetrics:
+                   sliding_window: int | None = GEMMA3_270M_SLIDING_WINDOW) -> QualityMetrics:
     """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T);
     ``sliding_window`` as in :class:`LogitComparison`.
 
     Args:
-        reference, logits: float32 ``[T, V]``, row ``i`` predicting ``token_ids[i + 1]``.
-        token_ids: the ``T`` ids.
-        chunk: rows compared at a time.
+        reference, logits: float32 ``[T, V]`` numpy arrays, row ``i`` predicting ``token_ids[i + 1]``.
+        token_ids: the ``T`` ids, each in ``0 … V - 1``.
+        chunk: rows compared at a time (≥ 1).
 
     Returns:
         A :class:`QualityMetrics` (formulas and units there).
 
     Raises:
+        ConfigError: an argument of the wrong type, ``chunk`` < 1, ``sliding_window`` < 1, or an id
+            outside ``0 … V - 1`` (naming its position).
         GemmaExportError: shapes differ or do not match ``token_ids``.
         NumericError: a row of either matrix holds NaN or Inf.
     """
-    if reference.shape != logits.shape or reference.ndim != 2 or reference.shape[0] != len(token_ids):
+    _check_logits("compare_logits", reference=reference, logits=logits)
+    check_arguments("compare_logits", chunk=(chunk, "int"))
+    if chunk < 1:
+        raise ConfigError(f"compare_logits(): chunk must be at least 1 (rows compared at a time), found {chunk}")
+    _check_sliding_window("compare_logits", sliding_window)
+    token_ids = _token_ids("compare_logits", token_ids, reference.shape[1])
+    if reference.shape != logits.shape or reference.shape[0] != len(token_ids):
         raise GemmaExportError(f"logits: expected two [T, V] matrices with T = {len(token_ids)} tokens, found "
                                f"{list(reference.shape)} and {list(logits.shape)}")
     comparison = LogitComparison(token_ids, sliding_window)
@@ -508,6 +612,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
     say(graph_line(decoder))
     _check_fits(decoder, ids, source)
+    window = model_sliding_window(decoder)  # a malformed genai_config.json refused before the reference is made
     if tokens and tokens > len(ids):  # fewer than asked: all there is, or all that was read (> 64 bytes a token)
         try:
             cut = max_bytes is not None and Path(source).stat().st_size > max_bytes
@@ -566,8 +671,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             _check_fits(ref_decoder, ids, source, "--reference ")
             ref_chunks = ref_decoder.teacher_forced_chunks(ids, CHUNK_ROWS)
         say("running the export teacher-forced through its KV cache, beside the reference")
-        comparison = LogitComparison(ids, decoder.manifest.get("config", {}).get("sliding_window")
-                                     or GEMMA3_270M_SLIDING_WINDOW)
+        comparison = LogitComparison(ids, window)
         last = time.monotonic()
         for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK_ROWS)):
             comparison.add(start, ref_rows, rows)
@@ -577,6 +681,37 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
                 say(f"{done:,} of {len(ids):,} positions")
         metrics = comparison.result()
     return QualityReport(str(model_dir), str(reference), source, metrics)  # a Path given stays JSON-ready
+
+
+def model_sliding_window(decoder) -> int | None:
+    """The ``sliding_window`` (positions) an :class:`~gemma_export.runtime.OnnxDecoder`'s graph was
+    built with, for the split of top-1 agreement: the graph's own metadata
+    (``gemma_export.sliding_window``, read and checked by the decoder: its ``sliding_window``), else
+    onnxruntime-genai's ``genai_config.json`` (``model.decoder.sliding_window.window_size``, the form
+    its model builder writes), else the manifest's ``config.sliding_window`` unless its
+    ``layer_types`` has no sliding layer; None when none of them records one (an onnxruntime-genai
+    folder whose config leaves it out): no window is made up.
+
+    Raises:
+        FormatError: ``genai_config.json`` is unreadable, or its ``model.decoder.sliding_window``
+            is there but not an object with a ``window_size`` ≥ 1.
+    """
+    from .runtime import genai_model_config
+
+    if decoder.sliding_window is not None:
+        return decoder.sliding_window
+    genai = genai_model_config(decoder.model_dir).get("decoder")
+    if isinstance(genai, dict) and "sliding_window" in genai:
+        field = genai["sliding_window"]
+        window = field.get("window_size") if isinstance(field, dict) else None
+        if not (is_whole_number(window) and window >= 1):
+            raise FormatError(f"{decoder.model_dir / 'genai_config.json'}: field 'model.decoder.sliding_window' must be "
+                              f"an object with a window_size >= 1 (positions), found {shown(field)}")
+        return window
+    config = decoder.manifest.get("config", {})  # its fields were checked with the manifest
+    if isinstance(config.get("layer_types"), list) and SLIDING not in config["layer_types"]:
+        return None  # every layer sees the whole text: no rows past a window
+    return config.get("sliding_window")
 
 
 def other_model_notes(model_dir: Path, reference_dir: Path) -> list[str]:
@@ -623,6 +758,9 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
     decoder.check_ids(ids, source)
 
 
+#: how a perplexity beyond float64 (:class:`QualityMetrics`' None) is shown
+PERPLEXITY_OVERFLOW = "above float64's 1.8e308"
+
 #: a miss where the reference's word led the export's by at most this many logits is a close call
 #: (a ratio of e^0.5 ≈ 1.65 between the two words' probabilities); int8 misses on the real 270M lie
 #: within 0.29 (docs/quality.md)
@@ -631,10 +769,17 @@ CLOSE_CALL_LOGITS = 0.5
 
 def format_report(report: QualityReport) -> str:
     """Human-readable lines for a :class:`QualityReport` (shares as percentages, KL in nats/token,
-    logit differences in logits), joined by newlines without a trailing one."""
+    logit differences in logits; a perplexity beyond float64 as :data:`PERPLEXITY_OVERFLOW`), joined
+    by newlines without a trailing one."""
     m = report.metrics
-    past = (f"{m.top1_agreement_past_window:.2%} past the sliding window of {m.sliding_window}"
-            if m.top1_agreement_past_window is not None else f"the text ends within the sliding window of {m.sliding_window}")
+    if m.sliding_window is None:
+        past = "the graph and its configuration record no sliding window"
+    elif m.top1_agreement_past_window is None:
+        past = f"the text ends within the sliding window of {m.sliding_window}"
+    else:
+        past = f"{m.top1_agreement_past_window:.2%} past the sliding window of {m.sliding_window}"
+    perplexity, reference_perplexity = (PERPLEXITY_OVERFLOW if value is None else f"{value:.3f}"
+                                        for value in (m.perplexity, m.reference_perplexity))
     first = (f"first at position {m.first_disagreement} (counting from 0)" if m.first_disagreement is not None
              else "none")
     return "\n".join([
@@ -649,6 +794,6 @@ def format_report(report: QualityReport) -> str:
         f"top-2 margin the export changes the reference's top-1 minus top-2 logit by {m.top2_gap_change_median:.4f} "
         "(median over positions)",
         f"KL           {m.kl_mean:.5f} nats/token (reference || export)",
-        f"perplexity   {m.perplexity:.3f} (reference {m.reference_perplexity:.3f})",
+        f"perplexity   {perplexity} (reference {reference_perplexity})",
         f"max |dlogit| {m.max_abs_logit_diff:.4g}",
     ])

@@ -1962,6 +1962,16 @@ def _relisted(folder, name, content: bytes):
     (lambda m: m["config"].update(hidden_size=32), "{manifest}: field 'config.hidden_size' is 32, but the graph has 64"),
     (lambda m: m["config"].update(intermediate_size=4), "{manifest}: field 'config.intermediate_size' is 4, but the graph "
                                                         "has 128"),
+    # a tester (twenty-first session): parity --reference then blamed the right reference for 8 heads
+    (lambda m: m["config"].update(num_attention_heads=8), "{manifest}: field 'config.num_attention_heads' is 8, but the "
+                                                          "graph has 4"),
+    (lambda m: m["config"].update(layer_types=m["config"]["layer_types"][:3]),
+     "{manifest}: field 'config.layer_types' has 3 entries, but the graph has 4 layers"),
+    # the bundle README's line reads these: "4-bit zero points" on an int8 export
+    (lambda m: m["quantization"].update(symmetric=False), "{manifest}: field 'quantization.symmetric' is false, but the "
+                                                          "layers' MatMulNBits take no zero points"),
+    (lambda m: m["quantization"].update(table_dtype="int4"), "{manifest}: field 'quantization.table_dtype' is \"int4\", "
+                                                             "but the head's MatMulNBits has bits 8"),
     ("tokenizer.json", "{folder}/tokenizer.json: not a readable tokenizer ("),
     ("genai_config.json", "{folder}/genai_config.json: unreadable onnxruntime-genai configuration ("),
     ("link", "{manifest}: is a link; an export folder holds regular files only"),
@@ -2001,3 +2011,19 @@ def test_an_fp32_export_whose_manifest_records_quantization_is_refused(tmp_path,
     result = _run("verify", out)
     assert result.exit_code == 2 and (f"{out / 'manifest.json'}: field 'quantization' is {{\"block_size\": 32}}, but the "
                                       "graph stores fp32 weights: expected null") in result.stderr
+
+
+def test_quality_notes_a_tokenizer_changed_after_the_export(tiny_int8_export, tmp_path):
+    """A tester shuffled an export's tokenizer.json: quality scored the text it tokenized (perplexity
+    404.7 against 230.7) without a word, where generate notes files changed since the export."""
+    changed = tmp_path / "tk"
+    shutil.copytree(tiny_int8_export, changed)
+    (changed / "tokenizer.json").write_text((changed / "tokenizer.json").read_text() + "\n")  # the same tokens, resized
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 4)
+    args = ["--reference", str(tiny_int8_export), "--text", str(text), "--tokens", "40"]
+    result = _run("quality", "--model", changed, *args)
+    assert result.exit_code == 0, result.output
+    assert (f"note: tokenizer.json in {changed} changed after the export (sizes differ from its manifest.json); "
+            f"gemma-export verify --model {changed} checks every file") in result.stderr
+    assert "changed after the export" not in _run("quality", "--model", tiny_int8_export, *args).stderr

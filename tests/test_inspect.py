@@ -668,3 +668,24 @@ def test_a_negative_top_is_refused_by_the_api_as_by_the_command(tiny_int8_export
     assert report.to_dict(0)["largest"] == []
     assert not any(line.endswith("%") for line in format_report(report, 0).splitlines())  # no tensor rows
     assert sum(line.endswith("%") for line in format_report(report, 2).splitlines()) == 2
+
+
+def test_a_pre_packed_copy_says_what_its_data_file_holds_beyond_the_graphs_tensors(tiny_int8_export, tmp_path):
+    """A tester: `inspect EXPORT/prepacked` gave the tensors' 168 MB for a 369 MB data file without
+    a word about onnxruntime's packed weights."""
+    import shutil
+
+    from gemma_export.prepack import prepack
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8_export, folder)
+    prepack(folder)
+    report = inspect_path(folder / "prepacked")
+    data = (folder / "prepacked" / "model.onnx.data").stat().st_size
+    stored = sum(t.nbytes for t in report.tensors if t.path is not None)
+    assert data > stored and report.note == (
+        f"a pre-packed copy: model.onnx.data also holds about {data - stored:,} bytes of onnxruntime's packed weights "
+        "for this machine, which the graph lists as no tensor (inspect the export itself for its weights)")
+    shown = CliRunner().invoke(app, ["inspect", str(folder / "prepacked"), "--top", "0"]).stdout
+    assert f"note: {report.note}" in shown and "consumers of the largest 0" not in shown
+    assert inspect_path(folder).note == "" and report.to_dict(0)["note"] == report.note

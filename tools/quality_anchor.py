@@ -80,12 +80,15 @@ def main() -> None:
         rows[labels[path]] = compare_logits(ref, llama_logits(path, ids), ids)
         print(labels[path], rows[labels[path]], flush=True)
     print(f"\n{len(ids)} tokens of {where}, reference transformers fp32\n")
+    def perplexity(value: float | None, digits: int) -> str:  # None: beyond float64 (compare_logits)
+        return f"{value:.{digits}f}" if value is not None else "overflows"
+
     print("| model | top-1 agreement | top-1 past 512 | mean KL (nats/token) | perplexity (reference "
-          f"{next(iter(rows.values())).reference_perplexity:.2f}) |")
+          f"{perplexity(next(iter(rows.values())).reference_perplexity, 2)}) |")
     print("|---|---|---|---|---|")
     for name, m in rows.items():
         past = f"{m.top1_agreement_past_window:.2%}" if m.top1_agreement_past_window is not None else "-"
-        print(f"| {name} | {m.top1_agreement:.2%} | {past} | {m.kl_mean:.4f} | {m.perplexity:.3f} |")
+        print(f"| {name} | {m.top1_agreement:.2%} | {past} | {m.kl_mean:.4f} | {perplexity(m.perplexity, 3)} |")
 
 if __name__ == "__main__":
     run(main)
