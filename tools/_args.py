@@ -253,7 +253,8 @@ def unique_names(parser: argparse.ArgumentParser, option: str, items: list[tuple
 
 def run(main: Callable[[], int | None]) -> None:
     """Run a script's ``main`` and exit with its status; the toolkit's errors, file-system errors and a
-    missing optional module become one ``error:`` line (status 2), Ctrl-C status 130."""
+    missing optional module become one ``error:`` line (status 2), Ctrl-C status 130 (SIGTERM 143 and
+    SIGHUP 129 where the script raises them: ``gemma_export.console.interrupts_raised``)."""
     from gemma_export.errors import GemmaExportError, os_error_line
 
     try:
