@@ -46,7 +46,7 @@ from .boards import BOARDS, DEFAULT_THREADS, board as find_board
 from .errors import BudgetExceeded, ConfigError, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
-from .runtime import DEFAULT_PREFILL_CHUNK
+from .runtime import DEFAULT_PREFILL_CHUNK, max_positions
 from .text_files import text_bytes_for
 
 WARMUP_STEPS = 4
@@ -247,7 +247,6 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
                     text=(text, "path?"), reference=(reference, "path?"), reference_weights=(reference_weights, "path?"),
                     prefill_chunk=(prefill_chunk, "int?"), prepacked=(prepacked, "bool?"), huge_pages=(huge_pages, "bool"),
                     progress=(progress, "callable?"))
-    from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_prefill_chunk, import_runtime_libraries, load_tokenizer, positions_needed
     from .text_files import first_tokens
 
@@ -274,7 +273,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     if threads is None:
         threads = spec.threads if spec is not None else DEFAULT_THREADS
     needed = positions_needed(lengths[-1], new_tokens + 1)  # the prefill's token, then new_tokens steps
-    limit = manifest_figure(model_dir, "max_position_embeddings")
+    limit = max_positions(model_dir)  # a genai folder: its genai_config.json
     if limit and needed > limit:  # before the text and the (slow) session; decoder.check_length checks again below
         raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
                                f"need {needed} positions; the model's max_position_embeddings is {limit}")

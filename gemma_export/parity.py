@@ -32,7 +32,7 @@ import numpy as np
 from .config import DTYPES
 from .errors import ConfigError, FormatError, GemmaExportError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
-from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, positions_needed
+from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, max_positions, positions_needed
 from .text_files import SMALL_FILE_BYTES, not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
@@ -490,7 +490,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # the default prompts are text: an export without a tokenizer runs a golden file's own prompt ids
     # a text longer than the model's positions is refused before it is tokenized whole (the default
     # prompts, which a golden file alone never runs, are short and checked later if they run)
-    positions = manifest_figure(model_dir, "max_position_embeddings")
+    positions = max_positions(model_dir)  # a genai folder: its genai_config.json
     prompt_list = [] if golden_only and prompts is None and tokenizer is None else read_prompts(
         prompts, tokenizer, positions if prompts is not None else None)
     golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None,
@@ -528,7 +528,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     # with the manifest's figures, before the (slow) session; the session checks that they are the
     # graph's, so the loaded graph's are needed only where the manifest lacks them
-    vocab, limit = manifest_figure(model_dir, "vocab_size"), manifest_figure(model_dir, "max_position_embeddings")
+    vocab, limit = manifest_figure(model_dir, "vocab_size"), positions
     try:
         check_inputs(vocab, limit)
     except GemmaExportError:

@@ -34,7 +34,7 @@ from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW, SLIDING
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, SourceNotFoundError,
                      check_arguments, is_whole_number, reworded, shown)
-from .runtime import CHUNK_ROWS
+from .runtime import CHUNK_ROWS, max_positions
 from .text_files import first_tokens
 
 
@@ -581,7 +581,6 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
 
     from .bench import real_text
     from .text_files import text_bytes_for
-    from .manifest import manifest_figure
     from .runtime import OnnxDecoder, check_export_folder, load_tokenizer
 
     say = progress or (lambda _msg: None)
@@ -598,7 +597,7 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     # without --tokens, tokenize no further than one token past what the model can take (a huge
     # --text is refused after a prefix, not after tokenizing all of it), and read no more of the
     # file than those tokens can take up, as bench does (a 1 GB --text held 2 GB to score 20 tokens)
-    limit = manifest_figure(model_dir, "max_position_embeddings")
+    limit = max_positions(model_dir)  # a genai folder: its genai_config.json (its whole text was tokenized)
     needed = tokens if tokens is not None or not limit else limit + 1
     if limit and needed is not None:  # --tokens beyond the positions (10**12) reads as one past them, not into a MemoryError
         needed = min(needed, limit + 1)

@@ -30,12 +30,13 @@ import numpy as np
 
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
-from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, ResourceError, SourceNotFoundError,
-                     check_arguments, first_line, is_whole_number, shown, shown_folder)
+from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, ResourceError,
+                     SourceNotFoundError, check_arguments, first_line, is_whole_number, shown, shown_folder)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_against_model,
-                       check_manifest_fields, graph_table_rows, is_token_ids, manifest_figure, read_manifest,
-                       require_folder)
-from .onnx_files import MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, graph_dtype, load_graph
+                       check_manifest_fields, graph_table_rows, is_prepacked_copy, is_token_ids, manifest_figure,
+                       read_manifest, require_folder)
+from .onnx_files import MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST, graph_dtype, load_graph
+from .staging import check_outside_outputs
 from . import memory
 from .memory import release_free_heap
 from .text_files import non_regular, not_unicode_at, read_bounded
@@ -218,6 +219,44 @@ def _genai_decoder_config(model_dir: Path) -> dict:
     return decoder if isinstance(decoder, dict) else {}
 
 
+def genai_context_length(model_dir: Path) -> int | None:
+    """``model.context_length`` of an onnxruntime-genai ``genai_config.json``: the positions its
+    graph takes (its GroupQueryAttention's ``cos_cache`` rows; a longer sequence fails mid-run in
+    onnxruntime). None when the folder has no such file or the file no such field.
+
+    Raises:
+        FormatError: the field is not a positive integer below 2**31 (int32 positions), or the file
+            is unreadable (:func:`genai_model_config`).
+    """
+    config = genai_model_config(model_dir)
+    if "context_length" not in config:
+        return None
+    value = config["context_length"]
+    if not (is_whole_number(value) and 0 < value < 2 ** 31):
+        raise FormatError(f"{model_dir / 'genai_config.json'}: field 'model.context_length' must be a positive integer "
+                          f"below 2**31 (int32 positions), found {shown(value)}")
+    return value
+
+
+def max_positions(model_dir: str | Path) -> int | None:
+    """The positions an export takes, read before its (slow) session load as
+    :class:`OnnxDecoder` takes its ``max_position_embeddings``: the manifest's
+    (:func:`~gemma_export.manifest.manifest_figure`: None when it lacks the field or the manifest is
+    damaged, which the session load names), or, for a folder of onnxruntime-genai (no
+    ``manifest.json``), ``genai_config.json``'s ``model.context_length`` (:func:`genai_context_length`).
+
+    Raises:
+        FormatError: a folder without a manifest whose ``genai_config.json`` is unreadable or gives
+            a malformed ``context_length``.
+    """
+    model_dir = Path(model_dir)
+    try:
+        manifested = read_manifest(model_dir) != {}
+    except FormatError:
+        return None
+    return manifest_figure(model_dir, "max_position_embeddings") if manifested else genai_context_length(model_dir)
+
+
 def _folder_identity(folder: Path) -> tuple[int, int] | None:
     """``(st_dev, st_ino)`` of ``folder``, None when it is gone: a writer's output moved in by a
     rename is another inode."""
@@ -261,7 +300,8 @@ class OnnxDecoder:
         model_dir: an export folder (``model.onnx`` + ``model.onnx.data``).
         threads: intra-op threads (None: onnxruntime's default).
         optimized_model_path: if set, onnxruntime writes its optimized graph there (used to prove
-            that one table remains after its constant folding and pre-packing).
+            that one table remains after its constant folding and pre-packing): a path outside
+            every output of this toolkit (:func:`check_optimized_model_path`).
         prepacked: which graph onnxruntime loads. ``None`` (default): the folder's pre-packed copy
             (``prepacked/``, :mod:`gemma_export.prepack`) when it was made on this machine from
             these files, else ``model.onnx``; ``False``: always ``model.onnx``; ``True``: the copy,
@@ -280,7 +320,9 @@ class OnnxDecoder:
         dtype: the graph's weights: ``fp32``, ``bf16``, ``int8`` or ``int4``.
         vocab_size, num_hidden_layers, num_key_value_heads, head_dim: read from the graph's inputs
             and outputs (a symbolic one from the manifest or ``genai_config.json``).
-        max_position_embeddings: the manifest's, or None (no length check).
+        max_position_embeddings: the manifest's; for a folder of onnxruntime-genai (no manifest),
+            its ``genai_config.json``'s ``model.context_length``; None when neither gives it (no
+            length check).
         sliding_layers, sliding_window: the layers whose caches may drop rows outside the window,
             and the window in positions (``()`` and None for graphs without ``sliding_cache_start``).
         shares_kv_buffer: the graph reads and writes one KV buffer per layer (``KVCache``).
@@ -297,13 +339,17 @@ class OnnxDecoder:
         ConfigError: ``prepacked`` a path that is not a ``model.onnx`` in a folder of ``model_dir``;
             an argument of the wrong type (:func:`~gemma_export.errors.check_arguments`), or an
             ``optimized_model_path`` that is a folder.
+        OutputError: ``optimized_model_path`` is a file of the export, or lies inside an export,
+            bundle or pre-packed copy (:func:`check_optimized_model_path`), refused before the session
+            writes it.
         FormatError: onnxruntime cannot load the model, or (``prepacked`` True or a path) the copy;
             with the default, a copy that fails to load is skipped with a note instead. Also: an
             unreadable graph or manifest, a data file whose size differs from the manifest's
             (:func:`~gemma_export.manifest.check_listed_files`), inputs that are not the decoder contract, a symbolic
             ``head_dim`` no ``genai_config.json`` gives, a manifest field that is malformed or
             contradicts the graph (:func:`~gemma_export.manifest.check_manifest_fields`, :func:`~gemma_export.manifest.check_manifest_against_graph`),
-            or sliding-window metadata that is malformed or disagrees with the manifest.
+            sliding-window metadata that is malformed or disagrees with the manifest, or a
+            ``genai_config.json`` ``context_length`` that is no positive integer (:func:`genai_context_length`).
         OSError: a data file listed in the manifest cannot be opened (:func:`~gemma_export.manifest.check_listed_files`).
         GemmaExportError: in place of any of these, when the folder was replaced (by another
             export's rename) while it was being loaded.
@@ -323,6 +369,8 @@ class OnnxDecoder:
                               "path of a file to write")
         self.model_dir = Path(model_dir)
         path = check_export_folder(self.model_dir)
+        if optimized_model_path is not None:  # onnxruntime writes it as the session is created, unchecked
+            check_optimized_model_path(self.model_dir, Path(optimized_model_path))
         before = _folder_identity(self.model_dir)
         try:
             self._load(path, threads, optimized_model_path, prepacked, huge_pages)
@@ -413,7 +461,9 @@ class OnnxDecoder:
         manifest = self.model_dir / MANIFEST_FILE  # its fields were checked before the session
         check_manifest_against_graph(self.manifest, manifest, self.vocab_size, self.num_hidden_layers, self.dtype,
                                      (self.num_key_value_heads, self.head_dim))
-        self.max_position_embeddings = self.manifest.get("config", {}).get("max_position_embeddings")
+        # a folder of onnxruntime-genai has no manifest: its config gives its graph's context (max_positions)
+        self.max_position_embeddings = (self.manifest.get("config", {}).get("max_position_embeddings") if self.manifest
+                                        else genai_context_length(self.model_dir))
         #: layers whose caches may drop the rows outside their window, and that window (positions):
         #: read from the graph (its metadata and its optional ``sliding_cache_start`` input)
         self.sliding_layers, self.sliding_window = _sliding_layers(self.session, path, self.num_hidden_layers,
@@ -443,7 +493,14 @@ class OnnxDecoder:
 
     def empty_cache(self, batch_size: int) -> dict[str, np.ndarray]:
         """Zero-length ``past_key_values.*`` for a prefill step: float32
-        ``[batch_size, num_key_value_heads, 0, head_dim]`` for each layer's key and value."""
+        ``[batch_size, num_key_value_heads, 0, head_dim]`` for each layer's key and value.
+
+        Raises:
+            ConfigError: ``batch_size`` is no int, or < 1.
+        """
+        check_arguments("empty_cache", batch_size=(batch_size, "int"))
+        if batch_size < 1:
+            raise ConfigError(f"empty_cache(): batch_size must be >= 1, found {batch_size}")
         shape = (batch_size, self.num_key_value_heads, 0, self.head_dim)
         return {f"past_key_values.{i}.{kind}": np.zeros(shape, np.float32)
                 for i in range(self.num_hidden_layers) for kind in ("key", "value")}
@@ -463,14 +520,29 @@ class OnnxDecoder:
             float32 ``[B, kv_heads, past + S, head_dim]``.
 
         Raises:
+            ConfigError: ``past`` is no dict, or lacks a ``past_key_values.*`` input of the graph.
             onnxruntime's own exceptions (e.g. ``InvalidArgument``, ``Fail``), unwrapped: wrong
             shapes or dtypes, or an id outside the vocabulary (no check here; see :meth:`check_ids`).
         """
+        self._check_past(past)
         outputs = self.session.run(None, self._feeds(input_ids, attention_mask, position_ids, past))
         named = dict(zip((o.name for o in self.session.get_outputs()), outputs))
         present = {name.replace("present.", "past_key_values.", 1): value
                    for name, value in named.items() if name.startswith("present.")}
         return named["logits"], present
+
+    def _check_past(self, past) -> None:
+        """Raises ConfigError unless ``past`` is a dict holding every ``past_key_values.*`` input of
+        the graph (a missing one would be a ``KeyError`` in :meth:`_feeds`)."""
+        expected = (f"a dict of past_key_values.{{i}}.key|value for layers 0 to {self.num_hidden_layers - 1} "
+                    "(empty_cache(batch_size) for the first step)")
+        if not isinstance(past, dict):
+            raise ConfigError(f"forward(): past must be {expected}, found {type(past).__name__}")
+        missing = next((name for name in self._input_names if name.startswith("past_key_values.") and name not in past),
+                       None)
+        if missing is not None:
+            found = "an empty dict" if not past else f"a dict of {len(past)} entries without {missing}"
+            raise ConfigError(f"forward(): past must be {expected}, found {found}")
 
     def _feeds(self, input_ids, attention_mask, position_ids, past) -> dict[str, np.ndarray]:
         # Models from other exporters (e.g. onnxruntime-genai's GroupQueryAttention graphs) may not
@@ -490,10 +562,16 @@ class OnnxDecoder:
             name → the output's array (``debug.layers.*``: float32 ``[1, T, hidden_size]``).
 
         Raises:
+            ConfigError: ``token_ids`` that is no sequence or 1-D array, ``names`` that is no list or
+                tuple of str (a str alone would be read as its characters).
             FormatError: a name is not an output of the graph; an id that is no integer or lies
                 outside the vocabulary (:meth:`check_ids`).
             GemmaExportError: no ids, or ``T`` exceeds ``max_position_embeddings``.
         """
+        check_arguments("prefill_outputs", token_ids=(token_ids, "ids"))
+        if not (isinstance(names, (list, tuple)) and all(isinstance(name, str) for name in names)):
+            raise ConfigError(f"prefill_outputs(): names must be a list or tuple of output names (str), found "
+                              f"{type(names).__name__} {' '.join(repr(names).split()):.40}")
         declared = {o.name for o in self.session.get_outputs()}
         missing = [n for n in names if n not in declared]
         if missing:
@@ -523,7 +601,7 @@ class OnnxDecoder:
 
     def check_length(self, total_tokens: int) -> None:
         """Raises GemmaExportError when a sequence of ``total_tokens`` tokens (positions) would exceed
-        ``max_position_embeddings`` (no check when the manifest does not give it).
+        ``max_position_embeddings`` (no check when the folder does not give it).
 
         Raises:
             GemmaExportError: ``total_tokens`` > ``max_position_embeddings``.
@@ -714,6 +792,51 @@ class OnnxDecoder:
                 cache.step(np.asarray([[token_ids[position]]], np.int64), np.ones((1, position + 1), np.int64),
                            np.asarray([[position]], np.int64), out=rows[row].reshape(1, 1, -1))
             yield start, rows[:count]
+
+
+def check_optimized_model_path(model_dir: Path, path: Path) -> None:
+    """Refuse a path for onnxruntime's optimized graph (``optimized_model_path``) that would damage
+    an export: one of ``model_dir``'s files, by any name (a link; its ``model.onnx`` would be
+    replaced by the optimized graph), or a path inside an output of this toolkit (an export, a
+    bundle, a pre-packed copy), whose listing would no longer name every file in it.
+
+    Raises:
+        OutputError: naming ``path`` and the file or folder it would damage, or the loop of links
+            it cannot be resolved through.
+    """
+    try:
+        resolved = path.resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
+        raise OutputError(f"{path}: optimized_model_path cannot be resolved ({exc}); give a path that leads to a "
+                          "file") from None
+    own = _same_file_in(model_dir, path)
+    if own is not None:
+        raise OutputError(f"{path}: optimized_model_path is {own}, a file of the export being loaded, which "
+                          "onnxruntime would overwrite with its optimized graph; give a path outside the export")
+    copy = next((folder for folder in resolved.parents if is_prepacked_copy(folder)), None)
+    if copy is not None:
+        raise OutputError(f"{path}: optimized_model_path is inside {copy}, a pre-packed copy of gemma-export whose "
+                          f"{PREPACKED_MANIFEST} would no longer list every file in it; write the optimized graph "
+                          "elsewhere")
+    check_outside_outputs(path, "optimized graph (optimized_model_path)")
+
+
+def _same_file_in(folder: Path, path: Path) -> Path | None:
+    """The file under ``folder`` (its subfolders included) that ``path`` is, whatever the name it is
+    reached by (a symbolic or hard link: the same device and inode), or None."""
+    try:
+        st = path.stat()
+    except OSError:  # no such file (yet): it is none of the folder's
+        return None
+    for root, _, names in os.walk(folder):  # an export's few files, and its pre-packed copy's
+        for name in names:
+            try:
+                other = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                return Path(root) / name
+    return None
 
 
 def _copy_of(model_dir: Path, path: Path) -> Path:
@@ -1468,10 +1591,11 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     Raises:
         SourceNotFoundError, FormatError: the folder is not an export with a tokenizer, or
             :class:`OnnxDecoder` refuses it; FormatError also when the tokenizer gives no ids or an
-            id outside the graph's vocabulary.
+            id outside the graph's vocabulary, or ``genai_config.json`` is malformed (:func:`max_positions`).
         GemmaExportError: an argument of the wrong type (``ConfigError``,
             :func:`~gemma_export.errors.check_arguments`); ``max_new_tokens`` < 1; the prompt is not UTF-8 text; prompt + new tokens
-            exceed ``max_position_embeddings``; ``threads`` or ``prefill_chunk`` out of range.
+            exceed ``max_position_embeddings`` (:func:`max_positions`, read before the session);
+            ``threads`` or ``prefill_chunk`` out of range.
         NumericError: the export computes NaN or +Inf logits.
         ResourceError: the KV cache would not fit in available memory.
     """
@@ -1486,7 +1610,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         raise GemmaExportError(f"--prompt: expected UTF-8 text, found a byte that is not UTF-8 at character {bad}")
     check_export_folder(model_dir)
     tokenizer = load_tokenizer(model_dir)  # before the (slow, memory-heavy) session
-    limit = manifest_figure(model_dir, "max_position_embeddings")
+    limit = max_positions(model_dir)
     # a prompt longer than the model takes is refused after tokenizing a prefix, not the whole text
     prompt_ids = encode_prompt(tokenizer, prompt, limit, f"{model_dir}: the prompt")
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
