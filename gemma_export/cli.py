@@ -683,7 +683,7 @@ def verify(
     """
     from .bundle import verify_bundle
     from .verify import verify_manifest
-    from .manifest import is_bundle
+    from .manifest import check_readable_folder, is_bundle
     from .onnx_files import BUNDLE_MANIFEST, BUNDLE_MODEL_DIR
     from .prepack import busy
     from .text_files import non_regular
@@ -691,6 +691,7 @@ def verify(
 
     model = _one_model("verify", model_arg, model_opt, "export folder", "DIR", debug)
     with _reported(debug, writes=False):
+        check_readable_folder(model)  # before its BUNDLE.json is looked for
         # BUNDLE.json alone makes it a board folder: a missing model/ is then named file by file
         # a folder or FIFO where the listing belongs is named by verify_bundle, not taken for an export
         bundled = is_bundle(model) or non_regular(model / BUNDLE_MANIFEST) is not None

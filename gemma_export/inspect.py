@@ -572,8 +572,10 @@ def inspect_path(path: str | Path) -> Report:
         FormatError: the file is not one of the supported formats or is malformed.
     """
     check_arguments("inspect_path", path=(path, "path"))
-    from .manifest import is_bundle
+    from .manifest import check_readable_folder, is_bundle
     from .sources.hf import SHARD_INDEX, WEIGHTS_FILE
+
+    check_readable_folder(path)
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
         path = Path(path) / BUNDLE_MODEL_DIR

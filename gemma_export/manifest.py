@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
@@ -74,13 +75,29 @@ def is_bundle(folder: str | Path) -> bool:
     """Whether ``folder`` is a board folder written by ``gemma-export bundle``: ``BUNDLE.json`` at its
     top (the export in ``model/``). That file alone decides, so a bundle whose ``model/`` was damaged
     is still named as one (``verify`` then names what is missing)."""
-    return (Path(folder) / BUNDLE_MANIFEST).is_file()
+    try:
+        return (Path(folder) / BUNDLE_MANIFEST).is_file()
+    except PermissionError:  # a folder this user may not search: not known as a bundle (require_folder names it)
+        return False
 
 
 def is_prepacked_copy(folder: str | Path) -> bool:
     """Whether ``folder`` is an export's pre-packed copy (``gemma-export prepack``): a folder named
     ``prepacked`` that holds ``prepacked.json``."""
     return Path(folder).resolve().name == PREPACKED_DIR and (Path(folder) / PREPACKED_MANIFEST).is_file()
+
+
+def check_readable_folder(folder: str | Path) -> None:
+    """Refuse a folder this user may not list or enter: every name in it would otherwise be reported
+    as "Permission denied" (a ``BUNDLE.json`` that does not exist, named first). Nothing happens for
+    a path that is no folder (the caller names it).
+
+    Raises:
+        SourceNotFoundError: naming the folder.
+    """
+    if os.path.isdir(folder) and not os.access(folder, os.R_OK | os.X_OK):
+        raise SourceNotFoundError(f"{folder}: this user may not read the folder (permission denied); its owner can "
+                                  "make it readable")
 
 
 def require_folder(folder: Path, holding: str) -> None:
@@ -106,6 +123,7 @@ def require_folder(folder: Path, holding: str) -> None:
         raise SourceNotFoundError(f"{folder}: no such export folder{hint}")
     if not folder.is_dir():
         raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
+    check_readable_folder(folder)
     if is_bundle(folder):
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / BUNDLE_MODEL_DIR} (give that)")
     if is_prepacked_copy(folder):

@@ -2027,3 +2027,28 @@ def test_quality_notes_a_tokenizer_changed_after_the_export(tiny_int8_export, tm
     assert (f"note: tokenizer.json in {changed} changed after the export (sizes differ from its manifest.json); "
             f"gemma-export verify --model {changed} checks every file") in result.stderr
     assert "changed after the export" not in _run("quality", "--model", tiny_int8_export, *args).stderr
+
+
+def test_a_folder_this_user_may_not_read_is_named_as_such(tiny_int8_export, monkeypatch):
+    """A tester (chmod 000, capabilities dropped): every command said 'DIR/BUNDLE.json: Permission
+    denied (check the file's permissions)', a file that does not exist."""
+    import gemma_export.manifest as manifest_module
+
+    folder = str(tiny_int8_export)
+    real = os.access
+    monkeypatch.setattr(manifest_module.os, "access", lambda path, mode: False if str(path) == folder else real(path, mode))
+    is_file = Path.is_file
+
+    def searched(path):  # what stat gives in a folder without search rights (EACCES, not "missing")
+        if str(path.parent) == folder:
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", searched)
+    for args in (["generate", "--model", folder, "--prompt", "a"], ["verify", folder], ["inspect", folder],
+                 ["prepack", "--model", folder], ["quality", "--model", folder, "--reference", folder],
+                 ["bench", "--model", folder]):
+        result = _run(*args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr == (f"error: {folder}: this user may not read the folder (permission denied); its owner "
+                                 "can make it readable\n"), result.stderr
