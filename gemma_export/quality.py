@@ -673,7 +673,11 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         comparison = LogitComparison(ids, window)
         last = time.monotonic()
         for (start, ref_rows), (_, rows) in zip(ref_chunks, decoder.teacher_forced_chunks(ids, CHUNK_ROWS)):
-            comparison.add(start, ref_rows, rows)
+            try:
+                comparison.add(start, ref_rows, rows)
+            except NumericError as exc:  # which model: "the export's row 0" named neither
+                where = model_dir if "the export's" in str(exc) else f"--reference {reference}"
+                raise reworded(exc, f"{where}: {exc}") from None
             done = start + len(rows)
             if time.monotonic() - last >= 15 and done < len(ids):  # a line every 15 s on long texts
                 last = time.monotonic()

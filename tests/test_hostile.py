@@ -797,6 +797,10 @@ CASES = {
     "generate NaN logits": Case(export_copy(_nan_table, _generate), NumericError,
                                 ("model/model.onnx: logits: step 0 picked token", "nan",
                                  "the export does not compute finite logits")),
+    # the reference's rows are checked first; the message named neither model ("logits: the reference's row 0")
+    "quality NaN logits": Case(export_copy(_nan_table, lambda f: ["quality", "--model", f, "--reference", f, "--tokens",
+                                                                  "20"]),
+                               NumericError, ("--reference ", "model: logits: the reference's row 0 holds NaN or Inf")),
     "bench NaN logits": Case(export_copy(_nan_table, lambda f: ["bench", "--model", f, "--prompt-tokens", "4",
                                                                 "--new-tokens", "6"]),
                              NumericError, ("logits: step 0", "finite logits")),

@@ -9,6 +9,7 @@ import math
 import re
 import shutil
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -245,3 +246,19 @@ def test_valid_ids_of_any_integer_type_give_the_same_figures():
     rows = LOGITS - LOGITS.max(-1, keepdims=True)
     log_q = rows - np.log(np.exp(rows.astype(np.float64)).sum(-1, keepdims=True))
     assert expected.perplexity == pytest.approx(math.exp(-np.mean([log_q[i, ids[i + 1]] for i in range(4)])), rel=1e-6)
+
+
+def test_nan_logits_name_the_model_that_computed_them(tiny_int8_export, tmp_path):
+    """'logits: the export's row 0 holds NaN or Inf' named neither folder."""
+    from test_hostile import _nan_table
+    from gemma_export.errors import NumericError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_int8_export, broken)
+    _nan_table(broken)
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. ")
+    with pytest.raises(NumericError, match=rf"^{re.escape(str(broken))}: logits: the export's row 0 holds NaN or Inf"):
+        run_quality(broken, str(tiny_int8_export), text=text)
+    with pytest.raises(NumericError, match=rf"^--reference {re.escape(str(broken))}: logits: the reference's row 0 holds"):
+        run_quality(tiny_int8_export, str(broken), text=text)
