@@ -9,7 +9,6 @@ import math
 import re
 import shutil
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
