@@ -12,6 +12,10 @@ import re
 from .errors import ConfigError
 
 
+#: a PEP 600 platform tag: glibc major, minor and the machine (``manylinux_2_28_aarch64``)
+MANYLINUX = re.compile(r"manylinux_(\d+)_(\d+)_(\w+)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Board:
     """One target board.
@@ -36,7 +40,7 @@ class Board:
     def wheel_requirements(self) -> str:
         """What the newest platform tag asks of the board, e.g. ``"aarch64 wheels, which need glibc
         2.28 or newer"`` for ``manylinux_2_28_aarch64``."""
-        match = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", self.platforms[0]) if self.platforms else None
+        match = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
         if match is None:
             return "wheels for the board's platform"
         major, minor, arch = match.groups()
@@ -47,8 +51,8 @@ class Board:
 
         The name is ``NAME-VERSION[-BUILD]-PYTHON-ABI-PLATFORM.whl`` (PEP 427; each tag may hold
         several, joined by dots). The board's pip takes a Python tag ``py3``, ``py3N`` (N up to the
-        board's minor version) or ``cpXY`` of its own version with the ABI ``none``, ``abi3`` or its
-        own; a platform ``any``, one of :attr:`platforms`, ``linux_ARCH``, or
+        board's minor version), ``cpXY`` of its own version, or with the ABI ``abi3`` ``cp3N`` up to
+        its own; the ABI ``none``, ``abi3`` or its own; a platform ``any``, one of :attr:`platforms`, ``linux_ARCH``, or
         ``manylinux_X_Y_ARCH`` with a glibc no newer than the first platform's (PEP 600). A name
         whose parts cannot be read is reported as such.
         """
@@ -58,16 +62,19 @@ class Board:
         python_tags, abi_tags, platform_tags = (tag.split(".") for tag in parts[-3:])
         major, minor = self.python.split(".")
         own = f"cp{major}{minor}"
-        fits_python = any(
-            tag == f"py{major}" or tag == own
-            or (re.fullmatch(rf"py{major}(\d+)", tag) is not None and int(tag[len(major) + 2:]) <= int(minor))
-            for tag in python_tags)
+        def version_up_to_ours(tag: str, prefix: str) -> bool:  # py3N / cp3N with N at most the board's minor
+            found = re.fullmatch(rf"{prefix}{major}(\d+)", tag)
+            return found is not None and int(found.group(1)) <= int(minor)
+
+        stable = "abi3" in abi_tags  # a stable-ABI wheel of an older CPython 3 installs on a newer one (PEP 384)
+        fits_python = any(tag == f"py{major}" or tag == own or version_up_to_ours(tag, "py")
+                          or (stable and version_up_to_ours(tag, "cp")) for tag in python_tags)
         if not fits_python:
             return (f"its Python tag '{parts[-3]}' is not one the board's CPython {self.python} installs "
-                    f"(py{major}, py{major}N or {own})")
+                    f"(py{major}, py{major}N or {own}; cp{major}N up to it with abi3)")
         if not any(tag in ("none", "abi3", own) for tag in abi_tags):
             return f"its ABI tag '{parts[-2]}' is not one the board's CPython {self.python} installs (none, abi3, {own})"
-        newest = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", self.platforms[0]) if self.platforms else None
+        newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
 
         def fits(tag: str) -> bool:
             if tag == "any" or tag in self.platforms:
@@ -77,7 +84,7 @@ class Board:
             glibc, arch = (int(newest.group(1)), int(newest.group(2))), newest.group(3)
             if tag == f"linux_{arch}":
                 return True
-            match = re.fullmatch(r"manylinux_(\d+)_(\d+)_(\w+)", tag)
+            match = MANYLINUX.fullmatch(tag)
             return match is not None and match.group(3) == arch and (int(match.group(1)), int(match.group(2))) <= glibc
 
         if not any(fits(tag) for tag in platform_tags):

@@ -13,7 +13,7 @@ Per prompt:
   argmax token at every position against the export's (teacher-forced through the KV cache), scored
   over the prompt's positions (the board never reads the padding's: reported apart); its
   greedy tokens by re-decoding (the board's loop) against the export's; with ``logits`` (argmax tail
-  stripped) also max |Δlogit|.
+  stripped) also max |Δlogit| over the prompt's positions.
 * golden: the export's greedy ids against the expected ids: exact match or first mismatch.
 
 The verdict applies per-dtype thresholds (``THRESHOLDS``) to the figures pooled over all prompts.
@@ -545,11 +545,12 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
 
     if check_export_checksums(model_dir):
         say("the export's files match its manifest (sha256)")
-    from .prepack import PREPACKED_DIR, verify as verify_prepacked
+    from .prepack import status, verify as verify_prepacked
 
-    # the pre-packed copy the session may load instead of the files above, against its own record
-    # (a copy damaged at the same size and time loads: onnxruntime checks only some of its bytes)
-    if prepacked is not False and (model_dir / PREPACKED_DIR).exists():
+    # the pre-packed copy the session will load instead of the files above, against its own record (a
+    # copy damaged at the same size and time loads: onnxruntime checks only some of its bytes); one the
+    # session skips (stale, foreign, unreadable: it says so) is not the verdict's business
+    if prepacked is True or (prepacked is None and status(model_dir).path is not None):
         if note := verify_prepacked(model_dir):
             say(note)
     decoder = OnnxDecoder(model_dir, threads=threads, prepacked=prepacked)
@@ -678,8 +679,8 @@ def _against_reference(decoder, ref_model, ids: list[int]) -> dict:
               "greedy_match": greedy_ref == greedy_ours,
               # the first generated token (counting from 0) where the two greedy runs part, None when equal
               "greedy_first_difference": _first_difference(greedy_ref, greedy_ours)}
-    if ref_model.returns_logits:
-        result["max_abs_logit_diff"] = float(np.abs(ours - out).max())
+    if ref_model.returns_logits:  # over the scored positions, as the agreement (the padding's logits are not read)
+        result["max_abs_logit_diff"] = float(np.abs(ours[:len(ids)] - out[:len(ids)]).max())
     return result
 
 

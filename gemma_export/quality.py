@@ -690,10 +690,12 @@ def model_sliding_window(decoder) -> int | None:
     """The ``sliding_window`` (positions) an :class:`~gemma_export.runtime.OnnxDecoder`'s graph was
     built with, for the split of top-1 agreement: the graph's own metadata
     (``gemma_export.sliding_window``, read and checked by the decoder: its ``sliding_window``), else
-    onnxruntime-genai's ``genai_config.json`` (``model.decoder.sliding_window.window_size``, the form
-    its model builder writes), else the manifest's ``config.sliding_window`` unless its
-    ``layer_types`` has no sliding layer; None when none of them records one (an onnxruntime-genai
-    folder whose config leaves it out): no window is made up.
+    onnxruntime-genai's ``genai_config.json`` (``model.decoder.sliding_window.window_size``, which
+    its builder writes for providers with a windowed cache), else, for a folder without a manifest,
+    the largest ``local_window_size`` of its graph's ``GroupQueryAttention`` nodes (what the builder
+    sets from ``sliding_window`` for the CPU; :func:`graph_local_window`), else the manifest's
+    ``config.sliding_window`` unless its ``layer_types`` has no sliding layer; None when none of them
+    records one: no window is made up.
 
     Raises:
         FormatError: ``genai_config.json`` is unreadable, or its ``model.decoder.sliding_window``
@@ -711,10 +713,29 @@ def model_sliding_window(decoder) -> int | None:
             raise FormatError(f"{decoder.model_dir / 'genai_config.json'}: field 'model.decoder.sliding_window' must be "
                               f"an object with a window_size >= 1 (positions), found {shown(field)}")
         return window
+    if not decoder.manifest:  # onnxruntime-genai's CPU graph: its windowed GroupQueryAttention nodes
+        window = graph_local_window(decoder.model_dir / "model.onnx")
+        if window is not None:
+            return window
     config = decoder.manifest.get("config", {})  # its fields were checked with the manifest
     if isinstance(config.get("layer_types"), list) and SLIDING not in config["layer_types"]:
         return None  # every layer sees the whole text: no rows past a window
     return config.get("sliding_window")
+
+
+def graph_local_window(graph_path: Path) -> int | None:
+    """The largest ``local_window_size`` (positions) of the ``GroupQueryAttention`` nodes of the ONNX
+    graph at ``graph_path`` (its external data not read), None when no node has one above 0 (-1:
+    the whole sequence) or the file cannot be read as a graph (the session that loaded it names why)."""
+    from .onnx_files import read_graph
+
+    try:
+        model = read_graph(graph_path)
+    except (GemmaExportError, OSError):
+        return None
+    windows = [a.i for node in model.graph.node if node.op_type == "GroupQueryAttention"
+               for a in node.attribute if a.name == "local_window_size" and a.i > 0]
+    return max(windows) if windows else None
 
 
 def other_model_notes(model_dir: Path, reference_dir: Path) -> list[str]:

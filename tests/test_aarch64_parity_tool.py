@@ -119,8 +119,8 @@ def test_an_existing_file_is_replaced_only_when_an_earlier_output_of_its_kind(ti
      "--out {model}/ids.json: is inside the export folder {model}; write it elsewhere"),
     # not an input here, but another output of gemma-export: its manifest would stop verifying
     (["compare", "x86.npz", "x86.npz", "--json", "{model}/report.json"],
-     "--json {model}/report.json: is inside {folder}, an output of gemma-export whose manifest would no longer list "
-     "every file in it; write it elsewhere"),
+     "--json {folder}/report.json: is inside {folder}, an output of gemma-export whose manifest would no longer list "
+     "every file in it; write the output elsewhere"),
 ])
 def test_an_output_that_is_an_input_or_inside_an_export_is_refused(tiny_int8_export, work, args, message):
     model = shutil.copytree(tiny_int8_export, work / "int8")  # a copy: the old code wrote into the folder

@@ -1036,7 +1036,8 @@ def test_other_processes_cpu_time_is_read_from_proc_stat(tmp_path, monkeypatch):
     assert other((1.0, 1.0, 5.0), (2.0, 1.0, 5.0)) is None  # no time between the readings
     # a tester: one 10 ms tick over a 30 ms generate read as 0.33 CPUs, and 5.92 of 2 CPUs was printed
     assert other((10.0, 2.0, 100.0), (10.2, 2.0, 100.03)) is None
-    assert other((10.0, 2.0, 100.0), (11.0, 2.0, 100.99)) is None  # under a second
+    assert other((10.0, 2.0, 100.0), (10.2, 2.0, 100.24)) is None  # under a quarter of a second
+    assert other((10.0, 2.0, 100.0), (10.3, 2.0, 100.3)) == pytest.approx(1.0)  # 0.3 s of which other work took all
     assert other((10.0, 2.0, 100.0), (10.0 + 100 * 1.0, 2.0, 101.0)) == float(os.cpu_count() or 1)  # capped
 
 

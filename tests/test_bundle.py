@@ -235,7 +235,8 @@ def test_a_wheel_whose_name_and_metadata_disagree_is_refused(tiny_int8_export, w
     ("cp312-cp312-manylinux_2_31_aarch64", "its platform tag 'manylinux_2_31_aarch64' is not one the board installs"),
     ("cp312-cp312-manylinux_2_28_x86_64", "its platform tag 'manylinux_2_28_x86_64' is not one the board installs"),
     ("cp311-cp311-manylinux_2_28_aarch64", "its Python tag 'cp311' is not one the board's CPython 3.12 installs "
-                                           "(py3, py3N or cp312)"),
+                                           "(py3, py3N or cp312; cp3N up to it with abi3)"),
+    ("cp313-abi3-manylinux_2_28_aarch64", "its Python tag 'cp313' is not one the board's CPython 3.12 installs"),
     ("py313-none-any", "its Python tag 'py313' is not one the board's CPython 3.12 installs"),
     ("py3-cp311-any", "its ABI tag 'cp311' is not one the board's CPython 3.12 installs (none, abi3, cp312)"),
 ])
@@ -251,7 +252,7 @@ def test_a_wheel_the_board_cannot_install_is_refused(tiny_int8_export, wheel, tm
 
 
 @pytest.mark.parametrize("tags", ["py2.py3-none-any", "cp312-abi3-manylinux_2_17_aarch64.manylinux2014_aarch64",
-                                  "py311-none-linux_aarch64"])
+                                  "py311-none-linux_aarch64", "cp310-abi3-manylinux_2_28_aarch64"])
 def test_a_wheel_tagged_for_the_board_is_bundled(tiny_int8_export, wheel, tmp_path, tags):
     version = wheel.name.split("-")[1]
     fake = tmp_path / f"gemma_export-{version}-{tags}.whl"

@@ -93,7 +93,7 @@ def test_an_out_hf_of_the_users_own_files_is_refused_before_the_probe(tmp_path, 
     line = _main_refuses(monkeypatch, capsys, ["--python", str(fake), "--out", str(tmp_path / "g")])
     assert line == (f"genai_anchor.py: error: argument --out: {tmp_path / 'g'}: the transformers folder written "
                     f"beside it would replace the files in {mine} (config.json, model.safetensors), which this script "
-                    "did not write (no .complete there): move that folder away or give another --out")
+                    "did not write (neither .genai_anchor nor .complete there): move that folder away or give another --out")
     assert not (tmp_path / "tools" / "probed").exists()
     assert _contents(mine) == before and sorted(os.listdir(tmp_path)) == ["g-hf", "tools"]
 
@@ -184,9 +184,9 @@ def test_an_out_inside_an_output_of_ours_is_refused_before_the_probe(tmp_path, m
     fake = _stand_in(tmp_path / "tools", WHOLE_BUILD)
     monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
     line = _main_refuses(monkeypatch, capsys, ["--python", str(fake), "--out", str(export / out)])
-    assert line == (f"genai_anchor.py: error: argument --out: {export / out}: {export / out} would be inside {export}, "
-                    "an output of gemma-export whose manifest lists every file in it (verify fails on any other); give "
-                    "an --out outside it")
+    assert line == (f"genai_anchor.py: error: argument --out: {export / out}: {export / out}: is inside {export}, "
+                    "an output of gemma-export whose manifest would no longer list every file in it; write the "
+                    "folders of --out elsewhere")
     assert not (tmp_path / "tools" / "probed").exists()
     assert _contents(export) == before and sorted(os.listdir(export)) == sorted(["model.onnx", marker])
 

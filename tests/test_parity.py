@@ -282,6 +282,11 @@ def test_a_prepacked_copy_changed_since_prepack_is_refused_before_the_comparison
     assert f"{data}: sha256 differs from prepacked.json" in result.stderr
     without = _parity("--model", folder, "--golden", golden, "--no-prepacked")  # the copy is not read: not checked
     assert without.exit_code == 0, without.output
+    # a copy the session skips is not parity's to refuse (a review: a file of the user's in prepacked/
+    # turned a PASS into exit 2, where generate and quality run with a note)
+    (folder / "prepacked" / "notes.txt").write_text("mine")
+    skipped = _parity("--model", folder, "--golden", golden)
+    assert skipped.exit_code == 0 and "verdict: PASS" in skipped.stdout, skipped.output
 
 
 def test_a_manifest_of_another_tool_is_no_listing_to_check(tiny_int8_export, tmp_path):
@@ -1050,6 +1055,7 @@ def test_the_reference_comparison_counts_only_near_ties_as_such_and_the_largest_
     theirs[0, 2] = 0.8                     # the reference above the export by 0.3: |Δ| counts it
     theirs[1] = [0.21, 0.205, 0.0]
     theirs[2] = [0.0, 0.15, 0.1]
+    theirs[3, 0] = 10.0                    # the padding's logits differ by 9, its token agrees: not counted
     assert NEAR_TIE < 0.05
     result = _against_reference(_FixedDecoder(ours, [5, 6]), _FixedReference(theirs, [5, 6]), [2, 7])
     assert result["agreement_by_position"] == [True, False, False, True]

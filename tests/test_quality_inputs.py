@@ -81,6 +81,24 @@ def test_an_onnxruntime_genai_folder_gives_its_configs_window_or_none(tiny_int8_
     assert figures["sliding_window"] is None and figures["top1_agreement"] == 1.0
 
 
+def test_an_onnxruntime_genai_graph_gives_its_window_where_its_config_has_none(tiny_int8_export, text_file, tmp_path):
+    """A review: genai's builder records the window for the CPU in its GroupQueryAttention nodes'
+    local_window_size (512 and -1 in the real int4 anchor), not in genai_config.json: quality said the
+    folder records no window."""
+    import onnx
+    from onnx import helper
+
+    folder = _genai_folder(tiny_int8_export, tmp_path / "genai")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) >= 2
+    for node, window in zip(attention, [7, -1] * len(attention)):
+        node.attribute.append(helper.make_attribute("local_window_size", window))
+    onnx.save(graph, str(folder / "model.onnx"))
+    report = run_quality(folder, str(tiny_int8_export), text=text_file, tokens=40)
+    assert report.metrics.sliding_window == 7 and report.metrics.top1_agreement_past_window is not None
+
+
 def test_a_malformed_genai_window_is_named_before_the_reference_runs(tiny_int8_export, text_file, tmp_path):
     folder = _genai_folder(tiny_int8_export, tmp_path / "genai", 6)  # a bare number, not the builder's object
     lines = []

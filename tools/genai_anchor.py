@@ -117,7 +117,8 @@ def output_folder(value: str) -> Path:
     Raises:
         argparse.ArgumentTypeError: naming the path, what was expected and what was found.
     """
-    from gemma_export.staging import enclosing_output
+    from gemma_export.errors import OutputError
+    from gemma_export.staging import check_outside_outputs
 
     path = genai_output(value)
     writable_dir(value)
@@ -134,17 +135,17 @@ def output_folder(value: str) -> Path:
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
     for folder in (out, *siblings(out)):
-        enclosing = enclosing_output(folder)
-        if enclosing is not None:
-            raise argparse.ArgumentTypeError(f"{path}: {folder} would be inside {enclosing}, an output of gemma-export "
-                                             "whose manifest lists every file in it (verify fails on any other); "
-                                             "give an --out outside it")
+        try:
+            check_outside_outputs(folder, "folders of --out")
+        except OutputError as exc:
+            raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
     hf_folder = siblings(out)[0]
     if found := foreign_files(hf_folder):
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise argparse.ArgumentTypeError(f"{path}: the transformers folder written beside it would replace the files "
-                                         f"in {hf_folder} ({shown}), which this script did not write (no "
-                                         f"{COMPLETE_MARKER} there): move that folder away or give another --out")
+                                         f"in {hf_folder} ({shown}), which this script did not write (neither "
+                                         f"{WRITER_MARKER} nor {COMPLETE_MARKER} there): move that folder away or "
+                                         "give another --out")
     return out
 
 

@@ -51,7 +51,7 @@ PROMPTS = [
 
 
 def prepare(args: argparse.Namespace) -> None:
-    from gemma_export.bench import real_text
+    from gemma_export.bench import real_text, write_whole_file
     from gemma_export.runtime import load_tokenizer
 
     check_output(args.out, "--out", "ids", inputs=(args.text,), model=args.model)
@@ -63,11 +63,12 @@ def prepare(args: argparse.Namespace) -> None:
         sys.exit(2)
     payload = {"prompts": [tokenizer.encode(p).ids for p in PROMPTS], "prompt_texts": PROMPTS,
                "text": ids, "text_source": source, "new_tokens": args.new_tokens}
-    write_whole(args.out, "--out", lambda temporary: temporary.write_text(json.dumps(payload)))
+    write_whole_file(args.out, lambda temporary: temporary.write_text(json.dumps(payload)), "--out")
     print(f"wrote {args.out}: {len(PROMPTS)} prompts, {len(ids)} text tokens from {source}")
 
 
 def dump(args: argparse.Namespace) -> None:
+    from gemma_export.bench import write_whole_file
     from gemma_export.runtime import OnnxDecoder, create_session
 
     from gemma_export.errors import FormatError, is_whole_number, shown
@@ -110,12 +111,13 @@ def dump(args: argparse.Namespace) -> None:
         with open(temporary, "wb") as f:  # a file object: given a name, numpy would append .npz to the temporary one
             np.savez(f, **arrays)
 
-    write_whole(args.out, "--out", write)
+    write_whole_file(args.out, write, "--out")
     graph = f"; pre-packed copy {decoder.prepacked_path}" if decoder.prepacked_path else ""
     print(f"{platform.machine()}: wrote {args.out} (decode median {np.median(times):.1f} ms/token{graph})")
 
 
 def compare(args: argparse.Namespace) -> None:
+    from gemma_export.bench import write_whole_file
     from gemma_export.quality import compare_logits
 
     from gemma_export.errors import FormatError
@@ -139,7 +141,8 @@ def compare(args: argparse.Namespace) -> None:
               **m.to_dict()}
     print(json.dumps(report, indent=2))
     if args.json is not None:
-        write_whole(args.json, "--json", lambda temporary: temporary.write_text(json.dumps(report, indent=2) + "\n"))
+        write_whole_file(args.json, lambda temporary: temporary.write_text(json.dumps(report, indent=2) + "\n"),
+                         "--json")
     if not all(same) or m.top1_agreement < args.min_top1:
         sys.exit(1)
 
@@ -304,7 +307,7 @@ def check_output(path: Path, option: str, kind: str, inputs=(), model: Path | No
         OutputError: ``"{option} {path}: ..."``, naming the input, the folder or what the file holds.
     """
     from gemma_export.errors import OutputError
-    from gemma_export.staging import enclosing_output
+    from gemma_export.staging import check_outside_outputs
     from gemma_export.text_files import non_regular
 
     target = path.resolve()
@@ -313,10 +316,10 @@ def check_output(path: Path, option: str, kind: str, inputs=(), model: Path | No
             raise OutputError(f"{option} {path}: is the input {given}; write it elsewhere")
     if model is not None and model.resolve() in target.parents:
         raise OutputError(f"{option} {path}: is inside the export folder {model}; write it elsewhere")
-    enclosing = enclosing_output(target)
-    if enclosing is not None:
-        raise OutputError(f"{option} {path}: is inside {enclosing}, an output of gemma-export whose manifest would no "
-                          "longer list every file in it; write it elsewhere")
+    try:
+        check_outside_outputs(target, "output")
+    except OutputError as exc:
+        raise OutputError(f"{option} {exc}") from None
     if not (path.exists() or path.is_symlink()):
         return
     what, other = OUTPUTS[kind]
@@ -334,19 +337,6 @@ def _same_file(a: Path, b: Path) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return False
-
-
-def write_whole(path: Path, option: str, write: Callable[[Path], None]) -> None:
-    """``write`` a temporary file beside ``path``, then rename it over ``path``: whole or not at all.
-    A failure or an interrupt removes the temporary file and leaves an earlier ``path`` as it was
-    (the toolkit's writer of ``--json`` reports, ``gemma_export.bench``).
-
-    Raises:
-        OutputError: the file cannot be written (a full disk, permissions), naming ``option`` and it.
-    """
-    from gemma_export.bench import write_whole_file
-
-    write_whole_file(path, write, option)
 
 
 if __name__ == "__main__":
