@@ -297,6 +297,7 @@ def _check_wheel(wheel: Path, spec: Board) -> None:
             damaged = archive.testzip()  # reads every member: a wheel pip would refuse on the board
             metadata = next((n for n in names if n.count("/") == 1 and n.endswith(".dist-info/METADATA")), None)
             text = archive.read(metadata).decode("utf-8", "replace") if metadata else ""
+            other_code = None if damaged else _differing_source(archive, names)
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:  # zlib.error is not an OSError
         raise FormatError(f"{wheel}: not a readable wheel (a zip archive): {exc}") from None
     except Exception as exc:  # zlib.error from a member that does not decompress
@@ -312,10 +313,40 @@ def _check_wheel(wheel: Path, spec: Board) -> None:
     if version != named:
         raise FormatError(f"{wheel}: its METADATA says version {version!r}, its file name {named!r}; pip refuses "
                           "such a wheel")
+    if other_code is not None:  # the version has not moved while the code did: a stale wheel passed the check above
+        raise FormatError(f"{wheel}: {other_code}, so the board would run other code than this toolkit, which checked "
+                          "the export; build the wheel from these sources (or leave out --wheel and bundle builds it)")
     if version != __version__:  # the board would run other code than what checked the export
         raise FormatError(f"{wheel}: gemma_export version {version}, but this toolkit, which checks the export and "
                           f"writes {BUNDLE_MANIFEST}, is {__version__}; pass a wheel of {__version__}, or leave out "
                           "--wheel and bundle builds it")
+
+
+def _differing_source(archive, names: set[str]) -> str | None:
+    """How the Python sources of the packages in the wheel ``archive`` (an open ``zipfile.ZipFile``
+    with members ``names``) differ from those of this running toolkit (``gemma_export``, ``quant``):
+    the first member whose bytes differ, or module missing on either side; None when they are the
+    same. An earlier checkout's wheel carries the same version number (0.1.0 for months)."""
+    import gemma_export
+    import quant
+
+    differences = []
+    for package in (gemma_export, quant):
+        root = Path(package.__file__).parent
+        local = {f"{root.name}/{p.relative_to(root).as_posix()}": p for p in root.rglob("*.py")
+                 if "__pycache__" not in p.parts}
+        packed = {n for n in names if n.startswith(f"{root.name}/") and n.endswith(".py")}
+        for name in sorted(local.keys() | packed):
+            if name not in packed:
+                differences.append(f"it lacks {name}")
+            elif name not in local:
+                differences.append(f"its {name} is no module of this toolkit")
+            elif archive.read(name) != local[name].read_bytes():
+                differences.append(f"its {name} differs from this toolkit's {local[name]}")
+    if not differences:
+        return None
+    more = len(differences) - 1
+    return differences[0] + (f" (and {more} other module{'' if more == 1 else 's'})" if more else "")
 
 
 def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAULT_BOARD, wheel: str | Path | None = None,

@@ -155,6 +155,15 @@ def _ownership(folder: Path) -> tuple[str, dict | None]:
     return (f"holds files gemma-export did not write ({', '.join(foreign)})", None) if foreign else ("", record)
 
 
+def unreadable_or(problem: str, refusal: str) -> str:
+    """The end of a message about a ``prepacked`` folder's ``problem`` (:func:`owned_problem`):
+    ``refusal`` (e.g. "; not a copy gemma-export wrote (move it away)"), or, for a copy this user
+    cannot read (:data:`UNREADABLE`: whose it is cannot be told), what its owner can do."""
+    if problem.startswith(UNREADABLE):
+        return "; this user cannot read the copy: its owner can make it readable, or remove it"
+    return refusal
+
+
 def owned_problem(folder: Path) -> str:
     """"" when ``folder`` (``<export>/prepacked``) is absent or a copy this module wrote; else what is wrong."""
     return _ownership(folder)[0]
@@ -251,6 +260,8 @@ def status(model_dir: str | Path) -> PrepackStatus:
             stat = path.stat()
         except OSError as exc:  # no search right on the folder for this user
             return unusable(path, f"{UNREADABLE} ({exc.strerror or exc})")
+        if not os.access(path, os.R_OK):  # onnxruntime's load said only "SystemError : 13"
+            return unusable(path, f"{UNREADABLE} (Permission denied)")
         if stat.st_size != entry["bytes"]:
             return unusable(path, f"{stat.st_size:,} bytes, {PREPACKED_MANIFEST} recorded {entry['bytes']:,}")
         if stat.st_mtime_ns != entry["mtime_ns"]:
@@ -376,7 +387,7 @@ def _may_replace(model_dir: Path, what: str, refusal: str) -> Path:
     folder = model_dir / PREPACKED_DIR
     wrong = owned_problem(folder)
     if wrong:
-        raise OutputError(f"{folder}: {wrong}{refusal}")
+        raise OutputError(f"{folder}: {wrong}{unreadable_or(wrong, refusal)}")
     _writable(model_dir, what)
     if folder.is_dir():
         _writable(folder, what)
@@ -507,7 +518,7 @@ def verify(model_dir: str | Path) -> str:
     fix = f"run gemma-export prepack --model {model_dir} again, or with --remove"
     wrong, record = _ownership(folder)
     if wrong:
-        raise VerificationError(f"{folder}: {wrong}; not a copy gemma-export wrote (move it away)")
+        raise VerificationError(f"{folder}: {wrong}{unreadable_or(wrong, '; not a copy gemma-export wrote (move it away)')}")
     if record is None:  # no copy
         return ""
     found = status(model_dir)

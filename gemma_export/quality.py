@@ -139,7 +139,9 @@ def _check_logits(function: str, **matrices) -> None:
         ConfigError: naming ``function``, the argument and what it is.
     """
     for name, value in matrices.items():
-        if not (isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.ndim == 2 and value.shape[1] >= 1):
+        # numpy's floats, and ml_dtypes' (bfloat16: kind 'V', name "bfloat16"), which are used as float32
+        floating = isinstance(value, np.ndarray) and (value.dtype.kind == "f" or "float" in value.dtype.name)
+        if not (floating and value.ndim == 2 and value.shape[1] >= 1):
             raise ConfigError(f"{function}(): {name} must be a float numpy array [rows, V] with V >= 1 words, found "
                               f"{_described(value)}")
 

@@ -801,8 +801,8 @@ def check_optimized_model_path(model_dir: Path, path: Path) -> None:
     bundle, a pre-packed copy), whose listing would no longer name every file in it.
 
     Raises:
-        OutputError: naming ``path`` and the file or folder it would damage, or the loop of links
-            it cannot be resolved through.
+        OutputError: naming ``path`` and the file or folder it would damage (a file with other hard
+            links, too), the loop of links it cannot be resolved through, or a folder that is not there.
     """
     try:
         resolved = path.resolve()
@@ -819,6 +819,16 @@ def check_optimized_model_path(model_dir: Path, path: Path) -> None:
                           f"{PREPACKED_MANIFEST} would no longer list every file in it; write the optimized graph "
                           "elsewhere")
     check_outside_outputs(path, "optimized graph (optimized_model_path)")
+    if not resolved.parent.is_dir():  # onnxruntime's own failure said "SystemError : 2" about the model
+        raise OutputError(f"{path}: optimized_model_path lies in {path.parent}, which is no folder; give a path in an "
+                          "existing folder")
+    try:
+        links = path.stat().st_nlink
+    except OSError:  # a new file
+        links = 1
+    if links > 1:  # onnxruntime writes through every name: another export's graph, by a hard link
+        raise OutputError(f"{path}: optimized_model_path is a file with {links} hard links, which onnxruntime would "
+                          "overwrite under every name (another export's graph, perhaps); give a new file name")
 
 
 def _same_file_in(folder: Path, path: Path) -> Path | None:

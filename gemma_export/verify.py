@@ -20,6 +20,7 @@ from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
+from .prepack import unreadable_or
 from .runtime import check_decoder_contract, create_session, genai_model_config, sliding_layers_from
 from .staging import check_listed_file, listed_files
 from .text_files import non_regular
@@ -243,8 +244,8 @@ def verify_manifest(folder: str | Path) -> dict[str, int]:
     # (gemma_export/prepack.py); it is checked against them when loaded, not listed here, and only
     # a copy prepack wrote is one (nothing but its graph, data and record)
     if problem := prepack_owned_problem(folder / PREPACKED_DIR):  # "" when absent
-        raise VerificationError(f"{folder / PREPACKED_DIR}: {problem}; not a copy gemma-export wrote, nor part of "
-                                "the export: move it away")
+        raise VerificationError(f"{folder / PREPACKED_DIR}: {problem}" + unreadable_or(
+            problem, "; not a copy gemma-export wrote, nor part of the export: move it away"))
     extra = sorted(p.name for p in folder.iterdir() if p.name not in expected and p.name not in (MANIFEST_FILE,
                                                                                                 PREPACKED_DIR))
     if extra:

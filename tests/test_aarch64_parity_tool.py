@@ -226,3 +226,18 @@ def test_an_interrupted_write_keeps_the_earlier_output(tiny_int8_export, work, m
     with pytest.raises(KeyboardInterrupt):
         parity.main()
     assert _listing(work) == before
+
+
+def test_compare_splits_at_the_window_the_dumps_record(made, work):
+    """A tester: compare reported "sliding_window": 512 whatever the model's (the tiny one's is 6)."""
+    report = json.loads((made / "report.json").read_text())
+    dump = np.load(made / "x86.npz")
+    assert int(dump["sliding_window"]) == 6 and report["sliding_window"] == 6
+    assert report["top1_agreement_past_window"] is not None  # 40 text ids: rows past 6
+    _dump_with(made, work / "older.npz", sliding_window=None)  # written before dumps recorded it: 512
+    proc = _run("compare", "older.npz", "older.npz", cwd=work)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["sliding_window"] == 512, proc.stderr
+    _dump_with(made, work / "w7.npz", sliding_window=np.asarray(7))
+    proc = _run("compare", "x86.npz", "w7.npz", cwd=work)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: x86.npz and w7.npz: dumps of sliding windows [6, 7]; compare dumps of one export"]

@@ -281,6 +281,27 @@ def test_a_wheel_of_another_version_is_refused(tiny_int8_export, wheel, tmp_path
     assert not out.exists()
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda name, data: data + b"\n# an earlier checkout\n" if name == "gemma_export/cli.py" else data,
+     "its gemma_export/cli.py differs from this toolkit's "),
+    (lambda name, data: None if name == "quant/int4.py" else data, "it lacks quant/int4.py"),
+])
+def test_a_wheel_of_other_sources_under_the_same_version_is_refused(tiny_int8_export, wheel, tmp_path, change, message):
+    """A tester: a wheel built from a checkout four days old (version 0.1.0, as every commit's) was
+    bundled and verified; the board would have run that code."""
+    fake = tmp_path / wheel.name
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(fake, "w") as target:
+        for info in source.infolist():
+            data = change(info.filename, source.read(info))
+            if data is not None:
+                target.writestr(info.filename, data)
+    out = tmp_path / "board"
+    result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
+    assert result.exit_code == 2, result.output
+    assert f"{fake}: {message}" in result.output and "so the board would run other code than this toolkit" in result.output
+    assert not out.exists()
+
+
 def test_foreign_nonempty_folder_is_not_replaced(tiny_int8_export, wheel, tmp_path):
     out = tmp_path / "board"
     out.mkdir()

@@ -205,3 +205,15 @@ def test_the_kept_model_safetensors_has_the_mode_the_umask_gives(tiny_dir, tmp_p
         os.umask(previous)
     modes = {name: stat.S_IMODE((folder / name).stat().st_mode) for name in ("model.safetensors", "config.json")}
     assert modes == {"model.safetensors": mode, "config.json": mode}
+
+
+def test_a_python_given_as_a_name_in_the_current_folder_is_run_from_there(tmp_path, monkeypatch):
+    """A tester: `--python ./python` reached subprocess as "python", looked up on PATH: "error:
+    python: No such file or directory" (or another interpreter ran)."""
+    _stand_in(tmp_path / "tools", WHOLE_BUILD)
+    _complete_hf(tmp_path / "g-hf")
+    monkeypatch.chdir(tmp_path / "tools")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the shell tools; not the stand-in
+    monkeypatch.setattr(sys, "argv", ["genai_anchor.py", "--python", "./python", "--out", str(tmp_path / "g")])
+    genai_anchor.main()
+    assert (tmp_path / "tools" / "probed").exists() and (tmp_path / "g" / "genai_config.json").read_text() == "{}"

@@ -351,3 +351,20 @@ def test_a_graph_that_declares_no_cache_shape_still_runs(tiny_int8_export, tmp_p
     onnx.save(graph, str(model / "model.onnx"))
     assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]) == 0
     assert len(json.loads(capsys.readouterr().out)["expected_ids"]) == 2
+
+
+def test_shared_mode_runs_an_export_with_every_positions_logits(tiny_dir, tmp_path, capsys):
+    """A tester: --mode shared on an --all-logits export ended in onnxruntime's traceback (the
+    prompt's [1, 16, V] logits buffer stayed bound for a decode step's [1, 1, V])."""
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    folder = export(source, tmp_path / "all", "int8", block_size=16, all_logits=True).out_dir
+    runs = []
+    for mode in ("shared", "arrays"):
+        assert plain.main(["--model", str(folder), "--prompt", PROMPT, "--max-new-tokens", "8", "--mode", mode,
+                           "--json", "-"]) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0] == runs[1] and len(runs[0]["expected_ids"]) == 8
+    decoder = OnnxDecoder(folder)
+    assert runs[0]["expected_ids"] == decoder.greedy(runs[0]["prompt_ids"], 8, stop_ids=())[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -753,3 +754,21 @@ def test_a_copy_this_user_cannot_read_is_skipped_with_a_note(export_copy, monkey
     assert decoder.prepacked_path is None and "cannot be read (Permission denied)" in decoder.prepacked_note
     result = _run("generate", "--model", export_copy, "--prompt", "a", "--max-new-tokens", "2")
     assert result.exit_code == 0 and "cannot be read (Permission denied)" in result.stderr, result.output
+    # verify and prepack cannot check or replace it: they say why, not "not a copy gemma-export wrote"
+    for args in (["verify", export_copy], ["prepack", "--model", export_copy]):
+        refused = _run(*args)
+        assert refused.exit_code == 2, refused.output
+        assert (f"{export_copy / 'prepacked'}: cannot be read (Permission denied); this user cannot read the copy: its "
+                "owner can make it readable, or remove it") in refused.stderr, refused.stderr
+
+
+def test_a_copy_whose_data_file_this_user_cannot_read_is_named_so(export_copy, monkeypatch):
+    """A tester: onnxruntime's load said only 'SystemError : 13', and the note offered a prepack the
+    user could not run over another user's copy."""
+    prepack_module.prepack(export_copy)
+    data = export_copy / "prepacked" / "model.onnx.data"
+    real = os.access
+    monkeypatch.setattr(prepack_module.os, "access", lambda path, mode: False if Path(path) == data else real(path, mode))
+    found = prepack_module.status(export_copy)
+    assert found.path is None and found.reason == (f"{data}: cannot be read (Permission denied); not used (its owner can "
+                                                   "make it readable to this user, or remove it)")

@@ -279,3 +279,17 @@ def test_nan_logits_name_the_model_that_computed_them(tiny_int8_export, tmp_path
         run_quality(broken, str(tiny_int8_export), text=text)
     with pytest.raises(NumericError, match=rf"^--reference {re.escape(str(broken))}: logits: the reference's row 0 holds"):
         run_quality(tiny_int8_export, str(broken), text=text)
+
+
+def test_bfloat16_logits_are_compared_as_float32_as_before():
+    """A tester: the argument checks refused ml_dtypes' bfloat16 logits, which were scored before
+    (the docstring: any float dtype, used as float32)."""
+    import ml_dtypes
+
+    rows = np.random.default_rng(0).standard_normal((10, 50)).astype(np.float32)
+    narrow = rows.astype(ml_dtypes.bfloat16)
+    got = compare_logits(narrow, rows, list(range(10)))
+    assert got.max_abs_logit_diff == pytest.approx(float(np.abs(narrow.astype(np.float32) - rows).max()), rel=1e-6)
+    assert 0 < got.max_abs_logit_diff < 0.05
+    with pytest.raises(ConfigError, match=r"reference must be a float numpy array \[rows, V\]"):
+        compare_logits(rows.view("V4"), rows, list(range(10)))

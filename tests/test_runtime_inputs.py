@@ -265,3 +265,23 @@ def test_quality_and_parity_on_a_genai_folder_tokenize_a_prefix_of_a_long_text(g
     with pytest.raises(GemmaExportError, match=f"more than {CONTEXT} tokens"):
         run_parity(genai_dir, golden=golden, prompts=prompts)
     assert encoded_lengths and max(encoded_lengths) <= 2 * 4096, max(encoded_lengths)
+
+
+def test_an_optimized_model_path_in_no_folder_or_with_other_hard_links_is_refused(tiny_int8_export, tmp_path,
+                                                                                  monkeypatch):
+    """A tester: a path in a missing folder blamed the model ("onnxruntime cannot load the model:
+    SystemError : 2"); a hard link to another export's graph, outside every export, had that graph
+    overwritten."""
+    _no_session(monkeypatch)
+    missing = tmp_path / "nope" / "o.onnx"
+    with pytest.raises(OutputError, match=rf"^{re.escape(str(missing))}: optimized_model_path lies in "
+                                          rf"{re.escape(str(missing.parent))}, which is no folder"):
+        OnnxDecoder(tiny_int8_export, optimized_model_path=missing)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_int8_export, other)
+    link = tmp_path / "o.onnx"
+    os.link(other / "model.onnx", link)
+    before = _digests(other)
+    with pytest.raises(OutputError, match=rf"^{re.escape(str(link))}: optimized_model_path is a file with 2 hard links"):
+        OnnxDecoder(tiny_int8_export, optimized_model_path=link)
+    assert _digests(other) == before

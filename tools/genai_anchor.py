@@ -214,7 +214,10 @@ def main() -> None:
 
     if not os.access(args.python, os.X_OK):
         raise GemmaExportError(f"--python {args.python}: not executable")
-    probe = subprocess.run([str(args.python), "-c", PROBE], capture_output=True, text=True)
+    # a name with a folder, kept whole: "./python" reached subprocess as "python", looked up on PATH (an
+    # absolute path, links not resolved: a venv's python is a link that must keep its venv)
+    python = os.path.abspath(args.python)
+    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True)
     printed = probe.stdout.strip()
     if probe.returncode != 0 or not (printed == PROBE_OK or printed.startswith(PROBE_OK + " ")):  # before the 1 GB
         last = (probe.stderr.strip().splitlines() or [f"it printed {printed[:60]!r}, exit status "
@@ -230,7 +233,7 @@ def main() -> None:
             with staged_folder(Path(os.path.realpath(args.out)), "onnxruntime-genai model",
                                notify=functools.partial(print, file=sys.stderr, flush=True)) as staging:
                 hf = transformers_folder(hf_folder)
-                cmd = [str(args.python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(staging),
+                cmd = [python, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(staging),
                        "-p", args.precision, "-e", "cpu", "-c", str(cache)]
                 print(" ".join(cmd), flush=True)
                 status = subprocess.run(cmd).returncode

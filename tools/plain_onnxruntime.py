@@ -291,6 +291,9 @@ def shared_step(model: Model, capacity: int, max_step: int):
         binding.bind_cpu_input("input_ids", input_ids)
         binding.bind_cpu_input("attention_mask", attention_mask)
         binding.bind_cpu_input("position_ids", position_ids)
+        # bound again each step: an --all-logits graph's logits are [1, seq, V], and onnxruntime
+        # refused the prompt's [1, 16, V] buffer for a decode step's [1, 1, V]
+        binding.bind_output("logits")
         model.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy().copy()  # onnxruntime reuses its output memory
 

@@ -103,9 +103,13 @@ def dump(args: argparse.Namespace) -> None:
         times.extend(decode_ms)
     t0 = time.perf_counter()
     logits = decoder.teacher_forced_logits(payload["text"])
+    from gemma_export.quality import model_sliding_window
+
+    # the window the graph was built with (0: none), for compare's split of top-1 agreement
     arrays = dict(logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
                   machine=platform.machine(), decode_ms_median=float(np.median(times)),
-                  prepacked=str(decoder.prepacked_path or ""), teacher_forced_s=time.perf_counter() - t0)
+                  prepacked=str(decoder.prepacked_path or ""), teacher_forced_s=time.perf_counter() - t0,
+                  sliding_window=model_sliding_window(decoder) or 0)
 
     def write(temporary: Path) -> None:
         with open(temporary, "wb") as f:  # a file object: given a name, numpy would append .npz to the temporary one
@@ -134,7 +138,7 @@ def compare(args: argparse.Namespace) -> None:
                           "words, the vocabularies of two exports; compare dumps of one export")
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
-    m = compare_logits(a["logits"], b["logits"], a["text"].tolist())
+    m = compare_logits(a["logits"], b["logits"], a["text"].tolist(), sliding_window=_window(args.a, args.b))
     report = {"machines": [str(a["machine"]), str(b["machine"])], "greedy_identical": same,
               "greedy_first_difference": first_diff, "greedy_tokens_per_prompt": int(a["greedy"].shape[1]),
               "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])],
@@ -206,6 +210,32 @@ DUMP_ARRAYS = {
     "machine": ("U", 0, "a string"),
     "decode_ms_median": ("fiu", 0, "a number"),
 }
+
+
+def _window(*dumps: Path) -> int | None:
+    """The sliding window the dumps record (``dump`` writes the graph's; 0: none), for the split of
+    top-1 agreement; Gemma 3 270M's 512 for dumps written before they recorded it.
+
+    Raises:
+        FormatError: the dumps record different windows, or one that is no integer >= 0.
+    """
+    from gemma_export.config import GEMMA3_270M_SLIDING_WINDOW
+    from gemma_export.errors import FormatError
+
+    windows = []
+    for path in dumps:
+        with np.load(path) as loaded:
+            value = loaded["sliding_window"] if "sliding_window" in loaded.files else None
+        if value is None:
+            windows.append(GEMMA3_270M_SLIDING_WINDOW)
+        elif value.ndim != 0 or value.dtype.kind not in "iu" or int(value) < 0:
+            raise FormatError(f"{path}: 'sliding_window' must be an integer >= 0 (0: none), found {value!r:.40}")
+        else:
+            windows.append(int(value))
+    if len(set(windows)) != 1:
+        raise FormatError(f"{' and '.join(map(str, dumps))}: dumps of sliding windows {windows}; compare dumps of one "
+                          "export")
+    return windows[0] or None
 
 
 def load_dump(path: Path) -> dict[str, np.ndarray]:
