@@ -46,7 +46,7 @@ from .boards import BOARDS, DEFAULT_THREADS, board as find_board
 from .errors import BudgetExceeded, ConfigError, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
 from .onnx_files import MODEL_FILE
-from .runtime import DEFAULT_PREFILL_CHUNK, max_positions
+from .runtime import DEFAULT_PREFILL_CHUNK, limit_name, max_positions
 from .text_files import text_bytes_for
 
 WARMUP_STEPS = 4
@@ -276,7 +276,7 @@ def run_bench(model_dir: str | Path, threads: int | None = None, prompt_tokens: 
     limit = max_positions(model_dir)  # a genai folder: its genai_config.json
     if limit and needed > limit:  # before the text and the (slow) session; decoder.check_length checks again below
         raise GemmaExportError(f"{model_dir}: the longest prompt ({lengths[-1]} tokens) and {new_tokens} decode steps "
-                               f"need {needed} positions; the model's max_position_embeddings is {limit}")
+                               f"need {needed} positions; {limit_name(model_dir)} is {limit}")
     # a prefix: a huge --text is neither read nor tokenized whole
     needed_ids = max(lengths[-1], REFERENCE_PROMPT_TOKENS if reference else 0)
     body, source = real_text(text, text_bytes_for(needed_ids))

@@ -32,7 +32,7 @@ import numpy as np
 from .config import DTYPES
 from .errors import ConfigError, FormatError, GemmaExportError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
-from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, max_positions, positions_needed
+from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, limit_name, max_positions, positions_needed
 from .text_files import SMALL_FILE_BYTES, not_unicode_at, read_text_file
 
 #: greedy tokens generated after each prompt for the comparison with transformers
@@ -123,7 +123,8 @@ class ParityReport:
 
 
 # ---- inputs -------------------------------------------------------------------------------------
-def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = None) -> list[tuple[str | None, list[int]]]:
+def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = None,
+                 limit: str = "the model's max_position_embeddings") -> list[tuple[str | None, list[int]]]:
     """``(text, ids)`` per prompt. ``path``: a text file (one prompt per non-empty line) or a JSON
     list of strings and/or id lists (a ``.json`` file, or any file that holds a JSON list, such as
     ``/dev/stdin``); None: :data:`DEFAULT_PROMPTS`. Text is tokenized with the export's tokenizer
@@ -134,6 +135,7 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
         tokenizer: the export's ``tokenizers.Tokenizer``, or None (then only id lists are accepted).
         max_tokens: the model's ``max_position_embeddings``, or None: a text prompt of more tokens is
             refused without being tokenized whole (:func:`~gemma_export.runtime.encode_prompt`).
+        limit: how that refusal names ``max_tokens`` (:func:`~gemma_export.runtime.limit_name`).
 
     Returns:
         ``(text or None, ids)`` per prompt, in file order; never empty.
@@ -173,7 +175,8 @@ def read_prompts(path: str | Path | None, tokenizer, max_tokens: int | None = No
             if not_unicode_at(item) is not None:
                 raise FormatError(f"{path}: prompt #{n} is not valid Unicode text (a lone surrogate such as "
                                   f"\\ud800); found {item!r:.60}")
-            prompts.append((item, encode_prompt(tokenizer, item, max_tokens, f"{path or 'the default prompts'}: prompt #{n}")))
+            prompts.append((item, encode_prompt(tokenizer, item, max_tokens, f"{path or 'the default prompts'}: prompt #{n}",
+                                                limit)))
         elif isinstance(item, list) and item and all(is_whole_number(i) and i >= 0 for i in item):
             prompts.append((None, list(item)))
         else:
@@ -492,7 +495,7 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # prompts, which a golden file alone never runs, are short and checked later if they run)
     positions = max_positions(model_dir)  # a genai folder: its genai_config.json
     prompt_list = [] if golden_only and prompts is None and tokenizer is None else read_prompts(
-        prompts, tokenizer, positions if prompts is not None else None)
+        prompts, tokenizer, positions if prompts is not None else None, limit_name(model_dir))
     golden_pairs = read_golden(golden, prompt_list, tokenizer, prompts if golden_only else None,
                                positions) if golden else []
 
@@ -523,8 +526,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                     for n, g in enumerate(golden_pairs)]
         for what, total, parts in checked:
             if limit and total > limit:
-                raise GemmaExportError(f"{what}: {total} tokens (the prompt and the new tokens fed back) exceed the model's "
-                                       f"max_position_embeddings {limit} ({model_dir}): {parts}, less the last")
+                raise GemmaExportError(f"{what}: {total} tokens (the prompt and the new tokens fed back) exceed "
+                                       f"{limit_name(model_dir)} {limit} ({model_dir}): {parts}, less the last")
 
     # with the manifest's figures, before the (slow) session; the session checks that they are the
     # graph's, so the loaded graph's are needed only where the manifest lacks them

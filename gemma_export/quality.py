@@ -34,7 +34,7 @@ from .checkpoint import EMBED, LM_HEAD
 from .config import GEMMA3_270M_SLIDING_WINDOW, SLIDING
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, SourceNotFoundError,
                      check_arguments, is_whole_number, reworded, shown)
-from .runtime import CHUNK_ROWS, max_positions
+from .runtime import CHUNK_ROWS, limit_name, max_positions
 from .text_files import first_tokens
 
 
@@ -779,8 +779,8 @@ def _check_fits(decoder, ids: Sequence[int], source: str, role: str = "") -> Non
     if limit and len(ids) > limit:
         advice = (f"pass --tokens {limit} or fewer" if limit >= 2 else
                   "a model of fewer than 2 positions cannot be measured (at least 2 tokens are needed)")
-        raise GemmaExportError(f"{role}{decoder.model_dir}: {source} has more than {limit} tokens, its "
-                               f"max_position_embeddings; {advice}")
+        named = limit_name(decoder.model_dir).replace("the model's ", "its ")
+        raise GemmaExportError(f"{role}{decoder.model_dir}: {source} has more than {limit} tokens, {named}; {advice}")
     decoder.check_ids(ids, source)
 
 

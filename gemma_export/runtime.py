@@ -106,7 +106,8 @@ FUNCTION_GEMMA_TOKENS = frozenset(f"<{edge}_function_{kind}>" for edge in ("star
                                   for kind in ("declaration", "call", "response")) | {"<escape>"}
 
 
-def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str = "the prompt") -> list[int]:
+def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str = "the prompt",
+                  limit: str = "the model's max_position_embeddings") -> list[int]:
     """The prompt's token ids as ``generate`` and ``parity`` feed them: ``<bos>`` (what the
     tokenizer's post-processor prepends) once, also when the text already starts with it, as a chat
     template's output does (transformers would then give two).
@@ -120,6 +121,7 @@ def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str
             (:func:`~gemma_export.text_files.first_tokens`): a tokenizer holds about 100–400 bytes
             per character of the text it encodes whole. The caller's exact length check does the rest.
         what: names the prompt in that error, e.g. ``"prompts.txt: prompt #3"``.
+        limit: names ``max_tokens`` in it (:func:`limit_name`).
 
     Returns:
         The ids (Python ints).
@@ -134,8 +136,7 @@ def encode_prompt(tokenizer, text: str, max_tokens: int | None = None, what: str
         # max_tokens + 2 ids: still more than max_tokens once a text's own leading <bos> is not doubled
         ids = first_tokens(tokenizer, text, max_tokens + 2)
         if len(ids) > max_tokens + 1:
-            raise GemmaExportError(f"{what}: more than {max_tokens:,} tokens, the model's max_position_embeddings; "
-                                   "give a shorter prompt")
+            raise GemmaExportError(f"{what}: more than {max_tokens:,} tokens, {limit}; give a shorter prompt")
         # fewer ids than first_tokens was asked for: they are the whole text's (it encoded all of it)
     if ids is None:
         ids = tokenizer.encode(text).ids
@@ -175,7 +176,7 @@ def check_positions(model_dir: str | Path, total_tokens: int, max_position_embed
     """
     if max_position_embeddings and total_tokens > max_position_embeddings:
         raise GemmaExportError(f"{model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed "
-                               f"back) exceeds the model's max_position_embeddings {max_position_embeddings}")
+                               f"back) exceeds {limit_name(model_dir)} {max_position_embeddings}")
 
 
 def check_new_tokens(max_new_tokens: int, where: str) -> None:
@@ -236,6 +237,16 @@ def genai_context_length(model_dir: Path) -> int | None:
         raise FormatError(f"{model_dir / 'genai_config.json'}: field 'model.context_length' must be a positive integer "
                           f"below 2**31 (int32 positions), found {shown(value)}")
     return value
+
+
+def limit_name(model_dir: str | Path) -> str:
+    """How messages name the positions limit of an export folder: "the model's
+    max_position_embeddings" (its manifest's ``config``), or for a folder of onnxruntime-genai (no
+    ``manifest.json``) its ``genai_config.json``'s ``model.context_length`` (:func:`max_positions`)."""
+    model_dir = Path(model_dir)
+    if (model_dir / MANIFEST_FILE).exists() or not (model_dir / "genai_config.json").is_file():
+        return "the model's max_position_embeddings"
+    return f"{model_dir / 'genai_config.json'}'s model.context_length"
 
 
 def max_positions(model_dir: str | Path) -> int | None:
@@ -1622,7 +1633,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
     tokenizer = load_tokenizer(model_dir)  # before the (slow, memory-heavy) session
     limit = max_positions(model_dir)
     # a prompt longer than the model takes is refused after tokenizing a prefix, not the whole text
-    prompt_ids = encode_prompt(tokenizer, prompt, limit, f"{model_dir}: the prompt")
+    prompt_ids = encode_prompt(tokenizer, prompt, limit, f"{model_dir}: the prompt", limit_name(model_dir))
     if not prompt_ids:  # a prompt gets <bos> at least, unless the tokenizer cannot give one
         raise FormatError(f"{Path(model_dir) / 'tokenizer.json'}: gives no token ids for the prompt {prompt[:40]!r}, not "
                           "even <bos>; expected a tokenizer whose post-processor adds <bos> (the export's own)")

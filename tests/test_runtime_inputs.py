@@ -64,9 +64,10 @@ def test_a_genai_folder_takes_its_context_length_from_genai_config(genai_dir):
     assert decoder.manifest == {} and decoder.max_position_embeddings == CONTEXT
     new_ids, _, _ = decoder.greedy([2] * 60, CONTEXT - 60 + 1, stop_ids=[])  # 64 positions: the whole context
     assert len(new_ids) == 5
+    # the limit named as the folder holds it (a tester: "max_position_embeddings", a field it has not)
+    config = re.escape(f"{genai_dir / 'genai_config.json'}'s model.context_length")
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 tokens \(the prompt "
-                                               rf"and the new tokens fed back\) exceeds the model's "
-                                               rf"max_position_embeddings {CONTEXT}$"):
+                                               rf"and the new tokens fed back\) exceeds {config} {CONTEXT}$"):
         decoder.greedy([2] * 60, 6)
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 tokens"):
         decoder.teacher_forced_logits([2] * 65)
@@ -76,8 +77,9 @@ def test_generate_on_a_genai_folder_refuses_a_long_prompt_after_tokenizing_a_pre
                                                                                     monkeypatch):
     """The tester's 5 MB prompt was tokenized whole (15 s, 2 GB) and then failed in onnxruntime."""
     _no_session(monkeypatch)  # refused before the (slow) session, as for an export with a manifest
+    config = re.escape(f"{genai_dir / 'genai_config.json'}'s model.context_length")
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: the prompt: more than {CONTEXT} "
-                                               r"tokens, the model's max_position_embeddings; give a shorter prompt$"):
+                                               rf"tokens, {config}; give a shorter prompt$"):
         runtime.generate(genai_dir, "the quick brown fox " * 50_000, 4)
     assert encoded_lengths and max(encoded_lengths) <= 2 * 4096, encoded_lengths  # prefixes of a 1 MB prompt
 
@@ -86,7 +88,7 @@ def test_generate_on_a_genai_folder_refuses_a_run_past_its_context_before_the_se
     _no_session(monkeypatch)
     prompt = "the quick brown fox jumps over the lazy dog. "  # 45 characters: 46 ids with <bos>, and 19 fed back
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 tokens .* "
-                                               rf"max_position_embeddings {CONTEXT}$"):
+                                               rf"model.context_length {CONTEXT}$"):
         runtime.generate(genai_dir, prompt, 20)
 
 
@@ -95,9 +97,9 @@ def test_quality_on_a_genai_folder_past_its_context_is_one_line(genai_dir, tiny_
 
     text_file = tmp_path / "text.txt"  # 91 tokens: more than the folder's 64, fewer than the reference's 256
     text_file.write_text("the quick brown fox jumps over the lazy dog. " * 2)
+    config = re.escape(f"{genai_dir / 'genai_config.json'}'s model.context_length")
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: {re.escape(str(text_file))} has more "
-                                               rf"than {CONTEXT} tokens, its max_position_embeddings; pass --tokens "
-                                               rf"{CONTEXT} or fewer$"):
+                                               rf"than {CONTEXT} tokens, {config}; pass --tokens {CONTEXT} or fewer$"):
         run_quality(genai_dir, str(tiny_int8_export), text=text_file)
 
 
