@@ -50,11 +50,14 @@ class Board:
         """Why pip on the board would refuse a wheel of this file name, or None when its tags fit.
 
         The name is ``NAME-VERSION[-BUILD]-PYTHON-ABI-PLATFORM.whl`` (PEP 427; each tag may hold
-        several, joined by dots). The board's pip takes a Python tag ``py3``, ``py3N`` (N up to the
-        board's minor version), ``cpXY`` of its own version, or with the ABI ``abi3`` ``cp3N`` up to
-        its own; the ABI ``none``, ``abi3`` or its own; a platform ``any``, one of :attr:`platforms`, ``linux_ARCH``, or
-        ``manylinux_X_Y_ARCH`` with a glibc no newer than the first platform's (PEP 600). A name
-        whose parts cannot be read is reported as such.
+        several, joined by dots: the wheel fits when one combination does). The combinations the
+        board's CPython takes, as pip lists them (``packaging.tags``): its own ``cpXY`` with its own
+        ABI, or with ``abi3`` a ``cp3N`` up to its own, each on a platform of the board; ``py3``,
+        ``py3N`` (N up to its minor version) or its ``cpXY`` with the ABI ``none``, on a platform of
+        the board or ``any``. The board's platforms: :attr:`platforms`, ``linux_ARCH``, and
+        ``manylinux_X_Y_ARCH`` from the oldest glibc of :attr:`platforms` (2.17 for
+        ``manylinux2014``) to the newest (PEP 600). A name whose parts cannot be read is reported as
+        such.
         """
         parts = filename[:-len(".whl")].split("-") if filename.endswith(".whl") else []
         if len(parts) not in (5, 6):
@@ -62,36 +65,66 @@ class Board:
         python_tags, abi_tags, platform_tags = (tag.split(".") for tag in parts[-3:])
         major, minor = self.python.split(".")
         own = f"cp{major}{minor}"
+
         def version_up_to_ours(tag: str, prefix: str) -> bool:  # py3N / cp3N with N at most the board's minor
             found = re.fullmatch(rf"{prefix}{major}(\d+)", tag)
             return found is not None and int(found.group(1)) <= int(minor)
 
-        stable = "abi3" in abi_tags  # a stable-ABI wheel of an older CPython 3 installs on a newer one (PEP 384)
-        fits_python = any(tag == f"py{major}" or tag == own or version_up_to_ours(tag, "py")
-                          or (stable and version_up_to_ours(tag, "cp")) for tag in python_tags)
-        if not fits_python:
+        def board_platform(tag: str) -> bool:  # not "any"
+            if tag in self.platforms:
+                return True
+            newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
+            if newest is None:
+                return False
+            arch = newest.group(3)
+            found = MANYLINUX.fullmatch(tag)
+            glibc = found and (int(found.group(1)), int(found.group(2)))
+            return tag == f"linux_{arch}" or (found is not None and found.group(3) == arch
+                                              and self.oldest_glibc <= glibc <= (int(newest.group(1)), int(newest.group(2))))
+
+        def fits(python: str, abi: str, platform: str) -> bool:
+            if abi == own:
+                return python == own and board_platform(platform)
+            if abi == "abi3":
+                return version_up_to_ours(python, "cp") and board_platform(platform)
+            if abi == "none":
+                return (python in (f"py{major}", own) or version_up_to_ours(python, "py")) and \
+                    (platform == "any" or board_platform(platform))
+            return False
+
+        if any(fits(py, abi, plat) for py in python_tags for abi in abi_tags for plat in platform_tags):
+            return None
+        # the first part no combination can use, for the message
+        if not any(tag in (f"py{major}", own) or version_up_to_ours(tag, "py") or version_up_to_ours(tag, "cp")
+                   for tag in python_tags):
             return (f"its Python tag '{parts[-3]}' is not one the board's CPython {self.python} installs "
                     f"(py{major}, py{major}N or {own}; cp{major}N up to it with abi3)")
         if not any(tag in ("none", "abi3", own) for tag in abi_tags):
             return f"its ABI tag '{parts[-2]}' is not one the board's CPython {self.python} installs (none, abi3, {own})"
-        newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
+        if not any(tag == "any" or board_platform(tag) for tag in platform_tags):
+            newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
+            glibc = (f", or another {newest.group(3)} manylinux tag of glibc {self.oldest_glibc[0]}.{self.oldest_glibc[1]} "
+                     f"to {newest.group(1)}.{newest.group(2)}" if newest else "")
+            return f"its platform tag '{parts[-1]}' is not one the board installs (any, {', '.join(self.platforms)}{glibc})"
+        return (f"its tags '{'-'.join(parts[-3:])}' pair no Python, ABI and platform the board's CPython {self.python} "
+                f"installs together ({own} with {own} or abi3 on the board's platform; py{major} with none, also on any)")
 
-        def fits(tag: str) -> bool:
-            if tag == "any" or tag in self.platforms:
-                return True
-            if newest is None:
-                return False
-            glibc, arch = (int(newest.group(1)), int(newest.group(2))), newest.group(3)
-            if tag == f"linux_{arch}":
-                return True
-            match = MANYLINUX.fullmatch(tag)
-            return match is not None and match.group(3) == arch and (int(match.group(1)), int(match.group(2))) <= glibc
+    @property
+    def oldest_glibc(self) -> tuple[int, int]:
+        """The oldest glibc a wheel for the board may ask for: that of the oldest of :attr:`platforms`
+        (``manylinux2014``: 2.17, the first manylinux for aarch64)."""
+        versions = []
+        for tag in self.platforms:
+            found = MANYLINUX.fullmatch(tag)
+            if found:
+                versions.append((int(found.group(1)), int(found.group(2))))
+            elif tag.split("_")[0] in LEGACY_MANYLINUX:
+                versions.append(LEGACY_MANYLINUX[tag.split("_")[0]])
+        return min(versions) if versions else (0, 0)
 
-        if not any(fits(tag) for tag in platform_tags):
-            older = (f", or another {newest.group(3)} manylinux tag of glibc {newest.group(1)}.{newest.group(2)} or "
-                     "older" if newest else "")
-            return f"its platform tag '{parts[-1]}' is not one the board installs (any, {', '.join(self.platforms)}{older})"
-        return None
+
+#: PEP 600's glibc for the manylinux tags before it
+LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 
 
 BOARDS = {

@@ -231,11 +231,16 @@ def test_a_wheel_whose_name_and_metadata_disagree_is_refused(tiny_int8_export, w
 
 @pytest.mark.parametrize("tags, message", [
     ("py3-none-win_amd64", "its platform tag 'win_amd64' is not one the board installs (any, manylinux_2_28_aarch64, "
-                           "manylinux2014_aarch64, or another aarch64 manylinux tag of glibc 2.28 or older)"),
+                           "manylinux2014_aarch64, or another aarch64 manylinux tag of glibc 2.17 to 2.28)"),
     ("cp312-cp312-manylinux_2_31_aarch64", "its platform tag 'manylinux_2_31_aarch64' is not one the board installs"),
     ("cp312-cp312-manylinux_2_28_x86_64", "its platform tag 'manylinux_2_28_x86_64' is not one the board installs"),
-    ("cp311-cp311-manylinux_2_28_aarch64", "its Python tag 'cp311' is not one the board's CPython 3.12 installs "
-                                           "(py3, py3N or cp312; cp3N up to it with abi3)"),
+    ("cp311-cp311-manylinux_2_28_aarch64", "its ABI tag 'cp311' is not one the board's CPython 3.12 installs "
+                                           "(none, abi3, cp312)"),
+    ("py313-none-manylinux_2_28_aarch64", "its Python tag 'py313' is not one the board's CPython 3.12 installs "
+                                          "(py3, py3N or cp312; cp3N up to it with abi3)"),
+    ("cp312-cp312-any", "its tags 'cp312-cp312-any' pair no Python, ABI and platform the board's CPython 3.12 installs "
+                        "together"),
+    ("py3-none-manylinux_2_5_aarch64", "its platform tag 'manylinux_2_5_aarch64' is not one the board installs"),
     ("cp313-abi3-manylinux_2_28_aarch64", "its Python tag 'cp313' is not one the board's CPython 3.12 installs"),
     ("py313-none-any", "its Python tag 'py313' is not one the board's CPython 3.12 installs"),
     ("py3-cp311-any", "its ABI tag 'cp311' is not one the board's CPython 3.12 installs (none, abi3, cp312)"),
@@ -261,6 +266,32 @@ def test_a_wheel_tagged_for_the_board_is_bundled(tiny_int8_export, wheel, tmp_pa
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(fake)])
     assert result.exit_code == 0, result.output
     assert (out / fake.name).read_bytes() == wheel.read_bytes()
+
+
+def test_the_boards_wheel_tags_are_the_ones_pip_takes():
+    """A tester compared the check with packaging.tags (pip's own list): it took py3-abi3-any,
+    cp312-cp312-any and manylinux_2_5 for aarch64, and refused cp311-abi3, which pip installs."""
+    tags = pytest.importorskip("packaging.tags")
+    utils = pytest.importorskip("packaging.utils")
+    from gemma_export.boards import BOARDS
+
+    board = BOARDS["sl2610"]
+    platforms = [f"manylinux_2_{m}_aarch64" for m in range(28, 16, -1)] + ["manylinux2014_aarch64", "linux_aarch64"]
+    supported = set(tags.cpython_tags(python_version=(3, 12), platforms=platforms)) | set(
+        tags.compatible_tags(python_version=(3, 12), interpreter="cp312", platforms=platforms))
+    pythons = ["py3", "py311", "py312", "py313", "cp310", "cp312", "cp313", "py2.py3"]
+    abis = ["none", "abi3", "cp312", "cp311"]
+    platforms_tried = ["any", "linux_aarch64", "manylinux_2_17_aarch64", "manylinux_2_28_aarch64", "manylinux_2_31_aarch64",
+                       "manylinux_2_5_aarch64", "manylinux2014_aarch64", "manylinux_2_28_x86_64", "win_amd64"]
+    checked = 0
+    for python in pythons:
+        for abi in abis:
+            for platform in platforms_tried:
+                name = f"gemma_export-0.1.0-{python}-{abi}-{platform}.whl"
+                pip_takes = bool(utils.parse_wheel_filename(name)[3] & supported)
+                assert (board.wheel_tag_problem(name) is None) == pip_takes, name
+                checked += 1
+    assert checked == 288
 
 
 def test_a_wheel_of_another_version_is_refused(tiny_int8_export, wheel, tmp_path):
