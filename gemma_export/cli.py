@@ -672,9 +672,8 @@ def verify(
 ) -> None:
     """Re-check an export folder against its manifest (sizes, sha256, no extra or outside files; the
     vocabulary, layers and layer types, attention and cache heads, sizes, dtype and quantization it
-    records against the graph's), then run the ONNX
-    checker and an onnxruntime load; a pre-packed copy (prepacked/) is checked
-    against the checksums its prepacked.json records. A board folder written by `bundle` is checked
+    records against the graph's), then run the ONNX checker and an onnxruntime load; a pre-packed
+    copy (prepacked/) is checked against the checksums its prepacked.json records. A board folder written by `bundle` is checked
     against its BUNDLE.json (every file, the wheel and README included), then its model folder.
 
     \b
