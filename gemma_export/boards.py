@@ -65,6 +65,8 @@ class Board:
         python_tags, abi_tags, platform_tags = (tag.split(".") for tag in parts[-3:])
         major, minor = self.python.split(".")
         own = f"cp{major}{minor}"
+        newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None  # its glibc and machine
+        oldest = self.oldest_glibc
 
         def version_up_to_ours(tag: str, prefix: str) -> bool:  # py3N / cp3N with N at most the board's minor
             found = re.fullmatch(rf"{prefix}{major}(\d+)", tag)
@@ -73,14 +75,13 @@ class Board:
         def board_platform(tag: str) -> bool:  # not "any"
             if tag in self.platforms:
                 return True
-            newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
             if newest is None:
                 return False
             arch = newest.group(3)
             found = MANYLINUX.fullmatch(tag)
             glibc = found and (int(found.group(1)), int(found.group(2)))
             return tag == f"linux_{arch}" or (found is not None and found.group(3) == arch
-                                              and self.oldest_glibc <= glibc <= (int(newest.group(1)), int(newest.group(2))))
+                                              and oldest <= glibc <= (int(newest.group(1)), int(newest.group(2))))
 
         def fits(python: str, abi: str, platform: str) -> bool:
             if abi == own:
@@ -102,8 +103,7 @@ class Board:
         if not any(tag in ("none", "abi3", own) for tag in abi_tags):
             return f"its ABI tag '{parts[-2]}' is not one the board's CPython {self.python} installs (none, abi3, {own})"
         if not any(tag == "any" or board_platform(tag) for tag in platform_tags):
-            newest = MANYLINUX.fullmatch(self.platforms[0]) if self.platforms else None
-            glibc = (f", or another {newest.group(3)} manylinux tag of glibc {self.oldest_glibc[0]}.{self.oldest_glibc[1]} "
+            glibc = (f", or another {newest.group(3)} manylinux tag of glibc {oldest[0]}.{oldest[1]} "
                      f"to {newest.group(1)}.{newest.group(2)}" if newest else "")
             return f"its platform tag '{parts[-1]}' is not one the board installs (any, {', '.join(self.platforms)}{glibc})"
         return (f"its tags '{'-'.join(parts[-3:])}' pair no Python, ABI and platform the board's CPython {self.python} "
