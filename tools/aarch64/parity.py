@@ -138,7 +138,8 @@ def compare(args: argparse.Namespace) -> None:
                           "words, the vocabularies of two exports; compare dumps of one export")
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
-    m = compare_logits(a["logits"], b["logits"], a["text"].tolist(), sliding_window=_window(args.a, args.b))
+    window = _window(args.a, args.b, [a["sliding_window"], b["sliding_window"]])
+    m = compare_logits(a["logits"], b["logits"], a["text"].tolist(), sliding_window=window)
     report = {"machines": [str(a["machine"]), str(b["machine"])], "greedy_identical": same,
               "greedy_first_difference": first_diff, "greedy_tokens_per_prompt": int(a["greedy"].shape[1]),
               "decode_ms_median": [_number_or_null(a["decode_ms_median"]), _number_or_null(b["decode_ms_median"])],
@@ -212,39 +213,30 @@ DUMP_ARRAYS = {
 }
 
 
-def _window(*dumps: Path) -> int | None:
-    """The sliding window the dumps record (``dump`` writes the graph's; 0: none), for the split of
-    top-1 agreement; Gemma 3 270M's 512 for dumps written before they recorded it.
+def _window(a: Path, b: Path, windows: list[int]) -> int | None:
+    """The sliding window two dumps ``a`` and ``b`` record (:func:`load_dump`'s ``sliding_window``,
+    0: none), for the split of top-1 agreement.
 
     Raises:
-        FormatError: the dumps record different windows, or one that is no integer >= 0.
+        FormatError: the dumps record different windows.
     """
-    from gemma_export.config import GEMMA3_270M_SLIDING_WINDOW
     from gemma_export.errors import FormatError
 
-    windows = []
-    for path in dumps:
-        with np.load(path) as loaded:
-            value = loaded["sliding_window"] if "sliding_window" in loaded.files else None
-        if value is None:
-            windows.append(GEMMA3_270M_SLIDING_WINDOW)
-        elif value.ndim != 0 or value.dtype.kind not in "iu" or int(value) < 0:
-            raise FormatError(f"{path}: 'sliding_window' must be an integer >= 0 (0: none), found {value!r:.40}")
-        else:
-            windows.append(int(value))
     if len(set(windows)) != 1:
-        raise FormatError(f"{' and '.join(map(str, dumps))}: dumps of sliding windows {windows}; compare dumps of one "
-                          "export")
+        raise FormatError(f"{a} and {b}: dumps of sliding windows {windows}; compare dumps of one export")
     return windows[0] or None
 
 
 def load_dump(path: Path) -> dict[str, np.ndarray]:
     """The arrays of a dump (:data:`DUMP_ARRAYS`), each checked for its kind and dimensions, and
-    ``logits`` against ``text``: a row per id, and a column for every id.
+    ``logits`` against ``text``: a row per id, and a column for every id; with ``sliding_window``
+    (an int: the graph's window, 0 for none, 512 for a dump written before dumps recorded it).
 
     Raises:
-        FormatError: ``"{path}: not a dump written by `parity.py dump` (expected ...; found ...)"``.
+        FormatError: ``"{path}: not a dump written by `parity.py dump` (expected ...; found ...)"``,
+            or a ``sliding_window`` that is no integer >= 0.
     """
+    from gemma_export.config import GEMMA3_270M_SLIDING_WINDOW
     from gemma_export.errors import FormatError, shown
 
     def refused(found: str) -> FormatError:
@@ -275,6 +267,14 @@ def load_dump(path: Path) -> dict[str, np.ndarray]:
                     f"{array.dtype} {list(array.shape)}"
                 raise refused(f"{name!r} is {found}, expected {what}")
             arrays[name] = array
+        # the graph's window (dump writes it; 0: none); Gemma 3 270M's 512 for dumps written before that
+        window = loaded["sliding_window"] if "sliding_window" in loaded.files else None
+    if window is None:
+        arrays["sliding_window"] = GEMMA3_270M_SLIDING_WINDOW
+    elif window.ndim != 0 or window.dtype.kind not in "iu" or int(window) < 0:
+        raise FormatError(f"{path}: 'sliding_window' must be an integer >= 0 (0: none), found {window!r:.40}")
+    else:
+        arrays["sliding_window"] = int(window)
     (rows, vocab), text = arrays["logits"].shape, arrays["text"]
     if rows != len(text):
         raise refused(f"{rows:,} rows of logits for {len(text):,} text ids")
