@@ -678,6 +678,9 @@ class OnnxDecoder:
                 position = end
             token = picked_token(logits[0, -1], len(new_ids), model=self.graph_path)
             timings.append((time.perf_counter() - start) * 1e3)
+            # the prompt step's logits are an array of their own (1 MB, or [1, S, vocab]): freed now,
+            # before the next step's heap trim, not after it (glibc kept the freed 1 MB otherwise)
+            logits = None
             new_ids.append(token)
             if on_token is not None:
                 on_token(token)
@@ -740,6 +743,7 @@ class OnnxDecoder:
             last = cache.step(ids, mask, positions, logits)[:, -1]
             tokens = np.asarray([picked_token(row, len(out[0]), f"prompt #{n}", self.graph_path)
                                  for n, row in enumerate(last)], np.int64)
+            last = None  # a view of the prompt step's own logits: freed before the next step's heap trim
             for row, token in enumerate(tokens):
                 out[row].append(int(token))
             ids = tokens[:, None].astype(np.int64)
@@ -1026,7 +1030,9 @@ def check_onnxruntime_version(version: str) -> None:
 
 def create_session(path: str | Path, threads: int | None = None, optimized_model_path: str | Path | None = None,
                    config: dict[str, str] | None = None, optimization: str = "all"):
-    """An onnxruntime ``InferenceSession`` of ``path`` on the CPU provider, warnings silenced.
+    """An onnxruntime ``InferenceSession`` of ``path`` on the CPU provider, warnings silenced, with
+    onnxruntime's memory patterns off (``SessionOptions.enable_mem_pattern``): the session would
+    keep one per set of input shapes, a new one every decode step, as long as it lives.
 
     Args:
         threads: intra-op threads (None: onnxruntime's default).
@@ -1052,6 +1058,11 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     # fatal only: a failing kernel's error comes back as the exception the caller words in one line; at
     # level 3 onnxruntime also printed it to stderr first, as a block of its own
     options.log_severity_level = 4
+    # no memory patterns: onnxruntime keeps one per set of input shapes for the session's life, and a
+    # decode step's attention_mask is one longer every step, so it kept a new one every token: 3.4 KB
+    # of heap a step on the real int8 export (3.4 MB per 1,000 tokens, never given back), for no
+    # measurable speed (docs/benchmarks.md, 2026-12-07, twenty-second session)
+    options.enable_mem_pattern = False
     options.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                                         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]
     if threads:
