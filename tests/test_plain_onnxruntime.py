@@ -368,3 +368,10 @@ def test_shared_mode_runs_an_export_with_every_positions_logits(tiny_dir, tmp_pa
     assert runs[0] == runs[1] and len(runs[0]["expected_ids"]) == 8
     decoder = OnnxDecoder(folder)
     assert runs[0]["expected_ids"] == decoder.greedy(runs[0]["prompt_ids"], 8, stop_ids=())[0]
+
+
+def test_its_session_keeps_no_memory_pattern_per_step(tiny_int8_export):
+    """docs/integration.md asks applications to turn onnxruntime's memory patterns off (one kept per
+    decode step's input shapes); the script that shows the contract does so."""
+    model = plain.Model(tiny_int8_export, threads=1)
+    assert model.session.get_session_options().enable_mem_pattern is False

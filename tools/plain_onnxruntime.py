@@ -90,6 +90,9 @@ class Model:
         _give_back_free_heap()
         options = ort.SessionOptions()
         options.log_severity_level = 3  # errors only: the load's expected sliding_cache_start warning stays quiet
+        # no memory patterns: onnxruntime keeps one per set of input shapes for the session's life, and
+        # each decode step's attention_mask is one longer: 3.4 KB of heap a token (docs/integration.md)
+        options.enable_mem_pattern = False
         if threads:
             options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
