@@ -250,12 +250,12 @@ loading, when the board's kernel is Linux 6.1 or newer; `bench` prints how many 
 #: and from the heap, and how much the copy raises the peak (`bench --board sl2610 --prompt-tokens 512
 #: --new-tokens 128` on x86-64, the default exports of the real 270M)
 QUANTIZED_MEMORY_FIGURES = {
-    "int8": {"growth": "about 0.02 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
-                       "with the KV cache in use, against 1.08 × and 1.154 × without it (the default int8 export on "
-                       "x86-64, 2026-12-05 and 2026-12-07)",
+    "int8": {"growth": "about 0.01 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
+                       "with the KV cache in use, against 1.07 × and 1.148 × without it (the default int8 export on "
+                       "x86-64, 2026-12-07)",
              "peak_rise": "90–186 MB"},
-    "int4": {"growth": "0.16 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
-                       "1.35 × without it (the default int4 export on x86-64, 2026-12-07; peak 651 MB with it, "
+    "int4": {"growth": "0.15 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
+                       "1.34 × without it (the default int4 export on x86-64, 2026-12-07; peak 650 MB with it, "
                        "578 MB without)",
              "peak_rise": "about 70 MB"},
 }

@@ -636,8 +636,8 @@ def prepack(
     packed layout. generate, bench, quality and parity then map the packed weights from disk instead
     of building them on the heap: the same logits, and Anonymous memory (which the kernel cannot
     reclaim) drops by about the archive's size (int8, the growth as bench counts it, after a short
-    prompt: about 1.08 x -> 0.02 x the archive, 2026-12-05; at the last of 128 steps after a
-    512-token prompt, the KV cache in use: 1.154 x -> 0.092 x, 2026-12-07). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
+    prompt and 128 steps: about 1.07 x -> 0.01 x the archive; at the last of 128 steps after a
+    512-token prompt, the KV cache in use: 1.148 x -> 0.087 x; 2026-12-07). Decode speed stays the same. Peak resident memory rises a little, by clean file pages the kernel can reclaim. Run
     it on the machine that runs the model (the layout depends on the CPU and the onnxruntime
     version; a copy made elsewhere is ignored). Costs 2-2.2 x the data file on disk (4 x for bf16, up to 2.44 x with --scale-dtype float16); refused below 2.3 x (4.1 x, 2.6 x) free.
 

@@ -2052,3 +2052,26 @@ def test_a_folder_this_user_may_not_read_is_named_as_such(tiny_int8_export, monk
         assert result.exit_code == 2, result.output
         assert result.stderr == (f"error: {folder}: this user may not read the folder (permission denied); its owner "
                                  "can make it readable\n"), result.stderr
+
+
+def test_readme_python_export_reports_its_steps_and_tensors(tiny_dir, tmp_path, capsys):
+    """The README's Python example passes status=print and a one-line progress callback: without the
+    callback the export printed nothing for minutes after its first steps (a fresh user, 2026-12-07).
+    Its exact callback and keywords, on the tiny model with a tokenizer (so it calibrates)."""
+    import re
+    import shutil
+
+    from conftest import write_char_tokenizer
+
+    from gemma_export import export
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    result = export(source, out_dir=tmp_path / "int8-from-python", dtype="int8", block_size=16, status=print,
+                    progress=lambda done, total, what: print(f"\r{what[:40]:40} {done}/{total}", end=""))
+    printed = capsys.readouterr().out
+    assert printed.startswith("reading "), printed[:200]
+    counts = [(int(a), int(b)) for a, b in re.findall(r" (\d+)/(\d+)", printed)]
+    assert ("calibration" in printed) and counts and counts[-1][0] == counts[-1][1] > 1, printed[-300:]
+    assert (result.out_dir / "model.onnx").is_file()
