@@ -13,15 +13,15 @@ from pathlib import Path
 
 from .config import SLIDING_CACHE_START
 from .errors import FormatError, SourceNotFoundError, VerificationError, check_arguments, shown_folder
-from .manifest import (check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers, read_manifest,
-                       require_folder)
+from .manifest import (check_manifest_against_model, check_manifest_fields, graph_vocab_and_layers, manifest_figure,
+                       read_manifest, require_folder)
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, check_external_data, graph_dtype,
                          read_graph)
 from .prepack import PREPACKED_DIR
 from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .prepack import unreadable_or
-from .runtime import check_decoder_contract, create_session, genai_model_config, sliding_layers_from
+from .runtime import check_decoder_contract, create_session, genai_model_config, max_positions, sliding_layers_from
 from .staging import check_listed_file, listed_files
 from .text_files import non_regular
 from .tokenizer import read_tokenizer_json
@@ -64,11 +64,33 @@ def is_table_shaped(dims, data_type: int, vocab_size: int, hidden_size: int) -> 
     return len(dims) >= 1 and vocab_size in (dims[0], dims[-1]) and (n == vocab_size * hidden_size or packed)
 
 
+#: tokens of :func:`verify_folder`'s step: ``<bos>``, then ids spread over the vocabulary (:func:`probe_ids`)
+PROBE_TOKENS = 8
+
+
+def probe_ids(vocab_size: int | None, positions: int | None, bos_token_id: int | None = None) -> list[int]:
+    """The token ids :func:`verify_folder` runs in one step from an empty cache, as a prompt: its
+    ``bos_token_id`` (which every prompt starts with; id 0 when unknown or outside the vocabulary),
+    then ids spread evenly over ``0 … vocab_size - 1``, :data:`PROBE_TOKENS` in all, fewer when the
+    graph takes fewer ``positions``; only the first when either figure is unknown. A weight that
+    overflows for some tokens only (one ``down_proj`` entry of 3e38 on a tiny model: NaN from
+    ``<bos>``, finite from id 0) makes the step's last logits NaN through the attention over all."""
+    first = bos_token_id if isinstance(bos_token_id, int) and vocab_size and 0 <= bos_token_id < vocab_size else 0
+    if not vocab_size or not positions:
+        return [first]
+    count = min(PROBE_TOKENS, positions)
+    spread = [round(k * (vocab_size - 1) / (count - 2)) for k in range(count - 1)] if count > 2 else [0][:count - 1]
+    return [first] + spread
+
+
 def verify_folder(folder: str | Path) -> None:
     """Check an export folder: the ONNX checker on the path, an onnxruntime session load, and one
-    step of token id 0 at position 0 whose logits must be finite (weights that are finite but
-    overflow float32 inside the graph, e.g. a norm weight of 3e38, would otherwise export and
-    verify, and fail every later generation).
+    step of a few token ids (:func:`probe_ids`: ``<bos>`` and ids spread over the vocabulary, at
+    positions 0, 1, ...) whose logits must be finite (weights that are finite but overflow float32
+    inside the graph, e.g. a norm weight of 3e38, would otherwise export and verify, and fail every
+    later generation). The positions are capped by the folder's ``max_position_embeddings``
+    (:func:`~gemma_export.runtime.max_positions`: its manifest, or the ``genai_config.json`` an export
+    writes first), ``<bos>`` read from the same files; the vocabulary is the graph's ``logits`` width.
 
     Args:
         folder: a folder holding ``model.onnx`` (and its external data), with this toolkit's
@@ -99,13 +121,17 @@ def verify_folder(folder: str | Path) -> None:
         # the inputs and outputs generate, bench, quality and parity feed and read: a graph that loads
         # but breaks them would pass here and fail on the board
         check_decoder_contract(model_path, {i.name: i for i in session.get_inputs()}, session.get_outputs())
-        feeds = _first_step_feeds(model_path, session)
+        vocab = next(o.shape[-1] for o in session.get_outputs() if o.name == "logits")  # check_decoder_contract: there
+        ids = probe_ids(vocab if isinstance(vocab, int) else None, max_positions(folder), _bos_token_id(folder))
+        feeds = _first_step_feeds(model_path, session, ids)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
     logits = session.run(["logits"], feeds)[0]
     if not np.isfinite(logits).all():
         bad = logits[~np.isfinite(logits)]
-        raise NonFiniteLogits(model_path, f"the first step (token id 0 at position 0) computes {bad.size:,} "
+        what = (f"token id {ids[0]} at position 0" if len(ids) == 1 else
+                f"token ids {', '.join(map(str, ids))} at positions 0-{len(ids) - 1}")
+        raise NonFiniteLogits(model_path, f"the first step ({what}) computes {bad.size:,} "
                                           f"non-finite logits (e.g. {bad.flat[0]})")
 
 
@@ -122,9 +148,20 @@ class NonFiniteLogits(VerificationError):
         self.path, self.finding = path, finding
 
 
-def _first_step_feeds(model_path: Path, session) -> dict:
-    """The feeds of one step of token id 0 at position 0 with an empty cache, for ``session``'s
-    declared inputs (:func:`~gemma_export.runtime.check_decoder_contract` passed).
+def _bos_token_id(folder: Path) -> int | None:
+    # genai_config.json's (every export writes it first), else the manifest's; None: unknown (id 0 then)
+    try:
+        bos = genai_model_config(folder).get("bos_token_id")
+    except FormatError:
+        bos = None
+    if bos is None:
+        bos = manifest_figure(folder, "bos_token_id")
+    return bos if isinstance(bos, int) and not isinstance(bos, bool) else None
+
+
+def _first_step_feeds(model_path: Path, session, ids: list[int]) -> dict:
+    """The feeds of one step of ``ids`` at positions 0, 1, ... with an empty cache, for
+    ``session``'s declared inputs (:func:`~gemma_export.runtime.check_decoder_contract` passed).
 
     Raises:
         FormatError: a cache input's kv-heads or ``head_dim`` is symbolic (an export of this toolkit
@@ -141,8 +178,9 @@ def _first_step_feeds(model_path: Path, session) -> dict:
                     raise FormatError(f"{model_path}: input {node.name} has a symbolic {what} dimension {dim!r}; "
                                       "an export of this toolkit declares it as a number")
             feeds[node.name] = np.zeros((1, heads, 0, head_dim), np.float32)
-        else:  # input_ids, attention_mask, position_ids: [1, 1]
-            feeds[node.name] = np.full((1, 1), 1 if node.name == "attention_mask" else 0, np.int64)
+        else:  # input_ids, attention_mask, position_ids: [1, len(ids)]
+            feeds[node.name] = np.asarray([{"input_ids": ids, "attention_mask": [1] * len(ids)}.get(
+                node.name, list(range(len(ids))))], np.int64)
     return feeds
 
 

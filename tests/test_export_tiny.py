@@ -1120,13 +1120,48 @@ def test_weights_whose_logits_overflow_float32_are_refused_at_export(tmp_path, d
         model.model.norm.weight.fill_(3.4e38)
     src = save_tiny(model, tmp_path / "src")
     out = tmp_path / "out"
-    with pytest.raises(VerificationError, match=rf"^{re.escape(str(src))}: the first step \(token id 0 at "
-                                                rf"position 0\) computes 96 non-finite logits \(e.g. nan\): a weight "
+    with pytest.raises(VerificationError, match=rf"^{re.escape(str(src))}: the first step \(token ids 2, 0, 16, 32, "
+                                                rf"48, 63, 79, 95 at positions 0-7\) computes 96 non-finite logits "
+                                                rf"\(e.g. nan\): a weight "
                                                 rf"overflows float32; the source's largest weight is model.norm.weight"
                                                 rf"\[0\] = 3.4e\+38 \({re.escape(str(src))}/model.safetensors:"
                                                 rf"model.norm.weight\); nothing was written$"):
         export(src, out, dtype, **({} if dtype == "fp32" else {"block_size": 16, "calibrate": False}))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8"])
+def test_a_weight_that_overflows_for_most_tokens_but_not_token_0_is_refused(tmp_path, dtype):
+    """One down_proj entry of 3e38: token 0 alone at position 0 gave finite logits, so the export
+    and `verify` passed, and `generate` then failed on every prompt tried (a break-it run,
+    2026-12-07). The check runs several ids spread over the vocabulary in one step."""
+    import torch
+
+    from gemma_export.verify import probe_ids
+
+    model = make_tiny_model()
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 3e38
+    src = save_tiny(model, tmp_path / "src")
+    assert torch.isfinite(model(input_ids=torch.tensor([[0]])).logits).all()  # what the one-token check saw
+    assert not torch.isfinite(model(input_ids=torch.tensor([[2]])).logits).all()  # <bos>: every prompt
+    probe = torch.tensor([probe_ids(model.config.vocab_size, model.config.max_position_embeddings, 2)])
+    assert not torch.isfinite(model(input_ids=probe).logits[0, -1]).all()  # transformers agrees
+    with pytest.raises(VerificationError, match=r"the first step \(token ids 2, 0, 16, .* at positions 0-7\) computes "
+                                                r"\d+ non-finite logits .*; the source's largest weight is "
+                                                r"model.layers.0.mlp.down_proj.weight\[0, 0\] = 3e\+38 .*nothing was "
+                                                r"written$"):
+        export(src, tmp_path / "out", dtype, **({"block_size": 16, "calibrate": False} if dtype == "int8" else {}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_probe_ids_spread_over_the_vocabulary_within_the_positions():
+    from gemma_export.verify import probe_ids
+
+    assert probe_ids(262_144, 32_768, 2) == [2, 0, 43690, 87381, 131072, 174762, 218452, 262143]
+    assert probe_ids(96, 3, 2) == [2, 0, 95] and probe_ids(96, 2, 2) == [2, 0] and probe_ids(96, 1, 2) == [2]
+    assert probe_ids(None, 512, 2) == probe_ids(96, None) == probe_ids(96, 3, 96)[:1] == [0]  # no vocabulary; bos beyond it
+    assert probe_ids(2, 512, 1) == [1, 0, 0, 0, 0, 1, 1, 1]
 
 
 def test_a_scale_beyond_float16_is_refused_with_float16_scales_and_stored_without(tmp_path):
