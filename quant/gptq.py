@@ -79,15 +79,21 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     h[dead, dead] = 1.0
     h[np.diag_indices_from(h)] += damp * float(np.mean(np.diagonal(h)))
     # float32 first (GPTQ's reference code factors in float32), float64 if that fails
+    beyond = False
     for dtype in (np.float32, np.float64):
         try:
-            inverse = np.linalg.inv(h.astype(dtype))
-            inverse = (inverse + inverse.T) * 0.5
-            factor = np.linalg.cholesky(inverse).T.astype(np.float32)  # upper factor of H⁻¹
+            with np.errstate(over="ignore", under="ignore", invalid="ignore"):  # judged below
+                inverse = np.linalg.inv(h.astype(dtype))
+                inverse = (inverse + inverse.T) * 0.5
+                factor = np.linalg.cholesky(inverse).T.astype(np.float32)  # upper factor of H⁻¹
         except np.linalg.LinAlgError:
             continue
         if np.isfinite(factor).all() and (np.diagonal(factor) > 0).all():
             return factor
+        beyond = beyond or not np.isfinite(factor).all() or not np.isfinite(h.astype(np.float32)).all()
+    if beyond:  # e.g. a Hessian scaled by 1e100: positive definite, but its inverse factor is no float32
+        raise ValueError(f"the Hessian's scale is beyond float32's range for its factor (largest diagonal "
+                         f"{float(np.max(diag)):.3g}); scale it towards 1")
     raise ValueError("the Hessian is not positive definite after damping")
 
 
@@ -179,7 +185,8 @@ def gptq_codes(w, hessian: "np.ndarray | Hessian", scales: np.ndarray, zero_poin
 
     Args:
         w: float ``[N, K]`` (an array or any row-sliceable object: read chunk by chunk).
-        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale), or a
+        hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs (any positive scale whose factor
+            float32 holds: about 1e-30 to 1e30 on the diagonal), or a
             :class:`Hessian` (whose own ``damp`` then applies and whose factor is reused).
         scales: float32 ``[N, K / block_size]``, nonzero and finite.
         zero_points: ``[N, K / block_size]``, the code that dequantizes to 0.

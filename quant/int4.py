@@ -229,7 +229,7 @@ class BlockInt4Weights:
             ``[N, ceil((K // block_size) / 2)]`` (None when ``symmetric``).
 
         Raises:
-            ValueError: ``w`` not 2-D or without columns, ``block_size`` not an integer, odd, or not
+            ValueError: ``w`` not 2-D or without rows or columns, ``block_size`` not an integer, odd, or not
                 dividing K, ``symmetric`` not a bool, unknown ``method`` or ``scale_dtype``, a scale
                 beyond float16's range with ``"float16"``, bad ``channel_weights``, NaN/Inf, a
                 float64 beyond float32's range or values that are not real numbers in ``w``

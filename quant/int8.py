@@ -75,7 +75,7 @@ class BlockInt8Weights:
             float32 ``[N, K // block_size]``.
 
         Raises:
-            ValueError: ``w`` is not 2-D or has no columns, ``block_size`` is not an integer or ``K``
+            ValueError: ``w`` is not 2-D or has no rows or columns, ``block_size`` is not an integer or ``K``
                 is not a multiple of it, ``w`` holds NaN or Inf, a float64 beyond float32's range or
                 values that are not real numbers (:func:`quant.rows.float_rows`; callers name the
                 tensor), an unknown ``scale_dtype``, a scale beyond

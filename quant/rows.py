@@ -46,13 +46,13 @@ def block_count(shape: tuple[int, ...], block_size: int, even: bool = False) -> 
             share a byte).
 
     Raises:
-        ValueError: ``shape`` is not 2-D or has no columns, ``block_size`` is not an integer, or it
+        ValueError: ``shape`` is not 2-D or has no rows or columns, ``block_size`` is not an integer, or it
             does not divide K (or is odd when ``even``).
     """
     if len(shape) != 2:
         raise ValueError(f"expected a 2-D weight, found shape {tuple(shape)}")
-    if shape[1] == 0:
-        raise ValueError(f"expected a 2-D weight with at least one column, found shape {tuple(shape)}")
+    if shape[0] == 0 or shape[1] == 0:
+        raise ValueError(f"expected a 2-D weight with at least one row and one column, found shape {tuple(shape)}")
     if not is_integer(block_size):
         raise ValueError(f"block_size must be an integer, found {block_size!r}")
     k = shape[1]

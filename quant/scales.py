@@ -37,7 +37,8 @@ class Float16RangeError(ValueError):
 
     def __init__(self, value: float, index: tuple[int, ...]):
         self.value, self.index = value, index
-        super().__init__(f"block scale {value:.7g} at {index} does not fit float16 (largest {FLOAT16_MAX:g})")
+        # 9 digits: a float32 just above 65504 (65504.004) must not read as 65504
+        super().__init__(f"block scale {value:.9g} at {index} does not fit float16 (largest {FLOAT16_MAX:g})")
 
     def at_row(self, start: int) -> "Float16RangeError":
         """The same error for scales that were rows ``start`` on of a larger array (a row chunk)."""

@@ -660,3 +660,19 @@ def test_a_finite_weight_that_overflows_in_the_hadamard_rotation_is_named_as_suc
     # without the rotation the same weight quantizes (int8 scales are max / 127)
     result = CliRunner().invoke(app, ["--source", str(src), "--dtype", "int8", "--hadamard", "0", "--out", str(out)])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("scale", [1e-100, 1e100])
+def test_a_hessian_scaled_beyond_float32_is_named_as_such_not_as_indefinite(scale):
+    """A positive definite Hessian times 1e100 was refused as "not positive definite after damping"
+    (its float32 factor overflowed; a break-it run). Within the documented range it quantizes as at
+    scale 1."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 64)).astype(np.float32)
+    x = rng.standard_normal((256, 64))
+    h = x.T @ x
+    with pytest.raises(ValueError, match=r"^the Hessian's scale is beyond float32's range for its factor \(largest "
+                                         r"diagonal [0-9.]+e[+-]\d+\); scale it towards 1$"):
+        BlockInt8Weights.quantize(w, 16, hessian=h * scale)
+    assert np.array_equal(BlockInt8Weights.quantize(w, 16, hessian=h * 1e20).data,
+                          BlockInt8Weights.quantize(w, 16, hessian=h).data)

@@ -552,9 +552,12 @@ def test_bf16_refuses_a_float64_beyond_float32_instead_of_storing_inf():
 
 @pytest.mark.parametrize("w, message", [(np.ones((2, 16), np.complex64), r"^expected real numbers, found complex64$"),
                                         (np.full((2, 16), None), r"^expected real numbers, found object$"),
-                                        (np.ones((2, 0), np.float32), r"^expected a 2-D weight with at least one column, "
-                                                                      r"found shape \(2, 0\)$")])
-def test_weights_that_are_not_real_numbers_or_have_no_columns_are_refused(w, message):
+                                        (np.ones((2, 0), np.float32), r"^expected a 2-D weight with at least one row and "
+                                                                      r"one column, found shape \(2, 0\)$"),
+                                        # no rows: numpy's own "zero-size array to reduction operation" before
+                                        (np.ones((0, 16), np.float32), r"^expected a 2-D weight with at least one row and "
+                                                                       r"one column, found shape \(0, 16\)$")])
+def test_weights_that_are_not_real_numbers_or_have_no_rows_or_columns_are_refused(w, message):
     with pytest.raises(ValueError, match=message):
         BlockInt8Weights.quantize(w, 16)
     with pytest.raises(ValueError, match=message):
@@ -751,3 +754,23 @@ def test_rotate_hessian_refuses_a_matrix_that_is_not_square():
 
     with pytest.raises(ValueError, match=r"^expected a square Hessian, found shape \(4, 8\)$"):
         rotate_hessian(np.ones((4, 8)), 2)
+
+
+def test_a_float16_overflow_message_shows_the_value_above_the_limit():
+    """65504.004 (float32) printed as 65504 read "block scale 65504 ... does not fit float16 (largest
+    65504)" (a break-it run): enough digits to show it is above."""
+    from quant.scales import on_float16_grid
+
+    with pytest.raises(ValueError, match=r"^block scale 65504\.0039 at \(0,\) does not fit float16 \(largest 65504\)$"):
+        on_float16_grid(np.array([65504.004], np.float32))
+
+
+def test_rotating_a_block_that_overflows_gives_inf_without_a_warning():
+    import warnings
+
+    from quant.hadamard import rotate_blocks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rotated = rotate_blocks(np.full((1, 16), 3e38, np.float32), 16)
+    assert np.isposinf(rotated[0, 0])  # the sum of 16 × 3e38, scaled: beyond float32, as documented
