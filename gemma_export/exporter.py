@@ -747,8 +747,12 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
     ``option`` is the calibration option the user gave (named in the error when the source has no
     tokenizer).
 
+    The tokens run as one sequence from position 0, so at most ``max_position_embeddings`` of them
+    are used (a note says so).
+
     Raises:
-        ConfigError: the source has no tokenizer, or the text is shorter than MIN_CALIBRATION_TOKENS.
+        ConfigError: the source has no tokenizer, the text is shorter than MIN_CALIBRATION_TOKENS, or
+            the model takes fewer positions than that.
     """
     body, where = text
     files = ckpt.tokenizer.files if ckpt.tokenizer is not None else {}
@@ -761,6 +765,16 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
     if ids and max(ids) >= ckpt.config.vocab_size:
         raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
                           f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")
+    limit = ckpt.config.max_position_embeddings  # calibration runs the text as one sequence from position 0
+    if limit < MIN_CALIBRATION_TOKENS and len(ids) > limit:
+        raise ConfigError(f"{ckpt.path}: max_position_embeddings is {limit}; calibration runs its text as one "
+                          f"sequence and needs at least {MIN_CALIBRATION_TOKENS} positions: export with --no-calibrate "
+                          "for round-to-nearest codes")
+    if len(ids) > limit:
+        if status is not None:
+            status(f"note: calibration runs its text as one sequence, and the model takes {limit:,} positions "
+                   f"(max_position_embeddings): the first {limit:,} of the {len(ids):,} tokens are used")
+        ids = ids[:limit]
     if len(ids) < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"{where}: {len(ids)} token(s) after tokenizing with {ckpt.path}'s tokenizer; calibration "
                           f"needs at least {MIN_CALIBRATION_TOKENS}: give a longer --calibration-text, the model's own "

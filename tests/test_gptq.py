@@ -676,3 +676,34 @@ def test_a_hessian_scaled_beyond_float32_is_named_as_such_not_as_indefinite(scal
         BlockInt8Weights.quantize(w, 16, hessian=h * scale)
     assert np.array_equal(BlockInt8Weights.quantize(w, 16, hessian=h * 1e20).data,
                           BlockInt8Weights.quantize(w, 16, hessian=h).data)
+
+
+def test_calibration_takes_no_more_tokens_than_the_model_has_positions(tiny_with_tokenizer, text_file, tmp_path):
+    """Calibration runs its text as one sequence: a model of 32 positions was calibrated on 4,096 tokens
+    (positions it never takes; a break-it run). It uses the first 32, with a note; below 16 positions
+    it is refused, naming the field and --no-calibrate."""
+    import json
+    import shutil
+
+    from gemma_export.errors import ConfigError
+    from gemma_export.exporter import export
+
+    def with_positions(n):
+        src = tmp_path / f"src{n}"
+        shutil.copytree(tiny_with_tokenizer, src, dirs_exist_ok=True)
+        config = json.loads((src / "config.json").read_text())
+        config["max_position_embeddings"] = n
+        (src / "config.json").write_text(json.dumps(config))
+        return src
+
+    notes = []
+    result = export(with_positions(32), tmp_path / "a", "int8", block_size=16, table_block_size=16,
+                    calibration_text=text_file, status=notes.append)
+    assert result.calibration["tokens"] == 32
+    assert ("note: calibration runs its text as one sequence, and the model takes 32 positions "
+            "(max_position_embeddings): the first 32 of the ") in "\n".join(notes)
+    with pytest.raises(ConfigError, match=r"src8: max_position_embeddings is 8; calibration runs its text as one "
+                                          r"sequence and needs at least 16 positions: export with --no-calibrate"):
+        export(with_positions(8), tmp_path / "b", "int8", block_size=16, table_block_size=16, calibration_text=text_file)
+    assert not (tmp_path / "b").exists()
+    export(with_positions(8), tmp_path / "c", "int8", block_size=16, table_block_size=16, calibrate=False)
