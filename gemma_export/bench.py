@@ -859,9 +859,18 @@ def write_json(data: dict, path: str | Path | None) -> None:
     if _under_dev_or_proc(path) or (path.exists() and not path.is_file()):
         # a device, a FIFO or a descriptor (/dev/full, /dev/stderr, /proc/self/fd/2, even when it leads to
         # a regular file): written in place, never replaced by a regular file, and appended to (opening
-        # it for writing would truncate a log that stderr leads to, e.g. `2>>log`)
+        # it for writing would truncate a log that stderr leads to, e.g. `2>>log`). A named pipe is
+        # opened without waiting: with no reader, a plain open blocked for ever after the whole run.
         try:
-            with open(path, "a", encoding="utf-8") as f:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:
+                raise OutputError(f"--json {path}: a named pipe that no process reads; the report was not written "
+                                  f"(start its reader first, e.g. `cat {path} &`)") from None
+            raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None
+        try:
+            with open(fd, "a", encoding="utf-8") as f:  # owns fd from here
+                os.set_blocking(fd, True)  # the reader takes the report at its own pace
                 f.write(text)
         except OSError as exc:
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None

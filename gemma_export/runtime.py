@@ -167,16 +167,22 @@ def positions_needed(prompt_tokens: int, new_tokens: int) -> int:
     return prompt_tokens + max(new_tokens - 1, 0)
 
 
-def check_positions(model_dir: str | Path, total_tokens: int, max_position_embeddings: int | None) -> None:
-    """Raises GemmaExportError when a sequence of ``total_tokens`` positions (the prompt and the new
-    tokens fed back, :func:`positions_needed`) exceeds ``max_position_embeddings`` (None: no check).
+#: how :func:`check_positions` names a generation's sequence (the prompt and the new tokens fed back)
+GENERATED = "tokens (the prompt and the new tokens fed back)"
+
+
+def check_positions(model_dir: str | Path, total_tokens: int, max_position_embeddings: int | None,
+                    what: str = GENERATED) -> None:
+    """Raises GemmaExportError when a sequence of ``total_tokens`` positions (by default the prompt and
+    the new tokens fed back, :func:`positions_needed`; ``what`` names other sequences, e.g.
+    "teacher-forced ids") exceeds ``max_position_embeddings`` (None: no check).
 
     Raises:
         GemmaExportError: naming ``model_dir``, the length and the limit.
     """
     if max_position_embeddings and total_tokens > max_position_embeddings:
-        raise GemmaExportError(f"{model_dir}: a sequence of {total_tokens} tokens (the prompt and the new tokens fed "
-                               f"back) exceeds {limit_name(model_dir)} {max_position_embeddings}")
+        raise GemmaExportError(f"{model_dir}: a sequence of {total_tokens} {what} exceeds {limit_name(model_dir)} "
+                               f"{max_position_embeddings}")
 
 
 def check_new_tokens(max_new_tokens: int, where: str) -> None:
@@ -589,7 +595,7 @@ class OnnxDecoder:
             raise FormatError(f"{self.model_dir / MODEL_FILE}: no output {missing[0]!r} (export with --debug-outputs)")
         if len(token_ids) == 0:
             raise GemmaExportError("prefill_outputs: no token ids; give at least one (e.g. <bos>, id 2)")
-        self.check_length(len(token_ids))
+        self.check_length(len(token_ids), "token ids")
         self.check_ids(token_ids, "prefill_outputs", tokenized=False)
         ids = np.asarray([list(token_ids)], np.int64)
         feeds = self._feeds(ids, np.ones_like(ids), np.arange(ids.shape[1], dtype=np.int64)[None], self.empty_cache(1))
@@ -610,14 +616,15 @@ class OnnxDecoder:
         check_token_ids(ids, self.vocab_size, f"{self.model_dir}: {what}",
                         "; the tokenizer beside the export does not match its graph" if tokenized else "", tokenizer)
 
-    def check_length(self, total_tokens: int) -> None:
+    def check_length(self, total_tokens: int, what: str = GENERATED) -> None:
         """Raises GemmaExportError when a sequence of ``total_tokens`` tokens (positions) would exceed
-        ``max_position_embeddings`` (no check when the folder does not give it).
+        ``max_position_embeddings`` (no check when the folder does not give it); ``what`` names the
+        sequence in the message (:func:`check_positions`).
 
         Raises:
             GemmaExportError: ``total_tokens`` > ``max_position_embeddings``.
         """
-        check_positions(self.model_dir, total_tokens, self.max_position_embeddings)
+        check_positions(self.model_dir, total_tokens, self.max_position_embeddings, what)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
                prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK, on_token: Callable[[int], None] | None = None):
@@ -765,7 +772,7 @@ class OnnxDecoder:
         check_arguments("teacher_forced_logits", token_ids=(token_ids, "ids"))
         if not len(token_ids):
             return np.empty((0, self.vocab_size), np.float32)
-        self.check_length(len(token_ids))
+        self.check_length(len(token_ids), "teacher-forced ids")
         self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
         need = len(token_ids) * self.vocab_size * 4
         available = memory.available_bytes()
@@ -793,7 +800,7 @@ class OnnxDecoder:
         check_arguments("teacher_forced_chunks", token_ids=(token_ids, "ids"))
         if not _is_integer(chunk) or chunk < 1:
             raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
-        self.check_length(len(token_ids))
+        self.check_length(len(token_ids), "teacher-forced ids")
         self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
         yield from self._teacher_forced_rows(token_ids, chunk)
 
@@ -1379,6 +1386,12 @@ class KVCache:
             raise GemmaExportError(f"KV cache: a step of {seq} tokens after a past needs batch 1 (onnxruntime's "
                                    f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
         check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
+        limit = self.decoder.max_position_embeddings
+        if position_ids.min() < 0 or (limit and position_ids.max() >= limit):  # the graph's RoPE takes no others
+            bad = position_ids.min() if position_ids.min() < 0 else position_ids.max()
+            at = list(map(int, np.argwhere(position_ids == bad)[0]))
+            rule = ">= 0" if bad < 0 else f"below {limit_name(self.decoder.model_dir)} {limit}"
+            raise GemmaExportError(f"KV cache: position_ids must be {rule}, found {int(bad)} at {at}")
         if total > self.positions + seq:
             raise GemmaExportError(f"KV cache: attention_mask covers {total} positions, but the cache holds "
                                    f"{self.positions} and the step adds {seq}: at most {self.positions + seq}")

@@ -1119,3 +1119,36 @@ def test_a_figure_bench_could_not_read_is_none_not_zero(tiny_int8_export, text_f
     r = run_bench(tiny_int8_export, threads=1, prompt_tokens=(4,), new_tokens=5, text=text_file)
     assert (r.anon_in_use_bytes, r.rss_in_use_bytes, r.in_use_prompt_tokens) == (None, None, None)
     assert "in use" not in bench_module.format_result(r)
+
+
+def test_a_json_report_to_a_named_pipe_without_a_reader_fails_at_once(tmp_path):
+    """A plain open of a FIFO for writing waits for a reader: `generate --json FIFO` with nothing
+    reading it hung for ever after the whole run (a break-it run). With a reader it is written."""
+    import threading
+
+    from gemma_export.bench import write_json
+    from gemma_export.errors import OutputError
+
+    fifo = tmp_path / "report"
+    os.mkfifo(fifo)
+    done = []
+    worker = threading.Thread(target=lambda: done.append(pytest.raises(OutputError, write_json, {"a": 1}, fifo)),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    assert done, "write_json blocked on a FIFO nobody reads"
+    assert re.fullmatch(rf"--json {re.escape(str(fifo))}: a named pipe that no process reads; the report was not "
+                        rf"written \(start its reader first, e.g. `cat {re.escape(str(fifo))} &`\)", str(done[0].value))
+    received = []
+    reader = threading.Thread(target=lambda: received.append(open(fifo, encoding="utf-8").read()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            write_json({"a": 1}, fifo)
+            break
+        except OutputError:  # the reader has not opened its end yet
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    reader.join(10)
+    assert received == ['{\n  "a": 1\n}\n']

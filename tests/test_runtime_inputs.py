@@ -69,7 +69,7 @@ def test_a_genai_folder_takes_its_context_length_from_genai_config(genai_dir):
     with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 tokens \(the prompt "
                                                rf"and the new tokens fed back\) exceeds {config} {CONTEXT}$"):
         decoder.greedy([2] * 60, 6)
-    with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 tokens"):
+    with pytest.raises(GemmaExportError, match=rf"^{re.escape(str(genai_dir))}: a sequence of 65 teacher-forced ids"):
         decoder.teacher_forced_logits([2] * 65)
 
 
@@ -287,3 +287,28 @@ def test_an_optimized_model_path_in_no_folder_or_with_other_hard_links_is_refuse
     with pytest.raises(OutputError, match=rf"^{re.escape(str(link))}: optimized_model_path is a file with 2 hard links"):
         OnnxDecoder(tiny_int8_export, optimized_model_path=link)
     assert _digests(other) == before
+
+
+def test_a_step_refuses_positions_the_graph_does_not_take(tiny_int8_export):
+    """position_ids were not checked: -5 and 100,000 (max_position_embeddings 256 on the tiny
+    model) gave logits without a word, while an id outside the vocabulary was refused (a break-it
+    run). The last position (255) is taken."""
+    from gemma_export.runtime import KVCache, OnnxDecoder
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    assert decoder.max_position_embeddings == 256
+    for position, message in ((-5, r"must be >= 0, found -5 at \[0, 0\]"),
+                              (256, r"must be below the model's max_position_embeddings 256, found 256 at \[0, 0\]"),
+                              (100_000, r"found 100000 at \[0, 0\]")):
+        with pytest.raises(GemmaExportError, match=rf"^KV cache: position_ids {message}" if "must" in message else message):
+            KVCache(decoder, 1, 10).step([[2]], [[1]], [[position]])
+    assert KVCache(decoder, 1, 10).step([[2]], [[1]], [[255]]).shape == (1, 1, decoder.vocab_size)
+
+
+def test_teacher_forcing_beyond_the_limit_names_its_ids_not_a_prompt(tiny_int8_export):
+    from gemma_export.runtime import OnnxDecoder
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    with pytest.raises(GemmaExportError, match=r": a sequence of 257 teacher-forced ids exceeds the model's "
+                                               r"max_position_embeddings 256$"):
+        decoder.teacher_forced_logits([2] * 257)
