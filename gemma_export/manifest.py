@@ -122,7 +122,8 @@ def require_folder(folder: Path, holding: str) -> None:
                 f"to {folder}, or write it again" if aside else "")
         raise SourceNotFoundError(f"{folder}: no such export folder{hint}")
     if not folder.is_dir():
-        raise SourceNotFoundError(f"{folder}: is a file; expected an export folder (the one holding {holding})")
+        what = "a file" if folder.is_file() else "not a regular file (a FIFO, socket or device)"
+        raise SourceNotFoundError(f"{folder}: is {what}; expected an export folder (the one holding {holding})")
     check_readable_folder(folder)
     if is_bundle(folder):
         raise SourceNotFoundError(f"{folder}: a bundle folder; its export is {folder / BUNDLE_MODEL_DIR} (give that)")

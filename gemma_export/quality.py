@@ -592,7 +592,19 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
         if not Path(reference).exists() and not Path(reference).is_symlink():  # a mistyped keyword: a missing folder
             raise SourceNotFoundError(f"{reference}: no such export folder; --reference takes transformers, fp32 or "
                                       "an export folder")
-        check_export_folder(Path(reference))
+        try:
+            check_export_folder(Path(reference))
+        except SourceNotFoundError:
+            try:
+                transformers_folder = (Path(reference) / "config.json").is_file()
+            except OSError:  # a folder this user may not search: the check's own message says so
+                transformers_folder = False
+            if not transformers_folder:
+                raise
+            raise SourceNotFoundError(f"--reference {reference}: a model folder with config.json, not an export; "
+                                      "--reference transformers runs transformers on the export's own source, or "
+                                      f"give an export of this folder (gemma-export --source {reference} --dtype fp32 "
+                                      "--out DIR, then --reference DIR)") from None
     model_dir = Path(model_dir)
     if tokens is not None and tokens < 2:
         raise ConfigError(f"--tokens: expected at least 2, found {tokens}")

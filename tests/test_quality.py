@@ -759,3 +759,15 @@ def test_the_graph_line_gives_the_copys_note_without_nested_parentheses():
         "graph: m/model.onnx"
     copy = types.SimpleNamespace(prepacked_path=Path("m/prepacked/model.onnx"), model_dir=Path("m"), prepacked_note="x")
     assert graph_line(copy) == "graph: m/prepacked/model.onnx (pre-packed copy)"
+
+
+def test_a_transformers_folder_as_reference_is_named_as_one(tiny_int8_export, tiny_dir):
+    """--reference given the source's transformers folder said "…/model.onnx: no exported model here"
+    without naming --reference or the keyword that runs transformers (a break-it run)."""
+    result = runner.invoke(app, ["quality", "--model", str(tiny_int8_export), "--tokens", "40",
+                                 "--reference", str(tiny_dir)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"error: --reference {tiny_dir}: a model folder with config.json, not an export; --reference transformers runs "
+        f"transformers on the export's own source, or give an export of this folder (gemma-export --source {tiny_dir} "
+        "--dtype fp32 --out DIR, then --reference DIR)"]

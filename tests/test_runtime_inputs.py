@@ -312,3 +312,17 @@ def test_teacher_forcing_beyond_the_limit_names_its_ids_not_a_prompt(tiny_int8_e
     with pytest.raises(GemmaExportError, match=r": a sequence of 257 teacher-forced ids exceeds the model's "
                                                r"max_position_embeddings 256$"):
         decoder.teacher_forced_logits([2] * 257)
+
+
+def test_a_named_pipe_given_as_the_export_folder_is_not_called_a_file(tmp_path):
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.manifest import require_folder
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SourceNotFoundError, match=r": is not a regular file \(a FIFO, socket or device\); expected an "
+                                                  r"export folder \(the one holding model.onnx\)$"):
+        require_folder(fifo, "model.onnx")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SourceNotFoundError, match=r"file: is a file; expected an export folder"):
+        require_folder(tmp_path / "file", "model.onnx")
