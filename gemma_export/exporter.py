@@ -387,7 +387,8 @@ def export(
             stored at half the bytes (``quant/scales.py``: each scale rounded up to float16's grid
             before its codes are chosen) and cast to float32 in the graph, which onnxruntime folds
             when the session is created (docs/quality.md, "float16 scales").
-        progress: called as ``progress(done_tensors, total_tensors, name)`` while weights are written,
+        progress: called as ``progress(done_tensors, total_tensors, name)`` as each weight is started
+            (``name``; ``done_tensors`` written before it) and once all are written,
             and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
@@ -556,22 +557,26 @@ def export(
 def _save_graph(model, path: Path, progress: Callable[[int, int, str], None] | None) -> None:
     """Write ``model`` (an ``onnx_ir.Model`` with lazy weights) to ``path``, its tensors over
     ``SIZE_THRESHOLD_BYTES`` in ``DATA_FILE`` beside it, reporting ``progress(done, total, name)``
-    per tensor written there. One tensor in flight at a time: the exporter's memory stays near one
-    dequantized tensor."""
+    as each tensor there is started (``done`` tensors written before it; onnx_ir calls back before it
+    computes and writes one, the GPTQ rounding of the table taking several seconds) and once more,
+    ``(total, total, last name)``, when all are written. One tensor in flight at a time: the
+    exporter's memory stays near one dequantized tensor."""
     import onnx_ir as ir
 
     total = sum(1 for v in model.graph.initializers.values()
                 if v.const_value is not None and v.const_value.nbytes > SIZE_THRESHOLD_BYTES)
-    done = 0
+    started, last = 0, ""
 
-    def on_tensor(tensor, info) -> None:
-        nonlocal done
-        done += 1
+    def on_tensor(tensor, info) -> None:  # before the tensor is computed and written
+        nonlocal started, last
         if progress is not None:
-            progress(done, total, tensor.name)
+            progress(started, total, tensor.name)
+        started, last = started + 1, tensor.name
 
     ir.save(model, path, external_data=DATA_FILE, callback=on_tensor, max_workers=1, max_in_flight_bytes=1,
             alignment=ALIGNMENT_BYTES, size_threshold_bytes=SIZE_THRESHOLD_BYTES)
+    if progress is not None and started:
+        progress(started, total, last)  # every tensor written
 
 
 def _write_manifest(folder: Path, ckpt: Checkpoint, dtype: str, quantization: dict | None, all_logits: bool,

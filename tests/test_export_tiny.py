@@ -2278,3 +2278,17 @@ def test_small_api_argument_checks_of_inspect_verify_and_export(tiny_int8_export
     with pytest.raises(ConfigError, match=r"^export\(\): symmetric must be True or False, found int64 np\.int64\(1\)$"):
         export(tiny_dir, tmp_path / "x", "int4", symmetric=np.int64(1))  # no bool hint for another numpy value
     assert not (tmp_path / "x").exists()
+
+
+def test_progress_counts_the_tensors_written_before_each_one_and_ends_at_the_total(tiny_dir, tmp_path):
+    """onnx_ir calls back before it computes and writes a tensor: `progress(1, 258, table)` stood on
+    the screen while the table's GPTQ rounding ran, and 258/258 came before the last tensor was
+    written (a fresh user, 2026-12-07). Each call now gives the tensors already in the data file."""
+    from gemma_export.exporter import export
+
+    calls = []
+    export(tiny_dir, tmp_path / "out", "fp32", progress=lambda *call: calls.append(call))
+    total = calls[0][1]
+    assert total == 17 and calls[0] == (0, 17, "model.embed_tokens.weight")  # nothing written when the table starts
+    assert [c[0] for c in calls] == [*range(total), total] and {c[1] for c in calls} == {total}
+    assert calls[-1][2] == calls[-2][2]  # the last tensor named again once it is written
