@@ -332,7 +332,8 @@ def test_export_calibrates_by_default_and_records_it(tiny_int8_export):
     from gemma_export.calibration import DEFAULT_CALIBRATION_TOKENS
 
     record = json.loads((tiny_int8_export / "manifest.json").read_text())["quantization"]["calibration"]
-    assert record["method"] == "gptq" and record["tokens"] == DEFAULT_CALIBRATION_TOKENS == 4096
+    # the default 4,096 tokens, capped by the tiny model's max_position_embeddings (one sequence)
+    assert DEFAULT_CALIBRATION_TOKENS == 4096 and record["method"] == "gptq" and record["tokens"] == 256
     assert "pydoc_data" in record["text"]
 
 
@@ -358,17 +359,17 @@ def test_calibrated_codes_are_closer_to_fp32_than_round_to_nearest(tiny_with_tok
     from gemma_export.runtime import OnnxDecoder, load_tokenizer
 
     calibrated = export(tiny_with_tokenizer, tmp_path / "gptq", "int8", block_size=16, table_block_size=16,
-                        calibration_text=text_file, calibration_tokens=300).out_dir
+                        calibration_text=text_file, calibration_tokens=250).out_dir
     plain = export(tiny_with_tokenizer, tmp_path / "rtn", "int8", block_size=16, table_block_size=16, calibrate=False).out_dir
     record = json.loads((calibrated / "manifest.json").read_text())["quantization"]["calibration"]
-    assert record["method"] == "gptq" and record["tokens"] == 300 and str(text_file) in record["text"]
+    assert record["method"] == "gptq" and record["tokens"] == 250 and str(text_file) in record["text"]
     assert json.loads((plain / "manifest.json").read_text())["quantization"]["calibration"] is None
     # the point of GPTQ: logits nearer transformers fp32 on text like the calibration text
     ids = load_tokenizer(calibrated).encode(text_file.read_text()).ids[:120]
     expected = reference_logits(tiny_model, np.asarray([ids]))[0]
     error = {name: float(np.mean((OnnxDecoder(folder).teacher_forced_logits(ids) - expected) ** 2))
              for name, folder in (("gptq", calibrated), ("rtn", plain))}
-    assert error["gptq"] < 0.95 * error["rtn"], error  # 0.90 x measured (tiny random model, 300 tokens)
+    assert error["gptq"] < 0.95 * error["rtn"], error  # 0.92 x measured (tiny random model, 250 tokens)
 
 
 def test_a_folder_source_parses_its_tokenizer_once(tiny_with_tokenizer, text_file, tmp_path, monkeypatch):
