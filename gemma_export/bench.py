@@ -843,10 +843,11 @@ def write_json(data: dict, path: str | Path | None) -> None:
     """Write ``data`` as indented JSON to ``path`` (None or :func:`to_stdout`: stdout), whole or not at all: a
     temporary file beside it is renamed over it (over the file a symbolic link names, so the link
     stays). Devices, FIFOs and anything under ``/dev`` or ``/proc`` are written in place, appended
-    to (``--json /dev/stderr 2>>log`` keeps the log's earlier lines).
+    to (``--json /dev/stderr 2>>log`` keeps the log's earlier lines); a FIFO only when a process
+    reads it already (its open does not wait for one).
 
     Raises:
-        OutputError: the file cannot be written (full disk, permissions), naming it.
+        OutputError: the file cannot be written (full disk, permissions, a FIFO nothing reads), naming it.
     """
     from .errors import OutputError
 
@@ -864,7 +865,11 @@ def write_json(data: dict, path: str | Path | None) -> None:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
         except OSError as exc:
-            if exc.errno == errno.ENXIO:
+            try:
+                fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+            except OSError:
+                fifo = False
+            if exc.errno == errno.ENXIO and fifo:  # ENXIO from a socket is its own matter
                 raise OutputError(f"--json {path}: a named pipe that no process reads; the report was not written "
                                   f"(start its reader first, e.g. `cat {path} &`)") from None
             raise OutputError(f"--json {path}: cannot write: {exc.strerror or exc}") from None

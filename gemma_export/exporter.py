@@ -771,11 +771,12 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
         raise ConfigError(f"{ckpt.path}: its tokenizer.json gives token id {max(ids)} on {where}, outside the "
                           f"model's vocab_size {ckpt.config.vocab_size}; the tokenizer does not belong to these weights")
     limit = ckpt.config.max_position_embeddings  # calibration runs the text as one sequence from position 0
-    if limit < MIN_CALIBRATION_TOKENS and len(ids) > limit:
+    if limit < MIN_CALIBRATION_TOKENS:  # no text helps
         raise ConfigError(f"{ckpt.path}: max_position_embeddings is {limit}; calibration runs its text as one "
                           f"sequence and needs at least {MIN_CALIBRATION_TOKENS} positions: export with --no-calibrate "
                           "for round-to-nearest codes")
-    if len(ids) > limit:
+    capped = len(ids) > limit
+    if capped:
         if status is not None:
             status(f"note: calibration runs its text as one sequence, and the model takes {limit:,} positions "
                    f"(max_position_embeddings): the first {limit:,} of the {len(ids):,} tokens are used")
@@ -785,8 +786,9 @@ def _calibrate(ckpt: Checkpoint, text: tuple[str, str], tokens: int, progress,
                           f"needs at least {MIN_CALIBRATION_TOKENS}: give a longer --calibration-text, the model's own "
                           "tokenizer with --tokenizer, or --no-calibrate for round-to-nearest codes")
     say = (lambda done, total: progress(done, total, "calibration")) if progress else None
-    shortfall = f" (the whole text; {tokens} asked)" if len(ids) < tokens else ""
-    if status is not None and len(ids) < min(tokens, FEW_CALIBRATION_TOKENS):
+    shortfall = (f" (max_position_embeddings; {tokens} asked)" if capped and len(ids) < tokens else
+                 f" (the whole text; {tokens} asked)" if len(ids) < tokens else "")
+    if status is not None and not capped and len(ids) < min(tokens, FEW_CALIBRATION_TOKENS):
         status(f"note: {where} gives only {len(ids)} calibration tokens; GPTQ's statistics are thin below "
                f"{FEW_CALIBRATION_TOKENS:,} (the default text gives {DEFAULT_CALIBRATION_TOKENS:,}): give a longer "
                "--calibration-text, or --no-calibrate for round-to-nearest codes")

@@ -1356,6 +1356,8 @@ class KVCache:
                 truncated); an ``out`` of another shape or dtype, not C-contiguous or read-only.
             FormatError: an id outside ``0 … vocab_size - 1`` (onnxruntime's Gather would read -1 as
                 the last row; :func:`check_token_ids`).
+            GemmaExportError: a ``position_ids`` value below 0 or at ``max_position_embeddings`` or
+                beyond, where ``attention_mask`` is 1 (padded slots may hold any value).
             onnxruntime's own exceptions, unwrapped.
         """
         if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.flags.c_contiguous
@@ -1387,9 +1389,11 @@ class KVCache:
                                    f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
         check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
         limit = self.decoder.max_position_embeddings
-        if position_ids.min() < 0 or (limit and position_ids.max() >= limit):  # the graph's RoPE takes no others
-            bad = position_ids.min() if position_ids.min() < 0 else position_ids.max()
-            at = list(map(int, np.argwhere(position_ids == bad)[0]))
+        # the graph's RoPE takes no others; padded slots (attention_mask 0) are never attended: any value
+        live = np.where(attention_mask[:, total - seq:] != 0, position_ids, 0)
+        if live.min() < 0 or (limit and live.max() >= limit):
+            bad = live.min() if live.min() < 0 else live.max()
+            at = list(map(int, np.argwhere(live == bad)[0]))
             rule = ">= 0" if bad < 0 else f"below {limit_name(self.decoder.model_dir)} {limit}"
             raise GemmaExportError(f"KV cache: position_ids must be {rule}, found {int(bad)} at {at}")
         if total > self.positions + seq:

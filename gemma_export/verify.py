@@ -72,7 +72,8 @@ def probe_ids(vocab_size: int | None, positions: int | None, bos_token_id: int |
     """The token ids :func:`verify_folder` runs in one step from an empty cache, as a prompt: its
     ``bos_token_id`` (which every prompt starts with; id 0 when unknown or outside the vocabulary),
     then ids spread evenly over ``0 … vocab_size - 1``, :data:`PROBE_TOKENS` in all, fewer when the
-    graph takes fewer ``positions``; only the first when either figure is unknown. A weight that
+    graph takes fewer ``positions``; ``[bos_token_id]`` alone when the positions are unknown, ``[0]``
+    when the vocabulary is (the id cannot be checked against it). A weight that
     overflows for some tokens only (one ``down_proj`` entry of 3e38 on a tiny model: NaN from
     ``<bos>``, finite from id 0) makes the step's last logits NaN through the attention over all."""
     first = bos_token_id if isinstance(bos_token_id, int) and vocab_size and 0 <= bos_token_id < vocab_size else 0

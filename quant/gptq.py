@@ -62,7 +62,8 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
 
     Raises:
         ValueError: ``hessian`` is not square, not real numbers, not finite, or not positive
-            semi-definite enough to factor after damping; ``damp`` not a finite number > 0.
+            semi-definite enough to factor after damping; scaled beyond float32's range for its
+            factor (about 1e-30 to 1e30 on the diagonal); ``damp`` not a finite number > 0.
     """
     h = _real_matrix(hessian).copy()  # dead channels are edited below
     if h.ndim != 2 or h.shape[0] != h.shape[1]:

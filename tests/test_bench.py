@@ -1140,15 +1140,22 @@ def test_a_json_report_to_a_named_pipe_without_a_reader_fails_at_once(tmp_path):
     assert re.fullmatch(rf"--json {re.escape(str(fifo))}: a named pipe that no process reads; the report was not "
                         rf"written \(start its reader first, e.g. `cat {re.escape(str(fifo))} &`\)", str(done[0].value))
     received = []
-    reader = threading.Thread(target=lambda: received.append(open(fifo, encoding="utf-8").read()), daemon=True)
+
+    def slow_reader():  # opens its end, then lets the writer fill the pipe's 64 KiB before it reads
+        with open(fifo, encoding="utf-8") as f:
+            time.sleep(0.3)
+            received.append(f.read())
+
+    reader = threading.Thread(target=slow_reader, daemon=True)
     reader.start()
+    report = {"a": "x" * 200_000}  # more than a pipe holds: the writer must wait for the reader, not fail
     deadline = time.monotonic() + 10
     while True:
         try:
-            write_json({"a": 1}, fifo)
+            write_json(report, fifo)
             break
-        except OutputError:  # the reader has not opened its end yet
-            assert time.monotonic() < deadline
+        except OutputError as exc:  # the reader has not opened its end yet
+            assert "no process reads" in str(exc) and time.monotonic() < deadline, exc
             time.sleep(0.05)
     reader.join(10)
-    assert received == ['{\n  "a": 1\n}\n']
+    assert received and json.loads(received[0]) == report

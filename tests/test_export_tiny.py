@@ -2292,3 +2292,23 @@ def test_progress_counts_the_tensors_written_before_each_one_and_ends_at_the_tot
     assert total == 17 and calls[0] == (0, 17, "model.embed_tokens.weight")  # nothing written when the table starts
     assert [c[0] for c in calls] == [*range(total), total] and {c[1] for c in calls} == {total}
     assert calls[-1][2] == calls[-2][2]  # the last tensor named again once it is written
+
+
+def test_the_finite_logits_check_stays_within_the_models_positions(tiny_dir, tmp_path, monkeypatch):
+    """A model of 4 positions: the check's step runs 4 ids, not 8 (this toolkit's graphs compute RoPE
+    from the positions, but onnxruntime-genai's read a cos_cache of context_length rows)."""
+    import json as json_module
+
+    from gemma_export import verify
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    config = json_module.loads((source / "config.json").read_text())
+    config["max_position_embeddings"] = 4
+    (source / "config.json").write_text(json_module.dumps(config))
+    out = export(source, tmp_path / "out", "fp32").out_dir
+    fed = []
+    feeds = verify._first_step_feeds
+    monkeypatch.setattr(verify, "_first_step_feeds", lambda path, session, ids: fed.append(ids) or feeds(path, session, ids))
+    verify.verify_folder(out)
+    assert fed == [[2, 0, 48, 95]]  # <bos>, then 3 ids spread over the 96 rows

@@ -672,9 +672,13 @@ def test_a_hessian_scaled_beyond_float32_is_named_as_such_not_as_indefinite(scal
     w = rng.standard_normal((16, 64)).astype(np.float32)
     x = rng.standard_normal((256, 64))
     h = x.T @ x
-    with pytest.raises(ValueError, match=r"^the Hessian's scale is beyond float32's range for its factor \(largest "
-                                         r"diagonal [0-9.]+e[+-]\d+\); scale it towards 1$"):
-        BlockInt8Weights.quantize(w, 16, hessian=h * scale)
+    import warnings
+
+    with warnings.catch_warnings():  # numpy's overflow warnings stay inside (a review)
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match=r"^the Hessian's scale is beyond float32's range for its factor "
+                                             r"\(largest diagonal [0-9.]+e[+-]\d+\); scale it towards 1$"):
+            BlockInt8Weights.quantize(w, 16, hessian=h * scale)
     assert np.array_equal(BlockInt8Weights.quantize(w, 16, hessian=h * 1e20).data,
                           BlockInt8Weights.quantize(w, 16, hessian=h).data)
 
@@ -688,6 +692,7 @@ def test_calibration_takes_no_more_tokens_than_the_model_has_positions(tiny_with
 
     from gemma_export.errors import ConfigError
     from gemma_export.exporter import export
+    from gemma_export.runtime import load_tokenizer
 
     def with_positions(n):
         src = tmp_path / f"src{n}"
@@ -701,10 +706,18 @@ def test_calibration_takes_no_more_tokens_than_the_model_has_positions(tiny_with
     result = export(with_positions(32), tmp_path / "a", "int8", block_size=16, table_block_size=16,
                     calibration_text=text_file, status=notes.append)
     assert result.calibration["tokens"] == 32
-    assert ("note: calibration runs its text as one sequence, and the model takes 32 positions "
-            "(max_position_embeddings): the first 32 of the ") in "\n".join(notes)
+    # recorded as what it is (a review: "first 32 tokens (the whole text; 4096 asked)"), and no advice
+    # to give a longer text, which cannot help
+    assert result.calibration["text"] == f"{text_file}, first 32 tokens (max_position_embeddings; 4096 asked)"
+    assert [n for n in notes if n.startswith("note:") and "calibration" in n] == [
+        "note: calibration runs its text as one sequence, and the model takes 32 positions (max_position_embeddings): "
+        f"the first 32 of the {len(load_tokenizer(tmp_path / 'a').encode(text_file.read_text()).ids):,} tokens are used"]
     with pytest.raises(ConfigError, match=r"src8: max_position_embeddings is 8; calibration runs its text as one "
                                           r"sequence and needs at least 16 positions: export with --no-calibrate"):
         export(with_positions(8), tmp_path / "b", "int8", block_size=16, table_block_size=16, calibration_text=text_file)
     assert not (tmp_path / "b").exists()
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")  # a text too short as well: the positions are named, since no text helps
+    with pytest.raises(ConfigError, match=r"src8: max_position_embeddings is 8; calibration runs its text"):
+        export(with_positions(8), tmp_path / "b", "int8", block_size=16, table_block_size=16, calibration_text=short)
     export(with_positions(8), tmp_path / "c", "int8", block_size=16, table_block_size=16, calibrate=False)

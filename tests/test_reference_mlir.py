@@ -750,8 +750,8 @@ def test_a_scale_for_a_global_that_is_not_int8_says_so(ref_model, tmp_path):
                                           "remove its first 3 bytes"),
     (lambda text: text.replace(b"module", b"mod\0ule", 1), ":1: holds a NUL byte (column 4); not MLIR text"),
     # random bytes read as "closes a brace that was not opened" (a break-it run)
-    (lambda text: text.replace(b"module", b"mod\xff\xfeule", 1), ":1: not UTF-8 text (byte 4 of the line); not "
-                                                                 "reference MLIR text"),
+    (lambda text: text.replace(b"module", b"mod\xff\xfeule", 1), ":1: not UTF-8 text (byte 4 of the line's code); "
+                                                                 "not reference MLIR text"),
 ])
 def test_what_irees_parser_refuses_is_refused_before_an_export(ref_model, tmp_path, edit, message):
     """A helper's finding: an MLIR with a byte-order mark or a NUL byte exported (exit 0), while

@@ -326,3 +326,23 @@ def test_a_named_pipe_given_as_the_export_folder_is_not_called_a_file(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(SourceNotFoundError, match=r"file: is a file; expected an export folder"):
         require_folder(tmp_path / "file", "model.onnx")
+
+
+def test_padded_slots_may_hold_any_position(tiny_int8_export):
+    """Left padding with position -1 (cumsum(mask) - 1, before a masked fill) ran before the position
+    check and must still run (a review): only slots the mask attends are checked, and the logits are
+    those of the same batch with the padding's positions at 0."""
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    mask = np.array([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], np.int64)
+    ids = np.array([[0, 0, 0, 17, 33], [2, 17, 33, 40, 41]], np.int64)
+    positions = np.cumsum(mask, axis=1) - 1
+    assert positions.min() == -1
+    padded = KVCache(decoder, 2, 8).step(ids, mask, positions)
+    clipped = KVCache(decoder, 2, 8).step(ids, mask, np.clip(positions, 0, None))
+    np.testing.assert_array_equal(padded, clipped)
+    attended = np.clip(positions, 0, None)
+    attended[1, 4] = -1  # a slot the mask attends
+    with pytest.raises(GemmaExportError, match=r"position_ids must be >= 0, found -1 at \[1, 4\]"):
+        KVCache(decoder, 2, 8).step(ids, mask, attended)

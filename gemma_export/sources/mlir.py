@@ -128,8 +128,8 @@ def parse_mlir(path: str | Path) -> MlirModule:
     Raises:
         SourceNotFoundError: no such file.
         FormatError: a safetensors archive given instead, a file over :data:`MAX_MLIR_BYTES` or a
-            line over 1 MiB, a byte-order mark, a NUL byte or bytes that are not UTF-8 (which IREE
-            refuses), a global with a
+            line over 1 MiB, a byte-order mark or a NUL byte (which IREE refuses), bytes that are not
+            UTF-8 outside strings and comments, a global with a
             dynamic or unknown tensor type, a global declared twice, no global at all, or braces
             that do not balance (a file cut short, or more closed than opened).
     """
@@ -161,12 +161,12 @@ def parse_mlir(path: str | Path) -> MlirModule:
                                   "remove its first 3 bytes")
             if b"\0" in raw:
                 raise FormatError(f"{path}:{number}: holds a NUL byte (column {raw.index(bytes(1)) + 1}); not MLIR text")
-            try:  # MLIR is UTF-8 text: random bytes were reported as a brace closed too many
-                raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise FormatError(f"{path}:{number}: not UTF-8 text (byte {exc.start + 1} of the line); not reference "
-                                  "MLIR text") from None
             code = _STRING_LITERAL.sub(b'""', raw).split(b"//", 1)[0]  # braces in strings and comments do not count
+            try:  # MLIR's own text (strings and comments aside) is UTF-8: random bytes read as a brace closed too many
+                code.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise FormatError(f"{path}:{number}: not UTF-8 text (byte {exc.start + 1} of the line's code); not "
+                                  "reference MLIR text") from None
             depth += code.count(b"{") - code.count(b"}")
             if code.strip():
                 last = code.strip()
