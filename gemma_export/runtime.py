@@ -1389,7 +1389,8 @@ class KVCache:
                                    f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
         check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
         limit = self.decoder.max_position_embeddings
-        # the graph's RoPE takes no others; padded slots (attention_mask 0) are never attended: any value
+        # positions the model does not take (onnxruntime-genai graphs read a cos_cache of that many rows);
+        # padded slots (attention_mask 0) are never attended: any value
         live = np.where(attention_mask[:, total - seq:] != 0, position_ids, 0)
         if live.min() < 0 or (limit and live.max() >= limit):
             bad = live.min() if live.min() < 0 else live.max()
