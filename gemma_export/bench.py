@@ -178,7 +178,7 @@ def drop_page_cache() -> None:
     ``/proc/sys/vm/drop_caches``), so that the next run reads its model files from disk, as after a
     reboot. Memory-bound decode timings depend on how a file's pages came into the cache: int8
     copies with the same graph decoded up to 18% apart, a file just written against one that had sat
-    in the cache for hours, and alike once both were re-read (``docs/benchmarks.md``). Linux, root.
+    in the cache for hours, and alike once both were re-read (``docs/benchmarks-history.md``). Linux, root.
 
     Raises:
         GemmaExportError: the page cache cannot be dropped here (not root, not Linux); names the file.

@@ -6,7 +6,7 @@ export's flat 1-D archives), GGUF files and reference MLIR files. Tensor data is
 hashes stream the bytes in 8 MiB chunks, and transposed, re-rounded and quantized copies are
 compared a few MiB at a time with plain file reads (no memory maps, whose pages would stay in the
 resident set), so inspecting a 1 GB archive stays far below its size in resident memory
-(``tools/bench_inspect.py``; figures in docs/benchmarks.md).
+(``tools/bench_inspect.py``; figures in docs/benchmarks-history.md).
 """
 
 from __future__ import annotations

@@ -1068,7 +1068,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     # no memory patterns: onnxruntime keeps one per set of input shapes for the session's life, and a
     # decode step's attention_mask is one longer every step, so it kept a new one every token: 3.4 KB
     # of heap a step on the real int8 export (3.4 MB per 1,000 tokens, never given back), for no
-    # measurable speed (docs/benchmarks.md, 2026-12-07, twenty-second session)
+    # measurable speed (docs/benchmarks-history.md, 2026-12-07, twenty-second session)
     options.enable_mem_pattern = False
     options.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
                                         "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC}[optimization]

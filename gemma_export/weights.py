@@ -64,7 +64,7 @@ from .graph import MS_DOMAIN, GraphBuilder
 #: Default int8 block sizes. MatMulNBits at accuracy_level 4 also quantizes its *activations* to
 #: int8 per block of this size, so small blocks matter for quality: on the real 270M, block 128
 #: everywhere gave 95.6% teacher-forced top-1 agreement with fp32, block 32 everywhere 97.3%
-#: (docs/benchmarks.md). The table keeps 128: its float32 scales (one array, read by the lookup and
+#: (docs/benchmarks-history.md). The table keeps 128: its float32 scales (one array, read by the lookup and
 #: the head) take 5.2 MB at 128 and 21 MB at 32, and the 16 MB more would put the 270M's archive over
 #: issue #2's 290 MB (docs/quality.md, "How the int8 error splits").
 DEFAULT_INT8_BLOCK_SIZE = 32

@@ -140,7 +140,7 @@ def test_decoder_on_huge_pages_gives_identical_logits(tiny_int8_export, monkeypa
 
 
 # The board's process holds only what it needs. Generation: the graph builder's onnx_ir (and the
-# checkpoint readers) cost ~30 MB of anonymous memory there (docs/benchmarks.md). verify, prepack and
+# checkpoint readers) cost ~30 MB of anonymous memory there (docs/benchmarks-history.md). verify, prepack and
 # a bundle's check run there too: importing the exporter for its checks cost 49 MB (onnx_ir, the
 # builder, the quantizers, calibration).
 @pytest.mark.parametrize("run, unwanted", [
