@@ -253,7 +253,7 @@ QUANTIZED_MEMORY_FIGURES = {
     "int8": {"growth": "about 0.01 × the model after a short prompt and 0.09 × after a 512-token one and 128 steps "
                        "with the KV cache in use, against 1.07 × and 1.148 × without it (the default int8 export on "
                        "x86-64, 2026-12-07)",
-             "peak_rise": "90–186 MB"},
+             "peak_rise": "90–190 MB"},
     "int4": {"growth": "0.15 × the model after a 512-token prompt and 128 steps with the KV cache in use, against "
                        "1.34 × without it (the default int4 export on x86-64, 2026-12-07; peak 650 MB with it, "
                        "578 MB without)",
