@@ -30,7 +30,7 @@ from typing import Callable, NamedTuple, Sequence
 import numpy as np
 
 from .config import DTYPES
-from .errors import ConfigError, FormatError, GemmaExportError, check_arguments, is_whole_number, shown
+from .errors import ConfigError, FormatError, GemmaExportError, VerificationError, check_arguments, is_whole_number, shown
 from .manifest import check_manifest_matches_graph, manifest_figure
 from .runtime import DEFAULT_PREFILL_CHUNK, encode_prompt, limit_name, max_positions, positions_needed
 from .text_files import SMALL_FILE_BYTES, not_unicode_at, read_text_file
@@ -415,6 +415,17 @@ def check_same_architecture(config, reference: str | Path, model_dir: Path) -> N
                               f"the export's {ours} ({model_dir}); not the same model")
 
 
+def _listed_names(model_dir: Path) -> set[str]:
+    """The file names ``model_dir``'s manifest lists (empty when it has no readable listing)."""
+    from .manifest import read_manifest
+
+    try:
+        files = read_manifest(model_dir).get("files")
+    except GemmaExportError:
+        return set()
+    return set(files) if isinstance(files, dict) else set()
+
+
 def run_parity(model_dir: str | Path, *, against_transformers: bool = False, reference: str | Path | None = None,
                reference_weights: str | Path | None = None, reference_logits: bool = False,
                golden: str | Path | None = None, prompts: str | Path | None = None, new_tokens: int | None = None,
@@ -449,7 +460,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
             contradicts its graph; a reference of another vocabulary size or architecture
             (:func:`check_same_architecture`).
         VerificationError: a file the export's manifest lists differs from it (size or sha256:
-            :func:`~gemma_export.verify.check_export_checksums`).
+            :func:`~gemma_export.verify.check_export_checksums`), or is missing (the tokenizer is
+            named first, before the prompts that would need it).
         NumericError: the export computes NaN or +Inf logits.
         ResourceError: a KV cache would not fit in available memory.
     """
@@ -488,6 +500,11 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     # no tokenizer is allowed (prompts and golden files as ids); a broken one is named
     tokenizer_path = model_dir / "tokenizer.json"
     tokenizer = load_tokenizer(model_dir) if tokenizer_path.exists() or tokenizer_path.is_symlink() else None
+    if tokenizer is None and tokenizer_path.name in _listed_names(model_dir):
+        # removed after the export: not an export without a tokenizer, whose advice (prompts as ids)
+        # would then fail on the checksum pass (a break-it run)
+        raise VerificationError(f"{tokenizer_path}: listed in the manifest but missing (the folder changed after "
+                                "the export: export it again; gemma-export verify checks every file)")
     # the prompt and golden files are read before the (slow) session, so their errors come first
     golden_only = not (against_transformers or reference)
     # the default prompts are text: an export without a tokenizer runs a golden file's own prompt ids

@@ -213,12 +213,13 @@ def check_listed_files_against(folder: Path, expected: dict[str, tuple[int, str]
 def check_export_checksums(folder: Path) -> bool:
     """The sha256 of every file ``folder``'s ``manifest.json`` lists, for a command whose verdict
     rests on the numbers (``parity``): a damaged weight gave logits close enough to pass. No manifest,
-    or one without a ``files`` listing (a folder of another tool): nothing to check, False; True once
+    or one without a ``files`` listing that another tool wrote: nothing to check, False; True once
     checked.
 
     Raises:
-        VerificationError: an unreadable manifest, a ``files`` listing that is malformed, or the first
-            listed file that differs.
+        VerificationError: an unreadable manifest, a ``files`` listing that is malformed, or missing
+            from a manifest gemma-export wrote (its ``tool`` field names it: every export of it lists
+            its files, and parity passed such a folder unchecked), or the first listed file that differs.
     """
     if not (folder / MANIFEST_FILE).is_file():
         return False
@@ -226,10 +227,16 @@ def check_export_checksums(folder: Path) -> bool:
         manifest = read_manifest(folder)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
-    if "files" not in manifest:
+    if "files" not in manifest and not _written_by_us(manifest):
         return False
     check_listed_files_against(folder, listed_files(manifest.get("files"), folder / MANIFEST_FILE, nested=False))
     return True
+
+
+def _written_by_us(manifest: dict) -> bool:
+    """Whether a parsed manifest says gemma-export wrote it (``{"tool": {"gemma-export": version}}``)."""
+    tool = manifest.get("tool")
+    return isinstance(tool, dict) and "gemma-export" in tool
 
 
 def verify_manifest(folder: str | Path) -> dict[str, int]:

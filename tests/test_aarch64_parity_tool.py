@@ -241,3 +241,20 @@ def test_compare_splits_at_the_window_the_dumps_record(made, work):
     proc = _run("compare", "x86.npz", "w7.npz", cwd=work)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: x86.npz and w7.npz: dumps of sliding windows [6, 7]; compare dumps of one export"]
+
+
+def test_dumps_of_two_exports_of_one_vocabulary_are_bad_input_not_a_parity_failure(made, work, tiny_int8_export):
+    """A break-it round: dumps of two exports of the same shapes gave a full report and exit status 1,
+    as if one export's logits differed between two machines. Dumps now record which export made them
+    (the sha256 its manifest lists for the graph and the data); a dump without it is still compared."""
+    recorded = str(np.load(made / "x86.npz")["export"])
+    listed = json.loads((tiny_int8_export / "manifest.json").read_text())["files"]
+    assert recorded == (f"model.onnx:{listed['model.onnx']['sha256']};"
+                        f"model.onnx.data:{listed['model.onnx.data']['sha256']}")
+    _dump_with(made, work / "other.npz", export=np.asarray("model.onnx:0;model.onnx.data:1"))
+    proc = _run("compare", "x86.npz", "other.npz", cwd=work)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: x86.npz and other.npz: dumps of two exports (their manifests "
+                                                "list other graph or data files); compare dumps of one export"]
+    _dump_with(made, work / "old.npz", export=None)  # written before dumps recorded it
+    assert _run("compare", "x86.npz", "old.npz", cwd=work).returncode == 0

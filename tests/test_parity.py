@@ -1195,3 +1195,43 @@ def test_a_gap_of_exactly_the_near_tie_limit_is_a_real_miss():
 
     assert logits.argmax(-1).tolist() == [1, 1, 0, 0]
     assert parity._against_reference(Decoder(), Reference(), [2])["near_tie_mismatches"] == [1]
+
+
+# Twenty-third session: a break-it round
+
+def test_an_export_whose_manifest_lost_its_file_listing_is_refused(tiny_int8_export, tmp_path):
+    """parity's sha256 pass returned "nothing to check" for a manifest without 'files', so a folder
+    with a graph from another export and that field deleted was scored; verify refuses it. A
+    manifest another tool wrote (no 'tool' of ours) still has nothing to check."""
+    import shutil
+
+    from gemma_export.verify import check_export_checksums
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8_export, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["files"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    golden = tmp_path / "golden.json"
+    golden.write_text(json.dumps({"prompt_ids": [2, 7, 8], "expected_ids": [5]}))
+    result = _parity("--model", folder, "--golden", golden)
+    assert result.exit_code == 2, result.output
+    assert "field 'files' must be" in result.stderr and "found nothing" in result.stderr, result.stderr
+    del manifest["tool"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert check_export_checksums(folder) is False
+
+
+def test_a_tokenizer_removed_after_the_export_is_named_before_advice_about_prompts(tiny_int8_export, tmp_path):
+    """parity advised "give --prompts with token ids" for an export whose tokenizer.json had been
+    deleted, and following that advice failed on the checksum pass ("listed in the manifest but
+    missing")."""
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_int8_export, folder)
+    (folder / "tokenizer.json").unlink()
+    result = _parity("--model", folder, "--against", "transformers", "--new-tokens", "2")
+    assert result.exit_code == 2, result.output
+    assert f"{folder / 'tokenizer.json'}: listed in the manifest but missing" in result.stderr, result.stderr
+    assert "give --prompts" not in result.stderr

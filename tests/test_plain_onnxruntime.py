@@ -349,8 +349,60 @@ def test_a_graph_that_declares_no_cache_shape_still_runs(tiny_int8_export, tmp_p
         if value.name.startswith("past_key_values."):
             value.type.tensor_type.ClearField("shape")
     onnx.save(graph, str(model / "model.onnx"))
+    _record_graph(model)  # an export written so, not a graph changed after the export (refused: below)
     assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]) == 0
     assert len(json.loads(capsys.readouterr().out)["expected_ids"]) == 2
+
+
+def _record_graph(folder: Path) -> None:
+    """Record ``folder/model.onnx``'s size and sha256 in its manifest, as the export does."""
+    import hashlib
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    data = (folder / "model.onnx").read_bytes()
+    manifest["files"]["model.onnx"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_graph_changed_after_the_export_is_refused(tiny_int8_export, tiny_dir, tmp_path, capsys):
+    """A break-it round: a model.onnx copied in from another export of the same size ran, reading its
+    own layout out of this folder's data file, and its ids were written as a golden entry."""
+    other = export(tiny_dir, tmp_path / "other", "int8", calibrate=False, hadamard_size=0).out_dir
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    (model / "model.onnx").write_bytes((other / "model.onnx").read_bytes())
+    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]) == 2
+    assert capsys.readouterr().err == (f"error: {model / 'model.onnx'}: not the graph {model / 'manifest.json'} lists "
+                                       "(its size or sha256 differs); the folder changed after the export\n")
+
+
+@pytest.mark.parametrize("case", ["no such folder", "a file"])
+def test_a_model_that_is_no_folder_says_an_export_folder_was_expected(tmp_path, capsys, case):
+    """It said "/nonexist/manifest.json: No such file or directory" and, for a file, "Not a directory"."""
+    model = tmp_path / "m"
+    if case == "a file":
+        model.write_text("x")
+    assert plain.main(["--model", str(model), "--prompt", "a"]) == 2
+    assert capsys.readouterr().err == (f"error: {model}: {case}; expected an export folder of gemma-export "
+                                       "(model.onnx, tokenizer.json, manifest.json)\n")
+
+
+def test_json_is_neither_the_prompt_file_nor_inside_an_export(tiny_int8_export, tmp_path, capsys):
+    """An empty --prompt-file given as --json too was overwritten with the ids; --json inside the
+    export folder added a file its manifest does not list (verify then refused the export)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_int8_export, model)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("")
+    assert plain.main(["--model", str(model), "--prompt-file", str(prompt), "--json", str(prompt)]) == 2
+    assert capsys.readouterr().err == f"error: {prompt}: is the --prompt-file; write the ids elsewhere\n"
+    assert prompt.read_text() == ""
+    for out in (model / "out.json", model / "prepacked" / "out.json"):
+        out.parent.mkdir(exist_ok=True)
+        assert plain.main(["--model", str(model), "--prompt", "a", "--json", str(out)]) == 2
+        assert capsys.readouterr().err == (f"error: {out}: inside {model}, whose manifest.json would no longer list "
+                                           "every file in it; write the ids elsewhere\n")
+        assert not out.exists()
 
 
 def test_shared_mode_runs_an_export_with_every_positions_logits(tiny_dir, tmp_path, capsys):

@@ -441,3 +441,95 @@ def test_bench_inspect_keeps_its_archive_at_the_umasks_mode(tmp_path, monkeypatc
         os.umask(old)
     assert (tmp_path / "table-three-times.safetensors").stat().st_mode & 0o777 == 0o644
     assert not list(tmp_path.glob("*.partial"))
+
+
+# Twenty-third session: a break-it round on the scripts
+
+def test_a_script_refuses_an_output_inside_an_export_folder(tiny_int8_export, tmp_path):
+    """make_reference_export --out, bench_inspect --workdir and a --plot inside an export wrote there,
+    and `gemma-export verify` then refused the export ("files not in the manifest")."""
+    import _args
+
+    copy = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, copy)
+    for value in (copy, copy / "sub", copy / "sub" / "deeper"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"inside {copy}, an output of gemma-export"):
+            _args.writable_dir(str(value))
+    with pytest.raises(argparse.ArgumentTypeError, match=f"inside {copy}, an output of gemma-export"):
+        _args.writable_file(str(copy / "decode.png"))
+    # beside it, and in a folder holding exports (bench_export's workdir), writing is fine
+    assert _args.writable_dir(str(tmp_path / "ref")) == tmp_path / "ref"
+    assert _args.writable_dir(str(tmp_path)) == tmp_path
+    assert _args.writable_file(str(tmp_path / "decode.png")) == tmp_path / "decode.png"
+
+
+def test_a_graph_from_another_export_is_refused_by_the_scripts(tiny_int8_export, tiny_dir, tmp_path):
+    """quality_anchor, bench_breakdown and the others scored a folder whose model.onnx came from
+    another export of the same size (`gemma-export parity` and `verify` refused it)."""
+    import _args
+
+    from gemma_export.exporter import export
+
+    other = export(tiny_dir, tmp_path / "other", "int8", calibrate=False, hadamard_size=0).out_dir
+    swapped = tmp_path / "swapped"
+    shutil.copytree(tiny_int8_export, swapped)
+    assert _args.our_export(str(swapped)) == swapped
+    (swapped / "model.onnx").write_bytes((other / "model.onnx").read_bytes())
+    assert (swapped / "model.onnx").read_bytes() != (tiny_int8_export / "model.onnx").read_bytes()
+    with pytest.raises(argparse.ArgumentTypeError, match=r"model.onnx: .*(sha256 differs|bytes, the manifest says)"):
+        _args.our_export(str(swapped))
+
+
+def test_quality_anchor_names_its_own_option_for_a_text_too_long(tiny_int8_export):
+    """It advised "--contexts, --new-tokens or --prefill", options of another script."""
+    import _args
+
+    with pytest.raises(GemmaExportError, match="needs 300 positions; give a smaller --tokens$"):
+        _args.check_exports_fit({"a": tiny_int8_export}, [1, 2], 300, shorten="give a smaller --tokens")
+    with pytest.raises(GemmaExportError, match="give shorter --contexts, --new-tokens or --prefill$"):
+        _args.check_exports_fit({"a": tiny_int8_export}, [1, 2], 300)
+
+
+def test_an_interrupted_archive_leaves_no_partial_file_nor_the_folders_it_made(tmp_path, monkeypatch):
+    """Ctrl-C while bench_inspect wrote its archive left a 1.18 GB .partial file and the new --workdir;
+    make_reference_export left the parent folders of a nested --out."""
+    import _args
+    import bench_inspect
+
+    def interrupted(tensors, filename):
+        Path(filename).write_bytes(b"half written")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("safetensors.numpy.save_file", interrupted)
+    monkeypatch.setattr(bench_inspect, "VOCAB", 8)
+    monkeypatch.setattr(bench_inspect, "HIDDEN", 32)
+    workdir = tmp_path / "a" / "b" / "c"
+    monkeypatch.setattr(sys, "argv", ["bench_inspect.py", "--workdir", str(workdir), "--runs", "1"])
+    with pytest.raises(KeyboardInterrupt):
+        bench_inspect.main()
+    assert list(tmp_path.iterdir()) == []
+
+    (tmp_path / "kept").mkdir()
+    made = _args.make_folders(tmp_path / "kept" / "x" / "y")
+    assert made == [tmp_path / "kept" / "x", tmp_path / "kept" / "x" / "y"]
+    (tmp_path / "kept" / "mine.txt").write_text("mine")
+    _args.remove_folders(made)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["mine.txt"]
+
+
+def test_the_scripts_help_gives_each_numeric_options_range():
+    """Only the default was shown; the range first appeared in an error."""
+    import _args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--new-tokens", type=_args.int_range(4, 4096), default=64, help="steps (default 64)")
+    parser.add_argument("--contexts", type=_args.int_list(1, 8192), help="prompt lengths")
+    parser.add_argument("--threads", type=_args.thread_count, default=2, help="threads (default 2)")
+    sub = parser.add_subparsers().add_parser("compare")
+    sub.add_argument("--min-top1", type=_args.float_range(0.0, 1.0), default=0.995, help="limit (default 0.995)")
+    _args.add_ranges(parser)
+    helps = {a.dest: a.help for a in parser._actions} | {a.dest: a.help for a in sub._actions}
+    assert helps["new_tokens"] == "steps (4 to 4,096; default 64)"
+    assert helps["contexts"] == "prompt lengths (each 1 to 8,192)"
+    assert helps["threads"] == f"threads (1 to {4 * (__import__('os').cpu_count() or 1):,}; default 2)"
+    assert helps["min_top1"] == "limit (0.0 to 1.0; default 0.995)"

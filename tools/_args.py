@@ -49,12 +49,42 @@ def new_file(value: str) -> Path:
 
 
 def our_export(value: str) -> Path:
-    """An export folder of this toolkit: it holds ``model.onnx`` and our ``manifest.json``."""
+    """An export folder of this toolkit: it holds ``model.onnx`` and our ``manifest.json``, and its
+    ``model.onnx`` is the graph the manifest records (:func:`graph_changed`)."""
     path = existing_dir(value)
     if not (path / "model.onnx").is_file() or not (path / "manifest.json").is_file():
         raise argparse.ArgumentTypeError(f"{path}: not an export of gemma-export (expected model.onnx and manifest.json "
                                          "in it)")
+    reason = graph_changed(path)
+    if reason is not None:
+        raise argparse.ArgumentTypeError(reason)
     return path
+
+
+def graph_changed(folder: Path) -> str | None:
+    """Why ``folder/model.onnx`` is not the graph its manifest records (size and sha256), or None.
+
+    The graph is small (under a megabyte for the 270M), so its hash costs nothing, and a graph
+    copied from another export of the same model loads and runs: it reads its own layout out of
+    this folder's data file, and a script scored that without a word. The data file is checked by
+    size when the runtime loads it; ``gemma-export verify`` compares every byte. A manifest
+    without a ``files`` listing (written by another tool) has nothing to compare.
+    """
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.manifest import read_manifest
+    from gemma_export.onnx_files import MANIFEST_FILE, MODEL_FILE
+    from gemma_export.staging import check_listed_file, listed_files
+
+    try:
+        manifest = read_manifest(folder)
+        if "files" not in manifest:
+            return None
+        entry = listed_files(manifest["files"], folder / MANIFEST_FILE, nested=False).get(MODEL_FILE)
+        if entry is not None:
+            check_listed_file(folder / MODEL_FILE, *entry, "the manifest", "an export folder")
+    except GemmaExportError as exc:
+        return f"{exc} (the folder changed after the export: export it again; gemma-export verify checks every file)"
+    return None
 
 
 def genai_folder(value: str) -> Path:
@@ -88,10 +118,15 @@ def genai_output(value: str) -> Path:
     return path
 
 
-def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int) -> int | None:
+def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int,
+                      shorten: str = "give shorter --contexts, --new-tokens or --prefill") -> int | None:
     """Refuse, before any timing or scoring, exports that cannot run this comparison: an id of the
     text outside an export's vocabulary, more positions than its ``max_position_embeddings``, or
     exports of different vocabularies (figures from each ``manifest.json``).
+
+    Args:
+        shorten: the advice when the run needs more positions than an export has, naming the
+            script's options that set its length.
 
     Returns:
         The exports' common vocabulary size (None when no manifest gives one).
@@ -110,7 +145,7 @@ def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int) -
                                    f"export's tokenizer) reach {max(ids):,}; compare exports of one model")
         if limit is not None and positions > limit:
             raise GemmaExportError(f"{folder}: max_position_embeddings is {limit:,}, and this run needs {positions:,} "
-                                   "positions; give shorter --contexts, --new-tokens or --prefill")
+                                   f"positions; {shorten}")
         if vocab is not None:
             vocabs[name] = vocab
     if len(set(vocabs.values())) > 1:
@@ -147,15 +182,31 @@ def reference_mlir(value: str) -> Path:
     return path
 
 
-def writable_file(value: str) -> Path:
-    """A file to write (:func:`new_file`) in a folder that accepts new files, checked before any work."""
+def writable_file(value: str, outside_outputs: bool = True) -> Path:
+    """A file to write (:func:`new_file`) in a folder that accepts new files, and not inside a folder
+    gemma-export wrote (:func:`_outside_outputs`; ``outside_outputs=False`` for a script that checks
+    that itself, naming the folder's role), checked before any work."""
     from gemma_export.staging import entry_refused
 
     path = new_file(value)
+    if outside_outputs:
+        _outside_outputs(path)
     reason = entry_refused(path.resolve().parent)
     if reason is not None:
         raise argparse.ArgumentTypeError(f"{path}: cannot write in {path.parent}: {reason}")
     return path
+
+
+def _outside_outputs(path: Path) -> None:
+    """Refuse ``path`` when it is, or lies inside, a folder gemma-export wrote (an export, a board
+    folder): the file would be one its manifest does not list, and ``verify`` and ``bundle`` would
+    refuse the folder afterwards (``gemma_export.staging.enclosing_output``)."""
+    from gemma_export.staging import enclosing_output
+
+    enclosing = enclosing_output(path / "_") if path.is_dir() else enclosing_output(path)
+    if enclosing is not None:
+        raise argparse.ArgumentTypeError(f"{path}: inside {enclosing}, an output of gemma-export whose manifest would "
+                                         "no longer list every file in it; write elsewhere")
 
 
 def plot_file(value: str) -> Path:
@@ -180,6 +231,24 @@ def new_dir(value: str) -> Path:
     return path
 
 
+def make_folders(path: Path) -> list[Path]:
+    """``path.mkdir(parents=True, exist_ok=True)``, returning the folders it created, outermost first,
+    for :func:`remove_folders` to take back after an interrupt or a failure (only the last level
+    was removed before, and a Ctrl-C left ``a/`` and ``a/b/`` of ``--out a/b/c`` behind)."""
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def remove_folders(made: list[Path]) -> None:
+    """Remove the folders :func:`make_folders` created, innermost first, each only if it is empty."""
+    import contextlib
+
+    for folder in reversed(made):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
 def _number(kind: type, what: str, lo, hi) -> Callable[[str], int | float]:
     def parse(value: str):
         try:
@@ -189,6 +258,7 @@ def _number(kind: type, what: str, lo, hi) -> Callable[[str], int | float]:
         if not lo <= number <= hi:
             raise argparse.ArgumentTypeError(f"expected {lo:,} to {hi:,}, found {number}")
         return number
+    parse.bounds = (lo, hi)  # for --help (add_ranges)
     return parse
 
 
@@ -200,9 +270,27 @@ def int_range(lo: int, hi: int) -> Callable[[str], int]:
 def thread_count(value: str) -> int:
     """A ``--threads`` value: 1 to 4 × this machine's CPUs, the limit the toolkit's runtime applies
     (``gemma_export.runtime.check_threads``), checked here before any export or measurement starts."""
-    import os
+    return int_range(*thread_count.bounds)(value)
 
-    return int_range(1, 4 * (os.cpu_count() or 1))(value)
+
+thread_count.bounds = (1, 4 * (os.cpu_count() or 1))  # for --help (add_ranges)
+
+
+def add_ranges(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Put each numeric option's accepted range into its ``--help`` line, from the bounds of its
+    type (:func:`int_range`, :func:`float_range`, :func:`int_list`, :func:`thread_count`): "(default
+    64)" becomes "(4 to 4,096; default 64)", so the range is not first seen in an error. Subcommands'
+    parsers too. Returns ``parser``."""
+    for action in parser._actions:
+        bounds = getattr(action.type, "bounds", None)
+        if bounds is not None and action.help:
+            span = f"{'each ' if getattr(action.type, 'each', False) else ''}{bounds[0]:,} to {bounds[1]:,}"
+            action.help = (action.help.replace("(default", f"({span}; default", 1) if "(default" in action.help
+                           else f"{action.help} ({span})")
+        for sub in getattr(action, "choices", None) or {}:
+            if isinstance(action.choices, dict) and isinstance(action.choices[sub], argparse.ArgumentParser):
+                add_ranges(action.choices[sub])
+    return parser
 
 
 def float_range(lo: float, hi: float) -> Callable[[str], float]:
@@ -223,6 +311,7 @@ def int_list(lo: int, hi: int) -> Callable[[str], list[int]]:
         if twice:  # each would be timed twice, the second figure replacing the first
             raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {value!r}")
         return numbers
+    parse.bounds, parse.each = (lo, hi), True  # for --help (add_ranges)
     return parse
 
 
@@ -278,10 +367,12 @@ def run(main: Callable[[], int | None]) -> None:
     sys.exit(status or 0)
 
 
-def writable_dir(value: str) -> Path:
+def writable_dir(value: str, outside_outputs: bool = True) -> Path:
     """A folder to write files into (:func:`new_dir`), checked before any work: an existing folder
     that takes new files, or a new path whose nearest existing parent is a folder that does
-    (:func:`~gemma_export.staging.entry_refused`: /proc, a read-only mount, permissions).
+    (:func:`~gemma_export.staging.entry_refused`: /proc, a read-only mount, permissions); not a
+    folder gemma-export wrote, nor one inside it (:func:`_outside_outputs`; ``outside_outputs=False``
+    for a script that checks that itself, naming what it writes there).
 
     Raises:
         argparse.ArgumentTypeError: naming the path, what was expected and what was found.
@@ -289,6 +380,8 @@ def writable_dir(value: str) -> Path:
     from gemma_export.staging import entry_refused
 
     path = new_dir(value)
+    if outside_outputs:
+        _outside_outputs(path)
     for existing in (path.absolute(), *path.absolute().parents):  # up to the nearest that exists ("/" at the latest)
         if existing.exists():
             break

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _args import int_range, our_export, run, thread_count  # noqa: E402
+from _args import add_ranges, int_range, our_export, run, thread_count  # noqa: E402
 from bench_side_by_side import real_text_ids  # noqa: E402  (the same real text as the side-by-side tables)
 from gemma_export.config import QUANTIZED_DTYPES
 from gemma_export.onnx_files import graph_dtype
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="teacher-forced decode steps per round (default 48)")
     parser.add_argument("--rounds", type=int_range(1, 1000), default=6,
                         help="alternating rounds of the three variants (default 6)")
+    add_ranges(parser)
     return _run(parser.parse_args(argv))
 
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import int_range, run, thread_count, writable_dir  # noqa: E402
+from _args import add_ranges, int_range, run, thread_count, writable_dir  # noqa: E402
 
 from gemma_export.bench import WARMUP_STEPS  # noqa: E402
 from gemma_export.config import DTYPES  # noqa: E402
@@ -141,6 +141,7 @@ def main() -> None:
                         help=f"the long prompt, after the {SHORT_PROMPT}-token one (default 512)")
     parser.add_argument("--new-tokens", type=int_range(WARMUP_STEPS + 1, 4096), default=128,
                         help=f"decode steps per prompt, the first {WARMUP_STEPS} untimed (default 128)")
+    add_ranges(parser)
     args = parser.parse_args()
     from gemma_export.errors import GemmaExportError
 

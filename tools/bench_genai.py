@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
+from _args import add_ranges, genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
 from gemma_export.bench import OtherWork  # noqa: E402
 
 
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--threads", type=thread_count, default=2, help="intra-op threads of both (default 2)")
     parser.add_argument("--cold", action="store_true",
                         help="drop the page cache before each measurement (needs root): every file read from disk")
+    add_ranges(parser)
     args = parser.parse_args()
     from gemma_export.bench import drop_page_cache
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import int_range, new_dir, run, writable_dir  # noqa: E402
+from _args import add_ranges, int_range, make_folders, new_dir, remove_folders, run, writable_dir  # noqa: E402
 
 VOCAB, HIDDEN = 262_144, 640
 
@@ -71,9 +71,13 @@ def write_archive(path: Path) -> None:
     from gemma_export.sources import current_umask
 
     tmp = path.with_suffix(".partial")
-    save_file({"t0": table, "t2044": bf16, "t2051": q, "t2051_scale": scale}, str(tmp))
-    tmp.chmod(0o666 & ~current_umask())  # save_file creates it 0600; a kept file gets the umask's mode
-    tmp.rename(path)
+    try:
+        save_file({"t0": table, "t2044": bf16, "t2051": q, "t2051_scale": scale}, str(tmp))
+        tmp.chmod(0o666 & ~current_umask())  # save_file creates it 0600; a kept file gets the umask's mode
+        tmp.rename(path)
+    except BaseException:  # Ctrl-C, a full disk: no 1.18 GB partial file left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def main() -> None:
@@ -81,6 +85,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=new_dir, default=Path("/tmp/gx-inspect"),
                         help="where the 1.18 GB archive is written once and kept (default /tmp/gx-inspect)")
     parser.add_argument("--runs", type=int_range(1, 100), default=3, help="inspect runs; medians are reported (default 3)")
+    add_ranges(parser)
     args = parser.parse_args()
     from gemma_export.errors import GemmaExportError
 
@@ -90,9 +95,13 @@ def main() -> None:
             writable_dir(str(args.workdir))
         except argparse.ArgumentTypeError as exc:
             parser.error(f"argument --workdir: {exc}")
-        args.workdir.mkdir(parents=True, exist_ok=True)
+        made = make_folders(args.workdir)
         print(f"writing {archive} ...", file=sys.stderr)
-        write_archive(archive)
+        try:
+            write_archive(archive)
+        except BaseException:
+            remove_folders(made)
+            raise
     size = archive.stat().st_size
     baseline = json.loads(subprocess.run([sys.executable, "-c", _BASELINE], capture_output=True, text=True,
                                          check=True).stdout)["peak_rss"]

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import (check_exports_fit, check_gguf_model, int_list, int_range, named, our_export, plot_file, reference_mlir, run,  # noqa: E402
-                   thread_count, unique_names)
+from _args import (add_ranges, check_exports_fit, check_gguf_model, int_list, int_range, named, our_export,  # noqa: E402
+                   plot_file, reference_mlir, run, thread_count, unique_names)
 
 
 #: the reference export's row in the table
@@ -331,6 +331,7 @@ def main() -> None:
                              "off: the heap only")
     parser.add_argument("--cold", action="store_true",
                         help="drop the page cache before each system (needs root): every file read from disk")
+    add_ranges(parser)
     args = parser.parse_args()
     from gemma_export.bench import drop_page_cache
 

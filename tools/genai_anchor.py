@@ -121,7 +121,7 @@ def output_folder(value: str) -> Path:
     from gemma_export.staging import check_outside_outputs
 
     path = genai_output(value)
-    writable_dir(value)
+    writable_dir(value, outside_outputs=False)  # below, for --out and the two folders beside it
     # a name of its own ("." has none), and the folder it is in as the kernel finds it ("link/.." is the
     # link target's parent); a link named as --out is kept, as the OUT-hf beside it
     out = (Path(os.path.realpath(path)) if path.name in ("", ".", "..")
@@ -131,7 +131,7 @@ def output_folder(value: str) -> Path:
                                          "written beside it), found the root")
     for sibling, what in zip(siblings(out), ("the transformers folder", "the builder's cache")):
         try:
-            writable_dir(str(sibling))
+            writable_dir(str(sibling), outside_outputs=False)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
     for folder in (out, *siblings(out)):

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import run, writable_dir  # noqa: E402
+from _args import make_folders, remove_folders, run, writable_dir  # noqa: E402
 
 #: the two files written into --out (``write_jax_reference``'s names), archive first
 NAMES = ("gemma.safetensors", "gemma.mlir")
@@ -90,8 +90,7 @@ def main() -> None:
                                    "or no entry of that name")
     start = time.perf_counter()
     model = transformers_model(open_source(None))  # the bundled GGUF, through this toolkit's reader
-    created = not args.out.exists()
-    args.out.mkdir(parents=True, exist_ok=True)
+    made = make_folders(args.out)
     try:
         # both files are written in a scratch folder and moved in together at the end (replace_pair),
         # so an interrupt or a failure never leaves one new file beside an old (or no) other
@@ -101,9 +100,7 @@ def main() -> None:
             with interrupts_held():
                 replace_pair(Path(scratch), args.out, tuple(names))
     except BaseException:
-        if created:
-            with contextlib.suppress(OSError):
-                args.out.rmdir()  # only if empty: the folder this run made
+        remove_folders(made)  # only those this run made, and only if empty
         raise
     mlir = args.out / names[1]
     size = sum((args.out / name).stat().st_size for name in names)

@@ -66,7 +66,11 @@ class Model:
         from tokenizers import Tokenizer
 
         folder = Path(folder)
-        if folder.is_dir() and not (folder / "manifest.json").exists():  # another tool's folder, e.g. genai's
+        if not folder.is_dir():
+            found = "no such folder" if not folder.exists() else "a file"
+            raise FolderError(f"{folder}: {found}; expected an export folder of gemma-export (model.onnx, "
+                              "tokenizer.json, manifest.json)")
+        if not (folder / "manifest.json").exists():  # another tool's folder, e.g. genai's
             raise FolderError(f"{folder}: no manifest.json; not an export folder of gemma-export")
         config = _config(folder / "manifest.json")
         # the pre-packed copy (`gemma-export prepack`) holds the same graph with this CPU's packed weights
@@ -77,6 +81,8 @@ class Model:
         for needed in (graph, folder / "tokenizer.json"):  # named here: the libraries' errors leave the name out
             if not needed.is_file():
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(needed))
+        if not prepacked:
+            _check_graph(folder)
         # the tokenizer first, then the heap its parse freed handed back to the kernel: glibc keeps
         # it otherwise, and the session's memory lands on top of it. Real int8 export, maximum
         # resident memory (2026-12-06): 663.7 MB, against 734.8 MB without the trim and 914.8 MB
@@ -320,13 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--prompt-file", type=Path, help="a UTF-8 file whose text to continue (all of it, "
                       "trailing newlines and CRLF too, a leading byte-order mark dropped; `--prompt \"$(cat FILE)\"` "
                       "drops trailing newlines)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate at most (1 or more; default 32)")
     parser.add_argument("--mode", choices=("shared", "arrays"), default="shared",
                         help="the KV cache: one buffer per tensor shared by past and present (default), or "
                              "arrays fed back")
     parser.add_argument("--chunk", type=int, default=PREFILL_CHUNK,
-                        help=f"longest prompt step, in tokens (default {PREFILL_CHUNK}, as generate's)")
-    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (default: one per core)")
+                        help=f"longest prompt step, in tokens (1 or more; default {PREFILL_CHUNK}, as generate's)")
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (1 to 4 x the CPUs; default: one per core)")
     parser.add_argument("--prepacked", action="store_true",
                         help="load prepacked/model.onnx, the copy `gemma-export prepack` made on this machine")
     parser.add_argument("--json", help="write the ids as a golden entry ({prompt_ids, expected_ids, prefill_chunk}, "
@@ -358,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
         if out.is_dir():
             return fail(args.json, IsADirectoryError("is a folder; expected a file to write the ids to"))
+        if args.prompt_file is not None and out.resolve() == args.prompt_file.resolve():
+            return fail(args.json, ValueError("is the --prompt-file; write the ids elsewhere"))
+        enclosing = _inside_export(out)
+        if enclosing is not None:
+            return fail(args.json, ValueError(f"inside {enclosing}, whose manifest.json would no longer list every "
+                                              "file in it; write the ids elsewhere"))
         if out.exists():  # an earlier record, replaced in place: it opens for writing (opened to append, not changed)
             if not _earlier_record(out):
                 return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
@@ -405,6 +417,46 @@ def main(argv: list[str] | None = None) -> int:
         shown = new_ids[:-1] if new_ids and new_ids[-1] in model.stop else new_ids
         print(prompt + model.tokenizer.decode(shown, skip_special_tokens=False))
     return 0
+
+
+def _check_graph(folder: Path) -> None:
+    """``folder/model.onnx`` is the graph the manifest lists (size and sha256): a graph copied in
+    from another export of the same model loads and runs, reading its own layout out of this
+    folder's data file. The graph is small, so the hash costs nothing.
+
+    Raises:
+        FolderError: naming the graph and how it differs.
+    """
+    import hashlib
+
+    try:
+        listed = json.loads((folder / "manifest.json").read_text(encoding="utf-8")).get("files", {})["model.onnx"]
+        size, digest = listed["bytes"], listed["sha256"]
+    except (KeyError, TypeError, AttributeError, ValueError):  # no listing: nothing to compare
+        return
+    graph = folder / "model.onnx"
+    data = graph.read_bytes() if graph.stat().st_size == size else None
+    if data is None or hashlib.sha256(data).hexdigest() != digest:
+        raise FolderError(f"{graph}: not the graph {folder / 'manifest.json'} lists (its size or sha256 differs); the "
+                          "folder changed after the export")
+
+
+def _inside_export(path: Path) -> Path | None:
+    """The nearest folder above ``path`` whose manifest.json lists its files (an export, a board
+    folder), or None: a file written there is one the listing lacks, and gemma-export verify then
+    refuses the folder."""
+    for parent in path.resolve().parents:
+        manifest = parent / "manifest.json"
+        try:
+            if not manifest.is_file():  # not a FIFO either, whose read would wait for a writer
+                continue
+            with open(manifest, "rb") as f:
+                listing = json.loads(f.read(1 << 20)).get("files")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(listing, dict):
+            return parent
+    return None
 
 
 def _earlier_record(path: Path) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import check_exports_fit, check_gguf_model, gguf_file, int_range, named, our_export, run, unique_names  # noqa: E402
+from _args import add_ranges, check_exports_fit, check_gguf_model, gguf_file, int_range, named, our_export, run, unique_names  # noqa: E402
 
 
 def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
@@ -46,6 +46,7 @@ def main() -> None:
                         help="GGUF files to run with llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--tokens", type=int_range(16, 32768), default=640,
                         help="tokens of the text to score (default 640; the whole license is ~3,400)")
+    add_ranges(parser)
     args = parser.parse_args()
     from gemma_export.bench import real_text
     from gemma_export.errors import GemmaExportError
@@ -65,7 +66,7 @@ def main() -> None:
             raise GemmaExportError("--gguf needs llama-cpp-python (pip install llama-cpp-python)") from None
     text, where = real_text(None)
     ids = first_tokens(load_tokenizer(next(iter(models.values()))), text, args.tokens)
-    vocab = check_exports_fit(models, ids, len(ids))
+    vocab = check_exports_fit(models, ids, len(ids), shorten="give a smaller --tokens")
     for path in args.gguf:  # before the (slow) reference and exports are scored
         check_gguf_model(path, vocab)
     # the exports' own source weights, each export's record of them checked (a file changed since an

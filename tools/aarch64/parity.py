@@ -40,7 +40,7 @@ from typing import Callable
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _args import existing_dir, existing_file, float_range, int_range, run, thread_count, writable_file  # noqa: E402
+from _args import add_ranges, existing_dir, existing_file, float_range, int_range, run, thread_count, writable_file  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -109,7 +109,7 @@ def dump(args: argparse.Namespace) -> None:
     arrays = dict(logits=logits, greedy=np.asarray(greedy, np.int64), text=np.asarray(payload["text"], np.int64),
                   machine=platform.machine(), decode_ms_median=float(np.median(times)),
                   prepacked=str(decoder.prepacked_path or ""), teacher_forced_s=time.perf_counter() - t0,
-                  sliding_window=model_sliding_window(decoder) or 0)
+                  sliding_window=model_sliding_window(decoder) or 0, export=export_identity(Path(args.model)))
 
     def write(temporary: Path) -> None:
         with open(temporary, "wb") as f:  # a file object: given a name, numpy would append .npz to the temporary one
@@ -136,6 +136,9 @@ def compare(args: argparse.Namespace) -> None:
     if a["logits"].shape != b["logits"].shape:
         raise FormatError(f"{args.a} and {args.b}: logits over {a['logits'].shape[1]:,} and {b['logits'].shape[1]:,} "
                           "words, the vocabularies of two exports; compare dumps of one export")
+    if a["export"] and b["export"] and a["export"] != b["export"]:
+        raise FormatError(f"{args.a} and {args.b}: dumps of two exports (their manifests list other graph or data "
+                          "files); compare dumps of one export")
     same = [bool(np.array_equal(x, y)) for x, y in zip(a["greedy"], b["greedy"])]
     first_diff = [int(np.flatnonzero(x != y)[0]) if not s else None for x, y, s in zip(a["greedy"], b["greedy"], same)]
     window = _window(args.a, args.b, [a["sliding_window"], b["sliding_window"]])
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("prepare", description="Tokenize the prompts and the text on this machine into an ids file "
                        "for `dump`. Example: parity.py prepare --model gemma-3-270m-onnx-int8 --out ids.json")
     p.add_argument("--model", required=True, type=existing_dir, help="an export folder (its tokenizer is used)")
-    p.add_argument("--out", required=True, type=writable_file,
+    p.add_argument("--out", required=True, type=output_file,
                    help="the ids file to write (JSON; a new file or one prepare wrote)")
     p.add_argument("--tokens", type=int_range(1, 32768), default=256, help="teacher-forced text tokens (default 256)")
     p.add_argument("--new-tokens", type=int_range(2, 4096), default=16,
@@ -180,11 +183,12 @@ def main(argv: list[str] | None = None) -> None:
                        "below --min-top1. Example: parity.py compare x86.npz arm.npz --json report.json")
     p.add_argument("a", type=existing_file, help="a dump (.npz)")
     p.add_argument("b", type=existing_file, help="another dump of the same ids")
-    p.add_argument("--json", default=None, type=writable_file,
+    p.add_argument("--json", default=None, type=output_file,
                    help="also write the report here (a new file or an earlier report)")
     p.add_argument("--min-top1", type=float_range(0.0, 1.0), default=0.995,
                    help="top-1 agreement below this exits 1 (default 0.995)")
     p.set_defaults(run=compare)
+    add_ranges(parser)
     args = parser.parse_args(argv)
     args.run(args)
 
@@ -195,9 +199,15 @@ def _number_or_null(value) -> float | None:
     return number if np.isfinite(number) else None
 
 
+def output_file(value: str) -> Path:
+    """An output file (:func:`_args.writable_file`) whose place among the inputs and the outputs of
+    gemma-export :func:`check_output` checks, naming the export folder as such."""
+    return writable_file(value, outside_outputs=False)
+
+
 def npz_file(value: str) -> Path:
     """A .npz file name to write (:func:`_args.writable_file`): what `compare` reads is a .npz archive."""
-    path = writable_file(value)
+    path = output_file(value)
     if path.suffix != ".npz":
         raise argparse.ArgumentTypeError(f"{path}: expected a file name ending in .npz")
     return path
@@ -211,6 +221,24 @@ DUMP_ARRAYS = {
     "machine": ("U", 0, "a string"),
     "decode_ms_median": ("fiu", 0, "a number"),
 }
+
+
+def export_identity(folder: Path) -> str:
+    """The sha256 the export's manifest records for its graph and data file, as one string, so that
+    ``compare`` can tell dumps of two exports from a parity failure of one; "" when the manifest lists
+    no files. Read from the manifest, not hashed: the export is checked when the decoder loads it."""
+    from gemma_export.errors import GemmaExportError
+    from gemma_export.manifest import read_manifest
+    from gemma_export.onnx_files import DATA_FILE, MODEL_FILE
+
+    try:
+        files = read_manifest(folder).get("files")
+    except GemmaExportError:
+        return ""
+    if not isinstance(files, dict):
+        return ""
+    return ";".join(f"{name}:{files[name].get('sha256')}" for name in (MODEL_FILE, DATA_FILE)
+                    if isinstance(files.get(name), dict))
 
 
 def _window(a: Path, b: Path, windows: list[int]) -> int | None:
@@ -230,7 +258,8 @@ def _window(a: Path, b: Path, windows: list[int]) -> int | None:
 def load_dump(path: Path) -> dict[str, np.ndarray]:
     """The arrays of a dump (:data:`DUMP_ARRAYS`), each checked for its kind and dimensions, and
     ``logits`` against ``text``: a row per id, and a column for every id; with ``sliding_window``
-    (an int: the graph's window, 0 for none, 512 for a dump written before dumps recorded it).
+    (an int: the graph's window, 0 for none, 512 for a dump written before dumps recorded it) and
+    ``export`` (:func:`export_identity`; "" for a dump written before dumps recorded it).
 
     Raises:
         FormatError: ``"{path}: not a dump written by `parity.py dump` (expected ...; found ...)"``,
@@ -269,6 +298,9 @@ def load_dump(path: Path) -> dict[str, np.ndarray]:
             arrays[name] = array
         # the graph's window (dump writes it; 0: none); Gemma 3 270M's 512 for dumps written before that
         window = loaded["sliding_window"] if "sliding_window" in loaded.files else None
+        # which export made it (dump writes it; "" for dumps written before that: not compared)
+        export = loaded["export"] if "export" in loaded.files else None
+    arrays["export"] = str(export) if export is not None and export.ndim == 0 and export.dtype.kind == "U" else ""
     if window is None:
         arrays["sliding_window"] = GEMMA3_270M_SLIDING_WINDOW
     elif window.ndim != 0 or window.dtype.kind not in "iu" or int(window) < 0:
