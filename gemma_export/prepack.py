@@ -438,7 +438,9 @@ def prepack(model_dir: str | Path, threads: int | None = None,
     model_dir = Path(model_dir)
     start = time.perf_counter()
     check_threads(threads)  # before the manifest check prints its progress line
-    _export_folder(model_dir)
+    # a folder that is no export is refused before the lock and the write probe touch it (a break-it
+    # round: a transformers folder given by mistake had its modification time changed)
+    _export_folder(model_dir, manifest=True)
     with _folder_lock(model_dir) as locked:
         out = _may_replace(model_dir, "writing the pre-packed copy",
                            ", so it is not a copy gemma-export wrote; move it away first (nothing was changed)")

@@ -181,6 +181,7 @@ def test_an_out_inside_an_output_of_ours_is_refused_before_the_probe(tmp_path, m
     (export / "model.onnx").write_bytes(b"onnx")
     (export / marker).write_text(json.dumps({"files": {"model.onnx": {"size": 4, "sha256": "0" * 64}}}))
     before = _contents(export)
+    os.utime(export, ns=(1_000_000_000, 1_000_000_000))  # a write probe in it would change this (a break-it round)
     fake = _stand_in(tmp_path / "tools", WHOLE_BUILD)
     monkeypatch.setattr(genai_anchor, "write_hf_folder", _slow_work_refused)
     line = _main_refuses(monkeypatch, capsys, ["--python", str(fake), "--out", str(export / out)])
@@ -189,6 +190,7 @@ def test_an_out_inside_an_output_of_ours_is_refused_before_the_probe(tmp_path, m
                     "folders of --out elsewhere")
     assert not (tmp_path / "tools" / "probed").exists()
     assert _contents(export) == before and sorted(os.listdir(export)) == sorted(["model.onnx", marker])
+    assert export.stat().st_mtime_ns == 1_000_000_000
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)], ids=["umask-022", "umask-027"])

@@ -772,3 +772,16 @@ def test_a_copy_whose_data_file_this_user_cannot_read_is_named_so(export_copy, m
     found = prepack_module.status(export_copy)
     assert found.path is None and found.reason == (f"{data}: cannot be read (Permission denied); not used (its owner can "
                                                    "make it readable to this user, or remove it)")
+
+
+def test_a_folder_that_is_no_export_is_refused_untouched(tiny_dir, tmp_path):
+    """A break-it round: `prepack --model` of a transformers folder took the lock and probed the
+    folder for writing before it was refused, which changed the folder's modification time."""
+    folder = tmp_path / "hf"
+    shutil.copytree(tiny_dir, folder)
+    os.utime(folder, ns=(1_000_000_000, 1_000_000_000))
+    result = _run("prepack", "--model", folder)
+    assert result.exit_code == 2, result.output
+    assert f"{folder / 'manifest.json'}: missing; not a gemma-export folder" in result.stderr
+    assert folder.stat().st_mtime_ns == 1_000_000_000
+    assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in tiny_dir.iterdir())

@@ -121,7 +121,6 @@ def output_folder(value: str) -> Path:
     from gemma_export.staging import check_outside_outputs
 
     path = genai_output(value)
-    writable_dir(value, outside_outputs=False)  # below, for --out and the two folders beside it
     # a name of its own ("." has none), and the folder it is in as the kernel finds it ("link/.." is the
     # link target's parent); a link named as --out is kept, as the OUT-hf beside it
     out = (Path(os.path.realpath(path)) if path.name in ("", ".", "..")
@@ -129,16 +128,18 @@ def output_folder(value: str) -> Path:
     if out == out.parent:
         raise argparse.ArgumentTypeError(f"{path}: expected a folder inside another one (OUT-hf and OUT-cache are "
                                          "written beside it), found the root")
-    for sibling, what in zip(siblings(out), ("the transformers folder", "the builder's cache")):
-        try:
-            writable_dir(str(sibling), outside_outputs=False)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
+    # before the write probes below, which would change an export's folder before it is refused
     for folder in (out, *siblings(out)):
         try:
             check_outside_outputs(folder, "folders of --out")
         except OutputError as exc:
             raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    writable_dir(value, outside_outputs=False)  # checked above, for --out and the two folders beside it
+    for sibling, what in zip(siblings(out), ("the transformers folder", "the builder's cache")):
+        try:
+            writable_dir(str(sibling), outside_outputs=False)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{path}: {what} is written beside it, and {exc}") from None
     hf_folder = siblings(out)[0]
     if found := foreign_files(hf_folder):
         shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
