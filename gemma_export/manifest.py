@@ -18,7 +18,7 @@ from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
-from .staging import leftovers, listed_files
+from .staging import leftovers, listed_files, written_by_gemma_export
 from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
 
@@ -143,7 +143,9 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
     compares every byte of every file.
 
     Args:
-        manifest: the parsed ``manifest.json`` (:func:`read_manifest`); without ``files`` nothing is checked.
+        manifest: the parsed ``manifest.json`` (:func:`read_manifest`); without ``files`` nothing is
+            checked, unless its ``tool`` field says gemma-export wrote it (every export of it lists its
+            files: one without is a damaged manifest, refused).
         model_dir: the export folder; sizes are compared in bytes.
 
     Raises:
@@ -153,10 +155,10 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
             otherwise pass this check unseen.
         OSError: a listed file cannot be opened for reading (permissions, I/O error).
     """
-    if "files" not in manifest:  # folders of other exporters carry no manifest
+    if "files" not in manifest and not written_by_gemma_export(manifest):  # another tool's manifest
         return
     try:
-        files = listed_files(manifest["files"], model_dir / MANIFEST_FILE, nested=False)
+        files = listed_files(manifest.get("files"), model_dir / MANIFEST_FILE, nested=False)
     except VerificationError as exc:
         raise FormatError(str(exc)) from None
     for name, (recorded, _) in files.items():

@@ -597,17 +597,30 @@ def check_free_space(out_dir: Path, need_bytes: int, what: str, largest_file_byt
 OUTPUT_MARKERS = (MANIFEST_FILE, BUNDLE_MANIFEST)
 
 
+def written_by_gemma_export(listing, marker: str = MANIFEST_FILE) -> bool:
+    """Whether a parsed :data:`OUTPUT_MARKERS` file says this toolkit wrote it: an export's
+    ``manifest.json`` names it in ``tool`` (``{"gemma-export": version, ...}``), a board folder's
+    ``BUNDLE.json`` in ``gemma_export_version``. Another tool's ``manifest.json`` does neither."""
+    if not isinstance(listing, dict):
+        return False
+    if marker == BUNDLE_MANIFEST:
+        return "gemma_export_version" in listing
+    tool = listing.get("tool")
+    return isinstance(tool, dict) and "gemma-export" in tool
+
+
 def enclosing_output(path: Path) -> Path | None:
     """The nearest folder above ``path`` that is an output of this toolkit (it holds a
-    :data:`OUTPUT_MARKERS` file that is a JSON object with a ``files`` map), or None. Writing into
-    such a folder would add files its manifest does not list, and ``verify`` would then refuse it."""
+    :data:`OUTPUT_MARKERS` file that is a JSON object with a ``files`` map, written by this toolkit:
+    :func:`written_by_gemma_export`), or None. Writing into such a folder would add files its
+    manifest does not list, and ``verify`` would then refuse it."""
     for parent in path.resolve().parents:
         for marker in OUTPUT_MARKERS:
             try:  # bounded, and never a FIFO (whose read would block): only a real listing marks an output
                 data = json.loads(read_bounded(parent / marker, "a listing").decode("utf-8"))
             except (OSError, ValueError, UnicodeDecodeError, RecursionError, FormatError):
                 continue
-            if isinstance(data, dict) and isinstance(data.get("files"), dict):
+            if written_by_gemma_export(data, marker) and isinstance(data.get("files"), dict):
                 return parent
     return None
 

@@ -258,3 +258,7 @@ def test_dumps_of_two_exports_of_one_vocabulary_are_bad_input_not_a_parity_failu
                                                 "list other graph or data files); compare dumps of one export"]
     _dump_with(made, work / "old.npz", export=None)  # written before dumps recorded it
     assert _run("compare", "x86.npz", "old.npz", cwd=work).returncode == 0
+    _dump_with(made, work / "odd.npz", export=np.arange(3))  # a malformed record is refused, not skipped
+    proc = _run("compare", "x86.npz", "odd.npz", cwd=work)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: odd.npz: 'export' must be a string (the export's graph and data sha256), found int64 [3]"], proc.stderr

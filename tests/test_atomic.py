@@ -616,7 +616,7 @@ def test_an_output_folder_any_depth_below_another_output_is_refused(tmp_path):
 
     board = tmp_path / "board"
     board.mkdir()
-    (board / "BUNDLE.json").write_text('{"files": {}}')
+    (board / "BUNDLE.json").write_text('{"gemma_export_version": "0.1.0", "files": {}}')
     (tmp_path / "manifest.json").write_text('{"name": "a web app"}')  # someone else's manifest: no files map
     assert enclosing_output(board / "a" / "b" / "c") == board.resolve()
     assert enclosing_output(tmp_path / "elsewhere" / "x") is None

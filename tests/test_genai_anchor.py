@@ -179,7 +179,8 @@ def test_an_out_inside_an_output_of_ours_is_refused_before_the_probe(tmp_path, m
     export = tmp_path / "export"
     export.mkdir()
     (export / "model.onnx").write_bytes(b"onnx")
-    (export / marker).write_text(json.dumps({"files": {"model.onnx": {"size": 4, "sha256": "0" * 64}}}))
+    ours = {"tool": {"gemma-export": "0.1.0"}} if marker == "manifest.json" else {"gemma_export_version": "0.1.0"}
+    (export / marker).write_text(json.dumps({**ours, "files": {"model.onnx": {"size": 4, "sha256": "0" * 64}}}))
     before = _contents(export)
     os.utime(export, ns=(1_000_000_000, 1_000_000_000))  # a write probe in it would change this (a break-it round)
     fake = _stand_in(tmp_path / "tools", WHOLE_BUILD)

@@ -5,6 +5,7 @@ makes the sliding layers drop rows, in prompt steps and in decode steps."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -365,15 +366,33 @@ def _record_graph(folder: Path) -> None:
 
 
 def test_a_graph_changed_after_the_export_is_refused(tiny_int8_export, tiny_dir, tmp_path, capsys):
-    """A break-it round: a model.onnx copied in from another export of the same size ran, reading its
-    own layout out of this folder's data file, and its ids were written as a golden entry."""
+    """A break-it round: a model.onnx copied in from another export ran, reading its own layout out
+    of this folder's data file, and its ids were written as a golden entry. Refused whether its size
+    differs or only its bytes, and when the manifest then lost its file listing."""
     other = export(tiny_dir, tmp_path / "other", "int8", calibrate=False, hadamard_size=0).out_dir
     model = tmp_path / "model"
     shutil.copytree(tiny_int8_export, model)
-    (model / "model.onnx").write_bytes((other / "model.onnx").read_bytes())
-    assert plain.main(["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]) == 2
-    assert capsys.readouterr().err == (f"error: {model / 'model.onnx'}: not the graph {model / 'manifest.json'} lists "
-                                       "(its size or sha256 differs); the folder changed after the export\n")
+    graph, manifest = model / "model.onnx", model / "manifest.json"
+    run = ["--model", str(model), "--prompt", "a", "--max-new-tokens", "2", "--json", "-"]
+    graph.write_bytes((other / "model.onnx").read_bytes())
+    found, recorded = graph.stat().st_size, (tiny_int8_export / "model.onnx").stat().st_size
+    assert found != recorded and plain.main(run) == 2
+    assert capsys.readouterr().err == (f"error: {graph}: {found:,} bytes, {manifest} records {recorded:,}; the folder "
+                                       "changed after the export (export it again; gemma-export verify checks every "
+                                       "file)\n")
+    same_size = bytearray((tiny_int8_export / "model.onnx").read_bytes())
+    same_size[-1] ^= 0x01
+    graph.write_bytes(bytes(same_size))
+    assert plain.main(run) == 2
+    assert capsys.readouterr().err == (f"error: {graph}: sha256 differs from the one {manifest} records; the folder "
+                                       "changed after the export (export it again; gemma-export verify checks every "
+                                       "file)\n")
+    record = json.loads(manifest.read_text())
+    del record["files"]
+    manifest.write_text(json.dumps(record))
+    assert plain.main(run) == 2
+    assert capsys.readouterr().err == (f"error: {manifest}: written by gemma-export but lists no files; the folder "
+                                       "changed after the export (export it again)\n")
 
 
 @pytest.mark.parametrize("case", ["no such folder", "a file"])
@@ -397,11 +416,20 @@ def test_json_is_neither_the_prompt_file_nor_inside_an_export(tiny_int8_export, 
     assert plain.main(["--model", str(model), "--prompt-file", str(prompt), "--json", str(prompt)]) == 2
     assert capsys.readouterr().err == f"error: {prompt}: is the --prompt-file; write the ids elsewhere\n"
     assert prompt.read_text() == ""
-    for out in (model / "out.json", model / "prepacked" / "out.json"):
+    link = tmp_path / "prompt-link.txt"
+    os.link(prompt, link)  # the same file under another name
+    assert plain.main(["--model", str(model), "--prompt-file", str(prompt), "--json", str(link)]) == 2
+    assert capsys.readouterr().err == f"error: {link}: is the --prompt-file; write the ids elsewhere\n"
+    assert prompt.read_text() == ""
+    board = tmp_path / "board"
+    (board / "model").mkdir(parents=True)
+    (board / "BUNDLE.json").write_text(json.dumps({"gemma_export_version": "0.1.0", "files": {}}))
+    for out in (model / "out.json", model / "prepacked" / "out.json", board / "golden.json"):
         out.parent.mkdir(exist_ok=True)
         assert plain.main(["--model", str(model), "--prompt", "a", "--json", str(out)]) == 2
-        assert capsys.readouterr().err == (f"error: {out}: inside {model}, whose manifest.json would no longer list "
-                                           "every file in it; write the ids elsewhere\n")
+        enclosing = board if out.parent == board else model
+        assert capsys.readouterr().err == (f"error: {out}: inside {enclosing}, an output of gemma-export whose "
+                                           "listing would no longer name every file in it; write the ids elsewhere\n")
         assert not out.exists()
 
 

@@ -346,3 +346,19 @@ def test_padded_slots_may_hold_any_position(tiny_int8_export):
     attended[1, 4] = -1  # a slot the mask attends
     with pytest.raises(GemmaExportError, match=r"position_ids must be >= 0, found -1 at \[1, 4\]"):
         KVCache(decoder, 2, 8).step(ids, mask, attended)
+
+
+def test_a_manifest_of_ours_that_lost_its_file_listing_is_refused_by_the_runtime(tiny_int8_export, tmp_path):
+    """A review: the runtime's file check skipped a manifest without 'files' (meant for other tools'
+    folders), so a graph swapped in and that field deleted ran in generate, bench and quality. A
+    manifest gemma-export wrote names it in 'tool'; another tool's is still read as before."""
+    folder = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["files"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="field 'files' must be an object .*found nothing"):
+        OnnxDecoder(folder, prepacked=False)
+    del manifest["tool"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    assert OnnxDecoder(folder, prepacked=False).vocab_size > 0

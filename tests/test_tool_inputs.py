@@ -465,7 +465,10 @@ def test_a_script_refuses_an_output_inside_an_export_folder(tiny_int8_export, tm
 
 def test_a_graph_from_another_export_is_refused_by_the_scripts(tiny_int8_export, tiny_dir, tmp_path):
     """quality_anchor, bench_breakdown and the others scored a folder whose model.onnx came from
-    another export of the same size (`gemma-export parity` and `verify` refused it)."""
+    another export (`gemma-export parity` and `verify` refused it): one of another size, one of the
+    same size with other bytes, and one whose manifest then lost its file listing."""
+    import json
+
     import _args
 
     from gemma_export.exporter import export
@@ -474,20 +477,42 @@ def test_a_graph_from_another_export_is_refused_by_the_scripts(tiny_int8_export,
     swapped = tmp_path / "swapped"
     shutil.copytree(tiny_int8_export, swapped)
     assert _args.our_export(str(swapped)) == swapped
-    (swapped / "model.onnx").write_bytes((other / "model.onnx").read_bytes())
-    assert (swapped / "model.onnx").read_bytes() != (tiny_int8_export / "model.onnx").read_bytes()
-    with pytest.raises(argparse.ArgumentTypeError, match=r"model.onnx: .*(sha256 differs|bytes, the manifest says)"):
+    graph = swapped / "model.onnx"
+    graph.write_bytes((other / "model.onnx").read_bytes())
+    assert graph.stat().st_size != (tiny_int8_export / "model.onnx").stat().st_size
+    with pytest.raises(argparse.ArgumentTypeError, match=r"model.onnx: [0-9,]+ bytes, the manifest says"):
         _args.our_export(str(swapped))
+    same_size = bytearray((tiny_int8_export / "model.onnx").read_bytes())
+    same_size[-1] ^= 0x01
+    graph.write_bytes(bytes(same_size))
+    with pytest.raises(argparse.ArgumentTypeError, match=r"model.onnx: sha256 differs from the manifest"):
+        _args.our_export(str(swapped))
+    manifest = json.loads((swapped / "manifest.json").read_text())
+    del manifest["files"]
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(argparse.ArgumentTypeError, match="field 'files' must be an object"):
+        _args.our_export(str(swapped))
+    del manifest["tool"]  # another tool's manifest: nothing to compare
+    (swapped / "manifest.json").write_text(json.dumps(manifest))
+    assert _args.our_export(str(swapped)) == swapped
 
 
-def test_quality_anchor_names_its_own_option_for_a_text_too_long(tiny_int8_export):
+def test_quality_anchor_names_its_own_option_for_a_text_too_long(tiny_dir, tmp_path, monkeypatch):
     """It advised "--contexts, --new-tokens or --prefill", options of another script."""
     import _args
 
+    from gemma_export.exporter import export
+
+    source = tmp_path / "src"
+    shutil.copytree(tiny_dir, source)
+    write_char_tokenizer(source)
+    model = export(source, tmp_path / "int8", "int8", calibrate=False).out_dir
+    monkeypatch.setattr("gemma_export.quality.transformers_logits", lambda *a: pytest.fail("the slow work started"))
+    monkeypatch.setattr(sys, "argv", ["quality_anchor.py", "--models", f"a={model}", "--tokens", "300"])
     with pytest.raises(GemmaExportError, match="needs 300 positions; give a smaller --tokens$"):
-        _args.check_exports_fit({"a": tiny_int8_export}, [1, 2], 300, shorten="give a smaller --tokens")
+        quality_anchor.main()
     with pytest.raises(GemmaExportError, match="give shorter --contexts, --new-tokens or --prefill$"):
-        _args.check_exports_fit({"a": tiny_int8_export}, [1, 2], 300)
+        _args.check_exports_fit({"a": model}, [1, 2], 300)
 
 
 def test_an_interrupted_archive_leaves_no_partial_file_nor_the_folders_it_made(tmp_path, monkeypatch):
@@ -507,6 +532,20 @@ def test_an_interrupted_archive_leaves_no_partial_file_nor_the_folders_it_made(t
     monkeypatch.setattr(sys, "argv", ["bench_inspect.py", "--workdir", str(workdir), "--runs", "1"])
     with pytest.raises(KeyboardInterrupt):
         bench_inspect.main()
+    assert list(tmp_path.iterdir()) == []
+
+    import make_reference_export
+
+    def interrupted_export(model, scratch, dtype):
+        (scratch / "gemma.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("gemma_export.sources.open_source", lambda source: None)
+    monkeypatch.setattr("gemma_export.quality.transformers_model", lambda source: None)
+    monkeypatch.setattr("jax_reference.write_jax_reference", interrupted_export)
+    monkeypatch.setattr(sys, "argv", ["make_reference_export.py", "--out", str(tmp_path / "r" / "s" / "t")])
+    with pytest.raises(KeyboardInterrupt):
+        make_reference_export.main()
     assert list(tmp_path.iterdir()) == []
 
     (tmp_path / "kept").mkdir()
@@ -533,3 +572,32 @@ def test_the_scripts_help_gives_each_numeric_options_range():
     assert helps["contexts"] == "prompt lengths (each 1 to 8,192)"
     assert helps["threads"] == f"threads (1 to {4 * (__import__('os').cpu_count() or 1):,}; default 2)"
     assert helps["min_top1"] == "limit (0.0 to 1.0; default 0.995)"
+
+
+def test_a_scripts_help_shows_the_ranges():
+    """add_ranges is called by each script: its --help gives the range of every numeric option."""
+    import subprocess
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    for script, line in (("bench_side_by_side.py", "(4 to 4,096; default 64)"), ("bench_genai.py", "(each 1 to 8,192"),
+                         ("quality_anchor.py", "(16 to 32,768; default 640;"), ("bench_inspect.py", "(1 to 100; default 3)")):
+        out = subprocess.run([sys.executable, str(tools / script), "--help"], capture_output=True, text=True).stdout
+        assert line in " ".join(out.split()), (script, out)
+
+
+def test_another_tools_manifest_with_a_file_map_is_no_output_of_gemma_export(tmp_path):
+    """A review: a project folder whose manifest.json (another tool's) has a 'files' map was taken
+    for an export, and writing beside it into it was refused as "an output of gemma-export"."""
+    import json
+
+    import _args
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"name": "my-app", "files": {"app.js": "sha1-abc"}}))
+    assert _args.writable_dir(str(tmp_path / "gx-ref")) == tmp_path / "gx-ref"
+    (tmp_path / "manifest.json").write_text(json.dumps({"tool": {"gemma-export": "0.1.0"}, "files": {}}))
+    with pytest.raises(argparse.ArgumentTypeError, match="an output of gemma-export"):
+        _args.writable_dir(str(tmp_path / "gx-ref"))
+    (tmp_path / "manifest.json").unlink()
+    (tmp_path / "BUNDLE.json").write_text(json.dumps({"gemma_export_version": "0.1.0", "files": {}}))
+    with pytest.raises(argparse.ArgumentTypeError, match="an output of gemma-export"):
+        _args.writable_dir(str(tmp_path / "gx-ref"))

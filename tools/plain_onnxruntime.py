@@ -364,12 +364,13 @@ def main(argv: list[str] | None = None) -> int:
             return fail(args.json, NotADirectoryError(f"folder {out.parent} does not exist"))
         if out.is_dir():
             return fail(args.json, IsADirectoryError("is a folder; expected a file to write the ids to"))
-        if args.prompt_file is not None and out.resolve() == args.prompt_file.resolve():
+        prompt_file = args.prompt_file
+        if prompt_file is not None and (out.resolve() == prompt_file.resolve() or _same_file(out, prompt_file)):
             return fail(args.json, ValueError("is the --prompt-file; write the ids elsewhere"))
         enclosing = _inside_export(out)
         if enclosing is not None:
-            return fail(args.json, ValueError(f"inside {enclosing}, whose manifest.json would no longer list every "
-                                              "file in it; write the ids elsewhere"))
+            return fail(args.json, ValueError(f"inside {enclosing}, an output of gemma-export whose listing would no "
+                                              "longer name every file in it; write the ids elsewhere"))
         if out.exists():  # an earlier record, replaced in place: it opens for writing (opened to append, not changed)
             if not _earlier_record(out):
                 return fail(args.json, FileExistsError("exists and is not a record this script wrote; not replaced"))
@@ -429,34 +430,52 @@ def _check_graph(folder: Path) -> None:
     """
     import hashlib
 
+    manifest_path = folder / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))  # _config has read it
+    tool = manifest.get("tool")
+    if "files" not in manifest and isinstance(tool, dict) and "gemma-export" in tool:
+        raise FolderError(f"{manifest_path}: written by gemma-export but lists no files; the folder changed after the "
+                          "export (export it again)")
     try:
-        listed = json.loads((folder / "manifest.json").read_text(encoding="utf-8")).get("files", {})["model.onnx"]
+        listed = manifest.get("files", {})["model.onnx"]
         size, digest = listed["bytes"], listed["sha256"]
-    except (KeyError, TypeError, AttributeError, ValueError):  # no listing: nothing to compare
+    except (KeyError, TypeError, AttributeError):  # another tool's manifest: nothing to compare
         return
     graph = folder / "model.onnx"
-    data = graph.read_bytes() if graph.stat().st_size == size else None
-    if data is None or hashlib.sha256(data).hexdigest() != digest:
-        raise FolderError(f"{graph}: not the graph {folder / 'manifest.json'} lists (its size or sha256 differs); the "
-                          "folder changed after the export")
+    found = graph.stat().st_size
+    if found != size:
+        raise FolderError(f"{graph}: {found:,} bytes, {manifest_path} records {size:,}; the folder changed after the "
+                          "export (export it again; gemma-export verify checks every file)")
+    if hashlib.sha256(graph.read_bytes()).hexdigest() != digest:
+        raise FolderError(f"{graph}: sha256 differs from the one {manifest_path} records; the folder changed after "
+                          "the export (export it again; gemma-export verify checks every file)")
 
 
 def _inside_export(path: Path) -> Path | None:
-    """The nearest folder above ``path`` whose manifest.json lists its files (an export, a board
-    folder), or None: a file written there is one the listing lacks, and gemma-export verify then
-    refuses the folder."""
+    """The nearest folder above ``path`` that gemma-export wrote (an export: its manifest.json, a board
+    folder: its BUNDLE.json, each listing the folder's files), or None: a file written there is one
+    the listing lacks, and gemma-export verify then refuses the folder."""
     for parent in path.resolve().parents:
-        manifest = parent / "manifest.json"
-        try:
-            if not manifest.is_file():  # not a FIFO either, whose read would wait for a writer
+        for name, mark in (("manifest.json", "tool"), ("BUNDLE.json", "gemma_export_version")):
+            listing = parent / name
+            try:
+                if not listing.is_file():  # not a FIFO either, whose read would wait for a writer
+                    continue
+                with open(listing, "rb") as f:
+                    data = json.loads(f.read(1 << 20))
+            except (OSError, ValueError):
                 continue
-            with open(manifest, "rb") as f:
-                listing = json.loads(f.read(1 << 20)).get("files")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(listing, dict):
-            return parent
+            if isinstance(data, dict) and isinstance(data.get("files"), dict) and mark in data:
+                return parent
     return None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file (a hard link too); False when either is missing."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _earlier_record(path: Path) -> bool:

@@ -300,7 +300,10 @@ def load_dump(path: Path) -> dict[str, np.ndarray]:
         window = loaded["sliding_window"] if "sliding_window" in loaded.files else None
         # which export made it (dump writes it; "" for dumps written before that: not compared)
         export = loaded["export"] if "export" in loaded.files else None
-    arrays["export"] = str(export) if export is not None and export.ndim == 0 and export.dtype.kind == "U" else ""
+    if export is not None and (export.ndim != 0 or export.dtype.kind != "U"):
+        raise FormatError(f"{path}: 'export' must be a string (the export's graph and data sha256), found "
+                          f"{export.dtype} {list(export.shape)}")
+    arrays["export"] = "" if export is None else str(export)
     if window is None:
         arrays["sliding_window"] = GEMMA3_270M_SLIDING_WINDOW
     elif window.ndim != 0 or window.dtype.kind not in "iu" or int(window) < 0:
