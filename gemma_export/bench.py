@@ -431,9 +431,21 @@ def fits_board(spec, peak_rss_bytes: int) -> bool:
 
 def check_board_budget(result: BenchResult) -> None:
     """Raises BudgetExceeded (exit status 1) when ``result`` ran for a board and its peak memory leaves less than
-    the board's headroom free (call it after the figures are shown and saved)."""
+    the board's headroom free (call it after the figures are shown and saved).
+
+    Raises:
+        BudgetExceeded: as above.
+        ConfigError: ``result`` is not a :class:`BenchResult`, or names a board this toolkit does not
+            know (:data:`~gemma_export.boards.BOARDS`).
+    """
+    if not isinstance(result, BenchResult):
+        raise ConfigError(f"check_board_budget: result must be a BenchResult (what run_bench returns), found "
+                          f"{type(result).__name__}")
     if result.board is None:
         return
+    if result.board not in BOARDS:
+        raise ConfigError(f"check_board_budget: result.board is {result.board!r}; expected one of "
+                          f"{', '.join(sorted(BOARDS))} or None")
     spec = BOARDS[result.board]
     if not fits_board(spec, result.peak_rss_bytes):
         board = f"the {result.board}'s"

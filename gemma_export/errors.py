@@ -76,8 +76,9 @@ _ARGUMENT_KINDS = {
     "int": (is_whole_number, "an int"),
     "bool": (lambda v: isinstance(v, bool), "True or False"),
     "str": (lambda v: isinstance(v, str), "a str"),
-    "path": (lambda v: (isinstance(v, os.PathLike) or (isinstance(v, str) and v != "")) and not _holds_nul(v),
-             "a path (str or os.PathLike)"),
+    # an os.PathLike must give a str: pathlib refuses the bytes some give (TypeError deep inside)
+    "path": (lambda v: (isinstance(v, str) and v != "" or isinstance(v, os.PathLike) and _fspath_is_str(v))
+             and not _holds_nul(v), "a path (str or os.PathLike)"),
     "ints": (lambda v: isinstance(v, (list, tuple, range)) and all(map(is_whole_number, v)),
              "a list, tuple or range of ints"),
     # token ids: each id is checked against the vocabulary later (runtime.check_token_ids); a set or a
@@ -87,6 +88,14 @@ _ARGUMENT_KINDS = {
     "prompts": (lambda v: _is_sequence(v, 2), "a sequence (list, tuple, 2-D array) of prompts"),
     "callable": (callable, "a callable"),
 }
+
+
+def _fspath_is_str(value) -> bool:
+    """Whether ``os.fspath(value)`` gives a str (an os.PathLike may give bytes, or raise)."""
+    try:
+        return isinstance(os.fspath(value), str)
+    except TypeError:
+        return False
 
 
 def _is_sequence(value, ndim: int) -> bool:

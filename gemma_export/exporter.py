@@ -392,7 +392,10 @@ def export(
             and before that as ``progress(done_layers, total_layers, "calibration")`` while calibrating.
         checkpoint: an already opened source (skips opening ``source``).
         status: called with a one-line message (``reading SOURCE ...``) once the options are checked,
-            right before the source is read.
+            right before the source is read, and with notes (``note: the replaced export's
+            pre-packed copy went with it ...``) after the export is in place. An exception it raises
+            propagates as it is; from a note, the new export is already in place (a KeyboardInterrupt
+            there comes as :class:`~gemma_export.errors.OutputWritten`).
         tokenizer: a ``tokenizer.json``, or a folder holding one (its ``tokenizer_config.json``,
             ``special_tokens_map.json`` and ``chat_template.jinja`` come along), to place in the
             export instead of the source's: for a source without one (a reference ``.mlir``) or with

@@ -452,8 +452,10 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
         ConfigError: nothing to compare, unusable inputs, an option that no comparison asked for
             uses (``reference_weights``/``reference_logits`` without ``reference``, ``new_tokens``
             without ``against_transformers``, ``prompts`` with a golden file alone), a missing
-            optional dependency; ``new_tokens`` < 1; a sequence beyond ``max_position_embeddings``;
-            a prompt as long as the reference's fixed length.
+            optional dependency; ``new_tokens`` < 1; a prompt as long as the reference's fixed
+            length.
+        GemmaExportError: a prompt and its new tokens (or a golden entry's ids) beyond
+            ``max_position_embeddings`` (:func:`~gemma_export.runtime.check_positions`).
         SourceNotFoundError, FormatError: a reference whose files are missing or contradict each
             other (checked before the session, ``reference_iree.check_reference_options``); an unusable export folder, prompts or golden file (see
             :func:`read_prompts`, :func:`read_golden`); an id outside the vocabulary; a manifest that

@@ -224,7 +224,7 @@ class LogitComparison:
 
         Raises:
             ConfigError: ``start`` not an int; ``reference`` or ``logits`` not a float numpy array
-                ``[rows, V ≥ 1]``; (the first rows) a token id ≥ V.
+                ``[rows ≥ 1, V ≥ 1]``; (the first rows) a token id ≥ V.
             GemmaExportError: the shapes differ (from each other, or V from the earlier rows'), or
                 the rows are not the next ones expected.
             NumericError: a row of either holds NaN or Inf (naming which and the row; the figures
@@ -232,6 +232,9 @@ class LogitComparison:
         """
         check_arguments("LogitComparison.add", start=(start, "int"))
         _check_logits("LogitComparison.add", reference=reference, logits=logits)
+        if reference.shape[0] == 0 or logits.shape[0] == 0:  # its width would have fixed V for the later rows
+            raise ConfigError(f"LogitComparison.add: expected rows of logits, found {list(reference.shape)} and "
+                              f"{list(logits.shape)}")
         n = len(self.ids)
         width = self.vocab_size or reference.shape[1]
         if reference.shape != logits.shape or start != self.rows_seen or start + reference.shape[0] > n \
@@ -242,13 +245,15 @@ class LogitComparison:
         if self.vocab_size is None:  # every id, once: the targets index the rows, the first id is in the text
             _token_ids("LogitComparison.add", self.ids, reference.shape[1])
             self.vocab_size = reference.shape[1]
+        # as float32, the type the figures are computed in: a float64 value beyond its range becomes Inf there
+        with np.errstate(over="ignore"):  # named just below, as NaN or Inf
+            reference, logits = reference.astype(np.float32, copy=False), logits.astype(np.float32, copy=False)
         for side, values in (("reference", reference), ("export", logits)):
             broken = ~np.isfinite(values).all(axis=-1)
             if broken.any():
-                raise NumericError(f"logits: the {side}'s row {start + int(np.argmax(broken))} holds NaN or Inf; "
-                                   f"the {side} does not compute finite logits")
+                raise NumericError(f"logits: the {side}'s row {start + int(np.argmax(broken))} holds NaN or Inf (as "
+                                   f"float32); the {side} does not compute finite logits")
         e = start + reference.shape[0]
-        reference, logits = reference.astype(np.float32, copy=False), logits.astype(np.float32, copy=False)
         at = np.arange(reference.shape[0])
         best, picked = reference.argmax(-1), logits.argmax(-1)
         self.agree[start:e] = best == picked

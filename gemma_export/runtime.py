@@ -623,7 +623,9 @@ class OnnxDecoder:
 
         Raises:
             GemmaExportError: ``total_tokens`` > ``max_position_embeddings``.
+            ConfigError: ``total_tokens`` is not an int, ``what`` not a str.
         """
+        check_arguments("OnnxDecoder.check_length", total_tokens=(total_tokens, "int"), what=(what, "str"))
         check_positions(self.model_dir, total_tokens, self.max_position_embeddings, what)
 
     def greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] | None = None,
@@ -1151,8 +1153,9 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, where: str, hint: str =
 
 
 def _is_integer(value) -> bool:
-    """An integer as ``operator.index`` takes it (Python's, numpy's, a 0-d integer tensor), not a bool."""
-    if isinstance(value, (bool, np.bool_)):
+    """An integer as ``operator.index`` takes it (Python's, numpy's, a 0-d integer tensor), not a bool
+    (Python's, numpy's, or a bool tensor, which ``operator.index`` takes as 0 or 1)."""
+    if isinstance(value, (bool, np.bool_)) or str(getattr(value, "dtype", "")).rsplit(".", 1)[-1] == "bool":
         return False
     try:
         operator.index(value)
@@ -1401,6 +1404,10 @@ class KVCache:
             raise GemmaExportError(f"KV cache: attention_mask covers {total} positions, but the cache holds "
                                    f"{self.positions} and the step adds {seq}: at most {self.positions + seq}")
         # a rewound step's first query sees the sliding_window - 1 positions before it: they must still be held
+        if self.sliding_start > 0 and total == seq:  # no past: a new sequence in a cache whose rows were dropped
+            raise GemmaExportError("KV cache: a step from position 0 starts a new sequence, but this cache's sliding "
+                                   f"layers have dropped rows (they hold those from {self.sliding_start}); use a new "
+                                   "KVCache for it")
         if self.sliding_start > 0 and total - seq - (self.sliding_window - 1) < self.sliding_start:
             raise GemmaExportError(f"KV cache: a step from position {total - seq} needs the sliding layers' rows from "
                                    f"position {max(0, total - seq - (self.sliding_window - 1))}, but they hold only those "
@@ -1465,6 +1472,11 @@ def _integer_array(name: str, value) -> np.ndarray:
     """
     array = np.asarray(value)
     kind = array.dtype.kind
+    if kind == "u" and array.dtype.itemsize == 8 and array.size and array.max() > np.iinfo(np.int64).max:
+        # int64 would wrap it to a negative value, and the message would show that instead
+        at = np.unravel_index(int(np.argmax(array)), array.shape)
+        raise GemmaExportError(f"KV cache: {name} must hold int64 values, found {int(array[at])} (uint64) at "
+                               f"{list(map(int, at))}")
     if kind in "iu" or (name != "input_ids" and kind == "b"):
         return np.ascontiguousarray(array, dtype=np.int64)
     if kind == "f":
@@ -1582,8 +1594,17 @@ class TextStream:
         self.shown = ""
 
     def add(self, token_id: int) -> None:
-        """Take one more id; emit what it adds to the text, if anything yet."""
-        self._ids.append(token_id)
+        """Take one more id; emit what it adds to the text, if anything yet.
+
+        Raises:
+            ConfigError: ``token_id`` is not an integer ≥ 0 (a bool, a float, a string, None, a
+                negative id): the tokenizer's own error came from its decode, and the id stayed
+                stored, so every later call failed too. An id the vocabulary lacks adds nothing, as
+                the tokenizer decodes it.
+        """
+        if not _is_integer(token_id) or operator.index(token_id) < 0:
+            raise ConfigError(f"TextStream.add: token_id must be an integer >= 0, found {token_id!r}")
+        self._ids.append(operator.index(token_id))
         after = self._decode(self._prefix, None)
         if after == self._decode(self._prefix, -1):  # an id that adds nothing (a skipped special token),
             del self._ids[-1]  # also between a character's bytes: not kept, and not counted against them

@@ -613,8 +613,18 @@ def enclosing_output(path: Path) -> Path | None:
     """The nearest folder above ``path`` that is an output of this toolkit (it holds a
     :data:`OUTPUT_MARKERS` file that is a JSON object with a ``files`` map, written by this toolkit:
     :func:`written_by_gemma_export`), or None. Writing into such a folder would add files its
-    manifest does not list, and ``verify`` would then refuse it."""
-    for parent in path.resolve().parents:
+    manifest does not list, and ``verify`` would then refuse it.
+
+    Raises:
+        OutputError: ``path`` cannot be resolved (a loop of symbolic links; RuntimeError from
+            pathlib before Python 3.13), naming it.
+    """
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a loop of symbolic links"
+        raise OutputError(f"{path}: cannot be resolved ({why}); expected a path that leads to a folder") from None
+    for parent in resolved.parents:
         for marker in OUTPUT_MARKERS:
             try:  # bounded, and never a FIFO (whose read would block): only a real listing marks an output
                 data = json.loads(read_bounded(parent / marker, "a listing").decode("utf-8"))

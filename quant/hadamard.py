@@ -17,6 +17,12 @@ import numpy as np
 from .rows import check_real, is_integer
 
 
+#: the largest rotation built: 4,096² float64 is 134 MB while it is built. A rotation must divide
+#: every matmul input (the export's block_size_for), and Gemma 3's hidden sizes (640 … 5,376) allow
+#: at most 256
+MAX_HADAMARD_SIZE = 4096
+
+
 def hadamard_matrix(n: int) -> np.ndarray:
     """The ``n × n`` Sylvester–Hadamard matrix divided by ``sqrt(n)``, float32.
 
@@ -30,10 +36,13 @@ def hadamard_matrix(n: int) -> np.ndarray:
         float32 ``[n, n]`` with entries ``±1 / sqrt(n)``.
 
     Raises:
-        ValueError: ``n`` is not an integer power of two (a bool is not one).
+        ValueError: ``n`` is not an integer power of two (a bool is not one), or is above
+            :data:`MAX_HADAMARD_SIZE` (its float64 construction would take gigabytes first).
     """
     if not is_integer(n) or n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, found {n!r}")
+    if n > MAX_HADAMARD_SIZE:
+        raise ValueError(f"Hadamard size must be at most {MAX_HADAMARD_SIZE:,}, found {n:,}")
     h = np.ones((1, 1), dtype=np.float64)
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])

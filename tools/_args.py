@@ -202,9 +202,13 @@ def _outside_outputs(path: Path) -> None:
     """Refuse ``path`` when it is, or lies inside, a folder gemma-export wrote (an export, a board
     folder): the file would be one its manifest does not list, and ``verify`` and ``bundle`` would
     refuse the folder afterwards (``gemma_export.staging.enclosing_output``)."""
+    from gemma_export.errors import GemmaExportError
     from gemma_export.staging import enclosing_output
 
-    enclosing = enclosing_output(path / "_") if path.is_dir() else enclosing_output(path)
+    try:
+        enclosing = enclosing_output(path / "_") if path.is_dir() else enclosing_output(path)
+    except GemmaExportError as exc:  # a loop of symbolic links
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if enclosing is not None:
         raise argparse.ArgumentTypeError(f"{path}: inside {enclosing}, an output of gemma-export whose manifest would "
                                          "no longer list every file in it; write elsewhere")

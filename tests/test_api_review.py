@@ -1,0 +1,122 @@
+"""The Python API on input a break-it round got wrong (twenty-third session): each case raised an
+exception from deep inside numpy, pathlib or tokenizers, gave NaN figures or a false message, or
+took a value it should refuse."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gemma_export.errors import ConfigError, GemmaExportError, NumericError, OutputError
+from gemma_export.runtime import KVCache, OnnxDecoder, TextStream, load_tokenizer
+
+
+def test_an_output_below_a_loop_of_links_is_an_output_error(tiny_dir, tmp_path):
+    """export() raised pathlib's RuntimeError("Symlink loop ...") from its check of enclosing outputs."""
+    from gemma_export.exporter import export
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(OutputError, match=r"a/x: cannot be resolved \(a loop of symbolic links\)"):
+        export(tiny_dir, tmp_path / "a" / "x", "fp32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+def test_logits_beyond_float32_are_a_numeric_error_and_an_empty_chunk_is_refused():
+    """compare_logits gave KL NaN for float64 logits of 1e39 (finite as float64, Inf as the float32
+    the figures use); a chunk of no rows fixed the vocabulary at its width, and numpy failed on it."""
+    from gemma_export.quality import LogitComparison, compare_logits
+
+    rows = np.random.default_rng(0).standard_normal((5, 10))
+    with pytest.raises(NumericError, match=r"the reference's row 0 holds NaN or Inf \(as float32\)"):
+        compare_logits(rows * 1e39, rows, [1, 2, 3, 4, 5])
+    comparison = LogitComparison([1, 2, 3, 4, 5])
+    with pytest.raises(ConfigError, match=r"expected rows of logits, found \[0, 3\] and \[0, 3\]"):
+        comparison.add(0, rows[:0, :3], rows[:0, :3])
+    comparison.add(0, rows, rows)  # the real rows are still taken, at their own width
+    assert comparison.result().top1_agreement == 1.0
+
+
+def test_a_bool_tensor_is_no_token_id(tiny_int8_export):
+    """torch.tensor([True, False]) ran as ids 1 and 0, where Python's and numpy's bools are refused."""
+    torch = pytest.importorskip("torch")
+    from gemma_export.errors import FormatError
+
+    decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
+    with pytest.raises(FormatError, match="token id #0 is tensor.True.; expected an integer"):
+        decoder.greedy(torch.tensor([True, False]), 2)
+    assert len(decoder.greedy(torch.tensor([2, 5]), 2)[0]) == 2  # an integer tensor still runs
+
+
+@pytest.mark.parametrize("bad", ["a", -1, 5.0, None, True])
+def test_text_stream_refuses_what_is_no_token_id_and_keeps_working(tiny_int8_export, bad):
+    """TextStream.add("a") raised the tokenizer's TypeError, and the id stayed stored: every later
+    add and finish failed the same way."""
+    shown = []
+    stream = TextStream(load_tokenizer(tiny_int8_export), shown.append)
+    with pytest.raises(ConfigError, match=f"TextStream.add: token_id must be an integer >= 0, found {bad!r}"):
+        stream.add(bad)
+    stream.add(5)
+    stream.add(np.int64(6))
+    assert stream.finish() == load_tokenizer(tiny_int8_export).decode([5, 6], skip_special_tokens=False)
+
+
+def test_check_board_budget_names_what_it_was_given():
+    """check_board_budget(None): AttributeError; a result naming an unknown board: KeyError."""
+    import dataclasses
+
+    from gemma_export.bench import BenchResult, check_board_budget
+
+    with pytest.raises(ConfigError, match="result must be a BenchResult .*found NoneType"):
+        check_board_budget(None)
+    fields = {f.name: None for f in dataclasses.fields(BenchResult)}
+    result = BenchResult(**{**fields, "board": "nope", "peak_rss_bytes": 1, "model": "m"})
+    with pytest.raises(ConfigError, match="result.board is 'nope'; expected one of sl2610 or None"):
+        check_board_budget(result)
+
+
+def test_kv_cache_names_a_uint64_value_as_given_and_a_restart_truly(tiny_int8_export):
+    """A uint64 2**64-1 was reported as "-1" (wrapped to int64); an attention_mask of it was taken
+    as -1. A step from position 0 after the sliding layers dropped rows was refused with "needs the
+    sliding layers' rows from position 0", which a new sequence does not need."""
+    decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
+    cache = KVCache(decoder, 1, 64)
+    huge = np.array([[2**64 - 1]], np.uint64)
+    for name, args in (("input_ids", (huge, np.ones((1, 1)), [[0]])), ("position_ids", ([[2]], np.ones((1, 1)), huge)),
+                       ("attention_mask", ([[2]], huge, [[0]]))):
+        with pytest.raises(GemmaExportError, match=f"KV cache: {name} must hold int64 values, found "
+                                                   f"18446744073709551615 \\(uint64\\) at \\[0, 0\\]"):
+            cache.step(*args)
+    window = decoder.sliding_window
+    steps = window + 70  # past the window and the room beyond it: the sliding layers drop rows
+    cache = KVCache(decoder, 1, steps + 1, max_step=1)
+    for position in range(steps):
+        cache.step([[2 + position % 7]], np.ones((1, position + 1)), [[position]])
+    assert cache.sliding_start > 0
+    with pytest.raises(GemmaExportError, match="a step from position 0 starts a new sequence, but this cache's "
+                                               "sliding layers have dropped rows .*use a new KVCache for it"):
+        cache.step([[2]], np.ones((1, 1)), [[0]])
+
+
+def test_wrong_kinds_of_arguments_are_config_errors(tiny_int8_export):
+    """check_length("300") raised "'>' not supported"; an os.PathLike giving bytes passed the check
+    and failed in pathlib; a Hadamard size of 2**40 built gigabytes before numpy's MemoryError."""
+    from quant.hadamard import MAX_HADAMARD_SIZE, hadamard_matrix
+
+    decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
+    with pytest.raises(ConfigError, match="total_tokens"):
+        decoder.check_length("300")
+
+    class BytesPath(os.PathLike):
+        def __fspath__(self):
+            return os.fsencode(str(tiny_int8_export))
+
+    with pytest.raises(ConfigError, match=r"must be a path \(str or os.PathLike\)"):
+        OnnxDecoder(BytesPath())
+    with pytest.raises(ValueError, match=f"Hadamard size must be at most {MAX_HADAMARD_SIZE:,}, found 8,192"):
+        hadamard_matrix(2 * MAX_HADAMARD_SIZE)
+    assert hadamard_matrix(MAX_HADAMARD_SIZE // 64).shape == (64, 64)
+    assert Path(tiny_int8_export).is_dir()
