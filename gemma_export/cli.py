@@ -920,14 +920,14 @@ def parity(
     reference needs the iree extra; golden files need neither.
 
     \b
-    Examples:
-      gemma-export parity --model gemma-3-270m-onnx-int8
-      gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
-          --reference-weights gemma.safetensors --prompts ids.json
+    Examples (the first two need no extra):
       gemma-export generate --model gemma-3-270m-onnx-int8 --prompt Hi \\
           --json golden.json
       gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json \\
           --json parity.json
+      gemma-export parity --model gemma-3-270m-onnx-int8        # transformers: [test]
+      gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
+          --reference-weights gemma.safetensors --prompts ids.json   # IREE: [iree]
     """
     from .bench import check_outputs, to_stdout, write_json
     from .parity import format_report, run_parity

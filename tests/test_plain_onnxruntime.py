@@ -455,3 +455,14 @@ def test_its_session_keeps_no_memory_pattern_per_step(tiny_int8_export):
     decode step's input shapes); the script that shows the contract does so."""
     model = plain.Model(tiny_int8_export, threads=1)
     assert model.session.get_session_options().enable_mem_pattern is False
+
+
+def test_a_board_folder_names_the_export_inside_it(tiny_int8_export, tmp_path, capsys):
+    """A fresh user gave the bundle's folder: "no manifest.json; not an export folder", where
+    `gemma-export generate` names the export inside it."""
+    board = tmp_path / "board"
+    shutil.copytree(tiny_int8_export, board / "model")
+    (board / "BUNDLE.json").write_text(json.dumps({"gemma_export_version": "0.1.0", "files": {}}))
+    assert plain.main(["--model", str(board), "--prompt", "a"]) == 2
+    assert capsys.readouterr().err == (f"error: {board}: a board folder of gemma-export bundle; its export is "
+                                       f"{board / 'model'} (give that)\n")

@@ -6,7 +6,9 @@ archives do (336 MB), and an int8 copy with per-row float32 scales (168 MB): 1.1
 runs `gemma-export inspect` on it in a fresh process and reports that process's peak resident
 memory (VmHWM), its final Rss and Anonymous (/proc/self/smaps_rollup), the wall time, and whether
 both copies were found. The duplicate search streams the file in chunks, so the peak should stay far
-below the archive size (issue #5: under 300 MB).
+below the archive size (issue #5: under 300 MB). Writing the archive the first time is another
+matter: this script builds the three copies in memory and peaks at about 2.5 GB while it does
+(a fresh user's run, 2026-12-07); later runs read the kept archive.
 
 Usage:
     python tools/bench_inspect.py [--workdir /tmp/gx-inspect] [--runs 3]

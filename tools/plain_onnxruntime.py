@@ -18,9 +18,10 @@ Two ways to carry the KV cache (``--mode``):
   ``generate``'s up to float rounding (an int8 export's 8-bit activations can turn that into a
   different token at a near-tie).
 
-Prints the text (prompt and continuation) and, with ``--json``, the ids as a golden entry
-``{"prompt_ids", "expected_ids", "prefill_chunk"}``, the keys ``gemma-export generate --json``
-writes, so that ``gemma-export parity --model DIR --golden FILE`` checks them against the toolkit.
+Prints the text (prompt and continuation); with ``--json FILE`` it also writes the ids as a golden
+entry ``{"prompt_ids", "expected_ids", "prefill_chunk"}`` (three of the keys ``gemma-export generate
+--json`` writes, all that ``gemma-export parity --model DIR --golden FILE`` needs to check them
+against the toolkit); with ``--json -`` it prints that entry instead of the text.
 One prompt at a time (batch 1). Needs only ``onnxruntime``, ``tokenizers`` and ``numpy``.
 """
 from __future__ import annotations
@@ -71,6 +72,9 @@ class Model:
             raise FolderError(f"{folder}: {found}; expected an export folder of gemma-export (model.onnx, "
                               "tokenizer.json, manifest.json)")
         if not (folder / "manifest.json").exists():  # another tool's folder, e.g. genai's
+            if (folder / "BUNDLE.json").is_file() and (folder / "model" / "manifest.json").is_file():
+                raise FolderError(f"{folder}: a board folder of gemma-export bundle; its export is {folder / 'model'} "
+                                  "(give that)")
             raise FolderError(f"{folder}: no manifest.json; not an export folder of gemma-export")
         config = _config(folder / "manifest.json")
         # the pre-packed copy (`gemma-export prepack`) holds the same graph with this CPU's packed weights
@@ -336,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prepacked", action="store_true",
                         help="load prepacked/model.onnx, the copy `gemma-export prepack` made on this machine")
     parser.add_argument("--json", help="write the ids as a golden entry ({prompt_ids, expected_ids, prefill_chunk}, "
-                        "for `gemma-export parity --golden`) to this new or earlier-written file ('-': stdout)")
+                        "for `gemma-export parity --golden`) to this new or earlier-written file ('-': print it instead of "
+                        "the text)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.chunk < 1:
         parser.error("--max-new-tokens and --chunk must be at least 1")
