@@ -601,3 +601,18 @@ def test_another_tools_manifest_with_a_file_map_is_no_output_of_gemma_export(tmp
     (tmp_path / "BUNDLE.json").write_text(json.dumps({"gemma_export_version": "0.1.0", "files": {}}))
     with pytest.raises(argparse.ArgumentTypeError, match="an output of gemma-export"):
         _args.writable_dir(str(tmp_path / "gx-ref"))
+
+
+def test_the_side_by_side_plot_is_a_png_of_its_own_size(tmp_path):
+    """The plot's legend sat over the points at 2,048 positions and its log axis had two labels; it
+    is now wider (legend beside the axes): 8 x 4.2 inches at 110 dpi."""
+    pytest.importorskip("matplotlib")
+    import struct
+
+    rows = {"llama.cpp Q8_0": {"decode_ms": {16: 10.2, 2048: 13.2, 3072: 14.0}},
+            "ours int8": {"decode_ms": {16: 8.1, 2048: 10.1, 3072: 10.5}},
+            "reference (IREE, re-decode)": {"decode_ms": {16: 76.0}, "fixed_length": 24}}
+    bench_side_by_side.write_plot(rows, tmp_path / "decode.png")
+    data = (tmp_path / "decode.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert struct.unpack(">II", data[16:24]) == (880, 462)  # IHDR width, height

@@ -135,20 +135,30 @@ def write_plot(rows: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
     for name, r in rows.items():
         points = sorted(r["decode_ms"].items())
         if "fixed_length" in r:  # one graph for every context up to its fixed length
             ax.axhline(points[0][1], linestyle=":", color="grey", label=f"{name} (any context <= {r['fixed_length']})")
         else:
             ax.plot([c for c, _ in points], [ms for _, ms in points], marker="o", label=name)
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sorted({c for r in rows.values() for c in r["decode_ms"]}))  # the contexts measured
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.tick_params(axis="x", labelsize=8, labelrotation=45)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=tuple(range(1, 10))))  # labelled ms, not 6x10^0
+    ax.tick_params(axis="y", labelsize=8)
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("decode ms/token (median)")
     ax.set_title("Gemma 3 270M decode on this machine, 2 threads")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="center right")
+    # beside the axes: inside, it hid the points of some contexts
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
