@@ -925,9 +925,9 @@ def parity(
           --json golden.json
       gemma-export parity --model gemma-3-270m-onnx-int8 --golden golden.json \\
           --json parity.json
-      gemma-export parity --model gemma-3-270m-onnx-int8        # transformers: [test]
+      gemma-export parity --model gemma-3-270m-onnx-int8   # needs [test]
       gemma-export parity --model gemma-fp32 --reference gemma-gen.mlir \\
-          --reference-weights gemma.safetensors --prompts ids.json   # IREE: [iree]
+          --reference-weights gemma.safetensors --prompts ids.json  # [iree]
     """
     from .bench import check_outputs, to_stdout, write_json
     from .parity import format_report, run_parity
