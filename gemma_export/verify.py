@@ -233,7 +233,6 @@ def check_export_checksums(folder: Path) -> bool:
     return True
 
 
-
 def verify_manifest(folder: str | Path) -> dict[str, int]:
     """Re-check an export folder against its ``manifest.json``: every listed file present with its
     size and sha256, no unlisted file, external data only inside the folder, then

@@ -76,7 +76,8 @@ class Model:
                 raise FolderError(f"{folder}: a board folder of gemma-export bundle; its export is {folder / 'model'} "
                                   "(give that)")
             raise FolderError(f"{folder}: no manifest.json; not an export folder of gemma-export")
-        config = _config(folder / "manifest.json")
+        manifest = _read_manifest(folder / "manifest.json")
+        config = _config(manifest, folder / "manifest.json")
         # the pre-packed copy (`gemma-export prepack`) holds the same graph with this CPU's packed weights
         graph = folder / "prepacked" / "model.onnx" if prepacked else folder / "model.onnx"
         if prepacked and not graph.is_file():
@@ -86,7 +87,7 @@ class Model:
             if not needed.is_file():
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(needed))
         if not prepacked:
-            _check_graph(folder)
+            _check_graph(folder, manifest)
         # the tokenizer first, then the heap its parse freed handed back to the kernel: glibc keeps
         # it otherwise, and the session's memory lands on top of it. Real int8 export, maximum
         # resident memory (2026-12-06): 663.7 MB, against 734.8 MB without the trim and 914.8 MB
@@ -190,16 +191,26 @@ CONFIG_KINDS = {
 }
 
 
-def _config(path: Path) -> dict:
-    """The ``config`` object of an export's manifest.json, with :data:`CONFIG_FIELDS`.
+def _read_manifest(path: Path):
+    """The parsed JSON of an export's manifest.json (read once: :func:`_config` and
+    :func:`_check_graph` take it).
 
     Raises:
-        FileNotFoundError: no manifest. ManifestError: "<path>: ..." naming what is wrong.
+        FileNotFoundError: no manifest. ManifestError: "<path>: unreadable manifest: ...".
     """
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ManifestError(f"{path}: unreadable manifest: {e}") from None
+
+
+def _config(manifest, path: Path) -> dict:
+    """The ``config`` object of an export's parsed manifest.json (:func:`_read_manifest`; ``path``
+    names it in messages), with :data:`CONFIG_FIELDS`.
+
+    Raises:
+        ManifestError: "<path>: ..." naming what is wrong.
+    """
     config = manifest.get("config") if isinstance(manifest, dict) else None
     if not isinstance(config, dict):
         raise ManifestError(f"{path}: no 'config' object; is this an export folder?")
@@ -425,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _check_graph(folder: Path) -> None:
-    """``folder/model.onnx`` is the graph the manifest lists (size and sha256): a graph copied in
-    from another export of the same model loads and runs, reading its own layout out of this
-    folder's data file. The graph is small, so the hash costs nothing.
+def _check_graph(folder: Path, manifest: dict) -> None:
+    """``folder/model.onnx`` is the graph ``manifest`` (the folder's parsed manifest.json) lists
+    (size and sha256): a graph copied in from another export of the same model loads and runs,
+    reading its own layout out of this folder's data file. The graph is small, so the hash costs
+    nothing.
 
     Raises:
         FolderError: naming the graph and how it differs.
@@ -436,7 +448,6 @@ def _check_graph(folder: Path) -> None:
     import hashlib
 
     manifest_path = folder / "manifest.json"
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))  # _config has read it
     tool = manifest.get("tool")
     if "files" not in manifest and isinstance(tool, dict) and "gemma-export" in tool:
         raise FolderError(f"{manifest_path}: written by gemma-export but lists no files; the folder changed after the "
