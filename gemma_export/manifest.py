@@ -18,6 +18,7 @@ from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
+from .sources import BUNDLED_NAME
 from .staging import leftovers, listed_files, written_by_gemma_export
 from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
@@ -100,6 +101,17 @@ def check_readable_folder(folder: str | Path) -> None:
                                   "make it readable")
 
 
+def _export_command_hint(folder: Path) -> str:
+    """For a missing folder named as the main command names the bundled model's export
+    (``gemma-3-270m-onnx-int4``), the command that writes it; otherwise nothing (a typo of another
+    name is not told to export)."""
+    dtype = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
+    if dtype == folder.name or dtype not in DTYPES:
+        return ""
+    out = "" if Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd() else f" --out {folder}"
+    return f"; `gemma-export --dtype {dtype}{out}` writes it"
+
+
 def require_folder(folder: Path, holding: str) -> None:
     """``folder`` exists and is a folder (an export, which holds ``holding``), not a bundle.
 
@@ -119,7 +131,7 @@ def require_folder(folder: Path, holding: str) -> None:
         # a writer killed between its two renames leaves the previous output whole in .NAME.old-*/NAME
         aside = [p / folder.name for p in leftovers(folder) if (p / folder.name).is_dir()]
         hint = (f"; a gemma-export killed while replacing it left the previous one in {aside[-1]}: move that back "
-                f"to {folder}, or write it again" if aside else "")
+                f"to {folder}, or write it again" if aside else _export_command_hint(folder))
         raise SourceNotFoundError(f"{folder}: no such export folder{hint}")
     if not folder.is_dir():
         what = "a file" if folder.is_file() else "not a regular file (a FIFO, socket or device)"

@@ -292,6 +292,23 @@ def test_generate_refuses_missing_model(tmp_path):
     assert "--out " + str(tmp_path) not in result.stderr  # that export would be refused: the folder is not empty
     result = _run("generate", "--model", tmp_path / "typo", "--prompt", "hi")
     assert result.exit_code == 2 and f"{tmp_path / 'typo'}: no such export folder" in result.stderr
+    assert "writes it" not in result.stderr  # a name the main command does not write gets no command
+
+
+def test_missing_default_export_names_its_command(tmp_path, monkeypatch):
+    """A missing folder named as the main command names the bundled model's export is told the
+    command that writes it (a new user's `generate --model gemma-3-270m-onnx-int4` before that export)."""
+    monkeypatch.chdir(tmp_path)
+    result = _run("generate", "--model", "gemma-3-270m-onnx-int4", "--prompt", "hi")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: gemma-3-270m-onnx-int4: no such export folder; "
+                                     "`gemma-export --dtype int4` writes it")
+    elsewhere = tmp_path / "sub" / "gemma-3-270m-onnx-bf16"
+    result = _run("bench", "--model", elsewhere)
+    assert result.exit_code == 2 and f"`gemma-export --dtype bf16 --out {elsewhere}` writes it" in result.stderr
+    for name in ("gemma-3-270m-onnx-int9", "other-onnx-int8"):  # no such dtype; another source's name
+        result = _run("verify", name)
+        assert result.exit_code == 2 and "no such export folder" in result.stderr and "writes it" not in result.stderr
 
 
 def test_a_folder_that_cannot_be_listed_still_gets_the_no_export_error(tmp_path, monkeypatch):
