@@ -157,11 +157,22 @@ def attention_bias(g: GraphBuilder, attention_mask: ir.Value, input_ids: ir.Valu
     return g.op("Where", allowed, g.const_f32(0.0), g.const_f32(MASK_VALUE))
 
 
-def _softcap(g: GraphBuilder, x: ir.Value, cap: float | None) -> ir.Value:
-    # Gemma 2-style tanh soft-capping, ``tanh(x / cap) * cap`` (None for Gemma 3).
-    if cap is None:
-        return x
-    return g.op("Mul", g.op("Tanh", g.op("Div", x, g.const_f32(cap))), g.const_f32(cap))
+def embed_tokens(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, input_ids: ir.Value) -> tuple[Table, ir.Value]:
+    """The token embedding (transformers ``Gemma3TextScaledWordEmbedding``): the table row of each id
+    times ``sqrt(hidden_size)``.
+
+    ``input_ids``: int64 ``[B, S]``. Returns ``(table, hidden)``: the stored table (the format's
+    one copy, which the LM head reads too when ``tie_word_embeddings``) and float32
+    ``[B, S, hidden]``. The factor is rounded to float32 (25.298222 for 640), as transformers does
+    in float32 and the reference export does; transformers in bf16 would round it to the weights'
+    dtype (25.25).
+
+    Raises:
+        ConfigError: the table's shape does not fit the format's blocks or rotation
+            (:meth:`WeightFormat.table`).
+    """
+    table = fmt.table(g, _weight(ckpt, EMBED))
+    return table, g.op("Mul", fmt.embedding(g, table, input_ids), g.const_f32(np.float32(ckpt.config.embed_scale)))
 
 
 def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.Value,
@@ -185,6 +196,8 @@ def self_attention(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: 
     Raises:
         FormatError, NumericError: the q/k norm weights cannot be read, or hold NaN or Inf
             (:func:`rms_norm` reads them now; the projections are read when the model is saved).
+        ConfigError: a projection's shape does not fit the format's blocks or rotation
+            (:meth:`~gemma_export.weights.WeightFormat.linears`).
     """
     c = ckpt.config
     p = f"model.layers.{layer}.self_attn."
@@ -217,7 +230,12 @@ def mlp(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: int, x: ir.
     (opset 20) with ``approximate="tanh"`` is ``0.5 x (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))``, the
     formula of transformers' ``gelu_pytorch_tanh`` (``hidden_activation`` of Gemma 3) and of the
     GELU paper's approximation (Hendrycks & Gimpel 2016, arXiv:1606.08415). GeGLU: Shazeer 2020
-    (arXiv:2002.05202)."""
+    (arXiv:2002.05202).
+
+    Raises:
+        ConfigError: a projection's shape does not fit the format's blocks or rotation
+            (:meth:`~gemma_export.weights.WeightFormat.linears`); the weights are read when the model is saved.
+    """
     p = f"model.layers.{layer}.mlp."
     gate, up = fmt.linears(g, x, [_weight(ckpt, p + "gate_proj.weight"), _weight(ckpt, p + "up_proj.weight")],
                            p + "gate_up_proj.weight")
@@ -235,7 +253,8 @@ def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: i
     and ``post_feedforward_layernorm``, as transformers' modules of those names return them).
 
     Raises:
-        FormatError, NumericError: a norm weight of the layer cannot be read, or holds NaN or Inf."""
+        FormatError, NumericError: a norm weight of the layer cannot be read, or holds NaN or Inf.
+        ConfigError: a projection does not fit the format's blocks or rotation (:func:`self_attention`, :func:`mlp`)."""
     p = f"model.layers.{layer}."
     eps = ckpt.config.rms_norm_eps
     attn, present_key, present_value = self_attention(
@@ -246,6 +265,33 @@ def decoder_layer(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, layer: i
     ff = rms_norm(g, ff, _weight(ckpt, p + "post_feedforward_layernorm.weight"), eps)
     x = g.op("Add", x, ff)
     return x, present_key, present_value, {"attention": attn, "mlp": ff}
+
+
+def lm_head(g: GraphBuilder, fmt: WeightFormat, ckpt: Checkpoint, table: Table, x: ir.Value,
+            all_logits: bool) -> ir.Value:
+    """The model's end (transformers ``Gemma3TextModel.norm``, then ``Gemma3ForCausalLM.lm_head``):
+    the final RMSNorm, the LM head (the embedding ``table`` itself when ``tie_word_embeddings``,
+    else ``lm_head.weight`` stored by the format), and Gemma 2-style soft-capping
+    ``tanh(logits / cap) * cap`` when ``final_logit_softcapping`` is set (null for Gemma 3).
+
+    ``x``: float32 ``[B, S, hidden]``, the last decoder layer's output. Returns float32 logits
+    ``[B, S, vocab_size]``, or ``[B, 1, vocab_size]`` for the last position only unless
+    ``all_logits`` (a 512-token prefill would otherwise write 512 MB of logits).
+
+    Raises:
+        FormatError, NumericError: the final norm weight cannot be read, or holds NaN or Inf.
+        ConfigError: an untied ``lm_head.weight`` does not fit the format's blocks or rotation.
+    """
+    c = ckpt.config
+    if not all_logits:
+        x = g.op("Slice", x, g.const_i64([-1]), g.const_i64([np.iinfo(np.int64).max]), g.const_i64([1]))
+    x = rms_norm(g, x, _weight(ckpt, FINAL_NORM), c.rms_norm_eps)
+    head: Table = table if ckpt.tied else fmt.table(g, _weight(ckpt, LM_HEAD))
+    logits = fmt.lm_head(g, head, x)
+    cap = c.final_logit_softcapping
+    if cap is None:
+        return logits
+    return g.op("Mul", g.op("Tanh", g.op("Div", logits, g.const_f32(cap))), g.const_f32(cap))
 
 
 def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, debug_outputs: bool = False) -> ir.Model:
@@ -269,6 +315,8 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
     Raises:
         FormatError, NumericError: a norm weight (read now, :func:`rms_norm`) cannot be read or
             holds NaN or Inf.
+        ConfigError: a weight's shape does not fit the format's blocks or rotation (a block size that
+            does not divide its ``in_features``, features not a multiple of the rotation's size).
     """
     c = ckpt.config
     g = GraphBuilder()
@@ -282,12 +330,7 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
              g.input(f"past_key_values.{i}.value", F32, cache_shape(i, "past_sequence_length")))
             for i in range(c.num_hidden_layers)]
 
-    # Embedding × sqrt(hidden) (transformers ``Gemma3TextScaledWordEmbedding``), the factor rounded to
-    # float32 (25.298222 for 640) as transformers does in float32 and the reference export does;
-    # transformers in bf16 would round it to the weights' dtype (25.25). One table serves the lookup
-    # and, when tied, the LM head.
-    table = fmt.table(g, _weight(ckpt, EMBED))
-    x = g.op("Mul", fmt.embedding(g, table, input_ids), g.const_f32(np.float32(c.embed_scale)))
+    table, x = embed_tokens(g, fmt, ckpt, input_ids)
 
     with g.scope("rotary"):
         layer_types = sorted(set(c.layer_types))
@@ -318,11 +361,7 @@ def build_model(ckpt: Checkpoint, fmt: WeightFormat, all_logits: bool = False, d
         presents.append((present_key, present_value))
         debug += [(debug_output_name(i, b), blocks[b]) for b in DEBUG_BLOCKS]
 
-    if not all_logits:
-        x = g.op("Slice", x, g.const_i64([-1]), g.const_i64([np.iinfo(np.int64).max]), g.const_i64([1]))
-    x = rms_norm(g, x, _weight(ckpt, FINAL_NORM), c.rms_norm_eps)
-    head: Table = table if ckpt.tied else fmt.table(g, _weight(ckpt, LM_HEAD))
-    logits = _softcap(g, fmt.lm_head(g, head, x), c.final_logit_softcapping)
+    logits = lm_head(g, fmt, ckpt, table, x, all_logits)
 
     g.output(logits, "logits", F32, ["batch_size", 1 if not all_logits else "sequence_length", c.vocab_size])
     for i, (k, v) in enumerate(presents):

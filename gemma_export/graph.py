@@ -45,7 +45,11 @@ class GraphBuilder:
         self.outputs.append(value)
 
     def initializer(self, tensor: ir.TensorProtocol) -> ir.Value:
-        """Register a (lazy) tensor as an initializer named ``tensor.name`` (must be unique)."""
+        """Register a (lazy) tensor as an initializer named ``tensor.name``.
+
+        Raises:
+            ValueError: the name is registered already (a builder bug: two weights under one name).
+        """
         if tensor.name in self.initializers:
             raise ValueError(f"initializer '{tensor.name}' defined twice")
         value = ir.Value(name=tensor.name, type=ir.TensorType(tensor.dtype), shape=tensor.shape, const_value=tensor)
@@ -79,6 +83,8 @@ class GraphBuilder:
             self.inputs, self.outputs, nodes=self.nodes, initializers=list(self.initializers.values()),
             opset_imports={"": OPSET, MS_DOMAIN: 1}, name=name,
         )
+        # IR version 10 goes with opset 21 (ONNX 1.16, onnx/helper.py VERSION_TABLE), which onnxruntime
+        # reads since 1.18; a newer IR would shut out older runtimes on a board for nothing
         return ir.Model(graph, ir_version=10, producer_name="gemma-export", doc_string=doc_string)
 
 

@@ -189,7 +189,8 @@ class LogitComparison:
             the first rows are added); row ``i`` predicts ``token_ids[i + 1]``.
         sliding_window: the model's ``sliding_window`` (positions, ≥ 1): top-1 agreement is also
             reported over the rows from there on, where the local layers no longer see the whole
-            text; None when it is not known (no such split is reported).
+            text; None when it is not known (no such split is reported). The default is Gemma 3
+            270M's 512 (:data:`GEMMA3_270M_SLIDING_WINDOW`): give another model's own.
 
     The per-row state is float64 / bool ``[T]`` (a few bytes per token); the formulas are those of
     the module docstring and :class:`QualityMetrics`.
@@ -315,7 +316,8 @@ def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequenc
     Raises:
         ConfigError: an argument of the wrong type, ``chunk`` < 1, ``sliding_window`` < 1, or an id
             outside ``0 … V - 1`` (naming its position).
-        GemmaExportError: shapes differ or do not match ``token_ids``.
+        GemmaExportError: shapes differ or do not match ``token_ids``, or fewer than 2 tokens (no
+            row predicts a next token).
         NumericError: a row of either matrix holds NaN or Inf.
     """
     _check_logits("compare_logits", reference=reference, logits=logits)
@@ -514,6 +516,8 @@ def manifest_checkpoint(model_dir: Path):
     Raises:
         SourceNotFoundError: as :func:`manifest_source`, or the size or the contents differ.
         FormatError: ``source.bytes`` or ``source.sha256`` is present but not a size / a sha256 (or null).
+        SourceNotFoundError, FormatError, ConfigError: the recorded source does not open
+            (:func:`~gemma_export.sources.open_source`'s error, of its class, naming the manifest).
     """
     from .errors import ConfigError, FormatError, SourceNotFoundError, is_sha256, shown
     from .onnx_files import MANIFEST_FILE
@@ -566,6 +570,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             default).
         prepacked: the export's pre-packed copy, as in :class:`~gemma_export.runtime.OnnxDecoder`
             (the graph used is reported through ``progress``).
+        progress: called with one-line notes as the work goes (the graphs loaded, the reference's
+            progress, the tokens scored); None: silent.
 
     Returns:
         A :class:`QualityReport` (metrics' units in :class:`QualityMetrics`).
@@ -580,6 +586,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
             refuses.
         NumericError: either side computes NaN or Inf logits.
         ResourceError: a KV cache would not fit in available memory.
+        OutputError: (``fp32``) the temporary reference export cannot be written (a full disk:
+            the message names the folder and TMPDIR).
     """
     check_arguments("run_quality", model_dir=(model_dir, "path"), reference=(reference, "path"), text=(text, "path?"),
                     tokens=(tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"),

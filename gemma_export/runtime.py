@@ -793,15 +793,15 @@ class OnnxDecoder:
             is reused for the next chunk, so a caller that keeps rows must copy them.
 
         Raises (a generator: when iteration starts, before any step):
-            ConfigError: ``token_ids`` that is no sequence or 1-D array (a set, an iterator).
-            ValueError: ``chunk`` < 1.
+            ConfigError: ``token_ids`` that is no sequence or 1-D array (a set, an iterator), or a
+                ``chunk`` that is no integer or is < 1.
             GemmaExportError: ``token_ids`` exceeds ``max_position_embeddings``.
             FormatError: an id that is no integer or lies outside the vocabulary (:meth:`check_ids`).
             ResourceError: the KV cache would not fit in available memory (:class:`KVCache`).
         """
         check_arguments("teacher_forced_chunks", token_ids=(token_ids, "ids"))
         if not _is_integer(chunk) or chunk < 1:
-            raise ValueError(f"chunk must be a whole number of rows >= 1, found {chunk!r}")
+            raise ConfigError(f"teacher_forced_chunks(): chunk must be a whole number of rows >= 1, found {chunk!r}")
         self.check_length(len(token_ids), "teacher-forced ids")
         self.check_ids(token_ids, "teacher-forced ids", tokenized=False)
         yield from self._teacher_forced_rows(token_ids, chunk)
@@ -1180,7 +1180,7 @@ def check_threads(threads: int | None) -> None:
 
 
 def check_prefill_chunk(prefill_chunk: int | None) -> None:
-    """Raises GemmaExportError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step).
+    """Raises ConfigError unless ``prefill_chunk`` is None or >= 1 (tokens per prefill step).
 
     Raises:
         ConfigError: ``prefill_chunk`` < 1.
@@ -1579,7 +1579,8 @@ class TextStream:
             tokenizer marks them special.
     """
 
-    #: most ids of context decoded beside the new ones
+    #: most ids of context decoded beside the new ones: room for a character's 4 byte ids and the
+    #: piece before them (its leading space), while a decode stays a few ids long
     WINDOW = 8
     #: most ids a character's bytes span (UTF-8)
     MAX_CHARACTER_IDS = 4

@@ -70,7 +70,7 @@ from .graph import MS_DOMAIN, GraphBuilder
 DEFAULT_INT8_BLOCK_SIZE = 32
 DEFAULT_INT8_TABLE_BLOCK_SIZE = 128
 #: int4: block 32 everywhere (the table too: 4-bit codes need small blocks, and the scales of a
-#: block-32 table, 21 MB, still fit the 175 MB budget).
+#: block-32 table, 21 MB, still fit issue #7's 175 MB budget for the 270M's int4 archive).
 DEFAULT_INT4_BLOCK_SIZE = 32
 #: Hadamard rotation of every int8 matmul input (``quant/hadamard.py``): 64 measured best on the
 #: real 270M (KL vs fp32 0.0014 against 0.0034 unrotated; 32 and 128 were worse).
@@ -482,12 +482,15 @@ class Int8Format(WeightFormat):
     def linear(self, g, x, ref):
         """``MatMulNBits`` (``accuracy_level`` 4) on the rotated ``x``: data uint8
         ``[out, in / B, B · bits / 8]``, scales float32 ``[out, in / B]``, ``B`` = ``block_size``.
-        A weight that cannot be quantized raises :class:`~gemma_export.errors.NumericError` when saved."""
+        A weight that cannot be quantized raises :class:`~gemma_export.errors.NumericError` when saved;
+        ``in`` not a multiple of ``B`` or of the rotation's size raises
+        :class:`~gemma_export.errors.ConfigError` now."""
         n, k = ref.shape
         return self._matmul_nbits(g, self._rotate(g, x, k), self._initializers(g, ref, self.block_size, self.bits), n, k)
 
     def stacked_linear(self, g, x, refs, name):
-        """One ``MatMulNBits`` over the weights' codes and scales concatenated along ``out``."""
+        """One ``MatMulNBits`` over the weights' codes and scales concatenated along ``out``; errors as
+        :meth:`linear`."""
         n, k = sum(r.shape[0] for r in refs), refs[0].shape[1]
         values = self._initializers(g, tuple(refs), self.block_size, self.bits, name)
         return self._matmul_nbits(g, self._rotate(g, x, k), values, n, k)
@@ -495,7 +498,8 @@ class Int8Format(WeightFormat):
     def table(self, g, ref):
         """The table's data uint8 ``[vocab, hidden / B, B · bits / 8]``, scales float32 ``[vocab, hidden / B]``
         (and, asymmetric int4, zero points uint8 ``[vocab, ceil((hidden / B) / 2)]``), ``B`` =
-        ``table_block_size``, bits = ``table_bits``; stored rotated (``T H``)."""
+        ``table_block_size``, bits = ``table_bits``; stored rotated (``T H``). ``hidden`` not a multiple
+        of ``B`` raises :class:`~gemma_export.errors.ConfigError` now."""
         return Table(ref, self._initializers(g, ref, self.table_block_size, self.table_bits))
 
     @staticmethod
@@ -537,7 +541,8 @@ class Int8Format(WeightFormat):
 
     def lm_head(self, g, table, hidden):
         """``MatMulNBits`` on the table's initializers: float32 ``[batch, seq, hidden]`` →
-        ``[batch, seq, vocab]``."""
+        ``[batch, seq, vocab]``; ``hidden`` not a multiple of the rotation's size raises
+        :class:`~gemma_export.errors.ConfigError`."""
         n, k = table.ref.shape
         return self._matmul_nbits(g, self._rotate(g, hidden, k), table.values, n, k)
 

@@ -36,6 +36,8 @@ from .rows import as_weight, check_real, float_rows
 #: λ as a share of the mean diagonal of H (the paper's 1%): keeps H invertible when calibration
 #: activations leave some directions unexercised.
 DEFAULT_DAMP = 0.01
+#: rows rounded at a time: the chunk is held transposed in float32 beside its codes and error
+#: buffers (4,096 × 2,048 × 4 B = 34 MB for the widest input, down_proj's; a bound on memory)
 _ROWS_PER_CHUNK = 4096
 #: columns per lazy batch update (the paper's B; its reference code uses 128). In numpy the
 #: inner loop's [rows, lazy] updates cost more as lazy grows, the outer ones less: for a [2048, 640]

@@ -4,7 +4,7 @@ onnxruntime's fast int8 kernel (``MatMulNBits`` at ``accuracy_level`` 4) quantiz
 *activations* to int8 per block too; one large channel in a block then costs precision on every
 other channel of that block. Rotating the input dimension by an orthogonal Hadamard matrix ``H``
 spreads such a channel over the block, and is exact in real arithmetic because
-``W x = (W Hᵀ)(H x)`` (QuaRot, Ashkboos et al. 2024, arXiv:2404.00456; QuIP#, Tseng et al. 2024).
+``W x = (W Hᵀ)(H x)`` (QuaRot, Ashkboos et al. 2024, arXiv:2404.00456; QuIP#, Tseng et al. 2024, arXiv:2402.04396).
 Here ``H`` is block-diagonal with ``n × n`` Sylvester blocks (``n`` a power of two), so it costs
 ``K · n`` multiply-adds per token and needs only an ``n × n`` constant. Sylvester's matrix scaled by
 ``1/sqrt(n)`` is symmetric and orthogonal: ``H = Hᵀ = H⁻¹``.
@@ -18,8 +18,8 @@ from .rows import check_real, is_integer
 
 
 #: the largest rotation built: 4,096² float64 is 134 MB while it is built. A rotation must divide
-#: every matmul input (the export's block_size_for), and Gemma 3's hidden sizes (640 … 5,376) allow
-#: at most 256
+#: every matmul input (the export's block_size_for), and Gemma 3's hidden sizes allow at most 512
+#: (2,560 = 2⁹ · 5, the 4B model; 640 and 1,152 allow 128)
 MAX_HADAMARD_SIZE = 4096
 
 

@@ -22,8 +22,10 @@ nibble; ``data`` is uint8 ``[N, K/B, B/2]``, packed zero points uint8 ``[N, ceil
 Scale choice (``method``): ``"rtn"`` uses c = 1 (round to nearest, the anchors' scheme);
 ``"mse"`` searches c over ``CLIP_RATIOS`` per block and keeps the one with the least squared
 reconstruction error ``sum_i h_i (w_i - dequant(q)_i)^2`` (``h`` = per-input-channel weights such
-as the mean squared calibration activation, or ones) — the clipping search of AWQ-style
-quantizers and of ``llama.cpp``'s ``make_qx_quants``. With c = 1 the symmetric scale is ggml
+as the mean squared calibration activation, or ones) — a grid search over clipping ratios, as
+AWQ's weight clipping (Lin et al. 2024, arXiv:2306.00978) searches shrink ratios of each group's
+maximum; ``llama.cpp``'s ``make_qx_quants`` instead tries scales near the maximum in both
+directions and refits each by weighted least squares. With c = 1 the symmetric scale is ggml
 ``Q4_0``'s (``max / -8``); the codes are rounded half to even, where ggml's
 ``quantize_row_q4_0_ref`` rounds half up (``(int8_t)(w / scale + 8.5f)``).
 """
@@ -43,6 +45,8 @@ ZERO_POINT = 8
 #: grows with their count; on the real 270M the search gives 17% lower KL than round to nearest at the
 #: same size, docs/quality.md)
 CLIP_RATIOS = tuple(np.round(np.linspace(1.0, 0.6, 17), 4))
+#: rows quantized at a time: half int8's, since each ratio of the clipping search forms the
+#: chunk's levels and errors beside it in float32 (a bound on memory, not a tuned speed)
 _ROWS_PER_CHUNK = 4096
 
 
@@ -202,8 +206,8 @@ class BlockInt4Weights:
         """Quantize a float ``[N, K]`` matrix (an array or row-sliceable object), row chunk by chunk.
 
         The formulas (symmetric, asymmetric, the clipping search) are in the module docstring: the
-        symmetric scale is ggml ``Q4_0``'s (llama.cpp ``ggml-quants.c``), the search that of
-        llama.cpp's ``make_qx_quants``; the layout is ``MatMulNBits``' (onnxruntime
+        symmetric scale is ggml ``Q4_0``'s (llama.cpp ``ggml-quants.c``), the search a grid over
+        clipping ratios as AWQ's; the layout is ``MatMulNBits``' (onnxruntime
         docs/ContribOperators.md).
 
         Args:

@@ -402,7 +402,9 @@ def test_a_cache_of_another_element_type_or_a_missing_present_output_is_named(tm
 
 @pytest.mark.parametrize("chunk", [0, -1, 1.5])
 def test_teacher_forced_chunks_refuse_a_chunk_below_one_row(fp32_all, chunk):
-    with pytest.raises(ValueError, match=f"chunk must be a whole number of rows >= 1, found {chunk}"):
+    # a ConfigError, as every bad argument of the API (GemmaExportError, not Python's ValueError)
+    with pytest.raises(ConfigError, match=rf"^teacher_forced_chunks\(\): chunk must be a whole number of rows >= 1, "
+                                          rf"found {chunk}$"):
         next(OnnxDecoder(fp32_all).teacher_forced_chunks([2, 5, 6], chunk))
 
 
