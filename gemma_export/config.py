@@ -114,6 +114,9 @@ class GemmaConfig:
     bos_token_id: int = BOS_TOKEN_ID
     eos_token_id: tuple[int, ...] = DEFAULT_STOP_TOKEN_IDS
     pad_token_id: int = PAD_TOKEN_ID
+    #: what the export should tell about how the source's config was read (one line each, naming the
+    #: file); not part of the model, so neither compared nor written to the manifest
+    notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     @staticmethod
     def default_eos_token_ids(vocab_size: int) -> tuple[int, ...]:
@@ -142,6 +145,7 @@ class GemmaConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (used in manifests)."""
         d = dataclasses.asdict(self)
+        del d["notes"]
         d["layer_types"] = list(self.layer_types)
         d["eos_token_id"] = list(self.eos_token_id)
         d["rope_parameters"] = {k: dataclasses.asdict(v) for k, v in self.rope_parameters.items()}
@@ -279,7 +283,7 @@ class _Fields:
     def token_ids(self, key: str, default: Any, below: int | None = None) -> tuple[int, ...]:
         """Token ids (one or a list) under ``key``; ``below``: the vocabulary rows they must index."""
         value = self.cfg.get(self.prefix + key)
-        value = default if value is None else value
+        value = default if value is None or value == [] else value  # null or [] says none, as absent (transformers loads both)
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(is_whole_number(v) and v >= 0 for v in values):
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
@@ -395,20 +399,34 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     if scaling:  # the field the user wrote: 4.x's alone, or both
         names[FULL] = f"{names[FULL]}' and 'rope_scaling" if FULL in rope_parameters_raw else "rope_scaling"
     rope = {lt: _rope_from_dict(entries[lt], DEFAULT_ROPE_THETA[lt], where, names[lt]) for lt in (FULL, SLIDING)}
+    notes = []
+    if scaling and "rope_type" not in entries[FULL] and scaling.get("type", "default") != "default":
+        notes.append(f"{where}: 'rope_scaling' gives 'type': {scaling['type']!r} (transformers 4's key), applied to the "
+                     "full-attention layers as transformers 4 does; transformers 5 keeps their default RoPE, so its "
+                     "logits for this checkpoint differ (write 'rope_type' to say which is meant)")
 
     top = _Fields(raw, where)
     vocab_size = f.int("vocab_size")
-    eos = f.token_ids("eos_token_id", raw.get("eos_token_id", list(DEFAULT_STOP_TOKEN_IDS)))
-    bos = f.token_ids("bos_token_id", raw.get("bos_token_id", BOS_TOKEN_ID))[0]
-    pad = f.token_ids("pad_token_id", raw.get("pad_token_id") or PAD_TOKEN_ID)[0]
+    def given(key: str, default):  # the top level's value (a multimodal config's), null or [] counting as none
+        value = raw.get(key)
+        return default if value is None or value == [] else value
+
+    # Gemma's stop ids where the config names none, those the vocabulary holds (a default is not named
+    # as the file's own in an error)
+    eos = f.token_ids("eos_token_id", given("eos_token_id", list(GemmaConfig.default_eos_token_ids(vocab_size))
+                                           or list(DEFAULT_STOP_TOKEN_IDS)))
+    bos = f.token_ids("bos_token_id", given("bos_token_id", BOS_TOKEN_ID))[0]
+    pad = f.token_ids("pad_token_id", given("pad_token_id", PAD_TOKEN_ID))[0]
     config = GemmaConfig(
         vocab_size=vocab_size,
         hidden_size=f.int("hidden_size"),
         intermediate_size=f.int("intermediate_size"),
         num_hidden_layers=num_layers,
-        num_attention_heads=f.int("num_attention_heads"),
-        num_key_value_heads=f.int("num_key_value_heads"),
-        head_dim=f.int("head_dim", 256),  # transformers' Gemma3TextConfig default
+        # transformers' Gemma3TextConfig defaults, which Gemma 3's multimodal configs rely on (their
+        # text_config leaves out what equals them); the weights' shapes are checked against them
+        num_attention_heads=f.int("num_attention_heads", 8),
+        num_key_value_heads=f.int("num_key_value_heads", 4),
+        head_dim=f.int("head_dim", 256),
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         sliding_window=f.int("sliding_window", 4096),
         layer_types=layer_types,
@@ -421,6 +439,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         bos_token_id=bos,
         eos_token_id=eos,
         pad_token_id=pad,
+        notes=tuple(notes),
     )
     return config.validate(where)
 

@@ -468,6 +468,8 @@ def export(
             replacing_told = _tell_replacing(Path(out_dir), folder_state(Path(out_dir)), status)
         status(f"reading {source or f'bundled Gemma 3 270M ({BUNDLED_PACKAGE}{bundled_gguf_note()})'} ...")
     ckpt = checkpoint or open_source(source, tokenizer=given_tokenizer is None)
+    for note in ckpt.config.notes if status is not None else ():
+        status(f"note: {note}")
     if ckpt.ignored and status is not None:
         shown_names = ", ".join(ckpt.ignored[:3]) + (", …" if len(ckpt.ignored) > 3 else "")
         status(f"note: {ckpt.path}: {len(ckpt.ignored)} tensor(s) of no part of Gemma 3 were left out ({shown_names})")

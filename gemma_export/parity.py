@@ -472,7 +472,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
                     reference_logits=(reference_logits, "bool"), golden=(golden, "path?"), prompts=(prompts, "path?"),
                     new_tokens=(new_tokens, "int?"), threads=(threads, "int?"), prepacked=(prepacked, "bool?"),
                     progress=(progress, "callable?"))
-    from .quality import compare_logits, graph_line, manifest_checkpoint, require_transformers, transformers_model
+    from .quality import (compare_logits, config_differences, graph_line, manifest_checkpoint, require_transformers,
+                          transformers_model)
     from .runtime import OnnxDecoder, check_export_folder, check_token_ids, load_tokenizer
 
     say = progress or (lambda _msg: None)
@@ -586,6 +587,8 @@ def run_parity(model_dir: str | Path, *, against_transformers: bool = False, ref
     hf_model = None
     if against_transformers:
         say("reference: transformers fp32 on the export's source weights")
+        for line in config_differences(source_checkpoint):
+            say(line)
         hf_model = transformers_model(source_checkpoint)
     ref_model = None
     if reference:

@@ -408,6 +408,56 @@ def transformers_model(source):
     return model
 
 
+def config_differences(source) -> list[str]:
+    """Where transformers' own reading of a transformers folder's ``config.json`` differs from this
+    toolkit's, in the fields that decide the logits: one ``note:`` line each, for the progress output.
+
+    :func:`transformers_model` builds the reference from this toolkit's reading (a GGUF or a
+    reference export has no ``config.json`` transformers reads), so a field read otherwise than
+    transformers reads it would pass parity unseen; these notes show it (the export itself notes
+    the one difference it makes on purpose, a 4.x ``rope_scaling`` spelled ``"type"``).
+
+    Args:
+        source: a :class:`~gemma_export.checkpoint.Checkpoint`.
+
+    Returns:
+        Nothing for a GGUF or a reference export, or when transformers is not installed or does not
+        read the file (the reference then fails on its own, with its own message).
+    """
+    if source.identity.get("kind") != "hf":
+        return []
+    try:
+        import transformers
+
+        theirs = transformers.AutoConfig.from_pretrained(source.path, local_files_only=True).get_text_config()
+    except Exception:  # noqa: BLE001 - a reading transformers refuses is reported by the reference itself
+        return []
+    c = source.config
+    ours = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+            "query_pre_attn_scalar": c.query_pre_attn_scalar, "sliding_window": c.sliding_window,
+            "rms_norm_eps": c.rms_norm_eps, "layer_types": list(c.layer_types),
+            "final_logit_softcapping": c.final_logit_softcapping}
+    for kind, rope in c.rope_parameters.items():
+        ours[f"rope_parameters.{kind}"] = (rope.rope_type, rope.rope_theta, rope.factor)
+    rope_theirs = getattr(theirs, "rope_parameters", None) or {}
+    lines = []
+    for name, value in ours.items():
+        if name.startswith("rope_parameters."):
+            entry = rope_theirs.get(name.split(".", 1)[1]) or {}
+            kind = entry.get("rope_type", "default")
+            other = (kind, entry.get("rope_theta"), entry.get("factor", 1.0) if kind == "linear" else 1.0)
+        else:
+            other = getattr(theirs, name, None)
+            other = list(other) if isinstance(other, (list, tuple)) else other
+        if other != value:
+            lines.append(f"note: transformers {transformers.__version__} reads {source.path / 'config.json'} "
+                         f"otherwise: {name} is {other!r} there, {value!r} here; the reference follows this "
+                         "toolkit's reading, so parity with it does not cover that field")
+    return lines
+
+
 def transformers_logits(source, token_ids: Sequence[int], model=None) -> np.ndarray:
     """Logits of :func:`transformers_model` (``model``, or one built from ``source``) for every
     position of ``token_ids``: float32 ``[T, V]`` (the whole matrix at once: 1 MiB per token for
@@ -656,6 +706,8 @@ def run_quality(model_dir: str | Path, reference: str = "transformers", text: st
     with contextlib.ExitStack() as stack:
         if reference == "transformers":
             say("reference: transformers fp32 on the export's source weights")
+            for line in config_differences(source_checkpoint):
+                say(line)
             ref_chunks = transformers_logit_chunks(transformers_model(source_checkpoint), ids, CHUNK_ROWS)
         else:
             if reference == "fp32":

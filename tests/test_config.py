@@ -290,6 +290,45 @@ def test_a_v4_rope_scaling_spelled_type_linear_is_applied():
     # default (the one documented difference from its resolution)
     c = config_from_hf_dict({**V4, "rope_scaling": {"type": "linear", "factor": 8.0}}, "c")
     assert (c.rope_parameters[FULL].rope_type, c.rope_parameters[FULL].factor) == ("linear", 8.0)
+    # ... and the export says so, since transformers 5 (the reference) gives other logits (a helper's
+    # finding: exit 0, no word, parity PASS against a reference built from our reading)
+    assert c.notes == ("c: 'rope_scaling' gives 'type': 'linear' (transformers 4's key), applied to the full-attention "
+                       "layers as transformers 4 does; transformers 5 keeps their default RoPE, so its logits for this "
+                       "checkpoint differ (write 'rope_type' to say which is meant)",)
+    assert "notes" not in c.to_dict()  # not part of the model: the manifest's config stays as it was
+    for scaling in ({"rope_type": "linear", "factor": 8.0}, {"type": "default"}, None):
+        assert config_from_hf_dict({**V4, "rope_scaling": scaling}, "c").notes == ()
+    keyed = {**_V5_TEXT, "rope_parameters": {FULL: {"rope_type": "default"}}, "rope_scaling": {"type": "linear", "factor": 8.0}}
+    assert config_from_hf_dict(keyed, "c").notes == ()  # the entry's own rope_type decides, as in transformers 5
+
+
+@pytest.mark.parametrize("value", [None, []])
+@pytest.mark.parametrize("field", ["eos_token_id", "bos_token_id", "pad_token_id"])
+def test_null_or_empty_token_ids_count_as_none(field, value):
+    """transformers loads ``"eos_token_id": null`` (or ``[]``); it was refused as 'must be token ids'."""
+    absent = config_from_hf_dict({k: v for k, v in V4.items() if k != field}, "c")
+    given = config_from_hf_dict({**V4, field: value}, "c")
+    assert getattr(given, field) == getattr(absent, field)
+    assert (given.eos_token_id, given.bos_token_id, given.pad_token_id) == ((1, 106), 2, 0)
+    nested = config_from_hf_dict({"model_type": "gemma3", field: value, "text_config": {**V4, field: value}}, "c")
+    assert getattr(nested, field) == getattr(absent, field)
+
+
+def test_default_stop_ids_are_those_inside_a_small_vocabulary():
+    # a config naming no eos in a 96-word vocabulary: <end_of_turn> (106) is not one of its words, and
+    # the error named it as if the file had ("eos_token_id 106 is not below vocab_size 96")
+    c = config_from_hf_dict({**V4, "vocab_size": 96}, "c")
+    assert c.eos_token_id == (1,)
+    with pytest.raises(ConfigError, match=r"^c: eos_token_id 106 is not below vocab_size 96$"):  # the file's own
+        config_from_hf_dict({**V4, "vocab_size": 96, "eos_token_id": [1, 106]}, "c")
+
+
+def test_head_counts_default_as_transformers_gemma3_text_config():
+    transformers = pytest.importorskip("transformers")
+    text = {k: v for k, v in V4.items() if k not in ("num_attention_heads", "num_key_value_heads")}
+    c = config_from_hf_dict({"model_type": "gemma3", "text_config": text}, "c")
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    assert (c.num_attention_heads, c.num_key_value_heads) == (theirs.num_attention_heads, theirs.num_key_value_heads) == (8, 4)
 
 
 def test_a_rope_error_names_the_field_the_config_wrote():

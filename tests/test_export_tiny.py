@@ -142,6 +142,69 @@ def test_untied_head_keeps_two_tables(tmp_path):
     assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(model, ids)).max() <= 1e-4
 
 
+def test_a_checkpoint_saved_from_gemma3_text_model_exports(tmp_path):
+    """``Gemma3TextModel.save_pretrained`` writes the decoder's names without ``model.`` and no head;
+    transformers loads it into ``Gemma3ForCausalLM`` with the head tied. The export refused it
+    ("missing tensor 'model.embed_tokens.weight'", a helper's finding)."""
+    from transformers import Gemma3ForCausalLM
+
+    src = tmp_path / "text-model"
+    make_tiny_model(seed=11).model.save_pretrained(src)
+    assert "embed_tokens.weight" in load_file(str(src / "model.safetensors"))  # the bare names
+    reference = Gemma3ForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+    result = export(src, tmp_path / "out", "fp32", all_logits=True)
+    assert result.tied and result.table_initializers == 1
+    ids = _ids(seed=12)
+    assert np.abs(_prefill(OnnxDecoder(result.out_dir), ids)[0] - reference_logits(reference, ids)).max() <= 1e-4
+
+
+def test_a_v4_rope_type_key_is_noted_by_the_export(tmp_path):
+    """A 4.x ``rope_scaling`` spelled ``"type": "linear"`` is applied (transformers 4) where transformers 5
+    keeps the default: the export says so rather than exit 0 without a word (a helper's finding)."""
+    model = make_tiny_model(seed=13)
+    src = save_tiny(model, tmp_path / "type-key")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=10000.0, rope_local_base_freq=10000.0, rope_scaling={"type": "linear", "factor": 8.0})
+    (src / "config.json").write_text(json.dumps(config))
+    said = []
+    export(src, tmp_path / "out", "fp32", status=said.append)
+    assert [line for line in said if "'type': 'linear'" in line] == [
+        f"note: {src / 'config.json'}: 'rope_scaling' gives 'type': 'linear' (transformers 4's key), applied to the "
+        "full-attention layers as transformers 4 does; transformers 5 keeps their default RoPE, so its logits for "
+        "this checkpoint differ (write 'rope_type' to say which is meant)"]
+
+
+def test_parity_notes_a_field_transformers_reads_otherwise(tmp_path, tiny_dir):
+    """parity's transformers reference is built from this toolkit's reading of config.json, so a field
+    transformers reads otherwise passed unseen (a helper's finding: PASS with 1.9 logits between the
+    export and transformers' own loading); it is noted."""
+    from gemma_export.quality import config_differences
+    from gemma_export.sources import open_source
+
+    assert config_differences(open_source(tiny_dir)) == []  # the same reading: nothing to say
+    untied = save_tiny(make_tiny_model(seed=7, tie_word_embeddings=False), tmp_path / "untied")
+    assert config_differences(open_source(untied)) == []
+    src = save_tiny(make_tiny_model(seed=13), tmp_path / "type-key")
+    config = json.loads((src / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=10000.0, rope_local_base_freq=10000.0, rope_scaling={"type": "linear", "factor": 8.0})
+    (src / "config.json").write_text(json.dumps(config))
+    import transformers
+
+    assert config_differences(open_source(src)) == [
+        f"note: transformers {transformers.__version__} reads {src / 'config.json'} otherwise: "
+        "rope_parameters.full_attention is ('default', 10000.0, 1.0) there, ('linear', 10000.0, 8.0) here; the "
+        "reference follows this toolkit's reading, so parity with it does not cover that field"]
+    from gemma_export import run_parity
+
+    out = export(src, tmp_path / "out", "fp32").out_dir
+    (tmp_path / "ids.json").write_text(json.dumps([[2, 5, 6, 7]]))
+    said = []
+    report = run_parity(out, against_transformers=True, prompts=tmp_path / "ids.json", new_tokens=2, progress=said.append)
+    assert report.passed and sum("reads" in line and "otherwise: rope_parameters.full_attention" in line for line in said) == 1
+
+
 def test_the_transformers_reference_of_an_untied_source_keeps_both_tables(tmp_path):
     """quality's and parity's transformers reference, built from the source's own tensors: with a
     separate lm_head it must not be tied (transformers' default), or one table overwrites the other."""

@@ -2,7 +2,8 @@
 ``model.safetensors.index.json``, and the tokenizer files beside them.
 
 Tensors stay memory-mapped (``safetensors.safe_open``) until the exporter asks for them. Names may
-carry the multimodal prefix ``model.language_model.``; vision-tower and projector tensors are
+carry the multimodal prefix ``model.language_model.``, or none at all (a ``Gemma3TextModel``'s own
+``embed_tokens.weight``, ``layers.{i}.…``, ``norm.weight``); vision-tower and projector tensors are
 ignored. Any other tensor in the text decoder's names (e.g. a ``model.norm.bias``) is refused, since
 leaving it out would change the model's output; a tensor of no known part is left out and noted
 (:attr:`~gemma_export.checkpoint.Checkpoint.ignored`).
@@ -85,6 +86,9 @@ def _is_token(value) -> bool:
     return isinstance(value, str) or isinstance(value, dict) and isinstance(value.get("content"), str)
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+#: the decoder's own names in a checkpoint saved from transformers' ``Gemma3TextModel`` (no ``model.``
+#: prefix and no head; transformers loads it into ``Gemma3ForCausalLM`` with the head tied)
+_BARE = ("embed_tokens.", "layers.", "norm.")
 #: a multimodal Gemma 3 checkpoint's parts besides the text decoder (transformers 4 and 5 names)
 _OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
@@ -96,6 +100,8 @@ def _hf_name(key: str) -> str | None:
     for prefix in _PREFIXES:
         if key.startswith(prefix):
             return "model." + key[len(prefix):]
+    if key.startswith(_BARE):
+        return "model." + key
     return None
 
 
