@@ -333,4 +333,5 @@ def validate_tensors(config: GemmaConfig, tensors: Mapping[str, TensorRef], wher
         if ref.shape != shape:
             raise FormatError(
                 f"{ref.origin}: tensor '{name}' has shape {list(ref.shape)}, expected {list(shape)} from the config"
+                f"{config.defaults_taken()}"
             )

@@ -117,6 +117,19 @@ class GemmaConfig:
     #: what the export should tell about how the source's config was read (one line each, naming the
     #: file); not part of the model, so neither compared nor written to the manifest
     notes: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    #: the fields the source did not give, taken from transformers' ``Gemma3TextConfig`` defaults
+    #: (named in the errors they lead to); not part of the model either
+    defaulted: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def defaults_taken(self, *fields: str) -> str:
+        """`` (num_attention_heads 8 is transformers' default: the config gives none)`` for those of
+        ``fields`` (all when none are named) in :attr:`defaulted`, for the end of an error message; ""
+        when the config gave them all."""
+        taken = [f for f in (fields or self.defaulted) if f in self.defaulted]
+        if not taken:
+            return ""
+        values = " and ".join(f"{f} {getattr(self, f)}" for f in taken)
+        return f" ({values} {'is' if len(taken) == 1 else 'are'} transformers' default: the config gives {'none' if len(taken) == 1 else 'neither'})"
 
     @staticmethod
     def default_eos_token_ids(vocab_size: int) -> tuple[int, ...]:
@@ -145,7 +158,7 @@ class GemmaConfig:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (used in manifests)."""
         d = dataclasses.asdict(self)
-        del d["notes"]
+        del d["notes"], d["defaulted"]
         d["layer_types"] = list(self.layer_types)
         d["eos_token_id"] = list(self.eos_token_id)
         d["rope_parameters"] = {k: dataclasses.asdict(v) for k, v in self.rope_parameters.items()}
@@ -181,11 +194,13 @@ class GemmaConfig:
         for name, ids in (("eos_token_id", self.eos_token_id), ("bos_token_id", (self.bos_token_id,)),
                           ("pad_token_id", (self.pad_token_id,))):
             if max(ids) >= self.vocab_size:
-                raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {self.vocab_size}")
+                raise ConfigError(f"{where}: {name} {max(ids)} is not below vocab_size {self.vocab_size}"
+                                  f"{self.defaults_taken('vocab_size')}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{where}: {named('num_attention_heads')} ({self.num_attention_heads}) is not a multiple of "
                 f"{named('num_key_value_heads')} ({self.num_key_value_heads})"
+                f"{self.defaults_taken('num_attention_heads', 'num_key_value_heads')}"
             )
         if self.head_dim % 8:  # onnxruntime refuses it only when the graph first runs, after the slow work
             raise ConfigError(f"{where}: {named('head_dim')} must be a multiple of 8 (even for rotate-half RoPE, and a multiple "
@@ -283,7 +298,8 @@ class _Fields:
     def token_ids(self, key: str, default: Any, below: int | None = None) -> tuple[int, ...]:
         """Token ids (one or a list) under ``key``; ``below``: the vocabulary rows they must index."""
         value = self.cfg.get(self.prefix + key)
-        value = default if value is None or value == [] else value  # null or [] says none, as absent (transformers loads both)
+        # null or [] says none, as absent (transformers loads both); a GGUF's array value is no list
+        value = default if value is None or isinstance(value, list) and not value else value
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(is_whole_number(v) and v >= 0 for v in values):
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
@@ -400,16 +416,20 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         names[FULL] = f"{names[FULL]}' and 'rope_scaling" if FULL in rope_parameters_raw else "rope_scaling"
     rope = {lt: _rope_from_dict(entries[lt], DEFAULT_ROPE_THETA[lt], where, names[lt]) for lt in (FULL, SLIDING)}
     notes = []
-    if scaling and "rope_type" not in entries[FULL] and scaling.get("type", "default") != "default":
+    if scaling and "rope_type" not in entries[FULL] and "type" in scaling and rope[FULL].factor != 1.0:
         notes.append(f"{where}: 'rope_scaling' gives 'type': {scaling['type']!r} (transformers 4's key), applied to the "
                      "full-attention layers as transformers 4 does; transformers 5 keeps their default RoPE, so its "
                      "logits for this checkpoint differ (write 'rope_type' to say which is meant)")
 
     top = _Fields(raw, where)
-    vocab_size = f.int("vocab_size")
+    # transformers' Gemma3TextConfig defaults for what Gemma 3's multimodal configs on the Hub leave out of
+    # their text_config (the 4B, 12B and 27B: vocab_size and the head counts); the weights' shapes are
+    # checked against them, and an error they lead to says they were taken (GemmaConfig.defaults_taken)
+    defaulted = tuple(k for k in ("vocab_size", "num_attention_heads", "num_key_value_heads") if k not in cfg)
+    vocab_size = f.int("vocab_size", 262_208)
     def given(key: str, default):  # the top level's value (a multimodal config's), null or [] counting as none
         value = raw.get(key)
-        return default if value is None or value == [] else value
+        return default if value is None or isinstance(value, list) and not value else value
 
     # Gemma's stop ids where the config names none, those the vocabulary holds (a default is not named
     # as the file's own in an error)
@@ -422,8 +442,6 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         hidden_size=f.int("hidden_size"),
         intermediate_size=f.int("intermediate_size"),
         num_hidden_layers=num_layers,
-        # transformers' Gemma3TextConfig defaults, which Gemma 3's multimodal configs rely on (their
-        # text_config leaves out what equals them); the weights' shapes are checked against them
         num_attention_heads=f.int("num_attention_heads", 8),
         num_key_value_heads=f.int("num_key_value_heads", 4),
         head_dim=f.int("head_dim", 256),
@@ -440,6 +458,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
         eos_token_id=eos,
         pad_token_id=pad,
         notes=tuple(notes),
+        defaulted=defaulted,
     )
     return config.validate(where)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 
 from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
@@ -108,7 +109,7 @@ def _export_command_hint(folder: Path) -> str:
     dtype = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
     if dtype == folder.name or dtype not in DTYPES:
         return ""
-    out = "" if Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd() else f" --out {folder}"
+    out = "" if Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd() else f" --out {shlex.quote(str(folder))}"
     return f"; `gemma-export --dtype {dtype}{out}` writes it"
 
 

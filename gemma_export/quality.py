@@ -439,21 +439,21 @@ def config_differences(source) -> list[str]:
             "query_pre_attn_scalar": c.query_pre_attn_scalar, "sliding_window": c.sliding_window,
             "rms_norm_eps": c.rms_norm_eps, "layer_types": list(c.layer_types),
             "final_logit_softcapping": c.final_logit_softcapping}
-    for kind, rope in c.rope_parameters.items():
-        ours[f"rope_parameters.{kind}"] = (rope.rope_type, rope.rope_theta, rope.factor)
+    for kind, rope in c.rope_parameters.items():  # (rope_theta, linear factor): what decides inv_freq
+        ours[f"rope_parameters.{kind}"] = (rope.rope_theta, rope.factor if rope.rope_type == "linear" else 1.0)
     rope_theirs = getattr(theirs, "rope_parameters", None) or {}
     lines = []
     for name, value in ours.items():
         if name.startswith("rope_parameters."):
             entry = rope_theirs.get(name.split(".", 1)[1]) or {}
-            kind = entry.get("rope_type", "default")
-            other = (kind, entry.get("rope_theta"), entry.get("factor", 1.0) if kind == "linear" else 1.0)
+            other = (entry.get("rope_theta"), entry.get("factor", 1.0) if entry.get("rope_type") == "linear" else 1.0)
         else:
             other = getattr(theirs, name, None)
             other = list(other) if isinstance(other, (list, tuple)) else other
         if other != value:
+            field = f"{name} (rope_theta, linear factor)" if name.startswith("rope_parameters.") else name
             lines.append(f"note: transformers {transformers.__version__} reads {source.path / 'config.json'} "
-                         f"otherwise: {name} is {other!r} there, {value!r} here; the reference follows this "
+                         f"otherwise: {field} is {other!r} there, {value!r} here; the reference follows this "
                          "toolkit's reading, so parity with it does not cover that field")
     return lines
 

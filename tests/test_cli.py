@@ -303,9 +303,11 @@ def test_missing_default_export_names_its_command(tmp_path, monkeypatch):
     assert result.exit_code == 2
     assert result.stderr.strip() == ("error: gemma-3-270m-onnx-int4: no such export folder; "
                                      "`gemma-export --dtype int4` writes it")
-    elsewhere = tmp_path / "sub" / "gemma-3-270m-onnx-bf16"
+    result = _run("generate", "--model", tmp_path / "gemma-3-270m-onnx-int4", "--prompt", "hi")  # here, named whole
+    assert result.stderr.strip().endswith("; `gemma-export --dtype int4` writes it")
+    elsewhere = tmp_path / "sub dir" / "gemma-3-270m-onnx-bf16"  # quoted, so that the command can be pasted
     result = _run("bench", "--model", elsewhere)
-    assert result.exit_code == 2 and f"`gemma-export --dtype bf16 --out {elsewhere}` writes it" in result.stderr
+    assert result.exit_code == 2 and f"`gemma-export --dtype bf16 --out '{elsewhere}'` writes it" in result.stderr
     for name in ("gemma-3-270m-onnx-int9", "other-onnx-int8"):  # no such dtype; another source's name
         result = _run("verify", name)
         assert result.exit_code == 2 and "no such export folder" in result.stderr and "writes it" not in result.stderr

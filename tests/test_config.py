@@ -4,7 +4,7 @@
 import pytest
 
 from gemma_export.config import FULL, SLIDING, config_from_hf_dict
-from gemma_export.errors import ConfigError
+from gemma_export.errors import ConfigError, FormatError
 
 V4 = {  # transformers 4.x form, as on the Hub for google/gemma-3-270m
     "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048,
@@ -323,12 +323,60 @@ def test_default_stop_ids_are_those_inside_a_small_vocabulary():
         config_from_hf_dict({**V4, "vocab_size": 96, "eos_token_id": [1, 106]}, "c")
 
 
-def test_head_counts_default_as_transformers_gemma3_text_config():
+def test_fields_the_hub_multimodal_configs_leave_out_default_as_transformers_gemma3_text_config():
+    """The 4B/12B/27B configs on the Hub give their text_config without vocab_size and the head counts
+    (transformers' defaults); such a config was refused for each in turn."""
     transformers = pytest.importorskip("transformers")
-    text = {k: v for k, v in V4.items() if k not in ("num_attention_heads", "num_key_value_heads")}
-    c = config_from_hf_dict({"model_type": "gemma3", "text_config": text}, "c")
-    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
-    assert (c.num_attention_heads, c.num_key_value_heads) == (theirs.num_attention_heads, theirs.num_key_value_heads) == (8, 4)
+    hub_4b = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+              "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    c = config_from_hf_dict({"model_type": "gemma3", "text_config": hub_4b}, "c")
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in hub_4b.items() if k != "model_type"})
+    for field in ("vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim", "query_pre_attn_scalar",
+                  "max_position_embeddings", "rms_norm_eps"):
+        assert getattr(c, field) == getattr(theirs, field), field
+    assert (c.vocab_size, c.num_attention_heads, c.num_key_value_heads) == (262_208, 8, 4)
+    assert c.defaulted == ("vocab_size", "num_attention_heads", "num_key_value_heads")
+    assert config_from_hf_dict(V4, "c").defaulted == ()
+    assert "defaulted" not in c.to_dict()
+
+
+def test_an_error_a_default_leads_to_says_it_was_taken(tmp_path):
+    """A default the file does not hold is named as such in the error it leads to (a reviewer's
+    finding: a 270M-style config without head counts got 'q_proj has shape [64, 64], expected [128, 64]'
+    and nothing about the 8 assumed)."""
+    from safetensors.numpy import save_file
+
+    from gemma_export.sources.hf import read_hf_folder
+
+    text = {k: v for k, v in V4.items() if k != "num_key_value_heads"}
+    with pytest.raises(ConfigError, match=r"^c: num_attention_heads \(2\) is not a multiple of num_key_value_heads "
+                                          r"\(4\) \(num_key_value_heads 4 is transformers' default: the config "
+                                          r"gives none\)$"):
+        config_from_hf_dict({**text, "num_attention_heads": 2}, "c")
+    with pytest.raises(ConfigError, match=r"eos_token_id 1 is not below vocab_size 1$"):  # the file's own: no note
+        config_from_hf_dict({**V4, "vocab_size": 1, "eos_token_id": 1}, "c")
+    import json
+
+    import numpy as np
+
+    tiny = {"model_type": "gemma3_text", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "head_dim": 16, "sliding_window": 8, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(tiny))
+    f = np.zeros
+    weights = {"model.embed_tokens.weight": f((128, 32), np.float32), "model.norm.weight": f(32, np.float32)}
+    p = "model.layers.0."
+    for name, shape in (("self_attn.q_proj", (32, 32)), ("self_attn.k_proj", (16, 32)), ("self_attn.v_proj", (16, 32)),
+                        ("self_attn.o_proj", (32, 32)), ("mlp.gate_proj", (64, 32)), ("mlp.up_proj", (64, 32)),
+                        ("mlp.down_proj", (32, 64))):
+        weights[p + name + ".weight"] = f(shape, np.float32)
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+        weights[p + name + ".weight"] = f(32, np.float32)
+    weights[p + "self_attn.q_norm.weight"] = weights[p + "self_attn.k_norm.weight"] = f(16, np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FormatError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \[32, 32\], "
+                                          r"expected \[128, 32\] from the config \(num_attention_heads 8 and "
+                                          r"num_key_value_heads 4 are transformers' default: the config gives neither\)$"):
+        read_hf_folder(tmp_path, tokenizer=False)
 
 
 def test_a_rope_error_names_the_field_the_config_wrote():

@@ -194,8 +194,22 @@ def test_parity_notes_a_field_transformers_reads_otherwise(tmp_path, tiny_dir):
 
     assert config_differences(open_source(src)) == [
         f"note: transformers {transformers.__version__} reads {src / 'config.json'} otherwise: "
-        "rope_parameters.full_attention is ('default', 10000.0, 1.0) there, ('linear', 10000.0, 8.0) here; the "
-        "reference follows this toolkit's reading, so parity with it does not cover that field"]
+        "rope_parameters.full_attention (rope_theta, linear factor) is (10000.0, 1.0) there, (10000.0, 8.0) here; "
+        "the reference follows this toolkit's reading, so parity with it does not cover that field"]
+    # a factor of 1 is the default RoPE whichever key says linear: nothing to note (the reviewer's false note)
+    config["rope_scaling"] = {"type": "linear", "factor": 1.0}
+    (src / "config.json").write_text(json.dumps(config))
+    assert config_differences(open_source(src)) == [] and open_source(src).config.notes == ()
+    config["rope_scaling"] = {"type": "linear", "factor": 8.0}
+    (src / "config.json").write_text(json.dumps(config))
+    # a field other than RoPE: transformers reads a config whose layer_types disagree with its pattern
+    # from layer_types, as this toolkit does, so a difference is forged here on the parsed config
+    import dataclasses
+
+    checkpoint = open_source(tiny_dir)
+    forged = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, rms_norm_eps=1e-5))
+    [line] = config_differences(forged)
+    assert "otherwise: rms_norm_eps is 1e-06 there, 1e-05 here;" in line
     from gemma_export import run_parity
 
     out = export(src, tmp_path / "out", "fp32").out_dir

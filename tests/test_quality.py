@@ -263,6 +263,22 @@ def test_quality_never_builds_a_whole_logit_matrix(tiny_int8_export, text_file, 
             assert report.metrics.top1_agreement == 1.0 and report.metrics.max_abs_logit_diff == 0.0
 
 
+def test_quality_against_transformers_says_where_transformers_reads_the_config_otherwise(tiny_int8_export, text_file,
+                                                                                        monkeypatch):
+    """The transformers reference is built from this toolkit's reading of the config; the fields
+    transformers reads otherwise (quality.config_differences) are said before the figures."""
+    from gemma_export import quality
+
+    seen = []
+    monkeypatch.setattr(quality, "config_differences", lambda source: seen.append(source.path) or ["note: the difference"])
+    said = []
+    quality.run_quality(tiny_int8_export, "transformers", text=text_file, tokens=20, progress=said.append)
+    assert "note: the difference" in said and len(seen) == 1
+    said.clear()
+    quality.run_quality(tiny_int8_export, str(tiny_int8_export), text=text_file, tokens=20, progress=said.append)
+    assert "note: the difference" not in said and len(seen) == 1  # another export as the reference: no transformers
+
+
 def test_a_reference_given_as_a_path_stays_json_ready(tiny_int8_export, text_file):
     """``reference`` may be a Path; the report kept it as one, and ``to_dict()`` (documented as
     JSON-ready) then failed in ``json.dumps``."""
