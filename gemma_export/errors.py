@@ -193,11 +193,11 @@ def os_error_line(exc: OSError) -> str:
         reason += " (check the file's permissions)"
     named = isinstance(exc.filename, (str, bytes, os.PathLike))
     if exc.errno == errno.ENAMETOOLONG and named:  # the OS's bare reason names no limit
-        reason += _long_name(os.fsdecode(exc.filename))
+        reason += long_name_reason(os.fsdecode(exc.filename))
     return f"{printable_path(exc.filename)}: {reason}" if named else reason
 
 
-def _long_name(path: str) -> str:
+def long_name_reason(path: str) -> str:
     """`` (a name of N bytes in it; this file system takes at most M)`` for the first name in
     ``path`` longer than its file system takes; `` (a path of N bytes)`` when every name fits (the
     whole path is then over ``PATH_MAX``)."""

@@ -25,7 +25,8 @@ from quant.int4 import unpack_nibbles
 
 from .errors import ConfigError, FormatError, SourceNotFoundError, check_arguments
 from .onnx_files import BUNDLE_MODEL_DIR, MODEL_FILE
-from .text_files import require_file
+from .staging import too_long_name
+from .text_files import broken_link, require_file
 
 CHUNK_BYTES = 8 << 20
 #: Tensors smaller than this are counted but not checked for duplicates (norm weights and the like
@@ -576,6 +577,10 @@ def inspect_path(path: str | Path) -> Report:
     from .sources.hf import SHARD_INDEX, WEIGHTS_FILE
 
     check_readable_folder(path)
+    what = ".onnx, .safetensors, .gguf or .mlir file (or a folder with model.onnx or one .onnx, or a transformers folder)"
+    if (link := broken_link(Path(path))) is not None:  # a name too long as well (pathlib would raise OSError below)
+        # for a name too long, the limit ends the line: a long path's middle is cut from the message
+        raise SourceNotFoundError(f"{path}: {link}" + ("" if too_long_name(path) else f"; expected a {what}"))
 
     if Path(path).is_dir() and is_bundle(Path(path)):  # a bundle folder: its export's graph
         path = Path(path) / BUNDLE_MODEL_DIR
@@ -589,8 +594,7 @@ def inspect_path(path: str | Path) -> Report:
             return _inspect_transformers_folder(Path(path))
     if Path(path).name == SHARD_INDEX and Path(path).is_file():
         return _inspect_transformers_folder(Path(path).parent)
-    path = require_file(path, ".onnx, .safetensors, .gguf or .mlir file (or a folder with model.onnx or one .onnx, "
-                              "or a transformers folder)")
+    path = require_file(path, what)
     try:
         with open(path, "rb") as f:
             magic = f.read(9)

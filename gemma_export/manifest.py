@@ -19,7 +19,6 @@ from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
-from .sources import BUNDLED_NAME
 from .staging import leftovers, listed_files, written_by_gemma_export
 from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
@@ -106,6 +105,8 @@ def _export_command_hint(folder: Path) -> str:
     """For a missing folder named as the main command names the bundled model's export
     (``gemma-3-270m-onnx-int4``), the command that writes it; otherwise nothing (a typo of another
     name is not told to export)."""
+    from .sources import BUNDLED_NAME  # only here: the board's commands do not import the sources' readers
+
     dtype = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
     if dtype == folder.name or dtype not in DTYPES:
         return ""

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .errors import FormatError, SourceNotFoundError
+from .errors import FormatError, SourceNotFoundError, long_name_reason
 
 #: bytes of a --text or --calibration-text read at least (64 per token needed beyond that: real text
 #: has ~4 per token), so that a huge file is not read whole for a prefix
@@ -81,9 +81,17 @@ def non_regular(path: Path) -> str | None:
 def broken_link(path: Path) -> str | None:
     """``"a broken link (to TARGET)"`` when ``path`` is a symbolic link to nothing, ``"a loop of
     symbolic links"`` when following it never ends, else None: named as such in errors, since "no
-    such file" sends the user looking for a file they can see."""
-    if not path.is_symlink():
-        return None
+    such file" sends the user looking for a file they can see. A path the file system cannot even
+    look up for its length (ENAMETOOLONG) gets its reason too, ``"File name too long (a name of N
+    bytes in it; this file system takes at most M)"``, where pathlib would raise its OSError from
+    every later check."""
+    try:
+        if not Path(path).is_symlink():
+            return None
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        return os.strerror(errno.ENAMETOOLONG) + long_name_reason(os.fsdecode(path))
     try:
         os.stat(path)
     except OSError as exc:

@@ -120,3 +120,30 @@ def test_wrong_kinds_of_arguments_are_config_errors(tiny_int8_export):
         hadamard_matrix(2 * MAX_HADAMARD_SIZE)
     assert hadamard_matrix(MAX_HADAMARD_SIZE // 64).shape == (64, 64)
     assert Path(tiny_int8_export).is_dir()
+
+
+def test_an_input_name_longer_than_the_file_system_takes_is_a_source_error(tmp_path):
+    """The API's readers raised pathlib's OSError (errno 36) for an input path with a name longer
+    than the file system takes (the command line printed it as one line); each is now a
+    SourceNotFoundError naming the limit, as a missing path is."""
+    import gemma_export
+    from gemma_export.errors import SourceNotFoundError
+    from gemma_export.staging import max_name_bytes
+
+    limit = max_name_bytes(tmp_path)
+    long = tmp_path / ("n" * (limit + 1))
+    calls = {
+        "generate": lambda: gemma_export.generate(long, "hi"),
+        "verify_manifest": lambda: gemma_export.verify_manifest(long),
+        "inspect_path": lambda: gemma_export.inspect_path(long),
+        "export": lambda: gemma_export.export(long, tmp_path / "out", "fp32"),
+        "run_quality": lambda: gemma_export.run_quality(long),
+        "run_bench": lambda: gemma_export.run_bench(long),
+        "write_bundle": lambda: gemma_export.write_bundle(long, tmp_path / "bundle"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(SourceNotFoundError) as caught:
+            call()
+        assert f"File name too long (a name of {limit + 1} bytes in it; this file system takes at most {limit})" \
+            in str(caught.value), name
+    assert sorted(tmp_path.iterdir()) == []  # nothing begun

@@ -994,9 +994,9 @@ def test_an_input_name_longer_than_the_file_system_takes_is_named_with_the_limit
     limit = max_name_bytes(tmp_path)
     source = tmp_path / ("m" * (limit + 1))
     result = runner.invoke(app, [*(str(tmp_path / "out") if a == "{out}" else a for a in command), str(source)])
-    assert result.exit_code == 2
-    assert result.stderr.strip().endswith(
-        f": File name too long (a name of {limit + 1} bytes in it; this file system takes at most {limit})"), result.stderr
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: ")
+    assert f": File name too long (a name of {limit + 1} bytes in it; this file system takes at most {limit})" \
+        in result.stderr, result.stderr
     assert sorted(tmp_path.iterdir()) == []  # no output begun
 
 
