@@ -391,3 +391,50 @@ def test_plain_onnxruntime_gives_generates_tokens_on_the_real_int8_export(int8_d
     ids = model.encode(real_text())[:700]
     want = OnnxDecoder(int8_dir, threads=2, prepacked=False).greedy(ids, 12, stop_ids=())[0]
     assert plain.steps(ids, 12, 512, plain.shared_step(model, len(ids) + 11, 512), set()) == want
+
+
+def test_a_bf16_transformers_folder_of_the_real_model_exports_as_transformers_reads_it(hf_reference, int8_dir,
+                                                                                       tmp_path):
+    """FunctionGemma ships as a transformers folder (bf16 safetensors, its tokenizer files); the board
+    team exports from one. The real 270M saved that way by transformers itself: this toolkit reads
+    its config as transformers does (no config_differences), the fp32 export from the folder decodes
+    the greedy tokens of transformers' own loading of the folder with its logits to float32 order,
+    and the folder's tokenizer gives the GGUF export's ids."""
+    from gemma_export.quality import config_differences
+    from gemma_export.sources import open_source
+
+    model, tokenizer = hf_reference
+    folder = tmp_path / "gemma-3-270m-hf"
+    # transformers does not save a model it loaded from a GGUF: the same config and weights, anew
+    config = transformers.Gemma3TextConfig.from_dict({k: v for k, v in model.config.to_dict().items()
+                                                      if k != "quantization_config"})
+    saved = transformers.Gemma3ForCausalLM(config)
+    saved.load_state_dict(model.state_dict())
+    saved.to(torch.bfloat16).save_pretrained(folder)
+    del saved
+    tokenizer.save_pretrained(folder)
+    assert not (folder / "model.safetensors.index.json").exists()
+    assert config_differences(open_source(folder)) == []
+
+    out = tmp_path / "from-hf-fp32"  # fp32: the folder's reading is checked to float32 order, not through int8 rounding
+    result = CliRunner().invoke(app, ["--dtype", "fp32", "--source", str(folder), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "tied table: 1 vocab x hidden initializer(s)" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    from_gguf = json.loads((int8_dir / "manifest.json").read_text())["config"]
+    # the same model, but the stop ids are the folder's own: transformers wrote eos 1 alone (the
+    # GGUF's metadata names <end_of_turn> as well)
+    assert manifest["source"]["kind"] == "hf" and manifest["config"]["eos_token_id"] == [1]
+    assert {**manifest["config"], "eos_token_id": None} == {**from_gguf, "eos_token_id": None}
+    assert [manifest["source"]["path"], manifest["dtype"]] == [str(folder.resolve()), "fp32"]
+
+    ids = load_tokenizer(out).encode(PROMPT).ids
+    assert ids == load_tokenizer(int8_dir).encode(PROMPT).ids
+    theirs = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        expected = theirs.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        last = theirs(torch.tensor([ids])).logits[0, -1].numpy()
+    decoder = OnnxDecoder(out)
+    new_ids, _, _ = decoder.greedy(ids, 16, stop_ids=[])
+    assert new_ids == expected
+    assert np.abs(decoder.teacher_forced_logits(ids)[-1] - last).max() <= 1e-3
