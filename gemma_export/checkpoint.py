@@ -317,6 +317,12 @@ def _equal_values(a: TensorRef, b: TensorRef, chunk_rows: int = 8192) -> bool:
     return True
 
 
+#: the config fields that may be defaulted (GemmaConfig.defaulted) and that set a tensor's shape, by
+#: the tensor's last name part: named in a shape error only where they are the cause
+_SHAPED_BY = {"embed_tokens": ("vocab_size",), "lm_head": ("vocab_size",),
+              **{p: ("num_attention_heads", "num_key_value_heads") for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
+
+
 def validate_tensors(config: GemmaConfig, tensors: Mapping[str, TensorRef], where: str) -> None:
     """Check that every expected tensor is present with the expected shape.
 
@@ -333,5 +339,5 @@ def validate_tensors(config: GemmaConfig, tensors: Mapping[str, TensorRef], wher
         if ref.shape != shape:
             raise FormatError(
                 f"{ref.origin}: tensor '{name}' has shape {list(ref.shape)}, expected {list(shape)} from the config"
-                f"{config.defaults_taken()}"
+                f"{config.defaults_taken(*_SHAPED_BY.get(name.rsplit('.', 2)[-2], ()))}"
             )

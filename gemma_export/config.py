@@ -129,7 +129,8 @@ class GemmaConfig:
         if not taken:
             return ""
         values = " and ".join(f"{f} {getattr(self, f)}" for f in taken)
-        return f" ({values} {'is' if len(taken) == 1 else 'are'} transformers' default: the config gives {'none' if len(taken) == 1 else 'neither'})"
+        gives = {1: "none", 2: "neither"}.get(len(taken), "none of them")
+        return f" ({values} {'is' if len(taken) == 1 else 'are'} transformers' default: the config gives {gives})"
 
     @staticmethod
     def default_eos_token_ids(vocab_size: int) -> tuple[int, ...]:

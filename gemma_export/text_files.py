@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -85,13 +86,15 @@ def broken_link(path: Path) -> str | None:
     look up for its length (ENAMETOOLONG) gets its reason too, ``"File name too long (a name of N
     bytes in it; this file system takes at most M)"``, where pathlib would raise its OSError from
     every later check."""
-    try:
-        if not Path(path).is_symlink():
+    try:  # os.lstat, not Path.is_symlink: from Python 3.13 that returns False on every OSError
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
             return None
     except OSError as exc:
-        if exc.errno != errno.ENAMETOOLONG:
-            raise
-        return os.strerror(errno.ENAMETOOLONG) + long_name_reason(os.fsdecode(path))
+        if exc.errno == errno.ENAMETOOLONG:
+            return os.strerror(errno.ENAMETOOLONG) + long_name_reason(os.fsdecode(path))
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP):  # what pathlib took as "no"
+            return None
+        raise
     try:
         os.stat(path)
     except OSError as exc:

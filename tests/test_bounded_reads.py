@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import shutil
 import signal
 from pathlib import Path
@@ -304,3 +305,30 @@ def test_reworded_keeps_the_toolkit_class_of_a_subclass_with_its_own_constructor
     again = reworded(FileRefused(tmp_path / "a.json", "too big"), "a.json: too big (--tokenizer)")
     assert type(again) is FormatError and str(again) == "a.json: too big (--tokenizer)"
     assert type(reworded(SourceNotFoundError("x"), "y")) is SourceNotFoundError
+
+
+def test_broken_link_reads_the_link_itself_and_lets_other_errors_through(tmp_path, monkeypatch):
+    """broken_link calls os.lstat itself: Path.is_symlink returns False on every OSError from Python
+    3.13, which would hide a name too long; an error that is neither "no such path" nor a name too
+    long (permissions) still reaches the caller, as pathlib raised it before."""
+    import errno
+    import os
+
+    from gemma_export.staging import max_name_bytes
+    from gemma_export.text_files import broken_link
+
+    limit = max_name_bytes(tmp_path)
+    assert broken_link(tmp_path / ("x" * (limit + 1))) == (
+        f"File name too long (a name of {limit + 1} bytes in it; this file system takes at most {limit})")
+    assert broken_link(tmp_path / "absent") is None and broken_link(tmp_path / "absent" / "below") is None
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert broken_link(tmp_path / "loop") == "a loop of symbolic links"
+    monkeypatch.setattr(pathlib.Path, "is_symlink", lambda self: False)  # Python 3.13's answer to any OSError
+    assert broken_link(tmp_path / ("x" * (limit + 1))).startswith("File name too long")
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(os, "lstat", denied)
+    with pytest.raises(PermissionError):
+        broken_link(tmp_path / "secret")

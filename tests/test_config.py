@@ -377,6 +377,29 @@ def test_an_error_a_default_leads_to_says_it_was_taken(tmp_path):
                                           r"expected \[128, 32\] from the config \(num_attention_heads 8 and "
                                           r"num_key_value_heads 4 are transformers' default: the config gives neither\)$"):
         read_hf_folder(tmp_path, tokenizer=False)
+    # each shape names only the defaults it depends on (a reviewer's finding: a q_proj error named vocab_size)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in tiny.items() if k != "vocab_size"}))
+    with pytest.raises(FormatError, match=r"tensor 'model.embed_tokens.weight' has shape \[128, 32\], expected "
+                                          r"\[262208, 32\] from the config \(vocab_size 262208 is transformers' default: "
+                                          r"the config gives none\)$"):
+        read_hf_folder(tmp_path, tokenizer=False)
+    (tmp_path / "config.json").write_text(json.dumps({**tiny, "vocab_size": 128, "num_attention_heads": 2,
+                                                      "num_key_value_heads": 1}))
+    weights[p + "self_attn.q_proj.weight"] = f((16, 32), np.float32)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(FormatError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \[16, 32\], "
+                                          r"expected \[32, 32\] from the config$"):  # the file's own head counts
+        read_hf_folder(tmp_path, tokenizer=False)
+    # an id beyond a defaulted vocabulary: the default named; with all three defaulted, the wording for three
+    text = {k: v for k, v in V4.items() if k not in ("vocab_size", "num_attention_heads", "num_key_value_heads")}
+    with pytest.raises(ConfigError, match=r"^c: eos_token_id 300000 is not below vocab_size 262208 \(vocab_size 262208 "
+                                          r"is transformers' default: the config gives none\)$"):
+        config_from_hf_dict({**text, "eos_token_id": 300000}, "c")
+    assert config_from_hf_dict(text, "c").defaults_taken() == (
+        " (vocab_size 262208 and num_attention_heads 8 and num_key_value_heads 4 are transformers' default: the "
+        "config gives none of them)")
+    assert config_from_hf_dict(text, "c").defaults_taken("num_key_value_heads") == (
+        " (num_key_value_heads 4 is transformers' default: the config gives none)")
 
 
 def test_a_rope_error_names_the_field_the_config_wrote():
