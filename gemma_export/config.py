@@ -428,6 +428,7 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     # checked against them, and an error they lead to says they were taken (GemmaConfig.defaults_taken)
     defaulted = tuple(k for k in ("vocab_size", "num_attention_heads", "num_key_value_heads") if k not in cfg)
     vocab_size = f.int("vocab_size", 262_208)
+
     def given(key: str, default):  # the top level's value (a multimodal config's), null or [] counting as none
         value = raw.get(key)
         return default if value is None or isinstance(value, list) and not value else value

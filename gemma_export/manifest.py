@@ -110,7 +110,8 @@ def _export_command_hint(folder: Path) -> str:
     dtype = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
     if dtype == folder.name or dtype not in DTYPES:
         return ""
-    out = "" if Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd() else f" --out {shlex.quote(str(folder))}"
+    here = Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd()
+    out = "" if here else f" --out {shlex.quote(str(folder))}"
     return f"; `gemma-export --dtype {dtype}{out}` writes it"
 
 
