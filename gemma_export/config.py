@@ -259,6 +259,12 @@ _CAPS = {
 }
 
 
+def _no_ids(value) -> bool:
+    """A token-id field that names none: absent, null or ``[]`` (transformers loads all three); a GGUF's
+    array value is no list and is judged by its ids."""
+    return value is None or isinstance(value, list) and not value
+
+
 class _Fields:
     """Typed access to a config mapping: every wrong type or range is a ConfigError naming the field."""
 
@@ -299,8 +305,7 @@ class _Fields:
     def token_ids(self, key: str, default: Any, below: int | None = None) -> tuple[int, ...]:
         """Token ids (one or a list) under ``key``; ``below``: the vocabulary rows they must index."""
         value = self.cfg.get(self.prefix + key)
-        # null or [] says none, as absent (transformers loads both); a GGUF's array value is no list
-        value = default if value is None or isinstance(value, list) and not value else value
+        value = default if _no_ids(value) else value
         values = value if isinstance(value, (list, tuple)) else [value]
         if not values or not all(is_whole_number(v) and v >= 0 for v in values):
             raise ConfigError(f"{self.where}: field '{self.prefix + key}' must be token ids, found {shown(value)}")
@@ -429,9 +434,8 @@ def config_from_hf_dict(raw: Mapping[str, Any], where: str) -> GemmaConfig:
     defaulted = tuple(k for k in ("vocab_size", "num_attention_heads", "num_key_value_heads") if k not in cfg)
     vocab_size = f.int("vocab_size", 262_208)
 
-    def given(key: str, default):  # the top level's value (a multimodal config's), null or [] counting as none
-        value = raw.get(key)
-        return default if value is None or isinstance(value, list) and not value else value
+    def given(key: str, default):  # the top level's value (a multimodal config's), or the default
+        return default if _no_ids(raw.get(key)) else raw[key]
 
     # Gemma's stop ids where the config names none, those the vocabulary holds (a default is not named
     # as the file's own in an error)

@@ -19,7 +19,7 @@ from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
-from .staging import leftovers, listed_files, written_by_gemma_export
+from .staging import leftovers, listed_files, nothing_listed
 from .text_files import SMALL_FILE_BYTES, FileRefused, broken_link, non_regular, read_bounded
 
 
@@ -170,7 +170,7 @@ def check_listed_files(manifest: dict, model_dir: Path) -> None:
             otherwise pass this check unseen.
         OSError: a listed file cannot be opened for reading (permissions, I/O error).
     """
-    if "files" not in manifest and not written_by_gemma_export(manifest):  # another tool's manifest
+    if nothing_listed(manifest):  # another tool's manifest
         return
     try:
         files = listed_files(manifest.get("files"), model_dir / MANIFEST_FILE, nested=False)

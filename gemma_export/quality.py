@@ -358,6 +358,34 @@ def require_transformers(hint: str = "") -> None:
         raise GemmaExportError(f"{TRANSFORMERS_MISSING}; not installed: {', '.join(missing)}{hint}")
 
 
+def _transformers_fields(c) -> dict:
+    """A :class:`~gemma_export.config.GemmaConfig` as transformers' ``Gemma3TextConfig`` keyword
+    arguments: the reference's config (:func:`transformers_model`), and what
+    :func:`config_differences` compares with transformers' own reading."""
+    return {
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+        "query_pre_attn_scalar": c.query_pre_attn_scalar, "sliding_window": c.sliding_window,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "layer_types": list(c.layer_types),
+        "rope_parameters": {kind: {"rope_type": r.rope_type, "rope_theta": r.rope_theta,
+                                   **({"factor": r.factor} if r.rope_type == "linear" else {})}
+                            for kind, r in c.rope_parameters.items()},
+        "final_logit_softcapping": c.final_logit_softcapping, "attn_logit_softcapping": c.attn_logit_softcapping,
+    }
+
+
+#: fields of :func:`_transformers_fields` that do not decide the logits: the position limit (a length
+#: check), and attention soft-capping (transformers' Gemma3Attention never applies it)
+_NOT_IN_LOGITS = ("max_position_embeddings", "attn_logit_softcapping")
+
+
+def _inv_freq_terms(entry: dict) -> tuple:
+    """``(rope_theta, linear factor)`` of a ``rope_parameters`` entry: what decides its ``inv_freq``."""
+    return entry.get("rope_theta"), entry.get("factor", 1.0) if entry.get("rope_type") == "linear" else 1.0
+
+
 def transformers_model(source):
     """transformers' ``Gemma3ForCausalLM`` (fp32, eager attention) holding a checkpoint's weights:
     the independent reference.
@@ -386,16 +414,8 @@ def transformers_model(source):
         raise GemmaExportError(f"query_pre_attn_scalar {c.query_pre_attn_scalar:g}: transformers' Gemma3TextConfig "
                                "takes a whole number, so it cannot be the reference for this model")
     config = transformers.Gemma3TextConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        query_pre_attn_scalar=int(c.query_pre_attn_scalar), sliding_window=c.sliding_window,
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        layer_types=list(c.layer_types), attn_implementation="eager",
-        rope_parameters={kind: {"rope_type": r.rope_type, "rope_theta": r.rope_theta,
-                                **({"factor": r.factor} if r.rope_type == "linear" else {})}
-                         for kind, r in c.rope_parameters.items()},
-        final_logit_softcapping=c.final_logit_softcapping, attn_logit_softcapping=c.attn_logit_softcapping,
+        **{**_transformers_fields(c), "query_pre_attn_scalar": int(c.query_pre_attn_scalar)},
+        attn_implementation="eager",
         # transformers ties by default: an untied source's lm_head would overwrite its table (or the reverse)
         tie_word_embeddings=source.tied)
     model = transformers.Gemma3ForCausalLM(config).eval()
@@ -432,26 +452,18 @@ def config_differences(source) -> list[str]:
         theirs = transformers.AutoConfig.from_pretrained(source.path, local_files_only=True).get_text_config()
     except Exception:  # noqa: BLE001 - a reading transformers refuses is reported by the reference itself
         return []
-    c = source.config
-    ours = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-            "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
-            "query_pre_attn_scalar": c.query_pre_attn_scalar, "sliding_window": c.sliding_window,
-            "rms_norm_eps": c.rms_norm_eps, "layer_types": list(c.layer_types),
-            "final_logit_softcapping": c.final_logit_softcapping}
-    for kind, rope in c.rope_parameters.items():  # (rope_theta, linear factor): what decides inv_freq
-        ours[f"rope_parameters.{kind}"] = (rope.rope_theta, rope.factor if rope.rope_type == "linear" else 1.0)
-    rope_theirs = getattr(theirs, "rope_parameters", None) or {}
+    fields = {k: v for k, v in _transformers_fields(source.config).items() if k not in _NOT_IN_LOGITS}
+    rope_ours, rope_theirs = fields.pop("rope_parameters"), getattr(theirs, "rope_parameters", None) or {}
+    pairs = {}  # field → (ours, theirs)
+    for name, value in fields.items():
+        other = getattr(theirs, name, None)
+        pairs[name] = (value, list(other) if isinstance(other, (list, tuple)) else other)
+    for kind, entry in rope_ours.items():
+        pairs[f"rope_parameters.{kind} (rope_theta, linear factor)"] = (
+            _inv_freq_terms(entry), _inv_freq_terms(rope_theirs.get(kind) or {}))
     lines = []
-    for name, value in ours.items():
-        if name.startswith("rope_parameters."):
-            entry = rope_theirs.get(name.split(".", 1)[1]) or {}
-            other = (entry.get("rope_theta"), entry.get("factor", 1.0) if entry.get("rope_type") == "linear" else 1.0)
-        else:
-            other = getattr(theirs, name, None)
-            other = list(other) if isinstance(other, (list, tuple)) else other
+    for field, (value, other) in pairs.items():
         if other != value:
-            field = f"{name} (rope_theta, linear factor)" if name.startswith("rope_parameters.") else name
             lines.append(f"note: transformers {transformers.__version__} reads {source.path / 'config.json'} "
                          f"otherwise: {field} is {other!r} there, {value!r} here; the reference follows this "
                          "toolkit's reading, so parity with it does not cover that field")

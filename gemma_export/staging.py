@@ -609,6 +609,13 @@ def written_by_gemma_export(listing, marker: str = MANIFEST_FILE) -> bool:
     return isinstance(tool, dict) and "gemma-export" in tool
 
 
+def nothing_listed(manifest) -> bool:
+    """Whether a parsed ``manifest.json`` has no ``files`` listing to check because another tool wrote
+    it; one of gemma-export without the listing is damaged (every export of it lists its files), and
+    the checks go on to refuse it."""
+    return "files" not in manifest and not written_by_gemma_export(manifest)
+
+
 def enclosing_output(path: Path) -> Path | None:
     """The nearest folder above ``path`` that is an output of this toolkit (it holds a
     :data:`OUTPUT_MARKERS` file that is a JSON object with a ``files`` map, written by this toolkit:

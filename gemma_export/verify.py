@@ -22,7 +22,7 @@ from .prepack import check_no_leftovers as check_no_prepack_leftovers
 from .prepack import owned_problem as prepack_owned_problem
 from .prepack import unreadable_or
 from .runtime import check_decoder_contract, create_session, genai_model_config, max_positions, sliding_layers_from
-from .staging import check_listed_file, listed_files, written_by_gemma_export
+from .staging import check_listed_file, listed_files, nothing_listed
 from .text_files import non_regular
 from .tokenizer import read_tokenizer_json
 
@@ -227,7 +227,7 @@ def check_export_checksums(folder: Path) -> bool:
         manifest = read_manifest(folder)
     except FormatError as exc:
         raise VerificationError(str(exc)) from None
-    if "files" not in manifest and not written_by_gemma_export(manifest):
+    if nothing_listed(manifest):
         return False
     check_listed_files_against(folder, listed_files(manifest.get("files"), folder / MANIFEST_FILE, nested=False))
     return True

@@ -69,16 +69,16 @@ def graph_changed(folder: Path) -> str | None:
     this folder's data file, and a script scored that without a word. The data file is checked by
     size when the runtime loads it; ``gemma-export verify`` compares every byte. A manifest
     without a ``files`` listing has nothing to compare when another tool wrote it; one of
-    gemma-export without it is damaged (``gemma_export.staging.written_by_gemma_export``).
+    gemma-export without it is damaged (``gemma_export.staging.nothing_listed``).
     """
     from gemma_export.errors import GemmaExportError
     from gemma_export.manifest import read_manifest
     from gemma_export.onnx_files import MANIFEST_FILE, MODEL_FILE
-    from gemma_export.staging import check_listed_file, listed_files, written_by_gemma_export
+    from gemma_export.staging import check_listed_file, listed_files, nothing_listed
 
     try:
         manifest = read_manifest(folder)
-        if "files" not in manifest and not written_by_gemma_export(manifest):
+        if nothing_listed(manifest):
             return None
         entry = listed_files(manifest.get("files"), folder / MANIFEST_FILE, nested=False).get(MODEL_FILE)
         if entry is not None:
