@@ -55,6 +55,44 @@ QUANTIZED_DTYPES = ("int8", "int4")
 TABLE_BITS = {"int4": 4, "int8": 8}
 TABLE_DTYPES = tuple(TABLE_BITS)
 
+
+def export_variant(dtype: str, *, table_dtype: str | None = None, activation_residual: bool = False,
+                   all_logits: bool = False, debug_outputs: bool = False) -> str:
+    """The part of an export's default folder name after ``-onnx-``: the dtype, then ``-table-int8``
+    (int4 with an int8 table), ``-activation-residual``, ``-all-logits`` and ``-debug-outputs`` for
+    the options that change the graph, so that such an export does not replace the plain one
+    (``gemma-3-270m-onnx-int4-table-int8``).
+
+    Args:
+        dtype: one of :data:`DTYPES`; the flags are the export's options of the same names.
+
+    Returns:
+        e.g. ``"int8"``, ``"int4-table-int8-all-logits"``. The combination is not checked here
+        (:func:`~gemma_export.exporter.export` refuses the invalid ones first).
+    """
+    name = f"{dtype}-table-int8" if dtype == "int4" and table_dtype == "int8" else dtype
+    return name + "-activation-residual" * activation_residual + "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
+
+
+def variant_options(variant: str) -> list[str] | None:
+    """The main command's options whose default folder ends in ``-onnx-{variant}``
+    (:func:`export_variant` inverted over the combinations ``export`` accepts), or None when no
+    export is named so.
+
+    Example: ``"int4-table-int8"`` -> ``["--dtype", "int4", "--table-dtype", "int8"]``.
+    """
+    for dtype in DTYPES:
+        for table in (None, "int8") if dtype == "int4" else (None,):
+            for residual in (False, True) if dtype == "int8" else (False,):
+                for all_logits in (False, True):
+                    for debug in (False, True):
+                        if export_variant(dtype, table_dtype=table, activation_residual=residual,
+                                          all_logits=all_logits, debug_outputs=debug) == variant:
+                            flags = [("--table-dtype", "int8")] * (table is not None) + [("--activation-residual",)] * residual
+                            flags += [("--all-logits",)] * all_logits + [("--debug-outputs",)] * debug
+                            return ["--dtype", dtype] + [part for flag in flags for part in flag]
+    return None
+
 #: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which
 #: also stops generation; used where a source does not name them
 PAD_TOKEN_ID, EOS_TOKEN_ID, BOS_TOKEN_ID, UNK_TOKEN_ID, END_OF_TURN_TOKEN_ID = 0, 1, 2, 3, 106

@@ -23,7 +23,7 @@ from .builder import build_model
 from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN_CALIBRATION_TOKENS, Calibration, collect
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
-from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES
+from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES, export_variant
 from .errors import (ConfigError, FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError,
                      check_arguments, printable_path, reworded)
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
@@ -488,11 +488,11 @@ def export(
             named = own / "tokenizer.json" if is_folder else f"{ckpt.path}'s tokenizer"
             if (wrong := _bos_mismatch(ckpt.tokenizer.parsed(own), ckpt.config, named)) is not None:
                 status(f"note: {wrong}; calibration, generate and the board's prompts get these ids")
-    # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4 one
-    name = f"{dtype}-table-int8" if dtype == Int4Format.name and table_dtype == "int8" else dtype
-    # so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one,
-    # and the activation residual's graph, which a user compares with the plain int8 one
-    name += "-activation-residual" * activation_residual + "-all-logits" * all_logits + "-debug-outputs" * debug_outputs
+    # an int4 export with an int8 table gets its own default folder, so that it does not replace the plain int4
+    # one; so do the graphs with extra outputs, which `generate` and `bench` do not take as the plain one, and
+    # the activation residual's graph, which a user compares with the plain int8 one
+    name = export_variant(dtype, table_dtype=table_dtype, activation_residual=activation_residual,
+                          all_logits=all_logits, debug_outputs=debug_outputs)
     # the default folder is named after the model exported: a checkpoint given opened, its own source
     named = ckpt.path if checkpoint is not None and source is None else source
     out = Path(out_dir) if out_dir is not None else Path.cwd() / default_output_name(named, name)

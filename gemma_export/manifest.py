@@ -15,7 +15,7 @@ import os
 import shlex
 from pathlib import Path
 
-from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING
+from .config import DTYPES, FULL, QUANTIZED_DTYPES, SLIDING, variant_options
 from .errors import FormatError, GemmaExportError, SourceNotFoundError, VerificationError, check_utf8_path, is_whole_number, shown
 from .onnx_files import (BUNDLE_MANIFEST, BUNDLE_MODEL_DIR, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PREPACKED_MANIFEST,
                          graph_dtype, graph_quantization, logits_dims, logits_vocab, traced_initializer)
@@ -103,16 +103,17 @@ def check_readable_folder(folder: str | Path) -> None:
 
 def _export_command_hint(folder: Path) -> str:
     """For a missing folder named as the main command names the bundled model's export
-    (``gemma-3-270m-onnx-int4``), the command that writes it; otherwise nothing (a typo of another
-    name is not told to export)."""
+    (``gemma-3-270m-onnx-int4``, ``gemma-3-270m-onnx-int4-table-int8``), the command that writes it;
+    otherwise nothing (a typo of another name is not told to export)."""
     from .sources import BUNDLED_NAME  # only here: the board's commands do not import the sources' readers
 
-    dtype = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
-    if dtype == folder.name or dtype not in DTYPES:
+    variant = folder.name.removeprefix(f"{BUNDLED_NAME}-onnx-")
+    options = None if variant == folder.name else variant_options(variant)
+    if options is None:
         return ""
     here = Path(folder).parent == Path(".") or Path(folder).parent.resolve() == Path.cwd()
     out = "" if here else f" --out {shlex.quote(str(folder))}"
-    return f"; `gemma-export --dtype {dtype}{out}` writes it"
+    return f"; `gemma-export {' '.join(options)}{out}` writes it"
 
 
 def require_folder(folder: Path, holding: str) -> None:

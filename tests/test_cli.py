@@ -308,7 +308,14 @@ def test_missing_default_export_names_its_command(tmp_path, monkeypatch):
     elsewhere = tmp_path / "sub dir" / "gemma-3-270m-onnx-bf16"  # quoted, so that the command can be pasted
     result = _run("bench", "--model", elsewhere)
     assert result.exit_code == 2 and f"`gemma-export --dtype bf16 --out '{elsewhere}'` writes it" in result.stderr
-    for name in ("gemma-3-270m-onnx-int9", "other-onnx-int8"):  # no such dtype; another source's name
+    for variant, options in (("int4-table-int8", "--dtype int4 --table-dtype int8"),  # the other default names
+                             ("int8-activation-residual-all-logits", "--dtype int8 --activation-residual --all-logits"),
+                             ("fp32-debug-outputs", "--dtype fp32 --debug-outputs")):
+        result = _run("verify", f"gemma-3-270m-onnx-{variant}")
+        assert result.exit_code == 2 and result.stderr.strip().endswith(f"; `gemma-export {options}` writes it")
+    for name in ("gemma-3-270m-onnx-int9", "other-onnx-int8",  # no such dtype; another source's name
+                 "gemma-3-270m-onnx-int8-table-int8", "gemma-3-270m-onnx-bf16-activation-residual",  # options export refuses
+                 "gemma-3-270m-onnx-int8-all-logits-activation-residual"):  # not the order the name is built in
         result = _run("verify", name)
         assert result.exit_code == 2 and "no such export folder" in result.stderr and "writes it" not in result.stderr
 
