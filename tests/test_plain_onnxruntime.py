@@ -101,7 +101,8 @@ def test_main_writes_a_golden_entry_that_parity_passes(tiny_int8_export, tmp_pat
     assert plain.main(["--model", str(tiny_int8_export), "--prompt", PROMPT, "--max-new-tokens", "30",
                        "--chunk", "16", "--json", str(golden)]) == 0
     record = json.loads(golden.read_text())
-    assert sorted(record) == ["expected_ids", "prefill_chunk", "prompt_ids"] and record["prefill_chunk"] == 16
+    assert sorted(record) == ["expected_ids", "prefill_chunk", "prompt", "prompt_ids"] and record["prefill_chunk"] == 16
+    assert record["prompt"] == PROMPT  # a fresh user: parity named the entry by its ids alone
     decoder = OnnxDecoder(tiny_int8_export, threads=1, prepacked=False)
     assert record["expected_ids"] == decoder.greedy(record["prompt_ids"], 30, prefill_chunk=16)[0]
     checked = CliRunner().invoke(app, ["parity", "--model", str(tiny_int8_export), "--golden", str(golden)])

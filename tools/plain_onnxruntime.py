@@ -19,7 +19,7 @@ Two ways to carry the KV cache (``--mode``):
   different token at a near-tie).
 
 Prints the text (prompt and continuation); with ``--json FILE`` it also writes the ids as a golden
-entry ``{"prompt_ids", "expected_ids", "prefill_chunk"}`` (three of the keys ``gemma-export generate
+entry ``{"prompt", "prompt_ids", "expected_ids", "prefill_chunk"}`` (four of the keys ``gemma-export generate
 --json`` writes, all that ``gemma-export parity --model DIR --golden FILE`` needs to check them
 against the toolkit); with ``--json -`` it prints that entry instead of the text.
 One prompt at a time (batch 1). Needs only ``onnxruntime``, ``tokenizers`` and ``numpy``.
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime intra-op threads (1 to 4 x the CPUs; default: one per core)")
     parser.add_argument("--prepacked", action="store_true",
                         help="load prepacked/model.onnx, the copy `gemma-export prepack` made on this machine")
-    parser.add_argument("--json", help="write the ids as a golden entry ({prompt_ids, expected_ids, prefill_chunk}, "
+    parser.add_argument("--json", help="write the ids as a golden entry ({prompt, prompt_ids, expected_ids, prefill_chunk}, "
                         "for `gemma-export parity --golden`) to this new or earlier-written file ('-': print it instead of "
                         "the text)")
     args = parser.parse_args(argv)
@@ -421,7 +421,9 @@ def main(argv: list[str] | None = None) -> int:
                                            f"{positions} positions, more than the model's max_position_embeddings "
                                            f"{model.max_positions}"))
     new_ids = generate(model, prompt_ids, args.max_new_tokens, args.mode, args.chunk)
-    record = json.dumps({"prompt_ids": prompt_ids, "expected_ids": new_ids, "prefill_chunk": args.chunk})
+    # the prompt's text too, as `generate --json` writes it: `parity` names a failing entry by it
+    record = json.dumps({"prompt": prompt, "prompt_ids": prompt_ids, "expected_ids": new_ids,
+                         "prefill_chunk": args.chunk})
     if args.json and args.json != "-":
         try:
             Path(args.json).write_text(record + "\n")
