@@ -49,7 +49,7 @@ from quant.scales import SCALE_DTYPES, SCALE_METHODS
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .console import StreamClosed, StreamError, interrupt_exit_status, interrupts_raised
-from .errors import ConfigError, GemmaExportError, OutputWritten, os_error_line
+from .errors import OUT_OF_MEMORY, ConfigError, GemmaExportError, OutputWritten, is_out_of_memory, os_error_line, shown_error
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
 BENCH_BOARD_HELP = "; ".join(
@@ -236,11 +236,14 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             if debug:
                 raise
             _fail(GemmaExportError(os_error_line(exc)), debug)
-        except MemoryError:  # an input too large for this machine, read past every check: one line, not a traceback
+        except MemoryError:  # one line, not a traceback
             if debug:
                 raise
-            _fail(GemmaExportError("out of memory (Python's MemoryError); an input is larger than this machine can "
-                                   "hold: rerun with --debug to see which step ran out"), debug)
+            _fail(GemmaExportError(OUT_OF_MEMORY), debug)
+        except Exception as exc:  # onnxruntime's std::bad_alloc in a step, as its own exception type
+            if debug or not is_out_of_memory(exc):
+                raise
+            _fail(GemmaExportError(f"{OUT_OF_MEMORY} ({shown_error(exc)})"), debug)
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
@@ -618,7 +621,13 @@ def _note_changed_files(model: Path) -> None:
     command ran, but not with the files exported (a tokenizer changed moves every figure)."""
     from .manifest import resized_files
 
-    if changed := resized_files(model):
+    try:
+        changed = resized_files(model)
+    except (OSError, MemoryError, GemmaExportError) as exc:  # after the command's work: a note, not its failure
+        reason = OUT_OF_MEMORY.split(":")[0] if isinstance(exc, MemoryError) else shown_error(exc)
+        typer.echo(f"note: {model}'s files were not compared with its manifest.json ({reason})", err=True)
+        return
+    if changed:
         typer.echo(f"note: {', '.join(changed)} in {model} changed after the export (sizes differ from its "
                    f"manifest.json); gemma-export verify --model {model} checks every file", err=True)
 

@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Iterator
 
-from .errors import GemmaExportError
+from .errors import OUT_OF_MEMORY, GemmaExportError, is_out_of_memory, shown_error
 
 #: exit status when the reader of standard output or error has gone (128 + SIGPIPE), as for a shell tool
 PIPE_CLOSED_EXIT = 128 + 13
@@ -181,6 +181,13 @@ def main() -> None:
         raise SystemExit(interrupt_exit_status(exc)) from None
     except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None
+    except Exception as exc:  # out of memory outside a command's body (importing a library, a note after the work)
+        if "--debug" in sys.argv[1:] or not is_out_of_memory(exc):
+            raise
+        with contextlib.suppress(GemmaExportError):
+            sys.stderr.write(f"error: {OUT_OF_MEMORY}" + ("" if isinstance(exc, MemoryError) else f" ({shown_error(exc)})") + "\n")
+            sys.stderr.flush()
+        raise SystemExit(2) from None
     except StreamError as exc:  # raised outside a command's body (e.g. --version, verify's result line)
         try:
             sys.stderr.write(f"error: {exc}\n")

@@ -178,6 +178,28 @@ def reworded(exc: "GemmaExportError", message: str) -> "GemmaExportError":
     return kind(message)
 
 
+#: the one line for Python's MemoryError (or onnxruntime's std::bad_alloc) that reaches the command
+#: line: the memory a step asked for was not there, whether the machine's or a limit on the process
+OUT_OF_MEMORY = ("out of memory (Python's MemoryError): a step needed more memory than this machine, or a limit on "
+                 "this process (ulimit -v), gives; rerun with --debug to see which step ran out")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says the memory asked for was not there: Python's MemoryError, onnxruntime's
+    ``std::bad_alloc``, or a shared library that could not be mapped while importing (``failed to
+    map segment from shared object``, ``cannot allocate memory``)."""
+    if isinstance(exc, MemoryError):
+        return True
+    text = str(exc).lower()
+    return any(sign in text for sign in ("bad_alloc", "failed to map segment", "cannot allocate memory"))
+
+
+def shown_error(exc: BaseException, limit: int = 200) -> str:
+    """:func:`first_line` of ``exc``, cut to ``limit`` characters: a library's message quoted inside one of ours."""
+    line = first_line(exc)
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (onnxruntime's run a page long), or its type's name when
     it has none."""

@@ -31,7 +31,8 @@ import numpy as np
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, ResourceError,
-                     SourceNotFoundError, check_arguments, first_line, is_whole_number, shown, shown_folder)
+                     SourceNotFoundError, check_arguments, first_line, is_out_of_memory, is_whole_number, shown, shown_error,
+                     shown_folder)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_against_model,
                        check_manifest_fields, graph_table_rows, is_prepacked_copy, is_token_ids, manifest_figure,
                        read_manifest, require_folder)
@@ -1091,6 +1092,9 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         first = text.splitlines()[0] if text else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
+        if is_out_of_memory(exc):  # not a damaged model: "onnxruntime cannot load the model: std::bad_alloc" read as one
+            raise ResourceError(f"{path}: onnxruntime ran out of memory loading it ({shown_error(exc)}): the model needs "
+                                "more memory than this machine, or a limit on this process (ulimit -v), gives") from None
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first_line(exc)}") from None
     for arg in (*session.get_inputs(), *session.get_outputs()):
         try:

@@ -844,7 +844,7 @@ def staged_folder(out_dir: Path, what: str, checked_state=AT_START,
             remove_created()
 
         # asked before the removal, which gives the staging folder's inodes back
-        no_inodes = isinstance(exc, OSError) and _out_of_inodes(exc, out_dir.parent)
+        no_inodes = isinstance(exc, OSError) and out_of_inodes(exc, out_dir.parent)
         _despite_interrupts(remove)
         if isinstance(exc, OSError) and not _names_an_input(exc, out_dir):
             reason = _describe(exc, out_dir.parent, no_inodes)
@@ -897,7 +897,7 @@ def _nearest_folder(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.is_dir()), None)
 
 
-def _out_of_inodes(exc: OSError, folder: Path) -> bool:
+def out_of_inodes(exc: OSError, folder: Path) -> bool:
     """Whether ``exc`` is ENOSPC on a file system that counts inodes and has none left for
     ``folder`` (or its nearest existing parent); f_files 0 is one that counts none (btrfs)."""
     if exc.errno != errno.ENOSPC:
@@ -913,7 +913,7 @@ def _out_of_inodes(exc: OSError, folder: Path) -> bool:
 def _describe(exc: OSError, folder: Path, no_inodes: bool = False) -> str:
     """The reason of a failed write; for a full disk or a size limit, with the free space left on that
     file system (other reasons, e.g. a folder that refuses changes, say nothing of space);
-    ``no_inodes`` (:func:`_out_of_inodes`, asked before the partial output was removed): says that
+    ``no_inodes`` (:func:`out_of_inodes`, asked before the partial output was removed): says that
     the file system ran out of inodes instead."""
     reason = exc.strerror or str(exc)
     # ENOSPC / EFBIG / EDQUOT from the OS, or a short write reported without an errno (numpy's
@@ -923,7 +923,8 @@ def _describe(exc: OSError, folder: Path, no_inodes: bool = False) -> str:
         return reason + ": the file system has no free inodes left (`df -i` shows them), whatever space it has"
     if short or exc.errno in _NO_ROOM:
         existing = _nearest_folder(folder)
-        reason += ": the disk is full or a file-size limit was reached"
+        # "or its inodes": a library that removed its own partial file before this was asked gave them back
+        reason += ": the disk (or its inodes) is full, or a file-size limit was reached"
         with contextlib.suppress(OSError, TypeError):
             # asked after the partial output was deleted, so that "disk full" beside the free space it
             # reports does not read as a contradiction

@@ -51,8 +51,17 @@ def read_bounded(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES)
     if (kind := non_regular(p)) is not None:
         raise FileRefused(p, f"is {kind}; expected {what}")
     with open(p, "rb") as f:  # the size read from the open file: no window for a swap in between
-        check_size(p, os.fstat(f.fileno()).st_size, what, max_bytes)
-        data = f.read(max_bytes + 1)
+        size = os.fstat(f.fileno()).st_size
+        check_size(p, size, what, max_bytes)
+        # read(n) allocates n bytes first: the file's own size, not the limit (a 1 GiB buffer for a
+        # 2 kB tokenizer.json was a MemoryError under a 1 GB address-space limit), then in steps
+        # while it grows, up to one byte past the limit
+        parts = [f.read(size + 1)]
+        received = len(parts[0])
+        while received > size and received <= max_bytes and (more := f.read(min(1 << 20, max_bytes + 1 - received))):
+            parts.append(more)
+            received += len(more)
+        data = b"".join(parts) if len(parts) > 1 else parts[0]
     if len(data) > max_bytes:  # it grew while being read
         raise FileRefused(p, f"more than {max_bytes:,} bytes; expected {what} of at most {max_bytes:,}")
     return data

@@ -4,6 +4,7 @@ an export leaves no partial output and an existing output folder byte-for-byte u
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hashlib
 import json
@@ -125,13 +126,13 @@ def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {out}: writing the export failed ("), line
-    assert "the disk is full or a file-size limit was reached" in line and "bytes free there once the partial output was removed" in line
+    assert "the disk (or its inodes) is full, or a file-size limit was reached" in line and "bytes free there once the partial output was removed" in line
     assert "existing folder is unchanged" in line and "Traceback" not in result.output
     assert _tree(small_disk) == before  # the old export intact, no staging folder left
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
 
 
-def test_a_file_system_out_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkeypatch):
+def test_a_file_systemout_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkeypatch):
     """A helper's tmpfs out of inodes: "the disk is full or a file-size limit was reached" beside
     629 MB free. With inodes counted and none left the reason says so (asked before the partial
     output is removed, which gives inodes back); a file system that counts none (btrfs: f_files 0)
@@ -145,12 +146,12 @@ def test_a_file_system_out_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkey
     for files, favail, expected in ((5, 0, True), (0, 0, False), (5, 1, False)):
         monkeypatch.setattr(staging.os, "statvfs", lambda _path, f=files, a=favail: type(
             "Statvfs", (), {**fields, "f_files": f, "f_favail": a})())
-        assert staging._out_of_inodes(full, tmp_path) is expected
+        assert staging.out_of_inodes(full, tmp_path) is expected
     monkeypatch.undo()
     assert staging._describe(full, tmp_path, no_inodes=True) == (
         "No space left on device: the file system has no free inodes left (`df -i` shows them), whatever space it has")
-    assert staging._describe(full, tmp_path).startswith("No space left on device: the disk is full or a file-size limit "
-                                                        "was reached; ")
+    assert staging._describe(full, tmp_path).startswith("No space left on device: the disk (or its inodes) is full, or a "
+                                                        "file-size limit was reached; ")
     if not _can_mount():
         return
     # a real one: 4 inodes, the root folder taking one, an export needing six
@@ -182,7 +183,7 @@ def test_file_size_limit_in_a_fresh_process(tiny_dir, tmp_path):
     done = subprocess.run([sys.executable, "-c", script, "--source", str(tiny_dir), "--out", str(out), "--dtype", "fp32"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "writing the export failed (" in done.stderr and "the disk is full or a file-size limit was reached" in done.stderr
+    assert "writing the export failed (" in done.stderr and "the disk (or its inodes) is full, or a file-size limit was reached" in done.stderr
     assert "); nothing was written\n" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "deep").exists()  # the parents this run created are gone too
@@ -513,7 +514,7 @@ def test_a_source_that_fails_while_the_export_is_written_is_named_as_the_source(
     monkeypatch.setattr(exporter, "verify_folder", full)
     result = _export(tiny_dir, out, "fp32")
     assert result.exit_code == 2
-    assert "writing the export failed (No space left on device: the disk is full" in result.stderr
+    assert "writing the export failed (No space left on device: the disk (or its inodes) is full" in result.stderr
     assert _tree(tmp_path) == before
 
 
@@ -1251,3 +1252,34 @@ def test_hidden_names_fit_a_file_system_that_takes_shorter_names(tmp_path, monke
     prefix = hidden_prefix(tmp_path / name)
     assert len((prefix + "staging-abcd1234").encode()) <= 143 and prefix.startswith(".n") and "~" in prefix
     assert hidden_prefix(tmp_path / ("n" * 100)) == f".{'n' * 100}."  # short enough: unchanged
+
+
+def test_a_prepack_out_of_inodes_says_so(tiny_int8_export, tmp_path, monkeypatch):
+    """A helper's tmpfs with 8 inodes: prepack said "onnxruntime could not write the pre-packed copy
+    (SystemError : 28)", naming neither the disk nor its inodes. With inodes counted and none left
+    it says so, and the export is left as it was."""
+    from gemma_export import prepack as prepack_module
+    from gemma_export.errors import FormatError
+
+    export = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, export)
+    before = _tree(export)
+
+    import gemma_export.runtime as runtime
+
+    real = runtime.create_session
+
+    def cannot_write(path, threads=None, optimized_model_path=None, *args, **kwargs):
+        if optimized_model_path is None:  # the export's own session
+            return real(path, threads, optimized_model_path, *args, **kwargs)
+        raise FormatError(f"{path}: onnxruntime cannot load the model: SystemError : 28")
+    monkeypatch.setattr(runtime, "create_session", cannot_write)  # prepack imports it when it runs
+    monkeypatch.setattr(prepack_module, "out_of_inodes", lambda exc, folder: exc.errno == errno.ENOSPC and folder.exists())
+    with pytest.raises(OutputError) as raised:
+        prepack_module.prepack(export)
+    assert str(raised.value) == (f"{export / 'prepacked'}: onnxruntime could not write the pre-packed copy: the file "
+                                 "system has no free inodes left (`df -i` shows them); free some; nothing was written")
+    assert _tree(export) == before
+    monkeypatch.setattr(prepack_module, "out_of_inodes", lambda exc, folder: False)  # the other reasons as before
+    with pytest.raises(OutputError, match=r"could not write the pre-packed copy \(SystemError : 28\); nothing was written$"):
+        prepack_module.prepack(export)

@@ -10,6 +10,9 @@ import os
 import pathlib
 import shutil
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -232,8 +235,9 @@ def test_running_out_of_memory_is_one_line(export_copy, monkeypatch):
     monkeypatch.setattr(inspect_module, "inspect_path", exhausted)
     result = _run("inspect", export_copy)
     assert result.exit_code != 0 and "Traceback" not in result.output
-    assert result.output.strip() == ("error: out of memory (Python's MemoryError); an input is larger than this "
-                                     "machine can hold: rerun with --debug to see which step ran out")
+    assert result.output.strip() == ("error: out of memory (Python's MemoryError): a step needed more memory than "
+                                     "this machine, or a limit on this process (ulimit -v), gives; rerun with --debug "
+                                     "to see which step ran out")
     assert isinstance(_run("inspect", export_copy, "--debug").exception, MemoryError)  # --debug: the real one
     assert json.loads((export_copy / "manifest.json").read_text())["files"]  # the input is untouched
 
@@ -332,3 +336,105 @@ def test_broken_link_reads_the_link_itself_and_lets_other_errors_through(tmp_pat
     monkeypatch.setattr(os, "lstat", denied)
     with pytest.raises(PermissionError):
         broken_link(tmp_path / "secret")
+
+
+def test_read_bounded_allocates_the_file_not_the_limit(tmp_path):
+    """A helper under `ulimit -v 1000000`: every export failed with "out of memory", as reading a
+    1,775-byte tokenizer.json allocated its 1 GiB limit first (read(n) reserves n bytes). Under an
+    address-space limit 256 MiB above the process's size, a small file is read with a 1 GiB limit."""
+    small = tmp_path / "tokenizer.json"
+    small.write_text('{"model": {}}')
+    script = textwrap.dedent(f"""
+        import resource
+        from gemma_export.text_files import read_bounded
+        size = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        print(read_bounded({str(small)!r}, "a tokenizer", 1 << 30).decode())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == '{"model": {}}', done.stderr[-500:]
+
+
+def test_read_bounded_reads_past_a_stale_size_up_to_the_limit(tmp_path, monkeypatch):
+    """The size from fstat sizes the first read; a file longer than that (it grew) is read on, in
+    steps, whole when it stays within the limit and refused once it passes it."""
+    import gemma_export.text_files as text_files
+
+    data = bytes(range(256)) * 12_000  # 3,072,000 bytes: three steps of 1 MiB past the stale size
+    grown = tmp_path / "grown.json"
+    grown.write_bytes(data)
+    real_fstat = os.fstat
+    monkeypatch.setattr(text_files.os, "fstat", lambda fd: os.stat_result((*real_fstat(fd)[:6], 10, *real_fstat(fd)[7:])))
+    assert read_bounded(grown, "a manifest", 4_000_000) == data
+    with pytest.raises(FormatError, match=r"grown.json: more than 3,000,000 bytes; expected a manifest of at most 3,000,000$"):
+        read_bounded(grown, "a manifest", 3_000_000)
+
+
+def test_onnxruntime_out_of_memory_is_named_as_such(export_copy, monkeypatch):
+    """A helper under `ulimit -v`: onnxruntime's std::bad_alloc at load read "model.onnx: onnxruntime
+    cannot load the model: ... std::bad_alloc", as if the model were damaged; in a step it was a
+    traceback."""
+    import onnxruntime as ort
+
+    import gemma_export.runtime as runtime
+
+    class Exhausted(Exception):
+        pass
+
+    def no_memory(*_args, **_kwargs):
+        raise Exhausted("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Exception during initialization: std::bad_alloc")
+    monkeypatch.setattr(ort, "InferenceSession", no_memory)
+    result = _run("generate", "--model", export_copy, "--prompt", "ab", "--no-prepacked")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().startswith(f"error: {export_copy / 'model.onnx'}: onnxruntime ran out of memory loading "
+                                            "it ([ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION")
+    assert "a limit on this process (ulimit -v)" in result.output and "cannot load the model" not in result.output
+    monkeypatch.undo()
+
+    def step_without_memory(*_args, **_kwargs):
+        raise Exhausted("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running "
+                        "MatMulNBits node. std::bad_alloc")
+    monkeypatch.setattr(runtime, "generate", step_without_memory)
+    result = _run("generate", "--model", export_copy, "--prompt", "ab")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.output.strip().startswith("error: out of memory (Python's MemoryError): a step needed more memory")
+    assert result.output.strip().endswith("while running MatMulNBits node. std::bad_alloc)")
+    assert isinstance(_run("generate", "--model", export_copy, "--prompt", "ab", "--debug").exception, Exhausted)
+    monkeypatch.setattr(runtime, "generate", lambda *a, **k: (_ for _ in ()).throw(ValueError("a bug")))
+    assert isinstance(_run("generate", "--model", export_copy, "--prompt", "ab").exception, ValueError)  # not reworded
+
+
+def test_the_note_after_a_run_cannot_fail_the_run(export_copy, monkeypatch):
+    """A helper under `ulimit -v 300000`: generate printed its text and timing, then a traceback from
+    the after-run check of the files' sizes against the manifest, and exited 1."""
+    import gemma_export.manifest as manifest
+
+    def exhausted(*_args):
+        raise MemoryError
+    monkeypatch.setattr(manifest, "resized_files", exhausted)
+    result = _run("generate", "--model", export_copy, "--prompt", "ab", "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert (f"note: {export_copy}'s files were not compared with its manifest.json (out of memory (Python's "
+            "MemoryError))") in result.output
+
+
+def test_out_of_memory_outside_a_command_is_one_line(tmp_path):
+    """A helper under `ulimit -v 150000`: importing a library failed ("failed to map segment from
+    shared object") with a 55-line traceback and status 1. The entry point says it in one line."""
+    script = textwrap.dedent("""
+        import sys
+        import gemma_export.cli
+        def no_room():
+            raise ImportError("libfoo.so: failed to map segment from shared object")
+        gemma_export.cli.app = no_room
+        from gemma_export.console import main
+        sys.argv = ["gemma-export", *sys.argv[1:]]
+        main()
+    """)
+    done = subprocess.run([sys.executable, "-c", script, "verify", "x"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == (
+        "error: out of memory (Python's MemoryError): a step needed more memory than this machine, or a limit on "
+        "this process (ulimit -v), gives; rerun with --debug to see which step ran out (libfoo.so: failed to map "
+        "segment from shared object)\n"), done.stderr
+    done = subprocess.run([sys.executable, "-c", script, "verify", "x", "--debug"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" in done.stderr and "ImportError" in done.stderr

@@ -579,7 +579,7 @@ def test_a_full_disk_while_copying_is_the_bundle_folder_s_failure_not_an_input_s
     result = runner.invoke(app, ["bundle", "--model", str(tiny_int8_export), "--out", str(out), "--wheel", str(wheel)])
     assert result.exit_code == 2, result.output
     line = result.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"error: {out}: writing the bundle failed (No space left on device: the disk is full"), line
+    assert line.startswith(f"error: {out}: writing the bundle failed (No space left on device: the disk (or its inodes) is full"), line
     assert str(wheel) not in line and not out.exists() and os.listdir(tmp_path) == []
 
 
