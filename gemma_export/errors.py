@@ -180,7 +180,7 @@ def reworded(exc: "GemmaExportError", message: str) -> "GemmaExportError":
 
 #: the one line for Python's MemoryError (or onnxruntime's std::bad_alloc) that reaches the command
 #: line: the memory a step asked for was not there, whether the machine's or a limit on the process
-OUT_OF_MEMORY = ("out of memory (Python's MemoryError): a step needed more memory than this machine, or a limit on "
+OUT_OF_MEMORY = ("out of memory: a step needed more memory than this machine, or a limit on "
                  "this process (ulimit -v), gives; rerun with --debug to see which step ran out")
 
 
