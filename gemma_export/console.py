@@ -181,13 +181,6 @@ def main() -> None:
         raise SystemExit(interrupt_exit_status(exc)) from None
     except StreamClosed:
         raise SystemExit(PIPE_CLOSED_EXIT) from None
-    except Exception as exc:  # out of memory outside a command's body (importing a library, a note after the work)
-        if "--debug" in sys.argv[1:] or not is_out_of_memory(exc):
-            raise
-        with contextlib.suppress(GemmaExportError):
-            sys.stderr.write(f"error: {OUT_OF_MEMORY}" + ("" if isinstance(exc, MemoryError) else f" ({shown_error(exc)})") + "\n")
-            sys.stderr.flush()
-        raise SystemExit(2) from None
     except StreamError as exc:  # raised outside a command's body (e.g. --version, verify's result line)
         try:
             sys.stderr.write(f"error: {exc}\n")
@@ -195,6 +188,13 @@ def main() -> None:
         except GemmaExportError:  # standard error is the one that failed
             pass
         raise SystemExit(exc.exit_code) from None
+    except Exception as exc:  # out of memory outside a command's body (importing a library, a note after the work)
+        if "--debug" in sys.argv[1:] or not is_out_of_memory(exc):
+            raise
+        with contextlib.suppress(GemmaExportError):
+            sys.stderr.write(f"error: {OUT_OF_MEMORY}" + ("" if isinstance(exc, MemoryError) else f" ({shown_error(exc)})") + "\n")
+            sys.stderr.flush()
+        raise SystemExit(2) from None
     finally:
         for stream in streams:
             if stream.failed:

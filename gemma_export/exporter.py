@@ -198,15 +198,27 @@ def genai_config(checkpoint: Checkpoint) -> dict:
     }
 
 
+def _within(path: Path, folder: Path) -> bool:
+    """Whether ``path`` is ``folder`` or lies inside it: by name, and by file identity for the parts
+    that exist (a bind mount shows the same folder under another name)."""
+    if path == folder or folder in path.parents:
+        return True
+    for part in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            if os.path.samefile(part, folder):
+                return True
+    return False
+
+
 def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checked: bool = False) -> None:
     out = out_dir.resolve()
     src = checkpoint.path.resolve()
     src_dir = src if src.is_dir() else src.parent
-    if src.is_dir() and (out == src_dir or src_dir in out.parents):
+    if src.is_dir() and _within(out, src_dir):
         raise OutputError(f"{out_dir}: output folder is inside the source {src_dir}; choose another --out")
-    if out == src:
+    if _within(out, src):  # a file source (a folder one is refused above)
         raise OutputError(f"{out_dir}: is the source itself, which the export would replace; choose another --out")
-    if out in src.parents:
+    if _within(src, out):
         raise OutputError(f"{out_dir}: the source {checkpoint.path} lies inside this folder, which the export would "
                           "replace; choose another --out")
     if not replaceable_checked:

@@ -1283,3 +1283,28 @@ def test_a_prepack_out_of_inodes_says_so(tiny_int8_export, tmp_path, monkeypatch
     monkeypatch.setattr(prepack_module, "out_of_inodes", lambda exc, folder: False)  # the other reasons as before
     with pytest.raises(OutputError, match=r"could not write the pre-packed copy \(SystemError : 28\); nothing was written$"):
         prepack_module.prepack(export)
+
+
+def test_an_output_inside_the_source_under_another_name_is_refused(tiny_dir, tmp_path):
+    """A helper: with the source folder bind-mounted elsewhere, `--out ALIAS/z` wrote the export into
+    the source folder (the name check saw two folders). Identity is compared too."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_dir, src)
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    done = subprocess.run(["mount", "--bind", str(src), str(alias)], capture_output=True)
+    if done.returncode != 0:
+        if _can_mount():
+            pytest.fail(f"cannot bind-mount with CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
+        pytest.skip(f"bind-mounting needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
+    try:
+        before = _tree(src)
+        result = _export(src, alias / "z")
+        assert result.exit_code == 2
+        assert result.stderr.strip().splitlines()[-1] == f"error: {alias / 'z'}: output folder is inside the source {src}; choose another --out"
+        result = _export(alias, src / "z")  # the source named by the alias, the output by the real name
+        assert result.exit_code == 2 and f"output folder is inside the source {alias}" in result.stderr
+        assert _tree(src) == before
+    finally:
+        if subprocess.run(["umount", str(alias)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(alias)], check=False)

@@ -337,7 +337,7 @@ def test_a_json_file_name_of_up_to_255_bytes_is_written(tiny_int8_export, tmp_pa
     """The folder's probe file took the record's name plus 10 characters: names of 246-255 bytes failed."""
     out = tmp_path / ("a" * 250 + ".json")
     assert plain.main(["--model", str(tiny_int8_export), "--prompt", "a", "--max-new-tokens", "2", "--json", str(out)]) == 0
-    assert set(json.loads(out.read_text())) == {"prompt_ids", "expected_ids", "prefill_chunk"}
+    assert set(json.loads(out.read_text())) == {"prompt", "prompt_ids", "expected_ids", "prefill_chunk"}
 
 
 def test_a_graph_that_declares_no_cache_shape_still_runs(tiny_int8_export, tmp_path, capsys):
