@@ -17,6 +17,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from typer.testing import CliRunner
@@ -69,13 +70,23 @@ def bind_mounted(tmp_path):
     ``os.path.ismount`` calls it an ordinary folder, yet no rename can replace it."""
     folder = tmp_path / "bound here"
     folder.mkdir()
-    done = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True)
+    with _bind_mount(folder, folder):
+        yield folder
+
+
+@contextlib.contextmanager
+def _bind_mount(folder: Path, at: Path) -> Iterator[None]:
+    """``folder`` bind-mounted at ``at`` while inside (skipped without CAP_SYS_ADMIN)."""
+    done = subprocess.run(["mount", "--bind", str(folder), str(at)], capture_output=True)
     if done.returncode != 0:
-        if _can_mount():
+        if _can_mount():  # a failure here is a real problem, not a reason to skip
             pytest.fail(f"cannot bind-mount with CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
         pytest.skip(f"a bind mount needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=False)
+    try:
+        yield
+    finally:
+        if subprocess.run(["umount", str(at)], capture_output=True).returncode != 0:  # busy: never leave it mounted
+            subprocess.run(["umount", "--lazy", str(at)], check=False)
 
 
 @pytest.mark.parametrize("command", ["export", "dedupe"])
@@ -1292,12 +1303,7 @@ def test_an_output_inside_the_source_under_another_name_is_refused(tiny_dir, tmp
     shutil.copytree(tiny_dir, src)
     alias = tmp_path / "alias"
     alias.mkdir()
-    done = subprocess.run(["mount", "--bind", str(src), str(alias)], capture_output=True)
-    if done.returncode != 0:
-        if _can_mount():
-            pytest.fail(f"cannot bind-mount with CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
-        pytest.skip(f"bind-mounting needs CAP_SYS_ADMIN: {done.stderr.decode().strip()}")
-    try:
+    with _bind_mount(src, alias):
         before = _tree(src)
         result = _export(src, alias / "z")
         assert result.exit_code == 2
@@ -1305,6 +1311,3 @@ def test_an_output_inside_the_source_under_another_name_is_refused(tiny_dir, tmp
         result = _export(alias, src / "z")  # the source named by the alias, the output by the real name
         assert result.exit_code == 2 and f"output folder is inside the source {alias}" in result.stderr
         assert _tree(src) == before
-    finally:
-        if subprocess.run(["umount", str(alias)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "--lazy", str(alias)], check=False)
