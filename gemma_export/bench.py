@@ -45,7 +45,7 @@ import numpy as np
 from .boards import BOARDS, DEFAULT_THREADS, board as find_board
 from .errors import BudgetExceeded, ConfigError, GemmaExportError, check_arguments
 from .memory import peak_rss_bytes, release_free_heap, snapshot
-from .onnx_files import MODEL_FILE
+from .onnx_files import MANIFEST_FILE, MODEL_FILE
 from .runtime import DEFAULT_PREFILL_CHUNK, limit_name, max_positions
 from .text_files import text_bytes_for
 
@@ -547,8 +547,10 @@ def format_result(r: BenchResult) -> str:
         "graph            " + (f"{r.prepacked} (pre-packed weights mapped from disk)" if r.prepacked else
                                "model.onnx, weights packed on the heap"
                                + (f" ({r.huge_page_bytes / 1e6:,.0f} MB of the process's heap moved onto huge pages, the weights' and the rest's)" if r.huge_page_bytes else "")
-                               + (f"; {r.prepacked_note}" if r.prepacked_note
-                                                                           else "; `gemma-export prepack` maps them from disk")),
+                               + (f"; {r.prepacked_note}" if r.prepacked_note else
+                                  # only for a folder prepack takes (another tool's, e.g. genai's, has no manifest)
+                                  "; `gemma-export prepack` maps them from disk" if (Path(r.model) / MANIFEST_FILE).is_file()
+                                  else "")),
         *[f"prefill {n:>5} tok  {ms:,.1f} ms" + (f" (steps of {r.prefill_chunk})" if r.prefill_chunk and n > r.prefill_chunk else "")
           for n, ms in r.prefill_ms.items()],
         f"decode           median {r.decode_ms_median:.1f} ms/token, p90 {r.decode_ms_p90:.1f} ms "
@@ -620,7 +622,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
     an output that would overwrite one of the command's ``inputs`` (a file, or anything inside an
     input folder such as the export's own ``manifest.json``), a file inside any export or bundle
     folder of this toolkit (``staging.enclosing_output``: its manifest would stop verifying), or an
-    existing file that an earlier run did not write (:func:`_kept_file`: e.g. the export's source
+    existing file that an earlier run did not write (:func:`kept_file`: e.g. the export's source
     weights, a model's ``config.json``, or with ``report_key`` a JSON file without that key at its
     top level, such as a prompts list or someone's notes, named by mistake).
 
@@ -673,7 +675,7 @@ def check_outputs(json_out: str | Path | None, plot: str | Path | None,
                         "overwrite a file in the input" if target.exists() else "write into the input folder")
                 raise OutputError(f"{option} {path}: would {what} {given}; write it elsewhere")
         # /dev and /proc paths are written in place (write_json), even when they lead to a file
-        kept = None if _under_dev_or_proc(path) or not target.is_file() else _kept_file(target, option, report_key)
+        kept = None if _under_dev_or_proc(path) or not target.is_file() else kept_file(target, option, report_key)
         if kept is not None:
             raise OutputError(f"{option} {path}: exists and {kept}; refusing to overwrite it; write it elsewhere")
         enclosing = enclosing_output(target)
@@ -709,7 +711,7 @@ def _under_dev_or_proc(path: str | Path) -> bool:
     return Path(os.path.abspath(path)).parts[1:2] in (("dev",), ("proc",))
 
 
-def _kept_file(path: Path, option: str, report_key: str | None = None) -> str | None:
+def kept_file(path: Path, option: str, report_key: str | None = None) -> str | None:
     """Why an existing regular file must not be overwritten by ``option`` (``"is not ..."``), or None
     when it may be: an empty file, or what an earlier run wrote, unless no one may write it (JSON text under
     ``REPORT_LIMIT_BYTES`` that is not one of a model folder's own files, ``MODEL_JSON_FILES``, and,

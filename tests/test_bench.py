@@ -156,6 +156,13 @@ def test_bench_cli_json_and_board(tiny_int8_export, text_file, tmp_path, monkeyp
                                       "prefill_ms": {5: 1.0}})
     assert "measured on this machine" in bench_module.format_result(one)
     assert bench_module.format_result(one).endswith(f"({machine}), with 1 thread")
+    # prepack is named for an export of this toolkit only (a helper: on onnxruntime-genai's folder it
+    # pointed at prepack, which refuses that folder)
+    heap = dataclasses.replace(one, prepacked=None, prepacked_note="")
+    assert "; `gemma-export prepack` maps them from disk" in bench_module.format_result(heap)
+    other = tmp_path / "genai-int4"
+    other.mkdir()
+    assert "gemma-export prepack" not in bench_module.format_result(dataclasses.replace(heap, model=str(other)))
     assert figures["new_tokens"] == 6
     assert "after the 5-token prompt and its 6 decode steps, the KV cache freed: Anonymous" in result.stdout  # what the growth covers
 

@@ -150,6 +150,13 @@ def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"a: the pre-packed copy of {ours} is not timed: {ours / 'prepacked'}")
     assert out[3] == "| a | 4 | 5.0 | 4.0 | 0.80 | copy not usable (see above) | — |"
+    # --steps 4 times one step: said (a helper's run printed it as any other); nothing busy, no note
+    assert out[-1] == "note: only 1 timed step per measurement (--steps 19 or more for steadier figures)"
+    assert not any("other processes used" in line for line in out)
+    monkeypatch.setattr(bench_genai, "genai_decode_ms", lambda *a: (5.0, 0.9))  # beside a test suite
+    bench_genai.main()
+    assert ("note: other processes used 0.2 CPUs or more while a @4 was timed: those rows' times and ratios are not the "
+            "systems' own; run again on an idle machine") in capsys.readouterr().out.splitlines()
 
     def failing(*a):
         raise RuntimeError("Exception during initialization: file_length out of bounds\n" + "detail " * 200)
@@ -513,6 +520,11 @@ def test_quality_anchor_names_its_own_option_for_a_text_too_long(tiny_dir, tmp_p
         quality_anchor.main()
     with pytest.raises(GemmaExportError, match="give shorter --contexts, --new-tokens or --prefill$"):
         _args.check_exports_fit({"a": model}, [1, 2], 300)
+    # more tokens than the text has: scored over the whole text before, said only in the table's heading
+    monkeypatch.setattr(sys, "argv", ["quality_anchor.py", "--models", f"a={model}", "--tokens", "32768"])
+    with pytest.raises(GemmaExportError, match=r"^--tokens 32,768: .*LICENSE.txt has [\d,]+ tokens \(with <bos>\); "
+                                               r"give at most [\d,]+$"):
+        quality_anchor.main()
 
 
 def test_an_interrupted_archive_leaves_no_partial_file_nor_the_folders_it_made(tmp_path, monkeypatch):
@@ -533,6 +545,10 @@ def test_an_interrupted_archive_leaves_no_partial_file_nor_the_folders_it_made(t
     with pytest.raises(KeyboardInterrupt):
         bench_inspect.main()
     assert list(tmp_path.iterdir()) == []
+    # safetensors' save_file back before make_reference_export imports jax_reference, whose
+    # module-level `from safetensors.numpy import save_file` kept the interrupting stand-in for the
+    # rest of the session (a later reference test raised this KeyboardInterrupt, in some test orders)
+    monkeypatch.undo()
 
     import make_reference_export
 
@@ -616,3 +632,46 @@ def test_the_side_by_side_plot_is_a_png_of_its_own_size(tmp_path):
     data = (tmp_path / "decode.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert struct.unpack(">II", data[16:24]) == (880, 462)  # IHDR width, height
+
+
+def test_the_tools_keep_files_they_did_not_write(tiny_int8_export, tmp_path, monkeypatch):
+    """A helper: bench_side_by_side.py --plot replaced a text file named notes.png with its plot, and
+    bench_export.py replaced someone's own WORKDIR/bench.json after its exports, both without a word.
+    Each is refused before any work, as `gemma-export bench` refuses it; their own earlier files are not."""
+    import _args
+    import bench_export
+
+    notes = tmp_path / "notes.png"
+    notes.write_text("my own notes")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"notes.png: exists and is not a PNG image; refusing to overwrite it"):
+        _args.plot_file(str(notes))
+    earlier = tmp_path / "decode.png"
+    earlier.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 16)  # a plot an earlier run wrote
+    assert _args.plot_file(str(earlier)) == earlier
+    assert notes.read_text() == "my own notes"
+
+    workdir = tmp_path / "bench"
+    workdir.mkdir()
+    (workdir / "bench.json").write_text("precious: my own notes named bench.json")
+    monkeypatch.setattr(sys, "argv", ["bench_export.py", "--dtypes", "int8", "--workdir", str(workdir)])
+    monkeypatch.setattr(bench_export, "_run", lambda *a, **k: pytest.fail("an export started"))
+    monkeypatch.setattr(bench_export.shutil, "which", lambda name: name)  # GNU time need not be installed here
+    with pytest.raises(GemmaExportError, match=r"bench.json: exists and is not a JSON report; refusing to overwrite it"):
+        bench_export.main()
+    (workdir / "bench.json").write_text("[]")  # an earlier run's rows
+    (workdir / "int8").mkdir()
+    (workdir / "int8" / "bench.json").write_text('{"notes": 1}')  # JSON, but not gemma-export bench's
+    with pytest.raises(GemmaExportError, match=r"int8/bench.json: exists and is JSON but not an earlier report"):
+        bench_export.main()
+
+
+def test_side_by_side_checks_the_data_files_before_llama_cpp(tiny_int8_export, tmp_path):
+    """A data file cut short was found only after llama.cpp's runs (minutes at the defaults)."""
+    import _args
+
+    model = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, model)
+    with open(model / "model.onnx.data", "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(FormatError, match=r"model.onnx.data: 1,000 bytes, but .*manifest.json records"):
+        _args.check_exports_fit({"a": model}, [1, 2], 4)

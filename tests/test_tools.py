@@ -437,7 +437,7 @@ def test_the_side_by_side_summary_gives_each_export_its_ratios_to_q8_0_the_floor
     assert lines[2] == "| llama.cpp Q8_0 | 10.0 | 1.000 | 12.0 | 1.000 | 800 | 1.00 |"
     assert lines[3] == "| ours int8 | 8.0 | 0.800 | 9.0 | 0.750 | 400 | 0.50 |"
     # the reference runs one fixed-length graph per token: the same time in every context column
-    assert lines[4] == "| reference (IREE, re-decode) | 64.0 | 6.400 | 64.0 | 5.333 | nan | nan |"
+    assert lines[4] == "| reference (IREE, re-decode) | 64.0 | 6.400 | 64.0 | 5.333 | – | – |"  # no prompt step of its own
     # floor: 300 MB at 30 GB/s is 10 ms; 8 ms is 0.8 of it and 0.125 of the reference's 64 ms
     assert lines[5:] == ["ours int8: bandwidth floor 10.0 ms/token; decode @16 = 0.80 x floor, 0.125 x the reference's "
                          "64.0 ms/token"]
@@ -445,15 +445,27 @@ def test_the_side_by_side_summary_gives_each_export_its_ratios_to_q8_0_the_floor
     assert without[2] == "| ours int8 | 8.0 | – | 9.0 | – | 400 | – |"
 
 
-def test_the_side_by_side_run_ends_with_other_processes_cpu_use_per_system():
+def test_the_side_by_side_run_ends_with_other_processes_cpu_use_per_system(monkeypatch, tmp_path):
     """The last line names each system's ``other_cpus`` (measured around its timed steps by
-    ``gemma_export.bench.OtherWork``), or says it could not be measured."""
+    ``gemma_export.bench.OtherWork``; — where its window was too short), or says it could not be
+    measured; systems timed beside other work are named in a note (a helper's llama.cpp ran at 2.5 s
+    a token beside a test suite, 0.006 x ours, without a word)."""
     import bench_side_by_side
 
-    rows = {"llama.cpp Q8_0": {"decode_ms": {16: 3.0}, "other_cpus": 2.5}, "ours int8": {"decode_ms": {16: 9.0}, "other_cpus": 0.5},
+    import gemma_export.bench as bench_module
+
+    rows = {"llama.cpp Q8_0": {"decode_ms": {16: 3.0}, "other_cpus": 2.5}, "ours int8": {"decode_ms": {16: 9.0}, "other_cpus": 0.1},
             "reference (IREE, re-decode)": {"decode_ms": {64: 70.0}, "other_cpus": None}}
-    assert bench_side_by_side.other_work_line(rows) == ("other processes' CPU use while each system was timed (CPUs): "
-                                                        "llama.cpp Q8_0 2.50, ours int8 0.50")
+    assert bench_side_by_side.other_work_line(rows).splitlines() == [
+        "other processes' CPU use while each system was timed (CPUs; — too short to tell): llama.cpp Q8_0 2.50, "
+        "ours int8 0.10, reference (IREE, re-decode) —",
+        "note: other processes used 0.2 CPUs or more while llama.cpp Q8_0 was timed: those times, and the ratios built "
+        "on them, are not the systems' own; run again on an idle machine"]
+    rows["ours int8"]["other_cpus"] = 0.2
+    assert "while llama.cpp Q8_0, ours int8 were timed" in bench_side_by_side.other_work_line(rows)
+    rows["llama.cpp Q8_0"]["other_cpus"] = rows["ours int8"]["other_cpus"] = 0.0
+    assert "note:" not in bench_side_by_side.other_work_line(rows)
+    monkeypatch.setattr(bench_module, "PROC_STAT", tmp_path / "no-stat")
     assert bench_side_by_side.other_work_line({"x": {"other_cpus": None}}) == \
         "other processes' CPU use: not measured here (no /proc/stat)"
 
@@ -755,3 +767,14 @@ def test_jax_reference_help_is_help_and_other_arguments_an_error():
             assert done.returncode == 0
         else:
             assert done.returncode == 2 and done.stderr.startswith("error: tools/jax_reference.py is a module")
+
+
+def test_a_median_of_few_decode_steps_gets_a_note():
+    """A helper's `--new-tokens 4` printed "decode median of 1 steps" like any other run; as
+    `gemma-export bench` does, the tools say when fewer than 16 steps were timed."""
+    import _args
+
+    assert _args.few_steps_note("--steps", 4) == "note: only 1 timed step per measurement (--steps 19 or more for steadier figures)"
+    assert _args.few_steps_note("--new-tokens", 18) == ("note: only 15 timed steps per measurement (--new-tokens 19 or "
+                                                        "more for steadier figures)")
+    assert _args.few_steps_note("--steps", 19) == ""

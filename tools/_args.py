@@ -121,9 +121,11 @@ def genai_output(value: str) -> Path:
 
 def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int,
                       shorten: str = "give shorter --contexts, --new-tokens or --prefill") -> int | None:
-    """Refuse, before any timing or scoring, exports that cannot run this comparison: an id of the
-    text outside an export's vocabulary, more positions than its ``max_position_embeddings``, or
-    exports of different vocabularies (figures from each ``manifest.json``).
+    """Refuse, before any timing or scoring, exports that cannot run this comparison: a graph or data
+    file whose size differs from its ``manifest.json`` (``gemma_export.manifest.check_listed_files``;
+    a data file cut short was found only after llama.cpp's runs), an id of the text outside an
+    export's vocabulary, more positions than its ``max_position_embeddings``, or exports of different
+    vocabularies (figures from each ``manifest.json``).
 
     Args:
         shorten: the advice when the run needs more positions than an export has, naming the
@@ -133,13 +135,15 @@ def check_exports_fit(models: dict[str, Path], ids: list[int], positions: int,
         The exports' common vocabulary size (None when no manifest gives one).
 
     Raises:
-        GemmaExportError: naming the export folder, the figure and what the run needs.
+        GemmaExportError: naming the export folder, the figure and what the run needs (FormatError, a
+            subclass, for a file whose size differs from the manifest).
     """
     from gemma_export.errors import GemmaExportError
-    from gemma_export.manifest import manifest_figure
+    from gemma_export.manifest import check_listed_files, manifest_figure, read_manifest
 
     vocabs = {}
     for name, folder in models.items():
+        check_listed_files(read_manifest(Path(folder)), Path(folder))
         vocab, limit = manifest_figure(folder, "vocab_size"), manifest_figure(folder, "max_position_embeddings")
         if vocab is not None and ids and max(ids) >= vocab:
             raise GemmaExportError(f"{folder}: its vocabulary has {vocab:,} ids, and the text's ids (from the first "
@@ -221,11 +225,43 @@ def plot_file(value: str) -> Path:
     path = writable_file(value)
     if path.suffix.lower() != ".png":
         raise argparse.ArgumentTypeError(f"{path}: expected a .png file name, found {path.suffix or 'no'} suffix")
+    kept_report(path, "--plot")
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
         raise argparse.ArgumentTypeError("needs matplotlib (pip install matplotlib)")
     return path
+
+
+#: steps a decode timing drops before its median (the tools' --new-tokens / --steps help says so)
+DROPPED_STEPS = 3
+
+
+def few_steps_note(option: str, steps: int) -> str:
+    """A note for a median of fewer timed decode steps than ``gemma-export bench`` calls steady
+    (``gemma_export.bench.FEW_TIMED_STEPS``), naming the option that gives more; "" otherwise. A
+    helper's median of 1 step was printed as any other."""
+    from gemma_export.bench import FEW_TIMED_STEPS
+
+    timed = steps - DROPPED_STEPS
+    if timed >= FEW_TIMED_STEPS:
+        return ""
+    return (f"note: only {timed} timed step{'' if timed == 1 else 's'} per measurement ({option} "
+            f"{DROPPED_STEPS + FEW_TIMED_STEPS} or more for steadier figures)")
+
+
+def kept_report(path: Path, option: str, report_key: str | None = None) -> None:
+    """Refuse an existing file at ``path`` that an earlier run did not write (not a PNG for
+    ``--plot``; not JSON, or without ``report_key``, for a report), as ``gemma-export bench`` refuses
+    it (``gemma_export.bench.kept_file``): a text file named ``notes.png`` was replaced by the plot.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the file and why it is kept.
+    """
+    from gemma_export.bench import kept_file
+
+    if path.is_file() and (why := kept_file(path, option, report_key)) is not None:
+        raise argparse.ArgumentTypeError(f"{path}: exists and {why}; refusing to overwrite it; write it elsewhere")
 
 
 def new_dir(value: str) -> Path:

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import add_ranges, genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
-from gemma_export.bench import OtherWork  # noqa: E402
+from _args import DROPPED_STEPS, add_ranges, few_steps_note, genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
+from gemma_export.bench import BUSY_OTHER_CPUS, OtherWork  # noqa: E402
 
 
 def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int) -> float:
@@ -43,7 +43,7 @@ def genai_decode_ms(folder: str, ids: list[int], context: int, steps: int, threa
             start = time.perf_counter()
             generator.generate_next_token()
             times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times[3:]), other.cpus
+    return statistics.median(times[DROPPED_STEPS:]), other.cpus
 
 
 def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads: int, prepacked: bool = False) -> float:
@@ -52,7 +52,7 @@ def our_decode_ms(folder: str, ids: list[int], context: int, steps: int, threads
     decoder = OnnxDecoder(folder, threads=threads, prepacked=prepacked)
     with OtherWork() as other:
         _, _, decode = decoder.greedy(ids[:context], steps + 1, stop_ids=[])
-    return statistics.median(decode[3:]), other.cpus
+    return statistics.median(decode[DROPPED_STEPS:]), other.cpus
 
 
 def main() -> None:
@@ -99,6 +99,7 @@ def main() -> None:
         if copies[our_dir].path is None and copies[our_dir].problem:
             print(f"{name}: the pre-packed copy of {our_dir} is not timed: {copies[our_dir].problem}", flush=True)
     others: list[str] = []  # other processes' CPU use per row
+    busy: list[str] = []  # the rows timed beside BUSY_OTHER_CPUS or more of it
     header = ["| precision | context | onnxruntime-genai ms/token | ours ms/token | ours ÷ genai "
               "| ours pre-packed ms/token | pre-packed ÷ genai |", "|---|---|---|---|---|---|---|"]
     for name, genai_dir, our_dir in pairs:
@@ -126,7 +127,15 @@ def main() -> None:
                 header = []
             print(f"| {name} | {context} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f} | {copy} |", flush=True)
             others.append(f"{name} @{context} " + " / ".join("—" if f is None else f"{f:.2f}" for f in figures))
+            if any(f is not None and f >= BUSY_OTHER_CPUS for f in figures):
+                busy.append(f"{name} @{context}")
     print("\nother processes' CPU use while each was timed (CPUs; genai / ours / ours pre-packed): " + ", ".join(others))
+    if busy:  # as gemma-export bench and bench_side_by_side.py warn
+        print(f"note: other processes used {BUSY_OTHER_CPUS} CPUs or more while {', '.join(busy)} "
+              f"{'was' if len(busy) == 1 else 'were'} timed: those rows' times and ratios are not the systems' own; "
+              "run again on an idle machine")
+    if note := few_steps_note("--steps", args.steps):
+        print(note)
 
 
 if __name__ == "__main__":

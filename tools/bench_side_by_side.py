@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import signal
 import statistics
 import sys
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import (add_ranges, check_exports_fit, check_gguf_model, int_list, int_range, named, our_export,  # noqa: E402
+from _args import (add_ranges, check_exports_fit, check_gguf_model, DROPPED_STEPS, few_steps_note, int_list, int_range, named, our_export,  # noqa: E402
                    plot_file, reference_mlir, run, thread_count, unique_names)
 
 
@@ -92,7 +93,7 @@ def bench_onnx(model_dir: Path, ids: list[int], contexts: list[int], new_tokens:
                 start = time.perf_counter()
                 cache.step(np.asarray([[ids[pos]]]), np.ones((1, pos + 1), np.int64), np.asarray([[pos]]))
                 steps.append((time.perf_counter() - start) * 1e3)
-            decode[context] = statistics.median(steps[3:])
+            decode[context] = statistics.median(steps[DROPPED_STEPS:])
     return {"prefill_ms": prefill_ms, "decode_ms": decode, "other_cpus": other.cpus}
 
 
@@ -116,7 +117,7 @@ def bench_llama(gguf: Path, ids: list[int], contexts: list[int], new_tokens: int
                 start = time.perf_counter()
                 llm.eval([ids[context + i]])
                 steps.append((time.perf_counter() - start) * 1e3)
-            decode[context] = statistics.median(steps[3:])
+            decode[context] = statistics.median(steps[DROPPED_STEPS:])
     return {"prefill_ms": prefill_ms, "decode_ms": decode, "other_cpus": other.cpus}
 
 
@@ -179,8 +180,12 @@ def summary_lines(rows: dict, contexts: list[int], bandwidth_gbps: float) -> lis
         for c in contexts:
             ms = r["decode_ms"].get(c, next(iter(r["decode_ms"].values())) if "fixed_length" in r else float("nan"))
             cells += [f"{ms:.1f}", f"{ms / anchor['decode_ms'][c]:.3f}" if anchor else "–"]
-        pratio = f"{r['prefill_ms'] / anchor['prefill_ms']:.2f}" if anchor else "–"
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r['prefill_ms']:.0f} | {pratio} |")
+        if math.isnan(r["prefill_ms"]):  # the reference: no prompt step of its own
+            prefill, pratio = "–", "–"
+        else:
+            prefill = f"{r['prefill_ms']:.0f}"
+            pratio = f"{r['prefill_ms'] / anchor['prefill_ms']:.2f}" if anchor else "–"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {prefill} | {pratio} |")
     first = contexts[0]
     for name, r in rows.items():
         if "archive_bytes" in r:
@@ -316,12 +321,22 @@ def planned_runs(parser: argparse.ArgumentParser, models: dict[str, Path], mode:
 
 
 def other_work_line(rows: dict) -> str:
-    """One line: how busy other processes kept the machine while each system's steps were timed
-    (``other_cpus`` of each row, :class:`gemma_export.bench.OtherWork`)."""
-    figures = [f"{name} {r['other_cpus']:.2f}" for name, r in rows.items() if r.get("other_cpus") is not None]
-    if not figures:
+    """How busy other processes kept the machine while each system's steps were timed (``other_cpus``
+    of each row, :class:`gemma_export.bench.OtherWork`; ``—`` where its window was too short to
+    tell), and a note naming the systems timed beside ``BUSY_OTHER_CPUS`` or more of other work, as
+    ``gemma-export bench`` warns: a collapsed llama.cpp under load gave ratios of 0.006 without a word."""
+    from gemma_export.bench import BUSY_OTHER_CPUS, PROC_STAT
+
+    if not PROC_STAT.exists():
         return "other processes' CPU use: not measured here (no /proc/stat)"
-    return "other processes' CPU use while each system was timed (CPUs): " + ", ".join(figures)
+    figures = [f"{name} {r['other_cpus']:.2f}" if r.get("other_cpus") is not None else f"{name} —"
+               for name, r in rows.items()]
+    line = "other processes' CPU use while each system was timed (CPUs; — too short to tell): " + ", ".join(figures)
+    if busy := [name for name, r in rows.items() if (r.get("other_cpus") or 0.0) >= BUSY_OTHER_CPUS]:
+        line += (f"\nnote: other processes used {BUSY_OTHER_CPUS} CPUs or more while {', '.join(busy)} "
+                 f"{'was' if len(busy) == 1 else 'were'} timed: those times, and the ratios built on them, are not "
+                 "the systems' own; run again on an idle machine")
+    return line
 
 
 def main() -> None:
@@ -384,10 +399,12 @@ def main() -> None:
         cold()
         rows[REFERENCE_ROW] = bench_reference(args.reference, ids)
     bandwidth = read_bandwidth_gbps(threads=args.threads)
-    print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - 3} steps after prompts of {contexts} tokens, "
+    print(f"\n{'cold (page cache dropped before each system), ' if args.cold else ''}threads {args.threads}, decode median of {args.new_tokens - DROPPED_STEPS} steps after prompts of {contexts} tokens, "
           f"prefill {args.prefill} tokens; read bandwidth {bandwidth:.1f} GB/s\n")
     print("\n".join(summary_lines(rows, contexts, bandwidth)))
     print(other_work_line(rows))
+    if note := few_steps_note("--new-tokens", args.new_tokens):
+        print(note)
     if args.plot:
         write_plot(rows, args.plot)
         print(f"plot: {args.plot}")

