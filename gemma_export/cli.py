@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import os
 import sys
 import time
@@ -49,7 +50,7 @@ from quant.scales import SCALE_DTYPES, SCALE_METHODS
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .console import StreamClosed, StreamError, interrupt_exit_status, interrupts_raised
-from .errors import OUT_OF_MEMORY, ConfigError, GemmaExportError, OutputWritten, is_out_of_memory, os_error_line, shown_error
+from .errors import OUT_OF_MEMORY, ConfigError, GemmaExportError, OutputWritten, os_error_line, out_of_memory_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
 BENCH_BOARD_HELP = "; ".join(
@@ -235,15 +236,17 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         except OSError as exc:  # an input that cannot be read (writes fail as OutputError inside the writers)
             if debug:
                 raise
+            if exc.errno == errno.ENOMEM:  # e.g. mapping a GGUF under ulimit -v: "Cannot allocate memory" named nothing
+                _fail(GemmaExportError(OUT_OF_MEMORY.replace("; rerun", f" ({os_error_line(exc)}); rerun")), debug)
             _fail(GemmaExportError(os_error_line(exc)), debug)
         except MemoryError:  # one line, not a traceback
             if debug:
                 raise
             _fail(GemmaExportError(OUT_OF_MEMORY), debug)
-        except Exception as exc:  # onnxruntime's std::bad_alloc in a step, as its own exception type
-            if debug or not is_out_of_memory(exc):
+        except Exception as exc:  # onnxruntime's failed allocation in a step, as its own exception type
+            if debug or (line := out_of_memory_line(exc)) is None:
                 raise
-            _fail(GemmaExportError(f"{OUT_OF_MEMORY} ({shown_error(exc)})"), debug)
+            _fail(GemmaExportError(line), debug)
         except OutputWritten as exc:
             _interrupted_once_written(exc.path, exc.what, exc.__cause__)
         except KeyboardInterrupt as exc:
@@ -622,10 +625,9 @@ def _note_changed_files(model: Path) -> None:
     from .manifest import resized_files
 
     try:
-        changed = resized_files(model)
-    except (OSError, MemoryError, GemmaExportError) as exc:  # after the command's work: a note, not its failure
-        reason = OUT_OF_MEMORY.split(":")[0] if isinstance(exc, MemoryError) else shown_error(exc)
-        typer.echo(f"note: {model}'s files were not compared with its manifest.json ({reason})", err=True)
+        changed = resized_files(model)  # unreadable listings and files are its own business
+    except MemoryError:  # after the command's work: a note, not its failure
+        typer.echo(f"note: {model}'s files were not compared with its manifest.json (out of memory)", err=True)
         return
     if changed:
         typer.echo(f"note: {', '.join(changed)} in {model} changed after the export (sizes differ from its "

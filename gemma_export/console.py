@@ -30,7 +30,7 @@ import sys
 import threading
 from typing import Iterator
 
-from .errors import OUT_OF_MEMORY, GemmaExportError, is_out_of_memory, shown_error
+from .errors import GemmaExportError, out_of_memory_line
 
 #: exit status when the reader of standard output or error has gone (128 + SIGPIPE), as for a shell tool
 PIPE_CLOSED_EXIT = 128 + 13
@@ -189,10 +189,10 @@ def main() -> None:
             pass
         raise SystemExit(exc.exit_code) from None
     except Exception as exc:  # out of memory outside a command's body (importing a library, a note after the work)
-        if "--debug" in sys.argv[1:] or not is_out_of_memory(exc):
+        if "--debug" in sys.argv[1:] or (line := out_of_memory_line(exc)) is None:
             raise
         with contextlib.suppress(GemmaExportError):
-            sys.stderr.write(f"error: {OUT_OF_MEMORY}" + ("" if isinstance(exc, MemoryError) else f" ({shown_error(exc)})") + "\n")
+            sys.stderr.write(f"error: {line}\n")
             sys.stderr.flush()
         raise SystemExit(2) from None
     finally:

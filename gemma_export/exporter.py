@@ -24,8 +24,8 @@ from .calibration import DEFAULT_CALIBRATION_TOKENS, MAX_CALIBRATION_TOKENS, MIN
 from .calibration import calibration_text as read_calibration_text
 from .checkpoint import EMBED, LM_HEAD, Checkpoint, largest_weight
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_BITS, TABLE_DTYPES, export_variant
-from .errors import (ConfigError, FormatError, GemmaExportError, OutputError, SourceNotFoundError, VerificationError,
-                     check_arguments, printable_path, reworded)
+from .errors import (ConfigError, FormatError, GemmaExportError, OutputError, ResourceError, SourceNotFoundError,
+                     VerificationError, check_arguments, printable_path, reworded)
 from .onnx_files import ALIGNMENT_BYTES, DATA_FILE, MANIFEST_FILE, MODEL_FILE
 from .prepack import LEFTOVER_PREFIXES, PREPACKED_DIR
 from .prepack import busy as prepack_busy, derived_copy
@@ -216,9 +216,9 @@ def _check_destination(out_dir: Path, checkpoint: Checkpoint, replaceable_checke
     src_dir = src if src.is_dir() else src.parent
     if src.is_dir() and _within(out, src_dir):
         raise OutputError(f"{out_dir}: output folder is inside the source {src_dir}; choose another --out")
-    if _within(out, src):  # a file source (a folder one is refused above)
+    if out == src:
         raise OutputError(f"{out_dir}: is the source itself, which the export would replace; choose another --out")
-    if _within(src, out):
+    if out in src.parents:
         raise OutputError(f"{out_dir}: the source {checkpoint.path} lies inside this folder, which the export would "
                           "replace; choose another --out")
     if not replaceable_checked:
@@ -559,6 +559,9 @@ def export(
                                     f"weight is {largest_weight(ckpt.tensors)}; nothing was written") from None
         except VerificationError as exc:  # named as the output it would have been, not the hidden staging folder
             raise VerificationError(f"{str(exc).replace(str(staging), str(out))}; nothing was written") from None
+        except ResourceError as exc:  # onnxruntime out of memory in the check's load: named likewise
+            raise ResourceError(f"{str(exc).replace(str(staging), str(out))} (the new export's check, onnxruntime "
+                                "loading it); nothing was written") from None
         tables = count_table_initializers(staging / MODEL_FILE, ckpt.config.vocab_size, ckpt.config.hidden_size)
         files = _write_manifest(staging, ckpt, dtype, quantization, all_logits, debug_outputs,
                                 tokenizer_dir if given_tokenizer is not None else None)
@@ -667,8 +670,9 @@ def _tell_replacing(out: Path, state: tuple | None, status: Callable[[str], None
     except FormatError:  # unreadable: the export's own checks name it if it matters; here it is only replaced
         manifest = {}
     other = _other_source(manifest, identity) if identity is not None else None
-    status(f"{out} holds an earlier {export_description(manifest) or 'export'}"
-           f"{f' of another source ({other})' if other else ''}; it is replaced once this one is written and checked")
+    status(f"note: {out} holds an earlier {export_description(manifest) or 'export'}"
+           f"{f' of another source ({other})' if other else ''}; it is replaced once this one is written and checked "
+           "(another --out keeps both)")
     return True
 
 

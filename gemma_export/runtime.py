@@ -31,7 +31,7 @@ import numpy as np
 from .config import (DEFAULT_STOP_TOKEN_IDS, SLIDING, SLIDING_CACHE_START, SLIDING_LAYERS_KEY,
                      SLIDING_WINDOW_KEY)
 from .errors import (ConfigError, FormatError, GemmaExportError, NumericError, OutputError, ResourceError,
-                     SourceNotFoundError, check_arguments, first_line, is_out_of_memory, is_whole_number, shown, shown_error,
+                     SourceNotFoundError, check_arguments, first_line, is_whole_number, out_of_memory_line, shown, shown_error,
                      shown_folder)
 from .manifest import (TOKEN_IDS, check_listed_files, check_manifest_against_graph, check_manifest_against_model,
                        check_manifest_fields, graph_table_rows, is_prepacked_copy, is_token_ids, manifest_figure,
@@ -1056,6 +1056,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
 
     Raises:
         FormatError: onnxruntime cannot load (or write) the model; its first message line.
+        ResourceError: onnxruntime ran out of memory loading it (:func:`~gemma_export.errors.out_of_memory_line`).
         GemmaExportError: ``threads`` out of range (:func:`check_threads`); onnxruntime older than
             :data:`MIN_ONNXRUNTIME` (:func:`check_onnxruntime_version`).
         KeyError: ``optimization`` is neither ``all`` nor ``basic``.
@@ -1092,7 +1093,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
         first = text.splitlines()[0] if text else type(exc).__name__
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first}") from None
     except Exception as exc:  # onnxruntime's Fail / InvalidGraph / NotImplemented ...
-        if is_out_of_memory(exc):  # not a damaged model: "onnxruntime cannot load the model: std::bad_alloc" read as one
+        if out_of_memory_line(exc) is not None:  # not a damaged model: "onnxruntime cannot load the model: std::bad_alloc"
             raise ResourceError(f"{path}: onnxruntime ran out of memory loading it ({shown_error(exc)}): the model needs "
                                 "more memory than this machine, or a limit on this process (ulimit -v), gives") from None
         raise FormatError(f"{path}: {_CANNOT_LOAD}{first_line(exc)}") from None

@@ -143,7 +143,7 @@ def test_full_disk_leaves_nothing_and_keeps_the_existing_output(tiny_dir, small_
     assert CliRunner().invoke(app, ["verify", str(out)]).exit_code == 0
 
 
-def test_a_file_systemout_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkeypatch):
+def test_a_file_system_out_of_inodes_is_named_as_such(tiny_dir, tmp_path, monkeypatch):
     """A helper's tmpfs out of inodes: "the disk is full or a file-size limit was reached" beside
     629 MB free. With inodes counted and none left the reason says so (asked before the partial
     output is removed, which gives inodes back); a file system that counts none (btrfs: f_files 0)

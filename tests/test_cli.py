@@ -166,7 +166,8 @@ def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
     again = _run("--source", tiny_dir, "--out", out, "--dtype", "fp32")
     assert again.exit_code == 0, again.output
     # once (it was said twice with --out: before the read and again after it)
-    told = f"{out} holds an earlier fp32 export; it is replaced once this one is written and checked"
+    told = (f"note: {out} holds an earlier fp32 export; it is replaced once this one is written and checked "
+            "(another --out keeps both)")
     assert again.stderr.count(told) == 1
     lines = again.stderr.splitlines()  # and before the (slow) read of the source, where --out is known
     assert lines.index(told) < next(n for n, line in enumerate(lines) if line.startswith("reading "))
@@ -176,7 +177,7 @@ def test_exporting_again_into_an_export_says_it_replaces_it(tiny_dir, tmp_path):
                 "--scale-dtype", "float16").exit_code == 0
     replaced = _run("--source", tiny_dir, "--out", out, "--dtype", "int4")
     assert replaced.exit_code == 0, replaced.output
-    assert (f"{out} holds an earlier int8 export (16 weights per scale in the layers, 64 in the table, Hadamard 64, "
+    assert (f"note: {out} holds an earlier int8 export (16 weights per scale in the layers, 64 in the table, Hadamard 64, "
             "float16 scales, codes rounded to nearest); it is replaced once this one is written and checked"
             in replaced.stderr)
     empty = tmp_path / "empty"

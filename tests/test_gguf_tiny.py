@@ -385,12 +385,12 @@ def test_replacing_the_default_folder_of_another_gguf_of_the_same_name_says_so(t
     assert export(first, None, "fp32", status=said.append).out_dir == work / "model-onnx-fp32"
     said = []
     export(second, None, "fp32", status=said.append)
-    assert (f"{work / 'model-onnx-fp32'} holds an earlier fp32 export of another source ({first.resolve()}); it is "
-            "replaced once this one is written and checked") in said
+    assert (f"note: {work / 'model-onnx-fp32'} holds an earlier fp32 export of another source ({first.resolve()}); it is "
+            "replaced once this one is written and checked (another --out keeps both)") in said
     said = []
     export(copy, None, "fp32", status=said.append)
-    assert f"{work / 'model-onnx-fp32'} holds an earlier fp32 export; it is replaced once this one is written and checked" \
-        in said
+    assert (f"note: {work / 'model-onnx-fp32'} holds an earlier fp32 export; it is replaced once this one is written and "
+            "checked (another --out keeps both)") in said
 
 
 def test_a_gguf_sources_own_tokenizer_is_not_read_when_another_is_given(tiny_gguf, tmp_path):

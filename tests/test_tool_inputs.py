@@ -153,7 +153,7 @@ def test_bench_genai_names_an_unusable_copy_and_prints_no_table_before_a_failure
     # --steps 4 times one step: said (a helper's run printed it as any other); nothing busy, no note
     assert out[-1] == "note: only 1 timed step per measurement (--steps 19 or more for steadier figures)"
     assert not any("other processes used" in line for line in out)
-    monkeypatch.setattr(bench_genai, "genai_decode_ms", lambda *a: (5.0, 0.9))  # beside a test suite
+    monkeypatch.setattr(bench_genai, "genai_decode_ms", lambda *a: (5.0, 0.2))  # beside other work, at the threshold
     bench_genai.main()
     assert ("note: other processes used 0.2 CPUs or more while a @4 was timed: those rows' times and ratios are not the "
             "systems' own; run again on an idle machine") in capsys.readouterr().out.splitlines()
