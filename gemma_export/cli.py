@@ -50,7 +50,7 @@ from quant.scales import SCALE_DTYPES, SCALE_METHODS
 from .boards import BOARDS, DEFAULT_BOARD, DEFAULT_THREADS
 from .config import DTYPES, QUANTIZED_DTYPES, TABLE_DTYPES
 from .console import StreamClosed, StreamError, interrupt_exit_status, interrupts_raised
-from .errors import OUT_OF_MEMORY, ConfigError, GemmaExportError, OutputWritten, os_error_line, out_of_memory_line
+from .errors import ConfigError, GemmaExportError, OutputWritten, os_error_line, out_of_memory, out_of_memory_line
 
 #: bench --board's help: each board's threads and memory budget, from ``boards.BOARDS``
 BENCH_BOARD_HELP = "; ".join(
@@ -237,12 +237,12 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
             if debug:
                 raise
             if exc.errno == errno.ENOMEM:  # e.g. mapping a GGUF under ulimit -v: "Cannot allocate memory" named nothing
-                _fail(GemmaExportError(OUT_OF_MEMORY.replace("; rerun", f" ({os_error_line(exc)}); rerun")), debug)
+                _fail(GemmaExportError(out_of_memory(os_error_line(exc))), debug)
             _fail(GemmaExportError(os_error_line(exc)), debug)
         except MemoryError:  # one line, not a traceback
             if debug:
                 raise
-            _fail(GemmaExportError(OUT_OF_MEMORY), debug)
+            _fail(GemmaExportError(out_of_memory()), debug)
         except Exception as exc:  # onnxruntime's failed allocation in a step, as its own exception type
             if debug or (line := out_of_memory_line(exc)) is None:
                 raise

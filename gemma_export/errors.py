@@ -178,10 +178,15 @@ def reworded(exc: "GemmaExportError", message: str) -> "GemmaExportError":
     return kind(message)
 
 
-#: the one line for Python's MemoryError that reaches the command line: the memory a step asked
-#: for was not there, whether the machine's or a limit on the process
-OUT_OF_MEMORY = ("out of memory: a step needed more memory than this machine, or a limit on "
-                 "this process (ulimit -v), gives; rerun with --debug to see which step ran out")
+def out_of_memory(detail: str | None = None) -> str:
+    """The one line for memory that ran out (Python's MemoryError, ENOMEM, onnxruntime's failed
+    allocation): a step needed more than the machine, or a limit on the process, gives; ``detail``
+    (the library's or the system's own words) in parentheses before the advice."""
+    told = f" ({detail})" if detail else ""
+    return (f"out of memory: a step needed more memory than this machine, or a limit on this process (ulimit -v), "
+            f"gives{told}; rerun with --debug to see which step ran out")
+
+
 #: what onnxruntime says when an allocation fails: ``std::bad_alloc`` (C++), or its CPU arena's
 #: "Failed to allocate memory for requested buffer of size N" (BFCArena, onnxruntime 1.32)
 _ALLOCATION_FAILED = ("std::bad_alloc", "failed to allocate memory for requested buffer")
@@ -189,16 +194,16 @@ _ALLOCATION_FAILED = ("std::bad_alloc", "failed to allocate memory for requested
 
 def out_of_memory_line(exc: BaseException) -> str | None:
     """The one line for an exception that says memory ran out, or None for any other: Python's
-    MemoryError (:data:`OUT_OF_MEMORY`), onnxruntime's failed allocations (that line with its first
+    MemoryError (:func:`out_of_memory`), onnxruntime's failed allocations (that line with its first
     message line), and a shared library that could not be mapped while importing ("failed to map
     segment from shared object": an address-space limit, or a file system mounted ``noexec``,
     which glibc words alike). Only these phrases count: a message that merely holds "memory" (a
     path, glibc's "cannot allocate memory in static TLS block") is not taken for one."""
     if isinstance(exc, MemoryError):
-        return OUT_OF_MEMORY
+        return out_of_memory()
     text = first_line(exc)
     if any(sign in text.lower() for sign in _ALLOCATION_FAILED):
-        return OUT_OF_MEMORY.replace("; rerun", f" ({shown_error(exc)}); rerun")
+        return out_of_memory(shown_error(exc))
     if isinstance(exc, ImportError) and "failed to map segment from shared object" in text:
         return (f"cannot load a library ({shown_error(exc)}): the process is out of address space (a limit set by "
                 "ulimit -v), or the library's file system is mounted noexec")

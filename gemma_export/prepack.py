@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from .onnx_files import DATA_FILE, MANIFEST_FILE, MODEL_FILE, PREPACKED_DIR, PRE
 from .manifest import read_manifest
 from .text_files import FileRefused, non_regular, read_bounded
 from .staging import (OLD_TAG, STAGING_TAG, check_free_space, entry_refused, file_sha256, flocked, hidden_prefix,
-                      interrupts_held, out_of_inodes, remove_tree, staged_folder)
+                      interrupts_held, no_free_inodes, remove_tree, staged_folder)
 FORMAT = "gemma-export-prepacked/1"
 #: token ids of the bit-exactness check (batch 1, empty cache): <bos> and five ordinary ids of
 #: Gemma's vocabulary (what they spell does not matter; a smaller vocabulary keeps those it has). A
@@ -468,7 +467,7 @@ def prepack(model_dir: str | Path, threads: int | None = None,
             try:
                 create_session(model_dir / MODEL_FILE, threads, staging / MODEL_FILE, SAVE_PREPACKED)
             except FormatError as exc:
-                if out_of_inodes(OSError(errno.ENOSPC, "no space"), staging):  # onnxruntime said "SystemError : 28"
+                if no_free_inodes(staging):  # onnxruntime said "SystemError : 28"
                     raise OutputError(f"{out}: onnxruntime could not write the pre-packed copy: the file system has no "
                                       "free inodes left (`df -i` shows them); free some; nothing was written") from None
                 free = shutil.disk_usage(model_dir).free

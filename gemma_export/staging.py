@@ -898,10 +898,14 @@ def _nearest_folder(path: Path) -> Path | None:
 
 
 def out_of_inodes(exc: OSError, folder: Path) -> bool:
-    """Whether ``exc`` is ENOSPC on a file system that counts inodes and has none left for
-    ``folder`` (or its nearest existing parent); f_files 0 is one that counts none (btrfs)."""
-    if exc.errno != errno.ENOSPC:
-        return False
+    """Whether ``exc`` is ENOSPC on a file system that has no inodes left for ``folder``
+    (:func:`no_free_inodes`)."""
+    return exc.errno == errno.ENOSPC and no_free_inodes(folder)
+
+
+def no_free_inodes(folder: Path) -> bool:
+    """Whether the file system of ``folder`` (or its nearest existing parent) counts inodes and has
+    none left; f_files 0 is one that counts none (btrfs)."""
     existing = _nearest_folder(folder)
     try:
         inodes = os.statvfs(existing)

@@ -4,7 +4,6 @@ an export leaves no partial output and an existing output folder byte-for-byte u
 from __future__ import annotations
 
 import contextlib
-import errno
 import gc
 import hashlib
 import json
@@ -1285,13 +1284,13 @@ def test_a_prepack_out_of_inodes_says_so(tiny_int8_export, tmp_path, monkeypatch
             return real(path, threads, optimized_model_path, *args, **kwargs)
         raise FormatError(f"{path}: onnxruntime cannot load the model: SystemError : 28")
     monkeypatch.setattr(runtime, "create_session", cannot_write)  # prepack imports it when it runs
-    monkeypatch.setattr(prepack_module, "out_of_inodes", lambda exc, folder: exc.errno == errno.ENOSPC and folder.exists())
+    monkeypatch.setattr(prepack_module, "no_free_inodes", lambda folder: folder.exists())
     with pytest.raises(OutputError) as raised:
         prepack_module.prepack(export)
     assert str(raised.value) == (f"{export / 'prepacked'}: onnxruntime could not write the pre-packed copy: the file "
                                  "system has no free inodes left (`df -i` shows them); free some; nothing was written")
     assert _tree(export) == before
-    monkeypatch.setattr(prepack_module, "out_of_inodes", lambda exc, folder: False)  # the other reasons as before
+    monkeypatch.setattr(prepack_module, "no_free_inodes", lambda folder: False)  # the other reasons as before
     with pytest.raises(OutputError, match=r"could not write the pre-packed copy \(SystemError : 28\); nothing was written$"):
         prepack_module.prepack(export)
 
