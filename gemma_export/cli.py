@@ -236,14 +236,10 @@ def _reported(debug: bool, writes: bool = True) -> Iterator[None]:
         except OSError as exc:  # an input that cannot be read (writes fail as OutputError inside the writers)
             if debug:
                 raise
-            if exc.errno == errno.ENOMEM:  # e.g. mapping a GGUF under ulimit -v: "Cannot allocate memory" named nothing
-                _fail(GemmaExportError(out_of_memory(os_error_line(exc))), debug)
-            _fail(GemmaExportError(os_error_line(exc)), debug)
-        except MemoryError:  # one line, not a traceback
-            if debug:
-                raise
-            _fail(GemmaExportError(out_of_memory()), debug)
-        except Exception as exc:  # onnxruntime's failed allocation in a step, as its own exception type
+            line = os_error_line(exc)
+            # ENOMEM, e.g. mapping a GGUF under ulimit -v: "Cannot allocate memory" named nothing
+            _fail(GemmaExportError(out_of_memory(line) if exc.errno == errno.ENOMEM else line), debug)
+        except Exception as exc:  # Python's MemoryError, onnxruntime's failed allocation in a step: one line
             if debug or (line := out_of_memory_line(exc)) is None:
                 raise
             _fail(GemmaExportError(line), debug)

@@ -7,6 +7,7 @@ Field names follow transformers' ``Gemma3TextConfig``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -81,16 +82,13 @@ def variant_options(variant: str) -> list[str] | None:
 
     Example: ``"int4-table-int8"`` -> ``["--dtype", "int4", "--table-dtype", "int8"]``.
     """
-    for dtype in DTYPES:
-        for table in (None, "int8") if dtype == "int4" else (None,):
-            for residual in (False, True) if dtype == "int8" else (False,):
-                for all_logits in (False, True):
-                    for debug in (False, True):
-                        if export_variant(dtype, table_dtype=table, activation_residual=residual,
-                                          all_logits=all_logits, debug_outputs=debug) == variant:
-                            flags = [("--table-dtype", "int8")] * (table is not None) + [("--activation-residual",)] * residual
-                            flags += [("--all-logits",)] * all_logits + [("--debug-outputs",)] * debug
-                            return ["--dtype", dtype] + [part for flag in flags for part in flag]
+    for dtype, table, residual, all_logits, debug in itertools.product(DTYPES, (None, "int8"), *[(False, True)] * 3):
+        if (table and dtype != "int4") or (residual and dtype != "int8"):  # options export refuses
+            continue
+        if export_variant(dtype, table_dtype=table, activation_residual=residual, all_logits=all_logits,
+                          debug_outputs=debug) == variant:
+            return (["--dtype", dtype] + ["--table-dtype", "int8"] * bool(table) + ["--activation-residual"] * residual
+                    + ["--all-logits"] * all_logits + ["--debug-outputs"] * debug)
     return None
 
 #: Gemma's special token ids (its tokenizer): <pad>, <eos>, <bos>, <unk>, and <end_of_turn>, which

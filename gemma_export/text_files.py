@@ -61,7 +61,7 @@ def read_bounded(path: str | Path, what: str, max_bytes: int = SMALL_FILE_BYTES)
         while received > size and received <= max_bytes and (more := f.read(min(1 << 20, max_bytes + 1 - received))):
             parts.append(more)
             received += len(more)
-        data = b"".join(parts) if len(parts) > 1 else parts[0]
+        data = b"".join(parts)  # one part: that bytes object itself, no copy
     if len(data) > max_bytes:  # it grew while being read
         raise FileRefused(p, f"more than {max_bytes:,} bytes; expected {what} of at most {max_bytes:,}")
     return data

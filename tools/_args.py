@@ -250,6 +250,18 @@ def few_steps_note(option: str, steps: int) -> str:
             f"{DROPPED_STEPS + FEW_TIMED_STEPS} or more for steadier figures)")
 
 
+def busy_note(labels: list[str], spoiled: str) -> str:
+    """The note naming what was timed beside ``gemma_export.bench.BUSY_OTHER_CPUS`` or more of other
+    processes' work (``labels``; "" for none), as ``gemma-export bench`` warns; ``spoiled`` says
+    which figures that leaves in doubt (``"those times, and the ratios built on them, are"``)."""
+    from gemma_export.bench import BUSY_OTHER_CPUS
+
+    if not labels:
+        return ""
+    return (f"note: other processes used {BUSY_OTHER_CPUS} CPUs or more while {', '.join(labels)} "
+            f"{'was' if len(labels) == 1 else 'were'} timed: {spoiled} not the systems' own; run again on an idle machine")
+
+
 def kept_report(path: Path, option: str, report_key: str | None = None) -> None:
     """Refuse an existing file at ``path`` that an earlier run did not write (not a PNG for
     ``--plot``; not JSON, or without ``report_key``, for a report), as ``gemma-export bench`` refuses

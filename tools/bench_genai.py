@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import DROPPED_STEPS, add_ranges, few_steps_note, genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
+from _args import DROPPED_STEPS, add_ranges, busy_note, few_steps_note, genai_folder, int_list, int_range, named, our_export, run, thread_count, unique_names  # noqa: E402
 from gemma_export.bench import BUSY_OTHER_CPUS, OtherWork  # noqa: E402
 
 
@@ -130,10 +130,8 @@ def main() -> None:
             if any(f is not None and f >= BUSY_OTHER_CPUS for f in figures):
                 busy.append(f"{name} @{context}")
     print("\nother processes' CPU use while each was timed (CPUs; genai / ours / ours pre-packed): " + ", ".join(others))
-    if busy:  # as gemma-export bench and bench_side_by_side.py warn
-        print(f"note: other processes used {BUSY_OTHER_CPUS} CPUs or more while {', '.join(busy)} "
-              f"{'was' if len(busy) == 1 else 'were'} timed: those rows' times and ratios are not the systems' own; "
-              "run again on an idle machine")
+    if note := busy_note(busy, "those rows' times and ratios are"):  # as gemma-export bench and bench_side_by_side.py warn
+        print(note)
     if note := few_steps_note("--steps", args.steps):
         print(note)
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _args import (add_ranges, check_exports_fit, check_gguf_model, DROPPED_STEPS, few_steps_note, int_list, int_range, named, our_export,  # noqa: E402
+from _args import (add_ranges, check_exports_fit, check_gguf_model, DROPPED_STEPS, busy_note, few_steps_note, int_list, int_range, named, our_export,  # noqa: E402
                    plot_file, reference_mlir, run, thread_count, unique_names)
 
 
@@ -332,10 +332,9 @@ def other_work_line(rows: dict) -> str:
     figures = [f"{name} {r['other_cpus']:.2f}" if r.get("other_cpus") is not None else f"{name} —"
                for name, r in rows.items()]
     line = "other processes' CPU use while each system was timed (CPUs; — too short to tell): " + ", ".join(figures)
-    if busy := [name for name, r in rows.items() if (r.get("other_cpus") or 0.0) >= BUSY_OTHER_CPUS]:
-        line += (f"\nnote: other processes used {BUSY_OTHER_CPUS} CPUs or more while {', '.join(busy)} "
-                 f"{'was' if len(busy) == 1 else 'were'} timed: those times, and the ratios built on them, are not "
-                 "the systems' own; run again on an idle machine")
+    busy = [name for name, r in rows.items() if (r.get("other_cpus") or 0.0) >= BUSY_OTHER_CPUS]
+    if note := busy_note(busy, "those times, and the ratios built on them, are"):
+        line += "\n" + note
     return line
 
 
