@@ -227,8 +227,9 @@ instruction-tuned one, such as FunctionGemma, answers a turn written out with it
 are read).
 
 An application of your own that runs `model/model.onnx` with onnxruntime directly finds the inputs,
-the prompt's ids and the KV cache rules in the gemma-export repository's `docs/integration.md`;
-its `tools/plain_onnxruntime.py` is the same as a short script (onnxruntime, tokenizers and numpy).
+the prompt's ids and the KV cache rules in `docs/integration.md` of the gemma-export source tree
+(the tree this folder's wheel was built from; neither this folder nor the wheel holds it); the
+tree's `tools/plain_onnxruntime.py` is the same as a short script (onnxruntime, tokenizers and numpy).
 
 {memory} `bench` fails with a message (exit status 1) if peak memory leaves less than {headroom_mb} MB of the
 board's memory free.
@@ -389,7 +390,10 @@ def write_bundle(model_dir: str | Path, out_dir: str | Path, board: str = DEFAUL
                           "reference .mlir carries none), or from a GGUF or a transformers folder that has one")
     model_manifest = read_manifest(model_dir)  # verified above
     out = out_dir.resolve()
-    if out == model_dir.resolve() or model_dir.resolve() in out.parents:
+    if out == model_dir.resolve():
+        raise OutputError(f"{out_dir}: is the model folder itself; the bundle needs a folder of its own (it copies "
+                          "the model into its model/)")
+    if model_dir.resolve() in out.parents:
         raise OutputError(f"{out_dir}: the bundle folder may not be inside the model folder {model_dir}")
     if out in model_dir.resolve().parents:
         raise OutputError(f"{out_dir}: the model folder {model_dir} lies inside it, and the bundle would replace it")

@@ -1553,9 +1553,22 @@ def load_tokenizer(model_dir: str | Path):
     if (what := non_regular(path)) is not None:
         raise FormatError(f"{path}: is {what}; expected the tokenizer file")
     if not path.is_file():
+        if _manifest_lists(model_dir, "tokenizer.json"):  # the export wrote it: the folder lost it since
+            raise FormatError(f"{path}: missing, though manifest.json lists it (the folder lost it, or was copied "
+                              f"without it); copy the export again, and check it with gemma-export verify")
         raise FormatError(f"{path}: missing; export again with the model's tokenizer (--tokenizer TOKENIZER.json), "
                           "or from a source that carries one")
     return read_tokenizer_json(path)
+
+
+def _manifest_lists(model_dir: Path, name: str) -> bool:
+    """Whether the folder's ``manifest.json`` lists ``name`` among its files (False when it has no
+    readable manifest: what to advise then is decided without it)."""
+    try:
+        files = read_manifest(model_dir).get("files")
+    except FormatError:
+        return False
+    return isinstance(files, dict) and name in files
 
 
 class TextStream:

@@ -262,3 +262,27 @@ def test_dumps_of_two_exports_of_one_vocabulary_are_bad_input_not_a_parity_failu
     proc = _run("compare", "x86.npz", "odd.npz", cwd=work)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "error: odd.npz: 'export' must be a string (the export's graph and data sha256), found int64 [3]"], proc.stderr
+
+
+def test_compare_says_on_stderr_which_check_failed(made, work):
+    """A board engineer: compare exited 1 with only the JSON report, the same as a crash to a script
+    that reads the status; stderr now ends in one PASS or FAIL line naming the failed checks."""
+    proc = _run("compare", "x86.npz", "x86.npz", cwd=work)
+    n = len(json.loads(proc.stdout)["greedy_identical"])
+    assert proc.returncode == 0 and proc.stderr.strip().splitlines() == [
+        f"PASS: greedy tokens identical in {n} of {n} prompts, top-1 agreement 100.00% (at least 99.50%)"]
+    dump = np.load(made / "x86.npz")
+    greedy = dump["greedy"].copy()
+    greedy[1, 3] += 1  # prompt 1 departs at its token 3
+    logits = dump["logits"].copy()
+    logits[0] = -logits[0]  # the first text row's top-1 moves
+    _dump_with(made, work / "arm.npz", greedy=greedy, logits=logits)
+    proc = _run("compare", "x86.npz", "arm.npz", "--min-top1", "0.99", cwd=work)
+    top1 = json.loads(proc.stdout)["top1_agreement"]
+    assert proc.returncode == 1 and 0.9 < top1 < 0.99
+    assert proc.stderr.strip().splitlines() == [
+        f"FAIL: greedy tokens differ in 1 of {n} prompts (prompt 1 from token 3); "
+        f"top-1 agreement {top1:.2%} is below --min-top1 99.00%"]
+    proc = _run("compare", "x86.npz", "arm.npz", "--min-top1", "0.5", cwd=work)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"FAIL: greedy tokens differ in 1 of {n} prompts (prompt 1 from token 3)"]

@@ -138,6 +138,22 @@ def test_a_bundle_over_the_folder_its_model_lies_in_is_refused(tiny_int8_export,
     assert sorted(str(p.relative_to(board)) for p in board.rglob("*")) == before
 
 
+@pytest.mark.parametrize("out, message", [
+    (".", "is the model folder itself; the bundle needs a folder of its own (it copies the model into its model/)"),
+    ("board", "the bundle folder may not be inside the model folder"),
+])
+def test_a_bundle_into_its_own_model_folder_is_refused(tiny_int8_export, wheel, tmp_path, out, message):
+    """A board engineer's `bundle --model ../int8 --out ../int8` was told the bundle folder was inside
+    the model folder."""
+    model = tmp_path / "int8"
+    shutil.copytree(tiny_int8_export, model)
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    result = runner.invoke(app, ["bundle", "--model", str(model), "--out", str(model / out), "--wheel", str(wheel)])
+    assert result.exit_code == 2 and result.output.strip().splitlines() == [f"error: {model / out}: {message}"
+                                                                            + ("" if out == "." else f" {model}")]
+    assert {p.name: p.read_bytes() for p in model.iterdir()} == before
+
+
 def test_an_export_without_a_tokenizer_is_refused_before_any_work(tiny_dir, wheel, tmp_path):
     # the README's generate and bench lines need model/tokenizer.json
     from gemma_export.exporter import export

@@ -343,6 +343,16 @@ def test_generate_checks_the_tokenizer_before_creating_the_session(tiny_int8_exp
         raise AssertionError("the session was created before the tokenizer was checked")
 
     monkeypatch.setattr(runtime, "OnnxDecoder", no_session)
+    # the export wrote it (its manifest lists it): a board engineer was told to export again, where
+    # the folder had lost the file on the way
+    result = _run("generate", "--model", model, "--prompt", "hi")
+    assert result.exit_code == 2, result.output
+    assert result.stderr == (f"error: {model / 'tokenizer.json'}: missing, though manifest.json lists it (the folder "
+                             "lost it, or was copied without it); copy the export again, and check it with "
+                             "gemma-export verify\n")
+    manifest = json.loads((model / "manifest.json").read_text())
+    del manifest["files"]["tokenizer.json"]  # an export of a source without a tokenizer
+    (model / "manifest.json").write_text(json.dumps(manifest))
     result = _run("generate", "--model", model, "--prompt", "hi")
     assert result.exit_code == 2, result.output
     assert result.stderr == (f"error: {model / 'tokenizer.json'}: missing; export again with the model's tokenizer "

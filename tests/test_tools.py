@@ -208,9 +208,10 @@ def test_a_missing_optional_module_is_one_line_not_a_traceback(capsys):
     assert len(err.splitlines()) == 1
 
 
-@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("skip", [None, "before", "after"])
 def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip):
-    """try_bundle.sh hands run.sh every indented README line (bench left out with --skip-bench)."""
+    """try_bundle.sh hands run.sh every indented README line (bench left out with --skip-bench, given
+    before or after the folder: docs/sl2610.md writes it after, where the script once refused it)."""
     import shutil
     import subprocess
 
@@ -225,12 +226,19 @@ def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip
     (bundle / "BUNDLE.json").write_text("{}")
     (bundle / "README.md").write_text("# b\n\n    pip install ./w.whl\n\ntext\n\n    gx verify model\n"
                                       "    gx/bin/gemma-export bench --model model --board sl2610\n")
-    args = ["bash", str(here / "try_bundle.sh")] + (["--skip-bench"] if skip else []) + [str(bundle)]
+    args = ["bash", str(here / "try_bundle.sh"), str(bundle)]
+    if skip:
+        args.insert(2 if skip == "before" else 3, "--skip-bench")
     done = subprocess.run(args, capture_output=True, text=True, check=True)
     expected = ["pip install ./w.whl", "gx verify model"]
     if not skip:
         expected.append("gx/bin/gemma-export bench --model model --board sl2610")
     assert done.stdout.splitlines() == expected
+    for bad, line in (([str(bundle), "--skip-bnech"], "error: --skip-bnech: unknown option (expected --skip-bench)"),
+                      ([str(bundle), str(bundle)], "error: expected one BOARD_DIR, found 2"),
+                      (["--skip-bench"], "error: expected one BOARD_DIR, found 0")):
+        refused = subprocess.run(["bash", str(here / "try_bundle.sh"), *bad], capture_output=True, text=True)
+        assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.splitlines()[0] == line
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -151,8 +151,24 @@ def compare(args: argparse.Namespace) -> None:
     if args.json is not None:
         write_whole_file(args.json, lambda temporary: temporary.write_text(json.dumps(report, indent=2) + "\n"),
                          "--json")
-    if not all(same) or m.top1_agreement < args.min_top1:
+    failed = verdict_failures(same, first_diff, m.top1_agreement, args.min_top1)
+    if failed:
+        print(f"FAIL: {'; '.join(failed)}", file=sys.stderr)
         sys.exit(1)
+    print(f"PASS: greedy tokens identical in {len(same)} of {len(same)} prompts, top-1 agreement "
+          f"{m.top1_agreement:.2%} (at least {args.min_top1:.2%})", file=sys.stderr)
+
+
+def verdict_failures(same: list[bool], first_diff: list[int | None], top1: float, min_top1: float) -> list[str]:
+    """The checks ``compare`` failed, one phrase each (empty: it passes): the greedy tokens of a
+    prompt differ (at which token of it), top-1 agreement below ``min_top1`` (fractions, 0 to 1)."""
+    failed = []
+    differing = [f"prompt {i} from token {first}" for i, first in enumerate(first_diff) if first is not None]
+    if differing:
+        failed.append(f"greedy tokens differ in {len(differing)} of {len(same)} prompts ({', '.join(differing)})")
+    if top1 < min_top1:
+        failed.append(f"top-1 agreement {top1:.2%} is below --min-top1 {min_top1:.2%}")
+    return failed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,8 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--optimization", choices=("all", "basic"), default="all",
                    help="onnxruntime graph optimization level; basic leaves the fusions out (a control run)")
     p.set_defaults(run=dump)
-    p = sub.add_parser("compare", description="Compare two dumps of the same ids (e.g. x86-64 and aarch64); exits 1 "
-                       "below --min-top1. Example: parity.py compare x86.npz arm.npz --json report.json")
+    p = sub.add_parser("compare", description="Compare two dumps of the same ids (e.g. x86-64 and aarch64): the report "
+                       "(JSON) on stdout, a PASS or FAIL line on stderr; exits 1 when the greedy tokens of a prompt "
+                       "differ or top-1 agreement is below --min-top1. Example: parity.py compare x86.npz arm.npz --json report.json")
     p.add_argument("a", type=existing_file, help="a dump (.npz)")
     p.add_argument("b", type=existing_file, help="another dump of the same ids")
     p.add_argument("--json", default=None, type=output_file,

@@ -2,7 +2,7 @@
 # Install a `gemma-export bundle` folder on the emulated board and run its README's commands as
 # written (every indented line of README.md, in order, from inside the bundle folder).
 #
-# Usage: sudo tools/aarch64/try_bundle.sh [--skip-bench] BOARD_DIR
+# Usage: sudo tools/aarch64/try_bundle.sh [--skip-bench] BOARD_DIR   (the option before or after the folder)
 #
 # --skip-bench leaves out the README's `gemma-export bench` line: under emulation it takes about an
 # hour (its times are emulation times anyway); the other commands take minutes.
@@ -15,8 +15,16 @@ if [ $# -eq 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; }; then
   sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0
 fi
 SKIP_BENCH=0
-if [ $# -ge 1 ] && [ "$1" = "--skip-bench" ]; then SKIP_BENCH=1; shift; fi
-[ $# -eq 1 ] || { echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2; }
+ARGS=()
+for arg in "$@"; do   # --skip-bench before or after the folder
+  case "$arg" in
+    --skip-bench) SKIP_BENCH=1 ;;
+    -?*) echo "error: $arg: unknown option (expected --skip-bench)" >&2; echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2 ;;
+    *) ARGS+=("$arg") ;;
+  esac
+done
+[ ${#ARGS[@]} -eq 1 ] || { echo "error: expected one BOARD_DIR, found ${#ARGS[@]}" >&2; echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2; }
+set -- "${ARGS[@]}"
 [ -n "$1" ] || { echo "error: BOARD_DIR: empty path" >&2; exit 2; }
 [ -d "$1" ] || { echo "error: $1: not a folder (expected a gemma-export bundle folder)" >&2; exit 2; }
 BUNDLE=$(cd -- "$1" && pwd)
