@@ -119,6 +119,17 @@ def test_quantized_exports_stay_close(tiny_model, tiny_dir, tmp_path, dtype, opt
     assert result.table_initializers == 1
 
 
+def test_the_graph_is_ir_10_with_opset_21_for_older_runtimes(tiny_int8_export):
+    """A mutation check: a newer IR version passed every test, and would shut out the older
+    onnxruntime a board may run. IR 10 is the one ONNX pairs with opset 21 (onnx.helper.VERSION_TABLE)."""
+    import onnx
+
+    model = onnx.load(tiny_int8_export / "model.onnx", load_external_data=False)
+    assert {o.domain: o.version for o in model.opset_import} == {"": 21, "com.microsoft": 1}
+    paired = {ir for _release, ir, opset, *_ml in onnx.helper.VERSION_TABLE if opset == 21}
+    assert model.ir_version == 10 and paired == {10}
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "int8", "int4"])
 def test_one_table_in_archive_and_in_onnxruntime_optimized_graph(tiny_dir, tmp_path, dtype):
     out = export(tiny_dir, tmp_path / dtype, dtype, block_size=16 if dtype in ("int8", "int4") else None).out_dir

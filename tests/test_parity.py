@@ -526,6 +526,27 @@ def test_a_reference_of_another_architecture_is_bad_input_not_a_failed_compariso
     assert "verdict" not in result.output
 
 
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim", "intermediate_size"])
+def test_each_size_of_the_architecture_is_compared_with_the_reference_s(tiny_int8_export, field):
+    """A mutation check: dropping the head counts and head_dim from the compared sizes passed every
+    test (the IREE cases above change the layers and the MLP only); each size is compared here."""
+    from types import SimpleNamespace
+
+    from gemma_export.errors import FormatError
+    from gemma_export.parity import check_same_architecture
+
+    ours = json.loads((tiny_int8_export / "manifest.json").read_text())["config"]
+    sizes = {name: ours[name] for name in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                           "num_key_value_heads", "head_dim", "intermediate_size")}
+    check_same_architecture(SimpleNamespace(**sizes), "ref.mlir", tiny_int8_export)  # the same sizes pass
+    other = {**sizes, field: sizes[field] * 2}
+    with pytest.raises(FormatError) as refused:
+        check_same_architecture(SimpleNamespace(**other), "ref.mlir", tiny_int8_export)
+    assert str(refused.value) == (f"ref.mlir: {field} {sizes[field] * 2} (from its globals' shapes) differs from the "
+                                  f"export's {sizes[field]} ({tiny_int8_export}); not the same model")
+
+
 def test_a_reference_of_another_vocabulary_is_refused_before_anything_loads(tiny_int8_export, tmp_path, monkeypatch):
     from gemma_export import parity, reference_iree, runtime
 
