@@ -539,10 +539,22 @@ class OnnxDecoder:
 
         Raises:
             ConfigError: ``past`` is no dict, or lacks a ``past_key_values.*`` input of the graph.
+            FormatError: an integer array of ``input_ids`` holds an id outside ``0 … vocab_size - 1``
+                (onnxruntime's ``Gather`` takes a negative id as counted from the table's end, and
+                gave another token's logits without a word); an integer ``attention_mask`` that is
+                not left padding (:func:`check_left_padding`).
             onnxruntime's own exceptions (e.g. ``InvalidArgument``, ``Fail``), unwrapped: wrong
-            shapes or dtypes, or an id outside the vocabulary (no check here; see :meth:`check_ids`).
+                shapes or dtypes (a step of no tokens, 1-D arrays).
         """
         self._check_past(past)
+        if isinstance(attention_mask, np.ndarray) and attention_mask.dtype.kind in "iub" and attention_mask.ndim == 2:
+            check_left_padding(attention_mask, f"{self.model_dir}: forward()")
+        if isinstance(input_ids, np.ndarray) and input_ids.dtype.kind in "iu" and input_ids.size:
+            outside = np.argwhere((input_ids < 0) | (input_ids >= self.vocab_size))
+            if outside.size:
+                at = tuple(int(i) for i in outside[0])
+                raise FormatError(f"{self.model_dir}: forward(): input_ids{list(at)} is {int(input_ids[at])}, outside "
+                                  f"the export's vocabulary (0 to {self.vocab_size - 1})")
         outputs = self.session.run(None, self._feeds(input_ids, attention_mask, position_ids, past))
         named = dict(zip((o.name for o in self.session.get_outputs()), outputs))
         present = {name.replace("present.", "past_key_values.", 1): value
@@ -1363,7 +1375,8 @@ class KVCache:
                 after a past with ``B`` > 1; arrays that do not hold integers (a float would be
                 truncated); an ``out`` of another shape or dtype, not C-contiguous or read-only.
             FormatError: an id outside ``0 … vocab_size - 1`` (onnxruntime's Gather would read -1 as
-                the last row; :func:`check_token_ids`).
+                the last row; :func:`check_token_ids`); an ``attention_mask`` that is not left padding
+                (:func:`check_left_padding`).
             GemmaExportError: a ``position_ids`` value below 0 or at ``max_position_embeddings`` or
                 beyond, where ``attention_mask`` is 1 (padded slots may hold any value).
             onnxruntime's own exceptions, unwrapped.
@@ -1396,6 +1409,7 @@ class KVCache:
             raise GemmaExportError(f"KV cache: a step of {seq} tokens after a past needs batch 1 (onnxruntime's "
                                    f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
         check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
+        check_left_padding(attention_mask, "KV cache")
         limit = self.decoder.max_position_embeddings
         # positions the model does not take (onnxruntime-genai graphs read a cos_cache of that many rows);
         # padded slots (attention_mask 0) are never attended: any value
@@ -1465,6 +1479,34 @@ class KVCache:
         return np.array(b.get_outputs()[0].numpy(), copy=True)
 
 
+def check_left_padding(attention_mask: np.ndarray, where: str) -> None:
+    """Refuse an ``attention_mask`` (integer or bool ``[B, past + S]``) that is not left padding:
+    each row must be 0 (padding) for its first positions, if any, then 1 (a real token) to its end
+    (a row of 0 only is a padded prompt fed a token at a time, its logits not used yet). The graph
+    attends to every position whose mask is not 0, so a value of 2 counted as 1, and a 0 after a 1
+    hid that one token from the rest, positions unchanged, which matches no sequence a tokenizer
+    gives.
+
+    Raises:
+        FormatError: ``"{where}: attention_mask must hold 0 (left padding) and 1 (a real token),
+            found 2 at [0, 3]"``; ``"{where}: attention_mask is 0 at [b, k], after a 1 in its row; …"``.
+    """
+    mask = attention_mask.astype(np.int64, copy=False)
+    if mask.size == 0:
+        return
+    other = np.argwhere((mask != 0) & (mask != 1))
+    if other.size:
+        at = tuple(int(i) for i in other[0])
+        raise FormatError(f"{where}: attention_mask must hold 0 (left padding) and 1 (a real token), found "
+                          f"{int(mask[at])} at {list(at)}")
+    started = np.maximum.accumulate(mask, axis=1)  # 1 from a row's first real token on
+    gap = np.argwhere((started == 1) & (mask == 0))
+    if gap.size:
+        row, column = (int(i) for i in gap[0])
+        raise FormatError(f"{where}: attention_mask is 0 at [{row}, {column}], after a 1 in its row; 0 marks left "
+                          "padding only (positions before a row's first real token)")
+
+
 def _integer_array(name: str, value) -> np.ndarray:
     """``value`` as a C-contiguous int64 array, refusing what onnxruntime would be fed as another
     number (``np.ascontiguousarray(..., dtype=np.int64)`` truncates 2.9 to 2). ``input_ids`` must hold
@@ -1485,7 +1527,7 @@ def _integer_array(name: str, value) -> np.ndarray:
     if kind in "iu" or (name != "input_ids" and kind == "b"):
         return np.ascontiguousarray(array, dtype=np.int64)
     if kind == "f":
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):  # over: 2**63 is inf as float16
             # NaN, ±inf and what int64 cannot hold are no whole numbers here (a cast would wrap them)
             fractional = ~np.isfinite(array) | (array != np.trunc(array)) | (np.abs(array) >= 2.0**63)
         if name != "input_ids" and not fractional.any():
@@ -1571,6 +1613,10 @@ def _manifest_lists(model_dir: Path, name: str) -> bool:
     return isinstance(files, dict) and name in files
 
 
+#: ids ``tokenizers`` can decode at all are below this (it takes them as unsigned 32-bit integers)
+TOKENIZER_ID_LIMIT = 2**32
+
+
 class TextStream:
     """The text of generated ids, given out piece by piece as the ids come; the pieces joined are
     the text of the generation.
@@ -1595,6 +1641,10 @@ class TextStream:
         skip_special_tokens: decode as ``tokenizers`` does by default, leaving special tokens out;
             False (the default) shows them, e.g. FunctionGemma's function-call markers where its
             tokenizer marks them special.
+
+    Raises:
+        ConfigError: ``tokenizer`` has no ``decode``, or ``emit`` is not callable (they failed at
+            the first :meth:`add`, as an AttributeError or TypeError).
     """
 
     #: most ids of context decoded beside the new ones: room for a character's 4 byte ids and the
@@ -1604,6 +1654,11 @@ class TextStream:
     MAX_CHARACTER_IDS = 4
 
     def __init__(self, tokenizer, emit: Callable[[str], None], skip_special_tokens: bool = False) -> None:
+        if not callable(getattr(tokenizer, "decode", None)):
+            raise ConfigError(f"TextStream: tokenizer must be a tokenizers.Tokenizer (with decode), found "
+                              f"{type(tokenizer).__name__}")
+        if not callable(emit):
+            raise ConfigError(f"TextStream: emit must be callable (it is called with each piece), found {emit!r}")
         self._tokenizer = tokenizer
         self._emit = emit
         self._skip_special_tokens = skip_special_tokens
@@ -1619,10 +1674,13 @@ class TextStream:
             ConfigError: ``token_id`` is not an integer ≥ 0 (a bool, a float, a string, None, a
                 negative id): the tokenizer's own error came from its decode, and the id stayed
                 stored, so every later call failed too. An id the vocabulary lacks adds nothing, as
-                the tokenizer decodes it.
+                the tokenizer decodes it; so does one of 2**32 or more, which ``tokenizers`` cannot
+                take at all (its OverflowError had the same effect).
         """
         if not _is_integer(token_id) or operator.index(token_id) < 0:
             raise ConfigError(f"TextStream.add: token_id must be an integer >= 0, found {token_id!r}")
+        if operator.index(token_id) >= TOKENIZER_ID_LIMIT:
+            return
         self._ids.append(operator.index(token_id))
         after = self._decode(self._prefix, None)
         if after == self._decode(self._prefix, -1):  # an id that adds nothing (a skipped special token),

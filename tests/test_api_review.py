@@ -5,6 +5,7 @@ took a value it should refuse."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,29 @@ def test_text_stream_refuses_what_is_no_token_id_and_keeps_working(tiny_int8_exp
     stream.add(5)
     stream.add(np.int64(6))
     assert stream.finish() == load_tokenizer(tiny_int8_export).decode([5, 6], skip_special_tokens=False)
+
+
+def test_text_stream_takes_ids_beyond_32_bits_as_ids_the_vocabulary_lacks(tiny_int8_export):
+    """An API user: add(2**32) raised tokenizers' OverflowError, and every later add and finish
+    failed the same way; now it adds nothing, as 2**32 - 1 (also outside the vocabulary) does."""
+    tokenizer = load_tokenizer(tiny_int8_export)
+    shown = []
+    stream = TextStream(tokenizer, shown.append)
+    for token_id in (5, 2**32, 2**32 - 1, 2**70, 6):
+        stream.add(token_id)
+    assert stream.finish() == "".join(shown) == tokenizer.decode([5, 6], skip_special_tokens=False) != ""
+
+
+@pytest.mark.parametrize("tokenizer, emit, message", [
+    ("x", print, "TextStream: tokenizer must be a tokenizers.Tokenizer (with decode), found str"),
+    (None, None, "TextStream: emit must be callable (it is called with each piece), found None"),
+])
+def test_text_stream_checks_what_it_is_given_when_made(tiny_int8_export, tokenizer, emit, message):
+    """An API user: TextStream("x", print) and TextStream(tokenizer, None) failed only at the first
+    add, as an AttributeError and a TypeError."""
+    with pytest.raises(ConfigError) as refused:
+        TextStream(tokenizer or load_tokenizer(tiny_int8_export), emit)
+    assert str(refused.value) == message
 
 
 def test_check_board_budget_names_what_it_was_given():
@@ -148,3 +172,51 @@ def test_an_input_name_longer_than_the_file_system_takes_is_a_source_error(tmp_p
         assert f"File name too long (a name of {limit + 1} bytes in it; this file system takes at most {limit})" \
             in str(caught.value), name
     assert sorted(tmp_path.iterdir()) == []  # nothing begun
+
+
+def test_forward_refuses_ids_outside_the_vocabulary_and_masks_that_are_not_left_padding(tiny_int8_export):
+    """An API user: forward([[2, -1]]) gave the logits of [[2, 95]] without a word (onnxruntime's
+    Gather counts a negative index from the end); masks with a 0 after a 1, or a 2, ran and matched
+    no sequence. KVCache.step refuses the same masks."""
+    from gemma_export.errors import FormatError
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
+    positions = np.arange(3)[None]
+    ones = np.ones((1, 3), np.int64)
+    for ids, at, value in (([[2, -1, 5]], [0, 1], -1), ([[2, 5, 96]], [0, 2], 96), ([[2, 5, -96]], [0, 2], -96)):
+        with pytest.raises(FormatError) as refused:
+            decoder.forward(np.array(ids), ones, positions, decoder.empty_cache(1))
+        assert str(refused.value) == (f"{tiny_int8_export}: forward(): input_ids{at} is {value}, outside the export's "
+                                      "vocabulary (0 to 95)")
+    for mask, message in (([[1, 0, 1]], "attention_mask is 0 at [0, 1], after a 1 in its row; 0 marks left padding "
+                                         "only (positions before a row's first real token)"),
+                          ([[1, 1, 0]], "attention_mask is 0 at [0, 2], after a 1 in its row"),
+                          ([[0, 2, 1]], "attention_mask must hold 0 (left padding) and 1 (a real token), found 2 at "
+                                        "[0, 1]"),
+                          ([[1, -1, 1]], "attention_mask must hold 0 (left padding) and 1 (a real token), found -1 "
+                                         "at [0, 1]")):
+        with pytest.raises(FormatError, match=re.escape(f"{tiny_int8_export}: forward(): {message}")):
+            decoder.forward(np.array([[2, 5, 6]]), np.array(mask), positions, decoder.empty_cache(1))
+        with pytest.raises(FormatError, match=re.escape(f"KV cache: {message}")):
+            KVCache(decoder, 1, 8).step([[2, 5, 6]], mask, positions)
+    # left padding and a row of padding only (a padded prompt fed a token at a time) still run
+    logits, _ = decoder.forward(np.array([[0, 2, 5]]), np.array([[0, 1, 1]]), positions, decoder.empty_cache(1))
+    alone, _ = decoder.forward(np.array([[2, 5]]), np.ones((1, 2), np.int64), positions[:, :2], decoder.empty_cache(1))
+    assert np.abs(logits - alone).max() < 1e-4
+    KVCache(decoder, 1, 8).step([[0]], [[0]], [[0]])
+
+
+def test_float16_inputs_of_a_kv_cache_step_raise_no_numpy_warning(tiny_int8_export):
+    """An API user: float16 input_ids set off numpy's "overflow encountered in cast" (an exception
+    under -W error) before the documented error, and a float16 mask the same before it was taken."""
+    import warnings
+
+    from gemma_export.runtime import KVCache
+
+    cache = KVCache(OnnxDecoder(tiny_int8_export, prepacked=False), 1, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(GemmaExportError, match=r"input_ids must hold integers \(int64\), found float16 2\.0"):
+            cache.step(np.array([[2, 5, 6]], np.float16), np.ones((1, 3)), np.arange(3)[None])
+        cache.step(np.array([[2, 5, 6]]), np.ones((1, 3), np.float16), np.arange(3)[None])
