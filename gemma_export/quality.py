@@ -302,11 +302,12 @@ class LogitComparison:
 
 def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = CHUNK_ROWS,
                    sliding_window: int | None = GEMMA3_270M_SLIDING_WINDOW) -> QualityMetrics:
-    """Compare two teacher-forced logit matrices ``[T, V]`` (float32) on the same ``token_ids`` (length T);
+    """Compare two teacher-forced logit matrices ``[T, V]`` (any float dtype, as float32) on the same ``token_ids`` (length T);
     ``sliding_window`` as in :class:`LogitComparison`.
 
     Args:
-        reference, logits: float32 ``[T, V]`` numpy arrays, row ``i`` predicting ``token_ids[i + 1]``.
+        reference, logits: ``[T, V]`` numpy arrays of any float dtype (float16, bfloat16, float64:
+            used as float32), row ``i`` predicting ``token_ids[i + 1]``.
         token_ids: the ``T`` ids, each in ``0 … V - 1``.
         chunk: rows compared at a time (≥ 1).
 

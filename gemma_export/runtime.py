@@ -316,7 +316,7 @@ class OnnxDecoder:
 
     Args:
         model_dir: an export folder (``model.onnx`` + ``model.onnx.data``).
-        threads: intra-op threads (None: onnxruntime's default).
+        threads: intra-op threads, 1 to 4 × this machine's CPUs (None: onnxruntime's default).
         optimized_model_path: if set, onnxruntime writes its optimized graph there (used to prove
             that one table remains after its constant folding and pre-packing): a path outside
             every output of this toolkit (:func:`check_optimized_model_path`).
@@ -1057,7 +1057,7 @@ def create_session(path: str | Path, threads: int | None = None, optimized_model
     keep one per set of input shapes, a new one every decode step, as long as it lives.
 
     Args:
-        threads: intra-op threads (None: onnxruntime's default).
+        threads: intra-op threads, 1 to 4 × this machine's CPUs (None: onnxruntime's default).
         optimized_model_path: onnxruntime writes its optimized graph there.
         config: session config entries (``SessionOptions.add_session_config_entry``).
         optimization: onnxruntime's graph optimization level, ``all`` (default) or ``basic`` (no
@@ -1135,8 +1135,14 @@ def picked_token(logits: np.ndarray, step: int, where: str = "", model: str | Pa
 
     Raises:
         NumericError: ``"{model}: logits: step N picked token T whose logit is nan; the export does not
-            compute finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``).
+            compute finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``): a
+            NaN or +Inf anywhere, or -Inf everywhere.
+        ConfigError: ``logits`` is not a non-empty 1-D numpy array (numpy's IndexError or "argmax of
+            an empty sequence" came instead).
     """
+    if not isinstance(logits, np.ndarray) or logits.ndim != 1 or logits.size == 0:
+        found = f"{logits.dtype} {list(logits.shape)}" if isinstance(logits, np.ndarray) else type(logits).__name__
+        raise ConfigError(f"picked_token: logits must be one position's logits, a 1-D array [vocab], found {found}")
     token = int(np.argmax(logits))
     if not np.isfinite(logits[token]):
         raise NumericError(f"{f'{model}: ' if model is not None else ''}logits: {where + ', ' if where else ''}step "
@@ -1358,8 +1364,10 @@ class KVCache:
 
         Args:
             input_ids: int64 ``[B, S]``.
-            attention_mask: int64 ``[B, past + S]`` (1: a real token, 0: left padding).
-            position_ids: int64 ``[B, S]``.
+            attention_mask: int64 ``[B, past + S]`` (1: a real token, 0: left padding); bools and
+                whole-valued floats are taken as 0 and 1 (``np.ones`` is float64).
+            position_ids: int64 ``[B, S]``; whole-valued floats taken as well (``input_ids`` must
+                be of an integer dtype: a float id is refused however whole).
             out: a writeable C-contiguous float32 ``[B, 1, vocab]`` array that a one-token step's
                 logits are written into (by onnxruntime, or copied for graphs without shared KV
                 buffers) and that is returned: a decode loop then reuses one buffer instead of a
@@ -1723,7 +1731,7 @@ def generate(model_dir: str | Path, prompt: str, max_new_tokens: int = 32, threa
         model_dir: an export folder.
         prompt: the text.
         max_new_tokens: tokens to generate at most (≥ 1); decoding stops after an eos id.
-        threads: onnxruntime intra-op threads (None: its default).
+        threads: onnxruntime intra-op threads, 1 to 4 × this machine's CPUs (None: its default).
         prefill_chunk: prompt tokens per prefill step, as in :meth:`OnnxDecoder.greedy`.
         prepacked: the folder's pre-packed copy, as in :class:`OnnxDecoder` (None: used when it
             was made on this machine from these files).

@@ -37,7 +37,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import as_hessian, gptq_codes
-from .rows import as_weight, block_count, check_real, row_chunks
+from .rows import as_weight, block_count, check_layout, check_real, is_integer, row_chunks
 from .scales import SCALE_METHODS, Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 8
@@ -192,12 +192,28 @@ class BlockInt4Weights:
         scales: float32 ``[N, K // block_size]``.
         zero_points: uint8 ``[N, ceil((K // block_size) / 2)]`` packed, or None (symmetric: 8).
         block_size: elements per block along K.
+
+    Raises:
+        ValueError: when built, a field of another dtype or shape than these (the arrays' shapes
+            must agree with each other and with ``block_size``).
     """
 
     data: np.ndarray
     scales: np.ndarray
     zero_points: np.ndarray | None
     block_size: int
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless the fields have the layout above (:func:`quant.rows.check_layout`;
+        unpacked zero points, one byte a block, dequantized to other values without a word)."""
+        n, nb = self.data.shape[:2] if isinstance(self.data, np.ndarray) and self.data.ndim == 3 else (0, 0)
+        half = self.block_size // 2 if is_integer(self.block_size) else 0
+        arrays = {"data": (self.data, np.uint8, (n, nb, half)), "scales": (self.scales, np.float32, (n, nb))}
+        if self.zero_points is not None:
+            arrays["zero_points"] = (self.zero_points, np.uint8, (n, (nb + 1) // 2))
+        check_layout("BlockInt4Weights", arrays, self.block_size)
+        if self.block_size % 2:
+            raise ValueError(f"BlockInt4Weights: block_size must be even (two codes a byte), found {self.block_size}")
 
     @classmethod
     def quantize(cls, w, block_size: int, symmetric: bool = True, method: str = "mse",
@@ -235,7 +251,8 @@ class BlockInt4Weights:
         Raises:
             ValueError: ``w`` not 2-D or without rows or columns, ``block_size`` not an integer, odd, or not
                 dividing K, ``symmetric`` not a bool, unknown ``method`` or ``scale_dtype``, a scale
-                beyond float16's range with ``"float16"``, bad ``channel_weights``, NaN/Inf, a
+                beyond float16's range with ``"float16"``, bad ``channel_weights`` (or any with
+                ``"rtn"``), NaN/Inf, a
                 float64 beyond float32's range or values that are not real numbers in ``w``
                 (:func:`quant.rows.float_rows`, index named); with ``hessian``: a shape other than
                 ``[K, K]``, NaN or Inf in it, or a matrix :func:`quant.gptq.inverse_cholesky` cannot
@@ -248,6 +265,9 @@ class BlockInt4Weights:
         if method not in SCALE_METHODS:
             raise ValueError(f"method must be one of {', '.join(SCALE_METHODS)}, found {method!r}")
         check_scale_dtype(scale_dtype)
+        if channel_weights is not None and method == "rtn":  # it would be taken and not used
+            raise ValueError("channel_weights weight the error of the clipping search (method 'mse'); method 'rtn' "
+                             "searches nothing")
         n, k = w.shape
         h = None
         if hessian is not None:

@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import gptq_codes
-from .rows import as_weight, block_count, row_chunks
+from .rows import as_weight, block_count, check_layout, row_chunks
 from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 128
@@ -41,11 +41,21 @@ class BlockInt8Weights:
         data: uint8 ``[N, K // block_size, block_size]`` — ``q + 128``, MatMulNBits' ``B`` layout.
         scales: float32 ``[N, K // block_size]``.
         block_size: elements per block along K.
+
+    Raises:
+        ValueError: when built, a field of another dtype or shape than these (the arrays' shapes
+            must agree with each other and with ``block_size``).
     """
 
     data: np.ndarray
     scales: np.ndarray
     block_size: int
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless the fields have the layout above (:func:`quant.rows.check_layout`)."""
+        shape = self.data.shape if isinstance(self.data, np.ndarray) and self.data.ndim == 3 else (0, 0, 0)
+        check_layout("BlockInt8Weights", {"data": (self.data, np.uint8, shape[:2] + (self.block_size,)),
+                                          "scales": (self.scales, np.float32, shape[:2])}, self.block_size)
 
     @classmethod
     def quantize(cls, w: np.ndarray, block_size: int, hessian=None, scale_dtype: str = "float32") -> "BlockInt8Weights":

@@ -100,3 +100,20 @@ def row_chunks(w, rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
     float32 is 671 MB for a hidden size of 640). Raises as :func:`float_rows`."""
     for start in range(0, w.shape[0], rows_per_chunk):
         yield start, float_rows(w, start, rows_per_chunk)
+
+
+def check_layout(kind: str, arrays: dict[str, tuple[object, object, tuple[int, ...]]], block_size) -> None:
+    """Check the fields of a block-quantized weight built by hand: each of ``arrays`` (``name ->
+    (value, dtype, shape)``) must be a numpy array of that dtype and shape; ``block_size`` an
+    integer > 0. ``quantize`` builds them so; a hand-built one with a wrong layout dequantized to
+    other values without a word.
+
+    Raises:
+        ValueError: ``"BlockInt8Weights: scales must be float32 [4, 2], found float64 [4, 2]"``.
+    """
+    if not is_integer(block_size) or block_size <= 0:
+        raise ValueError(f"{kind}: block_size must be an integer > 0, found {block_size!r}")
+    for name, (value, dtype, shape) in arrays.items():
+        if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape:
+            found = (f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__)
+            raise ValueError(f"{kind}: {name} must be {np.dtype(dtype)} {list(shape)}, found {found}")

@@ -220,3 +220,19 @@ def test_float16_inputs_of_a_kv_cache_step_raise_no_numpy_warning(tiny_int8_expo
         with pytest.raises(GemmaExportError, match=r"input_ids must hold integers \(int64\), found float16 2\.0"):
             cache.step(np.array([[2, 5, 6]], np.float16), np.ones((1, 3)), np.arange(3)[None])
         cache.step(np.array([[2, 5, 6]]), np.ones((1, 3), np.float16), np.arange(3)[None])
+
+
+@pytest.mark.parametrize("logits, found", [(np.zeros((2, 5), np.float32), "float32 [2, 5]"),
+                                           (np.zeros(0, np.float32), "float32 [0]"), ([0.5, 1.0], "list")])
+def test_picked_token_names_logits_that_are_not_one_position_s(logits, found):
+    """An API user: 2-D logits raised numpy's IndexError, empty ones its "argmax of an empty
+    sequence"; a row of -Inf only is a broken export, as NaN is."""
+    from gemma_export.errors import NumericError
+    from gemma_export.runtime import picked_token
+
+    with pytest.raises(ConfigError) as refused:
+        picked_token(logits, 0)
+    assert str(refused.value) == f"picked_token: logits must be one position's logits, a 1-D array [vocab], found {found}"
+    with pytest.raises(NumericError, match="step 3 picked token 0 whose logit is -inf"):
+        picked_token(np.full(4, -np.inf, np.float32), 3)
+    assert picked_token(np.array([0.5, 2.0, 2.0, -1.0], np.float32), 0) == 1  # ties: the lowest id

@@ -733,6 +733,21 @@ def test_bad_channel_weights_are_named_as_given(channel_weights, message):
         BlockInt4Weights.quantize(np.ones((2, 64), np.float32), 16, channel_weights=channel_weights)
 
 
+def test_channel_weights_with_round_to_nearest_are_refused_not_ignored():
+    """An API user: method "rtn" took channel_weights and used them nowhere (the same codes as
+    without them); with "mse" they change the chosen scales."""
+    from quant import BlockInt4Weights
+
+    w = np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32)
+    weights = np.random.default_rng(4).uniform(0.0, 10.0, 64) ** 3  # uneven within each block
+    with pytest.raises(ValueError, match=r"^channel_weights weight the error of the clipping search \(method 'mse'\); "
+                                         r"method 'rtn' searches nothing$"):
+        BlockInt4Weights.quantize(w, 16, method="rtn", channel_weights=weights)
+    plain = BlockInt4Weights.quantize(w, 16, method="mse")
+    weighted = BlockInt4Weights.quantize(w, 16, method="mse", channel_weights=weights)
+    assert not np.array_equal(plain.scales, weighted.scales)
+
+
 def test_a_complex_hessian_is_refused_not_cast():
     with pytest.raises(ValueError, match=r"^the Hessian: expected real numbers, found complex128$"):
         BlockInt8Weights.quantize(np.ones((2, 64), np.float32), 16, hessian=np.eye(64, dtype=complex))
@@ -774,3 +789,32 @@ def test_rotating_a_block_that_overflows_gives_inf_without_a_warning():
         warnings.simplefilter("error")
         rotated = rotate_blocks(np.full((1, 16), 3e38, np.float32), 16)
     assert np.isposinf(rotated[0, 0])  # the sum of 16 × 3e38, scaled: beyond float32, as documented
+
+
+def test_hand_built_block_weights_with_another_layout_are_refused():
+    """An API user: a BlockInt8Weights of int8 codes, one whose block_size disagrees with its
+    arrays, or a BlockInt4Weights with unpacked zero points were taken and dequantized to other
+    values without a word. quantize's own results still build."""
+    w = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    q8 = BlockInt8Weights.quantize(w, 32)
+    q4 = BlockInt4Weights.quantize(w, 32, symmetric=False)
+    assert q4.zero_points.shape == (4, 1)
+    for build, message in [
+            (lambda: BlockInt8Weights(q8.data.view(np.int8), q8.scales, 32),
+             "BlockInt8Weights: data must be uint8 [4, 2, 32], found int8 [4, 2, 32]"),
+            (lambda: BlockInt8Weights(q8.data, q8.scales, 16), "data must be uint8 [4, 2, 16], found uint8 [4, 2, 32]"),
+            (lambda: BlockInt8Weights(q8.data, q8.scales.astype(np.float64), 32),
+             "BlockInt8Weights: scales must be float32 [4, 2], found float64 [4, 2]"),
+            (lambda: BlockInt8Weights(q8.data, q8.scales, 32.0), "BlockInt8Weights: block_size must be an integer > 0, "
+                                                                 "found 32.0"),
+            (lambda: BlockInt8Weights(q8.data.tolist(), q8.scales, 32), "data must be uint8 [0, 0, 32], found list"),
+            (lambda: BlockInt4Weights(q4.data, q4.scales, q4.unpacked_zero_points(), 32),
+             "BlockInt4Weights: zero_points must be uint8 [4, 1], found uint8 [4, 2]"),
+            (lambda: BlockInt4Weights(q4.data, q4.scales, q4.zero_points, 64),
+             "BlockInt4Weights: data must be uint8 [4, 2, 32], found uint8 [4, 2, 16]"),
+            (lambda: BlockInt4Weights(q4.data, q4.scales[:, :1], None, 32), "scales must be float32 [4, 2], found "
+                                                                            "float32 [4, 1]")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build()
+    assert np.array_equal(BlockInt8Weights(q8.data, q8.scales, 32).dequantize(), q8.dequantize())
+    assert np.array_equal(BlockInt4Weights(q4.data, q4.scales, q4.zero_points, 32).dequantize(), q4.dequantize())
