@@ -377,11 +377,10 @@ def export(
             of two that divides the dims).
         table_block_size: block size of the embedding table / LM head (default: 128 for an int8
             table, 32 for an int4 table; for a model whose hidden_size it does not divide, the
-            largest power of two that divides it, as ``block_size``).
+            largest smaller power of two that does, as for ``block_size``: :func:`block_size_for`).
         hadamard_size: int8/int4: size of the block-diagonal Hadamard rotation applied to every
-            matmul input and folded into the weights (default 64, or as ``table_block_size`` the
-            largest power of two that divides every matmul's input width; 0 disables;
-            ``quant/hadamard.py``).
+            matmul input and folded into the weights (default 64, or the largest smaller power of
+            two that divides every matmul's input width; 0 disables; ``quant/hadamard.py``).
         table_dtype: int4 only: ``int4`` (default) or ``int8`` for the shared table.
         symmetric: int4 only: fixed zero point 8 (default) or a 4-bit zero point per block.
         scale_method: int4 only: ``mse`` (clipping search; None means mse) or ``rtn`` (round to nearest).
