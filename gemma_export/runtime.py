@@ -458,6 +458,9 @@ class OnnxDecoder:
         release_free_heap()  # what loading freed (graph, tokenizer, onnxruntime's transient buffers)
         inputs = {i.name: i for i in self.session.get_inputs()}
         self._input_names = tuple(inputs)
+        #: whether the graph takes position_ids (this toolkit's); onnxruntime-genai's count each
+        #: row's positions from its attention_mask, so their batches are padded on the right
+        self.takes_position_ids = "position_ids" in self._input_names
         self.num_hidden_layers = check_decoder_contract(path, inputs, self.session.get_outputs())
         _, self.num_key_value_heads, _, self.head_dim = inputs["past_key_values.0.key"].shape
         # symbolic in onnxruntime-genai graphs: their config has them (the KV cache's buffers are sized from them)
@@ -541,14 +544,15 @@ class OnnxDecoder:
             ConfigError: ``past`` is no dict, or lacks a ``past_key_values.*`` input of the graph.
             FormatError: an integer array of ``input_ids`` holds an id outside ``0 … vocab_size - 1``
                 (onnxruntime's ``Gather`` takes a negative id as counted from the table's end, and
-                gave another token's logits without a word); an integer ``attention_mask`` that is
-                not left padding (:func:`check_left_padding`).
+                gave another token's logits without a word); an integer or bool ``attention_mask``
+                that is not left padding, or holds values other than 0 and 1 (only those for a graph
+                of onnxruntime-genai, padded on the right: :func:`check_left_padding`).
             onnxruntime's own exceptions (e.g. ``InvalidArgument``, ``Fail``), unwrapped: wrong
                 shapes or dtypes (a step of no tokens, 1-D arrays).
         """
         self._check_past(past)
         if isinstance(attention_mask, np.ndarray) and attention_mask.dtype.kind in "iub" and attention_mask.ndim == 2:
-            check_left_padding(attention_mask, f"{self.model_dir}: forward()")
+            check_left_padding(attention_mask, f"{self.model_dir}: forward()", self.takes_position_ids)
         if isinstance(input_ids, np.ndarray) and input_ids.dtype.kind in "iu" and input_ids.size:
             outside = np.argwhere((input_ids < 0) | (input_ids >= self.vocab_size))
             if outside.size:
@@ -717,7 +721,9 @@ class OnnxDecoder:
         to rounding: a left-padded row's logits differ from its run alone by float rounding on fp32
         (up to 1e-4) and by up to ~0.36 on int8 and int4 exports (their 8-bit activations magnify
         it; 2026-12-06), so a near-tie there can go the other way. Rows keep decoding after their
-        own stop token; callers cut each row at its first stop id.
+        own stop token; callers cut each row at its first stop id. A graph without ``position_ids``
+        (onnxruntime-genai's, which counts positions from the mask and so cannot take left padding)
+        runs prompts of several lengths one at a time.
 
         Args:
             prompts: one id list per row (with ``<bos>``), each id inside the vocabulary.
@@ -752,6 +758,10 @@ class OnnxDecoder:
         longest = max(len(p) for p in prompts)
         capacity = positions_needed(longest, max_new_tokens)
         self.check_length(capacity)
+        if not self.takes_position_ids and any(len(p) != longest for p in prompts):
+            # onnxruntime-genai's graph counts a row's positions from its mask: left padding shifts
+            # them (other tokens, measured), so prompts of several lengths run one at a time
+            return [self.greedy(prompt, max_new_tokens, stop_ids=(), prefill_chunk=None)[0] for prompt in prompts]
         ids = np.zeros((batch, longest), np.int64)
         mask = np.zeros((batch, longest), np.int64)
         for row, prompt in enumerate(prompts):
@@ -1137,12 +1147,13 @@ def picked_token(logits: np.ndarray, step: int, where: str = "", model: str | Pa
         NumericError: ``"{model}: logits: step N picked token T whose logit is nan; the export does not
             compute finite logits"`` (``where``, e.g. ``prompt #1`` of a batch, after ``logits:``): a
             NaN or +Inf anywhere, or -Inf everywhere.
-        ConfigError: ``logits`` is not a non-empty 1-D numpy array (numpy's IndexError or "argmax of
-            an empty sequence" came instead).
+        ConfigError: ``logits`` (as ``np.asarray`` takes it) is not a non-empty 1-D array of numbers
+            (numpy's IndexError or "argmax of an empty sequence" came instead).
     """
-    if not isinstance(logits, np.ndarray) or logits.ndim != 1 or logits.size == 0:
-        found = f"{logits.dtype} {list(logits.shape)}" if isinstance(logits, np.ndarray) else type(logits).__name__
-        raise ConfigError(f"picked_token: logits must be one position's logits, a 1-D array [vocab], found {found}")
+    logits = np.asarray(logits)
+    if logits.ndim != 1 or logits.size == 0 or logits.dtype.kind not in "iuf":
+        raise ConfigError(f"picked_token: logits must be one position's logits, a 1-D array [vocab], found "
+                          f"{logits.dtype} {list(logits.shape)}")
     token = int(np.argmax(logits))
     if not np.isfinite(logits[token]):
         raise NumericError(f"{f'{model}: ' if model is not None else ''}logits: {where + ', ' if where else ''}step "
@@ -1384,7 +1395,7 @@ class KVCache:
                 truncated); an ``out`` of another shape or dtype, not C-contiguous or read-only.
             FormatError: an id outside ``0 … vocab_size - 1`` (onnxruntime's Gather would read -1 as
                 the last row; :func:`check_token_ids`); an ``attention_mask`` that is not left padding
-                (:func:`check_left_padding`).
+                (a graph of onnxruntime-genai: values other than 0 and 1; :func:`check_left_padding`).
             GemmaExportError: a ``position_ids`` value below 0 or at ``max_position_embeddings`` or
                 beyond, where ``attention_mask`` is 1 (padded slots may hold any value).
             onnxruntime's own exceptions, unwrapped.
@@ -1417,7 +1428,7 @@ class KVCache:
             raise GemmaExportError(f"KV cache: a step of {seq} tokens after a past needs batch 1 (onnxruntime's "
                                    f"GroupQueryAttention), found batch {self.batch_size}; feed the batch one token a step")
         check_token_ids(input_ids.ravel(), self.decoder.vocab_size, "KV cache: input_ids")
-        check_left_padding(attention_mask, "KV cache")
+        check_left_padding(attention_mask, "KV cache", self.decoder.takes_position_ids)
         limit = self.decoder.max_position_embeddings
         # positions the model does not take (onnxruntime-genai graphs read a cos_cache of that many rows);
         # padded slots (attention_mask 0) are never attended: any value
@@ -1487,26 +1498,30 @@ class KVCache:
         return np.array(b.get_outputs()[0].numpy(), copy=True)
 
 
-def check_left_padding(attention_mask: np.ndarray, where: str) -> None:
-    """Refuse an ``attention_mask`` (integer or bool ``[B, past + S]``) that is not left padding:
-    each row must be 0 (padding) for its first positions, if any, then 1 (a real token) to its end
-    (a row of 0 only is a padded prompt fed a token at a time, its logits not used yet). The graph
-    attends to every position whose mask is not 0, so a value of 2 counted as 1, and a 0 after a 1
-    hid that one token from the rest, positions unchanged, which matches no sequence a tokenizer
-    gives.
+def check_left_padding(attention_mask: np.ndarray, where: str, left_padding: bool = True) -> None:
+    """Refuse an ``attention_mask`` (integer or bool ``[B, past + S]``) that holds values other than
+    0 and 1, and with ``left_padding`` one that is not left padding: each row 0 (padding) for its
+    first positions, if any, then 1 (a real token) to its end (a row of 0 only is a padded prompt
+    fed a token at a time, its logits not used yet). This toolkit's graphs attend to every position
+    whose mask is not 0 and take positions from ``position_ids``, so a 2 counted as 1, and a 0
+    after a 1 hid that one token from the rest, positions unchanged: a sequence no tokenizer gives.
+    onnxruntime-genai's graphs (``left_padding`` False) count a row's length as the sum of its
+    mask, so they take right padding (zeros between a prompt and its new tokens) and a 2 as two.
 
     Raises:
         FormatError: ``"{where}: attention_mask must hold 0 (left padding) and 1 (a real token),
             found 2 at [0, 3]"``; ``"{where}: attention_mask is 0 at [b, k], after a 1 in its row; …"``.
     """
-    mask = attention_mask.astype(np.int64, copy=False)
+    mask = attention_mask.view(np.uint8) if attention_mask.dtype.kind == "b" else attention_mask
     if mask.size == 0 or (mask == 1).all():  # a decode step's usual mask, checked in one pass
         return
-    other = np.argwhere((mask != 0) & (mask != 1))
+    other = np.argwhere((mask != 0) & (mask != 1))  # in the mask's own dtype: uint64's 2**64 - 1 is not -1
     if other.size:
         at = tuple(int(i) for i in other[0])
-        raise FormatError(f"{where}: attention_mask must hold 0 (left padding) and 1 (a real token), found "
-                          f"{int(mask[at])} at {list(at)}")
+        raise FormatError(f"{where}: attention_mask must hold 0 ({'left ' if left_padding else ''}padding) and 1 (a "
+                          f"real token), found {int(mask[at])} at {list(at)}")
+    if not left_padding:
+        return
     started = np.maximum.accumulate(mask, axis=1)  # 1 from a row's first real token on
     gap = np.argwhere((started == 1) & (mask == 0))
     if gap.size:
@@ -1683,7 +1698,7 @@ class TextStream:
                 negative id): the tokenizer's own error came from its decode, and the id stayed
                 stored, so every later call failed too. An id the vocabulary lacks adds nothing, as
                 the tokenizer decodes it; so does one of 2**32 or more, which ``tokenizers`` cannot
-                take at all (its OverflowError had the same effect).
+                take at all (its OverflowError left the id stored, and every later call failed).
         """
         if not _is_integer(token_id) or operator.index(token_id) < 0:
             raise ConfigError(f"TextStream.add: token_id must be an integer >= 0, found {token_id!r}")

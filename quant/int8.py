@@ -53,7 +53,11 @@ class BlockInt8Weights:
 
     def __post_init__(self) -> None:
         """Raises ValueError unless the fields have the layout above (:func:`quant.rows.check_layout`)."""
-        shape = self.data.shape if isinstance(self.data, np.ndarray) and self.data.ndim == 3 else (0, 0, 0)
+        if not (isinstance(self.data, np.ndarray) and self.data.ndim == 3):
+            raise ValueError("BlockInt8Weights: data must be a uint8 array [N, K // block_size, block_size], found "
+                             + (f"{self.data.dtype} {list(self.data.shape)}" if isinstance(self.data, np.ndarray)
+                                else type(self.data).__name__))
+        shape = self.data.shape
         check_layout("BlockInt8Weights", {"data": (self.data, np.uint8, shape[:2] + (self.block_size,)),
                                           "scales": (self.scales, np.float32, shape[:2])}, self.block_size)
 

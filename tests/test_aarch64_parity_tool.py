@@ -264,6 +264,15 @@ def test_dumps_of_two_exports_of_one_vocabulary_are_bad_input_not_a_parity_failu
         "error: odd.npz: 'export' must be a string (the export's graph and data sha256), found int64 [3]"], proc.stderr
 
 
+def test_the_verdict_names_each_failed_check_at_its_edges():
+    """A reviewer's mutations: a prompt that departs at its first token (index 0) and top-1 exactly at
+    the minimum ("at least") were not told apart; a top-1 just below it printed as equal to it."""
+    verdict = _parity_module().verdict_failures
+    assert verdict([True, True], [None, None], 0.995, 0.995) == []
+    assert verdict([True, False], [None, 0], 1.0, 0.995) == ["greedy tokens differ in 1 of 2 prompts (prompt 1 from token 0)"]
+    assert verdict([True], [None], 0.99499, 0.995) == ["top-1 agreement 99.499% is below --min-top1 99.500%"]
+
+
 def test_compare_says_on_stderr_which_check_failed(made, work):
     """A board engineer: compare exited 1 with only the JSON report, the same as a crash to a script
     that reads the status; stderr now ends in one PASS or FAIL line naming the failed checks."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from gemma_export.errors import ConfigError, GemmaExportError, NumericError, OutputError
+from gemma_export.errors import ConfigError, FormatError, GemmaExportError, NumericError, OutputError
 from gemma_export.runtime import KVCache, OnnxDecoder, TextStream, load_tokenizer
 
 
@@ -78,6 +79,8 @@ def test_text_stream_takes_ids_beyond_32_bits_as_ids_the_vocabulary_lacks(tiny_i
 
 @pytest.mark.parametrize("tokenizer, emit, message", [
     ("x", print, "TextStream: tokenizer must be a tokenizers.Tokenizer (with decode), found str"),
+    (SimpleNamespace(decode="not a method"), print,
+     "TextStream: tokenizer must be a tokenizers.Tokenizer (with decode), found SimpleNamespace"),
     (None, None, "TextStream: emit must be callable (it is called with each piece), found None"),
 ])
 def test_text_stream_checks_what_it_is_given_when_made(tiny_int8_export, tokenizer, emit, message):
@@ -184,7 +187,7 @@ def test_forward_refuses_ids_outside_the_vocabulary_and_masks_that_are_not_left_
     decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
     positions = np.arange(3)[None]
     ones = np.ones((1, 3), np.int64)
-    for ids, at, value in (([[2, -1, 5]], [0, 1], -1), ([[2, 5, 96]], [0, 2], 96), ([[2, 5, -96]], [0, 2], -96)):
+    for ids, at, value in (([[2, -1, 96]], [0, 1], -1), ([[2, 5, 96]], [0, 2], 96), ([[2, 5, -96]], [0, 2], -96)):
         with pytest.raises(FormatError) as refused:
             decoder.forward(np.array(ids), ones, positions, decoder.empty_cache(1))
         assert str(refused.value) == (f"{tiny_int8_export}: forward(): input_ids{at} is {value}, outside the export's "
@@ -223,7 +226,8 @@ def test_float16_inputs_of_a_kv_cache_step_raise_no_numpy_warning(tiny_int8_expo
 
 
 @pytest.mark.parametrize("logits, found", [(np.zeros((2, 5), np.float32), "float32 [2, 5]"),
-                                           (np.zeros(0, np.float32), "float32 [0]"), ([0.5, 1.0], "list")])
+                                           (np.zeros(0, np.float32), "float32 [0]"), ([[0.5, 1.0]], "float64 [1, 2]"),
+                                           (["a", "b"], "<U1 [2]")])
 def test_picked_token_names_logits_that_are_not_one_position_s(logits, found):
     """An API user: 2-D logits raised numpy's IndexError, empty ones its "argmax of an empty
     sequence"; a row of -Inf only is a broken export, as NaN is."""
@@ -236,3 +240,54 @@ def test_picked_token_names_logits_that_are_not_one_position_s(logits, found):
     with pytest.raises(NumericError, match="step 3 picked token 0 whose logit is -inf"):
         picked_token(np.full(4, -np.inf, np.float32), 3)
     assert picked_token(np.array([0.5, 2.0, 2.0, -1.0], np.float32), 0) == 1  # ties: the lowest id
+    assert picked_token([0.5, 3.0], 0) == 1  # a list, as numpy takes it
+
+
+def test_a_graph_without_position_ids_takes_right_padding_and_batches_of_several_lengths_run_alone(
+        tiny_int8_export, monkeypatch):
+    """A reviewer: onnxruntime-genai's graphs count a row's positions from its mask (the sum of it),
+    so right padding is their batch layout; the left-padding rule refused it, and greedy_batch's
+    left padding gave another row's tokens on them (genai int4: [2098, 718, 718, ...] for a
+    prompt that alone gives [236888, 564, 236789, ...]). Here the rule is kept for graphs that take
+    position_ids, values other than 0 and 1 are refused for both, and greedy_batch runs a genai
+    graph's prompts of several lengths one at a time."""
+    from gemma_export.runtime import check_left_padding
+
+    right = np.array([[1, 1, 1, 1], [1, 1, 0, 0]])
+    check_left_padding(right, "genai", left_padding=False)
+    with pytest.raises(FormatError, match=r"^ours: attention_mask is 0 at \[1, 2\], after a 1 in its row"):
+        check_left_padding(right, "ours")
+    with pytest.raises(FormatError, match=r"^genai: attention_mask must hold 0 \(padding\) and 1 \(a real token\), "
+                                          r"found 2 at \[1, 1\]$"):
+        check_left_padding(np.array([[1, 1], [1, 2]]), "genai", left_padding=False)
+    with pytest.raises(FormatError, match=r"^ours: attention_mask must hold .*found 2 at \[0, 1\]$"):
+        check_left_padding(np.array([[1, 2, 3]]), "ours")  # the first of several
+    with pytest.raises(FormatError, match=r"^ours: attention_mask is 0 at \[1, 2\], after"):
+        check_left_padding(np.array([[0, 1, 1, 1], [0, 1, 0, 0]]), "ours")
+    big = np.array([[1, 2**64 - 1]], np.uint64)  # named as it is, not as int64's -1
+    with pytest.raises(FormatError, match=r"found 18446744073709551615 at \[0, 1\]$"):
+        check_left_padding(big, "ours")
+    check_left_padding(np.array([[False, True, True]]), "ours")
+
+    decoder = OnnxDecoder(tiny_int8_export, prepacked=False)
+    prompts = [[2, 5, 6, 7, 8], [2, 9]]
+    alone = [decoder.greedy(p, 4, stop_ids=())[0] for p in prompts]
+    assert decoder.takes_position_ids and decoder.greedy_batch(prompts, 4) == alone
+    monkeypatch.setattr(decoder, "takes_position_ids", False)
+    ran = []
+    real_greedy = decoder.greedy
+    monkeypatch.setattr(decoder, "greedy", lambda prompt, *args, **kwargs: ran.append(list(prompt))
+                        or real_greedy(prompt, *args, **kwargs))
+    assert decoder.greedy_batch(prompts, 4) == alone and ran == prompts
+    ran.clear()
+    decoder.greedy_batch([[2, 5], [2, 9]], 4)  # one length: no padding, one batch
+    assert ran == []
+
+
+def test_a_folder_whose_manifest_cannot_be_read_gets_the_plain_missing_tokenizer_line(tmp_path):
+    """A reviewer's mutation: an unreadable manifest taken as listing tokenizer.json survived."""
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(FormatError) as refused:
+        load_tokenizer(tmp_path)
+    assert str(refused.value) == (f"{tmp_path / 'tokenizer.json'}: missing; export again with the model's tokenizer "
+                                  "(--tokenizer TOKENIZER.json), or from a source that carries one")

@@ -234,11 +234,21 @@ def test_try_bundle_runs_the_readme_lines_and_can_leave_out_bench(tmp_path, skip
     if not skip:
         expected.append("gx/bin/gemma-export bench --model model --board sl2610")
     assert done.stdout.splitlines() == expected
-    for bad, line in (([str(bundle), "--skip-bnech"], "error: --skip-bnech: unknown option (expected --skip-bench)"),
+    for bad, line in (([str(bundle), "--skip-bnech"], "error: --skip-bnech: unknown option (expected --skip-bench; a "
+                                                      "folder named so: -- --skip-bnech or ./--skip-bnech)"),
+                      ([str(bundle), "-s"], "error: -s: unknown option (expected --skip-bench; a folder named so: -- -s "
+                                            "or ./-s)"),
                       ([str(bundle), str(bundle)], "error: expected one BOARD_DIR, found 2"),
                       (["--skip-bench"], "error: expected one BOARD_DIR, found 0")):
         refused = subprocess.run(["bash", str(here / "try_bundle.sh"), *bad], capture_output=True, text=True)
         assert refused.returncode == 2 and refused.stdout == "" and refused.stderr.splitlines()[0] == line
+    shown = subprocess.run(["bash", str(here / "try_bundle.sh"), str(bundle), "--help"], capture_output=True, text=True)
+    assert shown.returncode == 0 and shown.stdout.startswith("Install a `gemma-export bundle` folder")
+    dashed = tmp_path / "-board"
+    bundle.rename(dashed)  # a folder whose name starts with a dash, after --
+    done = subprocess.run(["bash", str(here / "try_bundle.sh"), "--skip-bench", "--", "-board"], capture_output=True,
+                          text=True, check=True, cwd=tmp_path)
+    assert done.stdout.splitlines() == ["pip install ./w.whl", "gx verify model"]
 
 
 @pytest.mark.parametrize("fails", [False, True])

@@ -167,7 +167,8 @@ def verdict_failures(same: list[bool], first_diff: list[int | None], top1: float
     if differing:
         failed.append(f"greedy tokens differ in {len(differing)} of {len(same)} prompts ({', '.join(differing)})")
     if top1 < min_top1:
-        failed.append(f"top-1 agreement {top1:.2%} is below --min-top1 {min_top1:.2%}")
+        digits = next((d for d in range(2, 7) if f"{top1:.{d}%}" != f"{min_top1:.{d}%}"), 7)  # 99.499% is no 99.50%
+        failed.append(f"top-1 agreement {top1:.{digits}%} is below --min-top1 {min_top1:.{digits}%}")
     return failed
 
 

@@ -2,7 +2,7 @@
 # Install a `gemma-export bundle` folder on the emulated board and run its README's commands as
 # written (every indented line of README.md, in order, from inside the bundle folder).
 #
-# Usage: sudo tools/aarch64/try_bundle.sh [--skip-bench] BOARD_DIR   (the option before or after the folder)
+# Usage: sudo tools/aarch64/try_bundle.sh [--skip-bench] [--] BOARD_DIR   (the option before or after the folder)
 #
 # --skip-bench leaves out the README's `gemma-export bench` line: under emulation it takes about an
 # hour (its times are emulation times anyway); the other commands take minutes.
@@ -11,17 +11,20 @@
 # created afresh in a temporary HOME inside the emulated board, so nothing of the toolkit's checkout
 # is used: PYTHONPATH is cleared and the toolkit comes from the bundle's wheel.
 set -euo pipefail
-if [ $# -eq 1 ] && { [ "$1" = "-h" ] || [ "$1" = "--help" ]; }; then
-  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0
-fi
 SKIP_BENCH=0
 ARGS=()
-for arg in "$@"; do   # --skip-bench before or after the folder
-  case "$arg" in
-    --skip-bench) SKIP_BENCH=1 ;;
-    -?*) echo "error: $arg: unknown option (expected --skip-bench)" >&2; echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2 ;;
-    *) ARGS+=("$arg") ;;
-  esac
+OPTIONS=1
+for arg in "$@"; do   # --skip-bench before or after the folder; after --, a folder whatever its name
+  if [ "$OPTIONS" = 1 ]; then
+    case "$arg" in
+      -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+      --skip-bench) SKIP_BENCH=1; continue ;;
+      --) OPTIONS=0; continue ;;
+      -?*) echo "error: $arg: unknown option (expected --skip-bench; a folder named so: -- $arg or ./$arg)" >&2
+           echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2 ;;
+    esac
+  fi
+  ARGS+=("$arg")
 done
 [ ${#ARGS[@]} -eq 1 ] || { echo "error: expected one BOARD_DIR, found ${#ARGS[@]}" >&2; echo "usage: $0 [--skip-bench] BOARD_DIR" >&2; exit 2; }
 set -- "${ARGS[@]}"
