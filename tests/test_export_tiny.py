@@ -2402,3 +2402,111 @@ def test_the_finite_logits_check_stays_within_the_models_positions(tiny_dir, tmp
     monkeypatch.setattr(verify, "_first_step_feeds", lambda path, session, ids: fed.append(ids) or feeds(path, session, ids))
     verify.verify_folder(out)
     assert fed == [[2, 0, 48, 95]]  # <bos>, then 3 ids spread over the 96 rows
+
+
+def test_a_kv_cache_step_whose_mask_is_one_position_too_long_is_refused(tiny_int8_export):
+    """The mask's boundary: past + step is the most a step may cover (the existing test skips 5
+    positions at once; one row never written is as wrong, and was accepted with a limit off by one)."""
+    from gemma_export.runtime import KVCache
+
+    decoder = OnnxDecoder(tiny_int8_export)
+    ids = _ids(batch=1, seq=8, seed=4)
+    cache = KVCache(decoder, 1, 8)
+    cache.step(ids[:, :4], np.ones((1, 4), np.int64), np.arange(4)[None])
+    with pytest.raises(GemmaExportError, match=r"^KV cache: attention_mask covers 6 positions, but the cache holds 4 "
+                                               r"and the step adds 1: at most 5$"):
+        cache.step(ids[:, 4:5], np.ones((1, 6), np.int64), np.full((1, 1), 5))
+    with pytest.raises(GemmaExportError, match=r"covers 7 positions, but the cache holds 4 and the step adds 2: at most 6$"):
+        cache.step(ids[:, 4:6], np.ones((1, 7), np.int64), np.arange(5, 7)[None])
+    assert cache.positions == 4
+    cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.full((1, 1), 4))  # exactly past + step
+    assert cache.positions == 5
+
+
+def test_a_non_finite_value_in_a_row_range_is_named_at_its_row_of_the_whole_tensor():
+    """RowView reads a table in row ranges (calibration reads the embedding one row at a time): a NaN
+    is named at its index in the tensor, not in the range (row 6 of the table, not row 1 of [5:8])."""
+    from gemma_export.checkpoint import TensorRef
+    from gemma_export.errors import NumericError
+
+    table = np.zeros((10, 4), np.float32)
+    table[6, 2] = np.nan
+    ref = TensorRef("model.embed_tokens.weight", (10, 4), "f:t", lambda: table, lambda a, b: table[a:b])
+    assert not ref.rows()[0:5].any()
+    with pytest.raises(NumericError, match=r"^f:t: tensor 'model.embed_tokens.weight' holds nan at index \(6, 2\); "):
+        ref.rows()[5:8]
+    wide = np.zeros((10, 4))  # float64 beyond float32's range: named by as_float32 at its row too
+    wide[7, 1] = 1e300
+    ref = TensorRef("lm_head.weight", (10, 4), "f:h", lambda: wide, lambda a, b: wide[a:b])
+    with pytest.raises(NumericError, match=r"holds 1e\+300 at index \(7, 1\), beyond float32's range"):
+        ref.rows()[6:9]
+
+
+def test_the_source_content_sha256_is_one_digest_over_name_and_sha256_lines(tmp_path):
+    """The manifest's source.sha256 (checked again by quality and parity against exports written
+    earlier): sha256 of the lines "<file name> <file sha256>\\n", in the files' order. A change of the
+    recipe (e.g. the names left out) would pass every other test, which compare the function with
+    itself, and make every existing export's source look changed."""
+    import hashlib
+
+    from gemma_export.checkpoint import Checkpoint
+
+    a, b = tmp_path / "config.json", tmp_path / "model.safetensors"
+    a.write_bytes(b"{}")
+    b.write_bytes(b"weights")
+    ckpt = Checkpoint(config=None, tensors={}, tokenizer=None, identity={}, path=tmp_path, files=(a, b))
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (a, b)}
+    assert ckpt.file_sha256s() == digest
+    lines = f"config.json {digest['config.json']}\nmodel.safetensors {digest['model.safetensors']}\n"
+    assert ckpt.content_sha256() == hashlib.sha256(lines.encode()).hexdigest()
+    renamed = Checkpoint(config=None, tensors={}, tokenizer=None, identity={}, path=tmp_path, files=(a, b))
+    assert renamed.content_sha256({"other.json": digest["config.json"], "model.safetensors": digest["model.safetensors"]}) \
+        != ckpt.content_sha256()  # the names count, not only the contents
+    assert Checkpoint(config=None, tensors={}, tokenizer=None, identity={}, path=tmp_path).content_sha256() is None
+
+
+def test_a_separate_lm_head_of_the_wrong_shape_is_refused_by_name(tmp_path):
+    """An untied head is checked against [vocab_size, hidden_size] like every other tensor (this
+    was not tested: with the check gone a head one row short opens without a word)."""
+    from conftest import broken_copy
+    from gemma_export.sources import open_source
+
+    src = save_tiny(make_tiny_model(seed=4, tie_word_embeddings=False), tmp_path / "untied")
+
+    def short_head(tensors):
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:95].copy()
+
+    bad = broken_copy(src, tmp_path / "bad", edit_tensors=short_head)
+    with pytest.raises(FormatError, match=r"model\.safetensors:lm_head\.weight: tensor 'lm_head\.weight' has shape \[95, 64\], "
+                                          r"expected \[96, 64\] from the config"):
+        open_source(bad)
+
+
+def test_one_weight_under_two_checkpoint_names_is_refused_not_one_picked(tiny_dir, tmp_path):
+    """model.norm.weight and language_model.model.norm.weight (a multimodal checkpoint's spelling)
+    map to the same weight: a folder holding both is refused by name, never read as whichever came last."""
+    from conftest import broken_copy
+    from gemma_export.sources import open_source
+
+    def twice(tensors):
+        tensors["language_model.model.norm.weight"] = tensors["model.norm.weight"] + 1.0
+
+    src = broken_copy(tiny_dir, tmp_path / "src", edit_tensors=twice)
+    with pytest.raises(FormatError, match=r"model\.safetensors: tensor 'model\.norm\.weight' appears twice "
+                                          r"\('(language_model\.)?model\.norm\.weight' and .*model\.safetensors:"):
+        open_source(src)
+
+
+def test_a_layer_just_past_the_configs_count_is_named_as_such(tiny_dir, tmp_path):
+    """Layer 4 of a 4-layer config (ids 0-3) is "beyond the config's layers", not a weight of an
+    unknown kind: the boundary of that message (a checkpoint with one layer more than its config)."""
+    from conftest import broken_copy
+    from gemma_export.sources import open_source
+
+    def extra_layer(tensors):
+        tensors["model.layers.4.mlp.up_proj.weight"] = tensors["model.layers.3.mlp.up_proj.weight"]
+
+    src = broken_copy(tiny_dir, tmp_path / "src", edit_tensors=extra_layer)
+    with pytest.raises(FormatError, match=r"model\.safetensors: unexpected tensor 'model\.layers\.4\.mlp\.up_proj\.weight': "
+                                          r"the config has 4 layers$"):
+        open_source(src)

@@ -114,3 +114,42 @@ def test_export_reports_truncated_gguf(tmp_path, good):
     (tmp_path / "t.gguf").write_bytes(good[:-100])
     result = CliRunner().invoke(app, ["--source", str(tmp_path / "t.gguf"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "truncated" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_tensor_that_overlaps_the_previous_one_is_refused(tmp_path):
+    """Offsets must not make two tensors share bytes, not even one: an int8 tensor of 33 bytes at
+    offset 0 and the next one moved from offset 64 to 32 (aligned, but inside the first's last byte)."""
+    path = tmp_path / "overlap.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_tensor("first", np.ones(33, np.int8))
+    w.add_tensor("second", np.ones(8, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    at = data.index(b"second") + len(b"second") + 4 + 8 + 4  # n_dims, one dim, type: then the offset
+    assert struct.unpack("<Q", data[at:at + 8])[0] == 64
+    read_gguf_header(path)  # as written: no overlap
+    _check(tmp_path, data[:at] + struct.pack("<Q", 32) + data[at + 8:],
+           "tensor 'second' at offset 32 overlaps the previous tensor")
+
+
+def test_an_alignment_that_is_no_power_of_two_is_refused(tmp_path):
+    """general.alignment must be a power of two (ggml's gguf.md); it was only tested as another value
+    type, never as a uint32 that is no power of two (gguf-py will not write one: patched in)."""
+    path = tmp_path / "a64.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_custom_alignment(64)
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = path.read_bytes()
+    at = data.index(b"general.alignment") + len(b"general.alignment")
+    assert struct.unpack("<II", data[at:at + 8]) == (4, 64)  # uint32 64
+    read_gguf_header(path)
+    for value in (48, 96):  # a tensor offset of 0 is a multiple of either: only the rule refuses them
+        _check(tmp_path, data[:at + 4] + struct.pack("<I", value) + data[at + 8:],
+               f"general.alignment {value} is not a power of two")

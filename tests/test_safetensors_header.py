@@ -59,3 +59,14 @@ def test_valid_file_and_truncations(tmp_path):
         with pytest.raises(FormatError) as info:
             read_header(cut_path)
         assert str(info.value).startswith(f"{cut_path}: ") and words in str(info.value), (cut, str(info.value))
+
+
+def test_a_header_length_a_few_bytes_past_the_end_is_named_as_such(tmp_path):
+    """The length field is checked against the bytes after it (size - 8), not the whole file: a
+    header that ends 3 bytes past the end of the file (the JSON itself complete) is "beyond the file",
+    not "data [0, 16) lies outside the -3 data bytes"."""
+    raw = json.dumps(GOOD).encode()
+    path = _write(tmp_path / "x.safetensors", raw, b"", length=len(raw) + 3)
+    with pytest.raises(FormatError, match=rf"its first 8 bytes give a header length of {len(raw) + 3:,}, beyond the file "
+                                          rf"\({len(raw) + 8:,} bytes\)"):
+        read_header(path)
