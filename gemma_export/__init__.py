@@ -18,8 +18,8 @@ its message on one line and exits with status 2. An argument of the wrong type i
 keyword (``export(): block_size must be an int, found str '32'``); a value out of range or two
 arguments that conflict are :class:`ConfigError` too, but named as the command line names them
 (``--block-size 24: must be a power of two >= 16``): the option ``--x-y`` is the keyword ``x_y``,
-``--hadamard`` is ``hadamard_size``, ``--no-calibrate`` is ``calibrate=False``, ``--asymmetric`` is ``symmetric=False`` and
-``--against transformers`` is ``against_transformers=True``.
+``--hadamard`` is ``hadamard_size``, ``--no-calibrate`` is ``calibrate=False``, ``--asymmetric``
+is ``symmetric=False`` and ``--against transformers`` is ``against_transformers=True``.
 
 Importing the package sets ``ORT_DISABLE_TELEMETRY=1`` in the process's environment when it is not
 set (onnxruntime's telemetry off), so import it before onnxruntime.

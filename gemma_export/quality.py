@@ -302,8 +302,8 @@ class LogitComparison:
 
 def compare_logits(reference: np.ndarray, logits: np.ndarray, token_ids: Sequence[int], chunk: int = CHUNK_ROWS,
                    sliding_window: int | None = GEMMA3_270M_SLIDING_WINDOW) -> QualityMetrics:
-    """Compare two teacher-forced logit matrices ``[T, V]`` (any float dtype, as float32) on the same ``token_ids`` (length T);
-    ``sliding_window`` as in :class:`LogitComparison`.
+    """Compare two teacher-forced logit matrices ``[T, V]`` (any float dtype, as float32) on the
+    same ``token_ids`` (length T); ``sliding_window`` as in :class:`LogitComparison`.
 
     Args:
         reference, logits: ``[T, V]`` numpy arrays of any float dtype (float16, bfloat16, float64:

@@ -51,10 +51,11 @@ def inverse_cholesky(hessian: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndar
     A channel no calibration token used (zero diagonal; ``≤ 0``, as rounding can leave it, counts
     as zero) gets a unit diagonal, so its weights are rounded to nearest and receive no error from
     the others. ``H`` is taken as given (a ``Xᵀ X`` is symmetric; one that is not is not refused,
-    its inverse is made symmetric, ``(A + Aᵀ) / 2``, before the factorization). Damping and the Cholesky factor of the
-    inverse follow the reference implementation of GPTQ (Frantar et al. 2022, arXiv:2210.17323,
-    ``gptq.py``'s ``fasterquant``), ``λ`` taken after the dead channels' diagonal is set to 1 as
-    there; unlike there, a dead channel's weights are kept (the reference zeroes them).
+    its inverse is made symmetric, ``(A + Aᵀ) / 2``, before the factorization). Damping and the
+    Cholesky factor of the inverse follow the reference implementation of GPTQ (Frantar et al.
+    2022, arXiv:2210.17323, ``gptq.py``'s ``fasterquant``), ``λ`` taken after the dead channels'
+    diagonal is set to 1 as there; unlike there, a dead channel's weights are kept (the reference
+    zeroes them).
 
     Args:
         hessian: ``[K, K]``, ``Xᵀ X`` of the calibration inputs, any float dtype (computed in
