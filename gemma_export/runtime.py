@@ -1702,9 +1702,10 @@ class TextStream:
         """
         if not _is_integer(token_id) or operator.index(token_id) < 0:
             raise ConfigError(f"TextStream.add: token_id must be an integer >= 0, found {token_id!r}")
-        if operator.index(token_id) >= TOKENIZER_ID_LIMIT:
+        token_id = operator.index(token_id)
+        if token_id >= TOKENIZER_ID_LIMIT:
             return
-        self._ids.append(operator.index(token_id))
+        self._ids.append(token_id)
         after = self._decode(self._prefix, None)
         if after == self._decode(self._prefix, -1):  # an id that adds nothing (a skipped special token),
             del self._ids[-1]  # also between a character's bytes: not kept, and not counted against them

@@ -37,7 +37,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import as_hessian, gptq_codes
-from .rows import as_weight, block_count, check_layout, check_real, is_integer, row_chunks
+from .rows import as_weight, block_count, block_rows, check_layout, check_real, is_integer, row_chunks
 from .scales import SCALE_METHODS, Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 8
@@ -206,11 +206,7 @@ class BlockInt4Weights:
     def __post_init__(self) -> None:
         """Raises ValueError unless the fields have the layout above (:func:`quant.rows.check_layout`;
         unpacked zero points, one byte a block, dequantized to other values without a word)."""
-        if not (isinstance(self.data, np.ndarray) and self.data.ndim == 3):
-            raise ValueError("BlockInt4Weights: data must be a uint8 array [N, K // block_size, block_size // 2], found "
-                             + (f"{self.data.dtype} {list(self.data.shape)}" if isinstance(self.data, np.ndarray)
-                                else type(self.data).__name__))
-        n, nb = self.data.shape[:2]
+        n, nb = block_rows("BlockInt4Weights", self.data, "[N, K // block_size, block_size // 2]")
         half = self.block_size // 2 if is_integer(self.block_size) else 0
         arrays = {"data": (self.data, np.uint8, (n, nb, half)), "scales": (self.scales, np.float32, (n, nb))}
         if self.zero_points is not None:

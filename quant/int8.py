@@ -23,7 +23,7 @@ import dataclasses
 import numpy as np
 
 from .gptq import gptq_codes
-from .rows import as_weight, block_count, check_layout, row_chunks
+from .rows import as_weight, block_count, block_rows, check_layout, row_chunks
 from .scales import Float16RangeError, check_scale_dtype, on_float16_grid
 
 ZERO_POINT = 128
@@ -53,13 +53,9 @@ class BlockInt8Weights:
 
     def __post_init__(self) -> None:
         """Raises ValueError unless the fields have the layout above (:func:`quant.rows.check_layout`)."""
-        if not (isinstance(self.data, np.ndarray) and self.data.ndim == 3):
-            raise ValueError("BlockInt8Weights: data must be a uint8 array [N, K // block_size, block_size], found "
-                             + (f"{self.data.dtype} {list(self.data.shape)}" if isinstance(self.data, np.ndarray)
-                                else type(self.data).__name__))
-        shape = self.data.shape
-        check_layout("BlockInt8Weights", {"data": (self.data, np.uint8, shape[:2] + (self.block_size,)),
-                                          "scales": (self.scales, np.float32, shape[:2])}, self.block_size)
+        n, nb = block_rows("BlockInt8Weights", self.data, "[N, K // block_size, block_size]")
+        check_layout("BlockInt8Weights", {"data": (self.data, np.uint8, (n, nb, self.block_size)),
+                                          "scales": (self.scales, np.float32, (n, nb))}, self.block_size)
 
     @classmethod
     def quantize(cls, w: np.ndarray, block_size: int, hessian=None, scale_dtype: str = "float32") -> "BlockInt8Weights":

@@ -102,6 +102,24 @@ def row_chunks(w, rows_per_chunk: int) -> Iterator[tuple[int, np.ndarray]]:
         yield start, float_rows(w, start, rows_per_chunk)
 
 
+def _described(value) -> str:
+    """``"uint8 [4, 2, 32]"`` for an array, the type's name for anything else."""
+    return f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__
+
+
+def block_rows(kind: str, data, layout: str) -> tuple[int, int]:
+    """``(N, K // block_size)`` of the ``data`` field of a block-quantized weight built by hand, which
+    must be a 3-D array (``layout`` names its axes in the message).
+
+    Raises:
+        ValueError: ``"BlockInt8Weights: data must be a uint8 array [N, K // block_size, block_size],
+            found list"``.
+    """
+    if not (isinstance(data, np.ndarray) and data.ndim == 3):
+        raise ValueError(f"{kind}: data must be a uint8 array {layout}, found {_described(data)}")
+    return data.shape[0], data.shape[1]
+
+
 def check_layout(kind: str, arrays: dict[str, tuple[object, object, tuple[int, ...]]], block_size) -> None:
     """Check the fields of a block-quantized weight built by hand: each of ``arrays`` (``name ->
     (value, dtype, shape)``) must be a numpy array of that dtype and shape; ``block_size`` an
@@ -115,5 +133,4 @@ def check_layout(kind: str, arrays: dict[str, tuple[object, object, tuple[int, .
         raise ValueError(f"{kind}: block_size must be an integer > 0, found {block_size!r}")
     for name, (value, dtype, shape) in arrays.items():
         if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape:
-            found = (f"{value.dtype} {list(value.shape)}" if isinstance(value, np.ndarray) else type(value).__name__)
-            raise ValueError(f"{kind}: {name} must be {np.dtype(dtype)} {list(shape)}, found {found}")
+            raise ValueError(f"{kind}: {name} must be {np.dtype(dtype)} {list(shape)}, found {_described(value)}")

@@ -564,6 +564,12 @@ def test_a_kv_cache_step_whose_mask_skips_positions_is_refused(tiny_dir, tmp_pat
     with pytest.raises(GemmaExportError, match=r"^KV cache: attention_mask covers 10 positions, but the cache holds 4 "
                                                r"and the step adds 1: at most 5$"):
         cache.step(ids[:, 4:5], np.ones((1, 10), np.int64), np.full((1, 1), 9))
+    # one position too many is as wrong (a mutation: a limit off by one passed the case above)
+    with pytest.raises(GemmaExportError, match=r"^KV cache: attention_mask covers 6 positions, but the cache holds 4 "
+                                               r"and the step adds 1: at most 5$"):
+        cache.step(ids[:, 4:5], np.ones((1, 6), np.int64), np.full((1, 1), 5))
+    with pytest.raises(GemmaExportError, match=r"covers 7 positions, but the cache holds 4 and the step adds 2: at most 6$"):
+        cache.step(ids[:, 4:6], np.ones((1, 7), np.int64), np.arange(5, 7)[None])
     with pytest.raises(GemmaExportError, match=r"^KV cache: expected input_ids and position_ids \[1, S\] and "
                                                r"attention_mask \[1, past \+ S\], found \[1, 1\], \[1, 2\] and \[1, 5\]$"):
         cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.arange(4, 6)[None])
@@ -2403,24 +2409,6 @@ def test_the_finite_logits_check_stays_within_the_models_positions(tiny_dir, tmp
     verify.verify_folder(out)
     assert fed == [[2, 0, 48, 95]]  # <bos>, then 3 ids spread over the 96 rows
 
-
-def test_a_kv_cache_step_whose_mask_is_one_position_too_long_is_refused(tiny_int8_export):
-    """The mask's boundary: past + step is the most a step may cover (the existing test skips 5
-    positions at once; one row never written is as wrong, and was accepted with a limit off by one)."""
-    from gemma_export.runtime import KVCache
-
-    decoder = OnnxDecoder(tiny_int8_export)
-    ids = _ids(batch=1, seq=8, seed=4)
-    cache = KVCache(decoder, 1, 8)
-    cache.step(ids[:, :4], np.ones((1, 4), np.int64), np.arange(4)[None])
-    with pytest.raises(GemmaExportError, match=r"^KV cache: attention_mask covers 6 positions, but the cache holds 4 "
-                                               r"and the step adds 1: at most 5$"):
-        cache.step(ids[:, 4:5], np.ones((1, 6), np.int64), np.full((1, 1), 5))
-    with pytest.raises(GemmaExportError, match=r"covers 7 positions, but the cache holds 4 and the step adds 2: at most 6$"):
-        cache.step(ids[:, 4:6], np.ones((1, 7), np.int64), np.arange(5, 7)[None])
-    assert cache.positions == 4
-    cache.step(ids[:, 4:5], np.ones((1, 5), np.int64), np.full((1, 1), 4))  # exactly past + step
-    assert cache.positions == 5
 
 
 def test_a_non_finite_value_in_a_row_range_is_named_at_its_row_of_the_whole_tensor():

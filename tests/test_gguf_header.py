@@ -13,20 +13,28 @@ from gemma_export.errors import FormatError
 from gemma_export.sources.gguf_header import read_gguf_header
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "good.gguf"
+def _written(path, add) -> bytes:
+    """The bytes of a GGUF file gguf-py writes at ``path`` after ``add(writer)`` adds its fields."""
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_uint32("gemma3.block_count", 1)
-    w.add_token_list(["<pad>", "<eos>", "a", "b"])
-    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
-    q = gguf.quants.quantize(np.ones((8, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
-    w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    add(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path.read_bytes()
+
+
+def _good_fields(w) -> None:
+    w.add_uint32("gemma3.block_count", 1)
+    w.add_token_list(["<pad>", "<eos>", "a", "b"])
+    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
+    q = gguf.quants.quantize(np.ones((8, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("blk.0.attn_q.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return _written(tmp_path_factory.mktemp("gguf") / "good.gguf", _good_fields)
 
 
 def _check(tmp_path, data: bytes, words: str):
@@ -54,17 +62,13 @@ def test_good_file_is_read_as_gguf_py_reads_it(tmp_path, good):
 
 def test_duplicated_names(tmp_path):
     """gguf-py refuses a tensor name or a metadata key that appears twice; so does the walk, by name."""
-    path = tmp_path / "dup.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_uint32("dup.key.one", 1)
-    w.add_uint32("dup.key.two", 2)
-    w.add_tensor("dup.tensor.one", np.ones((2, 32), np.float32))
-    w.add_tensor("dup.tensor.two", np.ones((2, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    data = path.read_bytes()
+    def add(w):
+        w.add_uint32("dup.key.one", 1)
+        w.add_uint32("dup.key.two", 2)
+        w.add_tensor("dup.tensor.one", np.ones((2, 32), np.float32))
+        w.add_tensor("dup.tensor.two", np.ones((2, 32), np.float32))
+
+    data = _written(tmp_path / "dup.gguf", add)
     assert data.count(b"dup.key.two") == 1 and data.count(b"dup.tensor.two") == 1
     _check(tmp_path, data.replace(b"dup.key.two", b"dup.key.one"), "metadata key 'dup.key.one' appears twice")
     _check(tmp_path, data.replace(b"dup.tensor.two", b"dup.tensor.one"), "tensor 'dup.tensor.one' appears twice")
@@ -120,14 +124,8 @@ def test_a_tensor_that_overlaps_the_previous_one_is_refused(tmp_path):
     """Offsets must not make two tensors share bytes, not even one: an int8 tensor of 33 bytes at
     offset 0 and the next one moved from offset 64 to 32 (aligned, but inside the first's last byte)."""
     path = tmp_path / "overlap.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_tensor("first", np.ones(33, np.int8))
-    w.add_tensor("second", np.ones(8, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    data = path.read_bytes()
+    data = _written(path, lambda w: (w.add_tensor("first", np.ones(33, np.int8)),
+                                     w.add_tensor("second", np.ones(8, np.float32))))
     at = data.index(b"second") + len(b"second") + 4 + 8 + 4  # n_dims, one dim, type: then the offset
     assert struct.unpack("<Q", data[at:at + 8])[0] == 64
     read_gguf_header(path)  # as written: no overlap
@@ -139,14 +137,7 @@ def test_an_alignment_that_is_no_power_of_two_is_refused(tmp_path):
     """general.alignment must be a power of two (ggml's gguf.md); it was only tested as another value
     type, never as a uint32 that is no power of two (gguf-py will not write one: patched in)."""
     path = tmp_path / "a64.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_custom_alignment(64)
-    w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    data = path.read_bytes()
+    data = _written(path, lambda w: (w.add_custom_alignment(64), w.add_tensor("token_embd.weight", np.ones((4, 32), np.float32))))
     at = data.index(b"general.alignment") + len(b"general.alignment")
     assert struct.unpack("<II", data[at:at + 8]) == (4, 64)  # uint32 64
     read_gguf_header(path)
